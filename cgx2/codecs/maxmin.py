@@ -1,0 +1,172 @@
+"""Max-min (CGX/QSGD) codec, plain-torch reference: it defines the exact bytes.
+
+Per bucket of B values (computed in fp32): ``min``, ``max``, ``step = (max - min) / L`` with
+``L = 2**bits - 1``, ``scale = L / (max - min)`` (0 when max == min). A value v gets level
+``floor((v - min) * scale + r)`` clamped to [0, L], with r from :mod:`.philox`; it decodes to
+``min + step * level``. Each operation is one IEEE fp32 operation (no fused multiply-add), so
+the Triton kernels reproduce the bytes exactly. A bucket holding NaN or +-Inf stores
+min = step = NaN and decodes to NaN: non-finite input is never clipped into finite numbers.
+The byte layout is in :mod:`.layout`. Runs on any device; used on the CPU and in tests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layout import ChunkedLayout, MaxMinLayout
+from .packing import pack_levels, unpack_levels
+from .philox import bucket_uniforms
+
+__all__ = ["decode", "decode_chunks", "decode_sum_encode", "encode", "encode_chunks"]
+
+
+def _new_payload(nbytes: int, device: torch.device, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < nbytes:
+        raise ValueError(f"out must be a 1-D uint8 tensor of at least {nbytes} bytes")
+    return out
+
+
+def _bucket_rows(v: torch.Tensor, layout: MaxMinLayout) -> tuple[torch.Tensor, int]:
+    """``[nq, B]`` view of the quantized part; an incomplete last bucket is padded with its own
+    first value, which leaves its min and max unchanged. Returns rows and the valid count."""
+    nq, bsz = layout.num_buckets, layout.bucket_size
+    covered = min(layout.numel, nq * bsz)
+    if covered == nq * bsz:
+        return v[:covered].view(nq, bsz), covered
+    rows = torch.empty(nq * bsz, dtype=v.dtype, device=v.device)
+    rows[:covered] = v[:covered]
+    rows[covered:] = v[(nq - 1) * bsz]
+    return rows.view(nq, bsz), covered
+
+
+def encode(
+    x: torch.Tensor,
+    bits: int,
+    bucket_size: int,
+    key: int,
+    stream: int = 0,
+    skip_incomplete: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Quantize flat ``x`` (any float dtype) into a uint8 payload (see :mod:`.layout`)."""
+    v = x.reshape(-1).to(torch.float32)
+    layout = MaxMinLayout(v.numel(), bits, bucket_size, skip_incomplete)
+    payload = _new_payload(layout.nbytes, v.device, out)
+    nq, levels_at = layout.num_buckets, layout.levels_offset
+    if layout.raw_numel:
+        raw = v[nq * bucket_size :]
+        payload[layout.raw_offset : layout.raw_offset + 4 * raw.numel()] = raw.view(torch.uint8)
+    if nq == 0:
+        return payload
+    rows, covered = _bucket_rows(v, layout)
+    lmax = float((1 << bits) - 1)
+    lo = rows.amin(dim=1)
+    hi = rows.amax(dim=1)
+    finite = torch.isfinite(rows).all(dim=1)
+    span = hi - lo
+    step = torch.where(finite, span / lmax, float("nan"))
+    lo = torch.where(finite, lo, float("nan"))
+    scale = torch.where(finite & (span > 0), torch.full_like(span, lmax) / span, 0.0)
+    r = bucket_uniforms(key, nq, bucket_size, stream, v.device)
+    level = torch.floor((rows - lo[:, None]) * scale[:, None] + r)
+    level = torch.where(level > lmax, lmax, level)
+    level = torch.where(level >= 0, level, 0.0)  # also maps NaN to 0
+    level = torch.where(finite[:, None], level, 0.0).to(torch.int64)
+    if covered < nq * bucket_size:
+        level.view(-1)[covered:] = 0
+    payload[: 8 * nq] = torch.stack([lo, step], dim=1).reshape(-1).view(torch.uint8)
+    nbytes = layout.levels_nbytes
+    payload[levels_at : levels_at + nbytes] = pack_levels(level, bits).reshape(-1)[:nbytes]
+    return payload
+
+
+def _decode_f32(payload: torch.Tensor, layout: MaxMinLayout) -> torch.Tensor:
+    nq, bsz = layout.num_buckets, layout.bucket_size
+    out = torch.empty(layout.numel, dtype=torch.float32, device=payload.device)
+    if layout.raw_numel:
+        raw = payload[layout.raw_offset : layout.raw_offset + 4 * layout.raw_numel]
+        out[nq * bsz :] = raw.view(torch.float32)
+    if nq == 0:
+        return out
+    meta = payload[: 8 * nq].view(torch.float32).view(nq, 2)
+    levels_at = layout.levels_offset
+    packed = torch.zeros(nq * layout.bucket_stride, dtype=torch.uint8, device=payload.device)
+    packed[: layout.levels_nbytes] = payload[levels_at : levels_at + layout.levels_nbytes]
+    level = unpack_levels(packed.view(nq, -1), layout.bits, bsz).to(torch.float32)
+    values = meta[:, :1] + meta[:, 1:] * level
+    covered = min(layout.numel, nq * bsz)
+    out[:covered] = values.reshape(-1)[:covered]
+    return out
+
+
+def decode(
+    payload: torch.Tensor,
+    numel: int,
+    bits: int,
+    bucket_size: int,
+    dtype: torch.dtype = torch.float32,
+    skip_incomplete: bool = False,
+) -> torch.Tensor:
+    """Inverse of :func:`encode`: a flat tensor of ``numel`` values in ``dtype``."""
+    layout = MaxMinLayout(numel, bits, bucket_size, skip_incomplete)
+    return _decode_f32(payload, layout).to(dtype)
+
+
+def decode_sum_encode(
+    payloads: torch.Tensor,
+    numel: int,
+    own: torch.Tensor | None,
+    own_index: int,
+    scale: float | None,
+    bits: int,
+    bucket_size: int,
+    key: int,
+    stream: int = 0,
+    skip_incomplete: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Encode ``(own + sum of the other rows' decodings) * scale``, summed in fp32 in row order.
+
+    ``payloads`` is ``[K, P]``; row ``own_index`` is not decoded (``own`` stands for it in full
+    precision). ``scale`` None means 1 (SUM); AVG passes fp32(1/W).
+    """
+    layout = MaxMinLayout(numel, bits, bucket_size, skip_incomplete)
+    acc = (
+        own.reshape(-1).to(torch.float32).clone()
+        if own is not None
+        else torch.zeros(numel, dtype=torch.float32, device=payloads.device)
+    )
+    for w in range(payloads.shape[0]):
+        if w != own_index:
+            acc = acc + _decode_f32(payloads[w], layout)
+    if scale is not None:
+        acc = acc * torch.tensor(scale, dtype=torch.float32, device=acc.device)
+    return encode(acc, bits, bucket_size, key, stream, skip_incomplete, out)
+
+
+def encode_chunks(
+    x: torch.Tensor, layout: ChunkedLayout, key: int, skip_chunk: int = -1
+) -> torch.Tensor:
+    """Encode each chunk of flat ``x`` into row j of ``[K, P]`` with stream j; row
+    ``skip_chunk`` is left zero (its owner keeps that chunk in full precision)."""
+    flat = x.reshape(-1)
+    rows = torch.zeros(layout.num_chunks, layout.payload_nbytes, dtype=torch.uint8, device=x.device)
+    for j in range(layout.num_chunks):
+        if j != skip_chunk and layout.chunk_size(j):
+            start = layout.chunk_start(j)
+            chunk = flat[start : start + layout.chunk_size(j)]
+            encode(chunk, layout.bits, layout.bucket_size, key, j, layout.skip_incomplete, rows[j])
+    return rows
+
+
+def decode_chunks(payloads: torch.Tensor, layout: ChunkedLayout, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of :func:`encode_chunks`: the flat tensor of ``layout.numel`` values."""
+    out = torch.empty(layout.numel, dtype=dtype, device=payloads.device)
+    for j in range(layout.num_chunks):
+        size = layout.chunk_size(j)
+        if size:
+            start = layout.chunk_start(j)
+            out[start : start + size] = _decode_f32(payloads[j], layout.chunk(j)).to(dtype)
+    return out

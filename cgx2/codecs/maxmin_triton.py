@@ -1,0 +1,443 @@
+"""Max-min codec as Triton kernels: encode, decode and fused decode-sum-encode.
+
+They write the same bytes as the torch reference (:mod:`.maxmin`) and take the same
+arguments. Each program handles a tile of ``BUCKETS`` buckets x ``BLOCK`` values; buckets wider
+than ``BLOCK`` are walked in tiles (statistics first, then levels). Random numbers come from
+Philox computed in-kernel, one call per four values. Runs on CUDA, or on the CPU under
+``TRITON_INTERPRET=1`` (tests).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .layout import ChunkedLayout, MaxMinLayout
+
+__all__ = ["decode", "decode_chunks", "decode_sum_encode", "encode", "encode_chunks"]
+
+_TILE = 2048  # values per program: BUCKETS * BLOCK
+_MAX_BLOCK = 1024
+# Fused multiply-adds would round differently from the reference's separate operations.
+_LAUNCH = {"enable_fp_fusion": False}
+
+
+@triton.jit
+def _philox(c0, c1, c2, c3, k0, k1):
+    """Philox4x32-10 on uint32 tensors; same rounds and constants as the reference."""
+    for _ in tl.static_range(10):
+        a = c0
+        b = c2
+        c0 = tl.umulhi(b, 0xCD9E8D57) ^ c1 ^ k0
+        c2 = tl.umulhi(a, 0xD2511F53) ^ c3 ^ k1
+        c1 = b * 0xCD9E8D57
+        c3 = a * 0xD2511F53
+        k0 = k0 + 0x9E3779B9
+        k1 = k1 + 0xBB67AE85
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _uniforms(k0, k1, q, stream, c, BUCKETS: tl.constexpr, BLOCK: tl.constexpr):
+    """[BUCKETS, BLOCK] floats in [0, 1) for values c..c+BLOCK of buckets q (c % 4 == 0)."""
+    G: tl.constexpr = BLOCK // 4
+    zero = tl.zeros((BUCKETS, G), dtype=tl.uint32)
+    c0 = zero + (c // 4 + tl.arange(0, G)).to(tl.uint32)[None, :]
+    c1 = zero + (q & 0xFFFFFFFF).to(tl.uint32)[:, None]
+    c2 = zero + (q >> 32).to(tl.uint32)[:, None]
+    c3 = zero + stream.to(tl.uint32)
+    r0, r1, r2, r3 = _philox(c0, c1, c2, c3, k0, k1)
+    words = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (BUCKETS, BLOCK))
+    return (words >> 8).to(tl.float32) * (1.0 / 16777216.0)
+
+
+@triton.jit
+def _geometry(j, numel, chunk_numel, B: tl.constexpr, SKIP_INCOMPLETE: tl.constexpr):
+    """Chunk j's first element, quantized buckets, quantized values and levels offset."""
+    start = j.to(tl.int64) * chunk_numel
+    size = tl.minimum(tl.maximum(numel - start, 0), chunk_numel)
+    if SKIP_INCOMPLETE:
+        nq = size // B
+        raw = size - nq * B
+    else:
+        nq = (size + B - 1) // B
+        raw = size * 0
+    levels_at = (8 * nq + 4 * raw + 15) // 16 * 16
+    return start, nq, tl.minimum(size, nq * B), levels_at
+
+
+@triton.jit
+def _tile(q, qmask, quant, c, B: tl.constexpr, BLOCK: tl.constexpr):
+    """Element indices (within the chunk) of a tile and which of them hold data."""
+    col = c + tl.arange(0, BLOCK)
+    e = q[:, None] * B + col[None, :]
+    return e, qmask[:, None] & (col[None, :] < B) & (e < quant)
+
+
+@triton.jit
+def _byte_grid(q, qmask, quant, c, BITS: tl.constexpr, B: tl.constexpr, BLOCK: tl.constexpr):
+    """Byte offsets [BUCKETS, BLOCK//8, 8] of a tile's packed groups (slot k < BITS used)."""
+    S: tl.constexpr = (B + 7) // 8 * BITS
+    g = c // 8 + tl.arange(0, BLOCK // 8)
+    k = tl.arange(0, 8)
+    off = q[:, None, None] * S + g[None, :, None] * BITS + k[None, None, :]
+    first = q[:, None, None] * B + g[None, :, None] * 8
+    mask = (
+        qmask[:, None, None]
+        & (g[None, :, None] * 8 < B)
+        & (first < quant)
+        & (k[None, None, :] < BITS)
+    )
+    return off, mask
+
+
+@triton.jit
+def _pack_store(ptr, level, q, qmask, quant, c, BITS: tl.constexpr, B: tl.constexpr,
+                BUCKETS: tl.constexpr, BLOCK: tl.constexpr):
+    k = tl.arange(0, 8).to(tl.int64)
+    grouped = tl.reshape(level.to(tl.int64), (BUCKETS, BLOCK // 8, 8))
+    word = tl.sum(grouped << (k * BITS)[None, None, :], axis=2)
+    byte = (word[:, :, None] >> (k * 8)[None, None, :]) & 0xFF
+    off, mask = _byte_grid(q, qmask, quant, c, BITS, B, BLOCK)
+    tl.store(ptr + off, byte.to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _unpack_load(ptr, q, qmask, quant, c, BITS: tl.constexpr, B: tl.constexpr,
+                 BUCKETS: tl.constexpr, BLOCK: tl.constexpr):
+    k = tl.arange(0, 8).to(tl.int64)
+    off, mask = _byte_grid(q, qmask, quant, c, BITS, B, BLOCK)
+    byte = tl.load(ptr + off, mask=mask, other=0).to(tl.int64)
+    word = tl.sum(byte << (k * 8)[None, None, :], axis=2)
+    level = (word[:, :, None] >> (k * BITS)[None, None, :]) & ((1 << BITS) - 1)
+    return tl.reshape(level, (BUCKETS, BLOCK)).to(tl.float32)
+
+
+@triton.jit
+def _to_bf16(v):
+    """fp32 -> bf16 rounding to nearest even, NaN -> 0x7FC0, exactly as torch does (the
+    interpreter's own cast truncates)."""
+    bits = v.to(tl.uint32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    half = tl.where(v != v, 0x7FC0, rounded).to(tl.uint16)
+    return half.to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _stats(v, valid):
+    lo = tl.min(tl.where(valid, v, float("inf")), axis=1)
+    hi = tl.max(tl.where(valid, v, float("-inf")), axis=1)
+    bad = tl.max(tl.where(valid & ((v != v) | (tl.abs(v) == float("inf"))), 1, 0), axis=1)
+    return lo, hi, bad
+
+
+@triton.jit
+def _params(lo, hi, bad, BITS: tl.constexpr):
+    lmax = tl.full(lo.shape, (1 << BITS) - 1, tl.float32)
+    finite = bad == 0
+    span = hi - lo
+    step = tl.where(finite, tl.math.div_rn(span, lmax), float("nan"))
+    scale = tl.where(finite & (span > 0), tl.math.div_rn(lmax, span), 0.0)
+    return tl.where(finite, lo, float("nan")), step, scale, finite
+
+
+@triton.jit
+def _quantize_store(ptr, v, valid, lo, scale, finite, q, qmask, quant, c, stream, k0, k1,
+                    BITS: tl.constexpr, B: tl.constexpr, BUCKETS: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    lmax: tl.constexpr = (1 << BITS) - 1
+    r = _uniforms(k0, k1, q, stream, c, BUCKETS, BLOCK)
+    level = tl.floor((v - lo[:, None]) * scale[:, None] + r)
+    level = tl.where(level > lmax, lmax, level)
+    level = tl.where(level >= 0.0, level, 0.0)
+    level = tl.where(valid & finite[:, None], level, 0.0)
+    _pack_store(ptr, level, q, qmask, quant, c, BITS, B, BUCKETS, BLOCK)
+
+
+@triton.jit
+def _store_meta(meta_ptr, q, qmask, lo, step):
+    tl.store(meta_ptr + 2 * q, lo, mask=qmask)
+    tl.store(meta_ptr + 2 * q + 1, step, mask=qmask)
+
+
+@triton.jit(do_not_specialize=["numel", "chunk_numel", "k0", "k1", "stream0", "skip_chunk"])
+def _encode_kernel(x_ptr, out_u8, out_f32, numel, chunk_numel, row_nbytes, k0, k1, stream0,
+                   skip_chunk, BITS: tl.constexpr, B: tl.constexpr,
+                   SKIP_INCOMPLETE: tl.constexpr, BUCKETS: tl.constexpr, BLOCK: tl.constexpr):
+    j = tl.program_id(1)
+    start, nq, quant, levels_at = _geometry(j, numel, chunk_numel, B, SKIP_INCOMPLETE)
+    nq = tl.where(j == skip_chunk, 0, nq)
+    q = tl.program_id(0).to(tl.int64) * BUCKETS + tl.arange(0, BUCKETS)
+    qmask = q < nq
+    row = j.to(tl.int64) * row_nbytes
+    key0 = k0.to(tl.uint32)
+    key1 = k1.to(tl.uint32)
+    stream = stream0 + j
+    x_ptr += start
+    lev_ptr = out_u8 + row + levels_at
+    NUM_TILES: tl.constexpr = (B + BLOCK - 1) // BLOCK
+    if NUM_TILES == 1:
+        e, valid = _tile(q, qmask, quant, 0, B, BLOCK)
+        v = tl.load(x_ptr + e, mask=valid, other=0.0).to(tl.float32)
+        lo, hi, bad = _stats(v, valid)
+        lo, step, scale, finite = _params(lo, hi, bad, BITS)
+        _quantize_store(lev_ptr, v, valid, lo, scale, finite, q, qmask, quant, 0, stream, key0,
+                        key1, BITS, B, BUCKETS, BLOCK)
+    else:
+        lo = tl.full((BUCKETS,), float("inf"), tl.float32)
+        hi = tl.full((BUCKETS,), float("-inf"), tl.float32)
+        bad = tl.zeros((BUCKETS,), tl.int32)
+        for t in range(NUM_TILES):
+            e, valid = _tile(q, qmask, quant, t * BLOCK, B, BLOCK)
+            v = tl.load(x_ptr + e, mask=valid, other=0.0).to(tl.float32)
+            t_lo, t_hi, t_bad = _stats(v, valid)
+            lo = tl.minimum(lo, t_lo)
+            hi = tl.maximum(hi, t_hi)
+            bad = tl.maximum(bad, t_bad)
+        lo, step, scale, finite = _params(lo, hi, bad, BITS)
+        for t in range(NUM_TILES):
+            e, valid = _tile(q, qmask, quant, t * BLOCK, B, BLOCK)
+            v = tl.load(x_ptr + e, mask=valid, other=0.0).to(tl.float32)
+            _quantize_store(lev_ptr, v, valid, lo, scale, finite, q, qmask, quant, t * BLOCK,
+                            stream, key0, key1, BITS, B, BUCKETS, BLOCK)
+    _store_meta(out_f32 + row // 4, q, qmask, lo, step)
+
+
+@triton.jit(do_not_specialize=["numel", "chunk_numel"])
+def _decode_kernel(in_u8, in_f32, out_ptr, numel, chunk_numel, row_nbytes, BITS: tl.constexpr,
+                   B: tl.constexpr, SKIP_INCOMPLETE: tl.constexpr, OUT_BF16: tl.constexpr,
+                   BUCKETS: tl.constexpr, BLOCK: tl.constexpr):
+    j = tl.program_id(1)
+    start, nq, quant, levels_at = _geometry(j, numel, chunk_numel, B, SKIP_INCOMPLETE)
+    q = tl.program_id(0).to(tl.int64) * BUCKETS + tl.arange(0, BUCKETS)
+    qmask = q < nq
+    row = j.to(tl.int64) * row_nbytes
+    lo = tl.load(in_f32 + row // 4 + 2 * q, mask=qmask, other=0.0)
+    step = tl.load(in_f32 + row // 4 + 2 * q + 1, mask=qmask, other=0.0)
+    NUM_TILES: tl.constexpr = (B + BLOCK - 1) // BLOCK
+    for t in tl.static_range(NUM_TILES):
+        level = _unpack_load(in_u8 + row + levels_at, q, qmask, quant, t * BLOCK, BITS, B,
+                             BUCKETS, BLOCK)
+        e, valid = _tile(q, qmask, quant, t * BLOCK, B, BLOCK)
+        value = lo[:, None] + step[:, None] * level
+        if OUT_BF16:
+            value = _to_bf16(value)
+        tl.store(out_ptr + start + e, value.to(out_ptr.dtype.element_ty), mask=valid)
+
+
+@triton.jit
+def _sum_tile(in_u8, in_f32, own_ptr, row_nbytes, num_rows, own_index, scale, q, qmask, quant,
+              levels_at, c, BITS: tl.constexpr, B: tl.constexpr, HAS_OWN: tl.constexpr,
+              HAS_SCALE: tl.constexpr, BUCKETS: tl.constexpr, BLOCK: tl.constexpr):
+    """(own + sum of decoded rows, in row order) * scale for one tile, in fp32."""
+    e, valid = _tile(q, qmask, quant, c, B, BLOCK)
+    if HAS_OWN:
+        acc = tl.load(own_ptr + e, mask=valid, other=0.0).to(tl.float32)
+    else:
+        acc = tl.zeros((BUCKETS, BLOCK), tl.float32)
+    for w in range(num_rows):
+        if w != own_index:
+            row = row_nbytes.to(tl.int64) * w
+            lo = tl.load(in_f32 + row // 4 + 2 * q, mask=qmask, other=0.0)
+            step = tl.load(in_f32 + row // 4 + 2 * q + 1, mask=qmask, other=0.0)
+            level = _unpack_load(in_u8 + row + levels_at, q, qmask, quant, c, BITS, B, BUCKETS,
+                                 BLOCK)
+            acc = acc + (lo[:, None] + step[:, None] * level)
+    if HAS_SCALE:
+        acc = acc * scale
+    return acc, valid
+
+
+@triton.jit(do_not_specialize=["numel", "num_rows", "own_index", "k0", "k1", "stream"])
+def _decode_sum_encode_kernel(in_u8, in_f32, own_ptr, out_u8, out_f32, numel, row_nbytes,
+                              num_rows, own_index, scale, k0, k1, stream, BITS: tl.constexpr,
+                              B: tl.constexpr, SKIP_INCOMPLETE: tl.constexpr,
+                              HAS_OWN: tl.constexpr, HAS_SCALE: tl.constexpr,
+                              BUCKETS: tl.constexpr, BLOCK: tl.constexpr):
+    _, nq, quant, levels_at = _geometry(tl.program_id(1), numel, numel, B, SKIP_INCOMPLETE)
+    q = tl.program_id(0).to(tl.int64) * BUCKETS + tl.arange(0, BUCKETS)
+    qmask = q < nq
+    key0 = k0.to(tl.uint32)
+    key1 = k1.to(tl.uint32)
+    lev_ptr = out_u8 + levels_at
+    NUM_TILES: tl.constexpr = (B + BLOCK - 1) // BLOCK
+    if NUM_TILES == 1:
+        v, valid = _sum_tile(in_u8, in_f32, own_ptr, row_nbytes, num_rows, own_index, scale, q,
+                             qmask, quant, levels_at, 0, BITS, B, HAS_OWN, HAS_SCALE, BUCKETS,
+                             BLOCK)
+        lo, hi, bad = _stats(v, valid)
+        lo, step, scale_q, finite = _params(lo, hi, bad, BITS)
+        _quantize_store(lev_ptr, v, valid, lo, scale_q, finite, q, qmask, quant, 0, stream, key0,
+                        key1, BITS, B, BUCKETS, BLOCK)
+    else:
+        lo = tl.full((BUCKETS,), float("inf"), tl.float32)
+        hi = tl.full((BUCKETS,), float("-inf"), tl.float32)
+        bad = tl.zeros((BUCKETS,), tl.int32)
+        for t in range(NUM_TILES):
+            v, valid = _sum_tile(in_u8, in_f32, own_ptr, row_nbytes, num_rows, own_index, scale,
+                                 q, qmask, quant, levels_at, t * BLOCK, BITS, B, HAS_OWN,
+                                 HAS_SCALE, BUCKETS, BLOCK)
+            t_lo, t_hi, t_bad = _stats(v, valid)
+            lo = tl.minimum(lo, t_lo)
+            hi = tl.maximum(hi, t_hi)
+            bad = tl.maximum(bad, t_bad)
+        lo, step, scale_q, finite = _params(lo, hi, bad, BITS)
+        for t in range(NUM_TILES):
+            v, valid = _sum_tile(in_u8, in_f32, own_ptr, row_nbytes, num_rows, own_index, scale,
+                                 q, qmask, quant, levels_at, t * BLOCK, BITS, B, HAS_OWN,
+                                 HAS_SCALE, BUCKETS, BLOCK)
+            _quantize_store(lev_ptr, v, valid, lo, scale_q, finite, q, qmask, quant, t * BLOCK,
+                            stream, key0, key1, BITS, B, BUCKETS, BLOCK)
+    _store_meta(out_f32, q, qmask, lo, step)
+
+
+# --------------------------------------------------------------------------- launchers
+
+
+def _blocks(bucket_size: int) -> tuple[int, int]:
+    block = min(max(triton.next_power_of_2(bucket_size), 8), _MAX_BLOCK)
+    return max(1, _TILE // block), block
+
+
+def _key(key: int) -> tuple[int, int]:
+    return key & 0xFFFFFFFF, (key >> 32) & 0xFFFFFFFF
+
+
+def _f32(payload: torch.Tensor) -> torch.Tensor:
+    return payload.view(torch.float32)
+
+
+def _raw_region(row: torch.Tensor, layout: MaxMinLayout) -> torch.Tensor:
+    """The fp32 raw tail of one payload row (empty unless skip_incomplete leaves one)."""
+    start = layout.raw_offset // 4
+    return _f32(row)[start : start + layout.raw_numel]
+
+
+def encode_chunks(
+    x: torch.Tensor, layout: ChunkedLayout, key: int, skip_chunk: int = -1, stream0: int = 0
+) -> torch.Tensor:
+    """Encode each chunk j of flat ``x`` into row j of ``[K, P]`` with stream ``stream0 + j``;
+    row ``skip_chunk`` is left unwritten."""
+    flat = x.reshape(-1)
+    rows = torch.zeros(layout.num_chunks, layout.payload_nbytes, dtype=torch.uint8, device=x.device)
+    if rows.numel() == 0:
+        return rows
+    buckets, block = _blocks(layout.bucket_size)
+    max_nq = -(-layout.chunk_numel // layout.bucket_size)
+    grid = (triton.cdiv(max_nq, buckets), layout.num_chunks)
+    k0, k1 = _key(key)
+    _encode_kernel[grid](
+        flat, rows, _f32(rows), layout.numel, layout.chunk_numel, layout.payload_nbytes, k0, k1,
+        stream0, skip_chunk, BITS=layout.bits, B=layout.bucket_size,
+        SKIP_INCOMPLETE=layout.skip_incomplete, BUCKETS=buckets, BLOCK=block, **_LAUNCH,
+    )
+    for j in range(layout.num_chunks):
+        chunk = layout.chunk(j)
+        if chunk.raw_numel and j != skip_chunk:
+            tail = layout.chunk_start(j) + chunk.num_buckets * layout.bucket_size
+            _raw_region(rows[j], chunk).copy_(flat[tail : tail + chunk.raw_numel])
+    return rows
+
+
+def decode_chunks(payloads: torch.Tensor, layout: ChunkedLayout, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of :func:`encode_chunks`: the flat tensor of ``layout.numel`` values."""
+    out = torch.empty(layout.numel, dtype=dtype, device=payloads.device)
+    if layout.numel == 0:
+        return out
+    buckets, block = _blocks(layout.bucket_size)
+    max_nq = -(-layout.chunk_numel // layout.bucket_size)
+    grid = (triton.cdiv(max_nq, buckets), layout.num_chunks)
+    _decode_kernel[grid](
+        payloads, _f32(payloads), out, layout.numel, layout.chunk_numel, payloads.shape[1],
+        BITS=layout.bits, B=layout.bucket_size, SKIP_INCOMPLETE=layout.skip_incomplete,
+        OUT_BF16=dtype == torch.bfloat16, BUCKETS=buckets, BLOCK=block, **_LAUNCH,
+    )
+    for j in range(layout.num_chunks):
+        chunk = layout.chunk(j)
+        if chunk.raw_numel:
+            tail = layout.chunk_start(j) + chunk.num_buckets * layout.bucket_size
+            out[tail : tail + chunk.raw_numel] = _raw_region(payloads[j], chunk).to(dtype)
+    return out
+
+
+def encode(
+    x: torch.Tensor,
+    bits: int,
+    bucket_size: int,
+    key: int,
+    stream: int = 0,
+    skip_incomplete: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Same contract as :func:`cgx2.codecs.maxmin.encode`."""
+    n = x.numel()
+    layout = ChunkedLayout(n, 1, n, bits, bucket_size, skip_incomplete)
+    rows = encode_chunks(x, layout, key, stream0=stream)
+    payload = rows.view(-1)
+    if out is None:
+        return payload
+    out[: payload.numel()] = payload
+    return out
+
+
+def decode(
+    payload: torch.Tensor,
+    numel: int,
+    bits: int,
+    bucket_size: int,
+    dtype: torch.dtype = torch.float32,
+    skip_incomplete: bool = False,
+) -> torch.Tensor:
+    """Same contract as :func:`cgx2.codecs.maxmin.decode`."""
+    layout = ChunkedLayout(numel, 1, numel, bits, bucket_size, skip_incomplete)
+    nbytes = layout.payload_nbytes
+    return decode_chunks(payload[:nbytes].view(1, nbytes), layout, dtype)
+
+
+def decode_sum_encode(
+    payloads: torch.Tensor,
+    numel: int,
+    own: torch.Tensor | None,
+    own_index: int,
+    scale: float | None,
+    bits: int,
+    bucket_size: int,
+    key: int,
+    stream: int = 0,
+    skip_incomplete: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Same contract as :func:`cgx2.codecs.maxmin.decode_sum_encode`, fused: the fp32 sum
+    never leaves the chip."""
+    layout = MaxMinLayout(numel, bits, bucket_size, skip_incomplete)
+    if out is None:
+        out = torch.zeros(layout.nbytes, dtype=torch.uint8, device=payloads.device)
+    if numel == 0:
+        return out
+    own_flat = own.reshape(-1) if own is not None else payloads
+    buckets, block = _blocks(bucket_size)
+    grid = (triton.cdiv(layout.num_buckets, buckets), 1)
+    k0, k1 = _key(key)
+    if layout.num_buckets:
+        _decode_sum_encode_kernel[grid](
+            payloads, _f32(payloads), own_flat, out, _f32(out[: layout.nbytes]), numel,
+            payloads.shape[1], payloads.shape[0], own_index, 1.0 if scale is None else scale,
+            k0, k1, stream, BITS=bits, B=bucket_size, SKIP_INCOMPLETE=skip_incomplete,
+            HAS_OWN=own is not None, HAS_SCALE=scale is not None, BUCKETS=buckets, BLOCK=block,
+            **_LAUNCH,
+        )
+    if layout.raw_numel:
+        tail = layout.num_buckets * bucket_size
+        acc = (
+            own_flat[tail:numel].to(torch.float32)
+            if own is not None
+            else torch.zeros(layout.raw_numel, dtype=torch.float32, device=out.device)
+        )
+        for w in range(payloads.shape[0]):
+            if w != own_index:
+                acc = acc + _raw_region(payloads[w], layout)
+        if scale is not None:
+            acc = acc * torch.tensor(scale, dtype=torch.float32, device=acc.device)
+        _raw_region(out, layout).copy_(acc)
+    return out
