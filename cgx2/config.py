@@ -9,36 +9,15 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["UNCOMPRESSED_BITS", "CGXConfig", "check_bits", "check_bucket_size"]
+from .checks import UNCOMPRESSED_BITS, check_bits, check_bucket_size
 
-UNCOMPRESSED_BITS = 32
-"""``bits`` value that means "no compression": the plain collective, exactly."""
+__all__ = ["CGXConfig"]
 
 MIN_COMPRESSION_SIZE = 16
 """CGX never compresses a buffer of fewer elements than this, whatever the variable says."""
 
 _INNER_COMMUNICATORS = ("SHM", "MPI", "NCCL")
 _CROSS_COMMUNICATORS = ("MPI", "NCCL")
-
-
-def check_bits(bits: object, name: str = "bits") -> int:
-    """Return ``bits`` if it is 1..8 or 32, else raise ``ValueError``/``TypeError`` naming it."""
-    if isinstance(bits, bool) or not isinstance(bits, int):
-        raise TypeError(f"{name} must be an int in 1..8 or 32, got {type(bits).__name__}")
-    if not (1 <= bits <= 8 or bits == UNCOMPRESSED_BITS):
-        raise ValueError(f"{name} must be in 1..8 (or 32 for no compression), got {bits}")
-    return bits
-
-
-def check_bucket_size(bucket_size: object, name: str = "bucket_size") -> int:
-    """Return ``bucket_size`` if it is a positive int, else raise naming it."""
-    if isinstance(bucket_size, bool) or not isinstance(bucket_size, int):
-        raise TypeError(f"{name} must be a positive int, got {type(bucket_size).__name__}")
-    if bucket_size <= 0:
-        raise ValueError(f"{name} must be a positive int, got {bucket_size}")
-    if bucket_size >= 2**31:
-        raise ValueError(f"{name} must be below 2**31, got {bucket_size}")
-    return bucket_size
 
 
 def _int(env: Mapping[str, str], var: str, default: int, lo: int, hi: int | None) -> int:

@@ -1,0 +1,10 @@
+"""``torch.ops.cgx.*``: every public computation as a ``torch.library`` custom op.
+
+Each op has a fake implementation, so ``torch.compile(fullgraph=True)`` traces through it.
+Importing this package registers them.
+"""
+
+from .allreduce import quantized_allreduce
+from .codec import dequantize, quantize
+
+__all__ = ["dequantize", "quantize", "quantized_allreduce"]

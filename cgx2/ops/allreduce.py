@@ -1,0 +1,82 @@
+"""``cgx::quantized_allreduce``: the quantized allreduce as a functional custom op.
+
+The process group is named by ``group_name`` as in ``torch.distributed``'s functional
+collectives ("" is the default group), so compiled graphs carry it as a constant.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..checks import check_bits, check_bucket_size, check_float_tensor, check_reduce_op
+from ..collectives import allreduce_quantized
+
+__all__ = ["quantized_allreduce"]
+
+
+def resolve_group(group_name: str) -> dist.ProcessGroup:
+    """The process group called ``group_name`` ("" for the default group)."""
+    if not dist.is_initialized():
+        raise RuntimeError("cgx.quantized_allreduce needs torch.distributed.init_process_group")
+    if group_name == "":
+        return dist.group.WORLD
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)
+
+
+def _check(t: torch.Tensor, bits: int, bucket_size: int, reduce_op: str) -> None:
+    check_float_tensor(t, "input")
+    check_bits(bits)
+    check_bucket_size(bucket_size)
+    check_reduce_op(reduce_op)
+
+
+@torch.library.custom_op(
+    "cgx::quantized_allreduce", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,)
+)
+def _quantized_allreduce_op(
+    input: torch.Tensor,
+    bits: int,
+    bucket_size: int = 512,
+    group_name: str = "",
+    reduce_op: str = "sum",
+    seed: int = -1,
+    skip_incomplete: bool = False,
+) -> torch.Tensor:
+    _check(input, bits, bucket_size, reduce_op)
+    group = resolve_group(group_name)
+    return allreduce_quantized(
+        input, bits, bucket_size, group, reduce_op, None if seed < 0 else seed, skip_incomplete
+    )
+
+
+@_quantized_allreduce_op.register_fake
+def _(input, bits, bucket_size=512, group_name="", reduce_op="sum", seed=-1,
+      skip_incomplete=False):  # fmt: skip
+    _check(input, bits, bucket_size, reduce_op)
+    return torch.empty_like(input, memory_format=torch.contiguous_format)
+
+
+def quantized_allreduce(
+    tensor: torch.Tensor,
+    bits: int = 4,
+    group: dist.ProcessGroup | None = None,
+    op: dist.ReduceOp | str = dist.ReduceOp.SUM,
+    bucket_size: int = 512,
+    seed: int | None = None,
+    skip_incomplete: bool = False,
+) -> torch.Tensor:
+    """Allreduce ``tensor`` across ``group`` (default: the world) with ``bits``-bit max-min
+    quantization, summing (``op=SUM``) or averaging (``op=AVG``).
+
+    Returns a new tensor of the same shape and dtype, bit-identical on every rank; ``tensor``
+    is not modified. ``bits=32`` is the plain allreduce. Calls
+    ``torch.ops.cgx.quantized_allreduce``.
+    """
+    group = dist.group.WORLD if group is None else group
+    return torch.ops.cgx.quantized_allreduce(
+        tensor, bits, bucket_size, group.group_name, check_reduce_op(op, "op"),
+        -1 if seed is None else seed, skip_incomplete,
+    )  # fmt: skip
