@@ -20,11 +20,14 @@ _INNER_COMMUNICATORS = ("SHM", "MPI", "NCCL")
 _CROSS_COMMUNICATORS = ("MPI", "NCCL")
 
 
-def _int(env: Mapping[str, str], var: str, default: int, lo: int, hi: int | None) -> int:
+def _int(
+    env: Mapping[str, str], var: str, default: int, lo: int, hi: int | None, only: str = ""
+) -> int:
+    """Parse an integer variable in lo..hi; ``only`` narrows the range further (e.g. bits)."""
     raw = env.get(var)
     if raw is None or raw.strip() == "":
         return default
-    allowed = f"an integer >= {lo}" if hi is None else f"an integer in {lo}..{hi}"
+    allowed = only or (f"an integer >= {lo}" if hi is None else f"an integer in {lo}..{hi}")
     try:
         value = int(raw.strip())
     except ValueError:
@@ -106,11 +109,12 @@ class CGXConfig:
         Raises ``ValueError`` naming the variable and its allowed values when one is invalid.
         """
         env = os.environ if environ is None else environ
-        bits = _int(env, "CGX_COMPRESSION_QUANTIZATION_BITS", UNCOMPRESSED_BITS, 1, 32)
+        bits_allowed = "an integer in 1..8, or 32 for no compression"
+        bits = _int(env, "CGX_COMPRESSION_QUANTIZATION_BITS", UNCOMPRESSED_BITS, 1, 32, bits_allowed)
         if not (bits <= 8 or bits == UNCOMPRESSED_BITS):
+            raw = env["CGX_COMPRESSION_QUANTIZATION_BITS"]
             raise ValueError(
-                f"CGX_COMPRESSION_QUANTIZATION_BITS={env['CGX_COMPRESSION_QUANTIZATION_BITS']!r}"
-                " is out of range: expected an integer in 1..8, or 32 for no compression"
+                f"CGX_COMPRESSION_QUANTIZATION_BITS={raw!r} is out of range: expected {bits_allowed}"
             )
         return cls(
             quantization_bits=bits,

@@ -75,8 +75,8 @@ def quantized_allreduce(
     is not modified. ``bits=32`` is the plain allreduce. Calls
     ``torch.ops.cgx.quantized_allreduce``.
     """
-    group = dist.group.WORLD if group is None else group
     return torch.ops.cgx.quantized_allreduce(
-        tensor, bits, bucket_size, group.group_name, check_reduce_op(op, "op"),
+        tensor, bits, bucket_size, "" if group is None else group.group_name,
+        check_reduce_op(op, "op"),
         -1 if seed is None else seed, skip_incomplete,
     )  # fmt: skip

@@ -1,0 +1,768 @@
+"""GPU check of the max-min codec: Triton kernels against the torch reference, bit for bit, on CUDA,
+then the kernels' throughput (encode, decode, decode-sum-encode) against a device-to-device copy.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# Before torch/triton are imported: the repo root goes on sys.path (so `import cgx2` works without
+# installing) and the hidden CPU smoke mode (`--device cpu`) needs Triton's interpreter.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.update(
+    {"TRITON_INTERPRET": "1"}
+    if any(
+        a == "--device=cpu" or (p == "--device" and a == "cpu")
+        for p, a in zip(sys.argv, sys.argv[1:], strict=False)
+    )
+    else {}
+)
+
+import argparse
+import datetime
+import hashlib
+import json
+import platform
+import re
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import triton
+import triton.testing
+
+from cgx2.codecs import maxmin as ref
+from cgx2.codecs import maxmin_triton as tri
+from cgx2.codecs.layout import ChunkedLayout, MaxMinLayout
+
+KEY = 0xDEADBEEF_CAFEF00D  # both 32-bit halves >= 2**31 (Triton passes them as uint32)
+SMALL_KEY = 0x12345678_00000042  # both halves < 2**31 (passed as int32: another specialization)
+STREAM = 3
+DSE_STREAM = 7
+K = 4  # rows of decode_sum_encode / chunks of encode_chunks
+OWN_INDEX = 1
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+INT_VIEW = {F32: torch.int32, BF16: torch.int16, F16: torch.int16}
+DTYPE_NAME = {F32: "fp32", BF16: "bf16", F16: "fp16"}
+FULL_OPS = ("encode", "decode", "dse", "dse_noscale", "chunks")
+BIG_OPS = ("encode", "decode", "dse", "chunks")
+M16 = 16 * 1024 * 1024
+M64 = 64 * 1024 * 1024
+
+_T0 = time.monotonic()
+
+
+def log(msg: str) -> None:
+    """Progress line on stderr."""
+    print(f"[{time.monotonic() - _T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- sizes
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Sizes for one run: ``full`` (default), ``quick`` or ``tiny`` (CPU smoke test)."""
+
+    name: str
+    small: tuple[int, ...]  # every width 1..8, bucket 512
+    big: tuple[int, ...]  # widths ``big_bits``, bucket 512
+    big_bits: tuple[int, ...]
+    huge: int  # encode (+ decode) bytes at 4 bits; 0 = none
+    odd: tuple[int, ...]  # buckets 128 and 2048
+    skip: tuple[int, ...]  # skip_incomplete=True
+    edge_buckets: int
+    timing_numel: int
+
+
+PROFILES = {
+    "full": Profile(
+        "full",
+        (1, 1000, 4099),
+        (1_000_003, M16),
+        (1, 2, 3, 4, 5, 8),
+        M64,
+        (1000, 70_001),
+        (1, 1000, 1_000_003),
+        9,
+        M64,
+    ),
+    "quick": Profile(
+        "quick",
+        (1, 1000, 4099),
+        (1_000_003,),
+        (2, 4, 8),
+        0,
+        (1000, 70_001),
+        (1, 1000, 70_001),
+        9,
+        M16,
+    ),
+    "tiny": Profile("tiny", (1, 1000), (5003,), (2, 4), 20_000, (700, 5000), (1, 1000), 9, 65_536),
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    dtype: torch.dtype
+    numel: int
+    bits: int
+    bucket: int
+    skip: bool = False
+    ops: tuple[str, ...] = FULL_OPS
+    data: str = "randn"  # or "edge": constant, +-inf, NaN, +-3e38, subnormal, zero buckets
+    key: int = KEY
+
+    @property
+    def label(self) -> str:
+        extra = (" skip" if self.skip else "") + (f" {self.data}" if self.data != "randn" else "")
+        extra += " key<2^31" if self.key != KEY else ""
+        return f"{DTYPE_NAME[self.dtype]} n={self.numel} b={self.bits} B={self.bucket}{extra}"
+
+
+def build_cases(p: Profile) -> list[Case]:
+    """Checks in priority order (the budget cuts from the end); kernels compile once per
+    (dtype, bits, bucket, skip, ...) so each new combination is followed by its reuses."""
+    cases: list[Case] = []
+    # 1. Main bucket, every width, small lengths (1000 and 4099 leave an incomplete bucket).
+    for dtype in (F32, BF16):
+        for bits in range(1, 9):
+            ops = FULL_OPS if dtype is F32 or bits == 4 else BIG_OPS
+            cases += [Case(dtype, n, bits, 512, ops=ops) for n in p.small]
+    # 2. Big lengths, main bucket.
+    for n in p.big:
+        for dtype in (F32, BF16):
+            cases += [Case(dtype, n, bits, 512, ops=BIG_OPS) for bits in p.big_bits]
+    # 3. Huge: encode bytes (and decode) at 4 bits.
+    if p.huge:
+        cases.append(Case(F32, p.huge, 4, 512, ops=("encode", "decode")))
+        cases.append(Case(BF16, p.huge, 4, 512, ops=("encode",)))
+    # 4. Multi-tile path (bucket 2048 > BLOCK 1024) and a small bucket.
+    for bucket, widths in (
+        (2048, {F32: (1, 3, 4, 8), BF16: (2, 4)}),
+        (128, {F32: (3, 4), BF16: (4,)}),
+    ):
+        for dtype, bits_list in widths.items():
+            for bits in bits_list:
+                cases += [Case(dtype, n, bits, bucket, ops=BIG_OPS) for n in p.odd]
+    # 5. skip_incomplete=True (the False side of the same lengths is covered above).
+    for bucket, dtype, bits in ((512, F32, 4), (512, F32, 2), (512, F32, 8), (512, BF16, 4)):
+        cases += [Case(dtype, n, bits, bucket, skip=True) for n in p.skip]
+    for bucket, dtype, bits in ((2048, F32, 4), (128, F32, 3)):
+        cases += [Case(dtype, n, bits, bucket, skip=True, ops=BIG_OPS) for n in p.odd]
+    # 6. fp16 once; own=None; a key whose halves pass as int32.
+    cases += [Case(F16, n, 4, 512) for n in (4099, p.big[0])]
+    cases.append(Case(F32, 4099, 4, 512, ops=("dse_noown",)))
+    cases.append(Case(BF16, 4099, 4, 512, ops=("dse_noown",)))
+    cases.append(Case(F32, 4099, 4, 512, ops=("encode", "dse", "chunks"), key=SMALL_KEY))
+    # 7. Non-finite, overflowing-span, subnormal and constant buckets.
+    for dtype, bits, bucket in (
+        (F32, 1, 512),
+        (F32, 4, 512),
+        (F32, 8, 512),
+        (BF16, 4, 512),
+        (F32, 4, 2048),
+        (F32, 3, 128),
+    ):
+        n = p.edge_buckets * bucket + bucket // 2 + 3
+        for skip in (False, True):
+            ops = FULL_OPS if bucket == 512 else BIG_OPS
+            cases.append(Case(dtype, n, bits, bucket, skip=skip, ops=ops, data="edge"))
+    return cases
+
+
+# --------------------------------------------------------------------------- data
+
+
+def make_input(
+    n: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int,
+    data: str = "randn",
+    bucket: int = 512,
+) -> torch.Tensor:
+    """Gaussian values whose scale changes every 256 elements by 2**[-10, 10]; ``edge`` puts
+    special buckets first."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(n, generator=g, device=device, dtype=F32)
+    blocks = n // 256 + 1
+    exps = torch.randint(-10, 11, (blocks,), generator=g, device=device).to(F32)
+    x *= torch.exp2(exps).repeat_interleave(256)[:n]
+    if data == "edge":
+        b = bucket
+        specials: list[Callable[[torch.Tensor], None]] = [
+            lambda s: s.fill_(1.5),
+            lambda s: s.__setitem__(len(s) // 3, float("inf")),
+            lambda s: s.__setitem__(len(s) // 2, float("nan")),
+            lambda s: s.__setitem__(0, float("-inf")),
+            lambda s: s.copy_(torch.where(s > 0, 3e38, -3e38)),  # span overflows to inf
+            lambda s: s.mul_(1e-40),  # subnormal
+            lambda s: s.copy_(torch.where(s > 0, 0.0, -0.0)),
+            lambda s: s.mul_(1e-3).add_(1e4),  # tiny span, large magnitude
+        ]
+        for i, fill in enumerate(specials):
+            if (i + 1) * b <= n:
+                fill(x[i * b : (i + 1) * b])
+    return x.to(dtype)
+
+
+# --------------------------------------------------------------------------- comparisons
+
+
+def _region(layout: MaxMinLayout, off: int) -> str:
+    """Where byte ``off`` of a payload lies."""
+    if off < layout.raw_offset:
+        return f"meta of bucket {off // 8} ({'min' if off % 8 < 4 else 'step'})"
+    if off < layout.raw_offset + 4 * layout.raw_numel:
+        return f"raw value {(off - layout.raw_offset) // 4}"
+    if off < layout.levels_offset:
+        return "pad before levels"
+    rel = off - layout.levels_offset
+    if rel < layout.levels_nbytes:
+        return f"levels of bucket {rel // layout.bucket_stride}, byte {rel % layout.bucket_stride}"
+    return "trailing pad"
+
+
+def compare_bytes(
+    got: torch.Tensor, want: torch.Tensor, where: Callable[[int], str] | None = None
+) -> str | None:
+    """None when equal, else a description of the differences."""
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return f"shape/dtype {tuple(got.shape)}/{got.dtype} != {tuple(want.shape)}/{want.dtype}"
+    if torch.equal(got, want):
+        return None
+    g, w = got.reshape(-1), want.reshape(-1)
+    bad = (g != w).nonzero().flatten()
+    first = bad[:4].tolist()
+    parts = [f"{bad.numel()} of {g.numel()} bytes differ"]
+    for i in first:
+        loc = f" [{where(i)}]" if where else ""
+        parts.append(f"@{i}{loc}: got {int(g[i])} want {int(w[i])}")
+    return "; ".join(parts)
+
+
+def compare_values(got: torch.Tensor, want: torch.Tensor, bucket: int) -> str | None:
+    """Bitwise comparison of float tensors (NaN payloads and signed zeros included)."""
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return f"shape/dtype {tuple(got.shape)}/{got.dtype} != {tuple(want.shape)}/{want.dtype}"
+    gi, wi = got.view(INT_VIEW[got.dtype]), want.view(INT_VIEW[want.dtype])
+    if torch.equal(gi, wi):
+        return None
+    bad = (gi != wi).nonzero().flatten()
+    parts = [f"{bad.numel()} of {got.numel()} values differ"]
+    for i in bad[:4].tolist():
+        parts.append(
+            f"@{i} (bucket {i // bucket}): got {got[i].item()!r} ({int(gi[i]):#x}) "
+            f"want {want[i].item()!r} ({int(wi[i]):#x})"
+        )
+    return "; ".join(parts)
+
+
+# --------------------------------------------------------------------------- checks
+
+
+@dataclass
+class CheckResult:
+    name: str
+    passed: bool | None  # None: skipped
+    detail: str = ""
+    seconds: float = 0.0
+
+
+@dataclass
+class Checker:
+    device: torch.device
+    results: list[CheckResult] = field(default_factory=list)
+
+    def record(self, name: str, fn: Callable[[], str | None]) -> None:
+        t = time.monotonic()
+        try:
+            detail = fn()
+        except Exception as e:  # a crash is a failure, with where it happened
+            tb = traceback.format_exc().strip().splitlines()
+            detail = f"raised {type(e).__name__}: {e} | " + " | ".join(tb[-4:])
+        res = CheckResult(name, detail is None, detail or "", time.monotonic() - t)
+        self.results.append(res)
+        if not res.passed:
+            print(f"FAIL {name}: {res.detail}", flush=True)
+
+    def run_case(self, c: Case) -> None:
+        dev = self.device
+        seed = (c.numel * 131 + c.bits * 17 + c.bucket + int(c.skip)) % (2**31)
+        x = make_input(c.numel, c.dtype, dev, seed, c.data, c.bucket)
+        lay = MaxMinLayout(c.numel, c.bits, c.bucket, c.skip)
+        args = (c.bits, c.bucket)
+
+        def where(i: int) -> str:
+            return _region(lay, i)
+
+        want_payload = ref.encode(x, *args, c.key, STREAM, c.skip)
+        if "encode" in c.ops:
+            self.record(
+                f"encode {c.label}",
+                lambda: compare_bytes(
+                    tri.encode(x, *args, c.key, STREAM, c.skip), want_payload, where
+                ),
+            )
+        if "decode" in c.ops:
+            self.record(
+                f"decode {c.label}",
+                lambda: compare_values(
+                    tri.decode(want_payload, c.numel, *args, c.dtype, c.skip),
+                    ref.decode(want_payload, c.numel, *args, c.dtype, c.skip),
+                    c.bucket,
+                ),
+            )
+        dse_ops = [op for op in c.ops if op.startswith("dse")]
+        if dse_ops:
+            rows = torch.zeros(K, lay.nbytes, dtype=torch.uint8, device=dev)
+            for w in range(K):
+                xw = make_input(c.numel, c.dtype, dev, seed + 1000 + w, c.data, c.bucket)
+                ref.encode(xw, *args, c.key, w, c.skip, out=rows[w])
+            own = make_input(c.numel, c.dtype, dev, seed + 2000, c.data, c.bucket)
+            variants = {
+                "dse": (own, OWN_INDEX, 0.25),
+                "dse_noscale": (own, OWN_INDEX, None),
+                "dse_noown": (None, -1, 0.25),
+            }
+            for op in dse_ops:
+                o, idx, scale = variants[op]
+                name = f"{op}(K={K},own_index={idx},scale={scale}) {c.label}"
+                self.record(
+                    name,
+                    lambda o=o, idx=idx, scale=scale: compare_bytes(
+                        tri.decode_sum_encode(
+                            rows, c.numel, o, idx, scale, *args, c.key, DSE_STREAM, c.skip
+                        ),
+                        ref.decode_sum_encode(
+                            rows, c.numel, o, idx, scale, *args, c.key, DSE_STREAM, c.skip
+                        ),
+                        where,
+                    ),
+                )
+        if "chunks" in c.ops:
+            cl = ChunkedLayout.split(c.numel, K, c.bits, c.bucket, c.skip)
+
+            def where_row(i: int) -> str:
+                row, off = divmod(i, max(cl.payload_nbytes, 1))
+                return f"row {row}: " + _region(cl.chunk(row), off)
+
+            want_rows = ref.encode_chunks(x, cl, c.key)
+            for skip_chunk in (-1, 1):
+                self.record(
+                    f"encode_chunks(K={K},skip_chunk={skip_chunk}) {c.label}",
+                    lambda s=skip_chunk: compare_bytes(
+                        tri.encode_chunks(x, cl, c.key, s),
+                        want_rows if s == -1 else ref.encode_chunks(x, cl, c.key, s),
+                        where_row,
+                    ),
+                )
+            self.record(
+                f"decode_chunks(K={K}) {c.label}",
+                lambda: compare_values(
+                    tri.decode_chunks(want_rows, cl, c.dtype),
+                    ref.decode_chunks(want_rows, cl, c.dtype),
+                    c.bucket,
+                ),
+            )
+
+
+def run_checks(prof: Profile, device: torch.device, budget_s: float) -> list[CheckResult]:
+    checker = Checker(device)
+    cases = build_cases(prof)
+    deadline = time.monotonic() + budget_s
+    log(f"checks: {len(cases)} cases ({prof.name} sizes), budget {budget_s:.0f} s")
+    for i, c in enumerate(cases):
+        if time.monotonic() > deadline:
+            for rest in cases[i:]:
+                checker.results.append(
+                    CheckResult(
+                        f"{','.join(rest.ops)} {rest.label}", None, "skipped: check budget spent"
+                    )
+                )
+            log(f"check budget spent: {len(cases) - i} cases skipped")
+            break
+        before = len(checker.results)
+        t = time.monotonic()
+        checker.run_case(c)
+        new = checker.results[before:]
+        bad = sum(not r.passed for r in new)
+        log(
+            f"case {i + 1}/{len(cases)} {c.label} [{','.join(c.ops)}]: "
+            f"{len(new) - bad}/{len(new)} ok ({time.monotonic() - t:.2f}s)"
+        )
+        if c.numel >= M16 and device.type == "cuda":
+            torch.cuda.empty_cache()
+    return checker.results
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def time_ms(fn: Callable[[], Any], device: torch.device, rep_ms: int) -> float:
+    """Median time of ``fn`` in ms: triton.testing.do_bench (CUDA events, L2 flushed between
+    reps) on CUDA; a wall clock on the CPU (meaningless, smoke test only)."""
+    if device.type == "cuda":
+        return float(triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"))
+    fn()
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    return sorted(times)[1]
+
+
+class CopyBaseline:
+    """``dst.copy_(src)`` of S uint8 bytes moves 2*S bytes (S read + S written); a kernel that
+    reads + writes T bytes is compared with a copy of S = T/2 bytes, timed in the same run."""
+
+    def __init__(self, device: torch.device, rep_ms: int) -> None:
+        self.device, self.rep_ms = device, rep_ms
+        self.cache: dict[int, float] = {}
+
+    def ms(self, moved: int) -> float:
+        s = max(16, moved // 2 // 16 * 16)
+        if s not in self.cache:
+            src = torch.empty(s, dtype=torch.uint8, device=self.device).random_(0, 256)
+            dst = torch.empty_like(src)
+            self.cache[s] = time_ms(lambda: dst.copy_(src), self.device, self.rep_ms)
+            del src, dst
+        return self.cache[s]
+
+    def gbps(self, moved: int) -> float:
+        s = max(16, moved // 2 // 16 * 16)
+        return 2 * s / (self.ms(moved) * 1e-3) / 1e9
+
+
+def timing_row(
+    op: str,
+    dtype: torch.dtype,
+    bits: int,
+    numel: int,
+    fn: Callable[[], Any],
+    read: int,
+    written: int,
+    copy: CopyBaseline,
+    rep_ms: int,
+) -> dict[str, Any]:
+    ms = time_ms(fn, copy.device, rep_ms)
+    moved = read + written
+    gbps = moved / (ms * 1e-3) / 1e9
+    cgbps = copy.gbps(moved)
+    row = {
+        "op": op,
+        "dtype": DTYPE_NAME[dtype],
+        "bits": bits,
+        "bucket": 512,
+        "numel": numel,
+        "ms": ms,
+        "bytes_read": read,
+        "bytes_written": written,
+        "bytes_moved": moved,
+        "gbps": gbps,
+        "copy_bytes": max(16, moved // 2 // 16 * 16),
+        "copy_ms": copy.ms(moved),
+        "copy_gbps": cgbps,
+        "frac_of_copy": gbps / cgbps,
+    }
+    log(
+        f"time {op:<14} {DTYPE_NAME[dtype]} b={bits}: {ms:.3f} ms, {gbps:.0f} GB/s "
+        f"({100 * gbps / cgbps:.0f}% of copy {cgbps:.0f} GB/s)"
+    )
+    return row
+
+
+def run_timing(n: int, device: torch.device, rep_ms: int, bucket: int = 512) -> list[dict]:
+    copy = CopyBaseline(device, rep_ms)
+    rows: list[dict[str, Any]] = []
+    for dtype in (F32, BF16):
+        x = make_input(n, dtype, device, 12345)
+        elt = x.element_size()
+        for bits in (2, 4, 8):
+            payload = tri.encode(x, bits, bucket, KEY)
+            p = MaxMinLayout(n, bits, bucket).nbytes
+            rows.append(
+                timing_row(
+                    "encode",
+                    dtype,
+                    bits,
+                    n,
+                    lambda x=x, b=bits: tri.encode(x, b, bucket, KEY, 0),
+                    n * elt,
+                    p,
+                    copy,
+                    rep_ms,
+                )
+            )
+            rows.append(
+                timing_row(
+                    "decode",
+                    dtype,
+                    bits,
+                    n,
+                    lambda pl=payload, b=bits, d=dtype: tri.decode(pl, n, b, bucket, d),
+                    p,
+                    n * elt,
+                    copy,
+                    rep_ms,
+                )
+            )
+            # Stage 2 of the allreduce on one of K ranks: K rows of n/K values, own row in full
+            # precision (the kernel does not read payload row own_index).
+            cl = ChunkedLayout.split(n, K, bits, bucket, False)
+            m, pm = cl.chunk_size(0), cl.chunk(0).nbytes
+            chunks = tri.encode_chunks(x, cl, KEY)
+            own = x[:m]
+            out = torch.zeros(cl.payload_nbytes, dtype=torch.uint8, device=device)
+            rows.append(
+                timing_row(
+                    f"dse(K={K})",
+                    dtype,
+                    bits,
+                    m,
+                    lambda ch=chunks, o=own, b=bits, m=m, out=out: tri.decode_sum_encode(
+                        ch, m, o, 0, 0.25, b, bucket, KEY, 0, False, out
+                    ),
+                    (K - 1) * pm + m * elt,
+                    pm,
+                    copy,
+                    rep_ms,
+                )
+            )
+            del payload, chunks, out
+        del x
+    x = make_input(n, F32, device, 12345)
+    p = MaxMinLayout(n, 4, bucket).nbytes
+    rows.append(
+        timing_row(
+            "torch_ref_enc",
+            F32,
+            4,
+            n,
+            lambda x=x: ref.encode(x, 4, bucket, KEY),
+            n * 4,
+            p,
+            copy,
+            rep_ms,
+        )
+    )
+    del x
+    s = n * 4
+    cms = copy.ms(2 * s)
+    rows.append(
+        {
+            "op": "copy",
+            "dtype": "u8",
+            "bits": 0,
+            "bucket": 0,
+            "numel": s,
+            "ms": cms,
+            "bytes_read": s,
+            "bytes_written": s,
+            "bytes_moved": 2 * s,
+            "gbps": 2 * s / (cms * 1e-3) / 1e9,
+            "copy_bytes": s,
+            "copy_ms": cms,
+            "copy_gbps": 2 * s / (cms * 1e-3) / 1e9,
+            "frac_of_copy": 1.0,
+        }
+    )
+    log(f"time copy of {s / 2**20:.0f} MiB: {cms:.3f} ms, {rows[-1]['gbps']:.0f} GB/s")
+    return rows
+
+
+# --------------------------------------------------------------------------- report
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    env: dict[str, Any] = {
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "argv": sys.argv,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "triton_interpret": os.environ.get("TRITON_INTERPRET"),
+        "device": "cpu",
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env.update(
+            device=torch.cuda.get_device_name(device),
+            capability=list(torch.cuda.get_device_capability(device)),
+            sm_count=props.multi_processor_count,
+            total_memory=props.total_memory,
+        )
+        try:
+            nccl = torch.cuda.nccl.version()
+            env["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
+        except Exception as e:
+            env["nccl"] = f"unavailable ({e})"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["source_sha256"] = {}
+    for rel in (
+        "cgx2/codecs/maxmin.py",
+        "cgx2/codecs/maxmin_triton.py",
+        "cgx2/codecs/layout.py",
+        "cgx2/codecs/philox.py",
+        "cgx2/codecs/packing.py",
+        "bench/gpu_check.py",
+    ):
+        with open(os.path.join(root, rel), "rb") as f:
+            env["source_sha256"][rel] = hashlib.sha256(f.read()).hexdigest()[:16]
+    return env
+
+
+def write_json(report: dict[str, Any], device_name: str) -> list[str]:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    slug = re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_") or "unknown"
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    paths = [os.path.join(root, "bench", "results", f"gpu_check_{slug}_{stamp}.json")]
+    if os.environ.get("OUT"):
+        paths.append(os.path.join(os.environ["OUT"], "gpu_check.json"))
+    for path in paths:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
+    return paths
+
+
+def print_summary(report: dict[str, Any], paths: list[str]) -> None:
+    env = report["environment"]
+    print(
+        f"\n===== gpu_check: {env['device']} | torch {env['torch']} | triton {env['triton']} | "
+        f"CUDA {env['cuda']} | NCCL {env.get('nccl')} | {env['date_utc']}"
+    )
+    checks = report["checks"]
+    if checks is not None:
+        failed = [r for r in checks if r["passed"] is False]
+        skipped = [r for r in checks if r["passed"] is None]
+        passed = sum(r["passed"] is True for r in checks)
+        print(
+            f"checks: {passed} passed, {len(failed)} failed, {len(skipped)} skipped "
+            f"(budget) in {report['check_seconds']:.1f} s"
+        )
+        for r in failed[:12]:
+            print(f"  FAIL {r['name']}: {r['detail'][:200]}")
+        if len(failed) > 12:
+            print(f"  ... {len(failed) - 12} more failures (see the JSON / FAIL lines above)")
+    else:
+        print("checks: skipped (--skip-checks)")
+    rows = report["timing"]
+    if rows:
+        print(
+            f"timing: n={rows[0]['numel']:,} (dse: {K} rows of n/{K}), bucket 512, median of "
+            "do_bench; GB/s = (bytes read + bytes written) / time / 1e9 for kernels and copy; "
+            "copy = dst.copy_(src) of (read+written)/2 bytes, same run"
+        )
+        print(
+            f"{'op':<14}{'dtype':<6}{'bits':>4}{'ms':>9}{'MB moved':>10}{'GB/s':>8}"
+            f"{'copyGB/s':>10}{'%copy':>7}"
+        )
+        for r in rows:
+            print(
+                f"{r['op']:<14}{r['dtype']:<6}{r['bits']:>4}{r['ms']:>9.3f}"
+                f"{r['bytes_moved'] / 1e6:>10.1f}{r['gbps']:>8.0f}{r['copy_gbps']:>10.0f}"
+                f"{100 * r['frac_of_copy']:>6.0f}%"
+            )
+    elif report.get("timing_error"):
+        print(f"timing: FAILED: {report['timing_error'][:300]}")
+    else:
+        print("timing: skipped (--skip-timing)")
+    print("json: " + ", ".join(paths))
+    status = "FAILED" if report["failed"] else "OK"
+    print(f"===== {status}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="smaller sizes: checks up to ~1M elements, timing on 16M elements",
+    )
+    ap.add_argument("--skip-checks", action="store_true", help="only time the kernels")
+    ap.add_argument("--skip-timing", action="store_true", help="only check the bytes")
+    ap.add_argument(
+        "--check-budget",
+        type=float,
+        default=200.0,
+        help="seconds for the checks; cases left when it runs out are reported as "
+        "skipped (default 200)",
+    )
+    ap.add_argument(
+        "--timing-numel",
+        type=int,
+        default=0,
+        help="elements of the timed tensor (default 64M, 16M with --quick)",
+    )
+    ap.add_argument("--rep-ms", type=int, default=200, help="do_bench rep time per measurement")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help=argparse.SUPPRESS)
+    ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def main() -> int:
+    args = parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("CUDA is not available (use the GPU machine)", file=sys.stderr)
+        return 2
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        print("--device cpu needs TRITON_INTERPRET=1 before triton is imported", file=sys.stderr)
+        return 2
+    prof = PROFILES["tiny" if args.tiny else "quick" if args.quick else "full"]
+    env = environment(device)
+    log(
+        f"device {env['device']}, torch {env['torch']}, triton {env['triton']}, profile {prof.name}"
+    )
+    report: dict[str, Any] = {
+        "environment": env,
+        "profile": prof.name,
+        "checks": None,
+        "check_seconds": 0.0,
+        "timing": [],
+        "timing_error": None,
+        "conventions": {
+            "GB": "1e9 bytes",
+            "gbps": "(bytes_read + bytes_written) / median time",
+            "copy": "dst.copy_(src) of copy_bytes = bytes_moved/2 bytes; "
+            "copy_gbps = 2 * copy_bytes / copy time",
+            "encode": "read numel*elt, write payload",
+            "decode": "read payload, write numel*elt",
+            "dse": f"read {K - 1} payload rows (row own_index is not read) "
+            "+ own numel*elt, write one payload",
+            "timed_calls": "public functions as users call them (encode "
+            "includes its torch.zeros of the payload)",
+        },
+    }
+    if not args.skip_checks:
+        t = time.monotonic()
+        results = run_checks(prof, device, args.check_budget)
+        report["check_seconds"] = time.monotonic() - t
+        report["checks"] = [vars(r) for r in results]
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if not args.skip_timing:
+        n = args.timing_numel or prof.timing_numel
+        log(f"timing on {n:,} elements")
+        try:
+            report["timing"] = run_timing(n, device, args.rep_ms)
+        except Exception as e:
+            report["timing_error"] = f"{type(e).__name__}: {e} | {traceback.format_exc()[-800:]}"
+            log(f"timing failed: {report['timing_error']}")
+    checks = report["checks"] or []
+    report["failed"] = any(r["passed"] is False for r in checks) or bool(report["timing_error"])
+    paths = write_json(report, env["device"])
+    print_summary(report, paths)
+    return 1 if report["failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

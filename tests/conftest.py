@@ -1,0 +1,26 @@
+"""Shared fixtures: gloo process pools of 2 and 4 ranks, and Triton on the CPU."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run under the interpreter on the CPU; must be set before they are defined.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+from dist_pool import DistPool
+
+
+@pytest.fixture(scope="session")
+def dist2():
+    pool = DistPool(2)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="session")
+def dist4():
+    pool = DistPool(4)
+    yield pool
+    pool.close()

@@ -1,0 +1,247 @@
+"""cgx.quantized_allreduce on gloo groups of 2 and 4: identical results on every rank, error
+within the two-stage bound, unbiasedness, plain fallback, compile and opcheck."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from bounds import FP32_EPS, allreduce_bound
+
+import cgx2
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _input(rank: int, n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    return (torch.randn(n, generator=g) * (rank + 1) + rank).to(dtype)
+
+
+# ----------------------------------------------------------------- functions run on every rank
+
+
+def _run_cases(cases: list[tuple]) -> list[torch.Tensor]:
+    rank = dist.get_rank()
+    outs = []
+    for bits, dtype, n, op, skip in cases:
+        x = _input(rank, n, dtype)
+        before = x.clone()
+        out = cgx2.quantized_allreduce(x, bits, op=op, seed=17, skip_incomplete=skip)
+        assert torch.equal(x, before), "input was modified"
+        outs.append(out)
+    return outs
+
+
+def _plain_equals_dist_all_reduce() -> list[bool]:
+    rank = dist.get_rank()
+    results = []
+    for dtype in DTYPES:
+        x = _input(rank, 1000, dtype)
+        expected = x.clone()
+        dist.all_reduce(expected)
+        results.append(torch.equal(cgx2.quantized_allreduce(x, bits=32), expected))
+        results.append(torch.equal(cgx2.quantized_allreduce(x, 32, op=dist.ReduceOp.AVG),
+                                   expected / dist.get_world_size()))  # fmt: skip
+    return results
+
+
+def _seeds() -> list[torch.Tensor]:
+    x = _input(dist.get_rank(), 3000, torch.float32)
+    cgx2.manual_seed(0)
+    return [
+        cgx2.quantized_allreduce(x, 2, seed=5),
+        cgx2.quantized_allreduce(x, 2, seed=5),
+        cgx2.quantized_allreduce(x, 2, seed=6),
+        cgx2.quantized_allreduce(x, 2),
+        cgx2.quantized_allreduce(x, 2),
+    ]
+
+
+def _unbiased_samples(n: int, samples: int) -> torch.Tensor:
+    x = _input(dist.get_rank(), n, torch.float32)
+    return torch.stack([cgx2.quantized_allreduce(x, 2, seed=s) for s in range(samples)])
+
+
+def _groups() -> tuple[torch.Tensor, torch.Tensor, str]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    singles = [dist.new_group([r]) for r in range(world)]
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
+    x = _input(rank, 2000, torch.float32)
+    alone = cgx2.quantized_allreduce(x, 4, group=singles[rank])
+    pair = cgx2.quantized_allreduce(x, 4, group=pairs[rank // 2], seed=3)
+    return alone, pair, pairs[rank // 2].group_name
+
+
+def _shapes() -> list[torch.Tensor]:
+    x = _input(dist.get_rank(), 6 * 700, torch.float32).view(6, 700)
+    return [
+        cgx2.quantized_allreduce(x, 4, seed=1),
+        cgx2.quantized_allreduce(x.t(), 4, seed=1),  # non-contiguous
+        cgx2.quantized_allreduce(x.reshape(-1), 4, seed=1),
+    ]
+
+
+def _opcheck() -> bool:
+    x = _input(dist.get_rank(), 2500, torch.float32)
+    name = dist.group.WORLD.group_name
+    torch.library.opcheck(torch.ops.cgx.quantized_allreduce.default, (x, 4, 512, name, "sum", 5))
+    torch.library.opcheck(
+        torch.ops.cgx.quantized_allreduce.default, (x.bfloat16(), 3, 100, "", "avg", 5, True)
+    )
+    return True
+
+
+def _compiled_vs_eager() -> tuple[bool, bool, int, int]:
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    name = dist.group.WORLD.group_name
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.cgx.quantized_allreduce(x * 2, 4, 512, name, "avg", 99, False)
+        return y.relu() + 1
+
+    def wrapper_step(x: torch.Tensor) -> torch.Tensor:
+        return cgx2.quantized_allreduce(torch.sin(x), bits=3, op=dist.ReduceOp.SUM, seed=7)
+
+    x = _input(dist.get_rank(), 4000, torch.float32).view(40, 100)
+    same = torch.equal(torch.compile(step, fullgraph=True)(x), step(x))
+    same_wrapper = torch.equal(torch.compile(wrapper_step, fullgraph=True)(x), wrapper_step(x))
+    return (
+        same,
+        same_wrapper,
+        sum(counters["graph_break"].values()),
+        counters["stats"]["unique_graphs"],
+    )
+
+
+# ----------------------------------------------------------------------------------- tests
+
+
+def _check(outs_by_rank: list[list[torch.Tensor]], cases: list[tuple], world: int) -> None:
+    for i, (bits, dtype, n, op, _skip) in enumerate(cases):
+        outs = [r[i] for r in outs_by_rank]
+        assert all(o.dtype == dtype and o.shape == (n,) for o in outs), cases[i]
+        assert all(torch.equal(o.view(torch.int16 if o.element_size() == 2 else torch.int32),
+                               outs[0].view(torch.int16 if o.element_size() == 2 else torch.int32))
+                   for o in outs), f"ranks differ: {cases[i]}"  # fmt: skip
+        inputs = [_input(r, n, dtype) for r in range(world)]
+        exact = torch.stack([x.double() for x in inputs]).sum(0)
+        bound = allreduce_bound(inputs, bits, 512, dtype)
+        if op == "avg":
+            exact, bound = exact / world, bound / world + 2 * FP32_EPS * exact.abs() / world
+        err = (outs[0].double() - exact).abs()
+        assert (err <= bound).all(), f"{cases[i]}: err {err.max()} > bound {bound[err.argmax()]}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_all_bits_and_lengths_two_ranks(dist2, dtype):
+    cases = [
+        (bits, dtype, n, op, skip)
+        for bits in range(1, 9)
+        for n in (0, 1, 1009, 2 * 2 * 512 + 7)
+        for op, skip in (("sum", False), ("avg", n == 1009))
+    ]
+    _check(dist2.run(_run_cases, cases), cases, 2)
+
+
+def test_all_bits_four_ranks(dist4):
+    cases = [
+        (bits, dtype, n, op, False)
+        for bits in (1, 3, 4, 8)
+        for dtype in DTYPES
+        for n in (1, 4 * 4 * 512 + 7, 10007)
+        for op in ("sum", "avg")
+    ]
+    _check(dist4.run(_run_cases, cases), cases, 4)
+
+
+def test_a_few_million_values(dist2):
+    cases = [
+        (4, torch.float32, 2_500_007, "sum", False),
+        (8, torch.bfloat16, 2_000_001, "avg", True),
+    ]
+    _check(dist2.run(_run_cases, cases), cases, 2)
+
+
+def test_bits_32_is_the_plain_allreduce_exactly(dist2, dist4):
+    assert all(all(r) for r in dist2.run(_plain_equals_dist_all_reduce))
+    assert all(all(r) for r in dist4.run(_plain_equals_dist_all_reduce))
+
+
+def test_seed_reproduces_and_unseeded_calls_differ_but_agree(dist2):
+    r0, r1 = dist2.run(_seeds)
+    for a, b in zip(r0, r1):
+        assert torch.equal(a, b)
+    same_seed, again, other_seed, unseeded1, unseeded2 = r0
+    assert torch.equal(same_seed, again)
+    assert not torch.equal(same_seed, other_seed)
+    assert not torch.equal(unseeded1, unseeded2)
+
+
+def test_unbiased(dist2):
+    n, samples = 2048, 400
+    r0, r1 = dist2.run(_unbiased_samples, n, samples)
+    assert torch.equal(r0, r1)
+    inputs = [_input(r, n, torch.float32) for r in range(2)]
+    exact = inputs[0].double() + inputs[1].double()
+    err = r0.double() - exact
+    # Each stage rounds stochastically within one step: variance <= (sum of steps)^2 / 4.
+    sigma = allreduce_bound(inputs, 2, 512, torch.float32) / 2 / samples**0.5
+    assert (err.mean(0).abs() <= 6 * sigma).all()
+    assert abs(err.mean(0).sum().item()) <= 6 * (sigma**2).sum().sqrt().item()
+
+
+def test_subgroups_and_group_of_one(dist4):
+    results = dist4.run(_groups)
+    for rank, (alone, pair, _) in enumerate(results):
+        assert torch.equal(alone, _input(rank, 2000, torch.float32))  # a group of one: a copy
+    for a, b in ((0, 1), (2, 3)):
+        assert torch.equal(results[a][1], results[b][1])
+        exact = _input(a, 2000, torch.float32).double() + _input(b, 2000, torch.float32).double()
+        inputs = [_input(a, 2000, torch.float32), _input(b, 2000, torch.float32)]
+        assert (
+            (results[a][1].double() - exact).abs() <= allreduce_bound(inputs, 4, 512, torch.float32)
+        ).all()
+    assert results[0][2] != results[2][2]
+
+
+def test_shape_preserved_and_non_contiguous_input(dist2):
+    r0, r1 = dist2.run(_shapes)
+    for a, b in zip(r0, r1):
+        assert torch.equal(a, b)
+    assert r0[0].shape == (6, 700) and r0[1].shape == (700, 6)
+    assert torch.equal(r0[0].reshape(-1), r0[2])
+
+
+def test_opcheck_on_the_collective(dist2):
+    assert dist2.run(_opcheck) == [True, True]
+
+
+def test_compile_fullgraph_matches_eager(dist2):
+    for same, same_wrapper, graph_breaks, graphs in dist2.run(_compiled_vs_eager):
+        assert same and same_wrapper
+        assert graph_breaks == 0
+        assert graphs == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"bits": 0}, ValueError, "bits"),
+        ({"bits": 9}, ValueError, "bits"),
+        ({"bits": 33}, ValueError, "bits"),
+        ({"bucket_size": 0}, ValueError, "bucket_size"),
+        ({"op": dist.ReduceOp.MAX}, ValueError, "op"),
+        ({"op": "product"}, ValueError, "op"),
+    ],
+)
+def test_bad_arguments_fail_before_any_communication(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        cgx2.quantized_allreduce(torch.randn(10), **{"bits": 4, **kwargs})
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int8, torch.complex64])
+def test_non_float_tensors_are_rejected(dtype):
+    with pytest.raises(TypeError, match="input must have dtype"):
+        torch.ops.cgx.quantized_allreduce(torch.zeros(10, dtype=dtype), 4)

@@ -1,0 +1,204 @@
+"""Max-min reference codec: wire format, Philox stream, error bound, unbiasedness, NaN."""
+
+import pytest
+import torch
+from bounds import quantize_bound
+
+from cgx2.codecs import maxmin
+from cgx2.codecs.layout import ChunkedLayout, MaxMinLayout
+from cgx2.codecs.packing import pack_levels, unpack_levels
+from cgx2.codecs.philox import bucket_uniforms, philox4x32
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+LENGTHS = [0, 1, 7, 1009, 3 * 512 + 5]
+
+
+def _x(n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, generator=g) * 3 + 1).to(dtype)
+
+
+# ----------------------------------------------------------------------------- format
+
+
+def test_layout_of_4_bit_buckets_is_7_76x_smaller_than_fp32():
+    layout = MaxMinLayout(512 * 1000, bits=4, bucket_size=512)
+    assert layout.num_buckets == 1000
+    assert layout.bucket_stride == 256
+    assert layout.levels_offset == 8000
+    assert layout.nbytes == 8000 + 256 * 1000
+    assert 512 * 1000 * 4 / layout.nbytes == pytest.approx(7.757, abs=1e-3)
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_every_bit_width_packs_8_values_into_bits_bytes(bits):
+    levels = torch.arange(8) % (1 << bits)
+    expected = sum(int(v) << (bits * k) for k, v in enumerate(levels)).to_bytes(bits, "little")
+    assert bytes(pack_levels(levels.view(1, 8), bits).view(-1).tolist()) == expected
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("m", [1, 8, 13, 512])
+def test_pack_unpack_roundtrip(bits, m):
+    levels = torch.randint(0, 1 << bits, (3, m))
+    packed = pack_levels(levels, bits)
+    assert packed.shape == (3, -(-m // 8) * bits)
+    assert torch.equal(unpack_levels(packed, bits, m), levels)
+
+
+def test_payload_regions():
+    """Meta (min, step) as fp32 pairs first, raw tail next, levels 16-byte aligned."""
+    x = torch.tensor([0.0, 1.0, 2.0, 3.0] * 4 + [5.0, 6.0, 7.0])  # 2 buckets of 8, tail of 3
+    layout = MaxMinLayout(19, bits=2, bucket_size=8, skip_incomplete=True)
+    payload = maxmin.encode(x, 2, 8, key=1, skip_incomplete=True)
+    assert payload.numel() == layout.nbytes == 48
+    meta = payload[:16].view(torch.float32).view(2, 2)
+    assert torch.equal(meta, torch.tensor([[0.0, 1.0], [0.0, 1.0]]))
+    assert torch.equal(payload[16:28].view(torch.float32), torch.tensor([5.0, 6.0, 7.0]))
+    assert layout.levels_offset == 32
+    # step 1, values on the grid: r < 1 never rounds them up, so levels are the values.
+    assert payload[32:36].tolist() == [0b11100100] * 4
+
+
+# ----------------------------------------------------------------------------- philox
+
+
+def test_philox_matches_random123_known_answers():
+    def run(ctr, key):
+        c = [torch.tensor([v]) for v in ctr]
+        return [int(w) for w in philox4x32(*c, key)]
+
+    assert run((0, 0, 0, 0), 0) == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
+    ones = 0xFFFFFFFF
+    assert run((ones,) * 4, (ones << 32) | ones) == [0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD]
+    pi = (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344)
+    assert run(pi, (0x299F31D0 << 32) | 0xA4093822) == [
+        0xD16CFE09,
+        0x94FDCCEB,
+        0x5001E420,
+        0x24126EA1,
+    ]
+
+
+def test_uniforms_cover_unit_interval_and_depend_on_key_and_stream():
+    r = bucket_uniforms(key=7, num_buckets=64, bucket_size=512)
+    assert r.dtype == torch.float32 and r.shape == (64, 512)
+    assert 0 <= r.min() and r.max() < 1
+    assert abs(r.mean().item() - 0.5) < 0.005
+    assert not torch.equal(r, bucket_uniforms(8, 64, 512))
+    assert not torch.equal(r, bucket_uniforms(7, 64, 512, stream=1))
+    assert torch.equal(r, bucket_uniforms(7, 64, 512))
+
+
+# ----------------------------------------------------------------------------- accuracy
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("skip", [False, True])
+def test_error_within_one_step_of_its_bucket(bits, dtype, skip):
+    for n in LENGTHS:
+        x = _x(n, dtype, seed=n)
+        payload = maxmin.encode(x, bits, 512, key=n, skip_incomplete=skip)
+        assert payload.numel() == MaxMinLayout(n, bits, 512, skip).nbytes
+        y = maxmin.decode(payload, n, bits, 512, torch.float32, skip)
+        err = (y.double() - x.double()).abs()
+        assert (err <= quantize_bound(x, bits, 512)).all(), (n, err.max())
+        if skip:  # the incomplete tail is sent raw: exact
+            tail = n - n // 512 * 512
+            assert torch.equal(y[n - tail :], x[n - tail :].float())
+
+
+def test_a_few_million_values():
+    x = _x(3_000_017, torch.float32)
+    y = maxmin.decode(maxmin.encode(x, 4, 512, key=3), x.numel(), 4, 512)
+    assert ((y.double() - x.double()).abs() <= quantize_bound(x, 4, 512)).all()
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_stochastic_rounding_is_unbiased(bits):
+    """K copies of x land in different buckets, hence get independent random numbers."""
+    n, copies = 1024, 2048
+    x = _x(n, torch.float32, seed=5)
+    y = maxmin.decode(maxmin.encode(x.repeat(copies), bits, 512, key=11), n * copies, bits, 512)
+    err = (y.view(copies, n).double() - x.double()).mean(0)
+    # Stochastic rounding to a grid of step s has variance <= s^2/4 per value.
+    sigma = quantize_bound(x, bits, 512) / 2 / copies**0.5
+    assert (err.abs() <= 6 * sigma).all()
+    assert abs(err.sum().item()) <= 6 * (sigma**2).sum().sqrt().item()
+
+
+def test_deterministic_rounding_would_fail_the_unbiasedness_check():
+    """The statistic above detects a bias of a fraction of a step."""
+    x = _x(1024, torch.float32, seed=5)
+    step = quantize_bound(x, 2, 512)
+    lo = x.view(2, 512).amin(1).repeat_interleave(512)
+    floored = lo + torch.floor((x - lo) / step) * step
+    sigma = step / 2 / 2048**0.5
+    assert abs((floored - x).double().sum().item()) > 6 * (sigma**2).sum().sqrt().item()
+
+
+def test_constant_bucket_is_exact():
+    x = torch.full((1000,), 3.25)
+    assert torch.equal(maxmin.decode(maxmin.encode(x, 1, 512, key=0), 1000, 1, 512), x)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_value_makes_its_bucket_nan_and_leaves_others_alone(bad):
+    x = _x(2048, torch.float32)
+    x[700] = bad
+    y = maxmin.decode(maxmin.encode(x, 4, 512, key=0), 2048, 4, 512)
+    assert torch.isnan(y[512:1024]).all()
+    assert torch.isfinite(y[:512]).all() and torch.isfinite(y[1024:]).all()
+
+
+def test_same_seed_same_bytes_other_seed_other_bytes():
+    x = _x(5000, torch.float32)
+    a = maxmin.encode(x, 3, 512, key=42)
+    assert torch.equal(a, maxmin.encode(x.clone(), 3, 512, key=42))
+    assert not torch.equal(a, maxmin.encode(x, 3, 512, key=43))
+    assert not torch.equal(a, maxmin.encode(x, 3, 512, key=42, stream=1))
+
+
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float64])
+def test_decode_returns_requested_dtype(dtype):
+    x = _x(600, dtype)
+    y = maxmin.decode(maxmin.encode(x, 8, 512, key=0), 600, 8, 512, dtype)
+    ref = maxmin.decode(maxmin.encode(x, 8, 512, key=0), 600, 8, 512).to(dtype)
+    assert y.dtype == dtype and torch.equal(y, ref)
+
+
+def test_bucket_size_not_multiple_of_8_and_larger_than_a_tile():
+    for bucket in (3, 100, 3000):
+        x = _x(7001, torch.float32)
+        y = maxmin.decode(maxmin.encode(x, 5, bucket, key=1), 7001, 5, bucket)
+        assert ((y.double() - x.double()).abs() <= quantize_bound(x, 5, bucket)).all()
+
+
+# ----------------------------------------------------------------------------- chunks & sums
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("n", [0, 1, 1000, 4 * 512 + 7])
+def test_chunks_split_at_bucket_boundaries_and_roundtrip(world, n):
+    layout = ChunkedLayout.split(n, world, 4, 512, skip_incomplete=False)
+    sizes = [layout.chunk_size(j) for j in range(world)]
+    assert sum(sizes) == n
+    assert all(layout.chunk_start(j) % 512 == 0 for j in range(world) if sizes[j])
+    x = _x(n, torch.float32)
+    rows = maxmin.encode_chunks(x, layout, key=9)
+    assert rows.shape == (world, layout.payload_nbytes)
+    y = maxmin.decode_chunks(rows, layout, torch.float32)
+    assert ((y.double() - x.double()).abs() <= quantize_bound(x, 4, 512)).all()
+
+
+def test_decode_sum_encode_sums_rows_in_fp32_then_quantizes():
+    n, rows = 3000, 3
+    parts = [_x(n, torch.float32, seed=s) for s in range(rows)]
+    own = _x(n, torch.bfloat16, seed=9)
+    payloads = torch.stack([maxmin.encode(p, 8, 512, key=s) for s, p in enumerate(parts)])
+    decoded = [maxmin.decode(p, n, 8, 512) for p in payloads]
+    out = maxmin.decode_sum_encode(payloads, n, own, 1, 0.25, 8, 512, key=5)
+    total = (own.float() + decoded[0] + decoded[2]) * 0.25  # row 1 is "own"
+    y = maxmin.decode(out, n, 8, 512)
+    assert ((y.double() - total.double()).abs() <= quantize_bound(total, 8, 512)).all()

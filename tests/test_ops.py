@@ -1,0 +1,86 @@
+"""torch.ops.cgx.quantize / dequantize: validation, opcheck, torch.compile."""
+
+import pytest
+import torch
+
+import cgx2
+from cgx2.codecs import maxmin
+from cgx2.codecs.layout import MaxMinLayout
+from cgx2.seeding import derive_key
+
+
+def test_quantize_op_is_the_reference_codec_keyed_by_seed():
+    x = torch.randn(3000)
+    payload = torch.ops.cgx.quantize(x, 4, 512, 7)
+    assert torch.equal(payload, maxmin.encode(x, 4, 512, derive_key(7)))
+    y = torch.ops.cgx.dequantize(payload, 3000, 4, 512, torch.bfloat16)
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, maxmin.decode(payload, 3000, 4, 512, torch.bfloat16))
+
+
+def test_unseeded_calls_follow_cgx2_manual_seed():
+    x = torch.randn(3000)
+    cgx2.manual_seed(3)
+    a, b = cgx2.quantize(x, 2), cgx2.quantize(x, 2)
+    cgx2.manual_seed(3)
+    assert torch.equal(a, cgx2.quantize(x, 2))
+    assert not torch.equal(a, b)
+
+
+@pytest.mark.parametrize("bits", [0, 9, 16, 33, -1])
+def test_bits_out_of_range(bits):
+    with pytest.raises(ValueError, match="bits"):
+        torch.ops.cgx.quantize(torch.randn(10), bits)
+    with pytest.raises(ValueError, match="bits"):
+        torch.ops.cgx.dequantize(torch.zeros(64, dtype=torch.uint8), 10, bits)
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64]
+)
+def test_non_float_tensor_is_a_type_error_naming_it(dtype):
+    with pytest.raises(TypeError, match="x must have dtype"):
+        torch.ops.cgx.quantize(torch.zeros(10, dtype=dtype), 4)
+
+
+@pytest.mark.parametrize("bucket_size", [0, -512])
+def test_bucket_size_must_be_positive(bucket_size):
+    with pytest.raises(ValueError, match="bucket_size"):
+        torch.ops.cgx.quantize(torch.randn(10), 4, bucket_size)
+
+
+def test_dequantize_rejects_wrong_payloads():
+    with pytest.raises(TypeError, match="payload"):
+        torch.ops.cgx.dequantize(torch.zeros(64), 10, 4)
+    with pytest.raises(ValueError, match="need 32"):
+        torch.ops.cgx.dequantize(torch.zeros(16, dtype=torch.uint8), 10, 4)
+    with pytest.raises(ValueError, match="numel"):
+        torch.ops.cgx.dequantize(torch.zeros(16, dtype=torch.uint8), -1, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck_quantize_and_dequantize(dtype):
+    x = torch.randn(1500).to(dtype)
+    torch.library.opcheck(torch.ops.cgx.quantize.default, (x, 3, 512, 11))
+    torch.library.opcheck(torch.ops.cgx.quantize.default, (x, 4, 100, 11, True))
+    payload = torch.ops.cgx.quantize(x, 3, 512, 11)
+    torch.library.opcheck(torch.ops.cgx.dequantize.default, (payload, 1500, 3, 512, dtype))
+
+
+def test_fake_payload_size_matches_layout():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        payload = torch.ops.cgx.quantize(torch.empty(5000), 5, 256)
+    assert payload.shape == (MaxMinLayout(5000, 5, 256).nbytes,)
+    assert payload.dtype == torch.uint8
+
+
+def test_compiled_roundtrip_fullgraph_matches_eager():
+    def roundtrip(x: torch.Tensor) -> torch.Tensor:
+        payload = torch.ops.cgx.quantize(x * 2, 4, 512, 5)
+        return torch.ops.cgx.dequantize(payload, x.numel(), 4, 512, x.dtype).view_as(x) + 1
+
+    x = torch.randn(64, 48)
+    compiled = torch.compile(roundtrip, fullgraph=True, backend="inductor")
+    assert torch.equal(compiled(x), roundtrip(x))
