@@ -102,7 +102,7 @@ PROFILES = {
         9,
         M16,
     ),
-    "tiny": Profile("tiny", (1, 1000), (5003,), (2, 4), 20_000, (700, 5000), (1, 1000), 9, 65_536),
+    "tiny": Profile("tiny", (1, 1000), (5003,), (2, 4), 20_000, (700, 2500), (1, 1000), 9, 16_384),
 }
 
 
@@ -238,11 +238,15 @@ def compare_bytes(
         return None
     g, w = got.reshape(-1), want.reshape(-1)
     bad = (g != w).nonzero().flatten()
-    first = bad[:4].tolist()
     parts = [f"{bad.numel()} of {g.numel()} bytes differ"]
-    for i in first:
-        loc = f" [{where(i)}]" if where else ""
-        parts.append(f"@{i}{loc}: got {int(g[i])} want {int(w[i])}")
+    for i in bad[:4].tolist():
+        region = where(i) if where else ""
+        part = f"@{i}" + (f" [{region}]" if region else "") + f": got {int(g[i])} want {int(w[i])}"
+        if region.startswith(("meta", "raw")) or ": meta" in region or ": raw" in region:
+            a = i // 4 * 4  # meta and raw words are 4-byte aligned (rows are 16-byte multiples)
+            gf, wf = g[a : a + 4].view(F32).item(), w[a : a + 4].view(F32).item()
+            part += f" (fp32 word: got {gf!r} want {wf!r})"
+        parts.append(part)
     return "; ".join(parts)
 
 
@@ -255,10 +259,16 @@ def compare_values(got: torch.Tensor, want: torch.Tensor, bucket: int) -> str | 
         return None
     bad = (gi != wi).nonzero().flatten()
     parts = [f"{bad.numel()} of {got.numel()} values differ"]
+    g, w = got[bad].float(), want[bad].float()
+    if bool((g.isnan() & w.isnan()).all()):
+        parts.append("all of them NaN in both: only the NaN bit pattern differs")
+    elif bool(((g == 0) & (w == 0)).all()):
+        parts.append("all of them zero in both: only the sign of zero differs")
+    mask = (1 << (8 * got.element_size())) - 1
     for i in bad[:4].tolist():
         parts.append(
-            f"@{i} (bucket {i // bucket}): got {got[i].item()!r} ({int(gi[i]):#x}) "
-            f"want {want[i].item()!r} ({int(wi[i]):#x})"
+            f"@{i} (bucket {i // bucket}): got {got[i].item()!r} ({int(gi[i]) & mask:#x}) "
+            f"want {want[i].item()!r} ({int(wi[i]) & mask:#x})"
         )
     return "; ".join(parts)
 
@@ -276,7 +286,13 @@ class CheckResult:
 
 @dataclass
 class Checker:
+    """Runs the Triton kernels on ``device`` and the torch reference on ``ref_device``.
+
+    The reference is exact only where torch computes each fp32 operation with IEEE rounding;
+    on the CPU it does (see the ``ref_consistency`` section of the report for CUDA)."""
+
     device: torch.device
+    ref_device: torch.device
     results: list[CheckResult] = field(default_factory=list)
 
     def record(self, name: str, fn: Callable[[], str | None]) -> None:
@@ -292,55 +308,76 @@ class Checker:
             print(f"FAIL {name}: {res.detail}", flush=True)
 
     def run_case(self, c: Case) -> None:
-        dev = self.device
+        dev, rdev = self.device, self.ref_device
         seed = (c.numel * 131 + c.bits * 17 + c.bucket + int(c.skip)) % (2**31)
         x = make_input(c.numel, c.dtype, dev, seed, c.data, c.bucket)
+        xr = x.to(rdev)
         lay = MaxMinLayout(c.numel, c.bits, c.bucket, c.skip)
         args = (c.bits, c.bucket)
 
         def where(i: int) -> str:
             return _region(lay, i)
 
-        want_payload = ref.encode(x, *args, c.key, STREAM, c.skip)
+        want_payload = ref.encode(xr, *args, c.key, STREAM, c.skip)
+        payload = want_payload.to(dev)
         if "encode" in c.ops:
             self.record(
                 f"encode {c.label}",
                 lambda: compare_bytes(
-                    tri.encode(x, *args, c.key, STREAM, c.skip), want_payload, where
+                    tri.encode(x, *args, c.key, STREAM, c.skip).to(rdev), want_payload, where
                 ),
             )
         if "decode" in c.ops:
             self.record(
                 f"decode {c.label}",
                 lambda: compare_values(
-                    tri.decode(want_payload, c.numel, *args, c.dtype, c.skip),
+                    tri.decode(payload, c.numel, *args, c.dtype, c.skip).to(rdev),
                     ref.decode(want_payload, c.numel, *args, c.dtype, c.skip),
                     c.bucket,
                 ),
             )
         dse_ops = [op for op in c.ops if op.startswith("dse")]
         if dse_ops:
+            # Input rows: any valid payloads will do; the (fast) kernels write them.
             rows = torch.zeros(K, lay.nbytes, dtype=torch.uint8, device=dev)
             for w in range(K):
                 xw = make_input(c.numel, c.dtype, dev, seed + 1000 + w, c.data, c.bucket)
-                ref.encode(xw, *args, c.key, w, c.skip, out=rows[w])
+                tri.encode(xw, *args, c.key, w, c.skip, out=rows[w])
+            rows_r = rows.to(rdev)
             own = make_input(c.numel, c.dtype, dev, seed + 2000, c.data, c.bucket)
+            own_r = own.to(rdev)
             variants = {
-                "dse": (own, OWN_INDEX, 0.25),
-                "dse_noscale": (own, OWN_INDEX, None),
-                "dse_noown": (None, -1, 0.25),
+                "dse": (OWN_INDEX, 0.25, True),
+                "dse_noscale": (OWN_INDEX, None, True),
+                "dse_noown": (-1, 0.25, False),
             }
             for op in dse_ops:
-                o, idx, scale = variants[op]
+                idx, scale, has_own = variants[op]
                 name = f"{op}(K={K},own_index={idx},scale={scale}) {c.label}"
                 self.record(
                     name,
-                    lambda o=o, idx=idx, scale=scale: compare_bytes(
+                    lambda idx=idx, scale=scale, h=has_own: compare_bytes(
                         tri.decode_sum_encode(
-                            rows, c.numel, o, idx, scale, *args, c.key, DSE_STREAM, c.skip
-                        ),
+                            rows,
+                            c.numel,
+                            own if h else None,
+                            idx,
+                            scale,
+                            *args,
+                            c.key,
+                            DSE_STREAM,
+                            c.skip,
+                        ).to(rdev),
                         ref.decode_sum_encode(
-                            rows, c.numel, o, idx, scale, *args, c.key, DSE_STREAM, c.skip
+                            rows_r,
+                            c.numel,
+                            own_r if h else None,
+                            idx,
+                            scale,
+                            *args,
+                            c.key,
+                            DSE_STREAM,
+                            c.skip,
                         ),
                         where,
                     ),
@@ -352,28 +389,31 @@ class Checker:
                 row, off = divmod(i, max(cl.payload_nbytes, 1))
                 return f"row {row}: " + _region(cl.chunk(row), off)
 
-            want_rows = ref.encode_chunks(x, cl, c.key)
+            want_rows = ref.encode_chunks(xr, cl, c.key)
             for skip_chunk in (-1, 1):
                 self.record(
                     f"encode_chunks(K={K},skip_chunk={skip_chunk}) {c.label}",
                     lambda s=skip_chunk: compare_bytes(
-                        tri.encode_chunks(x, cl, c.key, s),
-                        want_rows if s == -1 else ref.encode_chunks(x, cl, c.key, s),
+                        tri.encode_chunks(x, cl, c.key, s).to(rdev),
+                        want_rows if s == -1 else ref.encode_chunks(xr, cl, c.key, s),
                         where_row,
                     ),
                 )
+            rows_dev = want_rows.to(dev)
             self.record(
                 f"decode_chunks(K={K}) {c.label}",
                 lambda: compare_values(
-                    tri.decode_chunks(want_rows, cl, c.dtype),
+                    tri.decode_chunks(rows_dev, cl, c.dtype).to(rdev),
                     ref.decode_chunks(want_rows, cl, c.dtype),
                     c.bucket,
                 ),
             )
 
 
-def run_checks(prof: Profile, device: torch.device, budget_s: float) -> list[CheckResult]:
-    checker = Checker(device)
+def run_checks(
+    prof: Profile, device: torch.device, ref_device: torch.device, budget_s: float
+) -> list[CheckResult]:
+    checker = Checker(device, ref_device)
     cases = build_cases(prof)
     deadline = time.monotonic() + budget_s
     log(f"checks: {len(cases)} cases ({prof.name} sizes), budget {budget_s:.0f} s")
@@ -389,7 +429,11 @@ def run_checks(prof: Profile, device: torch.device, budget_s: float) -> list[Che
             break
         before = len(checker.results)
         t = time.monotonic()
-        checker.run_case(c)
+        try:
+            checker.run_case(c)
+        except Exception as e:  # setup (reference, inputs) crashed: one failure for the case
+            msg = f"raised {type(e).__name__}: {e} | {traceback.format_exc()[-600:]}"
+            checker.record(f"setup {c.label}", lambda msg=msg: msg)
         new = checker.results[before:]
         bad = sum(not r.passed for r in new)
         log(
@@ -401,6 +445,53 @@ def run_checks(prof: Profile, device: torch.device, budget_s: float) -> list[Che
     return checker.results
 
 
+def ref_consistency(device: torch.device) -> list[dict[str, Any]]:
+    """Info, not counted: the torch reference run on ``device`` against the same reference on
+    the CPU (where it defines the bytes), and torch's own division by a Python scalar."""
+    rows: list[dict[str, Any]] = []
+    cpu = torch.device("cpu")
+
+    def add(name: str, detail: str | None) -> None:
+        rows.append({"name": name, "equal": detail is None, "detail": detail or ""})
+
+    for dtype, bits in ((F32, 2), (F32, 4), (F32, 8), (BF16, 4)):
+        n = 1_000_003
+        x = make_input(n, dtype, device, 777)
+        lay = MaxMinLayout(n, bits, 512)
+        add(
+            f"ref.encode {DTYPE_NAME[dtype]} n={n} b={bits}: {device.type} vs cpu",
+            compare_bytes(
+                ref.encode(x, bits, 512, KEY, STREAM).to(cpu),
+                ref.encode(x.to(cpu), bits, 512, KEY, STREAM),
+                lambda i, lay=lay: _region(lay, i),
+            ),
+        )
+    x = make_input(4867, F32, cpu, 778, "edge", 512)
+    payload = ref.encode(x, 4, 512, KEY, STREAM)
+    add(
+        f"ref.decode to bf16 with NaN buckets: {device.type} vs cpu",
+        compare_values(
+            ref.decode(payload.to(device), 4867, 4, 512, BF16).to(cpu),
+            ref.decode(payload, 4867, 4, 512, BF16),
+            512,
+        ),
+    )
+    t = torch.rand(1_000_000, generator=torch.Generator().manual_seed(1)) * 1000
+    for lmax in (3.0, 15.0, 255.0):
+        got = (t.to(device) / lmax).to(cpu)
+        want_div = t / lmax
+        want_mul = t * torch.tensor(1.0 / lmax)
+        diff = int((got != want_div).sum())
+        detail = None
+        if diff:
+            detail = (
+                f"{diff} of {t.numel()} quotients differ from the CPU's; "
+                f"{int((got != want_mul).sum())} differ from x * fp32(1/{lmax:g})"
+            )
+        add(f"torch fp32 tensor / {lmax:g} (Python scalar): {device.type} vs cpu", detail)
+    return rows
+
+
 # --------------------------------------------------------------------------- timing
 
 
@@ -410,12 +501,9 @@ def time_ms(fn: Callable[[], Any], device: torch.device, rep_ms: int) -> float:
     if device.type == "cuda":
         return float(triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"))
     fn()
-    times = []
-    for _ in range(3):
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1e3)
-    return sorted(times)[1]
+    t = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t) * 1e3
 
 
 class CopyBaseline:
@@ -469,7 +557,7 @@ def timing_row(
         "copy_bytes": max(16, moved // 2 // 16 * 16),
         "copy_ms": copy.ms(moved),
         "copy_gbps": cgbps,
-        "frac_of_copy": gbps / cgbps,
+        "frac_of_copy": gbps / cgbps if cgbps else 0.0,
     }
     log(
         f"time {op:<14} {DTYPE_NAME[dtype]} b={bits}: {ms:.3f} ms, {gbps:.0f} GB/s "
@@ -644,16 +732,31 @@ def print_summary(report: dict[str, Any], paths: list[str]) -> None:
         failed = [r for r in checks if r["passed"] is False]
         skipped = [r for r in checks if r["passed"] is None]
         passed = sum(r["passed"] is True for r in checks)
+        edge = sum(" edge" in r["name"] for r in failed)
         print(
-            f"checks: {passed} passed, {len(failed)} failed, {len(skipped)} skipped "
-            f"(budget) in {report['check_seconds']:.1f} s"
+            f"checks: {passed} passed, {len(failed)} failed ({edge} on edge-value data), "
+            f"{len(skipped)} skipped (budget) in {report['check_seconds']:.1f} s; "
+            f"reference on {report['ref_device']}"
         )
+        if failed:
+            by_op: dict[str, int] = {}
+            for r in failed:
+                op = r["name"].split(" ")[0].split("(")[0]
+                by_op[op] = by_op.get(op, 0) + 1
+            print("  failures by op: " + ", ".join(f"{k} {v}" for k, v in sorted(by_op.items())))
         for r in failed[:12]:
             print(f"  FAIL {r['name']}: {r['detail'][:200]}")
         if len(failed) > 12:
             print(f"  ... {len(failed) - 12} more failures (see the JSON / FAIL lines above)")
     else:
         print("checks: skipped (--skip-checks)")
+    info = report["ref_consistency"]
+    if info:
+        same = sum(r["equal"] for r in info)
+        print(f"reference on the GPU vs on the CPU (info, not counted): {same} of {len(info)} same")
+        for r in info:
+            if not r["equal"]:
+                print(f"  differ: {r['name']}: {r['detail'][:160]}")
     rows = report["timing"]
     if rows:
         print(
@@ -671,6 +774,10 @@ def print_summary(report: dict[str, Any], paths: list[str]) -> None:
                 f"{r['bytes_moved'] / 1e6:>10.1f}{r['gbps']:>8.0f}{r['copy_gbps']:>10.0f}"
                 f"{100 * r['frac_of_copy']:>6.0f}%"
             )
+        by_op = {(r["op"], r["dtype"], r["bits"]): r["ms"] for r in rows}
+        if ("torch_ref_enc", "fp32", 4) in by_op and ("encode", "fp32", 4) in by_op:
+            speedup = by_op[("torch_ref_enc", "fp32", 4)] / by_op[("encode", "fp32", 4)]
+            print(f"triton encode fp32 4-bit: {speedup:.1f}x faster than the torch reference")
     elif report.get("timing_error"):
         print(f"timing: FAILED: {report['timing_error'][:300]}")
     else:
@@ -703,6 +810,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="elements of the timed tensor (default 64M, 16M with --quick)",
     )
     ap.add_argument("--rep-ms", type=int, default=200, help="do_bench rep time per measurement")
+    ap.add_argument(
+        "--ref-device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the torch reference runs (default cpu: on CUDA torch divides by a Python "
+        "scalar through its reciprocal, so the reference itself is off by an ulp there)",
+    )
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help=argparse.SUPPRESS)
     ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
@@ -724,6 +838,8 @@ def main() -> int:
     )
     report: dict[str, Any] = {
         "environment": env,
+        "ref_device": None,
+        "ref_consistency": [],
         "profile": prof.name,
         "checks": None,
         "check_seconds": 0.0,
@@ -744,9 +860,17 @@ def main() -> int:
     }
     if not args.skip_checks:
         t = time.monotonic()
-        results = run_checks(prof, device, args.check_budget)
+        ref_device = torch.device(args.ref_device if device.type == "cuda" else "cpu")
+        report["ref_device"] = str(ref_device)
+        results = run_checks(prof, device, ref_device, args.check_budget)
         report["check_seconds"] = time.monotonic() - t
         report["checks"] = [vars(r) for r in results]
+        if device.type != "cpu":
+            log("reference consistency (info)")
+            try:
+                report["ref_consistency"] = ref_consistency(device)
+            except Exception as e:
+                report["ref_consistency"] = [{"name": "error", "equal": False, "detail": str(e)}]
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if not args.skip_timing:

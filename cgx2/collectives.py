@@ -58,6 +58,10 @@ def allreduce_quantized(
     quantized twice (on the way to its owner, and once reduced); the owner's own contribution
     stays in full precision. ``bits`` = 32 is the plain allreduce, exactly; a group of one
     returns a copy of ``t``. ``seed`` None draws the next seed from :mod:`cgx2.seeding`.
+
+    Tensors larger than :data:`PIPELINE_BYTES` are cut into pieces of whole buckets per rank;
+    while one piece is on the wire the next one is encoded (collectives are issued
+    asynchronously, so on GPUs they run on NCCL's stream beside the codec kernels).
     """
     check_float_tensor(t, "tensor")
     check_bits(bits)
@@ -69,26 +73,70 @@ def allreduce_quantized(
     if world == 1 or t.numel() == 0:
         return t.clone(memory_format=torch.contiguous_format)
 
-    rank = dist.get_rank(group)
     seed = next_seed() if seed is None else seed
-    codec = maxmin_codec(t.device)
     flat = t.reshape(-1)
-    layout = ChunkedLayout.split(flat.numel(), world, bits, bucket_size, skip_incomplete)
+    out = torch.empty(flat.numel(), dtype=t.dtype, device=t.device)
+    step = max(1, PIPELINE_BYTES // (t.element_size() * world * bucket_size)) * world * bucket_size
+    pieces = [
+        _Piece(flat[s : s + step], out[s : s + step], i, bits, bucket_size, group, reduce_op,
+               seed, skip_incomplete)  # fmt: skip
+        for i, s in enumerate(range(0, flat.numel(), step))
+    ]
+    # A two-deep software pipeline: scatter piece i, reduce piece i-1, finish piece i-2.
+    for i in range(len(pieces) + 2):
+        if i < len(pieces):
+            pieces[i].scatter()
+        if 0 <= i - 1 < len(pieces):
+            pieces[i - 1].reduce()
+        if 0 <= i - 2 < len(pieces):
+            pieces[i - 2].finish()
+    return out.view(t.shape)
 
-    # Scatter-reduce: chunk j goes to rank j; our own chunk stays in full precision.
-    send = codec.encode_chunks(flat, layout, derive_key(seed, _STAGE_SCATTER, rank), rank)
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    start, size = layout.chunk_start(rank), layout.chunk_size(rank)
-    scale = 1.0 / world if reduce_op == "avg" else None
-    reduced = torch.zeros(layout.payload_nbytes, dtype=torch.uint8, device=t.device)
-    codec.decode_sum_encode(
-        recv, size, flat[start : start + size], rank, scale, bits, bucket_size,
-        derive_key(seed, _STAGE_GATHER), rank, skip_incomplete, out=reduced,
-    )  # fmt: skip
 
-    # Allgather the reduced chunks; every rank (the owner too) decodes the same bytes.
-    gathered = torch.empty(world * layout.payload_nbytes, dtype=torch.uint8, device=t.device)
-    _all_gather_single(gathered, reduced, group=group)
-    rows = gathered.view(world, layout.payload_nbytes)
-    return codec.decode_chunks(rows, layout, t.dtype).view(t.shape)
+PIPELINE_BYTES = 64 << 20
+"""Input bytes per pipeline piece of :func:`allreduce_quantized`."""
+
+
+class _Piece:
+    """One pipeline piece of the scatter-reduce-allgather: its buffers and pending work."""
+
+    def __init__(self, x: torch.Tensor, out: torch.Tensor, index: int, bits: int,
+                 bucket_size: int, group: dist.ProcessGroup, reduce_op: str, seed: int,
+                 skip_incomplete: bool) -> None:  # fmt: skip
+        self.x, self.out, self.index, self.group = x, out, index, group
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.bits, self.bucket_size, self.seed = bits, bucket_size, seed
+        self.scale = 1.0 / self.world if reduce_op == "avg" else None
+        self.codec = maxmin_codec(x.device)
+        self.layout = ChunkedLayout.split(x.numel(), self.world, bits, bucket_size, skip_incomplete)
+
+    def scatter(self) -> None:
+        """Encode the chunks other ranks own; start sending chunk j to rank j."""
+        key = derive_key(self.seed, _STAGE_SCATTER, self.rank, self.index)
+        send = self.codec.encode_chunks(self.x, self.layout, key, skip_chunk=self.rank)
+        self.recv = torch.empty_like(send)
+        self.work = dist.all_to_all_single(self.recv, send, group=self.group, async_op=True)
+
+    def reduce(self) -> None:
+        """Sum the received chunks onto our own (kept in full precision), encode the sum once
+        more, and start gathering every rank's reduced chunk."""
+        self.work.wait()
+        layout, rank = self.layout, self.rank
+        start, size = layout.chunk_start(rank), layout.chunk_size(rank)
+        reduced = torch.zeros(layout.payload_nbytes, dtype=torch.uint8, device=self.x.device)
+        self.codec.decode_sum_encode(
+            self.recv, size, self.x[start : start + size], rank, self.scale, self.bits,
+            self.bucket_size, derive_key(self.seed, _STAGE_GATHER, self.index), rank,
+            layout.skip_incomplete, out=reduced,
+        )  # fmt: skip
+        self.recv = None
+        self.gathered = torch.empty(self.world * layout.payload_nbytes, dtype=torch.uint8,
+                                    device=self.x.device)  # fmt: skip
+        self.work = _all_gather_single(self.gathered, reduced, group=self.group, async_op=True)
+
+    def finish(self) -> None:
+        """Decode every rank's reduced chunk (ours too: all ranks decode the same bytes)."""
+        self.work.wait()
+        rows = self.gathered.view(self.world, self.layout.payload_nbytes)
+        self.codec.decode_chunks(rows, self.layout, self.out.dtype, out=self.out)
+        self.gathered = None

@@ -31,6 +31,16 @@ def _run_cases(cases: list[tuple]) -> list[torch.Tensor]:
     return outs
 
 
+def _run_pipelined(cases: list[tuple], piece_bytes: int) -> list[torch.Tensor]:
+    from cgx2 import collectives
+
+    saved, collectives.PIPELINE_BYTES = collectives.PIPELINE_BYTES, piece_bytes
+    try:
+        return _run_cases(cases)
+    finally:
+        collectives.PIPELINE_BYTES = saved
+
+
 def _plain_equals_dist_all_reduce() -> list[bool]:
     rank = dist.get_rank()
     results = []
@@ -162,6 +172,19 @@ def test_a_few_million_values(dist2):
         (8, torch.bfloat16, 2_000_001, "avg", True),
     ]
     _check(dist2.run(_run_cases, cases), cases, 2)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_pipelined_pieces(dist2, dist4, world):
+    """Small pieces: many in flight at once, the last one short; same guarantees."""
+    pool = dist2 if world == 2 else dist4
+    cases = [
+        (bits, dtype, n, op, skip)
+        for bits, dtype in ((2, torch.float32), (5, torch.bfloat16), (8, torch.float16))
+        for n in (1, 8 * 512 * world + 123, 20 * 512 * world)
+        for op, skip in (("sum", False), ("avg", True))
+    ]
+    _check(pool.run(_run_pipelined, cases, 4 * 512 * world), cases, world)
 
 
 def test_bits_32_is_the_plain_allreduce_exactly(dist2, dist4):

@@ -340,9 +340,16 @@ def encode_chunks(
     return rows
 
 
-def decode_chunks(payloads: torch.Tensor, layout: ChunkedLayout, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of :func:`encode_chunks`: the flat tensor of ``layout.numel`` values."""
-    out = torch.empty(layout.numel, dtype=dtype, device=payloads.device)
+def decode_chunks(
+    payloads: torch.Tensor,
+    layout: ChunkedLayout,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Inverse of :func:`encode_chunks`: the flat tensor of ``layout.numel`` values (written
+    into ``out``, a contiguous tensor of that size and ``dtype``, when given)."""
+    if out is None:
+        out = torch.empty(layout.numel, dtype=dtype, device=payloads.device)
     if layout.numel == 0:
         return out
     buckets, block = _blocks(layout.bucket_size)

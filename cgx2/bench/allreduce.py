@@ -1,0 +1,190 @@
+"""nccl-tests-style benchmark: cgx2's quantized allreduce against the plain allreduce.
+
+Per size it times, inside one run: the backend's ``all_reduce``; ``cgx2.quantized_allreduce``
+at each bits value; a cast to bf16 + allreduce + cast back (what torch's compress hooks do);
+and the speed of light, a bare ``all_to_all`` + ``all_gather`` of the compressed payload
+with no coding. Run it under ``torchrun``; rank 0 prints the table and writes the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import cgx2
+from cgx2.codecs import ChunkedLayout
+
+from .report import environment, format_table, write_json
+
+__all__ = ["main", "parse_size"]
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def parse_size(text: str) -> int:
+    """'64K', '256M', '1G' or a plain number of bytes."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def _size_name(nbytes: int) -> str:
+    for unit, div in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if nbytes >= div and nbytes % div == 0:
+            return f"{nbytes // div}{unit}"
+    return str(nbytes)
+
+
+class Timer:
+    """Median time of ``fn`` over ``iters`` runs after ``warmup``, each started together on all
+    ranks (barrier), timed with CUDA events on GPUs; the slowest rank's median is returned."""
+
+    def __init__(self, device: torch.device, warmup: int, iters: int) -> None:
+        self.device, self.warmup, self.iters = device, warmup, iters
+
+    def _once(self, fn: Callable[[], Any]) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            dist.barrier()
+            torch.cuda.synchronize(self.device)
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+    def __call__(self, fn: Callable[[], Any]) -> float:
+        for _ in range(self.warmup):
+            self._once(fn)
+        median = statistics.median(self._once(fn) for _ in range(self.iters))
+        slowest = torch.tensor([median], dtype=torch.float64, device=self.device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        return float(slowest.item())
+
+
+def _busbw(nbytes: int, ms: float, world: int) -> float:
+    """nccl-tests' allreduce bus bandwidth, GB/s."""
+    return nbytes / (ms * 1e-3) / 1e9 * 2 * (world - 1) / world
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    timer = Timer(device, args.warmup, args.iters)
+    # NCCL averages natively; gloo only sums (values then grow, which does not change speed).
+    native_avg = device.type == "cuda"
+    plain_op = dist.ReduceOp.AVG if native_avg else dist.ReduceOp.SUM
+    rows = []
+    for dtype_name in args.dtypes:
+        dtype = DTYPES[dtype_name]
+        for nbytes in args.sizes:
+            n = nbytes // dtype.itemsize
+            x = torch.randn(n, device=device, dtype=torch.float32).to(dtype)
+            buf = x.clone()
+            plain_ms = timer(lambda: dist.all_reduce(buf, op=plain_op))
+            cast_ms = None
+            if dtype == torch.float32:
+                def cast() -> None:
+                    y = x.to(torch.bfloat16)
+                    dist.all_reduce(y, op=plain_op)
+                    y.to(torch.float32)
+
+                cast_ms = timer(cast)
+            for bits in args.bits:
+                if rank == 0:
+                    print(f"{dtype_name} {_size_name(nbytes)} {bits}-bit", file=sys.stderr, flush=True)
+                layout = ChunkedLayout.split(n, world, bits, args.bucket_size, False)
+                send = torch.randint(0, 255, (world, layout.payload_nbytes), dtype=torch.uint8, device=device)
+                recv = torch.empty_like(send)
+                gathered = torch.empty(world * layout.payload_nbytes, dtype=torch.uint8, device=device)
+
+                def speed_of_light() -> None:
+                    dist.all_to_all_single(recv, send)
+                    _all_gather_single(gathered, recv[0])
+
+                sol_ms = timer(speed_of_light)
+                cgx_ms = timer(lambda: cgx2.quantized_allreduce(x, bits, op="avg", bucket_size=args.bucket_size))
+                rows.append({
+                    "dtype": dtype_name, "bytes": nbytes, "size": _size_name(nbytes), "numel": n,
+                    "bits": bits, "bucket_size": args.bucket_size,
+                    "payload_bytes_per_rank": layout.payload_nbytes,
+                    "plain_ms": plain_ms, "plain_busbw": _busbw(nbytes, plain_ms, world),
+                    "cgx2_ms": cgx_ms, "cgx2_busbw": _busbw(nbytes, cgx_ms, world),
+                    "cast_bf16_ms": cast_ms, "sol_ms": sol_ms,
+                    "speedup_vs_plain": plain_ms / cgx_ms,
+                    "fraction_of_sol": sol_ms / cgx_ms,
+                    "cast_speedup_vs_plain": None if cast_ms is None else plain_ms / cast_ms,
+                })  # fmt: skip
+            del x, buf
+    return {"env": environment(device, world), "args": {k: v for k, v in vars(args).items()}, "rows": rows}
+
+
+COLUMNS = [
+    ("dtype", "dtype", ""), ("size", "size", ""), ("bits", "bits", "d"),
+    ("plain_ms", "plain ms", ".3f"), ("plain_busbw", "busbw GB/s", ".2f"),
+    ("cgx2_ms", "cgx2 ms", ".3f"), ("cgx2_busbw", "busbw GB/s", ".2f"),
+    ("cast_bf16_ms", "bf16-cast ms", ".3f"), ("sol_ms", "SoL ms", ".3f"),
+    ("speedup_vs_plain", "cgx2/plain x", ".2f"), ("fraction_of_sol", "cgx2 % of SoL", ".0%"),
+]  # fmt: skip
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m cgx2.bench", description=__doc__)
+    p.add_argument("--sizes", default="1M,4M,16M,64M,256M,1G", help="tensor sizes in bytes")
+    p.add_argument("--dtypes", default="fp32,bf16", help="fp32, bf16, fp16")
+    p.add_argument("--bits", default="2,4,8")
+    p.add_argument("--bucket-size", type=int, default=512)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--out-dir", default="bench/results", help="where the JSON goes ('' for none)")
+    args = p.parse_args(argv)
+    args.sizes = [parse_size(s) for s in args.sizes.split(",")]
+    args.dtypes = args.dtypes.split(",")
+    args.bits = [int(b) for b in args.bits.split(",")]
+    for d in args.dtypes:
+        if d not in DTYPES:
+            p.error(f"--dtypes: unknown {d!r}; choose from {', '.join(DTYPES)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    if "RANK" not in os.environ:  # a single process without torchrun
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29512")
+    dist.init_process_group(backend)
+    try:
+        report = run(args)
+        if dist.get_rank() == 0:
+            print(format_table(report["rows"], COLUMNS))
+            env = report["env"]
+            print(f"\n{env['device']} x{env['world_size']}, regime {env['regime']}, torch {env['torch']}"
+                  f", NCCL {env.get('nccl', '-')}, busbw = algbw * 2(W-1)/W")  # fmt: skip
+            if args.out_dir:
+                print(f"raw results: {write_json('allreduce', report, args.out_dir)}")
+    finally:
+        dist.destroy_process_group()
+    return 0
