@@ -78,8 +78,17 @@ def allreduce_quantized(
     out = torch.empty(flat.numel(), dtype=t.dtype, device=t.device)
     step = max(1, PIPELINE_BYTES // (t.element_size() * world * bucket_size)) * world * bucket_size
     pieces = [
-        _Piece(flat[s : s + step], out[s : s + step], i, bits, bucket_size, group, reduce_op,
-               seed, skip_incomplete)  # fmt: skip
+        _Piece(
+            flat[s : s + step],
+            out[s : s + step],
+            i,
+            bits,
+            bucket_size,
+            group,
+            reduce_op,
+            seed,
+            skip_incomplete,
+        )
         for i, s in enumerate(range(0, flat.numel(), step))
     ]
     # A two-deep software pipeline: scatter piece i, reduce piece i-1, finish piece i-2.

@@ -92,7 +92,9 @@ class CGXConfig:
         if self.minimal_size < MIN_COMPRESSION_SIZE:
             object.__setattr__(self, "minimal_size", MIN_COMPRESSION_SIZE)
         if self.fusion_buffer_size_mb < 0:
-            raise ValueError(f"fusion_buffer_size_mb must be >= 0, got {self.fusion_buffer_size_mb}")
+            raise ValueError(
+                f"fusion_buffer_size_mb must be >= 0, got {self.fusion_buffer_size_mb}"
+            )
         if self.inner_communicator not in _INNER_COMMUNICATORS:
             raise ValueError(f"inner_communicator must be one of {_INNER_COMMUNICATORS}")
         if self.cross_communicator not in _CROSS_COMMUNICATORS:
@@ -110,11 +112,14 @@ class CGXConfig:
         """
         env = os.environ if environ is None else environ
         bits_allowed = "an integer in 1..8, or 32 for no compression"
-        bits = _int(env, "CGX_COMPRESSION_QUANTIZATION_BITS", UNCOMPRESSED_BITS, 1, 32, bits_allowed)
+        bits = _int(
+            env, "CGX_COMPRESSION_QUANTIZATION_BITS", UNCOMPRESSED_BITS, 1, 32, bits_allowed
+        )
         if not (bits <= 8 or bits == UNCOMPRESSED_BITS):
             raw = env["CGX_COMPRESSION_QUANTIZATION_BITS"]
             raise ValueError(
-                f"CGX_COMPRESSION_QUANTIZATION_BITS={raw!r} is out of range: expected {bits_allowed}"
+                f"CGX_COMPRESSION_QUANTIZATION_BITS={raw!r} is out of range: "
+                f"expected {bits_allowed}"
             )
         return cls(
             quantization_bits=bits,

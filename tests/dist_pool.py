@@ -60,7 +60,7 @@ class DistPool:
                 target=_worker,
                 args=(r, world_size, port, self._tasks[r], self._results),
                 daemon=True,
-            )  # fmt: skip
+            )
             for r in range(world_size)
         ]
         for p in self._procs:
@@ -88,7 +88,7 @@ class DistPool:
         return [out[r] for r in range(self.world_size)]
 
     def close(self) -> None:
-        for q, p in zip(self._tasks, self._procs):
+        for q, p in zip(self._tasks, self._procs, strict=True):
             if p.is_alive():
                 q.put(None)
         for p in self._procs:

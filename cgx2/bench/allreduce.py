@@ -85,56 +85,70 @@ def _busbw(nbytes: int, ms: float, world: int) -> float:
     return nbytes / (ms * 1e-3) / 1e9 * 2 * (world - 1) / world
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def _bench_size(
+    timer: Timer, nbytes: int, dtype_name: str, args: argparse.Namespace, device: torch.device
+) -> list[dict[str, Any]]:
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    timer = Timer(device, args.warmup, args.iters)
+    dtype = DTYPES[dtype_name]
+    n = nbytes // dtype.itemsize
+    x = torch.randn(n, device=device, dtype=torch.float32).to(dtype)
+    buf = x.clone()
     # NCCL averages natively; gloo only sums (values then grow, which does not change speed).
-    native_avg = device.type == "cuda"
-    plain_op = dist.ReduceOp.AVG if native_avg else dist.ReduceOp.SUM
+    plain_op = dist.ReduceOp.AVG if device.type == "cuda" else dist.ReduceOp.SUM
+    plain_ms = timer(lambda: dist.all_reduce(buf, op=plain_op))
+
+    def cast() -> None:
+        y = x.to(torch.bfloat16)
+        dist.all_reduce(y, op=plain_op)
+        y.to(torch.float32)
+
+    cast_ms = timer(cast) if dtype == torch.float32 else None
     rows = []
-    for dtype_name in args.dtypes:
-        dtype = DTYPES[dtype_name]
-        for nbytes in args.sizes:
-            n = nbytes // dtype.itemsize
-            x = torch.randn(n, device=device, dtype=torch.float32).to(dtype)
-            buf = x.clone()
-            plain_ms = timer(lambda: dist.all_reduce(buf, op=plain_op))
-            cast_ms = None
-            if dtype == torch.float32:
-                def cast() -> None:
-                    y = x.to(torch.bfloat16)
-                    dist.all_reduce(y, op=plain_op)
-                    y.to(torch.float32)
+    for bits in args.bits:
+        if rank == 0:
+            print(f"{dtype_name} {_size_name(nbytes)} {bits}-bit", file=sys.stderr, flush=True)
+        layout = ChunkedLayout.split(n, world, bits, args.bucket_size, False)
+        send = torch.randint(
+            0, 255, (world, layout.payload_nbytes), dtype=torch.uint8, device=device
+        )
+        recv = torch.empty_like(send)
+        gathered = torch.empty(world * layout.payload_nbytes, dtype=torch.uint8, device=device)
 
-                cast_ms = timer(cast)
-            for bits in args.bits:
-                if rank == 0:
-                    print(f"{dtype_name} {_size_name(nbytes)} {bits}-bit", file=sys.stderr, flush=True)
-                layout = ChunkedLayout.split(n, world, bits, args.bucket_size, False)
-                send = torch.randint(0, 255, (world, layout.payload_nbytes), dtype=torch.uint8, device=device)
-                recv = torch.empty_like(send)
-                gathered = torch.empty(world * layout.payload_nbytes, dtype=torch.uint8, device=device)
+        def speed_of_light(send=send, recv=recv, gathered=gathered) -> None:
+            dist.all_to_all_single(recv, send)
+            _all_gather_single(gathered, recv[0])
 
-                def speed_of_light() -> None:
-                    dist.all_to_all_single(recv, send)
-                    _all_gather_single(gathered, recv[0])
+        def quantized(bits: int = bits) -> None:
+            cgx2.quantized_allreduce(x, bits, op="avg", bucket_size=args.bucket_size)
 
-                sol_ms = timer(speed_of_light)
-                cgx_ms = timer(lambda: cgx2.quantized_allreduce(x, bits, op="avg", bucket_size=args.bucket_size))
-                rows.append({
-                    "dtype": dtype_name, "bytes": nbytes, "size": _size_name(nbytes), "numel": n,
-                    "bits": bits, "bucket_size": args.bucket_size,
-                    "payload_bytes_per_rank": layout.payload_nbytes,
-                    "plain_ms": plain_ms, "plain_busbw": _busbw(nbytes, plain_ms, world),
-                    "cgx2_ms": cgx_ms, "cgx2_busbw": _busbw(nbytes, cgx_ms, world),
-                    "cast_bf16_ms": cast_ms, "sol_ms": sol_ms,
-                    "speedup_vs_plain": plain_ms / cgx_ms,
-                    "fraction_of_sol": sol_ms / cgx_ms,
-                    "cast_speedup_vs_plain": None if cast_ms is None else plain_ms / cast_ms,
-                })  # fmt: skip
-            del x, buf
-    return {"env": environment(device, world), "args": {k: v for k, v in vars(args).items()}, "rows": rows}
+        sol_ms = timer(speed_of_light)
+        cgx_ms = timer(quantized)
+        rows.append({
+            "dtype": dtype_name, "bytes": nbytes, "size": _size_name(nbytes), "numel": n,
+            "bits": bits, "bucket_size": args.bucket_size,
+            "payload_bytes_per_rank": layout.payload_nbytes,
+            "plain_ms": plain_ms, "plain_busbw": _busbw(nbytes, plain_ms, world),
+            "cgx2_ms": cgx_ms, "cgx2_busbw": _busbw(nbytes, cgx_ms, world),
+            "cast_bf16_ms": cast_ms, "sol_ms": sol_ms,
+            "speedup_vs_plain": plain_ms / cgx_ms,
+            "fraction_of_sol": sol_ms / cgx_ms,
+            "cast_speedup_vs_plain": None if cast_ms is None else plain_ms / cast_ms,
+        })  # fmt: skip
+    return rows
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """All sizes, dtypes and bits; the report every rank returns (rank 0 prints it)."""
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    timer = Timer(device, args.warmup, args.iters)
+    rows = [
+        row
+        for dtype_name in args.dtypes
+        for nbytes in args.sizes
+        for row in _bench_size(timer, nbytes, dtype_name, args, device)
+    ]
+    return {"env": environment(device, dist.get_world_size()), "args": vars(args), "rows": rows}
 
 
 COLUMNS = [
@@ -181,8 +195,10 @@ def main(argv: list[str] | None = None) -> int:
         if dist.get_rank() == 0:
             print(format_table(report["rows"], COLUMNS))
             env = report["env"]
-            print(f"\n{env['device']} x{env['world_size']}, regime {env['regime']}, torch {env['torch']}"
-                  f", NCCL {env.get('nccl', '-')}, busbw = algbw * 2(W-1)/W")  # fmt: skip
+            print(
+                f"\n{env['device']} x{env['world_size']}, regime {env['regime']}, "
+                f"torch {env['torch']}, NCCL {env.get('nccl', '-')}, busbw = algbw * 2(W-1)/W"
+            )
             if args.out_dir:
                 print(f"raw results: {write_json('allreduce', report, args.out_dir)}")
     finally:

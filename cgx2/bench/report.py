@@ -35,7 +35,9 @@ def environment(device: torch.device, world_size: int = 1) -> dict[str, Any]:
     """Metadata of a run: when, where, with what, and how to run it again."""
     env: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "device": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor() or "cpu",
         "world_size": world_size,
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -76,6 +78,6 @@ def format_table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]
             "-" if row.get(k) is None else format(row[k], spec) for k, _, spec in columns
         ])  # fmt: skip
     widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)

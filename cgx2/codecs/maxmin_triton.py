@@ -93,8 +93,18 @@ def _byte_grid(q, qmask, quant, c, BITS: tl.constexpr, B: tl.constexpr, BLOCK: t
 
 
 @triton.jit
-def _pack_store(ptr, level, q, qmask, quant, c, BITS: tl.constexpr, B: tl.constexpr,
-                BUCKETS: tl.constexpr, BLOCK: tl.constexpr):
+def _pack_store(
+    ptr,
+    level,
+    q,
+    qmask,
+    quant,
+    c,
+    BITS: tl.constexpr,
+    B: tl.constexpr,
+    BUCKETS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     k = tl.arange(0, 8).to(tl.int64)
     grouped = tl.reshape(level.to(tl.int64), (BUCKETS, BLOCK // 8, 8))
     word = tl.sum(grouped << (k * BITS)[None, None, :], axis=2)
@@ -104,8 +114,17 @@ def _pack_store(ptr, level, q, qmask, quant, c, BITS: tl.constexpr, B: tl.conste
 
 
 @triton.jit
-def _unpack_load(ptr, q, qmask, quant, c, BITS: tl.constexpr, B: tl.constexpr,
-                 BUCKETS: tl.constexpr, BLOCK: tl.constexpr):
+def _unpack_load(
+    ptr,
+    q,
+    qmask,
+    quant,
+    c,
+    BITS: tl.constexpr,
+    B: tl.constexpr,
+    BUCKETS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     k = tl.arange(0, 8).to(tl.int64)
     off, mask = _byte_grid(q, qmask, quant, c, BITS, B, BLOCK)
     byte = tl.load(ptr + off, mask=mask, other=0).to(tl.int64)
@@ -143,9 +162,25 @@ def _params(lo, hi, bad, BITS: tl.constexpr):
 
 
 @triton.jit
-def _quantize_store(ptr, v, valid, lo, scale, finite, q, qmask, quant, c, stream, k0, k1,
-                    BITS: tl.constexpr, B: tl.constexpr, BUCKETS: tl.constexpr,
-                    BLOCK: tl.constexpr):
+def _quantize_store(
+    ptr,
+    v,
+    valid,
+    lo,
+    scale,
+    finite,
+    q,
+    qmask,
+    quant,
+    c,
+    stream,
+    k0,
+    k1,
+    BITS: tl.constexpr,
+    B: tl.constexpr,
+    BUCKETS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     lmax: tl.constexpr = (1 << BITS) - 1
     r = _uniforms(k0, k1, q, stream, c, BUCKETS, BLOCK)
     level = tl.floor((v - lo[:, None]) * scale[:, None] + r)
@@ -162,9 +197,23 @@ def _store_meta(meta_ptr, q, qmask, lo, step):
 
 
 @triton.jit(do_not_specialize=["numel", "chunk_numel", "k0", "k1", "stream0", "skip_chunk"])
-def _encode_kernel(x_ptr, out_u8, out_f32, numel, chunk_numel, row_nbytes, k0, k1, stream0,
-                   skip_chunk, BITS: tl.constexpr, B: tl.constexpr,
-                   SKIP_INCOMPLETE: tl.constexpr, BUCKETS: tl.constexpr, BLOCK: tl.constexpr):
+def _encode_kernel(
+    x_ptr,
+    out_u8,
+    out_f32,
+    numel,
+    chunk_numel,
+    row_nbytes,
+    k0,
+    k1,
+    stream0,
+    skip_chunk,
+    BITS: tl.constexpr,
+    B: tl.constexpr,
+    SKIP_INCOMPLETE: tl.constexpr,
+    BUCKETS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     j = tl.program_id(1)
     start, nq, quant, levels_at = _geometry(j, numel, chunk_numel, B, SKIP_INCOMPLETE)
     nq = tl.where(j == skip_chunk, 0, nq)
@@ -182,8 +231,25 @@ def _encode_kernel(x_ptr, out_u8, out_f32, numel, chunk_numel, row_nbytes, k0, k
         v = tl.load(x_ptr + e, mask=valid, other=0.0).to(tl.float32)
         lo, hi, bad = _stats(v, valid)
         lo, step, scale, finite = _params(lo, hi, bad, BITS)
-        _quantize_store(lev_ptr, v, valid, lo, scale, finite, q, qmask, quant, 0, stream, key0,
-                        key1, BITS, B, BUCKETS, BLOCK)
+        _quantize_store(
+            lev_ptr,
+            v,
+            valid,
+            lo,
+            scale,
+            finite,
+            q,
+            qmask,
+            quant,
+            0,
+            stream,
+            key0,
+            key1,
+            BITS,
+            B,
+            BUCKETS,
+            BLOCK,
+        )
     else:
         lo = tl.full((BUCKETS,), float("inf"), tl.float32)
         hi = tl.full((BUCKETS,), float("-inf"), tl.float32)
@@ -199,15 +265,43 @@ def _encode_kernel(x_ptr, out_u8, out_f32, numel, chunk_numel, row_nbytes, k0, k
         for t in range(NUM_TILES):
             e, valid = _tile(q, qmask, quant, t * BLOCK, B, BLOCK)
             v = tl.load(x_ptr + e, mask=valid, other=0.0).to(tl.float32)
-            _quantize_store(lev_ptr, v, valid, lo, scale, finite, q, qmask, quant, t * BLOCK,
-                            stream, key0, key1, BITS, B, BUCKETS, BLOCK)
+            _quantize_store(
+                lev_ptr,
+                v,
+                valid,
+                lo,
+                scale,
+                finite,
+                q,
+                qmask,
+                quant,
+                t * BLOCK,
+                stream,
+                key0,
+                key1,
+                BITS,
+                B,
+                BUCKETS,
+                BLOCK,
+            )
     _store_meta(out_f32 + row // 4, q, qmask, lo, step)
 
 
 @triton.jit(do_not_specialize=["numel", "chunk_numel"])
-def _decode_kernel(in_u8, in_f32, out_ptr, numel, chunk_numel, row_nbytes, BITS: tl.constexpr,
-                   B: tl.constexpr, SKIP_INCOMPLETE: tl.constexpr, OUT_BF16: tl.constexpr,
-                   BUCKETS: tl.constexpr, BLOCK: tl.constexpr):
+def _decode_kernel(
+    in_u8,
+    in_f32,
+    out_ptr,
+    numel,
+    chunk_numel,
+    row_nbytes,
+    BITS: tl.constexpr,
+    B: tl.constexpr,
+    SKIP_INCOMPLETE: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    BUCKETS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     j = tl.program_id(1)
     start, nq, quant, levels_at = _geometry(j, numel, chunk_numel, B, SKIP_INCOMPLETE)
     q = tl.program_id(0).to(tl.int64) * BUCKETS + tl.arange(0, BUCKETS)
@@ -217,8 +311,9 @@ def _decode_kernel(in_u8, in_f32, out_ptr, numel, chunk_numel, row_nbytes, BITS:
     step = tl.load(in_f32 + row // 4 + 2 * q + 1, mask=qmask, other=0.0)
     NUM_TILES: tl.constexpr = (B + BLOCK - 1) // BLOCK
     for t in tl.static_range(NUM_TILES):
-        level = _unpack_load(in_u8 + row + levels_at, q, qmask, quant, t * BLOCK, BITS, B,
-                             BUCKETS, BLOCK)
+        level = _unpack_load(
+            in_u8 + row + levels_at, q, qmask, quant, t * BLOCK, BITS, B, BUCKETS, BLOCK
+        )
         e, valid = _tile(q, qmask, quant, t * BLOCK, B, BLOCK)
         value = lo[:, None] + step[:, None] * level
         if OUT_BF16:
@@ -227,9 +322,26 @@ def _decode_kernel(in_u8, in_f32, out_ptr, numel, chunk_numel, row_nbytes, BITS:
 
 
 @triton.jit
-def _sum_tile(in_u8, in_f32, own_ptr, row_nbytes, num_rows, own_index, scale, q, qmask, quant,
-              levels_at, c, BITS: tl.constexpr, B: tl.constexpr, HAS_OWN: tl.constexpr,
-              HAS_SCALE: tl.constexpr, BUCKETS: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_tile(
+    in_u8,
+    in_f32,
+    own_ptr,
+    row_nbytes,
+    num_rows,
+    own_index,
+    scale,
+    q,
+    qmask,
+    quant,
+    levels_at,
+    c,
+    BITS: tl.constexpr,
+    B: tl.constexpr,
+    HAS_OWN: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    BUCKETS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """(own + sum of decoded rows, in row order) * scale for one tile, in fp32."""
     e, valid = _tile(q, qmask, quant, c, B, BLOCK)
     if HAS_OWN:
@@ -241,8 +353,9 @@ def _sum_tile(in_u8, in_f32, own_ptr, row_nbytes, num_rows, own_index, scale, q,
             row = row_nbytes.to(tl.int64) * w
             lo = tl.load(in_f32 + row // 4 + 2 * q, mask=qmask, other=0.0)
             step = tl.load(in_f32 + row // 4 + 2 * q + 1, mask=qmask, other=0.0)
-            level = _unpack_load(in_u8 + row + levels_at, q, qmask, quant, c, BITS, B, BUCKETS,
-                                 BLOCK)
+            level = _unpack_load(
+                in_u8 + row + levels_at, q, qmask, quant, c, BITS, B, BUCKETS, BLOCK
+            )
             acc = acc + (lo[:, None] + step[:, None] * level)
     if HAS_SCALE:
         acc = acc * scale
@@ -250,11 +363,28 @@ def _sum_tile(in_u8, in_f32, own_ptr, row_nbytes, num_rows, own_index, scale, q,
 
 
 @triton.jit(do_not_specialize=["numel", "num_rows", "own_index", "k0", "k1", "stream"])
-def _decode_sum_encode_kernel(in_u8, in_f32, own_ptr, out_u8, out_f32, numel, row_nbytes,
-                              num_rows, own_index, scale, k0, k1, stream, BITS: tl.constexpr,
-                              B: tl.constexpr, SKIP_INCOMPLETE: tl.constexpr,
-                              HAS_OWN: tl.constexpr, HAS_SCALE: tl.constexpr,
-                              BUCKETS: tl.constexpr, BLOCK: tl.constexpr):
+def _decode_sum_encode_kernel(
+    in_u8,
+    in_f32,
+    own_ptr,
+    out_u8,
+    out_f32,
+    numel,
+    row_nbytes,
+    num_rows,
+    own_index,
+    scale,
+    k0,
+    k1,
+    stream,
+    BITS: tl.constexpr,
+    B: tl.constexpr,
+    SKIP_INCOMPLETE: tl.constexpr,
+    HAS_OWN: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    BUCKETS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     _, nq, quant, levels_at = _geometry(tl.program_id(1), numel, numel, B, SKIP_INCOMPLETE)
     q = tl.program_id(0).to(tl.int64) * BUCKETS + tl.arange(0, BUCKETS)
     qmask = q < nq
@@ -263,32 +393,117 @@ def _decode_sum_encode_kernel(in_u8, in_f32, own_ptr, out_u8, out_f32, numel, ro
     lev_ptr = out_u8 + levels_at
     NUM_TILES: tl.constexpr = (B + BLOCK - 1) // BLOCK
     if NUM_TILES == 1:
-        v, valid = _sum_tile(in_u8, in_f32, own_ptr, row_nbytes, num_rows, own_index, scale, q,
-                             qmask, quant, levels_at, 0, BITS, B, HAS_OWN, HAS_SCALE, BUCKETS,
-                             BLOCK)
+        v, valid = _sum_tile(
+            in_u8,
+            in_f32,
+            own_ptr,
+            row_nbytes,
+            num_rows,
+            own_index,
+            scale,
+            q,
+            qmask,
+            quant,
+            levels_at,
+            0,
+            BITS,
+            B,
+            HAS_OWN,
+            HAS_SCALE,
+            BUCKETS,
+            BLOCK,
+        )
         lo, hi, bad = _stats(v, valid)
         lo, step, scale_q, finite = _params(lo, hi, bad, BITS)
-        _quantize_store(lev_ptr, v, valid, lo, scale_q, finite, q, qmask, quant, 0, stream, key0,
-                        key1, BITS, B, BUCKETS, BLOCK)
+        _quantize_store(
+            lev_ptr,
+            v,
+            valid,
+            lo,
+            scale_q,
+            finite,
+            q,
+            qmask,
+            quant,
+            0,
+            stream,
+            key0,
+            key1,
+            BITS,
+            B,
+            BUCKETS,
+            BLOCK,
+        )
     else:
         lo = tl.full((BUCKETS,), float("inf"), tl.float32)
         hi = tl.full((BUCKETS,), float("-inf"), tl.float32)
         bad = tl.zeros((BUCKETS,), tl.int32)
         for t in range(NUM_TILES):
-            v, valid = _sum_tile(in_u8, in_f32, own_ptr, row_nbytes, num_rows, own_index, scale,
-                                 q, qmask, quant, levels_at, t * BLOCK, BITS, B, HAS_OWN,
-                                 HAS_SCALE, BUCKETS, BLOCK)
+            v, valid = _sum_tile(
+                in_u8,
+                in_f32,
+                own_ptr,
+                row_nbytes,
+                num_rows,
+                own_index,
+                scale,
+                q,
+                qmask,
+                quant,
+                levels_at,
+                t * BLOCK,
+                BITS,
+                B,
+                HAS_OWN,
+                HAS_SCALE,
+                BUCKETS,
+                BLOCK,
+            )
             t_lo, t_hi, t_bad = _stats(v, valid)
             lo = tl.minimum(lo, t_lo)
             hi = tl.maximum(hi, t_hi)
             bad = tl.maximum(bad, t_bad)
         lo, step, scale_q, finite = _params(lo, hi, bad, BITS)
         for t in range(NUM_TILES):
-            v, valid = _sum_tile(in_u8, in_f32, own_ptr, row_nbytes, num_rows, own_index, scale,
-                                 q, qmask, quant, levels_at, t * BLOCK, BITS, B, HAS_OWN,
-                                 HAS_SCALE, BUCKETS, BLOCK)
-            _quantize_store(lev_ptr, v, valid, lo, scale_q, finite, q, qmask, quant, t * BLOCK,
-                            stream, key0, key1, BITS, B, BUCKETS, BLOCK)
+            v, valid = _sum_tile(
+                in_u8,
+                in_f32,
+                own_ptr,
+                row_nbytes,
+                num_rows,
+                own_index,
+                scale,
+                q,
+                qmask,
+                quant,
+                levels_at,
+                t * BLOCK,
+                BITS,
+                B,
+                HAS_OWN,
+                HAS_SCALE,
+                BUCKETS,
+                BLOCK,
+            )
+            _quantize_store(
+                lev_ptr,
+                v,
+                valid,
+                lo,
+                scale_q,
+                finite,
+                q,
+                qmask,
+                quant,
+                t * BLOCK,
+                stream,
+                key0,
+                key1,
+                BITS,
+                B,
+                BUCKETS,
+                BLOCK,
+            )
     _store_meta(out_f32, q, qmask, lo, step)
 
 
@@ -328,9 +543,22 @@ def encode_chunks(
     grid = (triton.cdiv(max_nq, buckets), layout.num_chunks)
     k0, k1 = _key(key)
     _encode_kernel[grid](
-        flat, rows, _f32(rows), layout.numel, layout.chunk_numel, layout.payload_nbytes, k0, k1,
-        stream0, skip_chunk, BITS=layout.bits, B=layout.bucket_size,
-        SKIP_INCOMPLETE=layout.skip_incomplete, BUCKETS=buckets, BLOCK=block, **_LAUNCH,
+        flat,
+        rows,
+        _f32(rows),
+        layout.numel,
+        layout.chunk_numel,
+        layout.payload_nbytes,
+        k0,
+        k1,
+        stream0,
+        skip_chunk,
+        BITS=layout.bits,
+        B=layout.bucket_size,
+        SKIP_INCOMPLETE=layout.skip_incomplete,
+        BUCKETS=buckets,
+        BLOCK=block,
+        **_LAUNCH,
     )
     for j in range(layout.num_chunks):
         chunk = layout.chunk(j)
@@ -356,9 +584,19 @@ def decode_chunks(
     max_nq = -(-layout.chunk_numel // layout.bucket_size)
     grid = (triton.cdiv(max_nq, buckets), layout.num_chunks)
     _decode_kernel[grid](
-        payloads, _f32(payloads), out, layout.numel, layout.chunk_numel, payloads.shape[1],
-        BITS=layout.bits, B=layout.bucket_size, SKIP_INCOMPLETE=layout.skip_incomplete,
-        OUT_BF16=dtype == torch.bfloat16, BUCKETS=buckets, BLOCK=block, **_LAUNCH,
+        payloads,
+        _f32(payloads),
+        out,
+        layout.numel,
+        layout.chunk_numel,
+        payloads.shape[1],
+        BITS=layout.bits,
+        B=layout.bucket_size,
+        SKIP_INCOMPLETE=layout.skip_incomplete,
+        OUT_BF16=dtype == torch.bfloat16,
+        BUCKETS=buckets,
+        BLOCK=block,
+        **_LAUNCH,
     )
     for j in range(layout.num_chunks):
         chunk = layout.chunk(j)
@@ -428,10 +666,26 @@ def decode_sum_encode(
     k0, k1 = _key(key)
     if layout.num_buckets:
         _decode_sum_encode_kernel[grid](
-            payloads, _f32(payloads), own_flat, out, _f32(out[: layout.nbytes]), numel,
-            payloads.shape[1], payloads.shape[0], own_index, 1.0 if scale is None else scale,
-            k0, k1, stream, BITS=bits, B=bucket_size, SKIP_INCOMPLETE=skip_incomplete,
-            HAS_OWN=own is not None, HAS_SCALE=scale is not None, BUCKETS=buckets, BLOCK=block,
+            payloads,
+            _f32(payloads),
+            own_flat,
+            out,
+            _f32(out[: layout.nbytes]),
+            numel,
+            payloads.shape[1],
+            payloads.shape[0],
+            own_index,
+            1.0 if scale is None else scale,
+            k0,
+            k1,
+            stream,
+            BITS=bits,
+            B=bucket_size,
+            SKIP_INCOMPLETE=skip_incomplete,
+            HAS_OWN=own is not None,
+            HAS_SCALE=scale is not None,
+            BUCKETS=buckets,
+            BLOCK=block,
             **_LAUNCH,
         )
     if layout.raw_numel:

@@ -50,7 +50,9 @@ def _(x, bits, bucket_size=512, seed=-1, skip_incomplete=False):
 def _check_payload(payload: torch.Tensor, numel: int, bits: int, bucket_size: int,
                    skip_incomplete: bool) -> int:  # fmt: skip
     if payload.dtype != torch.uint8 or payload.dim() != 1:
-        raise TypeError(f"payload must be a 1-D uint8 tensor, got {payload.dtype} {payload.dim()}-D")
+        raise TypeError(
+            f"payload must be a 1-D uint8 tensor, got {payload.dtype} {payload.dim()}-D"
+        )
     if numel < 0:
         raise ValueError(f"numel must be >= 0, got {numel}")
     _check_codec_args(bits, bucket_size)
