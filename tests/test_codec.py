@@ -152,6 +152,12 @@ def test_non_finite_value_makes_its_bucket_nan_and_leaves_others_alone(bad):
     assert torch.isfinite(y[:512]).all() and torch.isfinite(y[1024:]).all()
 
 
+def test_negative_zero_minimum_is_stored_as_positive_zero():
+    x = torch.tensor([0.0, -0.0, 1.0, 2.0] * 2)
+    payload = maxmin.encode(x, 2, 8, key=0)
+    assert payload[:4].view(torch.int32).item() == 0  # +0.0, not 0x80000000
+
+
 def test_same_seed_same_bytes_other_seed_other_bytes():
     x = _x(5000, torch.float32)
     a = maxmin.encode(x, 3, 512, key=42)

@@ -59,6 +59,11 @@ def test_bf16_decode_rounds_to_nearest_even_like_torch():
     )
 
 
+def test_signed_zero_buckets_match_reference():
+    x = torch.tensor([-0.0, 0.0, -0.0, 0.0] * 128 + [0.0, -0.0, 3.0, -0.0] * 128).to(DEVICE)
+    assert _same(tri.encode(x, 4, 512, key=0), ref.encode(x.cpu(), 4, 512, key=0))
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_non_finite_buckets_match_reference(bad):
     x = _x(2048, torch.float32)

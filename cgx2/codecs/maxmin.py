@@ -5,7 +5,8 @@ Per bucket of B values (computed in fp32): ``min``, ``max``, ``step = (max - min
 ``floor((v - min) * scale + r)`` clamped to [0, L], with r from :mod:`.philox`; it decodes to
 ``min + step * level``. Each operation is one IEEE fp32 operation (no fused multiply-add), so
 the Triton kernels reproduce the bytes exactly. A bucket holding NaN or +-Inf stores
-min = step = NaN and decodes to NaN: non-finite input is never clipped into finite numbers.
+min = step = NaN (0x7FC00000) and decodes to NaN: non-finite input is never clipped into
+finite numbers. A minimum of -0.0 is stored as +0.0.
 The byte layout is in :mod:`.layout`. Runs on any device; used on the CPU and in tests.
 """
 
@@ -18,6 +19,8 @@ from .packing import pack_levels, unpack_levels
 from .philox import bucket_uniforms
 
 __all__ = ["decode", "decode_chunks", "decode_sum_encode", "encode", "encode_chunks"]
+
+_NAN = float("nan")  # stored as 0x7FC00000, the kernels' NaN too
 
 
 def _new_payload(nbytes: int, device: torch.device, out: torch.Tensor | None) -> torch.Tensor:
@@ -62,13 +65,15 @@ def encode(
         return payload
     rows, covered = _bucket_rows(v, layout)
     lmax = float((1 << bits) - 1)
-    lo = rows.amin(dim=1)
+    lo = rows.amin(dim=1) + 0.0  # + 0.0 turns a -0.0 minimum into +0.0, whichever zero won
     hi = rows.amax(dim=1)
     finite = torch.isfinite(rows).all(dim=1)
     span = hi - lo
-    step = torch.where(finite, span / lmax, float("nan"))
-    lo = torch.where(finite, lo, float("nan"))
-    scale = torch.where(finite & (span > 0), torch.full_like(span, lmax) / span, 0.0)
+    # Tensor / tensor: CUDA divides by a Python scalar as a multiply by its reciprocal.
+    lmax_t = torch.full_like(span, lmax)
+    step = torch.where(finite, span / lmax_t, _NAN)
+    lo = torch.where(finite, lo, _NAN)
+    scale = torch.where(finite & (span > 0), lmax_t / span, 0.0)
     r = bucket_uniforms(key, nq, bucket_size, stream, v.device)
     level = torch.floor((rows - lo[:, None]) * scale[:, None] + r)
     level = torch.where(level > lmax, lmax, level)

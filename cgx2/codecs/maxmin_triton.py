@@ -93,6 +93,17 @@ def _byte_grid(q, qmask, quant, c, BITS: tl.constexpr, B: tl.constexpr, BLOCK: t
 
 
 @triton.jit
+def _word_grid(q, qmask, quant, c, BITS: tl.constexpr, B: tl.constexpr, BLOCK: tl.constexpr):
+    """Word offsets [BUCKETS, BLOCK*BITS/32] of a tile's packed levels, and which to touch."""
+    per: tl.constexpr = 32 // BITS
+    S4: tl.constexpr = (B + 7) // 8 * BITS // 4
+    w = c // per + tl.arange(0, BLOCK // per)
+    first = q[:, None] * B + w[None, :] * per
+    mask = qmask[:, None] & (w[None, :] * per < B) & (first < quant)
+    return q[:, None] * S4 + w[None, :], mask
+
+
+@triton.jit
 def _pack_store(
     ptr,
     level,
@@ -104,13 +115,22 @@ def _pack_store(
     B: tl.constexpr,
     BUCKETS: tl.constexpr,
     BLOCK: tl.constexpr,
+    WORDS: tl.constexpr,
 ):
-    k = tl.arange(0, 8).to(tl.int64)
-    grouped = tl.reshape(level.to(tl.int64), (BUCKETS, BLOCK // 8, 8))
-    word = tl.sum(grouped << (k * BITS)[None, None, :], axis=2)
-    byte = (word[:, :, None] >> (k * 8)[None, None, :]) & 0xFF
-    off, mask = _byte_grid(q, qmask, quant, c, BITS, B, BLOCK)
-    tl.store(ptr + off, byte.to(tl.uint8), mask=mask)
+    if WORDS:
+        off, mask = _word_grid(q, qmask, quant, c, BITS, B, BLOCK)
+        per: tl.constexpr = 32 // BITS
+        k = tl.arange(0, per).to(tl.uint32)
+        grouped = tl.reshape(level.to(tl.uint32), (BUCKETS, BLOCK // per, per))
+        word = tl.sum(grouped << (k * BITS)[None, None, :], axis=2)  # disjoint bits: sum == or
+        tl.store(ptr.to(tl.pointer_type(tl.uint32)) + off, word, mask=mask)
+    else:
+        k = tl.arange(0, 8).to(tl.int64)
+        grouped = tl.reshape(level.to(tl.int64), (BUCKETS, BLOCK // 8, 8))
+        word = tl.sum(grouped << (k * BITS)[None, None, :], axis=2)
+        byte = (word[:, :, None] >> (k * 8)[None, None, :]) & 0xFF
+        off, mask = _byte_grid(q, qmask, quant, c, BITS, B, BLOCK)
+        tl.store(ptr + off, byte.to(tl.uint8), mask=mask)
 
 
 @triton.jit
@@ -124,12 +144,20 @@ def _unpack_load(
     B: tl.constexpr,
     BUCKETS: tl.constexpr,
     BLOCK: tl.constexpr,
+    WORDS: tl.constexpr,
 ):
-    k = tl.arange(0, 8).to(tl.int64)
-    off, mask = _byte_grid(q, qmask, quant, c, BITS, B, BLOCK)
-    byte = tl.load(ptr + off, mask=mask, other=0).to(tl.int64)
-    word = tl.sum(byte << (k * 8)[None, None, :], axis=2)
-    level = (word[:, :, None] >> (k * BITS)[None, None, :]) & ((1 << BITS) - 1)
+    if WORDS:
+        off, mask = _word_grid(q, qmask, quant, c, BITS, B, BLOCK)
+        per: tl.constexpr = 32 // BITS
+        k = tl.arange(0, per).to(tl.uint32)
+        word = tl.load(ptr.to(tl.pointer_type(tl.uint32)) + off, mask=mask, other=0)
+        level = (word[:, :, None] >> (k * BITS)[None, None, :]) & ((1 << BITS) - 1)
+    else:
+        k = tl.arange(0, 8).to(tl.int64)
+        off, mask = _byte_grid(q, qmask, quant, c, BITS, B, BLOCK)
+        byte = tl.load(ptr + off, mask=mask, other=0).to(tl.int64)
+        word = tl.sum(byte << (k * 8)[None, None, :], axis=2)
+        level = (word[:, :, None] >> (k * BITS)[None, None, :]) & ((1 << BITS) - 1)
     return tl.reshape(level, (BUCKETS, BLOCK)).to(tl.float32)
 
 
@@ -154,11 +182,13 @@ def _stats(v, valid):
 @triton.jit
 def _params(lo, hi, bad, BITS: tl.constexpr):
     lmax = tl.full(lo.shape, (1 << BITS) - 1, tl.float32)
+    nan = (tl.zeros(lo.shape, tl.uint32) + 0x7FC00000).to(tl.float32, bitcast=True)
+    lo = lo + 0.0  # a -0.0 minimum becomes +0.0, as in the reference
     finite = bad == 0
     span = hi - lo
-    step = tl.where(finite, tl.math.div_rn(span, lmax), float("nan"))
+    step = tl.where(finite, tl.math.div_rn(span, lmax), nan)
     scale = tl.where(finite & (span > 0), tl.math.div_rn(lmax, span), 0.0)
-    return tl.where(finite, lo, float("nan")), step, scale, finite
+    return tl.where(finite, lo, nan), step, scale, finite
 
 
 @triton.jit
@@ -180,6 +210,7 @@ def _quantize_store(
     B: tl.constexpr,
     BUCKETS: tl.constexpr,
     BLOCK: tl.constexpr,
+    WORDS: tl.constexpr,
 ):
     lmax: tl.constexpr = (1 << BITS) - 1
     r = _uniforms(k0, k1, q, stream, c, BUCKETS, BLOCK)
@@ -187,7 +218,7 @@ def _quantize_store(
     level = tl.where(level > lmax, lmax, level)
     level = tl.where(level >= 0.0, level, 0.0)
     level = tl.where(valid & finite[:, None], level, 0.0)
-    _pack_store(ptr, level, q, qmask, quant, c, BITS, B, BUCKETS, BLOCK)
+    _pack_store(ptr, level, q, qmask, quant, c, BITS, B, BUCKETS, BLOCK, WORDS)
 
 
 @triton.jit
@@ -213,6 +244,7 @@ def _encode_kernel(
     SKIP_INCOMPLETE: tl.constexpr,
     BUCKETS: tl.constexpr,
     BLOCK: tl.constexpr,
+    WORDS: tl.constexpr,
 ):
     j = tl.program_id(1)
     start, nq, quant, levels_at = _geometry(j, numel, chunk_numel, B, SKIP_INCOMPLETE)
@@ -249,6 +281,7 @@ def _encode_kernel(
             B,
             BUCKETS,
             BLOCK,
+            WORDS,
         )
     else:
         lo = tl.full((BUCKETS,), float("inf"), tl.float32)
@@ -283,6 +316,7 @@ def _encode_kernel(
                 B,
                 BUCKETS,
                 BLOCK,
+                WORDS,
             )
     _store_meta(out_f32 + row // 4, q, qmask, lo, step)
 
@@ -301,6 +335,7 @@ def _decode_kernel(
     OUT_BF16: tl.constexpr,
     BUCKETS: tl.constexpr,
     BLOCK: tl.constexpr,
+    WORDS: tl.constexpr,
 ):
     j = tl.program_id(1)
     start, nq, quant, levels_at = _geometry(j, numel, chunk_numel, B, SKIP_INCOMPLETE)
@@ -312,7 +347,7 @@ def _decode_kernel(
     NUM_TILES: tl.constexpr = (B + BLOCK - 1) // BLOCK
     for t in tl.static_range(NUM_TILES):
         level = _unpack_load(
-            in_u8 + row + levels_at, q, qmask, quant, t * BLOCK, BITS, B, BUCKETS, BLOCK
+            in_u8 + row + levels_at, q, qmask, quant, t * BLOCK, BITS, B, BUCKETS, BLOCK, WORDS
         )
         e, valid = _tile(q, qmask, quant, t * BLOCK, B, BLOCK)
         value = lo[:, None] + step[:, None] * level
@@ -327,42 +362,44 @@ def _sum_tile(
     in_f32,
     own_ptr,
     row_nbytes,
-    num_rows,
     own_index,
     scale,
     q,
-    qmask,
+    nq,
     quant,
     levels_at,
     c,
+    NUM_ROWS: tl.constexpr,
     BITS: tl.constexpr,
     B: tl.constexpr,
     HAS_OWN: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     BUCKETS: tl.constexpr,
     BLOCK: tl.constexpr,
+    WORDS: tl.constexpr,
 ):
-    """(own + sum of decoded rows, in row order) * scale for one tile, in fp32."""
-    e, valid = _tile(q, qmask, quant, c, B, BLOCK)
+    """(own + sum of decoded rows, in row order) * scale for one tile, in fp32. The rows are
+    unrolled and row ``own_index`` is masked out (never read) rather than branched around."""
+    e, valid = _tile(q, q < nq, quant, c, B, BLOCK)
     if HAS_OWN:
         acc = tl.load(own_ptr + e, mask=valid, other=0.0).to(tl.float32)
     else:
         acc = tl.zeros((BUCKETS, BLOCK), tl.float32)
-    for w in range(num_rows):
-        if w != own_index:
-            row = row_nbytes.to(tl.int64) * w
-            lo = tl.load(in_f32 + row // 4 + 2 * q, mask=qmask, other=0.0)
-            step = tl.load(in_f32 + row // 4 + 2 * q + 1, mask=qmask, other=0.0)
-            level = _unpack_load(
-                in_u8 + row + levels_at, q, qmask, quant, c, BITS, B, BUCKETS, BLOCK
-            )
-            acc = acc + (lo[:, None] + step[:, None] * level)
+    for w in tl.static_range(NUM_ROWS):
+        row = row_nbytes.to(tl.int64) * w
+        qmask = q < tl.where(w == own_index, 0, nq)
+        lo = tl.load(in_f32 + row // 4 + 2 * q, mask=qmask, other=0.0)
+        step = tl.load(in_f32 + row // 4 + 2 * q + 1, mask=qmask, other=0.0)
+        level = _unpack_load(
+            in_u8 + row + levels_at, q, qmask, quant, c, BITS, B, BUCKETS, BLOCK, WORDS
+        )
+        acc = tl.where(w == own_index, acc, acc + (lo[:, None] + step[:, None] * level))
     if HAS_SCALE:
         acc = acc * scale
     return acc, valid
 
 
-@triton.jit(do_not_specialize=["numel", "num_rows", "own_index", "k0", "k1", "stream"])
+@triton.jit(do_not_specialize=["numel", "own_index", "k0", "k1", "stream"])
 def _decode_sum_encode_kernel(
     in_u8,
     in_f32,
@@ -371,12 +408,12 @@ def _decode_sum_encode_kernel(
     out_f32,
     numel,
     row_nbytes,
-    num_rows,
     own_index,
     scale,
     k0,
     k1,
     stream,
+    NUM_ROWS: tl.constexpr,
     BITS: tl.constexpr,
     B: tl.constexpr,
     SKIP_INCOMPLETE: tl.constexpr,
@@ -384,6 +421,7 @@ def _decode_sum_encode_kernel(
     HAS_SCALE: tl.constexpr,
     BUCKETS: tl.constexpr,
     BLOCK: tl.constexpr,
+    WORDS: tl.constexpr,
 ):
     _, nq, quant, levels_at = _geometry(tl.program_id(1), numel, numel, B, SKIP_INCOMPLETE)
     q = tl.program_id(0).to(tl.int64) * BUCKETS + tl.arange(0, BUCKETS)
@@ -398,20 +436,21 @@ def _decode_sum_encode_kernel(
             in_f32,
             own_ptr,
             row_nbytes,
-            num_rows,
             own_index,
             scale,
             q,
-            qmask,
+            nq,
             quant,
             levels_at,
             0,
+            NUM_ROWS,
             BITS,
             B,
             HAS_OWN,
             HAS_SCALE,
             BUCKETS,
             BLOCK,
+            WORDS,
         )
         lo, hi, bad = _stats(v, valid)
         lo, step, scale_q, finite = _params(lo, hi, bad, BITS)
@@ -433,6 +472,7 @@ def _decode_sum_encode_kernel(
             B,
             BUCKETS,
             BLOCK,
+            WORDS,
         )
     else:
         lo = tl.full((BUCKETS,), float("inf"), tl.float32)
@@ -444,20 +484,21 @@ def _decode_sum_encode_kernel(
                 in_f32,
                 own_ptr,
                 row_nbytes,
-                num_rows,
                 own_index,
                 scale,
                 q,
-                qmask,
+                nq,
                 quant,
                 levels_at,
                 t * BLOCK,
+                NUM_ROWS,
                 BITS,
                 B,
                 HAS_OWN,
                 HAS_SCALE,
                 BUCKETS,
                 BLOCK,
+                WORDS,
             )
             t_lo, t_hi, t_bad = _stats(v, valid)
             lo = tl.minimum(lo, t_lo)
@@ -470,20 +511,21 @@ def _decode_sum_encode_kernel(
                 in_f32,
                 own_ptr,
                 row_nbytes,
-                num_rows,
                 own_index,
                 scale,
                 q,
-                qmask,
+                nq,
                 quant,
                 levels_at,
                 t * BLOCK,
+                NUM_ROWS,
                 BITS,
                 B,
                 HAS_OWN,
                 HAS_SCALE,
                 BUCKETS,
                 BLOCK,
+                WORDS,
             )
             _quantize_store(
                 lev_ptr,
@@ -503,6 +545,7 @@ def _decode_sum_encode_kernel(
                 B,
                 BUCKETS,
                 BLOCK,
+                WORDS,
             )
     _store_meta(out_f32, q, qmask, lo, step)
 
@@ -510,9 +553,13 @@ def _decode_sum_encode_kernel(
 # --------------------------------------------------------------------------- launchers
 
 
-def _blocks(bucket_size: int) -> tuple[int, int]:
+def _blocks(bucket_size: int, bits: int) -> dict[str, int | bool]:
+    """Tile shape, and whether levels move as whole 32-bit words (32/bits levels each, every
+    bucket and tile starting on a word): same bytes as the byte path, wider accesses."""
     block = min(max(triton.next_power_of_2(bucket_size), 8), _MAX_BLOCK)
-    return max(1, _TILE // block), block
+    stride = -(-bucket_size // 8) * bits
+    words = 32 % bits == 0 and stride % 4 == 0 and (block * bits) % 32 == 0
+    return {"BUCKETS": max(1, _TILE // block), "BLOCK": block, "WORDS": words}
 
 
 def _key(key: int) -> tuple[int, int]:
@@ -538,9 +585,9 @@ def encode_chunks(
     rows = torch.zeros(layout.num_chunks, layout.payload_nbytes, dtype=torch.uint8, device=x.device)
     if rows.numel() == 0:
         return rows
-    buckets, block = _blocks(layout.bucket_size)
+    tiles = _blocks(layout.bucket_size, layout.bits)
     max_nq = -(-layout.chunk_numel // layout.bucket_size)
-    grid = (triton.cdiv(max_nq, buckets), layout.num_chunks)
+    grid = (triton.cdiv(max_nq, tiles["BUCKETS"]), layout.num_chunks)
     k0, k1 = _key(key)
     _encode_kernel[grid](
         flat,
@@ -556,8 +603,7 @@ def encode_chunks(
         BITS=layout.bits,
         B=layout.bucket_size,
         SKIP_INCOMPLETE=layout.skip_incomplete,
-        BUCKETS=buckets,
-        BLOCK=block,
+        **tiles,
         **_LAUNCH,
     )
     for j in range(layout.num_chunks):
@@ -580,9 +626,9 @@ def decode_chunks(
         out = torch.empty(layout.numel, dtype=dtype, device=payloads.device)
     if layout.numel == 0:
         return out
-    buckets, block = _blocks(layout.bucket_size)
+    tiles = _blocks(layout.bucket_size, layout.bits)
     max_nq = -(-layout.chunk_numel // layout.bucket_size)
-    grid = (triton.cdiv(max_nq, buckets), layout.num_chunks)
+    grid = (triton.cdiv(max_nq, tiles["BUCKETS"]), layout.num_chunks)
     _decode_kernel[grid](
         payloads,
         _f32(payloads),
@@ -594,8 +640,7 @@ def decode_chunks(
         B=layout.bucket_size,
         SKIP_INCOMPLETE=layout.skip_incomplete,
         OUT_BF16=dtype == torch.bfloat16,
-        BUCKETS=buckets,
-        BLOCK=block,
+        **tiles,
         **_LAUNCH,
     )
     for j in range(layout.num_chunks):
@@ -661,8 +706,8 @@ def decode_sum_encode(
     if numel == 0:
         return out
     own_flat = own.reshape(-1) if own is not None else payloads
-    buckets, block = _blocks(bucket_size)
-    grid = (triton.cdiv(layout.num_buckets, buckets), 1)
+    tiles = _blocks(bucket_size, bits)
+    grid = (triton.cdiv(layout.num_buckets, tiles["BUCKETS"]), 1)
     k0, k1 = _key(key)
     if layout.num_buckets:
         _decode_sum_encode_kernel[grid](
@@ -673,19 +718,18 @@ def decode_sum_encode(
             _f32(out[: layout.nbytes]),
             numel,
             payloads.shape[1],
-            payloads.shape[0],
             own_index,
             1.0 if scale is None else scale,
             k0,
             k1,
             stream,
+            NUM_ROWS=payloads.shape[0],
             BITS=bits,
             B=bucket_size,
             SKIP_INCOMPLETE=skip_incomplete,
             HAS_OWN=own is not None,
             HAS_SCALE=scale is not None,
-            BUCKETS=buckets,
-            BLOCK=block,
+            **tiles,
             **_LAUNCH,
         )
     if layout.raw_numel:
