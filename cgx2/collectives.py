@@ -18,10 +18,10 @@ from .checks import (
     check_float_tensor,
     check_reduce_op,
 )
-from .codecs import ChunkedLayout, maxmin_codec
+from .codecs import ChunkedLayout, maxmin, maxmin_codec
 from .seeding import derive_key, next_seed
 
-__all__ = ["allreduce_plain", "allreduce_quantized"]
+__all__ = ["allreduce_plain", "allreduce_quantized", "reference_allreduce"]
 
 # torch >= 2.13 renamed all_gather_into_tensor; both exist in between.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -76,7 +76,7 @@ def allreduce_quantized(
     seed = next_seed() if seed is None else seed
     flat = t.reshape(-1)
     out = torch.empty(flat.numel(), dtype=t.dtype, device=t.device)
-    step = max(1, PIPELINE_BYTES // (t.element_size() * world * bucket_size)) * world * bucket_size
+    step = _piece_numel(t.element_size(), world, bucket_size)
     pieces = [
         _Piece(
             flat[s : s + step],
@@ -104,6 +104,47 @@ def allreduce_quantized(
 
 PIPELINE_BYTES = 64 << 20
 """Input bytes per pipeline piece of :func:`allreduce_quantized`."""
+
+
+def _piece_numel(element_size: int, world: int, bucket_size: int) -> int:
+    """Values per pipeline piece: whole buckets for every rank, about PIPELINE_BYTES."""
+    per_piece = world * bucket_size
+    return max(1, PIPELINE_BYTES // (element_size * per_piece)) * per_piece
+
+
+def reference_allreduce(
+    inputs: list[torch.Tensor],
+    bits: int,
+    bucket_size: int,
+    seed: int,
+    reduce_op: str = "sum",
+    skip_incomplete: bool = False,
+) -> torch.Tensor:
+    """What :func:`allreduce_quantized` returns on every rank when rank r holds
+    ``inputs[r]``, computed in one process with the torch reference codec (same pieces, keys
+    and order of summation): a bit-exact model of the collective, for tests and checks."""
+    world, x0 = len(inputs), inputs[0]
+    flats = [x.reshape(-1).cpu() for x in inputs]
+    out = torch.empty(x0.numel(), dtype=x0.dtype)
+    scale = 1.0 / world if check_reduce_op(reduce_op) == "avg" else None
+    step = _piece_numel(x0.element_size(), world, bucket_size)
+    for index, s in enumerate(range(0, x0.numel(), step)):
+        pieces = [f[s : s + step] for f in flats]
+        layout = ChunkedLayout.split(pieces[0].numel(), world, bits, bucket_size, skip_incomplete)
+        sent = [
+            maxmin.encode_chunks(p, layout, derive_key(seed, _STAGE_SCATTER, r, index), r)
+            for r, p in enumerate(pieces)
+        ]
+        reduced = torch.zeros(world, layout.payload_nbytes, dtype=torch.uint8)
+        for j in range(world):
+            start, size = layout.chunk_start(j), layout.chunk_size(j)
+            received = torch.stack([sent[r][j] for r in range(world)])
+            maxmin.decode_sum_encode(
+                received, size, pieces[j][start : start + size], j, scale, bits, bucket_size,
+                derive_key(seed, _STAGE_GATHER, index), j, skip_incomplete, out=reduced[j],
+            )  # fmt: skip
+        maxmin.decode_chunks(reduced, layout, x0.dtype, out=out[s : s + pieces[0].numel()])
+    return out.view(x0.shape)
 
 
 class _Piece:

@@ -7,6 +7,8 @@ import torch.distributed as dist
 from bounds import FP32_EPS, allreduce_bound
 
 import cgx2
+from cgx2 import collectives
+from cgx2.collectives import reference_allreduce
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -32,8 +34,6 @@ def _run_cases(cases: list[tuple]) -> list[torch.Tensor]:
 
 
 def _run_pipelined(cases: list[tuple], piece_bytes: int) -> list[torch.Tensor]:
-    from cgx2 import collectives
-
     saved, collectives.PIPELINE_BYTES = collectives.PIPELINE_BYTES, piece_bytes
     try:
         return _run_cases(cases)
@@ -128,14 +128,20 @@ def _compiled_vs_eager() -> tuple[bool, bool, int, int]:
 # ----------------------------------------------------------------------------------- tests
 
 
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return a.dtype == b.dtype and torch.equal(a.view(ints), b.view(ints))
+
+
 def _check(outs_by_rank: list[list[torch.Tensor]], cases: list[tuple], world: int) -> None:
-    for i, (bits, dtype, n, op, _skip) in enumerate(cases):
+    """Same bits on every rank, equal to the single-process model, within the error bound."""
+    for i, (bits, dtype, n, op, skip) in enumerate(cases):
         outs = [r[i] for r in outs_by_rank]
         assert all(o.dtype == dtype and o.shape == (n,) for o in outs), cases[i]
-        assert all(torch.equal(o.view(torch.int16 if o.element_size() == 2 else torch.int32),
-                               outs[0].view(torch.int16 if o.element_size() == 2 else torch.int32))
-                   for o in outs), f"ranks differ: {cases[i]}"  # fmt: skip
+        assert all(_bits_equal(o, outs[0]) for o in outs), f"ranks differ: {cases[i]}"
         inputs = [_input(r, n, dtype) for r in range(world)]
+        model = reference_allreduce(inputs, bits, 512, seed=17, reduce_op=op, skip_incomplete=skip)
+        assert _bits_equal(outs[0], model), f"differs from reference_allreduce: {cases[i]}"
         exact = torch.stack([x.double() for x in inputs]).sum(0)
         bound = allreduce_bound(inputs, bits, 512, dtype)
         if op == "avg":
@@ -178,13 +184,19 @@ def test_a_few_million_values(dist2):
 def test_pipelined_pieces(dist2, dist4, world):
     """Small pieces: many in flight at once, the last one short; same guarantees."""
     pool = dist2 if world == 2 else dist4
+    piece_bytes = 4 * 512 * world
     cases = [
         (bits, dtype, n, op, skip)
         for bits, dtype in ((2, torch.float32), (5, torch.bfloat16), (8, torch.float16))
         for n in (1, 8 * 512 * world + 123, 20 * 512 * world)
         for op, skip in (("sum", False), ("avg", True))
     ]
-    _check(pool.run(_run_pipelined, cases, 4 * 512 * world), cases, world)
+    outs = pool.run(_run_pipelined, cases, piece_bytes)
+    saved, collectives.PIPELINE_BYTES = collectives.PIPELINE_BYTES, piece_bytes
+    try:
+        _check(outs, cases, world)
+    finally:
+        collectives.PIPELINE_BYTES = saved
 
 
 def test_bits_32_is_the_plain_allreduce_exactly(dist2, dist4):

@@ -65,8 +65,9 @@ def encode(
         return payload
     rows, covered = _bucket_rows(v, layout)
     lmax = float((1 << bits) - 1)
-    lo = rows.amin(dim=1) + 0.0  # + 0.0 turns a -0.0 minimum into +0.0, whichever zero won
-    hi = rows.amax(dim=1)
+    # + 0.0 turns -0.0 into +0.0: which zero min/max pick differs between devices.
+    lo = rows.amin(dim=1) + 0.0
+    hi = rows.amax(dim=1) + 0.0
     finite = torch.isfinite(rows).all(dim=1)
     span = hi - lo
     # Tensor / tensor: CUDA divides by a Python scalar as a multiply by its reciprocal.

@@ -152,13 +152,19 @@ def _unpack_load(
         k = tl.arange(0, per).to(tl.uint32)
         word = tl.load(ptr.to(tl.pointer_type(tl.uint32)) + off, mask=mask, other=0)
         level = (word[:, :, None] >> (k * BITS)[None, None, :]) & ((1 << BITS) - 1)
+        level = tl.reshape(level, (BUCKETS, BLOCK))
     else:
-        k = tl.arange(0, 8).to(tl.int64)
-        off, mask = _byte_grid(q, qmask, quant, c, BITS, B, BLOCK)
-        byte = tl.load(ptr + off, mask=mask, other=0).to(tl.int64)
-        word = tl.sum(byte << (k * 8)[None, None, :], axis=2)
-        level = (word[:, :, None] >> (k * BITS)[None, None, :]) & ((1 << BITS) - 1)
-    return tl.reshape(level, (BUCKETS, BLOCK)).to(tl.float32)
+        # A bucket's levels are one little-endian bit stream: level j sits at bit j*BITS,
+        # within the byte at (j*BITS)//8 and, when it straddles, the next one.
+        S: tl.constexpr = (B + 7) // 8 * BITS
+        _, valid = _tile(q, qmask, quant, c, B, BLOCK)
+        bit = (c + tl.arange(0, BLOCK)) * BITS
+        at = q[:, None] * S + (bit // 8)[None, :]
+        shift = (bit % 8)[None, :].to(tl.uint32)
+        low = tl.load(ptr + at, mask=valid, other=0).to(tl.uint32)
+        high = tl.load(ptr + at + 1, mask=valid & (shift + BITS > 8), other=0).to(tl.uint32)
+        level = ((low | (high << 8)) >> shift) & ((1 << BITS) - 1)
+    return level.to(tl.float32)
 
 
 @triton.jit
@@ -183,7 +189,8 @@ def _stats(v, valid):
 def _params(lo, hi, bad, BITS: tl.constexpr):
     lmax = tl.full(lo.shape, (1 << BITS) - 1, tl.float32)
     nan = (tl.zeros(lo.shape, tl.uint32) + 0x7FC00000).to(tl.float32, bitcast=True)
-    lo = lo + 0.0  # a -0.0 minimum becomes +0.0, as in the reference
+    lo = lo + 0.0  # signed zeros become +0.0, as in the reference
+    hi = hi + 0.0
     finite = bad == 0
     span = hi - lo
     step = tl.where(finite, tl.math.div_rn(span, lmax), nan)

@@ -1,0 +1,76 @@
+"""GPU check of the quantized allreduce under torchrun: every rank's result must equal, bit for
+bit, the single-process model ``cgx2.collectives.reference_allreduce`` computed on the CPU.
+
+Run: ``torchrun --nproc-per-node N bench/gpu_allreduce_check.py``; exits 1 on any mismatch.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+import torch.distributed as dist
+
+import cgx2
+from cgx2 import collectives
+
+INT = {2: torch.int16, 4: torch.int32}
+CASES = [
+    # bits, dtype, numel, op, skip_incomplete, pipeline piece bytes (0: default)
+    *[(b, torch.float32, 1_000_007, "avg", False, 0) for b in range(1, 9)],
+    *[(b, torch.bfloat16, 1_000_007, "sum", False, 0) for b in (2, 3, 4, 6, 8)],
+    (4, torch.float16, 100_003, "avg", True, 0),
+    (4, torch.float32, 1, "sum", False, 0),
+    (5, torch.float32, 1009, "sum", True, 0),
+    (4, torch.float32, 4_000_037, "avg", False, 1 << 20),  # many pipeline pieces
+    (3, torch.bfloat16, 4_000_037, "sum", True, 1 << 20),
+]
+
+
+def _input(rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + rank)
+    return (torch.randn(n, generator=g) * (rank + 1) + rank).to(dtype)
+
+
+def main() -> int:
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    failures = 0
+    for bits, dtype, n, op, skip, piece in CASES:
+        collectives.PIPELINE_BYTES = piece or 64 << 20
+        x = _input(rank, n, dtype).cuda()
+        out = cgx2.quantized_allreduce(x, bits, op=op, seed=17, skip_incomplete=skip)
+        outs = [torch.empty_like(out) for _ in range(world)]
+        dist.all_gather(outs, out)
+        same = all(torch.equal(o.view(INT[o.element_size()]), out.view(INT[o.element_size()]))
+                   for o in outs)  # fmt: skip
+        ok = same
+        if rank == 0:
+            inputs = [_input(r, n, dtype) for r in range(world)]
+            model = collectives.reference_allreduce(inputs, bits, 512, 17, op, skip)
+            got = out.cpu()
+            exact = model.view(INT[model.element_size()])
+            diff = got.view(INT[got.element_size()]) != exact
+            diff &= ~(got.isnan() & model.isnan())
+            ok = same and not bool(diff.any())
+            err = got.double() - sum(i.double() for i in inputs) / (world if op == "avg" else 1)
+            print(f"{'ok  ' if ok else 'FAIL'} bits={bits} {str(dtype)[6:]} n={n} {op} "
+                  f"skip={skip} piece={piece or 'default'}: ranks identical={same}, "
+                  f"differ from model={int(diff.sum())}, max|err|={err.abs().max():.4g}",
+                  flush=True)  # fmt: skip
+        flag = torch.tensor([0 if ok else 1], device="cuda")
+        dist.all_reduce(flag)
+        failures += int(flag.item())
+    if rank == 0:
+        print(f"allreduce check on {world} x {torch.cuda.get_device_name()}: "
+              f"{len(CASES) - failures} of {len(CASES)} cases ok")  # fmt: skip
+    dist.destroy_process_group()
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
