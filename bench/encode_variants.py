@@ -33,8 +33,8 @@ def main() -> None:
     print(f"copy {src.numel() >> 20} MiB: {copy_ms:.3f} ms, {copy_gbps:.0f} GB/s")
     base_launch, base_tile = dict(tri._LAUNCH), tri._TILE
     for bits in [int(b) for b in args.bits.split(",")]:
-        for tile in (1024, 2048, 4096, 8192):
-            for warps in (2, 4, 8, 16):
+        for tile in (512, 1024, 2048):
+            for warps in (1, 2, 4, 8):
                 tri._TILE = tile
                 tri._LAUNCH = {**base_launch, "num_warps": warps}
                 for name, x in (("fp32", x32), ("bf16", xbf)):
@@ -46,6 +46,19 @@ def main() -> None:
                     )
                     moved = x.numel() * x.element_size() + payload.numel()
                     print(f"encode {name} bits={bits} tile={tile:5d} warps={warps:2d}: "
+                          f"{ms:.3f} ms {moved / ms / 1e6:6.0f} GB/s "
+                          f"{moved / ms / 1e6 / copy_gbps:4.0%} of copy", flush=True)  # fmt: skip
+                    rows = torch.stack([payload] * 4)
+                    own = x[: x.numel()]
+                    ms = triton.testing.do_bench(
+                        lambda x=x, b=bits, rows=rows: tri.decode_sum_encode(
+                            rows, x.numel(), x, 1, 0.25, b, 512, key=2
+                        ),
+                        rep=100,
+                        return_mode="median",
+                    )
+                    moved = 3 * payload.numel() + own.numel() * own.element_size() + payload.numel()
+                    print(f"dse    {name} bits={bits} tile={tile:5d} warps={warps:2d}: "
                           f"{ms:.3f} ms {moved / ms / 1e6:6.0f} GB/s "
                           f"{moved / ms / 1e6 / copy_gbps:4.0%} of copy", flush=True)  # fmt: skip
     tri._TILE, tri._LAUNCH = base_tile, base_launch

@@ -6,7 +6,7 @@ Per bucket of B values (computed in fp32): ``min``, ``max``, ``step = (max - min
 ``min + step * level``. Each operation is one IEEE fp32 operation (no fused multiply-add), so
 the Triton kernels reproduce the bytes exactly. A bucket holding NaN or +-Inf stores
 min = step = NaN (0x7FC00000) and decodes to NaN: non-finite input is never clipped into
-finite numbers. A minimum of -0.0 is stored as +0.0.
+finite numbers (so does a bucket whose max - min overflows fp32). Zeros are stored as +0.0.
 The byte layout is in :mod:`.layout`. Runs on any device; used on the CPU and in tests.
 """
 
@@ -65,11 +65,12 @@ def encode(
         return payload
     rows, covered = _bucket_rows(v, layout)
     lmax = float((1 << bits) - 1)
-    # + 0.0 turns -0.0 into +0.0: which zero min/max pick differs between devices.
-    lo = rows.amin(dim=1) + 0.0
+    # + 0.0 turns -0.0 into +0.0: which zero min/max pick differs between devices. A NaN
+    # counts as -inf in the min, so any non-finite value makes the span non-finite.
+    lo = torch.where(torch.isnan(rows), -torch.inf, rows).amin(dim=1) + 0.0
     hi = rows.amax(dim=1) + 0.0
-    finite = torch.isfinite(rows).all(dim=1)
     span = hi - lo
+    finite = span < torch.inf
     # Tensor / tensor: CUDA divides by a Python scalar as a multiply by its reciprocal.
     lmax_t = torch.full_like(span, lmax)
     step = torch.where(finite, span / lmax_t, _NAN)

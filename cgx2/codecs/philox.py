@@ -1,9 +1,10 @@
 """Philox4x32-10 in plain torch: the random stream that stochastic rounding uses.
 
-Element j of bucket q in stream s, under a 64-bit key, takes word j%4 of
-Philox4x32-10(counter = (j//4, q_lo, q_hi, s), key = (key_lo, key_hi)) and turns it into
-``(word >> 8) * 2**-24``, a float32 in [0, 1) with no rounding. The Triton kernels compute
-the same words with the same counters, so both produce the same bytes.
+Values 8g..8g+7 of bucket q in stream s, under a 64-bit key, share one call of
+Philox4x32-10(counter = (g, q_lo, q_hi, s), key = (key_lo, key_hi)): value 8g + 4i + 2k + h
+takes the 16-bit half h (0 = low) of word 2k + i, as ``half * 2**-16``, a float32 in [0, 1)
+with no rounding (16 bits bias stochastic rounding by under 2**-16 of a step). The Triton
+kernels compute the same words with the same counters, so both produce the same bytes.
 """
 
 from __future__ import annotations
@@ -45,12 +46,15 @@ def bucket_uniforms(
     key: int, num_buckets: int, bucket_size: int, stream: int = 0, device: torch.device = None
 ) -> torch.Tensor:
     """Uniform [0, 1) float32 of shape ``[num_buckets, bucket_size]`` (see module doc)."""
-    groups = -(-bucket_size // 4)
+    groups = -(-bucket_size // 8)
     q = torch.arange(num_buckets, dtype=torch.int64, device=device)[:, None]
     c0 = torch.arange(groups, dtype=torch.int64, device=device)[None, :].expand(num_buckets, -1)
     c1 = (q & _M32).expand(-1, groups)
     c2 = (q >> 32).expand(-1, groups)
     c3 = torch.full_like(c0, stream & _M32)
-    words = torch.stack(philox4x32(c0, c1, c2, c3, key), dim=-1)  # [nq, groups, 4]
-    words = words.reshape(num_buckets, groups * 4)[:, :bucket_size]
-    return (words >> 8).to(torch.float32) * (2.0**-24)
+    r0, r1, r2, r3 = philox4x32(c0, c1, c2, c3, key)
+    # The kernels' tl.join order: value 4i + 2k + h takes half h of word 2k + i.
+    words = torch.stack([torch.stack([r0, r1], -1), torch.stack([r2, r3], -1)], -1)
+    halves = torch.stack([words & 0xFFFF, words >> 16], -1)  # [nq, groups, 2, 2, 2]
+    halves = halves.reshape(num_buckets, groups * 8)[:, :bucket_size]
+    return halves.to(torch.float32) * (2.0**-16)
