@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 import cgx2
+from cgx2 import collectives
 from cgx2.codecs import ChunkedLayout
 
 from .report import environment, format_table, write_json
@@ -168,6 +169,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bucket-size", type=int, default=512)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument(
+        "--pipeline-mb", type=int, default=None, help="input MiB per pipeline piece (default: 64)"
+    )
     p.add_argument("--out-dir", default="bench/results", help="where the JSON goes ('' for none)")
     args = p.parse_args(argv)
     args.sizes = [parse_size(s) for s in args.sizes.split(",")]
@@ -182,6 +186,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    if args.pipeline_mb is not None:
+        collectives.PIPELINE_BYTES = args.pipeline_mb << 20
+    args.pipeline_bytes = collectives.PIPELINE_BYTES
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         backend = "nccl"

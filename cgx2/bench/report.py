@@ -20,6 +20,19 @@ _NCCL_VARS = ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_NVLS_ENABLE", "NCCL_
               "NCCL_SOCKET_IFNAME", "NCCL_ALGO", "NCCL_PROTO")  # fmt: skip
 
 
+def _command(world_size: int) -> str:
+    """The command that reproduces this run, launcher and NCCL variables included."""
+    nccl = " ".join(f"{k}={os.environ[k]}" for k in _NCCL_VARS if k in os.environ)
+    argv = getattr(sys, "orig_argv", sys.argv)
+    if "TORCHELASTIC_RUN_ID" in os.environ and "-m" in argv:
+        nproc = os.environ.get("LOCAL_WORLD_SIZE", world_size)
+        module = argv[argv.index("-m") + 1]
+        launch = f"torchrun --nproc-per-node {nproc} -m {module} {' '.join(sys.argv[1:])}"
+    else:
+        launch = " ".join(argv)
+    return f"{nccl} {launch}".strip()
+
+
 def regime() -> str:
     """DESIGN.md's regimes, read from NCCL's variables: nvlink, shm or socket."""
     p2p_off = os.environ.get("NCCL_P2P_DISABLE", "0") == "1"
@@ -43,7 +56,7 @@ def environment(device: torch.device, world_size: int = 1) -> dict[str, Any]:
         "python": platform.python_version(),
         "regime": regime(),
         "nccl_env": {k: os.environ[k] for k in _NCCL_VARS if k in os.environ},
-        "command": " ".join(getattr(sys, "orig_argv", sys.argv)),
+        "command": _command(world_size),
         "launcher": "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "python",
     }
     if device.type == "cuda":

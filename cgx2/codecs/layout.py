@@ -22,6 +22,7 @@ no waste. Slots past the end of a bucket hold level 0. At 4 bits and B = 512 a b
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 __all__ = ["ChunkedLayout", "MaxMinLayout", "round_up"]
@@ -112,7 +113,7 @@ class ChunkedLayout:
     def chunk(self, j: int) -> MaxMinLayout:
         return MaxMinLayout(self.chunk_size(j), self.bits, self.bucket_size, self.skip_incomplete)
 
-    @property
+    @functools.cached_property
     def payload_nbytes(self) -> int:
         """Row size: the largest chunk payload (a shorter chunk with a raw tail can be larger)."""
         return max((self.chunk(j).nbytes for j in range(self.num_chunks)), default=0)
