@@ -170,7 +170,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument(
-        "--pipeline-mb", type=int, default=None, help="input MiB per pipeline piece (default: 64)"
+        "--pipeline-mb", type=int, default=None, help="input MiB per pipeline piece (default: 256)"
     )
     p.add_argument("--out-dir", default="bench/results", help="where the JSON goes ('' for none)")
     args = p.parse_args(argv)
