@@ -3,6 +3,8 @@
 import pytest
 import torch
 from bounds import quantize_bound
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cgx2.codecs import maxmin
 from cgx2.codecs.layout import ChunkedLayout, MaxMinLayout
@@ -208,3 +210,35 @@ def test_decode_sum_encode_sums_rows_in_fp32_then_quantizes():
     total = (own.float() + decoded[0] + decoded[2]) * 0.25  # row 1 is "own"
     y = maxmin.decode(out, n, 8, 512)
     assert ((y.double() - total.double()).abs() <= quantize_bound(total, 8, 512)).all()
+
+
+# ----------------------------------------------------------------------------- properties
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(0, 3000),
+    bits=st.integers(1, 8),
+    bucket=st.integers(1, 700),
+    skip=st.booleans(),
+    scale=st.floats(1e-30, 1e30),
+    key=st.integers(0, 2**64 - 1),
+)
+def test_any_shape_roundtrips_within_one_step(n, bits, bucket, skip, scale, key):
+    x = _x(n, torch.float32, seed=n) * scale
+    payload = maxmin.encode(x, bits, bucket, key=key, skip_incomplete=skip)
+    assert payload.numel() == MaxMinLayout(n, bits, bucket, skip).nbytes
+    assert payload.numel() % 16 == 0
+    y = maxmin.decode(payload, n, bits, bucket, torch.float32, skip)
+    assert ((y.double() - x.double()).abs() <= quantize_bound(x, bits, bucket)).all()
+
+
+@settings(max_examples=40, deadline=None)
+@given(levels=st.lists(st.integers(0, 255), min_size=1, max_size=70), bits=st.integers(1, 8))
+def test_packing_is_a_little_endian_bit_stream(levels, bits):
+    """Level j of a row sits at bits [j*bits, (j+1)*bits) of the row's bytes."""
+    lv = torch.tensor([v % (1 << bits) for v in levels]).view(1, -1)
+    stream = int.from_bytes(bytes(pack_levels(lv, bits).view(-1).tolist()), "little")
+    assert [(stream >> (j * bits)) & ((1 << bits) - 1) for j in range(lv.numel())] == lv.view(
+        -1
+    ).tolist()
