@@ -33,32 +33,31 @@ from typing import Any
 
 import torch
 import triton
-import triton.testing
 
+from cgx2.bench.kernels import (
+    CONVENTIONS,
+    DTYPE_NAME,
+    KEY,
+    K,
+    format_timing,
+    log,
+    run_timing,
+)
+from cgx2.bench.kernels import make_input as scaled_randn
 from cgx2.codecs import maxmin as ref
 from cgx2.codecs import maxmin_triton as tri
 from cgx2.codecs.layout import ChunkedLayout, MaxMinLayout
 
-KEY = 0xDEADBEEF_CAFEF00D  # both 32-bit halves >= 2**31 (Triton passes them as uint32)
 SMALL_KEY = 0x12345678_00000042  # both halves < 2**31 (passed as int32: another specialization)
 STREAM = 3
 DSE_STREAM = 7
-K = 4  # rows of decode_sum_encode / chunks of encode_chunks
 OWN_INDEX = 1
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 INT_VIEW = {F32: torch.int32, BF16: torch.int16, F16: torch.int16}
-DTYPE_NAME = {F32: "fp32", BF16: "bf16", F16: "fp16"}
 FULL_OPS = ("encode", "decode", "dse", "dse_noscale", "chunks")
 BIG_OPS = ("encode", "decode", "dse", "chunks")
 M16 = 16 * 1024 * 1024
 M64 = 64 * 1024 * 1024
-
-_T0 = time.monotonic()
-
-
-def log(msg: str) -> None:
-    """Progress line on stderr."""
-    print(f"[{time.monotonic() - _T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------------- sizes
@@ -186,28 +185,25 @@ def make_input(
     data: str = "randn",
     bucket: int = 512,
 ) -> torch.Tensor:
-    """Gaussian values whose scale changes every 256 elements by 2**[-10, 10]; ``edge`` puts
-    special buckets first."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    x = torch.randn(n, generator=g, device=device, dtype=F32)
-    blocks = n // 256 + 1
-    exps = torch.randint(-10, 11, (blocks,), generator=g, device=device).to(F32)
-    x *= torch.exp2(exps).repeat_interleave(256)[:n]
-    if data == "edge":
-        b = bucket
-        specials: list[Callable[[torch.Tensor], None]] = [
-            lambda s: s.fill_(1.5),
-            lambda s: s.__setitem__(len(s) // 3, float("inf")),
-            lambda s: s.__setitem__(len(s) // 2, float("nan")),
-            lambda s: s.__setitem__(0, float("-inf")),
-            lambda s: s.copy_(torch.where(s > 0, 3e38, -3e38)),  # span overflows to inf
-            lambda s: s.mul_(1e-40),  # subnormal
-            lambda s: s.copy_(torch.where(s > 0, 0.0, -0.0)),
-            lambda s: s.mul_(1e-3).add_(1e4),  # tiny span, large magnitude
-        ]
-        for i, fill in enumerate(specials):
-            if (i + 1) * b <= n:
-                fill(x[i * b : (i + 1) * b])
+    """``cgx2.bench.kernels.make_input``'s Gaussian values whose scale changes every 256
+    elements; ``edge`` puts special buckets first."""
+    if data != "edge":
+        return scaled_randn(n, dtype, device, seed)
+    x = scaled_randn(n, F32, device, seed)
+    b = bucket
+    specials: list[Callable[[torch.Tensor], None]] = [
+        lambda s: s.fill_(1.5),
+        lambda s: s.__setitem__(len(s) // 3, float("inf")),
+        lambda s: s.__setitem__(len(s) // 2, float("nan")),
+        lambda s: s.__setitem__(0, float("-inf")),
+        lambda s: s.copy_(torch.where(s > 0, 3e38, -3e38)),  # span overflows to inf
+        lambda s: s.mul_(1e-40),  # subnormal
+        lambda s: s.copy_(torch.where(s > 0, 0.0, -0.0)),
+        lambda s: s.mul_(1e-3).add_(1e4),  # tiny span, large magnitude
+    ]
+    for i, fill in enumerate(specials):
+        if (i + 1) * b <= n:
+            fill(x[i * b : (i + 1) * b])
     return x.to(dtype)
 
 
@@ -494,179 +490,6 @@ def ref_consistency(device: torch.device) -> list[dict[str, Any]]:
     return rows
 
 
-# --------------------------------------------------------------------------- timing
-
-
-def time_ms(fn: Callable[[], Any], device: torch.device, rep_ms: int) -> float:
-    """Median time of ``fn`` in ms: triton.testing.do_bench (CUDA events, L2 flushed between
-    reps) on CUDA; a wall clock on the CPU (meaningless, smoke test only)."""
-    if device.type == "cuda":
-        return float(triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"))
-    fn()
-    t = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t) * 1e3
-
-
-class CopyBaseline:
-    """``dst.copy_(src)`` of S uint8 bytes moves 2*S bytes (S read + S written); a kernel that
-    reads + writes T bytes is compared with a copy of S = T/2 bytes, timed in the same run."""
-
-    def __init__(self, device: torch.device, rep_ms: int) -> None:
-        self.device, self.rep_ms = device, rep_ms
-        self.cache: dict[int, float] = {}
-
-    def ms(self, moved: int) -> float:
-        s = max(16, moved // 2 // 16 * 16)
-        if s not in self.cache:
-            src = torch.empty(s, dtype=torch.uint8, device=self.device).random_(0, 256)
-            dst = torch.empty_like(src)
-            self.cache[s] = time_ms(lambda: dst.copy_(src), self.device, self.rep_ms)
-            del src, dst
-        return self.cache[s]
-
-    def gbps(self, moved: int) -> float:
-        s = max(16, moved // 2 // 16 * 16)
-        return 2 * s / (self.ms(moved) * 1e-3) / 1e9
-
-
-def timing_row(
-    op: str,
-    dtype: torch.dtype,
-    bits: int,
-    numel: int,
-    fn: Callable[[], Any],
-    read: int,
-    written: int,
-    copy: CopyBaseline,
-    rep_ms: int,
-) -> dict[str, Any]:
-    ms = time_ms(fn, copy.device, rep_ms)
-    moved = read + written
-    gbps = moved / (ms * 1e-3) / 1e9
-    cgbps = copy.gbps(moved)
-    row = {
-        "op": op,
-        "dtype": DTYPE_NAME[dtype],
-        "bits": bits,
-        "bucket": 512,
-        "numel": numel,
-        "ms": ms,
-        "bytes_read": read,
-        "bytes_written": written,
-        "bytes_moved": moved,
-        "gbps": gbps,
-        "copy_bytes": max(16, moved // 2 // 16 * 16),
-        "copy_ms": copy.ms(moved),
-        "copy_gbps": cgbps,
-        "frac_of_copy": gbps / cgbps if cgbps else 0.0,
-    }
-    log(
-        f"time {op:<14} {DTYPE_NAME[dtype]} b={bits}: {ms:.3f} ms, {gbps:.0f} GB/s "
-        f"({100 * gbps / cgbps:.0f}% of copy {cgbps:.0f} GB/s)"
-    )
-    return row
-
-
-def run_timing(n: int, device: torch.device, rep_ms: int, bucket: int = 512) -> list[dict]:
-    copy = CopyBaseline(device, rep_ms)
-    rows: list[dict[str, Any]] = []
-    for dtype in (F32, BF16):
-        x = make_input(n, dtype, device, 12345)
-        elt = x.element_size()
-        for bits in (2, 4, 8):
-            payload = tri.encode(x, bits, bucket, KEY)
-            p = MaxMinLayout(n, bits, bucket).nbytes
-            rows.append(
-                timing_row(
-                    "encode",
-                    dtype,
-                    bits,
-                    n,
-                    lambda x=x, b=bits: tri.encode(x, b, bucket, KEY, 0),
-                    n * elt,
-                    p,
-                    copy,
-                    rep_ms,
-                )
-            )
-            rows.append(
-                timing_row(
-                    "decode",
-                    dtype,
-                    bits,
-                    n,
-                    lambda pl=payload, b=bits, d=dtype: tri.decode(pl, n, b, bucket, d),
-                    p,
-                    n * elt,
-                    copy,
-                    rep_ms,
-                )
-            )
-            # Stage 2 of the allreduce on one of K ranks: K rows of n/K values, own row in full
-            # precision (the kernel does not read payload row own_index).
-            cl = ChunkedLayout.split(n, K, bits, bucket, False)
-            m, pm = cl.chunk_size(0), cl.chunk(0).nbytes
-            chunks = tri.encode_chunks(x, cl, KEY)
-            own = x[:m]
-            out = torch.zeros(cl.payload_nbytes, dtype=torch.uint8, device=device)
-            rows.append(
-                timing_row(
-                    f"dse(K={K})",
-                    dtype,
-                    bits,
-                    m,
-                    lambda ch=chunks, o=own, b=bits, m=m, out=out: tri.decode_sum_encode(
-                        ch, m, o, 0, 0.25, b, bucket, KEY, 0, False, out
-                    ),
-                    (K - 1) * pm + m * elt,
-                    pm,
-                    copy,
-                    rep_ms,
-                )
-            )
-            del payload, chunks, out
-        del x
-    x = make_input(n, F32, device, 12345)
-    p = MaxMinLayout(n, 4, bucket).nbytes
-    rows.append(
-        timing_row(
-            "torch_ref_enc",
-            F32,
-            4,
-            n,
-            lambda x=x: ref.encode(x, 4, bucket, KEY),
-            n * 4,
-            p,
-            copy,
-            rep_ms,
-        )
-    )
-    del x
-    s = n * 4
-    cms = copy.ms(2 * s)
-    rows.append(
-        {
-            "op": "copy",
-            "dtype": "u8",
-            "bits": 0,
-            "bucket": 0,
-            "numel": s,
-            "ms": cms,
-            "bytes_read": s,
-            "bytes_written": s,
-            "bytes_moved": 2 * s,
-            "gbps": 2 * s / (cms * 1e-3) / 1e9,
-            "copy_bytes": s,
-            "copy_ms": cms,
-            "copy_gbps": 2 * s / (cms * 1e-3) / 1e9,
-            "frac_of_copy": 1.0,
-        }
-    )
-    log(f"time copy of {s / 2**20:.0f} MiB: {cms:.3f} ms, {rows[-1]['gbps']:.0f} GB/s")
-    return rows
-
-
 # --------------------------------------------------------------------------- report
 
 
@@ -703,6 +526,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         "cgx2/codecs/philox.py",
         "cgx2/codecs/packing.py",
         "bench/gpu_check.py",
+        "cgx2/bench/kernels.py",
     ):
         with open(os.path.join(root, rel), "rb") as f:
             env["source_sha256"][rel] = hashlib.sha256(f.read()).hexdigest()[:16]
@@ -761,25 +585,7 @@ def print_summary(report: dict[str, Any], paths: list[str]) -> None:
                 print(f"  differ: {r['name']}: {r['detail'][:160]}")
     rows = report["timing"]
     if rows:
-        print(
-            f"timing: n={rows[0]['numel']:,} (dse: {K} rows of n/{K}), bucket 512, median of "
-            "do_bench; GB/s = (bytes read + bytes written) / time / 1e9 for kernels and copy; "
-            "copy = dst.copy_(src) of (read+written)/2 bytes, same run"
-        )
-        print(
-            f"{'op':<14}{'dtype':<6}{'bits':>4}{'ms':>9}{'MB moved':>10}{'GB/s':>8}"
-            f"{'copyGB/s':>10}{'%copy':>7}"
-        )
-        for r in rows:
-            print(
-                f"{r['op']:<14}{r['dtype']:<6}{r['bits']:>4}{r['ms']:>9.3f}"
-                f"{r['bytes_moved'] / 1e6:>10.1f}{r['gbps']:>8.0f}{r['copy_gbps']:>10.0f}"
-                f"{100 * r['frac_of_copy']:>6.0f}%"
-            )
-        by_op = {(r["op"], r["dtype"], r["bits"]): r["ms"] for r in rows}
-        if ("torch_ref_enc", "fp32", 4) in by_op and ("encode", "fp32", 4) in by_op:
-            speedup = by_op[("torch_ref_enc", "fp32", 4)] / by_op[("encode", "fp32", 4)]
-            print(f"triton encode fp32 4-bit: {speedup:.1f}x faster than the torch reference")
+        print(format_timing(rows))
     elif report.get("timing_error"):
         print(f"timing: FAILED: {report['timing_error'][:300]}")
     else:
@@ -847,18 +653,7 @@ def main() -> int:
         "check_seconds": 0.0,
         "timing": [],
         "timing_error": None,
-        "conventions": {
-            "GB": "1e9 bytes",
-            "gbps": "(bytes_read + bytes_written) / median time",
-            "copy": "dst.copy_(src) of copy_bytes = bytes_moved/2 bytes; "
-            "copy_gbps = 2 * copy_bytes / copy time",
-            "encode": "read numel*elt, write payload",
-            "decode": "read payload, write numel*elt",
-            "dse": f"read {K - 1} payload rows (row own_index is not read) "
-            "+ own numel*elt, write one payload",
-            "timed_calls": "public functions as users call them (encode "
-            "includes its torch.zeros of the payload)",
-        },
+        "conventions": CONVENTIONS,
     }
     if not args.skip_checks:
         t = time.monotonic()

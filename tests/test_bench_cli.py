@@ -1,0 +1,116 @@
+"""End-to-end checks of ``python -m cgx2.bench``: the kernel timing (under Triton's interpreter,
+and its refusal without CUDA) and the allreduce bench on two gloo ranks, each as a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+KERNELS_HEADER = "op            dtype bits       ms  MB moved    GB/s  copyGB/s  %copy"
+
+
+def _env(**overrides: str | None) -> dict[str, str]:
+    """This process's environment with ``overrides`` (None removes a variable); the repo root
+    goes first on PYTHONPATH so ``cgx2`` imports without installing."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    for key, value in overrides.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _one_json(out_dir: Path, kind: str) -> dict:
+    (path,) = out_dir.glob(f"{kind}_*.json")
+    return json.loads(path.read_text())
+
+
+@pytest.mark.slow
+def test_kernels_interpreted_on_cpu(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "cgx2.bench", "kernels", "--numel", "8192", "--bits", "4"]
+    proc = subprocess.run(
+        [*cmd, "--out-dir", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=_env(TRITON_INTERPRET="1"),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert KERNELS_HEADER in proc.stdout.splitlines()
+    assert "time encode" in proc.stderr  # progress goes to stderr, not into the table
+
+    report = _one_json(out, "kernels")
+    assert set(report) >= {"env", "args", "rows"}
+    assert report["env"]["world_size"] == 1 and report["env"]["triton"]
+    assert report["args"]["numel"] == 8192 and report["args"]["bits"] == [4]
+    rows = {(r["op"].split("(")[0], r["dtype"], r["bits"]): r for r in report["rows"]}
+    for dtype in ("fp32", "bf16"):
+        for op in ("encode", "decode", "dse"):
+            row = rows[(op, dtype, 4)]
+            assert row["ms"] > 0 and row["copy_ms"] > 0 and row["bucket"] == 512
+            assert row["bytes_moved"] == row["bytes_read"] + row["bytes_written"] > 0
+    assert rows[("encode", "fp32", 4)]["numel"] == 8192
+    assert rows[("dse", "fp32", 4)]["numel"] == 8192 // 4  # one of K = 4 chunks
+    assert rows[("copy", "u8", 0)]["bytes_moved"] == 2 * 8192 * 4
+
+
+def test_kernels_refuses_without_cuda(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "cgx2.bench", "kernels", "--out-dir", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=_env(TRITON_INTERPRET=None, CUDA_VISIBLE_DEVICES=""),
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "CUDA" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_allreduce_bench_under_torchrun(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    launch += ["--master-addr", "127.0.0.1", "--master-port", str(_free_port())]
+    bench = ["-m", "cgx2.bench", "--sizes", "64K", "--dtypes", "fp32", "--bits", "4"]
+    bench += ["--iters", "1", "--warmup", "0", "--out-dir", str(out)]
+    proc = subprocess.run(
+        [*launch, *bench],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=_env(CUDA_VISIBLE_DEVICES=""),
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    header_at = next(i for i, line in enumerate(lines) if "cgx2/plain x" in line)
+    assert lines[header_at].split()[:3] == ["dtype", "size", "bits"]
+    assert lines[header_at + 2].split()[:3] == ["fp32", "64K", "4"]
+
+    report = _one_json(out, "allreduce")
+    env = report["env"]
+    assert env["regime"] == "cpu" and env["world_size"] == 2
+    assert env["command"].startswith("torchrun --nproc-per-node 2 -m cgx2.bench")
+    assert env["launcher"] == "torchrun"
+    (row,) = report["rows"]
+    assert (row["dtype"], row["bytes"], row["bits"]) == ("fp32", 64 * 1024, 4)
+    assert row["plain_ms"] > 0 and row["cgx2_ms"] > 0 and row["sol_ms"] > 0
