@@ -1,0 +1,67 @@
+"""Host cost of launching the codec kernels: per call of encode_chunks on a tiny tensor, with
+the launch options cgx2 passes and without them, and of torch.zeros against torch.empty.
+A tuning aid: ``python bench/launch_overhead.py``."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+
+from cgx2.codecs import ChunkedLayout
+from cgx2.codecs import maxmin_triton as tri
+
+
+def per_call_us(fn, calls: int = 2000) -> float:
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
+
+
+def main() -> None:
+    x = torch.randn(4096, device="cuda")
+    layout = ChunkedLayout.split(4096, 2, 4, 512, False)
+    rows = tri.encode_chunks(x, layout, 1)
+    base = dict(tri._LAUNCH)
+    print(
+        f"encode_chunks, launch options {base}: {per_call_us(lambda: tri.encode_chunks(x, layout, 1)):.1f} us"
+    )
+    tri._LAUNCH = {"num_warps": 2}
+    print(
+        f"encode_chunks, only num_warps: {per_call_us(lambda: tri.encode_chunks(x, layout, 1)):.1f} us"
+    )
+    tri._LAUNCH = {}
+    print(
+        f"encode_chunks, no options: {per_call_us(lambda: tri.encode_chunks(x, layout, 1)):.1f} us"
+    )
+    tri._LAUNCH = base
+    print(
+        f"decode_chunks: {per_call_us(lambda: tri.decode_chunks(rows, layout, torch.float32)):.1f} us"
+    )
+    own = x[:2048]
+    print(
+        f"decode_sum_encode: {per_call_us(lambda: tri.decode_sum_encode(rows, 2048, own, 0, 0.5, 4, 512, 3)):.1f} us"
+    )
+    print(
+        f"torch.zeros(2 x 1 MiB u8): {per_call_us(lambda: torch.zeros(2, 1 << 20, dtype=torch.uint8, device='cuda')):.1f} us"
+    )
+    print(
+        f"torch.empty(2 x 1 MiB u8): {per_call_us(lambda: torch.empty(2, 1 << 20, dtype=torch.uint8, device='cuda')):.1f} us"
+    )
+    print(
+        f"ChunkedLayout.split: {per_call_us(lambda: ChunkedLayout.split(1 << 26, 2, 4, 512, False).payload_nbytes):.1f} us"
+    )
+
+
+if __name__ == "__main__":
+    main()
