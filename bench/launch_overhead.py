@@ -30,37 +30,24 @@ def per_call_us(fn, calls: int = 2000) -> float:
 
 def main() -> None:
     x = torch.randn(4096, device="cuda")
+    own = x[:2048]
     layout = ChunkedLayout.split(4096, 2, 4, 512, False)
     rows = tri.encode_chunks(x, layout, 1)
     base = dict(tri._LAUNCH)
-    print(
-        f"encode_chunks, launch options {base}: {per_call_us(lambda: tri.encode_chunks(x, layout, 1)):.1f} us"
-    )
-    tri._LAUNCH = {"num_warps": 2}
-    print(
-        f"encode_chunks, only num_warps: {per_call_us(lambda: tri.encode_chunks(x, layout, 1)):.1f} us"
-    )
-    tri._LAUNCH = {}
-    print(
-        f"encode_chunks, no options: {per_call_us(lambda: tri.encode_chunks(x, layout, 1)):.1f} us"
-    )
+    for options in (base, {"num_warps": 2}, {}):
+        tri._LAUNCH = options
+        us = per_call_us(lambda: tri.encode_chunks(x, layout, 1))
+        print(f"encode_chunks, launch options {options}: {us:.1f} us")
     tri._LAUNCH = base
-    print(
-        f"decode_chunks: {per_call_us(lambda: tri.decode_chunks(rows, layout, torch.float32)):.1f} us"
-    )
-    own = x[:2048]
-    print(
-        f"decode_sum_encode: {per_call_us(lambda: tri.decode_sum_encode(rows, 2048, own, 0, 0.5, 4, 512, 3)):.1f} us"
-    )
-    print(
-        f"torch.zeros(2 x 1 MiB u8): {per_call_us(lambda: torch.zeros(2, 1 << 20, dtype=torch.uint8, device='cuda')):.1f} us"
-    )
-    print(
-        f"torch.empty(2 x 1 MiB u8): {per_call_us(lambda: torch.empty(2, 1 << 20, dtype=torch.uint8, device='cuda')):.1f} us"
-    )
-    print(
-        f"ChunkedLayout.split: {per_call_us(lambda: ChunkedLayout.split(1 << 26, 2, 4, 512, False).payload_nbytes):.1f} us"
-    )
+    cases = {
+        "decode_chunks": lambda: tri.decode_chunks(rows, layout, torch.float32),
+        "decode_sum_encode": lambda: tri.decode_sum_encode(rows, 2048, own, 0, 0.5, 4, 512, 3),
+        "torch.zeros 2 MiB": lambda: torch.zeros(2 << 20, dtype=torch.uint8, device="cuda"),
+        "torch.empty 2 MiB": lambda: torch.empty(2 << 20, dtype=torch.uint8, device="cuda"),
+        "ChunkedLayout.split": lambda: ChunkedLayout.split(1 << 26, 2, 4, 512, False).chunk(1),
+    }
+    for name, fn in cases.items():
+        print(f"{name}: {per_call_us(fn):.1f} us")
 
 
 if __name__ == "__main__":
