@@ -1,0 +1,134 @@
+"""CGX's DDP hook: per-layer max-min compression of gradient buckets, small layers exact.
+
+A layer (parameter) is compressed when it has more than one dimension and at least
+``layer_min_size`` elements; biases, norms and small layers are averaged uncompressed.
+"""
+
+# No ``from __future__ import annotations``: DDP checks cgx_hook's annotations as objects.
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..checks import UNCOMPRESSED_BITS, check_bits, check_bucket_size
+from ..collectives import allreduce_plain, allreduce_quantized
+from ..config import CGXConfig
+
+__all__ = ["CGXState", "cgx_hook"]
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Where a bucket's layers lie in its flat buffer, and which are compressed."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    compressed: tuple[tuple[int, int], ...]  # (offset, numel) of each compressed layer
+    exact: tuple[tuple[int, int], ...]
+
+
+class CGXState:
+    """State of :func:`cgx_hook`, with CGX's signature.
+
+    ``compression_params`` may hold ``bits`` (1–8, or 32 for none) and ``bucket_size``; what
+    it leaves out comes from ``CGX_COMPRESSION_QUANTIZATION_BITS`` and
+    ``CGX_COMPRESSION_BUCKET_SIZE`` (read once, here). ``layer_min_size`` is raised to
+    ``CGX_COMPRESSION_MINIMAL_SIZE`` (at least 16), as in CGX.
+    """
+
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        layer_min_size: int = 1024,
+        compression_params: Mapping[str, int] | None = None,
+    ) -> None:
+        config = CGXConfig.from_env()
+        params = dict(compression_params or {})
+        unknown = set(params) - {"bits", "bucket_size"}
+        if unknown:
+            raise ValueError(
+                f"compression_params: unknown keys {sorted(unknown)}; expected 'bits', "
+                "'bucket_size'"
+            )
+        if isinstance(layer_min_size, bool) or not isinstance(layer_min_size, int):
+            raise TypeError(f"layer_min_size must be an int, got {type(layer_min_size).__name__}")
+        if layer_min_size < 0:
+            raise ValueError(f"layer_min_size must be >= 0, got {layer_min_size}")
+        self.process_group = process_group
+        self.bits = check_bits(
+            params.get("bits", config.quantization_bits), "compression_params['bits']"
+        )
+        self.bucket_size = check_bucket_size(
+            params.get("bucket_size", config.bucket_size), "compression_params['bucket_size']"
+        )
+        self.layer_min_size = max(layer_min_size, config.minimal_size)
+        self.skip_incomplete = config.skip_incomplete_buckets
+        self._plans: dict[int, _Plan] = {}
+
+    def plan(self, bucket: dist.GradBucket) -> _Plan:
+        """The bucket's layer plan, made at its first step and reused while shapes hold."""
+        shapes = tuple(tuple(g.shape) for g in bucket.gradients())
+        plan = self._plans.get(bucket.index())
+        if plan is None or plan.shapes != shapes:
+            compressed, exact, offset = [], [], 0
+            for shape in shapes:
+                numel = torch.Size(shape).numel()
+                if len(shape) > 1 and numel >= self.layer_min_size:
+                    # CGX_COMPRESSION_SKIP_INCOMPLETE_BUCKETS: a layer's last, shorter
+                    # bucket goes uncompressed.
+                    tail = numel % self.bucket_size if self.skip_incomplete else 0
+                    if numel > tail:
+                        compressed.append((offset, numel - tail))
+                    if tail:
+                        exact.append((offset + numel - tail, tail))
+                else:
+                    exact.append((offset, numel))
+                offset += numel
+            plan = _Plan(shapes, tuple(compressed), tuple(exact))
+            self._plans[bucket.index()] = plan
+        return plan
+
+
+def _fuse_padded(
+    buffer: torch.Tensor, segments: tuple[tuple[int, int], ...], bucket_size: int
+) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+    """Concatenate layers, each padded with its own last value to whole quantization buckets:
+    no bucket mixes two layers, and the padding changes no bucket's min or max."""
+    parts, spans, at = [], [], 0
+    for offset, numel in segments:
+        layer = buffer[offset : offset + numel]
+        pad = -numel % bucket_size
+        parts.append(layer)
+        if pad:
+            parts.append(layer[-1:].expand(pad))
+        spans.append((at, offset, numel))
+        at += numel + pad
+    return torch.cat(parts), spans
+
+
+def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average a DDP gradient bucket across ranks, compressing its large layers (see module
+    doc). Gradients come out bit-identical on every rank."""
+    if not isinstance(state, CGXState):
+        raise TypeError(f"cgx_hook needs a CGXState as its state, got {type(state).__name__}")
+    group = state.process_group if state.process_group is not None else dist.group.WORLD
+    buffer = bucket.buffer()
+    plan = state.plan(bucket)
+    compress = state.bits != UNCOMPRESSED_BITS and dist.get_world_size(group) > 1
+    exact = plan.exact if compress else plan.exact + plan.compressed
+    if compress and plan.compressed:
+        fused, spans = _fuse_padded(buffer, plan.compressed, state.bucket_size)
+        reduced = allreduce_quantized(fused, state.bits, state.bucket_size, group, "avg")
+        for at, offset, numel in spans:
+            buffer[offset : offset + numel].copy_(reduced[at : at + numel])
+    if exact:
+        reduced = allreduce_plain(torch.cat([buffer[o : o + n] for o, n in exact]), group, "avg")
+        at = 0
+        for offset, numel in exact:
+            buffer[offset : offset + numel].copy_(reduced[at : at + numel])
+            at += numel
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future(
+        devices=[buffer.device] if buffer.is_cuda else None
+    )
+    future.set_result(buffer)
+    return future

@@ -1,0 +1,156 @@
+"""CGX's DDP hook on gloo: large layers compressed, small ones exact, gradients identical on
+every rank, training close to uncompressed DDP; CGXState's arguments and errors."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from cgx2.ddp import CGXState, cgx_hook
+
+
+class Net(nn.Module):
+    """Conv (216 weights: exact), Linear 288->64 (18432: compressed), LayerNorm, Linear 64->4."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.fc1 = nn.Linear(8 * 6 * 6, 64)
+        self.norm = nn.LayerNorm(64)
+        self.fc2 = nn.Linear(64, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.conv(x)).flatten(1)
+        return self.fc2(torch.relu(self.norm(self.fc1(h))))
+
+
+def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(16, 3, 8, 8, generator=g)
+    return x, (x.mean(dim=(1, 2, 3)) > 0).long() + 2 * (x[:, 0, 0, 0] > 0).long()
+
+
+def _train(bits: int | None, steps: int, params: dict | None = None) -> dict:
+    """Train Net under DDP (several buckets) with cgx_hook at ``bits`` (None: DDP's own)."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = DDP(Net(), bucket_cap_mb=0.02)
+    if bits is not None:
+        state = CGXState(None, 1024, {"bits": bits, "bucket_size": 128, **(params or {})})
+        model.register_comm_hook(state, cgx_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.5)
+    losses, first_grads = [], None
+    for step in range(steps):
+        x, y = _batch(rank, step % 4)  # a small fixed set: the loss must fall
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        if first_grads is None:
+            first_grads = {n: p.grad.clone() for n, p in model.module.named_parameters()}
+        opt.step()
+        losses.append(loss.item())
+    params_now = {n: p.detach().clone() for n, p in model.module.named_parameters()}
+    return {"losses": losses, "grads": first_grads, "params": params_now}
+
+
+def _average_loss(results: list[dict], last: int) -> float:
+    return sum(sum(r["losses"][-last:]) / last for r in results) / len(results)
+
+
+def test_gradients_identical_on_ranks_small_layers_exact(dist2):
+    compressed = dist2.run(_train, 4, 1)
+    plain = dist2.run(_train, None, 1)
+    for name, grad in compressed[0]["grads"].items():
+        assert torch.equal(grad, compressed[1]["grads"][name]), name
+        reference = plain[0]["grads"][name]
+        if name == "fc1.weight":  # the only layer with dim > 1 and >= 1024 values
+            rel = ((grad - reference).norm() / reference.norm()).item()
+            assert 0 < rel < 0.2, rel
+        else:
+            assert torch.equal(grad, reference), name
+
+
+def test_eight_bits_is_close_and_thirty_two_is_exact(dist2):
+    eight = dist2.run(_train, 8, 1)[0]["grads"]["fc1.weight"]
+    full = dist2.run(_train, 32, 1)[0]["grads"]
+    plain = dist2.run(_train, None, 1)[0]["grads"]
+    assert ((eight - plain["fc1.weight"]).norm() / plain["fc1.weight"].norm()).item() < 0.01
+    assert all(torch.equal(full[n], plain[n]) for n in plain)
+
+
+def _train_skipping_incomplete(bits: int) -> dict:
+    os.environ["CGX_COMPRESSION_SKIP_INCOMPLETE_BUCKETS"] = "1"
+    try:
+        return _train(bits, 1, {"bucket_size": 1000})
+    finally:
+        del os.environ["CGX_COMPRESSION_SKIP_INCOMPLETE_BUCKETS"]
+
+
+def test_skip_incomplete_buckets_sends_layer_tails_exact(dist2):
+    """fc1.weight has 18432 values: with buckets of 1000 its last 432 go uncompressed."""
+    results = dist2.run(_train_skipping_incomplete, 4)
+    plain = dist2.run(_train, None, 1)[0]["grads"]["fc1.weight"].view(-1)
+    grad = results[0]["grads"]["fc1.weight"].view(-1)
+    assert torch.equal(grad, results[1]["grads"]["fc1.weight"].view(-1))
+    assert torch.equal(grad[-432:], plain[-432:])
+    assert not torch.equal(grad[-433:], plain[-433:])
+
+
+def test_four_bit_training_tracks_uncompressed(dist2):
+    """40 SGD steps: the mean loss of the last 10 steps is within 5% of the starting loss of
+    uncompressed DDP's (which falls by more than half)."""
+    compressed = dist2.run(_train, 4, 40)
+    plain = dist2.run(_train, None, 40)
+    for name, p in compressed[0]["params"].items():
+        assert torch.equal(p, compressed[1]["params"][name]), f"replicas drifted: {name}"
+    start = sum(r["losses"][0] for r in plain) / len(plain)
+    ours, theirs = _average_loss(compressed, 10), _average_loss(plain, 10)
+    assert theirs < 0.5 * start  # it learns
+    assert abs(ours - theirs) <= 0.05 * start, (ours, theirs, start)
+
+
+def test_compression_params_override_environment(monkeypatch):
+    monkeypatch.setenv("CGX_COMPRESSION_QUANTIZATION_BITS", "3")
+    monkeypatch.setenv("CGX_COMPRESSION_BUCKET_SIZE", "256")
+    monkeypatch.setenv("CGX_COMPRESSION_MINIMAL_SIZE", "5000")
+    from_env = CGXState(None)
+    assert (from_env.bits, from_env.bucket_size, from_env.layer_min_size) == (3, 256, 5000)
+    explicit = CGXState(None, 10_000, {"bits": 6, "bucket_size": 64})
+    assert (explicit.bits, explicit.bucket_size, explicit.layer_min_size) == (6, 64, 10_000)
+
+
+def test_defaults_are_cgx_defaults(monkeypatch):
+    for var in ("CGX_COMPRESSION_QUANTIZATION_BITS", "CGX_COMPRESSION_BUCKET_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    state = CGXState(dist.group.WORLD)
+    assert (state.bits, state.bucket_size, state.layer_min_size) == (32, 512, 1024)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"compression_params": {"bits": 9}}, ValueError, r"compression_params\['bits'\]"),
+        ({"compression_params": {"bits": 0}}, ValueError, r"compression_params\['bits'\]"),
+        ({"compression_params": {"bucket_size": 0}}, ValueError, "bucket_size"),
+        ({"compression_params": {"bits": "4"}}, TypeError, "bits"),
+        ({"compression_params": {"quantization_bits": 4}}, ValueError, "unknown keys"),
+        ({"layer_min_size": -1}, ValueError, "layer_min_size"),
+    ],
+)
+def test_bad_state_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        CGXState(None, **kwargs)
+
+
+def test_hook_needs_a_cgx_state():
+    with pytest.raises(TypeError, match="CGXState"):
+        cgx_hook(None, None)
+
+
+def test_cgx_utils_drop_in():
+    import cgx_utils
+
+    assert cgx_utils.CGXState is CGXState and cgx_utils.cgx_hook is cgx_hook
