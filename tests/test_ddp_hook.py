@@ -154,3 +154,24 @@ def test_cgx_utils_drop_in():
     import cgx_utils
 
     assert cgx_utils.CGXState is CGXState and cgx_utils.cgx_hook is cgx_hook
+
+
+def _bytes(bits: int) -> tuple[int, int]:
+    torch.manual_seed(0)
+    model = DDP(Net(), bucket_cap_mb=0.02)
+    state = CGXState(None, 1024, {"bits": bits, "bucket_size": 128})
+    model.register_comm_hook(state, cgx_hook)
+    x, y = _batch(dist.get_rank(), 0)
+    nn.functional.cross_entropy(model(x), y).backward()
+    return state.bytes_sent, state.bytes_uncompressed
+
+
+def test_bytes_sent_are_counted(dist2):
+    (sent4, plain4), _ = dist2.run(_bytes, 4)
+    (sent32, plain32), _ = dist2.run(_bytes, 32)
+    numel = sum(p.numel() for p in Net().parameters())
+    assert plain4 == plain32 == numel * 4  # ring allreduce of fp32, W = 2: 2(W-1)/W = 1
+    assert sent32 == plain32
+    # fc1.weight (18432 of the values) at 4 bits, bucket 128: 64 + 8 bytes per 128 values.
+    fc1 = 18432
+    assert sent4 == (numel - fc1) * 4 + 2 * (fc1 // 2 // 128) * (64 + 8)

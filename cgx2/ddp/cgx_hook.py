@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..checks import UNCOMPRESSED_BITS, check_bits, check_bucket_size
+from ..codecs import ChunkedLayout
 from ..collectives import allreduce_plain, allreduce_quantized
 from ..config import CGXConfig
 
@@ -64,6 +65,10 @@ class CGXState:
         self.layer_min_size = max(layer_min_size, config.minimal_size)
         self.skip_incomplete = config.skip_incomplete_buckets
         self._plans: dict[int, _Plan] = {}
+        self.bytes_sent = 0
+        """Bytes this rank has sent for the buckets so far (ring allreduce for exact layers)."""
+        self.bytes_uncompressed = 0
+        """What plain DDP (a ring allreduce of every bucket) would have sent."""
 
     def plan(self, bucket: dist.GradBucket) -> _Plan:
         """The bucket's layer plan, made at its first step and reused while shapes hold."""
@@ -114,14 +119,20 @@ def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[t
     group = state.process_group if state.process_group is not None else dist.group.WORLD
     buffer = bucket.buffer()
     plan = state.plan(bucket)
-    compress = state.bits != UNCOMPRESSED_BITS and dist.get_world_size(group) > 1
+    world = dist.get_world_size(group)
+    compress = state.bits != UNCOMPRESSED_BITS and world > 1
     exact = plan.exact if compress else plan.exact + plan.compressed
+    ring = 2 * (world - 1) / world  # bytes a ring allreduce sends per byte of its input
+    state.bytes_uncompressed += int(ring * buffer.numel() * buffer.element_size())
     if compress and plan.compressed:
         fused, spans = _fuse_padded(buffer, plan.compressed, state.bucket_size)
+        layout = ChunkedLayout.split(fused.numel(), world, state.bits, state.bucket_size, False)
+        state.bytes_sent += 2 * (world - 1) * layout.payload_nbytes
         reduced = allreduce_quantized(fused, state.bits, state.bucket_size, group, "avg")
         for at, offset, numel in spans:
             buffer[offset : offset + numel].copy_(reduced[at : at + numel])
     if exact:
+        state.bytes_sent += int(ring * sum(n for _, n in exact) * buffer.element_size())
         reduced = allreduce_plain(torch.cat([buffer[o : o + n] for o, n in exact]), group, "avg")
         at = 0
         for offset, numel in exact:

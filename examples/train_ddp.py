@@ -1,0 +1,217 @@
+"""Train a small character-level transformer with DDP and cgx2's 4-bit gradient hook.
+
+The text is Python's own standard library source, so nothing is downloaded. CPU with gloo by
+default (2 processes), CUDA with NCCL when present; under ``torchrun`` it uses the launcher's
+processes. Logs loss, step time and the bytes sent against uncompressed DDP:
+
+    python examples/train_ddp.py --bits 4 --steps 200            # spawns 2 CPU processes
+    torchrun --nproc-per-node 4 examples/train_ddp.py --bits 4     # one process per GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from cgx2.ddp import CGXState, cgx_hook
+
+
+def load_text(max_bytes: int) -> torch.Tensor:
+    """Bytes of the standard library's .py files, in a fixed order, as a uint8 tensor."""
+    root = Path(os.__file__).parent
+    chunks, total = [], 0
+    for path in sorted(root.glob("*.py")):
+        data = path.read_bytes()
+        chunks.append(data)
+        total += len(data)
+        if total >= max_bytes:
+            break
+    return torch.frombuffer(bytearray(b"".join(chunks)[:max_bytes]), dtype=torch.uint8)
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+class CharTransformer(nn.Module):
+    """A byte-level GPT: 256 symbols, learned positions, pre-norm blocks."""
+
+    def __init__(self, context: int, dim: int, layers: int, heads: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(256, dim)
+        self.pos = nn.Parameter(torch.zeros(context, dim))
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, 256)
+        mask = torch.triu(torch.full((context, context), float("-inf")), diagonal=1)
+        self.register_buffer("mask", mask, persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        for block in self.blocks:
+            x = block(x, self.mask[: tokens.shape[1], : tokens.shape[1]])
+        return self.head(self.norm(x))
+
+
+def batch(
+    text: torch.Tensor, size: int, context: int, gen: torch.Generator, device: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    starts = torch.randint(0, text.numel() - context - 1, (size,), generator=gen)
+    idx = starts[:, None] + torch.arange(context + 1)
+    seq = text[idx].long().to(device)
+    return seq[:, :-1], seq[:, 1:]
+
+
+def train(args: argparse.Namespace) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = f"cuda:{torch.cuda.current_device()}" if args.device == "cuda" else "cpu"
+    torch.manual_seed(args.seed)  # same initial weights everywhere (DDP broadcasts them too)
+    model = CharTransformer(args.context, args.dim, args.layers, args.heads).to(device)
+    ddp = DDP(model)
+    state = None
+    if args.bits != 32:
+        state = CGXState(
+            None, args.layer_min_size, {"bits": args.bits, "bucket_size": args.bucket_size}
+        )
+        ddp.register_comm_hook(state, cgx_hook)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
+    text = load_text(args.text_bytes)
+    gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own batches
+    losses, times = [], []
+    for step in range(args.steps):
+        x, y = batch(text, args.batch_size, args.context, gen, device)
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = nn.functional.cross_entropy(ddp(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        if device != "cpu":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss)
+        losses.append(mean_loss.item() / world)
+        if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
+            line = f"step {step + 1}/{args.steps}  loss {losses[-1]:.4f}  {times[-1] * 1e3:.0f} ms"
+            print(f"\r{line}", end="", file=sys.stderr, flush=True)
+    if rank == 0:
+        print(file=sys.stderr)
+    sent = (state.bytes_sent, state.bytes_uncompressed) if state else (None, None)
+    # DDP's reducer must be gone, and every rank done, before the process group is destroyed.
+    del ddp, state, opt
+    gc.collect()
+    dist.barrier()
+    n = min(10, len(losses))
+    return {
+        "bits": args.bits,
+        "world_size": world,
+        "device": device,
+        "steps": args.steps,
+        "params": sum(p.numel() for p in model.parameters()),
+        "first_loss": losses[0],
+        "final_loss": sum(losses[-n:]) / n,
+        "step_ms": 1e3 * sorted(times)[len(times) // 2],
+        "bytes_sent": sent[0],
+        "bytes_uncompressed": sent[1],
+        "losses": losses,
+    }
+
+
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    try:
+        result = train(args)
+        if rank == 0:
+            queue.put(result)
+    finally:
+        dist.destroy_process_group()
+
+
+def report(result: dict, json_path: str | None) -> None:
+    sent, plain = result["bytes_sent"], result["bytes_uncompressed"]
+    saved = f", sent {sent / 1e6:.2f} MB vs {plain / 1e6:.2f} MB uncompressed " \
+            f"({plain / max(sent, 1):.2f}x less)" if sent else ""  # fmt: skip
+    print(f"{result['bits']}-bit DDP, {result['world_size']} x {result['device']}, "
+          f"{result['params'] / 1e6:.2f}M params: loss {result['first_loss']:.3f} -> "
+          f"{result['final_loss']:.3f} (mean of the last steps), "
+          f"{result['step_ms']:.0f} ms/step{saved}")  # fmt: skip
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=1))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--bits", type=int, default=4, help="1-8, or 32 for plain DDP")
+    p.add_argument("--bucket-size", type=int, default=512)
+    p.add_argument("--layer-min-size", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--text-bytes", type=int, default=2_000_000)
+    p.add_argument("--world-size", type=int, default=2, help="processes to spawn without torchrun")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--json", help="write the result (losses, bytes, timing) here")
+    args = p.parse_args(argv)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if not (1 <= args.bits <= 8 or args.bits == 32):
+        p.error("--bits must be in 1..8, or 32")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if "RANK" in os.environ:  # torchrun (or mpirun with the variables set)
+        if args.device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+        try:
+            result = train(args)
+        finally:
+            dist.destroy_process_group()
+        if int(os.environ["RANK"]) == 0:
+            report(result, args.json)
+        return
+    if args.device == "cuda":
+        raise SystemExit("with --device cuda, launch with torchrun (one process per GPU)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    mp.start_processes(_worker, (args.world_size, port, args, queue), args.world_size,
+                       start_method="spawn")  # fmt: skip
+    report(queue.get(), args.json)
+
+
+if __name__ == "__main__":
+    main()
