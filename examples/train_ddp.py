@@ -25,6 +25,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from cgx2.bench.report import environment
 from cgx2.ddp import CGXState, cgx_hook
 
 
@@ -124,6 +125,8 @@ def train(args: argparse.Namespace) -> dict:
     dist.barrier()
     n = min(10, len(losses))
     return {
+        "env": environment(torch.device(device), world),
+        "args": vars(args),
         "bits": args.bits,
         "world_size": world,
         "device": device,
@@ -210,7 +213,9 @@ def main(argv: list[str] | None = None) -> None:
     queue = ctx.SimpleQueue()
     mp.start_processes(_worker, (args.world_size, port, args, queue), args.world_size,
                        start_method="spawn")  # fmt: skip
-    report(queue.get(), args.json)
+    result = queue.get()
+    result["env"]["command"] = " ".join(sys.orig_argv)  # the workers' own is spawn's
+    report(result, args.json)
 
 
 if __name__ == "__main__":

@@ -24,10 +24,10 @@ def _command(world_size: int) -> str:
     """The command that reproduces this run, launcher and NCCL variables included."""
     nccl = " ".join(f"{k}={os.environ[k]}" for k in _NCCL_VARS if k in os.environ)
     argv = getattr(sys, "orig_argv", sys.argv)
-    if "TORCHELASTIC_RUN_ID" in os.environ and "-m" in argv:
+    if "TORCHELASTIC_RUN_ID" in os.environ:
         nproc = os.environ.get("LOCAL_WORLD_SIZE", world_size)
-        module = argv[argv.index("-m") + 1]
-        launch = f"torchrun --nproc-per-node {nproc} -m {module} {' '.join(sys.argv[1:])}"
+        target = f"-m {argv[argv.index('-m') + 1]}" if "-m" in argv else sys.argv[0]
+        launch = f"torchrun --nproc-per-node {nproc} {target} {' '.join(sys.argv[1:])}"
     else:
         launch = " ".join(argv)
     return f"{nccl} {launch}".strip()
