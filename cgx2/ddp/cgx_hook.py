@@ -65,10 +65,17 @@ class CGXState:
         self.layer_min_size = max(layer_min_size, config.minimal_size)
         self.skip_incomplete = config.skip_incomplete_buckets
         self._plans: dict[int, _Plan] = {}
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self.bytes_sent = 0
         """Bytes this rank has sent for the buckets so far (ring allreduce for exact layers)."""
         self.bytes_uncompressed = 0
         """What plain DDP (a ring allreduce of every bucket) would have sent."""
+
+    def stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The side stream this state's hook codes and communicates on, one per device."""
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
 
     def plan(self, bucket: dist.GradBucket) -> _Plan:
         """The bucket's layer plan, made at its first step and reused while shapes hold."""
@@ -116,8 +123,24 @@ def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[t
     doc). Gradients come out bit-identical on every rank."""
     if not isinstance(state, CGXState):
         raise TypeError(f"cgx_hook needs a CGXState as its state, got {type(state).__name__}")
-    group = state.process_group if state.process_group is not None else dist.group.WORLD
     buffer = bucket.buffer()
+    if not buffer.is_cuda:
+        return _reduce_bucket(state, bucket, buffer)
+    # On GPUs the coding and its waits on the collectives run on a side stream, so that the
+    # backward pass goes on computing; the future's CUDA event (recorded on the side stream)
+    # is what DDP's reducer waits for.
+    side = state.stream(buffer.device)
+    side.wait_stream(torch.cuda.current_stream(buffer.device))
+    with torch.cuda.stream(side):
+        future = _reduce_bucket(state, bucket, buffer)
+    buffer.record_stream(side)
+    return future
+
+
+def _reduce_bucket(
+    state: CGXState, bucket: dist.GradBucket, buffer: torch.Tensor
+) -> torch.futures.Future[torch.Tensor]:
+    group = state.process_group if state.process_group is not None else dist.group.WORLD
     plan = state.plan(bucket)
     world = dist.get_world_size(group)
     compress = state.bits != UNCOMPRESSED_BITS and world > 1
