@@ -1,6 +1,8 @@
 """examples/train_ddp.py: runs on 2 gloo processes, and 4-bit training tracks plain DDP."""
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -32,3 +34,17 @@ def test_four_bit_loss_within_3_percent_of_uncompressed(tmp_path):
     assert abs(four["final_loss"] - plain["final_loss"]) <= 0.03 * plain["final_loss"]
     assert four["bytes_uncompressed"] / four["bytes_sent"] > 6
     assert plain["bytes_sent"] is None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI is not installed")
+def test_mpirun_launch_needs_no_setup(tmp_path):
+    """CGX's launcher: `mpirun -np 2 python train.py`, no RANK/MASTER_* set by the user."""
+    out = tmp_path / "mpi.json"
+    cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", sys.executable,
+           str(EXAMPLE), "--steps", "3", "--json", str(out)]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["world_size"] == 2 and result["steps"] == 3
