@@ -21,7 +21,7 @@ from .checks import (
 from .codecs import ChunkedLayout, maxmin, maxmin_codec
 from .seeding import derive_key, next_seed
 
-__all__ = ["allreduce_plain", "allreduce_quantized", "reference_allreduce"]
+__all__ = ["allreduce_plain", "allreduce_plain_", "allreduce_quantized", "reference_allreduce"]
 
 # torch >= 2.13 renamed all_gather_into_tensor; both exist in between.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -33,14 +33,18 @@ _STAGE_GATHER = 2
 def allreduce_plain(t: torch.Tensor, group: dist.ProcessGroup, reduce_op: str) -> torch.Tensor:
     """The uncompressed allreduce of a copy of ``t``. AVG uses the backend's own AVG where it
     has one (NCCL); elsewhere (gloo) it sums and divides by the world size."""
-    out = t.clone(memory_format=torch.contiguous_format)
-    if reduce_op == "avg" and out.is_cuda and dist.get_backend(group) == "nccl":
-        dist.all_reduce(out, op=dist.ReduceOp.AVG, group=group)
-        return out
-    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+    return allreduce_plain_(t.clone(memory_format=torch.contiguous_format), group, reduce_op)
+
+
+def allreduce_plain_(t: torch.Tensor, group: dist.ProcessGroup, reduce_op: str) -> torch.Tensor:
+    """:func:`allreduce_plain` in place, on a contiguous ``t``; returns ``t``."""
+    if reduce_op == "avg" and t.is_cuda and dist.get_backend(group) == "nccl":
+        dist.all_reduce(t, op=dist.ReduceOp.AVG, group=group)
+        return t
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     if reduce_op == "avg":
-        out.div_(dist.get_world_size(group))
-    return out
+        t.div_(dist.get_world_size(group))
+    return t
 
 
 def allreduce_quantized(
@@ -103,10 +107,10 @@ def allreduce_quantized(
 
 
 PIPELINE_BYTES = 256 << 20
-"""Input bytes per pipeline piece of :func:`allreduce_quantized`. Each piece costs ~0.25 ms of
+"""Input bytes per pipeline piece of :func:`allreduce_quantized`. Each piece costs ~0.3 ms of
 host time (launches, collectives) on our H200s, so small pieces lose more than their overlap
-gains: 16 MiB pieces ran 4-7x slower than 256 MiB, and 256 MiB beat 64 MiB over NVLink
-(2 GPUs: 0.76 vs 1.49 ms at 256 MiB fp32 4-bit) and at 1 GiB over shared memory."""
+gains: 256 MiB beat 64 MiB over NVLink (2 GPUs, 256 MiB fp32 at 4 bits: 0.77 vs 1.49 ms) and
+at 1 GiB over shared memory, though not at 256 MiB there (BENCHMARKS.md)."""
 
 
 def _piece_numel(element_size: int, world: int, bucket_size: int) -> int:

@@ -6,13 +6,13 @@ Spawning and joining a process group costs seconds; the pool pays it once per wo
 from __future__ import annotations
 
 import datetime
-import os
 import queue
 import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -26,7 +26,7 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)  # up to 4 ranks share this machine's 2 cores
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from ..checks import UNCOMPRESSED_BITS, check_bits, check_bucket_size
 from ..codecs import ChunkedLayout
-from ..collectives import allreduce_plain, allreduce_quantized
+from ..collectives import allreduce_plain_, allreduce_quantized
 from ..config import CGXConfig
 
 __all__ = ["CGXState", "cgx_hook"]
@@ -156,7 +156,8 @@ def _reduce_bucket(
             buffer[offset : offset + numel].copy_(reduced[at : at + numel])
     if exact:
         state.bytes_sent += int(ring * sum(n for _, n in exact) * buffer.element_size())
-        reduced = allreduce_plain(torch.cat([buffer[o : o + n] for o, n in exact]), group, "avg")
+        # torch.cat already copies: reduce that copy in place.
+        reduced = allreduce_plain_(torch.cat([buffer[o : o + n] for o, n in exact]), group, "avg")
         at = 0
         for offset, numel in exact:
             buffer[offset : offset + numel].copy_(reduced[at : at + numel])
