@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from .checks import UNCOMPRESSED_BITS, check_bits, check_bucket_size
 
-__all__ = ["CGXConfig"]
+__all__ = ["CGXConfig", "compression_from_env"]
 
 MIN_COMPRESSION_SIZE = 16
 """CGX never compresses a buffer of fewer elements than this, whatever the variable says."""
@@ -111,19 +111,10 @@ class CGXConfig:
         Raises ``ValueError`` naming the variable and its allowed values when one is invalid.
         """
         env = os.environ if environ is None else environ
-        bits_allowed = "an integer in 1..8, or 32 for no compression"
-        bits = _int(
-            env, "CGX_COMPRESSION_QUANTIZATION_BITS", UNCOMPRESSED_BITS, 1, 32, bits_allowed
-        )
-        if not (bits <= 8 or bits == UNCOMPRESSED_BITS):
-            raw = env["CGX_COMPRESSION_QUANTIZATION_BITS"]
-            raise ValueError(
-                f"CGX_COMPRESSION_QUANTIZATION_BITS={raw!r} is out of range: "
-                f"expected {bits_allowed}"
-            )
+        bits, bucket_size = compression_from_env(env)
         return cls(
             quantization_bits=bits,
-            bucket_size=_int(env, "CGX_COMPRESSION_BUCKET_SIZE", 512, 1, 2**31 - 1),
+            bucket_size=bucket_size,
             skip_incomplete_buckets=_bool(env, "CGX_COMPRESSION_SKIP_INCOMPLETE_BUCKETS", False),
             minimal_size=max(
                 MIN_COMPRESSION_SIZE, _int(env, "CGX_COMPRESSION_MINIMAL_SIZE", 0, 0, None)
@@ -137,3 +128,17 @@ class CGXConfig:
             ),
             intra_broadcast=_bool(env, "CGX_INTRA_BROADCAST", False),
         )
+
+
+def compression_from_env(environ: Mapping[str, str] | None = None) -> tuple[int, int]:
+    """``(bits, bucket_size)`` from ``CGX_COMPRESSION_QUANTIZATION_BITS`` and
+    ``CGX_COMPRESSION_BUCKET_SIZE``: the two variables CGX lets a script change at any time."""
+    env = os.environ if environ is None else environ
+    bits_allowed = "an integer in 1..8, or 32 for no compression"
+    bits = _int(env, "CGX_COMPRESSION_QUANTIZATION_BITS", UNCOMPRESSED_BITS, 1, 32, bits_allowed)
+    if not (bits <= 8 or bits == UNCOMPRESSED_BITS):
+        raw = env["CGX_COMPRESSION_QUANTIZATION_BITS"]
+        raise ValueError(
+            f"CGX_COMPRESSION_QUANTIZATION_BITS={raw!r} is out of range: expected {bits_allowed}"
+        )
+    return bits, _int(env, "CGX_COMPRESSION_BUCKET_SIZE", 512, 1, 2**31 - 1)

@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 from ..checks import UNCOMPRESSED_BITS, check_bits, check_bucket_size
-from ..codecs import ChunkedLayout
-from ..collectives import allreduce_plain_, allreduce_quantized
+from ..collectives import allreduce_plain_
 from ..config import CGXConfig
+from ..fusion import allreduce_fused_
 
 __all__ = ["CGXState", "cgx_hook"]
 
@@ -101,23 +101,6 @@ class CGXState:
         return plan
 
 
-def _fuse_padded(
-    buffer: torch.Tensor, segments: tuple[tuple[int, int], ...], bucket_size: int
-) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
-    """Concatenate layers, each padded with its own last value to whole quantization buckets:
-    no bucket mixes two layers, and the padding changes no bucket's min or max."""
-    parts, spans, at = [], [], 0
-    for offset, numel in segments:
-        layer = buffer[offset : offset + numel]
-        pad = -numel % bucket_size
-        parts.append(layer)
-        if pad:
-            parts.append(layer[-1:].expand(pad))
-        spans.append((at, offset, numel))
-        at += numel + pad
-    return torch.cat(parts), spans
-
-
 def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average a DDP gradient bucket across ranks, compressing its large layers (see module
     doc). Gradients come out bit-identical on every rank."""
@@ -148,12 +131,8 @@ def _reduce_bucket(
     ring = 2 * (world - 1) / world  # bytes a ring allreduce sends per byte of its input
     state.bytes_uncompressed += int(ring * buffer.numel() * buffer.element_size())
     if compress and plan.compressed:
-        fused, spans = _fuse_padded(buffer, plan.compressed, state.bucket_size)
-        layout = ChunkedLayout.split(fused.numel(), world, state.bits, state.bucket_size, False)
-        state.bytes_sent += 2 * (world - 1) * layout.payload_nbytes
-        reduced = allreduce_quantized(fused, state.bits, state.bucket_size, group, "avg")
-        for at, offset, numel in spans:
-            buffer[offset : offset + numel].copy_(reduced[at : at + numel])
+        layers = [buffer[offset : offset + numel] for offset, numel in plan.compressed]
+        state.bytes_sent += allreduce_fused_(layers, state.bits, state.bucket_size, group, "avg")
     if exact:
         state.bytes_sent += int(ring * sum(n for _, n in exact) * buffer.element_size())
         # torch.cat already copies: reduce that copy in place.

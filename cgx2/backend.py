@@ -1,0 +1,282 @@
+"""The ``cgx`` torch.distributed backend: ``dist.init_process_group("cgx")``, as in CGX.
+
+Every collective goes to gloo (CPU tensors) or NCCL (CUDA tensors); ``all_reduce`` of floats
+with SUM or AVG is quantized when ``CGX_COMPRESSION_QUANTIZATION_BITS`` < 32, and coalesced
+allreduces are fused into buffers of at most ``CGX_FUSION_BUFFER_SIZE_MB``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed import PrefixStore
+
+from .checks import UNCOMPRESSED_BITS
+from .config import CGXConfig, compression_from_env
+from .fusion import allreduce_fused_, fusion_batches
+
+__all__ = ["BACKEND_NAME", "CGXProcessGroup", "register_backend"]
+
+BACKEND_NAME = "cgx"
+COMPRESSIBLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+"""What the backend quantizes; other dtypes (integers, float64) are reduced exactly."""
+
+_BackendType = dist.ProcessGroup.BackendType
+logger = logging.getLogger("cgx2")
+
+
+class _DoneWork(dist.Work):
+    """A collective whose result is already enqueued: on CUDA, its future's event stands for
+    the kernels on the stream that issued them."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        super().__init__()
+        cuda = [t.device for t in tensors if t.is_cuda]
+        self._future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future(
+            devices=cuda[:1] or None
+        )
+        self._future.set_result(tensors)
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        self._future.wait()
+        return True
+
+    def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
+        return self._future
+
+
+class _Works(dist.Work):
+    """Several transport works seen as one (coalesced collectives)."""
+
+    def __init__(self, works: list[dist.Work], outputs: list[torch.Tensor]) -> None:
+        super().__init__()
+        self._works, self._outputs = works, outputs
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        for work in self._works:
+            work.wait()
+        return True
+
+    def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
+        futures = [work.get_future() for work in self._works]
+        return torch.futures.collect_all(futures).then(lambda _: self._outputs)
+
+
+def _reduce_op_name(op: dist.ReduceOp) -> str | None:
+    """ "sum"/"avg" for the ops a quantized allreduce computes, else None."""
+    if op == dist.ReduceOp.SUM:
+        return "sum"
+    if op == dist.ReduceOp.AVG:
+        return "avg"
+    return None
+
+
+class CGXProcessGroup(dist.ProcessGroup):
+    """A process group whose allreduce is quantized (see the module doc).
+
+    ``config`` holds the ``CGX_*`` variables read when the group is made, except bits and
+    bucket size, which are read again at every allreduce (CGX lets scripts change them).
+    ``bytes_sent`` / ``bytes_uncompressed`` count what this rank's allreduces sent and what a
+    ring allreduce of the same tensors would have sent.
+    """
+
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        size: int,
+        timeout: datetime.timedelta,
+        nccl_options: object | None = None,
+    ) -> None:
+        super().__init__(rank, size)
+        self.config = CGXConfig.from_env()
+        self.bytes_sent = 0
+        self.bytes_uncompressed = 0
+        self._backends: dict[str, dist.Backend] = {}
+        gloo = dist.ProcessGroupGloo(PrefixStore("gloo/", store), rank, size, timeout)
+        self._add_backend("cpu", _BackendType.GLOO, gloo)
+        default = _BackendType.GLOO
+        if torch.cuda.is_available() and dist.is_nccl_available():
+            options = nccl_options
+            if not isinstance(options, dist.ProcessGroupNCCL.Options):
+                options = dist.ProcessGroupNCCL.Options()
+                options.is_high_priority_stream = False
+            options._timeout = timeout
+            nccl = dist.ProcessGroupNCCL(PrefixStore("nccl/", store), rank, size, options)
+            self._add_backend("cuda", _BackendType.NCCL, nccl)
+            default = _BackendType.NCCL
+        self._set_default_backend(default)
+
+    def _add_backend(self, device: str, kind: _BackendType, backend: dist.Backend) -> None:
+        # Registered backends serve every collective this class does not override.
+        self._register_backend(torch.device(device), kind, backend)
+        self._backends[device] = backend
+
+    def getBackendName(self) -> str:  # the C++ method name, which the binding looks up
+        return BACKEND_NAME
+
+    def backend_for(self, tensor: torch.Tensor) -> dist.Backend:
+        """The gloo or NCCL backend that carries ``tensor``'s collectives."""
+        try:
+            return self._backends[tensor.device.type]
+        except KeyError:
+            raise RuntimeError(
+                f"the cgx backend has no {tensor.device.type} transport here (it has "
+                f"{', '.join(self._backends)})"
+            ) from None
+
+    # -- allreduce ---------------------------------------------------------------------------
+
+    def allreduce(
+        self, tensors: list[torch.Tensor], opts: dist.AllreduceOptions | None = None
+    ) -> dist.Work:
+        opts = dist.AllreduceOptions() if opts is None else opts
+        op = _reduce_op_name(opts.reduceOp)
+        bits, bucket_size = compression_from_env()
+        if len(tensors) == 1 and self._compressible(tensors[0], op, bits):
+            self._compress(tensors, bits, bucket_size, op)
+            return _DoneWork(tensors)
+        return self._delegate(tensors, opts.reduceOp)
+
+    def allreduce_coalesced(
+        self, tensors: list[torch.Tensor], opts: dist.AllreduceCoalescedOptions | None = None
+    ) -> dist.Work:
+        opts = dist.AllreduceCoalescedOptions() if opts is None else opts
+        op = _reduce_op_name(opts.reduceOp)
+        bits, bucket_size = compression_from_env()
+        fused = [t for t in tensors if self._compressible(t, op, bits)]
+        for t in tensors:
+            if not any(t is f for f in fused):
+                self._delegate([t], opts.reduceOp).wait()
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for t in fused:
+            groups.setdefault((t.device, t.dtype), []).append(t)
+        limit = self.config.fusion_buffer_size_mb << 20
+        for (_, dtype), same in groups.items():
+            sizes = [t.numel() for t in same]
+            for batch in fusion_batches(sizes, dtype.itemsize, bucket_size, limit):
+                self._compress([same[i] for i in batch], bits, bucket_size, op)
+        return _DoneWork(list(tensors))
+
+    def allreduce_exact(self, tensor: torch.Tensor, reduce_op: str) -> dist.Work:
+        """The uncompressed allreduce (``"sum"``/``"avg"``) of ``tensor`` in place, whatever
+        the variables say: for layers a DDP hook keeps exact."""
+        op = dist.ReduceOp.AVG if reduce_op == "avg" else dist.ReduceOp.SUM
+        return self._delegate([tensor], op)
+
+    def _compressible(self, t: torch.Tensor, op: str | None, bits: int) -> bool:
+        return (
+            bits != UNCOMPRESSED_BITS
+            and op is not None
+            and self.size() > 1
+            and t.dtype in COMPRESSIBLE_DTYPES
+            and t.layout == torch.strided
+            and t.device.type in self._backends
+            and t.numel() >= self.config.minimal_size
+        )
+
+    def _compress(self, tensors: Sequence[torch.Tensor], bits: int, bucket_size: int,
+                  op: str) -> None:  # fmt: skip
+        nbytes = sum(t.numel() for t in tensors) * tensors[0].element_size()
+        self.bytes_uncompressed += _ring_bytes(nbytes, self.size())
+        self.bytes_sent += allreduce_fused_(tensors, bits, bucket_size, self, op)
+
+    def _delegate(self, tensors: list[torch.Tensor], op: dist.ReduceOp) -> dist.Work:
+        """The backend's own allreduce, exact; AVG on gloo (which lacks it) sums and divides."""
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        self.bytes_uncompressed += _ring_bytes(nbytes, self.size())
+        self.bytes_sent += _ring_bytes(nbytes, self.size())
+        backend = self.backend_for(tensors[0])
+        floats = all(t.is_floating_point() for t in tensors)
+        if op == dist.ReduceOp.AVG and tensors[0].device.type == "cpu" and floats:
+            backend.allreduce(tensors, dist.AllreduceOptions()).wait()  # SUM
+            for t in tensors:
+                t.div_(self.size())
+            return _DoneWork(tensors)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = op
+        return backend.allreduce(tensors, opts)
+
+    # -- every other collective: the transport's own ----------------------------------------
+    # Overridden rather than inherited: PyProcessGroup runs an inherited collective while
+    # holding the GIL, which deadlocks when gloo's worker thread frees a Python-owned tensor.
+    # The transports' bindings release the GIL. Both torch 2.11 and 2.13 names are given.
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: dist.BroadcastOptions) -> dist.Work:
+        return self.backend_for(tensors[0]).broadcast(tensors, opts)
+
+    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+                  opts: dist.AllgatherOptions) -> dist.Work:  # fmt: skip
+        return self.backend_for(inputs[0]).allgather(outputs, inputs, opts)
+
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor,
+                        opts: dist.AllgatherOptions) -> dist.Work:  # fmt: skip
+        return self.backend_for(input)._allgather_base(output, input, opts)
+
+    all_gather_single = _allgather_base
+
+    def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor],
+                                        inputs: list[torch.Tensor],
+                                        opts: dist.AllgatherOptions) -> dist.Work:  # fmt: skip
+        works = [self._allgather_base(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
+        return _Works(works, outputs)
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]],
+                       opts: dist.ReduceScatterOptions) -> dist.Work:  # fmt: skip
+        return self.backend_for(outputs[0]).reduce_scatter(outputs, inputs, opts)
+
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor,
+                             opts: dist.ReduceScatterOptions) -> dist.Work:  # fmt: skip
+        return self.backend_for(input)._reduce_scatter_base(output, input, opts)
+
+    reduce_scatter_single = _reduce_scatter_base
+
+    def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor],
+                                        inputs: list[torch.Tensor],
+                                        opts: dist.ReduceScatterOptions) -> dist.Work:  # fmt: skip
+        works = [self._reduce_scatter_base(o, i, opts)
+                 for o, i in zip(outputs, inputs, strict=True)]  # fmt: skip
+        return _Works(works, outputs)
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, out_splits: list[int],
+                      in_splits: list[int], opts: dist.AllToAllOptions) -> dist.Work:  # fmt: skip
+        return self.backend_for(input).alltoall_base(output, input, out_splits, in_splits, opts)
+
+    all_to_all_single = alltoall_base
+
+    def barrier(self, opts: dist.BarrierOptions) -> dist.Work:
+        return self._backends.get("cuda", self._backends["cpu"]).barrier(opts)
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> dist.Work:
+        return self.backend_for(tensors[0]).send(tensors, dst, tag)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> dist.Work:
+        return self.backend_for(tensors[0]).recv(tensors, src, tag)
+
+
+def _ring_bytes(nbytes: int, world: int) -> int:
+    """Bytes one rank sends in a ring allreduce of ``nbytes``."""
+    return 2 * (world - 1) * nbytes // world
+
+
+def _create(
+    options: dist.distributed_c10d._DistributedBackendOptions, backend_options: object | None
+) -> CGXProcessGroup:
+    return CGXProcessGroup(
+        options.store, options.group_rank, options.group_size, options.timeout, backend_options
+    )
+
+
+def register_backend() -> None:
+    """Make ``"cgx"`` a ``torch.distributed`` backend (idempotent; ``import cgx2`` does it)."""
+    if BACKEND_NAME.upper() in dist.Backend._plugins:
+        return
+    dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"])

@@ -1,0 +1,78 @@
+"""Tensor fusion: many tensors (layers) reduced by one quantized allreduce.
+
+Each layer is padded with its own last value to whole quantization buckets, so no bucket mixes
+two layers and the padding moves no bucket's min or max (CGX's layer-aware fusion).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .codecs import ChunkedLayout
+from .collectives import allreduce_quantized
+
+__all__ = ["allreduce_fused_", "fuse_padded", "fusion_batches", "quantized_bytes_sent"]
+
+
+def fuse_padded(layers: Sequence[torch.Tensor], bucket_size: int) -> tuple[torch.Tensor, list[int]]:
+    """Concatenate the flattened ``layers``, each padded to whole buckets; return the buffer
+    and where each layer starts in it."""
+    parts, starts, at = [], [], 0
+    for layer in layers:
+        flat = layer.reshape(-1)
+        pad = -flat.numel() % bucket_size
+        parts.append(flat)
+        if pad:
+            parts.append(flat[-1:].expand(pad))
+        starts.append(at)
+        at += flat.numel() + pad
+    return torch.cat(parts), starts
+
+
+def padded_numel(numel: int, bucket_size: int) -> int:
+    """Values a layer of ``numel`` takes in a fused buffer."""
+    return numel + (-numel % bucket_size)
+
+
+def fusion_batches(numels: Sequence[int], element_size: int, bucket_size: int,
+                   limit_bytes: int) -> list[list[int]]:  # fmt: skip
+    """Cut tensors, in order, into batches of at most ``limit_bytes`` once padded; a tensor
+    larger than the limit goes alone, and ``limit_bytes`` = 0 puts every tensor alone."""
+    batches: list[list[int]] = []
+    size = 0
+    for i, numel in enumerate(numels):
+        nbytes = padded_numel(numel, bucket_size) * element_size
+        if batches and limit_bytes > 0 and size + nbytes <= limit_bytes:
+            batches[-1].append(i)
+            size += nbytes
+        else:
+            batches.append([i])
+            size = nbytes
+    return batches
+
+
+def quantized_bytes_sent(numel: int, world: int, bits: int, bucket_size: int,
+                         skip_incomplete: bool = False) -> int:  # fmt: skip
+    """Bytes one rank sends in :func:`cgx2.collectives.allreduce_quantized` of ``numel``
+    values: W-1 chunks to their owners, then its reduced chunk to W-1 ranks."""
+    layout = ChunkedLayout.split(numel, world, bits, bucket_size, skip_incomplete)
+    return 2 * (world - 1) * layout.payload_nbytes
+
+
+def allreduce_fused_(
+    layers: Sequence[torch.Tensor],
+    bits: int,
+    bucket_size: int,
+    group: dist.ProcessGroup,
+    reduce_op: str = "sum",
+) -> int:
+    """Quantized allreduce of ``layers`` (same dtype and device) as one fused buffer, written
+    back into each layer. Returns the bytes this rank sent."""
+    fused, starts = fuse_padded(layers, bucket_size)
+    reduced = allreduce_quantized(fused, bits, bucket_size, group, reduce_op)
+    for layer, at in zip(layers, starts, strict=True):
+        layer.copy_(reduced[at : at + layer.numel()].view(layer.shape))
+    return quantized_bytes_sent(fused.numel(), dist.get_world_size(group), bits, bucket_size)
