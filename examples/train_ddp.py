@@ -1,11 +1,14 @@
-"""Train a small character-level transformer with DDP and cgx2's 4-bit gradient hook.
+"""Train a small character-level transformer with DDP and cgx2's 4-bit gradients.
 
 The text is Python's own standard library source, so nothing is downloaded. CPU with gloo by
 default (2 processes), CUDA with NCCL when present; under ``torchrun`` it uses the launcher's
-processes. Logs loss, step time and the bytes sent against uncompressed DDP:
+processes. ``--mode hook`` registers ``cgx_hook``; ``--mode backend`` runs plain DDP on the
+``cgx`` backend (CGX's other way in). Logs loss, step time and the bytes sent against
+uncompressed DDP:
 
     python examples/train_ddp.py --bits 4 --steps 200            # spawns 2 CPU processes
     torchrun --nproc-per-node 4 examples/train_ddp.py --bits 4     # one process per GPU
+    mpirun -np 2 python examples/train_ddp.py --mode backend      # CGX's launcher
 """
 
 from __future__ import annotations
@@ -90,8 +93,11 @@ def train(args: argparse.Namespace) -> dict:
     torch.manual_seed(args.seed)  # same initial weights everywhere (DDP broadcasts them too)
     model = CharTransformer(args.context, args.dim, args.layers, args.heads).to(device)
     ddp = DDP(model)
+    # The loss is averaged for the log on a plain group, so that only gradients are counted.
+    log_group = dist.new_group(backend="gloo")
+    group = dist.group.WORLD
     state = None
-    if args.bits != 32:
+    if args.mode == "hook" and args.bits != 32:
         state = CGXState(
             None, args.layer_min_size, {"bits": args.bits, "bucket_size": args.bucket_size}
         )
@@ -100,6 +106,7 @@ def train(args: argparse.Namespace) -> dict:
     text = load_text(args.text_bytes)
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own batches
     losses, times = [], []
+    counted = (group.bytes_sent, group.bytes_uncompressed) if args.mode == "backend" else None
     for step in range(args.steps):
         x, y = batch(text, args.batch_size, args.context, gen, device)
         t0 = time.perf_counter()
@@ -110,8 +117,8 @@ def train(args: argparse.Namespace) -> dict:
         if device != "cpu":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-        mean_loss = loss.detach().clone()
-        dist.all_reduce(mean_loss)
+        mean_loss = loss.detach().cpu()
+        dist.all_reduce(mean_loss, group=log_group)
         losses.append(mean_loss.item() / world)
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             line = f"step {step + 1}/{args.steps}  loss {losses[-1]:.4f}  {times[-1] * 1e3:.0f} ms"
@@ -119,6 +126,8 @@ def train(args: argparse.Namespace) -> dict:
     if rank == 0:
         print(file=sys.stderr)
     sent = (state.bytes_sent, state.bytes_uncompressed) if state else (None, None)
+    if counted is not None:  # the cgx backend's own counters, over the training steps
+        sent = (group.bytes_sent - counted[0], group.bytes_uncompressed - counted[1])
     # DDP's reducer must be gone, and every rank done, before the process group is destroyed.
     del ddp, state, opt
     gc.collect()
@@ -128,6 +137,7 @@ def train(args: argparse.Namespace) -> dict:
         "env": environment(torch.device(device), world),
         "args": vars(args),
         "bits": args.bits,
+        "mode": args.mode,
         "world_size": world,
         "device": device,
         "steps": args.steps,
@@ -141,9 +151,19 @@ def train(args: argparse.Namespace) -> dict:
     }
 
 
+def init_process_group(args: argparse.Namespace, **kwargs: int) -> None:
+    """gloo/NCCL, or the ``cgx`` backend with the flags passed as CGX's variables."""
+    if args.mode == "backend":
+        os.environ["CGX_COMPRESSION_QUANTIZATION_BITS"] = str(args.bits)
+        os.environ["CGX_COMPRESSION_BUCKET_SIZE"] = str(args.bucket_size)
+        dist.init_process_group("cgx", **kwargs)
+    else:
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo", **kwargs)
+
+
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_process_group(args, rank=rank, world_size=world)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     try:
         result = train(args)
@@ -157,7 +177,8 @@ def report(result: dict, json_path: str | None) -> None:
     sent, plain = result["bytes_sent"], result["bytes_uncompressed"]
     saved = f", sent {sent / 1e6:.2f} MB vs {plain / 1e6:.2f} MB uncompressed " \
             f"({plain / max(sent, 1):.2f}x less)" if sent else ""  # fmt: skip
-    print(f"{result['bits']}-bit DDP, {result['world_size']} x {result['device']}, "
+    print(f"{result['bits']}-bit DDP ({result['mode']}), {result['world_size']} x "
+          f"{result['device']}, "
           f"{result['params'] / 1e6:.2f}M params: loss {result['first_loss']:.3f} -> "
           f"{result['final_loss']:.3f} (mean of the last steps), "
           f"{result['step_ms']:.0f} ms/step{saved}")  # fmt: skip
@@ -169,7 +190,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--bits", type=int, default=4, help="1-8, or 32 for plain DDP")
     p.add_argument("--bucket-size", type=int, default=512)
-    p.add_argument("--layer-min-size", type=int, default=1024)
+    p.add_argument("--layer-min-size", type=int, default=1024, help="hook mode only")
+    p.add_argument(
+        "--mode",
+        choices=("hook", "backend"),
+        default="hook",
+        help="cgx_hook on DDP, or plain DDP on the cgx backend",
+    )
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--context", type=int, default=64)
@@ -196,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
     if "RANK" in os.environ:  # torchrun (or mpirun with the variables set)
         if args.device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+        init_process_group(args)
         try:
             result = train(args)
         finally:

@@ -119,6 +119,22 @@ def _delegated_exactly() -> list[bool]:
     return checks
 
 
+def _functional_collective_is_quantized() -> bool:
+    """torch's functional all_reduce (what compiled graphs call) on a cgx group."""
+    import torch.distributed._functional_collectives as funcol
+
+    with _cgx_group(CGX_COMPRESSION_QUANTIZATION_BITS="3") as g:
+        x = _input(dist.get_rank(), 2000)
+        cgx2.manual_seed(8)
+        functional = funcol.wait_tensor(funcol.all_reduce(x, "sum", g))
+        cgx2.manual_seed(8)
+        eager = x.clone()
+        dist.all_reduce(eager, group=g)
+        exact = x.clone()
+        dist.all_reduce(exact)
+        return _bits_equal(functional, eager) and not torch.equal(functional, exact)
+
+
 def _bits_read_at_every_call() -> list[int]:
     rank = dist.get_rank()
     exact = []
@@ -171,6 +187,14 @@ def _collectives_delegated() -> list[bool]:
         t = torch.full((4,), float(rank + 1))
         dist.reduce(t, dst=0, group=g)
         ok.append(rank != 0 or torch.equal(t, torch.full((4,), world * (world + 1) / 2)))
+        parts = [torch.empty(2) for _ in range(world)] if rank == 0 else None
+        dist.gather(torch.full((2,), float(rank)), parts, dst=0, group=g)
+        ok.append(rank != 0 or all(torch.equal(p, torch.full((2,), float(r)))
+                                   for r, p in enumerate(parts)))  # fmt: skip
+        out = torch.empty(2)
+        sources = [torch.full((2,), r + 0.5) for r in range(world)] if rank == 0 else None
+        dist.scatter(out, sources, src=0, group=g)
+        ok.append(torch.equal(out, torch.full((2,), rank + 0.5)))
         objects = [None] * world
         dist.all_gather_object(objects, {"rank": rank}, group=g)
         ok.append(objects == [{"rank": r} for r in range(world)])
@@ -266,6 +290,16 @@ def test_what_cannot_be_compressed_is_delegated_exactly(dist2, dist4):
     for pool in (dist2, dist4):
         for checks in pool.run(_delegated_exactly):
             assert all(checks), checks
+
+
+def test_functional_all_reduce_is_quantized(dist2):
+    assert dist2.run(_functional_collective_is_quantized) == [True, True]
+
+
+def test_torch_cgx_registers_the_backend():
+    import torch_cgx
+
+    assert "cgx" in dist.Backend.backend_list and torch_cgx.CGXProcessGroup is cgx2.CGXProcessGroup
 
 
 def test_bits_are_read_at_every_allreduce(dist2):

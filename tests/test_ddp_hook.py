@@ -150,6 +150,12 @@ def test_hook_needs_a_cgx_state():
         cgx_hook(None, None)
 
 
+def test_hook_outside_ddp_is_refused_clearly():
+    """FSDP's register_comm_hook calls hook(state, grad): not a DDP GradBucket."""
+    with pytest.raises(TypeError, match=r"DistributedDataParallel communication hook.*Tensor"):
+        cgx_hook(CGXState(None), torch.zeros(4))
+
+
 def test_cgx_utils_drop_in():
     import cgx_utils
 

@@ -12,13 +12,13 @@ import pytest
 EXAMPLE = Path(__file__).parents[1] / "examples" / "train_ddp.py"
 
 
-def _run(tmp_path: Path, bits: int, steps: int) -> dict:
-    out = tmp_path / f"bits{bits}.json"
+def _run(tmp_path: Path, bits: int, steps: int, mode: str = "hook") -> dict:
+    out = tmp_path / f"bits{bits}_{mode}.json"
     cmd = [sys.executable, str(EXAMPLE), "--bits", str(bits), "--steps", str(steps),
-           "--json", str(out), "--log-every", "20"]  # fmt: skip
+           "--json", str(out), "--log-every", "20", "--mode", mode]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"{bits}-bit DDP, 2 x cpu" in proc.stdout
+    assert f"{bits}-bit DDP ({mode}), 2 x cpu" in proc.stdout
     assert "step 1/" in proc.stderr  # progress on stderr
     return json.loads(out.read_text())
 
@@ -26,25 +26,29 @@ def _run(tmp_path: Path, bits: int, steps: int) -> dict:
 @pytest.mark.slow
 def test_four_bit_loss_within_3_percent_of_uncompressed(tmp_path):
     """Same seed, data and 60 AdamW steps: the final loss (mean of the last 10 steps) at 4 bits
-    is within 3% of plain DDP's, while sending over 6x fewer bytes."""
-    four = _run(tmp_path, 4, 60)
+    is within 3% of plain DDP's, while sending over 6x fewer bytes: with cgx_hook, and with
+    plain DDP on the cgx backend."""
     plain = _run(tmp_path, 32, 60)
-    assert four["first_loss"] == pytest.approx(plain["first_loss"], rel=1e-6)
     assert plain["final_loss"] < 0.6 * plain["first_loss"]
-    assert abs(four["final_loss"] - plain["final_loss"]) <= 0.03 * plain["final_loss"]
-    assert four["bytes_uncompressed"] / four["bytes_sent"] > 6
     assert plain["bytes_sent"] is None
+    for mode in ("hook", "backend"):
+        four = _run(tmp_path, 4, 60, mode)
+        assert four["first_loss"] == pytest.approx(plain["first_loss"], rel=1e-6)
+        assert abs(four["final_loss"] - plain["final_loss"]) <= 0.03 * plain["final_loss"]
+        assert four["bytes_uncompressed"] / four["bytes_sent"] > 6
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI is not installed")
 def test_mpirun_launch_needs_no_setup(tmp_path):
-    """CGX's launcher: `mpirun -np 2 python train.py`, no RANK/MASTER_* set by the user."""
+    """CGX's way: `mpirun -np 2 python train.py` on the cgx backend, no RANK/MASTER_* set by
+    the user."""
     out = tmp_path / "mpi.json"
     cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", sys.executable,
-           str(EXAMPLE), "--steps", "3", "--json", str(out)]  # fmt: skip
+           str(EXAMPLE), "--steps", "3", "--json", str(out), "--mode", "backend"]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["world_size"] == 2 and result["steps"] == 3
+    assert result["mode"] == "backend" and 0 < result["bytes_sent"] < result["bytes_uncompressed"]

@@ -106,6 +106,12 @@ def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[t
     doc). Gradients come out bit-identical on every rank."""
     if not isinstance(state, CGXState):
         raise TypeError(f"cgx_hook needs a CGXState as its state, got {type(state).__name__}")
+    if not isinstance(bucket, dist.GradBucket):
+        raise TypeError(
+            "cgx_hook is a DistributedDataParallel communication hook "
+            "(ddp_model.register_comm_hook(state, cgx_hook)); it was called with a "
+            f"{type(bucket).__name__} instead of a GradBucket (FSDP's hooks get tensors)"
+        )
     buffer = bucket.buffer()
     if not buffer.is_cuda:
         return _reduce_bucket(state, bucket, buffer)
