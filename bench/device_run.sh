@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# One device call: check the kernels and the allreduce on the GPUs, time the kernels, and
-# benchmark the allreduce in DESIGN.md's three regimes (nvlink, shm, socket) when there are
-# several GPUs. Raw results land in bench/results/ (and as one tarball in $OUT).
-# Usage (repo root): bash bench/device_run.sh [gpu_check args]; BENCH_ARGS for cgx2.bench.
+# One device call: check the kernels, the allreduce and the cgx backend on the GPUs, time the
+# kernels, and, with several GPUs, benchmark the allreduce and a DDP training step in
+# DESIGN.md's three regimes (nvlink, shm, socket). Raw results land in bench/results/ (and as
+# one tarball in $OUT).
+# Usage (repo root): bash bench/device_run.sh [gpu_check args]; BENCH_ARGS for cgx2.bench,
+# TRAIN_ARGS for examples/train_ddp.py; SKIP_KERNELS, SKIP_CHECKS, SKIP_BENCH, SKIP_TRAIN=1
+# leave a stage out (a call is limited to 10 minutes on our machines).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -14,18 +17,40 @@ status=0
 if [ -z "${SKIP_KERNELS:-}" ]; then
   python3 bench/gpu_check.py "$@" 2>"$LOGS/gpu_check.err" | tail -n 45 || status=1
 fi
-if [ "$NGPU" -ge 2 ]; then
+regime_vars() {
+  case $1 in
+    nvlink) vars=() ;;
+    shm) vars=(NCCL_P2P_DISABLE=1) ;;
+    socket) vars=(NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1) ;;
+  esac
+}
+if [ "$NGPU" -ge 2 ] && [ -z "${SKIP_CHECKS:-}" ]; then
   torchrun --nproc-per-node "$NGPU" bench/gpu_allreduce_check.py 2>"$LOGS/ar_check.err" \
     | tail -n 30 || status=1
+  torchrun --nproc-per-node "$NGPU" bench/gpu_backend_check.py 2>"$LOGS/backend_check.err" \
+    | tail -n 30 || status=1
+fi
+if [ "$NGPU" -ge 2 ] && [ -z "${SKIP_BENCH:-}" ]; then
   for regime in nvlink shm socket; do
-    case $regime in
-      nvlink) vars=() ;;
-      shm) vars=(NCCL_P2P_DISABLE=1) ;;
-      socket) vars=(NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1) ;;
-    esac
+    regime_vars $regime
     echo "== allreduce, $NGPU GPUs, regime $regime"
     env "${vars[@]}" torchrun --nproc-per-node "$NGPU" -m cgx2.bench ${BENCH_ARGS:-} \
       2>>"$LOGS/bench_$regime.err" || status=1
+  done
+fi
+if [ "$NGPU" -ge 2 ] && [ -z "${SKIP_TRAIN:-}" ]; then
+  GPU=$(python3 -c "import torch; print(torch.cuda.get_device_name().lower().replace(' ', '-'))")
+  TRAIN_ARGS=${TRAIN_ARGS:---steps 40 --dim 1024 --layers 10 --heads 16 --context 256 --batch-size 8}
+  for regime in socket shm nvlink; do
+    regime_vars $regime
+    for run in "32 hook" "4 hook" "4 backend"; do
+      set -- $run
+      echo "== DDP step, $NGPU GPUs, regime $regime, $1 bits, $2"
+      env "${vars[@]}" torchrun --nproc-per-node "$NGPU" examples/train_ddp.py --bits "$1" \
+        --mode "$2" $TRAIN_ARGS --log-every 1000 \
+        --json "bench/results/train_ddp_${GPU}_${regime}_w${NGPU}_b$1_$2.json" \
+        2>>"$LOGS/train_$regime.err" | tail -n 1 || status=1
+    done
   done
 fi
 tar czf "$OUT/results.tgz" bench/results/*.json 2>/dev/null

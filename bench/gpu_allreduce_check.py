@@ -10,6 +10,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Every case must take the quantized path, however small: no fallback to the plain allreduce.
+os.environ["CGX2_CROSSOVER_BYTES"] = "0"
 
 import torch
 import torch.distributed as dist

@@ -17,7 +17,7 @@ from torch.distributed import PrefixStore
 
 from .checks import UNCOMPRESSED_BITS
 from .config import CGXConfig, compression_from_env
-from .fusion import allreduce_fused_, fusion_batches
+from .fusion import allreduce_fused_, fusion_batches, ring_bytes_sent
 
 __all__ = ["BACKEND_NAME", "CGXProcessGroup", "register_backend"]
 
@@ -182,14 +182,14 @@ class CGXProcessGroup(dist.ProcessGroup):
     def _compress(self, tensors: Sequence[torch.Tensor], bits: int, bucket_size: int,
                   op: str) -> None:  # fmt: skip
         nbytes = sum(t.numel() for t in tensors) * tensors[0].element_size()
-        self.bytes_uncompressed += _ring_bytes(nbytes, self.size())
+        self.bytes_uncompressed += ring_bytes_sent(nbytes, self.size())
         self.bytes_sent += allreduce_fused_(tensors, bits, bucket_size, self, op)
 
     def _delegate(self, tensors: list[torch.Tensor], op: dist.ReduceOp) -> dist.Work:
         """The backend's own allreduce, exact; AVG on gloo (which lacks it) sums and divides."""
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        self.bytes_uncompressed += _ring_bytes(nbytes, self.size())
-        self.bytes_sent += _ring_bytes(nbytes, self.size())
+        self.bytes_uncompressed += ring_bytes_sent(nbytes, self.size())
+        self.bytes_sent += ring_bytes_sent(nbytes, self.size())
         backend = self.backend_for(tensors[0])
         floats = all(t.is_floating_point() for t in tensors)
         if op == dist.ReduceOp.AVG and tensors[0].device.type == "cpu" and floats:
@@ -260,11 +260,6 @@ class CGXProcessGroup(dist.ProcessGroup):
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> dist.Work:
         return self.backend_for(tensors[0]).recv(tensors, src, tag)
-
-
-def _ring_bytes(nbytes: int, world: int) -> int:
-    """Bytes one rank sends in a ring allreduce of ``nbytes``."""
-    return 2 * (world - 1) * nbytes // world
 
 
 def _create(

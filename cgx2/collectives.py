@@ -19,6 +19,7 @@ from .checks import (
     check_reduce_op,
 )
 from .codecs import ChunkedLayout, maxmin, maxmin_codec
+from .crossover import crossover_bytes
 from .seeding import derive_key, next_seed
 
 __all__ = ["allreduce_plain", "allreduce_plain_", "allreduce_quantized", "reference_allreduce"]
@@ -64,8 +65,10 @@ def allreduce_quantized(
 
     Returns a new tensor of ``t``'s shape and dtype; ``t`` is not modified. Each value is
     quantized twice (on the way to its owner, and once reduced); the owner's own contribution
-    stays in full precision. ``bits`` = 32 is the plain allreduce, exactly; a group of one
-    returns a copy of ``t``. ``seed`` None draws the next seed from :mod:`cgx2.seeding`.
+    stays in full precision. ``bits`` = 32 is the plain allreduce, exactly, and so is a GPU
+    tensor too small for compression to pay on this interconnect (:mod:`cgx2.crossover`); a
+    group of one returns a copy of ``t``. ``seed`` None draws the next seed from
+    :mod:`cgx2.seeding`.
 
     Tensors larger than :data:`PIPELINE_BYTES` are cut into pieces of whole buckets per rank;
     while one piece is on the wire the next one is encoded (collectives are issued
@@ -76,7 +79,7 @@ def allreduce_quantized(
     check_bucket_size(bucket_size)
     reduce_op = check_reduce_op(reduce_op)
     world = dist.get_world_size(group)
-    if bits == UNCOMPRESSED_BITS:
+    if bits == UNCOMPRESSED_BITS or not compression_pays(t):
         return allreduce_plain(t, group, reduce_op)
     if world == 1 or t.numel() == 0:
         return t.clone(memory_format=torch.contiguous_format)
@@ -115,6 +118,12 @@ PIPELINE_BYTES = 256 << 20
 host time (launches, collectives) on our H200s, so small pieces lose more than their overlap
 gains: 256 MiB beat 64 MiB over NVLink (2 GPUs, 256 MiB fp32 at 4 bits: 0.77 vs 1.49 ms) and
 at 1 GiB over shared memory, though not at 256 MiB there (BENCHMARKS.md)."""
+
+
+def compression_pays(t: torch.Tensor) -> bool:
+    """Whether ``t`` is large enough for the quantized allreduce to beat the plain one."""
+    threshold = crossover_bytes(t.device, t.dtype)
+    return threshold is not None and t.numel() * t.element_size() >= threshold
 
 
 def _piece_numel(element_size: int, world: int, bucket_size: int) -> int:

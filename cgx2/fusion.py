@@ -12,9 +12,15 @@ import torch
 import torch.distributed as dist
 
 from .codecs import ChunkedLayout
-from .collectives import allreduce_quantized
+from .collectives import allreduce_quantized, compression_pays
 
-__all__ = ["allreduce_fused_", "fuse_padded", "fusion_batches", "quantized_bytes_sent"]
+__all__ = [
+    "allreduce_fused_",
+    "fuse_padded",
+    "fusion_batches",
+    "quantized_bytes_sent",
+    "ring_bytes_sent",
+]
 
 
 def fuse_padded(layers: Sequence[torch.Tensor], bucket_size: int) -> tuple[torch.Tensor, list[int]]:
@@ -62,6 +68,11 @@ def quantized_bytes_sent(numel: int, world: int, bits: int, bucket_size: int,
     return 2 * (world - 1) * layout.payload_nbytes
 
 
+def ring_bytes_sent(nbytes: int, world: int) -> int:
+    """Bytes one rank sends in a ring allreduce of ``nbytes``."""
+    return 2 * (world - 1) * nbytes // world
+
+
 def allreduce_fused_(
     layers: Sequence[torch.Tensor],
     bits: int,
@@ -70,9 +81,13 @@ def allreduce_fused_(
     reduce_op: str = "sum",
 ) -> int:
     """Quantized allreduce of ``layers`` (same dtype and device) as one fused buffer, written
-    back into each layer. Returns the bytes this rank sent."""
+    back into each layer. Returns the bytes this rank sent (a buffer too small for compression
+    to pay goes plain: :func:`cgx2.collectives.compression_pays`)."""
     fused, starts = fuse_padded(layers, bucket_size)
     reduced = allreduce_quantized(fused, bits, bucket_size, group, reduce_op)
     for layer, at in zip(layers, starts, strict=True):
         layer.copy_(reduced[at : at + layer.numel()].view(layer.shape))
-    return quantized_bytes_sent(fused.numel(), dist.get_world_size(group), bits, bucket_size)
+    world = dist.get_world_size(group)
+    if not compression_pays(fused):
+        return ring_bytes_sent(fused.numel() * fused.element_size(), world)
+    return quantized_bytes_sent(fused.numel(), world, bits, bucket_size)

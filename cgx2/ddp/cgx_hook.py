@@ -14,7 +14,7 @@ import torch.distributed as dist
 from ..checks import UNCOMPRESSED_BITS, check_bits, check_bucket_size
 from ..collectives import allreduce_plain_
 from ..config import CGXConfig
-from ..fusion import allreduce_fused_
+from ..fusion import allreduce_fused_, ring_bytes_sent
 
 __all__ = ["CGXState", "cgx_hook"]
 
@@ -134,13 +134,13 @@ def _reduce_bucket(
     world = dist.get_world_size(group)
     compress = state.bits != UNCOMPRESSED_BITS and world > 1
     exact = plan.exact if compress else plan.exact + plan.compressed
-    ring = 2 * (world - 1) / world  # bytes a ring allreduce sends per byte of its input
-    state.bytes_uncompressed += int(ring * buffer.numel() * buffer.element_size())
+    state.bytes_uncompressed += ring_bytes_sent(buffer.numel() * buffer.element_size(), world)
     if compress and plan.compressed:
         layers = [buffer[offset : offset + numel] for offset, numel in plan.compressed]
         state.bytes_sent += allreduce_fused_(layers, state.bits, state.bucket_size, group, "avg")
     if exact:
-        state.bytes_sent += int(ring * sum(n for _, n in exact) * buffer.element_size())
+        exact_bytes = sum(n for _, n in exact) * buffer.element_size()
+        state.bytes_sent += ring_bytes_sent(exact_bytes, world)
         # torch.cat already copies: reduce that copy in place.
         reduced = allreduce_plain_(torch.cat([buffer[o : o + n] for o, n in exact]), group, "avg")
         at = 0

@@ -1,0 +1,82 @@
+"""Where compression stops paying: below a message size per interconnect ("regime"), the
+quantized allreduce falls back to the plain one, which is faster there.
+
+The sizes are the smallest at which 4-bit cgx2 beat NCCL on 2 H200s (BENCHMARKS.md; 2 and 8
+bits cross at the same sizes). ``CGX2_CROSSOVER_BYTES`` overrides them: a byte count (0 =
+always compress) or ``auto``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+
+__all__ = ["CROSSOVER_BYTES", "crossover_bytes", "detect_regime"]
+
+logger = logging.getLogger("cgx2")
+
+CROSSOVER_BYTES: dict[str, tuple[int | None, int | None]] = {
+    # regime: (fp32 input, 16-bit input); None: compression never won (measured up to 1 GiB)
+    "cpu": (0, 0),  # CPU users ask for compression; no fallback measured there
+    "socket": (4 << 20, 4 << 20),
+    "shm": (16 << 20, 16 << 20),
+    "nvlink": (256 << 20, None),
+}
+_VARIABLE = "CGX2_CROSSOVER_BYTES"
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").strip() not in ("", "0")
+
+
+@functools.cache
+def _peers_reachable() -> bool:
+    """Whether every visible GPU reaches every other directly (NVLink or PCIe P2P)."""
+    n = torch.cuda.device_count()
+    return all(
+        torch.cuda.can_device_access_peer(a, b) for a in range(n) for b in range(n) if a != b
+    )
+
+
+def detect_regime(device: torch.device) -> str:
+    """``cpu``, ``socket`` (several nodes, or NCCL limited to sockets), ``shm`` (NCCL without
+    peer-to-peer) or ``nvlink`` (GPUs that reach each other directly; also assumed when only
+    one GPU is visible per process, which is the cautious choice: it compresses least)."""
+    if device.type != "cuda":
+        return "cpu"
+    world, local = os.environ.get("WORLD_SIZE"), os.environ.get("LOCAL_WORLD_SIZE")
+    if world and local and int(local) < int(world):
+        return "socket"
+    if _flag("NCCL_P2P_DISABLE"):
+        return "socket" if _flag("NCCL_SHM_DISABLE") else "shm"
+    return "nvlink" if _peers_reachable() else "shm"
+
+
+def crossover_bytes(device: torch.device, dtype: torch.dtype) -> int | None:
+    """The smallest tensor, in bytes, that the quantized allreduce compresses on ``device``
+    (None: never). Raises ``ValueError`` naming ``CGX2_CROSSOVER_BYTES`` if it is invalid."""
+    raw = os.environ.get(_VARIABLE, "").strip()
+    if raw and raw.lower() != "auto":
+        try:
+            value = int(raw)
+        except ValueError:
+            value = -1
+        if value < 0:
+            raise ValueError(f"{_VARIABLE}={raw!r} is invalid: expected 'auto' or bytes >= 0")
+        return value
+    regime = detect_regime(device)
+    full, half = CROSSOVER_BYTES[regime]
+    chosen = full if dtype.itemsize >= 4 else half
+    _log_once(regime, str(dtype), chosen)
+    return chosen
+
+
+@functools.cache
+def _log_once(regime: str, dtype: str, chosen: int | None) -> None:
+    logger.info(
+        "cgx2: %s regime, %s: quantized allreduce from %s (%s=0 always compresses)",
+        regime, dtype, "never" if chosen is None else f"{chosen} bytes", _VARIABLE,
+    )  # fmt: skip

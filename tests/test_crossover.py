@@ -1,0 +1,90 @@
+"""The automatic fallback: regime detection from NCCL's variables and the GPUs' peer access,
+the crossover per regime and dtype, CGX2_CROSSOVER_BYTES, and the plain result below it."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import cgx2
+from cgx2 import crossover
+from cgx2.crossover import crossover_bytes, detect_regime
+
+CUDA = torch.device("cuda", 0)
+MiB = 1 << 20
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for var in ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                "CGX2_CROSSOVER_BYTES"):  # fmt: skip
+        monkeypatch.delenv(var, raising=False)
+    return monkeypatch
+
+
+@pytest.mark.parametrize(
+    ("env", "peers", "regime"),
+    [
+        ({}, True, "nvlink"),
+        ({}, False, "shm"),
+        ({"NCCL_P2P_DISABLE": "1"}, True, "shm"),
+        ({"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}, True, "socket"),
+        ({"NCCL_P2P_DISABLE": "0"}, True, "nvlink"),
+        ({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}, True, "socket"),
+        ({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "8"}, True, "nvlink"),
+    ],
+)
+def test_regime_detection(clean_env, env, peers, regime):
+    for k, v in env.items():
+        clean_env.setenv(k, v)
+    clean_env.setattr(crossover, "_peers_reachable", lambda: peers)
+    assert detect_regime(CUDA) == regime
+    assert detect_regime(torch.device("cpu")) == "cpu"
+
+
+@pytest.mark.parametrize(
+    ("regime", "dtype", "expected"),
+    [
+        ("nvlink", torch.float32, 256 * MiB),
+        ("nvlink", torch.bfloat16, None),
+        ("nvlink", torch.float16, None),
+        ("shm", torch.bfloat16, 16 * MiB),
+        ("socket", torch.float32, 4 * MiB),
+        ("cpu", torch.float32, 0),
+    ],
+)
+def test_crossover_per_regime_and_dtype(clean_env, regime, dtype, expected):
+    clean_env.setattr(crossover, "detect_regime", lambda device: regime)
+    assert crossover_bytes(CUDA, dtype) == expected
+
+
+def test_variable_overrides_and_is_checked(clean_env):
+    clean_env.setattr(crossover, "detect_regime", lambda device: "nvlink")
+    clean_env.setenv("CGX2_CROSSOVER_BYTES", "0")
+    assert crossover_bytes(CUDA, torch.bfloat16) == 0
+    clean_env.setenv("CGX2_CROSSOVER_BYTES", "auto")
+    assert crossover_bytes(CUDA, torch.bfloat16) is None
+    for bad in ("-1", "1MB"):
+        clean_env.setenv("CGX2_CROSSOVER_BYTES", bad)
+        with pytest.raises(ValueError, match="CGX2_CROSSOVER_BYTES"):
+            crossover_bytes(CUDA, torch.float32)
+
+
+def _below_and_above_crossover() -> list[bool]:
+    """With the crossover at 16 KiB: 4095 fp32 values go plain (exact), 4096 are quantized."""
+    os.environ["CGX2_CROSSOVER_BYTES"] = str(16 << 10)
+    try:
+        out = []
+        for n in (4095, 4096):
+            x = torch.randn(n, generator=torch.Generator().manual_seed(dist.get_rank()))
+            exact = x.clone()
+            dist.all_reduce(exact)
+            out.append(torch.equal(cgx2.quantized_allreduce(x, 4, seed=1), exact))
+        return out
+    finally:
+        del os.environ["CGX2_CROSSOVER_BYTES"]
+
+
+def test_below_the_crossover_the_result_is_the_plain_allreduce(dist2):
+    assert dist2.run(_below_and_above_crossover) == [[True, False]] * 2
