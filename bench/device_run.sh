@@ -17,6 +17,9 @@ status=0
 if [ -z "${SKIP_KERNELS:-}" ]; then
   python3 bench/gpu_check.py "$@" 2>"$LOGS/gpu_check.err" | tail -n 45 || status=1
 fi
+save() {  # after every stage, so that a run cut short still brings back what it measured
+  tar czf "$OUT/results.tgz" bench/results/*.json 2>/dev/null
+}
 regime_vars() {
   case $1 in
     nvlink) vars=() ;;
@@ -36,6 +39,7 @@ if [ "$NGPU" -ge 2 ] && [ -z "${SKIP_BENCH:-}" ]; then
     echo "== allreduce, $NGPU GPUs, regime $regime"
     env "${vars[@]}" torchrun --nproc-per-node "$NGPU" -m cgx2.bench ${BENCH_ARGS:-} \
       2>>"$LOGS/bench_$regime.err" || status=1
+    save
   done
 fi
 if [ "$NGPU" -ge 2 ] && [ -z "${SKIP_TRAIN:-}" ]; then
@@ -50,9 +54,10 @@ if [ "$NGPU" -ge 2 ] && [ -z "${SKIP_TRAIN:-}" ]; then
         --mode "$2" $TRAIN_ARGS --log-every 1000 \
         --json "bench/results/train_ddp_${GPU}_${regime}_w${NGPU}_b$1_$2.json" \
         2>>"$LOGS/train_$regime.err" | tail -n 1 || status=1
+      save
     done
   done
 fi
-tar czf "$OUT/results.tgz" bench/results/*.json 2>/dev/null
+save
 tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"
 exit $status

@@ -16,8 +16,9 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore
 
 from .checks import UNCOMPRESSED_BITS
+from .collectives import compression_pays
 from .config import CGXConfig, compression_from_env
-from .fusion import allreduce_fused_, fusion_batches, ring_bytes_sent
+from .fusion import allreduce_fused_, fusion_batches, padded_numel, ring_bytes_sent
 
 __all__ = ["BACKEND_NAME", "CGXProcessGroup", "register_backend"]
 
@@ -138,8 +139,10 @@ class CGXProcessGroup(dist.ProcessGroup):
         op = _reduce_op_name(opts.reduceOp)
         bits, bucket_size = compression_from_env()
         if len(tensors) == 1 and self._compressible(tensors[0], op, bits):
-            self._compress(tensors, bits, bucket_size, op)
-            return _DoneWork(tensors)
+            t = tensors[0]
+            if compression_pays(t, padded_numel(t.numel(), bucket_size)):
+                self._compress(tensors, bits, bucket_size, op)
+                return _DoneWork(tensors)
         return self._delegate(tensors, opts.reduceOp)
 
     def allreduce_coalesced(
@@ -159,7 +162,12 @@ class CGXProcessGroup(dist.ProcessGroup):
         for (_, dtype), same in groups.items():
             sizes = [t.numel() for t in same]
             for batch in fusion_batches(sizes, dtype.itemsize, bucket_size, limit):
-                self._compress([same[i] for i in batch], bits, bucket_size, op)
+                padded = sum(padded_numel(sizes[i], bucket_size) for i in batch)
+                if compression_pays(same[batch[0]], padded):
+                    self._compress([same[i] for i in batch], bits, bucket_size, op)
+                else:  # too small to pay on this interconnect: exact, in place
+                    for i in batch:
+                        self._delegate([same[i]], opts.reduceOp).wait()
         return _DoneWork(list(tensors))
 
     def allreduce_exact(self, tensor: torch.Tensor, reduce_op: str) -> dist.Work:

@@ -120,10 +120,12 @@ gains: 256 MiB beat 64 MiB over NVLink (2 GPUs, 256 MiB fp32 at 4 bits: 0.77 vs 
 at 1 GiB over shared memory, though not at 256 MiB there (BENCHMARKS.md)."""
 
 
-def compression_pays(t: torch.Tensor) -> bool:
-    """Whether ``t`` is large enough for the quantized allreduce to beat the plain one."""
+def compression_pays(t: torch.Tensor, numel: int | None = None) -> bool:
+    """Whether ``t`` (or ``numel`` values of its dtype on its device) is large enough for the
+    quantized allreduce to beat the plain one (:mod:`cgx2.crossover`)."""
     threshold = crossover_bytes(t.device, t.dtype)
-    return threshold is not None and t.numel() * t.element_size() >= threshold
+    numel = t.numel() if numel is None else numel
+    return threshold is not None and numel * t.element_size() >= threshold
 
 
 def _piece_numel(element_size: int, world: int, bucket_size: int) -> int:

@@ -81,10 +81,41 @@ def _below_and_above_crossover() -> list[bool]:
             exact = x.clone()
             dist.all_reduce(exact)
             out.append(torch.equal(cgx2.quantized_allreduce(x, 4, seed=1), exact))
+            op = torch.ops.cgx.quantized_allreduce(x, 4, 512, "", "sum", 1, False)
+            out.append(torch.equal(op, exact))
         return out
     finally:
         del os.environ["CGX2_CROSSOVER_BYTES"]
 
 
 def test_below_the_crossover_the_result_is_the_plain_allreduce(dist2):
-    assert dist2.run(_below_and_above_crossover) == [[True, False]] * 2
+    assert dist2.run(_below_and_above_crossover) == [[True, True, False, False]] * 2
+
+
+def _hook_and_backend_below_the_crossover() -> list[bool]:
+    """With a crossover larger than anything here, the hook and the backend send exactly."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from cgx2.ddp import CGXState, cgx_hook
+
+    os.environ.update(CGX2_CROSSOVER_BYTES=str(1 << 30), CGX_COMPRESSION_QUANTIZATION_BITS="4")
+    try:
+        group = dist.new_group(backend="cgx")
+        x = torch.randn(100_000, generator=torch.Generator().manual_seed(dist.get_rank()))
+        exact, got = x.clone(), x.clone()
+        dist.all_reduce(exact)
+        dist.all_reduce(got, group=group)
+        checks = [torch.equal(got, exact), group.bytes_sent == group.bytes_uncompressed]
+        model = DDP(torch.nn.Linear(256, 256))
+        state = CGXState(None, 1024, {"bits": 4})
+        model.register_comm_hook(state, cgx_hook)
+        model(torch.randn(8, 256)).sum().backward()
+        checks.append(state.bytes_sent == state.bytes_uncompressed > 0)
+        dist.destroy_process_group(group)
+        return checks
+    finally:
+        del os.environ["CGX2_CROSSOVER_BYTES"], os.environ["CGX_COMPRESSION_QUANTIZATION_BITS"]
+
+
+def test_hook_and_backend_fall_back_in_place(dist2):
+    assert dist2.run(_hook_and_backend_below_the_crossover) == [[True, True, True]] * 2

@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 from ..checks import UNCOMPRESSED_BITS, check_bits, check_bucket_size
-from ..collectives import allreduce_plain_
+from ..collectives import allreduce_plain_, compression_pays
 from ..config import CGXConfig
-from ..fusion import allreduce_fused_, ring_bytes_sent
+from ..fusion import allreduce_fused_, padded_numel, ring_bytes_sent
 
 __all__ = ["CGXState", "cgx_hook"]
 
@@ -132,21 +132,29 @@ def _reduce_bucket(
     group = state.process_group if state.process_group is not None else dist.group.WORLD
     plan = state.plan(bucket)
     world = dist.get_world_size(group)
-    compress = state.bits != UNCOMPRESSED_BITS and world > 1
-    exact = plan.exact if compress else plan.exact + plan.compressed
+    padded = sum(padded_numel(n, state.bucket_size) for _, n in plan.compressed)
     state.bytes_uncompressed += ring_bytes_sent(buffer.numel() * buffer.element_size(), world)
-    if compress and plan.compressed:
+    if (
+        state.bits != UNCOMPRESSED_BITS
+        and world > 1
+        and plan.compressed
+        and compression_pays(buffer, padded)
+    ):
         layers = [buffer[offset : offset + numel] for offset, numel in plan.compressed]
         state.bytes_sent += allreduce_fused_(layers, state.bits, state.bucket_size, group, "avg")
-    if exact:
-        exact_bytes = sum(n for _, n in exact) * buffer.element_size()
-        state.bytes_sent += ring_bytes_sent(exact_bytes, world)
-        # torch.cat already copies: reduce that copy in place.
-        reduced = allreduce_plain_(torch.cat([buffer[o : o + n] for o, n in exact]), group, "avg")
-        at = 0
-        for offset, numel in exact:
-            buffer[offset : offset + numel].copy_(reduced[at : at + numel])
-            at += numel
+        if plan.exact:
+            exact_bytes = sum(n for _, n in plan.exact) * buffer.element_size()
+            state.bytes_sent += ring_bytes_sent(exact_bytes, world)
+            # torch.cat already copies: reduce that copy in place.
+            segments = [buffer[o : o + n] for o, n in plan.exact]
+            reduced = allreduce_plain_(torch.cat(segments), group, "avg")
+            at = 0
+            for segment in segments:
+                segment.copy_(reduced[at : at + segment.numel()])
+                at += segment.numel()
+    else:  # nothing to compress, or too little to pay on this interconnect: exact, in place
+        state.bytes_sent += ring_bytes_sent(buffer.numel() * buffer.element_size(), world)
+        allreduce_plain_(buffer, group, "avg")
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future(
         devices=[buffer.device] if buffer.is_cuda else None
     )

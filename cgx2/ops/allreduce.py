@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ..checks import check_bits, check_bucket_size, check_float_tensor, check_reduce_op
-from ..collectives import allreduce_quantized
+from ..collectives import allreduce_plain, allreduce_quantized, compression_pays
 
 __all__ = ["quantized_allreduce"]
 
@@ -75,8 +75,12 @@ def quantized_allreduce(
     is not modified. ``bits=32`` is the plain allreduce. Calls
     ``torch.ops.cgx.quantized_allreduce``.
     """
+    reduce_op = check_reduce_op(op, "op")
+    if not torch.compiler.is_compiling():
+        _check(tensor, bits, bucket_size, reduce_op)
+        if not compression_pays(tensor):  # the plain allreduce, without the op's dispatch cost
+            return allreduce_plain(tensor, dist.group.WORLD if group is None else group, reduce_op)
     return torch.ops.cgx.quantized_allreduce(
-        tensor, bits, bucket_size, "" if group is None else group.group_name,
-        check_reduce_op(op, "op"),
+        tensor, bits, bucket_size, "" if group is None else group.group_name, reduce_op,
         -1 if seed is None else seed, skip_incomplete,
     )  # fmt: skip
