@@ -11,22 +11,55 @@ from pathlib import Path
 def allreduce_table(path: Path, bits: int | None = None) -> str:
     report = json.loads(path.read_text())
     env = report["env"]
+    auto = "auto_ms" in report["rows"][0]  # results since the automatic fallback
     lines = [
         f"`{path.name}` — {env['device']} ×{env['world_size']}, regime **{env['regime']}**, "
         f"torch {env['torch']}, NCCL {env.get('nccl', '-')}, {env['date']}",
         "",
         "| dtype | size | bits | NCCL ms | cgx2 ms | bf16-cast ms | speed of light ms "
-        "| cgx2 vs NCCL | cgx2 / speed of light |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| cgx2 vs NCCL | cgx2 / speed of light |" + (" auto: path, ms | auto vs NCCL |" if auto else ""),
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        + (" --- | ---: |" if auto else ""),
     ]
     for r in report["rows"]:
         if bits is not None and r["bits"] != bits:
             continue
         cast = "-" if r["cast_bf16_ms"] is None else f"{r['cast_bf16_ms']:.3f}"
-        lines.append(
+        line = (
             f"| {r['dtype']} | {r['size']} | {r['bits']} | {r['plain_ms']:.3f} | "
             f"{r['cgx2_ms']:.3f} | {cast} | {r['sol_ms']:.3f} | "
             f"**{r['speedup_vs_plain']:.2f}×** | {r['fraction_of_sol']:.0%} |"
+        )
+        if auto:
+            line += f" {r['auto_path']}, {r['auto_ms']:.3f} | **{r['auto_vs_plain']:.2f}×** |"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def train_table(paths: list[Path]) -> str:
+    """One row per regime: plain DDP, cgx_hook and the cgx backend (examples/train_ddp.py)."""
+    runs: dict[str, dict[str, dict]] = {}
+    for path in paths:
+        r = json.loads(path.read_text())
+        kind = "plain" if r["bits"] == 32 else r.get("mode", "hook")
+        runs.setdefault(r["env"]["regime"], {})[kind] = r | {"file": path.stem}
+    lines = [
+        "| regime | plain ms/step | hook ms/step | hook vs plain | backend ms/step "
+        "| backend vs plain | bytes sent, hook / backend / plain (MB) "
+        "| loss plain / hook / backend | files (`bench/results/`) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- | --- |",
+    ]
+    for regime, r in runs.items():
+        plain, hook, backend = r["plain"], r["hook"], r["backend"]
+        plain_bytes = hook["bytes_uncompressed"] / 1e6
+        files = ", ".join(f"`{r[kind]['file']}`" for kind in ("plain", "hook", "backend"))
+        lines.append(
+            f"| {regime} | {plain['step_ms']:.1f} | {hook['step_ms']:.1f} | "
+            f"**{plain['step_ms'] / hook['step_ms']:.2f}×** | {backend['step_ms']:.1f} | "
+            f"**{plain['step_ms'] / backend['step_ms']:.2f}×** | "
+            f"{hook['bytes_sent'] / 1e6:.0f} / {backend['bytes_sent'] / 1e6:.0f} / "
+            f"{plain_bytes:.0f} | {plain['final_loss']:.3f} / {hook['final_loss']:.3f} / "
+            f"{backend['final_loss']:.3f} | {files} |"
         )
     return "\n".join(lines)
 
@@ -57,8 +90,11 @@ def main(argv: list[str]) -> None:
         path = Path(name)
         if path.name.startswith("allreduce_"):
             print(allreduce_table(path, bits), end="\n\n")
-        else:
+        elif not path.name.startswith("train_ddp_"):
             print(kernels_table(path), end="\n\n")
+    trains = [Path(n) for n in argv if Path(n).name.startswith("train_ddp_")]
+    if trains:
+        print(train_table(trains), end="\n\n")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from . import ops
 from .backend import CGXProcessGroup, register_backend
 from .config import CGXConfig
 from .launch import setup_mpi_env
-from .ops import dequantize, quantize, quantized_allreduce
+from .ops import dequantize, quantize, quantized_allreduce, quantized_allreduce_
 from .seeding import manual_seed
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "ops",
     "quantize",
     "quantized_allreduce",
+    "quantized_allreduce_",
     "register_backend",
     "setup_mpi_env",
 ]

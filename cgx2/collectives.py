@@ -22,7 +22,14 @@ from .codecs import ChunkedLayout, maxmin, maxmin_codec
 from .crossover import crossover_bytes
 from .seeding import derive_key, next_seed
 
-__all__ = ["allreduce_plain", "allreduce_plain_", "allreduce_quantized", "reference_allreduce"]
+__all__ = [
+    "allreduce_plain",
+    "allreduce_plain_",
+    "allreduce_quantized",
+    "allreduce_quantized_",
+    "compression_pays",
+    "reference_allreduce",
+]
 
 # torch >= 2.13 renamed all_gather_into_tensor; both exist in between.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -84,24 +91,50 @@ def allreduce_quantized(
     if world == 1 or t.numel() == 0:
         return t.clone(memory_format=torch.contiguous_format)
 
+    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    _run_pieces(t.reshape(-1), out.view(-1), bits, bucket_size, group, reduce_op, seed,
+                skip_incomplete)  # fmt: skip
+    return out
+
+
+def allreduce_quantized_(
+    t: torch.Tensor,
+    bits: int,
+    bucket_size: int,
+    group: dist.ProcessGroup,
+    reduce_op: str = "sum",
+    seed: int | None = None,
+    skip_incomplete: bool = False,
+) -> torch.Tensor:
+    """:func:`allreduce_quantized` in place: the result (the same bytes) is written into
+    ``t``, which must be contiguous; returns ``t``. No copy is made, below the crossover
+    either (:mod:`cgx2.crossover`)."""
+    check_float_tensor(t, "tensor")
+    check_bits(bits)
+    check_bucket_size(bucket_size)
+    reduce_op = check_reduce_op(reduce_op)
+    if not t.is_contiguous():
+        raise ValueError("tensor must be contiguous for the in-place quantized allreduce")
+    if bits == UNCOMPRESSED_BITS or not compression_pays(t):
+        return allreduce_plain_(t, group, reduce_op)
+    if dist.get_world_size(group) == 1 or t.numel() == 0:
+        return t
+    flat = t.view(-1)
+    _run_pieces(flat, flat, bits, bucket_size, group, reduce_op, seed, skip_incomplete)
+    return t
+
+
+def _run_pieces(flat: torch.Tensor, out: torch.Tensor, bits: int, bucket_size: int,
+                group: dist.ProcessGroup, reduce_op: str, seed: int | None,
+                skip_incomplete: bool) -> None:  # fmt: skip
+    """The pipelined scatter-reduce-allgather of ``flat`` into ``out`` (which may be
+    ``flat``: a piece is written only after its last read)."""
     seed = next_seed() if seed is None else seed
-    flat = t.reshape(-1)
-    out = torch.empty(flat.numel(), dtype=t.dtype, device=t.device)
-    step = _piece_numel(t.element_size(), world, bucket_size)
-    pieces = [
-        _Piece(
-            flat[s : s + step],
-            out[s : s + step],
-            i,
-            bits,
-            bucket_size,
-            group,
-            reduce_op,
-            seed,
-            skip_incomplete,
-        )
-        for i, s in enumerate(range(0, flat.numel(), step))
-    ]
+    world = dist.get_world_size(group)
+    step = _piece_numel(flat.element_size(), world, bucket_size)
+    args = (bits, bucket_size, group, reduce_op, seed, skip_incomplete)
+    starts = range(0, flat.numel(), step)
+    pieces = [_Piece(flat[s : s + step], out[s : s + step], i, *args) for i, s in enumerate(starts)]
     # A two-deep software pipeline: scatter piece i, reduce piece i-1, finish piece i-2.
     for i in range(len(pieces) + 2):
         if i < len(pieces):
@@ -110,7 +143,6 @@ def allreduce_quantized(
             pieces[i - 1].reduce()
         if 0 <= i - 2 < len(pieces):
             pieces[i - 2].finish()
-    return out.view(t.shape)
 
 
 PIPELINE_BYTES = 256 << 20

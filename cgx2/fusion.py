@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from .codecs import ChunkedLayout
-from .collectives import allreduce_quantized, compression_pays
+from .collectives import allreduce_quantized_, compression_pays
 
 __all__ = [
     "allreduce_fused_",
@@ -83,11 +83,16 @@ def allreduce_fused_(
     """Quantized allreduce of ``layers`` (same dtype and device) as one fused buffer, written
     back into each layer. Returns the bytes this rank sent (a buffer too small for compression
     to pay goes plain: :func:`cgx2.collectives.compression_pays`)."""
-    fused, starts = fuse_padded(layers, bucket_size)
-    reduced = allreduce_quantized(fused, bits, bucket_size, group, reduce_op)
-    for layer, at in zip(layers, starts, strict=True):
-        layer.copy_(reduced[at : at + layer.numel()].view(layer.shape))
     world = dist.get_world_size(group)
+    first = layers[0]
+    if len(layers) == 1 and first.is_contiguous() and first.numel() % bucket_size == 0:
+        allreduce_quantized_(first, bits, bucket_size, group, reduce_op)  # nothing to pad
+        fused = first
+    else:
+        fused, starts = fuse_padded(layers, bucket_size)
+        allreduce_quantized_(fused, bits, bucket_size, group, reduce_op)
+        for layer, at in zip(layers, starts, strict=True):
+            layer.copy_(fused[at : at + layer.numel()].view(layer.shape))
     if not compression_pays(fused):
         return ring_bytes_sent(fused.numel() * fused.element_size(), world)
     return quantized_bytes_sent(fused.numel(), world, bits, bucket_size)

@@ -90,6 +90,32 @@ def _shapes() -> list[torch.Tensor]:
     ]
 
 
+def _in_place() -> list[bool]:
+    """quantized_allreduce_ writes the functional op's bytes into its input: any dtype,
+    non-contiguous inputs, many pipeline pieces; opcheck of the mutating op."""
+    rank, ok = dist.get_rank(), []
+    for dtype in DTYPES:
+        x = _input(rank, 3000, dtype)
+        y = x.clone()
+        returned = cgx2.quantized_allreduce_(y, 4, op="avg", seed=3)
+        ok.append(returned is y and _bits_equal(y, cgx2.quantized_allreduce(x, 4, op="avg",
+                                                                             seed=3)))  # fmt: skip
+    x = _input(rank, 6 * 700, torch.float32).view(6, 700).t()
+    y = x.clone()
+    cgx2.quantized_allreduce_(y, 4, seed=1)
+    ok.append(not y.is_contiguous() and torch.equal(y, cgx2.quantized_allreduce(x, 4, seed=1)))
+    saved, collectives.PIPELINE_BYTES = collectives.PIPELINE_BYTES, 8 << 10
+    try:
+        x = _input(rank, 40_000, torch.float32)  # 20 pieces, each written after its last read
+        y = x.clone()
+        cgx2.quantized_allreduce_(y, 3, seed=2)
+        ok.append(torch.equal(y, cgx2.quantized_allreduce(x, 3, seed=2)))
+    finally:
+        collectives.PIPELINE_BYTES = saved
+    torch.library.opcheck(torch.ops.cgx.quantized_allreduce_.default, (x, 4, 512, "", "sum", 5))
+    return ok
+
+
 def _opcheck() -> bool:
     x = _input(dist.get_rank(), 2500, torch.float32)
     name = dist.group.WORLD.group_name
@@ -114,11 +140,17 @@ def _compiled_vs_eager() -> tuple[bool, bool, int, int]:
     def wrapper_step(x: torch.Tensor) -> torch.Tensor:
         return cgx2.quantized_allreduce(x * 2 + 1, bits=3, op=dist.ReduceOp.SUM, seed=7)
 
+    def in_place_step(x: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        cgx2.quantized_allreduce_(y, bits=4, seed=5)
+        return y + 1
+
     x = _input(dist.get_rank(), 4000, torch.float32).view(40, 100)
     same = torch.equal(torch.compile(step, fullgraph=True)(x), step(x))
     same_wrapper = torch.equal(torch.compile(wrapper_step, fullgraph=True)(x), wrapper_step(x))
+    same_in_place = torch.equal(torch.compile(in_place_step, fullgraph=True)(x), in_place_step(x))
     return (
-        same,
+        same and same_in_place,
         same_wrapper,
         sum(counters["graph_break"].values()),
         counters["stats"]["unique_graphs"],
@@ -249,6 +281,12 @@ def test_shape_preserved_and_non_contiguous_input(dist2):
     assert torch.equal(r0[0].reshape(-1), r0[2])
 
 
+def test_in_place_variant(dist2, dist4):
+    for pool in (dist2, dist4):
+        for ok in pool.run(_in_place):
+            assert all(ok) and len(ok) == 5, ok
+
+
 def test_opcheck_on_the_collective(dist2):
     assert dist2.run(_opcheck) == [True, True]
 
@@ -257,7 +295,7 @@ def test_compile_fullgraph_matches_eager(dist2):
     for same, same_wrapper, graph_breaks, graphs in dist2.run(_compiled_vs_eager):
         assert same and same_wrapper
         assert graph_breaks == 0
-        assert graphs == 2
+        assert graphs == 3
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@ Each op has a fake implementation, so ``torch.compile(fullgraph=True)`` traces t
 Importing this package registers them.
 """
 
-from .allreduce import quantized_allreduce
+from .allreduce import quantized_allreduce, quantized_allreduce_
 from .codec import dequantize, quantize
 
-__all__ = ["dequantize", "quantize", "quantized_allreduce"]
+__all__ = ["dequantize", "quantize", "quantized_allreduce", "quantized_allreduce_"]

@@ -1,4 +1,5 @@
-"""``cgx::quantized_allreduce``: the quantized allreduce as a functional custom op.
+"""``cgx::quantized_allreduce`` (functional) and ``cgx::quantized_allreduce_`` (in place): the
+quantized allreduce as custom ops.
 
 The process group is named by ``group_name`` as in ``torch.distributed``'s functional
 collectives ("" is the default group), so compiled graphs carry it as a constant.
@@ -10,9 +11,15 @@ import torch
 import torch.distributed as dist
 
 from ..checks import check_bits, check_bucket_size, check_float_tensor, check_reduce_op
-from ..collectives import allreduce_plain, allreduce_quantized, compression_pays
+from ..collectives import (
+    allreduce_plain,
+    allreduce_plain_,
+    allreduce_quantized,
+    allreduce_quantized_,
+    compression_pays,
+)
 
-__all__ = ["quantized_allreduce"]
+__all__ = ["quantized_allreduce", "quantized_allreduce_"]
 
 
 def resolve_group(group_name: str) -> dist.ProcessGroup:
@@ -84,3 +91,57 @@ def quantized_allreduce(
         tensor, bits, bucket_size, "" if group is None else group.group_name, reduce_op,
         -1 if seed is None else seed, skip_incomplete,
     )  # fmt: skip
+
+
+@torch.library.custom_op(
+    "cgx::quantized_allreduce_", mutates_args=("input",),
+    tags=(torch.Tag.nondeterministic_seeded,),
+)  # fmt: skip
+def _quantized_allreduce_inplace_op(
+    input: torch.Tensor,
+    bits: int,
+    bucket_size: int = 512,
+    group_name: str = "",
+    reduce_op: str = "sum",
+    seed: int = -1,
+    skip_incomplete: bool = False,
+) -> None:
+    _check(input, bits, bucket_size, reduce_op)
+    group = resolve_group(group_name)
+    args = (bits, bucket_size, group, reduce_op, None if seed < 0 else seed, skip_incomplete)
+    if input.is_contiguous():
+        allreduce_quantized_(input, *args)
+    else:
+        input.copy_(allreduce_quantized(input, *args))
+
+
+@_quantized_allreduce_inplace_op.register_fake
+def _(input, bits, bucket_size=512, group_name="", reduce_op="sum", seed=-1,
+      skip_incomplete=False):  # fmt: skip
+    _check(input, bits, bucket_size, reduce_op)
+
+
+def quantized_allreduce_(
+    tensor: torch.Tensor,
+    bits: int = 4,
+    group: dist.ProcessGroup | None = None,
+    op: dist.ReduceOp | str = dist.ReduceOp.SUM,
+    bucket_size: int = 512,
+    seed: int | None = None,
+    skip_incomplete: bool = False,
+) -> torch.Tensor:
+    """:func:`quantized_allreduce` in place, like ``dist.all_reduce``: ``tensor`` receives the
+    result (the same bytes on every rank) and is returned. Below the crossover
+    (:mod:`cgx2.crossover`) this is ``dist.all_reduce`` itself, with no copy. Calls
+    ``torch.ops.cgx.quantized_allreduce_``.
+    """
+    reduce_op = check_reduce_op(op, "op")
+    if not torch.compiler.is_compiling():
+        _check(tensor, bits, bucket_size, reduce_op)
+        if tensor.is_contiguous() and not compression_pays(tensor):
+            return allreduce_plain_(tensor, dist.group.WORLD if group is None else group, reduce_op)
+    torch.ops.cgx.quantized_allreduce_(
+        tensor, bits, bucket_size, "" if group is None else group.group_name, reduce_op,
+        -1 if seed is None else seed, skip_incomplete,
+    )  # fmt: skip
+    return tensor
