@@ -1,11 +1,11 @@
 """nccl-tests-style benchmark: cgx2's quantized allreduce against the plain allreduce.
 
 Per size it times, inside one run: the backend's ``all_reduce``; ``cgx2.quantized_allreduce``
-at each bits value, always quantizing ("cgx2"); ``cgx2.quantized_allreduce_`` in place as users
-get it, plain below the regime's crossover ("auto", :mod:`cgx2.crossover`); a cast to bf16 + allreduce + cast back (what
-torch's compress hooks do); and the speed of light, a bare ``all_to_all`` + ``all_gather`` of
-the compressed payload with no coding. Run it under ``torchrun``; rank 0 prints the table and
-writes the JSON.
+at each bits value, always quantizing ("cgx2"); ``cgx2.quantized_allreduce_`` in place as
+users get it, plain below the regime's crossover ("auto", :mod:`cgx2.crossover`); a cast to
+bf16 + allreduce + cast back (what torch's compress hooks do); and the speed of light, a bare
+``all_to_all`` + ``all_gather`` of the compressed payload with no coding. Run it under
+``torchrun``; rank 0 prints the table and writes the JSON.
 """
 
 from __future__ import annotations
