@@ -17,7 +17,8 @@ def allreduce_table(path: Path, bits: int | None = None) -> str:
         f"torch {env['torch']}, NCCL {env.get('nccl', '-')}, {env['date']}",
         "",
         "| dtype | size | bits | NCCL ms | cgx2 ms | bf16-cast ms | speed of light ms "
-        "| cgx2 vs NCCL | cgx2 / speed of light |" + (" auto: path, ms | auto vs NCCL |" if auto else ""),
+        "| cgx2 vs NCCL | cgx2 / speed of light |"
+        + (" auto: path, ms | auto vs NCCL |" if auto else ""),
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
         + (" --- | ---: |" if auto else ""),
     ]
