@@ -46,10 +46,15 @@ def main() -> int:
         collectives.PIPELINE_BYTES = piece or 64 << 20
         x = _input(rank, n, dtype).cuda()
         out = cgx2.quantized_allreduce(x, bits, op=op, seed=17, skip_incomplete=skip)
+        in_place = x.clone()
+        cgx2.quantized_allreduce_(in_place, bits, op=op, seed=17, skip_incomplete=skip)
+        same_in_place = torch.equal(in_place.view(INT[x.element_size()]),
+                                    out.view(INT[x.element_size()]))  # fmt: skip
         outs = [torch.empty_like(out) for _ in range(world)]
         dist.all_gather(outs, out)
         same = all(torch.equal(o.view(INT[o.element_size()]), out.view(INT[o.element_size()]))
                    for o in outs)  # fmt: skip
+        same = same and same_in_place
         ok = same
         if rank == 0:
             inputs = [_input(r, n, dtype) for r in range(world)]
@@ -61,7 +66,7 @@ def main() -> int:
             ok = same and not bool(diff.any())
             err = got.double() - sum(i.double() for i in inputs) / (world if op == "avg" else 1)
             print(f"{'ok  ' if ok else 'FAIL'} bits={bits} {str(dtype)[6:]} n={n} {op} "
-                  f"skip={skip} piece={piece or 'default'}: ranks identical={same}, "
+                  f"skip={skip} piece={piece or 'default'}: ranks and in-place identical={same}, "
                   f"differ from model={int(diff.sum())}, max|err|={err.abs().max():.4g}",
                   flush=True)  # fmt: skip
         flag = torch.tensor([0 if ok else 1], device="cuda")
