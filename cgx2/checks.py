@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 __all__ = [
     "SUPPORTED_DTYPES",
@@ -50,8 +51,6 @@ def check_float_tensor(t: object, name: str = "tensor") -> torch.Tensor:
 
 def check_reduce_op(reduce_op: object, name: str = "reduce_op") -> str:
     """Normalise ``reduce_op`` ("sum"/"avg", any case, or ``dist.ReduceOp.SUM``/``AVG``)."""
-    import torch.distributed as dist
-
     if isinstance(reduce_op, str):
         op = reduce_op.lower()
     elif reduce_op == dist.ReduceOp.SUM:

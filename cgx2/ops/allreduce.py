@@ -33,10 +33,14 @@ def resolve_group(group_name: str) -> dist.ProcessGroup:
     return _resolve_process_group(group_name)
 
 
-def _check(t: torch.Tensor, bits: int, bucket_size: int, reduce_op: str) -> None:
+def _check_args(t: torch.Tensor, bits: int, bucket_size: int) -> None:
     check_float_tensor(t, "input")
     check_bits(bits)
     check_bucket_size(bucket_size)
+
+
+def _check(t: torch.Tensor, bits: int, bucket_size: int, reduce_op: str) -> None:
+    _check_args(t, bits, bucket_size)
     check_reduce_op(reduce_op)
 
 
@@ -84,7 +88,7 @@ def quantized_allreduce(
     """
     reduce_op = check_reduce_op(op, "op")
     if not torch.compiler.is_compiling():
-        _check(tensor, bits, bucket_size, reduce_op)
+        _check_args(tensor, bits, bucket_size)
         if not compression_pays(tensor):  # the plain allreduce, without the op's dispatch cost
             return allreduce_plain(tensor, dist.group.WORLD if group is None else group, reduce_op)
     return torch.ops.cgx.quantized_allreduce(
@@ -137,7 +141,7 @@ def quantized_allreduce_(
     """
     reduce_op = check_reduce_op(op, "op")
     if not torch.compiler.is_compiling():
-        _check(tensor, bits, bucket_size, reduce_op)
+        _check_args(tensor, bits, bucket_size)
         if tensor.is_contiguous() and not compression_pays(tensor):
             return allreduce_plain_(tensor, dist.group.WORLD if group is None else group, reduce_op)
     torch.ops.cgx.quantized_allreduce_(
