@@ -52,7 +52,7 @@ if [ "$NGPU" -ge 2 ] && [ -z "${SKIP_TRAIN:-}" ]; then
       echo "== DDP step, $NGPU GPUs, regime $regime, $1 bits, $2"
       env "${vars[@]}" torchrun --nproc-per-node "$NGPU" examples/train_ddp.py --bits "$1" \
         --mode "$2" $TRAIN_ARGS --log-every 1000 \
-        --json "bench/results/train_ddp_${GPU}_${regime}_w${NGPU}_b$1_$2.json" \
+        --json "bench/results/train_ddp_${GPU}_${regime}_w${NGPU}_b$1_$2_$(date -u +%Y%m%dT%H%M).json" \
         2>>"$LOGS/train_$regime.err" | tail -n 1 || status=1
       save
     done
