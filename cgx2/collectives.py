@@ -81,10 +81,7 @@ def allreduce_quantized(
     while one piece is on the wire the next one is encoded (collectives are issued
     asynchronously, so on GPUs they run on NCCL's stream beside the codec kernels).
     """
-    check_float_tensor(t, "tensor")
-    check_bits(bits)
-    check_bucket_size(bucket_size)
-    reduce_op = check_reduce_op(reduce_op)
+    reduce_op = _check_args(t, bits, bucket_size, reduce_op)
     world = dist.get_world_size(group)
     if bits == UNCOMPRESSED_BITS or not compression_pays(t):
         return allreduce_plain(t, group, reduce_op)
@@ -109,10 +106,7 @@ def allreduce_quantized_(
     """:func:`allreduce_quantized` in place: the result (the same bytes) is written into
     ``t``, which must be contiguous; returns ``t``. No copy is made, below the crossover
     either (:mod:`cgx2.crossover`)."""
-    check_float_tensor(t, "tensor")
-    check_bits(bits)
-    check_bucket_size(bucket_size)
-    reduce_op = check_reduce_op(reduce_op)
+    reduce_op = _check_args(t, bits, bucket_size, reduce_op)
     if not t.is_contiguous():
         raise ValueError("tensor must be contiguous for the in-place quantized allreduce")
     if bits == UNCOMPRESSED_BITS or not compression_pays(t):
@@ -122,6 +116,13 @@ def allreduce_quantized_(
     flat = t.view(-1)
     _run_pieces(flat, flat, bits, bucket_size, group, reduce_op, seed, skip_incomplete)
     return t
+
+
+def _check_args(t: torch.Tensor, bits: int, bucket_size: int, reduce_op: str) -> str:
+    check_float_tensor(t, "tensor")
+    check_bits(bits)
+    check_bucket_size(bucket_size)
+    return check_reduce_op(reduce_op)
 
 
 def _run_pieces(flat: torch.Tensor, out: torch.Tensor, bits: int, bucket_size: int,
