@@ -4,7 +4,8 @@
 # DESIGN.md's three regimes (nvlink, shm, socket). Raw results land in bench/results/ (and as
 # one tarball in $OUT).
 # Usage (repo root): bash bench/device_run.sh [gpu_check args]; BENCH_ARGS for cgx2.bench,
-# TRAIN_ARGS for examples/train_ddp.py; SKIP_KERNELS, SKIP_CHECKS, SKIP_BENCH, SKIP_TRAIN=1
+# TRAIN_ARGS for examples/train_ddp.py, TRAIN_REGIMES ("socket shm nvlink") and TRAIN_RUNS
+# ("32 hook,4 hook,4 backend") to pick runs; SKIP_KERNELS, SKIP_CHECKS, SKIP_BENCH, SKIP_TRAIN=1
 # leave a stage out (a call is limited to 10 minutes on our machines).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -45,9 +46,10 @@ fi
 if [ "$NGPU" -ge 2 ] && [ -z "${SKIP_TRAIN:-}" ]; then
   GPU=$(python3 -c "import torch; print(torch.cuda.get_device_name().lower().replace(' ', '-'))")
   TRAIN_ARGS=${TRAIN_ARGS:---steps 40 --dim 1024 --layers 10 --heads 16 --context 256 --batch-size 8}
-  for regime in socket shm nvlink; do
+  IFS=, read -ra RUNS <<< "${TRAIN_RUNS:-32 hook,4 hook,4 backend}"
+  for regime in ${TRAIN_REGIMES:-socket shm nvlink}; do
     regime_vars $regime
-    for run in "32 hook" "4 hook" "4 backend"; do
+    for run in "${RUNS[@]}"; do
       set -- $run
       echo "== DDP step, $NGPU GPUs, regime $regime, $1 bits, $2"
       env "${vars[@]}" torchrun --nproc-per-node "$NGPU" examples/train_ddp.py --bits "$1" \

@@ -7,9 +7,10 @@ allreduces are fused into buffers of at most ``CGX_FUSION_BUFFER_SIZE_MB``.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -98,6 +99,7 @@ class CGXProcessGroup(dist.ProcessGroup):
         self.bytes_sent = 0
         self.bytes_uncompressed = 0
         self._backends: dict[str, dist.Backend] = {}
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
         gloo = dist.ProcessGroupGloo(PrefixStore("gloo/", store), rank, size, timeout)
         self._add_backend("cpu", _BackendType.GLOO, gloo)
         default = _BackendType.GLOO
@@ -141,14 +143,21 @@ class CGXProcessGroup(dist.ProcessGroup):
         if len(tensors) == 1 and self._compressible(tensors[0], op, bits):
             t = tensors[0]
             if compression_pays(t, padded_numel(t.numel(), bucket_size)):
-                self._compress(tensors, bits, bucket_size, op)
-                return _DoneWork(tensors)
+                with self._side_stream(tensors):
+                    self._compress(tensors, bits, bucket_size, op)
+                    return _DoneWork(tensors)
         return self._delegate(tensors, opts.reduceOp)
 
     def allreduce_coalesced(
         self, tensors: list[torch.Tensor], opts: dist.AllreduceCoalescedOptions | None = None
     ) -> dist.Work:
         opts = dist.AllreduceCoalescedOptions() if opts is None else opts
+        with self._side_stream(tensors):
+            return self._allreduce_coalesced(tensors, opts)
+
+    def _allreduce_coalesced(
+        self, tensors: list[torch.Tensor], opts: dist.AllreduceCoalescedOptions
+    ) -> dist.Work:
         op = _reduce_op_name(opts.reduceOp)
         bits, bucket_size = compression_from_env()
         fused = [t for t in tensors if self._compressible(t, op, bits)]
@@ -175,6 +184,25 @@ class CGXProcessGroup(dist.ProcessGroup):
         the variables say: for layers a DDP hook keeps exact."""
         op = dist.ReduceOp.AVG if reduce_op == "avg" else dist.ReduceOp.SUM
         return self._delegate([tensor], op)
+
+    @contextlib.contextmanager
+    def _side_stream(self, tensors: Sequence[torch.Tensor]) -> Iterator[None]:
+        """Code CUDA tensors on a side stream, as cgx_hook does: DDP's reducer calls
+        all_reduce from the backward pass, which then goes on computing instead of waiting.
+        The work's future carries the side stream's event to whoever waits on it."""
+        cuda = [t for t in tensors if t.is_cuda]
+        if not cuda:
+            yield
+            return
+        device = cuda[0].device
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        side = self._streams[device]
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            yield
+        for t in cuda:
+            t.record_stream(side)
 
     def _compressible(self, t: torch.Tensor, op: str | None, bits: int) -> bool:
         return (
