@@ -21,7 +21,7 @@ from .collectives import compression_pays
 from .config import CGXConfig, compression_from_env
 from .fusion import allreduce_fused_, fusion_batches, padded_numel, ring_bytes_sent
 
-__all__ = ["BACKEND_NAME", "CGXProcessGroup", "register_backend"]
+__all__ = ["BACKEND_NAME", "CGXProcessGroup", "CompletedWork", "register_backend"]
 
 BACKEND_NAME = "cgx"
 COMPRESSIBLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -31,7 +31,7 @@ _BackendType = dist.ProcessGroup.BackendType
 logger = logging.getLogger("cgx2")
 
 
-class _DoneWork(dist.Work):
+class CompletedWork(dist.Work):
     """A collective whose result is already enqueued: on CUDA, its future's event stands for
     the kernels on the stream that issued them."""
 
@@ -145,7 +145,7 @@ class CGXProcessGroup(dist.ProcessGroup):
             if compression_pays(t, padded_numel(t.numel(), bucket_size)):
                 with self._side_stream(tensors):
                     self._compress(tensors, bits, bucket_size, op)
-                    return _DoneWork(tensors)
+                    return CompletedWork(tensors)
         return self._delegate(tensors, opts.reduceOp)
 
     def allreduce_coalesced(
@@ -177,7 +177,7 @@ class CGXProcessGroup(dist.ProcessGroup):
                 else:  # too small to pay on this interconnect: exact, in place
                     for i in batch:
                         self._delegate([same[i]], opts.reduceOp).wait()
-        return _DoneWork(list(tensors))
+        return CompletedWork(list(tensors))
 
     def allreduce_exact(self, tensor: torch.Tensor, reduce_op: str) -> dist.Work:
         """The uncompressed allreduce (``"sum"``/``"avg"``) of ``tensor`` in place, whatever
@@ -232,7 +232,7 @@ class CGXProcessGroup(dist.ProcessGroup):
             backend.allreduce(tensors, dist.AllreduceOptions()).wait()  # SUM
             for t in tensors:
                 t.div_(self.size())
-            return _DoneWork(tensors)
+            return CompletedWork(tensors)
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
         return backend.allreduce(tensors, opts)

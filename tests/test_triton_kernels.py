@@ -111,3 +111,5 @@ def test_decode_sum_encode_matches_reference(bits, bucket, own_index, scale, ski
     own = _x(n, torch.bfloat16, seed=99) if own_index >= 0 else None
     args = (n, own, own_index, scale, bits, bucket, 5, 2, skip)
     assert _same(tri.decode_sum_encode(payloads, *args), ref.decode_sum_encode(payloads, *args))
+    args = (n, own, own_index, scale, bits, bucket, skip)  # the reduce-scatter's last stage
+    assert _same(tri.decode_sum(payloads, *args), ref.decode_sum(payloads, *args))

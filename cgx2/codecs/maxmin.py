@@ -121,7 +121,7 @@ def decode(
     return _decode_f32(payload, layout).to(dtype)
 
 
-def decode_sum_encode(
+def decode_sum(
     payloads: torch.Tensor,
     numel: int,
     own: torch.Tensor | None,
@@ -129,12 +129,9 @@ def decode_sum_encode(
     scale: float | None,
     bits: int,
     bucket_size: int,
-    key: int,
-    stream: int = 0,
     skip_incomplete: bool = False,
-    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Encode ``(own + sum of the other rows' decodings) * scale``, summed in fp32 in row order.
+    """``(own + sum of the other rows' decodings) * scale`` in fp32, summed in row order.
 
     ``payloads`` is ``[K, P]``; row ``own_index`` is not decoded (``own`` stands for it in full
     precision). ``scale`` None means 1 (SUM); AVG passes fp32(1/W).
@@ -150,6 +147,24 @@ def decode_sum_encode(
             acc = acc + _decode_f32(payloads[w], layout)
     if scale is not None:
         acc = acc * torch.tensor(scale, dtype=torch.float32, device=acc.device)
+    return acc
+
+
+def decode_sum_encode(
+    payloads: torch.Tensor,
+    numel: int,
+    own: torch.Tensor | None,
+    own_index: int,
+    scale: float | None,
+    bits: int,
+    bucket_size: int,
+    key: int,
+    stream: int = 0,
+    skip_incomplete: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Encode :func:`decode_sum` of the rows once more (the reduced chunk of the allreduce)."""
+    acc = decode_sum(payloads, numel, own, own_index, scale, bits, bucket_size, skip_incomplete)
     return encode(acc, bits, bucket_size, key, stream, skip_incomplete, out)
 
 

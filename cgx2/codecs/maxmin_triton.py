@@ -693,6 +693,31 @@ def decode(
     return decode_chunks(payload[:nbytes].view(1, nbytes), layout, dtype)
 
 
+def decode_sum(
+    payloads: torch.Tensor,
+    numel: int,
+    own: torch.Tensor | None,
+    own_index: int,
+    scale: float | None,
+    bits: int,
+    bucket_size: int,
+    skip_incomplete: bool = False,
+) -> torch.Tensor:
+    """Same contract (and bits) as :func:`cgx2.codecs.maxmin.decode_sum`: each row decoded by
+    the kernel, the fp32 sum taken in the same row order by torch."""
+    acc = (
+        own.reshape(-1).to(torch.float32).clone()
+        if own is not None
+        else torch.zeros(numel, dtype=torch.float32, device=payloads.device)
+    )
+    for w in range(payloads.shape[0]):
+        if w != own_index:
+            acc += decode(payloads[w], numel, bits, bucket_size, torch.float32, skip_incomplete)
+    if scale is not None:
+        acc *= torch.tensor(scale, dtype=torch.float32, device=acc.device)
+    return acc
+
+
 def decode_sum_encode(
     payloads: torch.Tensor,
     numel: int,
