@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call: check the kernels, the allreduce and the cgx backend on the GPUs, time the
+# One device call: check the kernels, the allreduce, the cgx backend and FSDP2 on the GPUs, time the
 # kernels, and, with several GPUs, benchmark the allreduce and a DDP training step in
 # DESIGN.md's three regimes (nvlink, shm, socket). Raw results land in bench/results/ (and as
 # one tarball in $OUT).
@@ -32,6 +32,8 @@ if [ "$NGPU" -ge 2 ] && [ -z "${SKIP_CHECKS:-}" ]; then
   torchrun --nproc-per-node "$NGPU" bench/gpu_allreduce_check.py 2>"$LOGS/ar_check.err" \
     | tail -n 30 || status=1
   torchrun --nproc-per-node "$NGPU" bench/gpu_backend_check.py 2>"$LOGS/backend_check.err" \
+    | tail -n 30 || status=1
+  torchrun --nproc-per-node "$NGPU" bench/gpu_fsdp_check.py 2>"$LOGS/fsdp_check.err" \
     | tail -n 30 || status=1
 fi
 if [ "$NGPU" -ge 2 ] && [ -z "${SKIP_BENCH:-}" ]; then

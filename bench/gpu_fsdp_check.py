@@ -1,0 +1,102 @@
+"""GPU check of cgx2's FSDP2 reduce-scatter under torchrun: the quantized reduce-scatter on
+NCCL equals the single-process model bit for bit, and FSDP2 training with
+``cgx2.fsdp.compress`` tracks uncompressed FSDP2.
+
+Run: ``torchrun --nproc-per-node N bench/gpu_fsdp_check.py``; exits 1 on any failure.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ["CGX2_CROSSOVER_BYTES"] = "0"  # quantize whatever the size
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+import cgx2
+from cgx2.fsdp import compress, reduce_scatter_quantized, reference_reduce_scatter
+
+
+def _input(rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 + rank)
+    return (torch.randn(n, generator=g) * (rank + 1)).to(dtype)
+
+
+def _first_seed(seed: int) -> int:
+    g = torch.Generator().manual_seed(seed)
+    return int(torch.randint(0, 2**63 - 1, (), generator=g, dtype=torch.int64))
+
+
+def _train(bits: int | None, bf16: bool, steps: int = 30) -> list[float]:
+    rank, dev = dist.get_rank(), torch.device("cuda", torch.cuda.current_device())
+    mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(512, 512), nn.ReLU()) for _ in range(4)],
+                          nn.Linear(512, 8)).to(dev)  # fmt: skip
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
+                                  reduce_dtype=torch.bfloat16 if bf16 else None)  # fmt: skip
+    for block in model:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    if bits:
+        compress(model, bits=bits)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    cgx2.manual_seed(0)
+    losses = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(10 * (step % 5) + rank)
+        x = torch.randn(256, 512, generator=g).to(dev)
+        y = (x[:, :8].argmax(dim=1)).to(dev)
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x).float(), y)
+        loss.backward()
+        opt.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean, op=dist.ReduceOp.AVG)
+        losses.append(mean.item())
+    return losses
+
+
+def main() -> int:
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ok: dict[str, bool] = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for scale in (None, 1 / world, 0.25):
+            n = 100_003
+            x = _input(rank, world * n, dtype).cuda()
+            out = torch.empty(n, dtype=dtype, device="cuda")
+            cgx2.manual_seed(9)
+            reduce_scatter_quantized(out, x, dist.group.WORLD, 4, 512, scale)
+            if rank == 0:
+                inputs = [_input(r, world * n, dtype) for r in range(world)]
+                model = reference_reduce_scatter(inputs, 4, 512, _first_seed(9), scale)[0]
+                ok[f"reduce-scatter {dtype} scale={scale} == reference"] = torch.equal(
+                    out.cpu(), model.to(dtype)
+                )
+    for bf16 in (False, True):
+        plain, four = _train(None, bf16), _train(4, bf16)
+        ok[f"FSDP2 {'bf16' if bf16 else 'fp32'}: 4-bit final loss within 5% of plain "
+           f"({four[-1]:.4f} vs {plain[-1]:.4f}, first {plain[0]:.4f})"] = (
+            abs(four[-1] - plain[-1]) <= 0.05 * plain[-1] and plain[-1] < plain[0]
+        )  # fmt: skip
+    failed = torch.tensor([0 if all(ok.values()) else 1], device="cuda")
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        for name, good in ok.items():
+            print(f"{'ok  ' if good else 'FAIL'} {name}")
+        print(f"FSDP2 check on {world} x {torch.cuda.get_device_name()}, torch "
+              f"{torch.__version__}: {'all ok' if failed.item() == 0 else 'FAILURES'}")  # fmt: skip
+    dist.destroy_process_group()
+    return int(failed.item())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
