@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One device call: check the kernels, the allreduce, the cgx backend and FSDP2 on the GPUs, time the
-# kernels, and, with several GPUs, benchmark the allreduce and a DDP training step in
+# One device call: check the kernels, the allreduce, the cgx backend and FSDP2 on the GPUs,
+# time the kernels, and, with several GPUs, benchmark the allreduce and a DDP training step in
 # DESIGN.md's three regimes (nvlink, shm, socket). Raw results land in bench/results/ (and as
 # one tarball in $OUT).
 # Usage (repo root): bash bench/device_run.sh [gpu_check args]; BENCH_ARGS for cgx2.bench,
