@@ -53,11 +53,12 @@ def _ddp(compiled: bool, hook: bool = True) -> tuple[list[float], dict]:
     counters.clear()
     torch.manual_seed(0)
     model = DDP(_Net())
+    state = CGXState(None, 1024, {"bits": 4, "bucket_size": 64})
     if hook:
-        model.register_comm_hook(CGXState(None, 1024, {"bits": 4, "bucket_size": 64}), cgx_hook)
+        model.register_comm_hook(state, cgx_hook)
     runner = torch.compile(model) if compiled else model
     losses = _run(runner, 6)
-    return losses, dict(counters["graph_break"])
+    return losses, dict(counters["graph_break"]), state.bytes_sent
 
 
 def _fsdp(compiled: bool) -> tuple[list[float], dict]:
@@ -88,11 +89,11 @@ def test_compiled_ddp_with_cgx_hook_matches_eager(dist2):
     """DDPOptimizer path. Compiling DDP breaks the graph in DDP's own forward (functions
     dynamo skips), hook or no hook: the hook adds no break."""
     plain_breaks = dist2.run(_ddp, True, False)[0][1]
-    unhooked = dist2.run(_ddp, False, False)[0][0]
-    for (eager, _), (compiled, breaks) in zip(dist2.run(_ddp, False), dist2.run(_ddp, True),
-                                              strict=True):  # fmt: skip
+    for (eager, _, _), (compiled, breaks, sent) in zip(
+        dist2.run(_ddp, False), dist2.run(_ddp, True), strict=True
+    ):
         assert compiled == pytest.approx(eager, rel=1e-4)
-        assert eager != pytest.approx(unhooked, rel=1e-4)  # the hook did quantize
+        assert sent > 0  # the compiled model's buckets went through cgx_hook
         assert breaks == plain_breaks, breaks
 
 
