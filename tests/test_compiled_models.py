@@ -46,7 +46,7 @@ def _run(model: nn.Module, steps: int) -> list[float]:
     return losses
 
 
-def _ddp(compiled: bool, hook: bool = True) -> tuple[list[float], dict]:
+def _ddp(compiled: bool, hook: bool = True) -> tuple[list[float], dict, int]:
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -61,7 +61,7 @@ def _ddp(compiled: bool, hook: bool = True) -> tuple[list[float], dict]:
     return losses, dict(counters["graph_break"]), state.bytes_sent
 
 
-def _fsdp(compiled: bool) -> tuple[list[float], dict]:
+def _fsdp(compiled: bool) -> tuple[list[float], dict, int]:
     from torch._dynamo.utils import counters
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -76,12 +76,12 @@ def _fsdp(compiled: bool) -> tuple[list[float], dict]:
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    cgx2.fsdp.compress(model, bits=4, bucket_size=64, min_size=1024)
+    comms = cgx2.fsdp.compress(model, bits=4, bucket_size=64, min_size=1024)
     if compiled:
         for block in model.blocks:
             block.compile()
     losses = _run(model, 6)
-    return losses, dict(counters["graph_break"])
+    return losses, dict(counters["graph_break"]), sum(c.bytes_sent for c in comms)
 
 
 @pytest.mark.slow
@@ -99,7 +99,9 @@ def test_compiled_ddp_with_cgx_hook_matches_eager(dist2):
 
 @pytest.mark.slow
 def test_compiled_fsdp2_with_quantized_reduce_scatter_matches_eager(dist2):
-    for (eager, _), (compiled, breaks) in zip(dist2.run(_fsdp, False), dist2.run(_fsdp, True),
-                                              strict=True):  # fmt: skip
+    for (eager, _, _), (compiled, breaks, sent) in zip(
+        dist2.run(_fsdp, False), dist2.run(_fsdp, True), strict=True
+    ):
         assert compiled == pytest.approx(eager, rel=1e-4)
         assert not breaks, breaks
+        assert sent > 0
