@@ -1,0 +1,82 @@
+"""Hierarchical allreduce over a 2-D ``DeviceMesh`` ("inter", "intra"): plain inside a node,
+where links are fast, quantized between nodes, where they are slow.
+
+Default: reduce-scatter inside the node, quantized allreduce of each shard between nodes (every
+GPU talks), all-gather inside the node. ``intra_broadcast`` (``CGX_INTRA_BROADCAST=1``) is
+CGX's variant: reduce to the node's first GPU, which alone talks across nodes, then broadcast.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from .checks import check_reduce_op
+from .collectives import allreduce_quantized
+from .config import CGXConfig
+
+__all__ = ["MESH_DIMS", "hierarchical_allreduce", "node_mesh"]
+
+MESH_DIMS = ("inter", "intra")
+
+# torch >= 2.13 renamed these; both exist in between.
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def node_mesh(device_type: str | None = None) -> DeviceMesh:
+    """The ("inter", "intra") mesh of the default group, one row per node, read from the
+    launcher's ``LOCAL_WORLD_SIZE`` (torchrun, or mpirun through :mod:`cgx2.launch`)."""
+    world = dist.get_world_size()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if local < 1 or world % local:
+        raise ValueError(f"LOCAL_WORLD_SIZE={local} does not divide the world size {world}")
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    return init_device_mesh(device_type, (world // local, local), mesh_dim_names=MESH_DIMS)
+
+
+def hierarchical_allreduce(
+    t: torch.Tensor,
+    bits: int = 4,
+    mesh: DeviceMesh | None = None,
+    op: dist.ReduceOp | str = dist.ReduceOp.SUM,
+    bucket_size: int = 512,
+    intra_broadcast: bool | None = None,
+    seed: int | None = None,
+) -> torch.Tensor:
+    """Allreduce (SUM or AVG) of ``t`` over ``mesh`` (default :func:`node_mesh`), quantized to
+    ``bits`` between nodes only. Returns a new tensor, bit-identical on every rank.
+    ``intra_broadcast`` None reads ``CGX_INTRA_BROADCAST``."""
+    reduce_op = check_reduce_op(op, "op")
+    mesh = node_mesh(t.device.type) if mesh is None else mesh
+    if mesh.mesh_dim_names != MESH_DIMS:
+        raise ValueError(f"mesh must have dims {MESH_DIMS}, got {mesh.mesh_dim_names}")
+    if intra_broadcast is None:
+        intra_broadcast = CGXConfig.from_env().intra_broadcast
+    inter, intra = mesh.get_group("inter"), mesh.get_group("intra")
+    local, local_rank = dist.get_world_size(intra), dist.get_rank(intra)
+    flat = t.reshape(-1)
+    if intra_broadcast:
+        node_sum = flat.clone()
+        leader = dist.get_global_rank(intra, 0)
+        dist.reduce(node_sum, dst=leader, group=intra)
+        if local_rank == 0:
+            node_sum = allreduce_quantized(node_sum, bits, bucket_size, inter, "sum", seed)
+        dist.broadcast(node_sum, src=leader, group=intra)
+        out = node_sum
+    else:
+        padded = -(-flat.numel() // local) * local
+        staged = torch.zeros(padded, dtype=t.dtype, device=t.device)
+        staged[: flat.numel()] = flat
+        shard = torch.empty(padded // local, dtype=t.dtype, device=t.device)
+        _reduce_scatter_single(shard, staged, group=intra)
+        shard = allreduce_quantized(shard, bits, bucket_size, inter, "sum", seed)
+        _all_gather_single(staged, shard, group=intra)
+        out = staged[: flat.numel()]
+    if reduce_op == "avg":
+        out = out / mesh.size()
+    return out.view(t.shape)

@@ -1,0 +1,73 @@
+"""Hierarchical allreduce on 4 gloo ranks as 2 "nodes" of 2: bit-equal to the model built from
+the reference allreduce of the node sums, identical on every rank, both variants."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from cgx2.collectives import reference_allreduce
+from cgx2.hierarchical import hierarchical_allreduce, node_mesh
+
+
+def _input(rank: int, n: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(50 + rank)
+    return torch.randn(n, generator=g) * (rank + 1) + rank
+
+
+def _run(n: int, intra_broadcast: bool, op: str) -> dict:
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    try:
+        mesh = node_mesh("cpu")
+    finally:
+        del os.environ["LOCAL_WORLD_SIZE"]
+    x = _input(dist.get_rank(), n)
+    out = hierarchical_allreduce(x, 4, mesh, op=op, bucket_size=128,
+                                 intra_broadcast=intra_broadcast, seed=5)  # fmt: skip
+    groups = tuple(dist.get_process_group_ranks(mesh.get_group(d)) for d in ("inter", "intra"))
+    return {"x": x, "out": out, "groups": groups}
+
+
+def _model(xs: list[torch.Tensor], intra_broadcast: bool, op: str) -> torch.Tensor:
+    """Nodes {0,1} and {2,3}; a sum of two fp32 values does not depend on order."""
+    node_sums = [xs[0] + xs[1], xs[2] + xs[3]]
+    if intra_broadcast:
+        out = reference_allreduce(node_sums, 4, 128, 5)
+    else:
+        n, local = xs[0].numel(), 2
+        half = -(-n // local)
+        padded = [torch.cat([s, s.new_zeros(half * local - n)]) for s in node_sums]
+        shards = [reference_allreduce([p[j * half : (j + 1) * half] for p in padded], 4, 128, 5)
+                  for j in range(local)]  # fmt: skip
+        out = torch.cat(shards)[:n]
+    return out / 4 if op == "avg" else out
+
+
+@pytest.mark.parametrize("intra_broadcast", [False, True])
+@pytest.mark.parametrize(("n", "op"), [(5001, "sum"), (1000, "avg")])
+def test_hierarchical_allreduce_matches_model(dist4, intra_broadcast, n, op):
+    results = dist4.run(_run, n, intra_broadcast, op)
+    assert results[0]["groups"] == ([0, 2], [0, 1])
+    assert results[3]["groups"] == ([1, 3], [2, 3])
+    model = _model([r["x"] for r in results], intra_broadcast, op)
+    exact = sum(r["x"] for r in results) / (4 if op == "avg" else 1)
+    for r in results:
+        assert torch.equal(r["out"], model)
+    assert not torch.equal(model, exact)
+    assert (model - exact).abs().max() < 0.3 * exact.abs().max()
+
+
+def test_node_mesh_needs_a_divisor(dist2):
+    assert dist2.run(_bad_local) == ["LOCAL_WORLD_SIZE=3 does not divide"] * 2
+
+
+def _bad_local() -> str:
+    os.environ["LOCAL_WORLD_SIZE"] = "3"
+    try:
+        node_mesh("cpu")
+    except ValueError as e:
+        return str(e)[:34]
+    finally:
+        del os.environ["LOCAL_WORLD_SIZE"]
+    return "no error"
