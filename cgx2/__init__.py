@@ -10,6 +10,7 @@ import logging
 from . import ops
 from .backend import CGXProcessGroup, register_backend
 from .config import CGXConfig
+from .hierarchical import hierarchical_allreduce
 from .launch import setup_mpi_env
 from .ops import dequantize, quantize, quantized_allreduce, quantized_allreduce_
 from .seeding import manual_seed
@@ -18,6 +19,7 @@ __all__ = [
     "CGXConfig",
     "CGXProcessGroup",
     "dequantize",
+    "hierarchical_allreduce",
     "manual_seed",
     "ops",
     "quantize",
