@@ -105,3 +105,42 @@ def test_compiled_fsdp2_with_quantized_reduce_scatter_matches_eager(dist2):
         assert compiled == pytest.approx(eager, rel=1e-4)
         assert not breaks, breaks
         assert sent > 0
+
+
+def _compiled_autograd() -> dict:
+    """DDP's Python reducer under compiled autograd calls hook(state, (grad, param)) for each
+    parameter; cgx_hook averages it in place, traced into the compiled backward."""
+    from torch._dynamo import compiled_autograd
+
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(optimize_ddp="python_reducer"):
+        torch.manual_seed(0)
+        model = DDP(_Net())
+        model.register_comm_hook(CGXState(None, 1024, {"bits": 4, "bucket_size": 64}), cgx_hook)
+        x, y = _batches(1)[0]
+        cgx2.manual_seed(2)
+        with compiled_autograd._enable(torch.compile(backend="aot_eager")):
+            nn.functional.cross_entropy(torch.compile(model)(x), y).backward()
+    grads = {n: p.grad.clone() for n, p in model.module.named_parameters()}
+    local = _Net()
+    local.load_state_dict(model.module.state_dict())
+    nn.functional.cross_entropy(local(x), y).backward()
+    exact = {n: p.grad.clone() for n, p in local.named_parameters()}
+    for g in exact.values():
+        dist.all_reduce(g)
+        g /= dist.get_world_size()
+    return {"grads": grads, "exact": exact}
+
+
+@pytest.mark.slow
+def test_compiled_autograd_python_reducer(dist2):
+    a, b = dist2.run(_compiled_autograd)
+    for name, g in a["grads"].items():
+        assert torch.equal(g, b["grads"][name]), name  # identical on every rank
+        exact = a["exact"][name]
+        if g.dim() > 1 and g.numel() >= 1024:  # the 64x64 weights: quantized
+            assert not torch.equal(g, exact)
+            step = (exact.max() - exact.min()) / 15
+            assert (g - exact).abs().max() <= 4 * step, name
+        else:  # biases and the 4x64 head: exact
+            torch.testing.assert_close(g, exact, rtol=1e-5, atol=1e-7)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from ..checks import UNCOMPRESSED_BITS, check_bits, check_bucket_size
 from ..collectives import allreduce_plain_, compression_pays
@@ -106,6 +107,12 @@ def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[t
     doc). Gradients come out bit-identical on every rank."""
     if not isinstance(state, CGXState):
         raise TypeError(f"cgx_hook needs a CGXState as its state, got {type(state).__name__}")
+    if isinstance(bucket, tuple) and len(bucket) == 2 and isinstance(bucket[0], torch.Tensor):
+        # DDP's Python reducer (torch.compile with compiled autograd, optimize_ddp =
+        # "python_reducer") calls hook(state, (param.grad, param)) for each parameter and
+        # expects the gradient averaged in place.
+        _reduce_parameter_grad_(state, bucket[0])
+        return None
     if not isinstance(bucket, dist.GradBucket):
         raise TypeError(
             "cgx_hook is a DistributedDataParallel communication hook "
@@ -124,6 +131,18 @@ def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[t
         future = _reduce_bucket(state, bucket, buffer)
     buffer.record_stream(side)
     return future
+
+
+def _reduce_parameter_grad_(state: CGXState, grad: torch.Tensor) -> None:
+    """One parameter's gradient, averaged in place with the same per-layer rule as buckets;
+    traceable by compiled autograd (custom op and functional collective only)."""
+    group = state.process_group if state.process_group is not None else dist.group.WORLD
+    if state.bits != UNCOMPRESSED_BITS and grad.dim() > 1 and grad.numel() >= state.layer_min_size:
+        torch.ops.cgx.quantized_allreduce_(
+            grad, state.bits, state.bucket_size, group.group_name, "avg", -1, state.skip_incomplete
+        )
+    else:
+        grad.copy_(funcol.all_reduce(grad / dist.get_world_size(group), "sum", group))
 
 
 def _reduce_bucket(
