@@ -77,3 +77,18 @@ def test_two_node_torchrun_on_one_machine(tmp_path):
     result = json.loads(out.read_text())
     assert result["world_size"] == 2 and result["mode"] == "backend"
     assert 0 < result["bytes_sent"] < result["bytes_uncompressed"]
+
+
+@pytest.mark.slow
+def test_fsdp_example_runs_compressed(tmp_path):
+    """examples/train_fsdp.py, tiny, on 2 CPU processes: FSDP2 with cgx2.fsdp.compress."""
+    out = tmp_path / "fsdp.json"
+    cmd = [sys.executable, str(EXAMPLE.with_name("train_fsdp.py")), "--bits", "4", "--dim",
+           "64", "--layers", "2", "--heads", "4", "--context", "64", "--steps", "6",
+           "--no-compile", "--json", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "4-bit FSDP2, 2 x cpu" in proc.stdout
+    result = json.loads(out.read_text())
+    assert result["tokens_per_s"] > 0 and result["final_loss"] < result["first_loss"]
+    assert result["bytes_uncompressed"] / result["bytes_sent"] > 5

@@ -1,0 +1,183 @@
+"""Train a GPT-2-small-class byte-level transformer with FSDP2, compiled, with cgx2's quantized
+reduce-scatter (``cgx2.fsdp.compress``) or FSDP2's own. Logs tokens/s, loss and the bytes the
+reduce-scatters sent against uncompressed FSDP2:
+
+    torchrun --nproc-per-node 4 examples/train_fsdp.py --bits 4      # one process per GPU
+    torchrun --nproc-per-node 4 examples/train_fsdp.py --bits 32     # FSDP2's own
+    python examples/train_fsdp.py --bits 4 --dim 64 --layers 2 --steps 5 --no-compile  # 2 CPUs
+
+The model (12 blocks, 768 wide, 12 heads: 85M parameters) is defined in train_ddp.py; the text
+is Python's own standard library, so nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_ddp import CharTransformer, batch, load_text
+
+import cgx2.fsdp
+from cgx2.bench.report import environment
+
+
+def train(args: argparse.Namespace) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cuda = args.device == "cuda"
+    device = f"cuda:{torch.cuda.current_device()}" if cuda else "cpu"
+    mesh = init_device_mesh("cuda" if cuda else "cpu", (world,))
+    torch.manual_seed(args.seed)
+    model = CharTransformer(args.context, args.dim, args.layers, args.heads).to(device)
+    params = sum(p.numel() for p in model.parameters())
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if args.bf16 else None,
+                                  reduce_dtype=torch.float32)  # fmt: skip
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    comms = []
+    if args.bits != 32:
+        comms = cgx2.fsdp.compress(model, args.bits, args.bucket_size, args.min_size)
+    if args.compile:
+        for block in model.blocks:
+            block.compile()
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    log_group = dist.new_group(backend="gloo")  # the loss log, apart from the gradients
+    text = load_text(args.text_bytes)
+    gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
+    losses, times = [], []
+    for step in range(args.steps):
+        x, y = batch(text, args.batch_size, args.context, gen, device)
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = nn.functional.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+        loss.backward()
+        opt.step()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        mean_loss = loss.detach().cpu()
+        dist.all_reduce(mean_loss, group=log_group)
+        losses.append(mean_loss.item() / world)
+        if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
+            line = f"step {step + 1}/{args.steps}  loss {losses[-1]:.4f}  {times[-1] * 1e3:.0f} ms"
+            print(f"\r{line}", end="", file=sys.stderr, flush=True)
+    if rank == 0:
+        print(file=sys.stderr)
+    sent = sum(c.bytes_sent for c in comms) if comms else None
+    del model, opt
+    gc.collect()
+    dist.barrier()
+    n = min(10, len(losses))
+    step_s = sorted(times[1:] or times)[len(times[1:] or times) // 2]  # step 1 compiles
+    return {
+        "env": environment(torch.device(device), world),
+        "args": vars(args),
+        "bits": args.bits,
+        "world_size": world,
+        "device": device,
+        "params": params,
+        "first_loss": losses[0],
+        "final_loss": sum(losses[-n:]) / n,
+        "step_ms": 1e3 * step_s,
+        "tokens_per_s": args.batch_size * args.context * world / step_s,
+        # An uncompressed reduce-scatter sends (W-1)/W of its fp32 input, every step.
+        "bytes_uncompressed": args.steps * (world - 1) * params * 4 // world,
+        "bytes_sent": sent,
+        "losses": losses,
+    }
+
+
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    try:
+        result = train(args)
+        if rank == 0:
+            queue.put(result)
+    finally:
+        dist.destroy_process_group()
+
+
+def report(result: dict, json_path: str | None) -> None:
+    sent, plain = result["bytes_sent"], result["bytes_uncompressed"]
+    saved = f", sent {sent / 1e6:.1f} MB vs {plain / 1e6:.1f} MB uncompressed " \
+            f"({plain / max(sent, 1):.2f}x less)" if sent else ""  # fmt: skip
+    print(f"{result['bits']}-bit FSDP2, {result['world_size']} x {result['device']}, "
+          f"{result['params'] / 1e6:.1f}M params: loss {result['first_loss']:.3f} -> "
+          f"{result['final_loss']:.3f}, {result['step_ms']:.0f} ms/step, "
+          f"{result['tokens_per_s']:.0f} tokens/s{saved}")  # fmt: skip
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=1))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--bits", type=int, default=4, help="1-8, or 32 for FSDP2's own")
+    p.add_argument("--bucket-size", type=int, default=512)
+    p.add_argument("--min-size", type=int, default=1024, help="smaller or 1-D params: exact")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--dim", type=int, default=768)
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bf16", action="store_true", help="bf16 parameters (fp32 reduction)")
+    p.add_argument("--no-compile", dest="compile", action="store_false")
+    p.add_argument("--text-bytes", type=int, default=4_000_000)
+    p.add_argument("--world-size", type=int, default=2, help="processes to spawn without torchrun")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--log-every", type=int, default=5)
+    p.add_argument("--json", help="write the result here")
+    args = p.parse_args(argv)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if not (1 <= args.bits <= 8 or args.bits == 32):
+        p.error("--bits must be in 1..8, or 32")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if "RANK" in os.environ:
+        if args.device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+        try:
+            result = train(args)
+        finally:
+            dist.destroy_process_group()
+        if int(os.environ["RANK"]) == 0:
+            report(result, args.json)
+        return
+    if args.device == "cuda":
+        raise SystemExit("with --device cuda, launch with torchrun (one process per GPU)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_worker, (args.world_size, port, args, queue), args.world_size,
+                       start_method="spawn")  # fmt: skip
+    result = queue.get()
+    result["env"]["command"] = " ".join(sys.orig_argv)
+    report(result, args.json)
+
+
+if __name__ == "__main__":
+    main()
