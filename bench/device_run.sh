@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One device call: check the kernels, the allreduce, the cgx backend and FSDP2 on the GPUs,
 # time the kernels, and, with several GPUs, benchmark the allreduce and a DDP training step in
-# DESIGN.md's three regimes (nvlink, shm, socket). Raw results land in bench/results/ (and as
+# DESIGN.md's three regimes (nvlink, shm, socket) and an FSDP2 step (socket). Raw results land in bench/results/ (and as
 # one tarball in $OUT).
 # Usage (repo root): bash bench/device_run.sh [gpu_check args]; BENCH_ARGS for cgx2.bench,
 # TRAIN_ARGS for examples/train_ddp.py, TRAIN_REGIMES ("socket shm nvlink") and TRAIN_RUNS
-# ("32 hook,4 hook,4 backend") to pick runs; SKIP_KERNELS, SKIP_CHECKS, SKIP_BENCH, SKIP_TRAIN=1
+# ("32 hook,4 hook,4 backend") to pick runs, FSDP_ARGS/FSDP_REGIMES ("socket") for
+# examples/train_fsdp.py; SKIP_KERNELS, SKIP_CHECKS, SKIP_BENCH, SKIP_TRAIN, SKIP_FSDP_TRAIN=1
 # leave a stage out (a call is limited to 10 minutes on our machines).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -45,8 +46,8 @@ if [ "$NGPU" -ge 2 ] && [ -z "${SKIP_BENCH:-}" ]; then
     save
   done
 fi
+GPU=$(python3 -c "import torch; print(torch.cuda.get_device_name().lower().replace(' ', '-'))")
 if [ "$NGPU" -ge 2 ] && [ -z "${SKIP_TRAIN:-}" ]; then
-  GPU=$(python3 -c "import torch; print(torch.cuda.get_device_name().lower().replace(' ', '-'))")
   TRAIN_ARGS=${TRAIN_ARGS:---steps 40 --dim 1024 --layers 10 --heads 16 --context 256 --batch-size 8}
   IFS=, read -ra RUNS <<< "${TRAIN_RUNS:-32 hook,4 hook,4 backend}"
   for regime in ${TRAIN_REGIMES:-socket shm nvlink}; do
@@ -58,6 +59,19 @@ if [ "$NGPU" -ge 2 ] && [ -z "${SKIP_TRAIN:-}" ]; then
         --mode "$2" $TRAIN_ARGS --log-every 1000 \
         --json "bench/results/train_ddp_${GPU}_${regime}_w${NGPU}_b$1_$2_$(date -u +%Y%m%dT%H%M).json" \
         2>>"$LOGS/train_$regime.err" | tail -n 1 || status=1
+      save
+    done
+  done
+fi
+if [ "$NGPU" -ge 2 ] && [ -z "${SKIP_FSDP_TRAIN:-}" ]; then
+  for regime in ${FSDP_REGIMES:-socket}; do
+    regime_vars $regime
+    for bits in 32 4; do
+      echo "== FSDP2 step, $NGPU GPUs, regime $regime, $bits bits"
+      env "${vars[@]}" torchrun --nproc-per-node "$NGPU" examples/train_fsdp.py --bits "$bits" \
+        ${FSDP_ARGS:-} --log-every 1000 \
+        --json "bench/results/train_fsdp_${GPU}_${regime}_w${NGPU}_b${bits}_$(date -u +%Y%m%dT%H%M).json" \
+        2>>"$LOGS/fsdp_$regime.err" | tail -n 1 || status=1
       save
     done
   done
