@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call: check the kernels, the allreduce, the cgx backend and FSDP2 on the GPUs,
 # time the kernels, and, with several GPUs, benchmark the allreduce and a DDP training step in
-# DESIGN.md's three regimes (nvlink, shm, socket) and an FSDP2 step (socket). Raw results land in bench/results/ (and as
-# one tarball in $OUT).
+# DESIGN.md's three regimes (nvlink, shm, socket) and an FSDP2 step (socket). Raw results land
+# in bench/results/ (and as one tarball in $OUT).
 # Usage (repo root): bash bench/device_run.sh [gpu_check args]; BENCH_ARGS for cgx2.bench,
 # TRAIN_ARGS for examples/train_ddp.py, TRAIN_REGIMES ("socket shm nvlink") and TRAIN_RUNS
 # ("32 hook,4 hook,4 backend") to pick runs, FSDP_ARGS/FSDP_REGIMES ("socket") for
