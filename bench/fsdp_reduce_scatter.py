@@ -2,7 +2,8 @@
 reduce-scatter against cgx2's, with one segment and with a block's parameter segments, and the
 host time to enqueue each (a call that returns before the GPU finishes is host-light).
 
-Run: ``NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 torchrun --nproc-per-node 2 bench/fsdp_reduce_scatter.py``
+Run (socket regime): ``NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 torchrun --nproc-per-node 2
+bench/fsdp_reduce_scatter.py``
 """
 
 from __future__ import annotations
@@ -52,12 +53,13 @@ def main() -> None:
         at += k
     x = torch.randn(world * n, device="cuda")
     out = torch.empty(n, device="cuda")
+    group = dist.group.WORLD
     rows = {
         "plain reduce_scatter": lambda: dist.reduce_scatter_tensor(out, x),
-        "cgx2, one segment": lambda: reduce_scatter_quantized(out, x, dist.group.WORLD, 4, 512,
-                                                              0.5),  # fmt: skip
-        "cgx2, block segments": lambda: reduce_scatter_quantized(out, x, dist.group.WORLD, 4,
-                                                                 512, 0.5, segments),  # fmt: skip
+        "cgx2, one segment": lambda: reduce_scatter_quantized(out, x, group, 4, 512, 0.5),
+        "cgx2, block segments": lambda: reduce_scatter_quantized(
+            out, x, group, 4, 512, 0.5, segments
+        ),
     }
     for name, fn in rows.items():
         ms, host = _time(fn)
