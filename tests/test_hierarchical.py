@@ -71,3 +71,39 @@ def _bad_local() -> str:
     finally:
         del os.environ["LOCAL_WORLD_SIZE"]
     return "no error"
+
+
+def _hook_on_two_nodes() -> dict:
+    """4 ranks, LOCAL_WORLD_SIZE=2: CGXState builds the node mesh itself."""
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import cgx2
+    from cgx2.ddp import CGXState, cgx_hook
+
+    os.environ.update(LOCAL_WORLD_SIZE="2", WORLD_SIZE="4")
+    try:
+        grads = {}
+        for mesh in ("auto", None):
+            torch.manual_seed(0)
+            model = DDP(nn.Linear(128, 64))
+            state = CGXState(None, 1024, {"bits": 4, "bucket_size": 128}, mesh=mesh)
+            model.register_comm_hook(state, cgx_hook)
+            cgx2.manual_seed(1)
+            model(_input(dist.get_rank(), 8 * 128).view(8, 128)).square().sum().backward()
+            grads[str(mesh)] = model.module.weight.grad.clone()
+            shape = None if state.mesh is None else tuple(state.mesh.shape)
+            grads[f"{mesh}-mesh"] = shape
+        return grads
+    finally:
+        del os.environ["LOCAL_WORLD_SIZE"], os.environ["WORLD_SIZE"]
+
+
+def test_cgx_hook_goes_hierarchical_across_nodes(dist4):
+    results = dist4.run(_hook_on_two_nodes)
+    for r in results:
+        assert r["auto-mesh"] == (2, 2) and r["None-mesh"] is None
+        assert torch.equal(r["auto"], results[0]["auto"])  # identical on every rank
+        assert not torch.equal(r["auto"], r["None"])  # another path than the flat allreduce
+        scale = r["None"].abs().max()
+        assert (r["auto"] - r["None"]).abs().max() < 0.2 * scale

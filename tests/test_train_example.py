@@ -55,9 +55,10 @@ def test_mpirun_launch_needs_no_setup(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_node_torchrun_on_one_machine(tmp_path):
+@pytest.mark.parametrize("mode", ["backend", "hook"])
+def test_two_node_torchrun_on_one_machine(tmp_path, mode):
     """`torchrun --nnodes 2` started twice (c10d rendezvous on 127.0.0.1): the example trains
-    compressed across the two "nodes", one process each."""
+    compressed across the two "nodes", one process each (the hook goes hierarchical)."""
     import socket
 
     with socket.socket() as s:
@@ -68,14 +69,14 @@ def test_two_node_torchrun_on_one_machine(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
            "--nproc-per-node", "1", "--rdzv-backend", "c10d",
            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "cgx2-test",
-           str(EXAMPLE), "--steps", "3", "--json", str(out), "--mode", "backend"]  # fmt: skip
+           str(EXAMPLE), "--steps", "3", "--json", str(out), "--mode", mode]  # fmt: skip
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
     procs = [subprocess.Popen(cmd, env=env, **pipes) for _ in range(2)]
     for p in procs:
         _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-3000:]
     result = json.loads(out.read_text())
-    assert result["world_size"] == 2 and result["mode"] == "backend"
+    assert result["world_size"] == 2 and result["mode"] == mode
     assert 0 < result["bytes_sent"] < result["bytes_uncompressed"]
 
 

@@ -5,17 +5,26 @@ A layer (parameter) is compressed when it has more than one dimension and at lea
 """
 
 # No ``from __future__ import annotations``: DDP checks cgx_hook's annotations as objects.
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..checks import UNCOMPRESSED_BITS, check_bits, check_bucket_size
 from ..collectives import allreduce_plain_, compression_pays
 from ..config import CGXConfig
-from ..fusion import allreduce_fused_, padded_numel, ring_bytes_sent
+from ..fusion import (
+    allreduce_fused_,
+    fuse_padded,
+    padded_numel,
+    quantized_bytes_sent,
+    ring_bytes_sent,
+)
+from ..hierarchical import hierarchical_allreduce, node_mesh
 
 __all__ = ["CGXState", "cgx_hook"]
 
@@ -36,6 +45,12 @@ class CGXState:
     it leaves out comes from ``CGX_COMPRESSION_QUANTIZATION_BITS`` and
     ``CGX_COMPRESSION_BUCKET_SIZE`` (read once, here). ``layer_min_size`` is raised to
     ``CGX_COMPRESSION_MINIMAL_SIZE`` (at least 16), as in CGX.
+
+    ``mesh`` (cgx2's addition): a ("inter", "intra") ``DeviceMesh`` makes the compressed
+    layers go through :func:`cgx2.hierarchical_allreduce` (plain inside a node, quantized
+    between nodes; ``CGX_INTRA_BROADCAST`` picks the variant). ``"auto"`` builds one from
+    ``LOCAL_WORLD_SIZE`` when the job spans several nodes and the group is the world; None
+    never does.
     """
 
     def __init__(
@@ -43,6 +58,8 @@ class CGXState:
         process_group: dist.ProcessGroup | None = None,
         layer_min_size: int = 1024,
         compression_params: Mapping[str, int] | None = None,
+        *,
+        mesh: DeviceMesh | str | None = "auto",
     ) -> None:
         config = CGXConfig.from_env()
         params = dict(compression_params or {})
@@ -65,6 +82,13 @@ class CGXState:
         )
         self.layer_min_size = max(layer_min_size, config.minimal_size)
         self.skip_incomplete = config.skip_incomplete_buckets
+        self.intra_broadcast = config.intra_broadcast
+        if mesh == "auto":
+            several = self.bits != UNCOMPRESSED_BITS and _several_nodes(process_group)
+            mesh = node_mesh() if several else None
+        elif mesh is not None and not isinstance(mesh, DeviceMesh):
+            raise TypeError(f"mesh must be a DeviceMesh, 'auto' or None, got {mesh!r}")
+        self.mesh = mesh
         self._plans: dict[int, _Plan] = {}
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self.bytes_sent = 0
@@ -102,6 +126,13 @@ class CGXState:
         return plan
 
 
+def _several_nodes(group: dist.ProcessGroup | None) -> bool:
+    """Whether the launcher says the job spans nodes and ``group`` is the whole world."""
+    local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
+    whole = group is None or dist.get_world_size(group) == dist.get_world_size()
+    return bool(local and world and int(local) < int(world) and whole)
+
+
 def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average a DDP gradient bucket across ranks, compressing its large layers (see module
     doc). Gradients come out bit-identical on every rank."""
@@ -133,6 +164,22 @@ def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[t
     return future
 
 
+def _reduce_hierarchical_(state: CGXState, layers: list[torch.Tensor]) -> int:
+    """Average ``layers`` in place over ``state.mesh``; returns the bytes this rank sent, as
+    the default variant sends them (plain reduce-scatter and all-gather inside the node,
+    the quantized allreduce of a 1/L shard between nodes)."""
+    fused, starts = fuse_padded(layers, state.bucket_size)
+    reduced = hierarchical_allreduce(fused, state.bits, state.mesh, "avg", state.bucket_size,
+                                     state.intra_broadcast)  # fmt: skip
+    for layer, at in zip(layers, starts, strict=True):
+        layer.copy_(reduced[at : at + layer.numel()])
+    nodes, local = state.mesh.size(0), state.mesh.size(1)
+    shard = -(-fused.numel() // local)
+    return ring_bytes_sent(fused.numel() * fused.element_size(), local) + quantized_bytes_sent(
+        shard, nodes, state.bits, state.bucket_size
+    )
+
+
 def _reduce_parameter_grad_(state: CGXState, grad: torch.Tensor) -> None:
     """One parameter's gradient, averaged in place with the same per-layer rule as buckets;
     traceable by compiled autograd (custom op and functional collective only)."""
@@ -160,7 +207,12 @@ def _reduce_bucket(
         and compression_pays(buffer, padded)
     ):
         layers = [buffer[offset : offset + numel] for offset, numel in plan.compressed]
-        state.bytes_sent += allreduce_fused_(layers, state.bits, state.bucket_size, group, "avg")
+        if state.mesh is not None:
+            state.bytes_sent += _reduce_hierarchical_(state, layers)
+        else:
+            state.bytes_sent += allreduce_fused_(
+                layers, state.bits, state.bucket_size, group, "avg"
+            )
         if plan.exact:
             exact_bytes = sum(n for _, n in plan.exact) * buffer.element_size()
             state.bytes_sent += ring_bytes_sent(exact_bytes, world)
