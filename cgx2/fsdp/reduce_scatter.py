@@ -5,7 +5,9 @@ fp32 onto its own (kept in full precision) — one quantization per value.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -61,9 +63,12 @@ def reduce_scatter_quantized(
     if compressed and not compression_pays(input, world * padded):
         compressed, exact = [], [(0, n, False)]
     sent = 0
+    plan = _plan(n, world, tuple(compressed), tuple(exact), bucket_size, input.device)
     if compressed:
         seed = next_seed() if seed is None else seed
-        flat, starts, width = _fused_rows(rows, compressed, bucket_size)
+        # One gather builds every row's padded compressed segments: chunk j is row j.
+        flat = input.index_select(0, plan.gather)
+        width = plan.width
         layout = ChunkedLayout(flat.numel(), world, width, bits, bucket_size)
         codec = maxmin_codec(input.device)
         send = codec.encode_chunks(
@@ -73,21 +78,53 @@ def reduce_scatter_quantized(
         dist.all_to_all_single(recv, send, group=group)
         own = flat[rank * width : (rank + 1) * width]
         reduced = codec.decode_sum(recv, width, own, rank, scale, bits, bucket_size)
-        for (o, k, _), at in zip(compressed, starts, strict=True):
-            output[o : o + k].copy_(reduced[at : at + k])
+        output.index_copy_(0, plan.out, reduced.index_select(0, plan.src).to(output.dtype))
         sent += (world - 1) * layout.payload_nbytes
     if exact:
-        part = torch.cat([rows[:, o : o + k] for o, k, _ in exact], dim=1)
+        part = rows.index_select(1, plan.exact)
         reduced = torch.empty(part.shape[1], dtype=output.dtype, device=output.device)
         _reduce_scatter_single(reduced, part.reshape(-1), group=group)
         if scale is not None:
             reduced.mul_(scale)
-        at = 0
-        for o, k, _ in exact:
-            output[o : o + k].copy_(reduced[at : at + k])
-            at += k
+        output.index_copy_(0, plan.exact, reduced)
         sent += (world - 1) * part.shape[1] * part.element_size()
     return sent
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Index tensors that move a reduction's segments with one op each, made once per shape:
+    ``gather`` builds the fused rows from the flat input, ``src``/``out`` place the reduced
+    compressed values, ``exact`` lists the uncompressed positions of a row."""
+
+    width: int
+    gather: torch.Tensor
+    src: torch.Tensor
+    out: torch.Tensor
+    exact: torch.Tensor
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(n: int, world: int, compressed: tuple[Segment, ...], exact: tuple[Segment, ...],
+          bucket_size: int, device: torch.device) -> _Plan:  # fmt: skip
+    row, src, out, at = [], [], [], 0
+    for o, k, _ in compressed:
+        pad = -k % bucket_size
+        row.append(torch.cat([torch.arange(o, o + k), torch.full((pad,), o + k - 1)]))
+        src.append(torch.arange(at, at + k))
+        out.append(torch.arange(o, o + k))
+        at += k + pad
+    empty = torch.empty(0, dtype=torch.int64)
+    row_index = torch.cat(row) if row else empty
+    gather = torch.cat([row_index + r * n for r in range(world)]) if row else empty
+    exact_index = torch.cat([torch.arange(o, o + k) for o, k, _ in exact]) if exact else empty
+    return _Plan(
+        at,
+        gather.to(device),
+        (torch.cat(src) if src else empty).to(device),
+        (torch.cat(out) if out else empty).to(device),
+        exact_index.to(device),
+    )
 
 
 def reference_reduce_scatter(
