@@ -693,6 +693,12 @@ def decode(
     return decode_chunks(payload[:nbytes].view(1, nbytes), layout, dtype)
 
 
+def _fp32(x: float) -> float:
+    """``x`` rounded to fp32, as a Python float: multiplying a CUDA fp32 tensor by it gives the
+    reference's bits (a times fp32 tensor) without a host-to-device copy, which would block."""
+    return torch.tensor(x, dtype=torch.float32).item()
+
+
 def decode_sum(
     payloads: torch.Tensor,
     numel: int,
@@ -714,7 +720,7 @@ def decode_sum(
         if w != own_index:
             acc += decode(payloads[w], numel, bits, bucket_size, torch.float32, skip_incomplete)
     if scale is not None:
-        acc *= torch.tensor(scale, dtype=torch.float32, device=acc.device)
+        acc *= _fp32(scale)
     return acc
 
 
@@ -776,6 +782,6 @@ def decode_sum_encode(
             if w != own_index:
                 acc = acc + _raw_region(payloads[w], layout)
         if scale is not None:
-            acc = acc * torch.tensor(scale, dtype=torch.float32, device=acc.device)
+            acc = acc * _fp32(scale)
         _raw_region(out, layout).copy_(acc)
     return out
