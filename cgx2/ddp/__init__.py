@@ -1,8 +1,34 @@
-"""DDP communication hooks: CGX's ``CGXState``/``cgx_hook`` (Global-QSGD's family to come).
+"""DDP communication hooks: CGX's ``CGXState``/``cgx_hook`` and Global-QSGD's family.
 
-``model.register_comm_hook(CGXState(group, compression_params={"bits": 4}), cgx_hook)``.
+``model.register_comm_hook(CGXState(group, compression_params={"bits": 4}), cgx_hook)``, or
+``model.register_comm_hook(None, standard_dithering_hook)``.
 """
 
 from .cgx_hook import CGXState, cgx_hook
+from .global_qsgd import (
+    GlobalQSGDState,
+    PowerSGDState,
+    default_hook,
+    exponential_dithering_hook,
+    level_dtype,
+    powerSGD_hook,
+    qsgd_hook,
+    standard_dithering_4bit_hook,
+    standard_dithering_hook,
+    thc_hook,
+)
 
-__all__ = ["CGXState", "cgx_hook"]
+__all__ = [
+    "CGXState",
+    "GlobalQSGDState",
+    "PowerSGDState",
+    "cgx_hook",
+    "default_hook",
+    "exponential_dithering_hook",
+    "level_dtype",
+    "powerSGD_hook",
+    "qsgd_hook",
+    "standard_dithering_4bit_hook",
+    "standard_dithering_hook",
+    "thc_hook",
+]

@@ -1,0 +1,247 @@
+"""Global-QSGD's DDP hooks (``gqsgd.ddphook``): levels against one global norm, so that every
+rank's integers add up exactly in one integer allreduce; THC, QSGD, exponential dithering,
+PowerSGD and the plain allreduce as baselines. Torch reference implementations.
+
+Each hook is ``hook(state, bucket)``: ``state`` is None (the world), a process group, or a
+:class:`GlobalQSGDState` (group, bits, seed). Gradients are averaged, bit-identical on every
+rank. ``ddp.register_comm_hook(None, standard_dithering_hook)`` as with Global-QSGD.
+"""
+
+# No ``from __future__ import annotations``: DDP checks the hooks' annotations as objects.
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
+    PowerSGDState,
+    powerSGD_hook,
+)
+
+from ..seeding import derive_key, next_seed
+
+__all__ = [
+    "GlobalQSGDState",
+    "PowerSGDState",
+    "default_hook",
+    "exponential_codes",
+    "exponential_dithering",
+    "exponential_dithering_hook",
+    "exponential_values",
+    "level_dtype",
+    "linear_levels",
+    "powerSGD_hook",
+    "qsgd",
+    "qsgd_hook",
+    "standard_dithering",
+    "standard_dithering_4bit_hook",
+    "standard_dithering_hook",
+    "thc",
+    "thc_hook",
+]
+
+_INT_DTYPES = (torch.int8, torch.int32)  # neither NCCL nor gloo reduces int16
+# torch >= 2.13 renamed all_gather_into_tensor; both exist in between.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass
+class GlobalQSGDState:
+    """Settings for the Global-QSGD hooks. ``bits`` None keeps Global-QSGD's int8 wire: each
+    rank gets floor(127 / W) levels a side, so the sum fits int8. ``bits`` b gives every rank
+    2^(b-1) - 1 levels a side and sums in the narrowest integer that cannot overflow
+    (:func:`level_dtype`). ``exponential_dithering_hook`` reads ``bits`` as its code width
+    (default 8)."""
+
+    process_group: dist.ProcessGroup | None = None
+    bits: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.bits is not None and (isinstance(self.bits, bool) or not 2 <= self.bits <= 16):
+            raise ValueError(f"bits must be in 2..16 (or None for int8 levels), got {self.bits}")
+
+
+def level_dtype(levels: int, world: int) -> torch.dtype:
+    """The narrowest signed integer dtype holding any sum of ``world`` values in
+    [-levels, levels]."""
+    for dtype in _INT_DTYPES:
+        if world * levels <= torch.iinfo(dtype).max:
+            return dtype
+    raise ValueError(f"{world} ranks x {levels} levels overflow int32")
+
+
+def _state(state: object) -> GlobalQSGDState:
+    if state is None:
+        return GlobalQSGDState()
+    if isinstance(state, GlobalQSGDState):
+        return state
+    if isinstance(state, dist.ProcessGroup):
+        return GlobalQSGDState(state)
+    raise TypeError(
+        f"a Global-QSGD hook's state must be None, a ProcessGroup or a GlobalQSGDState, got "
+        f"{type(state).__name__}"
+    )
+
+
+def _group(state: GlobalQSGDState) -> dist.ProcessGroup:
+    return state.process_group if state.process_group is not None else dist.group.WORLD
+
+
+def _levels_per_side(state: GlobalQSGDState, world: int) -> int:
+    if state.bits is None:
+        levels = 127 // world
+        if levels < 1:
+            raise ValueError(f"int8 levels cannot be shared by {world} ranks: pass bits")
+        return levels
+    return 2 ** (state.bits - 1) - 1
+
+
+def _uniform(like: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Uniform [0, 1) numbers for stochastic rounding, from cgx2's seed stream and the rank."""
+    g = torch.Generator(device=like.device)
+    g.manual_seed(derive_key(next_seed(), dist.get_rank(group)) >> 1)
+    return torch.rand(like.shape, generator=g, device=like.device, dtype=torch.float32)
+
+
+def _stochastic_levels(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """floor(x + u): unbiased, and within [-L, L] when x is."""
+    return torch.floor(x + _uniform(x, group))
+
+
+def _done(bucket: dist.GradBucket, values: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    buffer = bucket.buffer()
+    buffer.copy_(values)
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future(
+        devices=[buffer.device] if buffer.is_cuda else None
+    )
+    future.set_result(buffer)
+    return future
+
+
+def _global_norm(g: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    norm = g.abs().amax().float().reshape(1)
+    dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=group)
+    return norm
+
+
+def linear_levels(g: torch.Tensor, state: GlobalQSGDState,
+                  ) -> tuple[torch.Tensor, torch.Tensor, int, int]:  # fmt: skip
+    """This rank's integer levels of ``g / global norm`` (stochastically rounded, within
+    [-L, L]), the global norm, L and W."""
+    group = _group(state)
+    world = dist.get_world_size(group)
+    norm = _global_norm(g, group)
+    levels = _levels_per_side(state, world)
+    scale = torch.where(norm > 0, levels / norm, torch.zeros_like(norm))
+    q = _stochastic_levels(g.float() * scale, group).to(level_dtype(levels, world))
+    return q, norm, levels, world
+
+
+def standard_dithering(g: torch.Tensor, state: GlobalQSGDState) -> torch.Tensor:
+    """The average of ``g`` over the group by standard dithering (see the hook)."""
+    q, norm, levels, world = linear_levels(g, state)
+    dist.all_reduce(q, group=_group(state))
+    return q.float() * (norm / (levels * world))
+
+
+def thc(g: torch.Tensor, state: GlobalQSGDState) -> torch.Tensor:
+    """The average of ``g`` by THC's levels and parameter-server sum (see the hook)."""
+    group = _group(state)
+    q, norm, levels, world = linear_levels(g, state)
+    server = dist.get_global_rank(group, 0)
+    dist.reduce(q, dst=server, group=group)
+    dist.broadcast(q, src=server, group=group)
+    return q.float() * (norm / (levels * world))
+
+
+def qsgd(g: torch.Tensor, state: GlobalQSGDState) -> torch.Tensor:
+    """The average of ``g`` by QSGD with local norms and an all-gather (see the hook)."""
+    group = _group(state)
+    world = dist.get_world_size(group)
+    levels = 127 if state.bits is None else 2 ** (state.bits - 1) - 1
+    norm = g.abs().amax().float().reshape(1)
+    scale = torch.where(norm > 0, levels / norm, torch.zeros_like(norm))
+    q = _stochastic_levels(g.float() * scale, group).to(level_dtype(levels, 1))
+    all_q = torch.empty(world * q.numel(), dtype=q.dtype, device=q.device)
+    all_norms = torch.empty(world, dtype=torch.float32, device=g.device)
+    _all_gather_single(all_q, q, group=group)
+    all_q = all_q.view(world, -1)
+    _all_gather_single(all_norms, norm, group=group)
+    return (all_q.float() * (all_norms / levels).unsqueeze(1)).sum(0) / world
+
+
+def exponential_dithering(g: torch.Tensor, state: GlobalQSGDState) -> torch.Tensor:
+    """The average of ``g`` by exponential dithering (see the hook)."""
+    group = _group(state)
+    world = dist.get_world_size(group)
+    norm = _global_norm(g, group)
+    x = g.float() / torch.where(norm > 0, norm, torch.ones_like(norm))
+    codes = exponential_codes(x, state.bits or 8, _uniform(x, group))
+    gathered = torch.empty(world * codes.numel(), dtype=codes.dtype, device=codes.device)
+    _all_gather_single(gathered, codes, group=group)
+    return exponential_values(gathered.view(world, -1)).sum(0) * (norm / world)
+
+
+def default_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """The plain average (torch's ``allreduce_hook``)."""
+    return allreduce_hook(_group(_state(state)), bucket)
+
+
+def standard_dithering_hook(
+    state: object, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """Global-QSGD's standard dithering: ``g / max|g|`` over all ranks (one small allreduce),
+    stochastically rounded to integer levels that one integer allreduce sums exactly.
+    Unbiased."""
+    return _done(bucket, standard_dithering(bucket.buffer(), _state(state)))
+
+
+def standard_dithering_4bit_hook(
+    state: object, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """Standard dithering with 7 levels a side (4 bits per rank). The levels travel as int8
+    (not packed two to a byte as in Global-QSGD), summed exactly for up to 18 ranks."""
+    s = _state(state)
+    return standard_dithering_hook(GlobalQSGDState(s.process_group, 4), bucket)
+
+
+def thc_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """THC (uniform, global norm), summed as a parameter server does: the levels are reduced
+    to the group's first rank and broadcast back. Unbiased; the levels of standard
+    dithering, another communication pattern."""
+    return _done(bucket, thc(bucket.buffer(), _state(state)))
+
+
+def qsgd_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """QSGD with each rank's own norm: int8 levels and the norms are all-gathered, and every
+    rank decodes all of them and sums. Unbiased; sends W times what an allreduce would."""
+    return _done(bucket, qsgd(bucket.buffer(), _state(state)))
+
+
+def exponential_codes(x: torch.Tensor, bits: int, u: torch.Tensor) -> torch.Tensor:
+    """Codes of ``x`` in [-1, 1] on powers of two: code k > 0 stands for sign * 2^-(k-1),
+    0 for zero, rounded stochastically (with ``u``) between neighbouring levels: unbiased."""
+    kmax = 2 ** (bits - 1) - 1  # smallest magnitude 2^-(kmax-1)
+    a = x.abs().clamp(max=1.0)
+    e = torch.floor(-torch.log2(a.clamp(min=2.0 ** -(kmax - 1))))  # a in (2^-(e+1), 2^-e]
+    upper = torch.exp2(-e)
+    lower = torch.where(e >= kmax - 1, torch.zeros_like(upper), upper / 2)
+    up = u < (a - lower) / (upper - lower)
+    k = torch.where(up, e + 1, torch.where(lower > 0, e + 2, torch.zeros_like(e)))
+    k = torch.where(a > 0, k, torch.zeros_like(k))
+    return (torch.sign(x) * k).to(torch.int8 if bits <= 8 else torch.int32)
+
+
+def exponential_values(codes: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`exponential_codes`."""
+    k = codes.abs().float()
+    return torch.where(k > 0, torch.sign(codes.float()) * torch.exp2(1 - k), torch.zeros_like(k))
+
+
+def exponential_dithering_hook(
+    state: object, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """Global-QSGD's exponential dithering: ``g / max|g|`` over all ranks on power-of-two
+    levels with stochastic rounding (unbiased). The codes do not add as integers, so they
+    are all-gathered and every rank decodes and sums them in the same order."""
+    return _done(bucket, exponential_dithering(bucket.buffer(), _state(state)))
