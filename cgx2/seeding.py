@@ -10,7 +10,7 @@ import threading
 
 import torch
 
-__all__ = ["derive_key", "manual_seed", "next_seed"]
+__all__ = ["derive_key", "get_state", "manual_seed", "next_seed", "set_state"]
 
 _MASK64 = (1 << 64) - 1
 _lock = threading.Lock()
@@ -48,3 +48,21 @@ def next_seed() -> int:
         if _generator is None:
             _generator = torch.Generator().manual_seed(torch.initial_seed())
         return int(torch.randint(0, 2**63 - 1, (), generator=_generator, dtype=torch.int64))
+
+
+def get_state() -> torch.Tensor:
+    """The stream's state (a ``ByteTensor``), for checkpoints: :func:`set_state` resumes it."""
+    global _generator
+    with _lock:
+        if _generator is None:
+            _generator = torch.Generator().manual_seed(torch.initial_seed())
+        return _generator.get_state()
+
+
+def set_state(state: torch.Tensor) -> None:
+    """Resume the stream from :func:`get_state`'s value."""
+    global _generator
+    with _lock:
+        generator = torch.Generator()
+        generator.set_state(state)
+        _generator = generator

@@ -181,3 +181,47 @@ def test_bytes_sent_are_counted(dist2):
     # fc1.weight (18432 of the values) at 4 bits, bucket 128: 64 + 8 bytes per 128 values.
     fc1 = 18432
     assert sent4 == (numel - fc1) * 4 + 2 * (fc1 // 2 // 128) * (64 + 8)
+
+
+def _resume(split: int | None, steps: int) -> list[float]:
+    """Train ``steps`` steps; with ``split``, checkpoint after ``split`` steps and go on with a
+    fresh model, optimizer and CGXState loaded from the checkpoint."""
+    import io
+
+    import cgx2
+
+    def fresh() -> tuple[DDP, torch.optim.Optimizer, CGXState]:
+        torch.manual_seed(0)
+        model = DDP(Net(), bucket_cap_mb=0.02)
+        state = CGXState(None, 1024, {"bits": 3, "bucket_size": 128})
+        model.register_comm_hook(state, cgx_hook)
+        return model, torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.5), state
+
+    cgx2.manual_seed(4)
+    model, opt, state = fresh()
+    losses = []
+    for step in range(steps):
+        if step == split:
+            buffer = io.BytesIO()
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                        "hook": state.state_dict()}, buffer)  # fmt: skip
+            cgx2.manual_seed(999)  # whatever happens in between
+            model, opt, state = fresh()
+            buffer.seek(0)
+            checkpoint = torch.load(buffer, weights_only=False)
+            model.load_state_dict(checkpoint["model"])
+            opt.load_state_dict(checkpoint["opt"])
+            state.load_state_dict(checkpoint["hook"])
+        x, y = _batch(dist.get_rank(), step % 4)
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_checkpointed_hook_state_resumes_identically(dist2):
+    straight = dist2.run(_resume, None, 6)
+    resumed = dist2.run(_resume, 3, 6)
+    assert straight == resumed

@@ -154,6 +154,16 @@ def test_bad_state():
         gq._state("fast")
 
 
+def test_state_dict_restores_bits_and_the_seed_stream():
+    state = GlobalQSGDState(bits=5)
+    cgx2.manual_seed(3)
+    saved = state.state_dict()
+    first = gq.seeding.next_seed()
+    other = GlobalQSGDState()
+    other.load_state_dict(saved)
+    assert other.bits == 5 and gq.seeding.next_seed() == first
+
+
 def test_gqsgd_drop_in():
     from gqsgd import powerSGD_hook
     from gqsgd.ddphook import THC_uniform_hook, exponential_dithering_hook

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
+from .. import seeding
 from ..checks import UNCOMPRESSED_BITS, check_bits, check_bucket_size
 from ..collectives import allreduce_plain_, compression_pays
 from ..config import CGXConfig
@@ -95,6 +96,28 @@ class CGXState:
         """Bytes this rank has sent for the buckets so far (ring allreduce for exact layers)."""
         self.bytes_uncompressed = 0
         """What plain DDP (a ring allreduce of every bucket) would have sent."""
+
+    def state_dict(self) -> dict[str, object]:
+        """What a checkpoint needs to resume the hook identically: its settings, counters and
+        cgx2's seed stream (:func:`cgx2.seeding.get_state`)."""
+        return {
+            "bits": self.bits,
+            "bucket_size": self.bucket_size,
+            "layer_min_size": self.layer_min_size,
+            "bytes_sent": self.bytes_sent,
+            "bytes_uncompressed": self.bytes_uncompressed,
+            "seed_state": seeding.get_state(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
+        """Restore :meth:`state_dict`'s values (the settings too)."""
+        self.bits = check_bits(state["bits"], "bits")
+        self.bucket_size = check_bucket_size(state["bucket_size"])
+        self.layer_min_size = int(state["layer_min_size"])
+        self.bytes_sent = int(state["bytes_sent"])
+        self.bytes_uncompressed = int(state["bytes_uncompressed"])
+        self._plans.clear()
+        seeding.set_state(state["seed_state"])
 
     def stream(self, device: torch.device) -> torch.cuda.Stream:
         """The side stream this state's hook codes and communicates on, one per device."""

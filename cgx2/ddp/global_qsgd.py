@@ -8,6 +8,7 @@ rank. ``ddp.register_comm_hook(None, standard_dithering_hook)`` as with Global-Q
 """
 
 # No ``from __future__ import annotations``: DDP checks the hooks' annotations as objects.
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
     powerSGD_hook,
 )
 
+from .. import seeding
 from ..seeding import derive_key, next_seed
 
 __all__ = [
@@ -59,6 +61,15 @@ class GlobalQSGDState:
     def __post_init__(self) -> None:
         if self.bits is not None and (isinstance(self.bits, bool) or not 2 <= self.bits <= 16):
             raise ValueError(f"bits must be in 2..16 (or None for int8 levels), got {self.bits}")
+
+    def state_dict(self) -> dict[str, object]:
+        """``bits`` and cgx2's seed stream, so that a resumed run rounds identically."""
+        return {"bits": self.bits, "seed_state": seeding.get_state()}
+
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
+        self.bits = state["bits"]
+        self.__post_init__()
+        seeding.set_state(state["seed_state"])
 
 
 def level_dtype(levels: int, world: int) -> torch.dtype:
