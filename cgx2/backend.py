@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import logging
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -28,7 +27,6 @@ COMPRESSIBLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 """What the backend quantizes; other dtypes (integers, float64) are reduced exactly."""
 
 _BackendType = dist.ProcessGroup.BackendType
-logger = logging.getLogger("cgx2")
 
 
 class CompletedWork(dist.Work):

@@ -4,7 +4,6 @@ reduce-scatter on every ``fully_shard`` module, leaving small and 1-D parameters
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 
 import torch
@@ -20,8 +19,6 @@ from .reduce_scatter import Segment, reduce_scatter_quantized, reference_reduce_
 
 __all__ = ["QuantizedReduceScatter", "compress", "reduce_scatter_quantized",
            "reference_reduce_scatter"]  # fmt: skip
-
-logger = logging.getLogger("cgx2")
 
 
 class QuantizedReduceScatter(ReduceScatter):
