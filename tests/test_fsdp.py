@@ -111,6 +111,28 @@ def test_reduce_scatter_matches_reference(dist2, dist4, dtype, scale):
             assert (r["out"].float() - exact).abs().max() <= bound
 
 
+def _default_bits(env: str | None) -> int:
+    import os
+
+    if env is not None:
+        os.environ["CGX_COMPRESSION_QUANTIZATION_BITS"] = env
+    try:
+        model = fully_shard(nn.Linear(64, 64), mesh=init_device_mesh("cpu", (2,)))
+        return compress(model)[0].bits
+    finally:
+        os.environ.pop("CGX_COMPRESSION_QUANTIZATION_BITS", None)
+
+
+def test_compress_defaults_to_four_bits_unless_the_variable_says(dist2):
+    assert dist2.run(_default_bits, None) == [4, 4]
+    assert dist2.run(_default_bits, "8") == [8, 8]
+
+
+def test_compress_without_fsdp_modules_is_refused():
+    with pytest.raises(ValueError, match="no fully_shard module"):
+        compress(nn.Linear(2, 2))
+
+
 def test_exact_segments_stay_exact(dist2):
     segments = [(0, 300, True), (300, 50, False), (350, 650, True)]
     results = dist2.run(_reduce_scatter, 1000, torch.float32, 0.5, segments)

@@ -4,6 +4,7 @@ reduce-scatter on every ``fully_shard`` module, leaving small and 1-D parameters
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
@@ -78,10 +79,13 @@ def compress(model: nn.Module, bits: int | None = None, bucket_size: int | None 
     """Set a :class:`QuantizedReduceScatter` on every FSDP2 module of ``model`` (call it after
     ``fully_shard``). Parameters with one dimension or fewer than ``min_size`` values are
     reduced exactly, as CGX's ``layer_min_size``. ``bits``/``bucket_size`` default to
-    ``CGX_COMPRESSION_QUANTIZATION_BITS``/``CGX_COMPRESSION_BUCKET_SIZE``. Returns the
-    reduce-scatters set, whose ``bytes_sent`` add up to what this rank sent."""
+    ``CGX_COMPRESSION_QUANTIZATION_BITS`` (4 when it is not set: this function is asked to
+    compress)/``CGX_COMPRESSION_BUCKET_SIZE``. Returns the reduce-scatters set, whose
+    ``bytes_sent`` add up to what this rank sent."""
     config = CGXConfig.from_env()
-    bits = config.quantization_bits if bits is None else bits
+    if bits is None:
+        unset = os.environ.get("CGX_COMPRESSION_QUANTIZATION_BITS", "").strip() == ""
+        bits = 4 if unset else config.quantization_bits
     bucket_size = config.bucket_size if bucket_size is None else bucket_size
     min_size = max(min_size, config.minimal_size)
     comms = []
