@@ -93,3 +93,22 @@ def test_fsdp_example_runs_compressed(tmp_path):
     result = json.loads(out.read_text())
     assert result["tokens_per_s"] > 0 and result["final_loss"] < result["first_loss"]
     assert result["bytes_uncompressed"] / result["bytes_sent"] > 5
+
+
+@pytest.mark.slow
+def test_compare_hooks_writes_table_json_and_plot(tmp_path):
+    """examples/compare_hooks.py at a tiny size: every hook trains, and the table, the JSON and
+    the PNG plot are written."""
+    cmd = [sys.executable, str(EXAMPLE.with_name("compare_hooks.py")), "--steps", "5", "--dim",
+           "32", "--layers", "1", "--heads", "2", "--context", "32", "--batch-size", "8",
+           "--out-dir", str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [json_path] = tmp_path.glob("compare_hooks_*.json")
+    [png_path] = tmp_path.glob("compare_hooks_*.png")
+    assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    runs = {r["hook"]: r for r in json.loads(json_path.read_text())["runs"]}
+    assert len(runs) == 9 and "| cgx 4-bit |" in proc.stdout
+    for r in runs.values():
+        assert len(r["losses"]) == 5 and r["final_loss"] < r["losses"][0] + 1e-6
+    assert runs["cgx 4-bit"]["bytes_sent"] * 6 < runs["plain (default_hook)"]["bytes_sent"]

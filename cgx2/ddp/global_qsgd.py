@@ -57,6 +57,9 @@ class GlobalQSGDState:
 
     process_group: dist.ProcessGroup | None = None
     bits: int | None = None
+    bytes_sent: int = 0
+    """What this rank sent: allreduces counted as a ring sends them, 2(W-1)/W of the input;
+    all-gathers (W-1) times the input; the parameter-server pattern as an allreduce."""
 
     def __post_init__(self) -> None:
         if self.bits is not None and (isinstance(self.bits, bool) or not 2 <= self.bits <= 16):
@@ -64,10 +67,12 @@ class GlobalQSGDState:
 
     def state_dict(self) -> dict[str, object]:
         """``bits`` and cgx2's seed stream, so that a resumed run rounds identically."""
-        return {"bits": self.bits, "seed_state": seeding.get_state()}
+        return {"bits": self.bits, "bytes_sent": self.bytes_sent,
+                "seed_state": seeding.get_state()}  # fmt: skip
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:
         self.bits = state["bits"]
+        self.bytes_sent = int(state.get("bytes_sent", 0))
         self.__post_init__()
         seeding.set_state(state["seed_state"])
 
@@ -105,6 +110,10 @@ def _levels_per_side(state: GlobalQSGDState, world: int) -> int:
             raise ValueError(f"int8 levels cannot be shared by {world} ranks: pass bits")
         return levels
     return 2 ** (state.bits - 1) - 1
+
+
+def _ring(nbytes: int, world: int) -> int:
+    return 2 * (world - 1) * nbytes // world
 
 
 def _uniform(like: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -152,6 +161,7 @@ def standard_dithering(g: torch.Tensor, state: GlobalQSGDState) -> torch.Tensor:
     """The average of ``g`` over the group by standard dithering (see the hook)."""
     q, norm, levels, world = linear_levels(g, state)
     dist.all_reduce(q, group=_group(state))
+    state.bytes_sent += _ring(q.numel() * q.element_size() + 4, world)
     return q.float() * (norm / (levels * world))
 
 
@@ -162,6 +172,7 @@ def thc(g: torch.Tensor, state: GlobalQSGDState) -> torch.Tensor:
     server = dist.get_global_rank(group, 0)
     dist.reduce(q, dst=server, group=group)
     dist.broadcast(q, src=server, group=group)
+    state.bytes_sent += _ring(q.numel() * q.element_size() + 4, world)
     return q.float() * (norm / (levels * world))
 
 
@@ -177,6 +188,7 @@ def qsgd(g: torch.Tensor, state: GlobalQSGDState) -> torch.Tensor:
     all_norms = torch.empty(world, dtype=torch.float32, device=g.device)
     _all_gather_single(all_q, q, group=group)
     all_q = all_q.view(world, -1)
+    state.bytes_sent += (world - 1) * (q.numel() * q.element_size() + 4)
     _all_gather_single(all_norms, norm, group=group)
     return (all_q.float() * (all_norms / levels).unsqueeze(1)).sum(0) / world
 
@@ -190,6 +202,7 @@ def exponential_dithering(g: torch.Tensor, state: GlobalQSGDState) -> torch.Tens
     codes = exponential_codes(x, state.bits or 8, _uniform(x, group))
     gathered = torch.empty(world * codes.numel(), dtype=codes.dtype, device=codes.device)
     _all_gather_single(gathered, codes, group=group)
+    state.bytes_sent += (world - 1) * codes.numel() * codes.element_size() + _ring(4, world)
     return exponential_values(gathered.view(world, -1)).sum(0) * (norm / world)
 
 
@@ -213,7 +226,10 @@ def standard_dithering_4bit_hook(
     """Standard dithering with 7 levels a side (4 bits per rank). The levels travel as int8
     (not packed two to a byte as in Global-QSGD), summed exactly for up to 18 ranks."""
     s = _state(state)
-    return standard_dithering_hook(GlobalQSGDState(s.process_group, 4), bucket)
+    four = GlobalQSGDState(s.process_group, 4)
+    out = standard_dithering(bucket.buffer(), four)
+    s.bytes_sent += four.bytes_sent
+    return _done(bucket, out)
 
 
 def thc_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
