@@ -11,19 +11,17 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import socket
 import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from launch import launch
 from train_ddp import CharTransformer, batch, load_text
 
 import cgx2
@@ -141,18 +139,6 @@ def write(report: dict, out_dir: str) -> Path:
     return stem
 
 
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    try:
-        report = run_all(args)
-        if rank == 0:
-            queue.put(report)
-    finally:
-        dist.destroy_process_group()
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--steps", type=int, default=100)
@@ -175,27 +161,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if "RANK" in os.environ:
-        if args.device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
-        try:
-            report = run_all(args)
-        finally:
-            dist.destroy_process_group()
-        if int(os.environ["RANK"]) != 0:
-            return
-    else:
-        if args.device == "cuda":
-            raise SystemExit("with --device cuda, launch with torchrun (one process per GPU)")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        queue = mp.get_context("spawn").SimpleQueue()
-        mp.start_processes(_worker, (args.world_size, port, args, queue), args.world_size,
-                           start_method="spawn")  # fmt: skip
-        report = queue.get()
-    report["env"]["command"] = " ".join(sys.orig_argv)
+    report = launch(run_all, args)
+    if report is None:
+        return
     print(table(report))
     stem = write(report, args.out_dir)
     print(f"raw results: {stem}.json, plot: {stem}.png")

@@ -17,19 +17,20 @@ import argparse
 import gc
 import json
 import os
-import socket
 import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from cgx2.bench.report import environment
 from cgx2.ddp import CGXState, cgx_hook
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from launch import launch
 
 
 def load_text(max_bytes: int) -> torch.Tensor:
@@ -161,18 +162,6 @@ def init_process_group(args: argparse.Namespace, **kwargs: int) -> None:
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo", **kwargs)
 
 
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    init_process_group(args, rank=rank, world_size=world)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    try:
-        result = train(args)
-        if rank == 0:
-            queue.put(result)
-    finally:
-        dist.destroy_process_group()
-
-
 def report(result: dict, json_path: str | None) -> None:
     sent, plain = result["bytes_sent"], result["bytes_uncompressed"]
     saved = f", sent {sent / 1e6:.2f} MB vs {plain / 1e6:.2f} MB uncompressed " \
@@ -220,29 +209,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if "RANK" in os.environ:  # torchrun (or mpirun with the variables set)
-        if args.device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        init_process_group(args)
-        try:
-            result = train(args)
-        finally:
-            dist.destroy_process_group()
-        if int(os.environ["RANK"]) == 0:
-            report(result, args.json)
-        return
-    if args.device == "cuda":
-        raise SystemExit("with --device cuda, launch with torchrun (one process per GPU)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    mp.start_processes(_worker, (args.world_size, port, args, queue), args.world_size,
-                       start_method="spawn")  # fmt: skip
-    result = queue.get()
-    result["env"]["command"] = " ".join(sys.orig_argv)  # the workers' own is spawn's
-    report(result, args.json)
+    result = launch(train, args, init_process_group)
+    if result is not None:
+        report(result, args.json)
 
 
 if __name__ == "__main__":

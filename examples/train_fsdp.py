@@ -15,20 +15,18 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
-import socket
 import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from launch import launch
 from train_ddp import CharTransformer, batch, load_text
 
 import cgx2.fsdp
@@ -101,18 +99,6 @@ def train(args: argparse.Namespace) -> dict:
     }
 
 
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    try:
-        result = train(args)
-        if rank == 0:
-            queue.put(result)
-    finally:
-        dist.destroy_process_group()
-
-
 def report(result: dict, json_path: str | None) -> None:
     sent, plain = result["bytes_sent"], result["bytes_uncompressed"]
     saved = f", sent {sent / 1e6:.1f} MB vs {plain / 1e6:.1f} MB uncompressed " \
@@ -155,28 +141,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if "RANK" in os.environ:
-        if args.device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
-        try:
-            result = train(args)
-        finally:
-            dist.destroy_process_group()
-        if int(os.environ["RANK"]) == 0:
-            report(result, args.json)
-        return
-    if args.device == "cuda":
-        raise SystemExit("with --device cuda, launch with torchrun (one process per GPU)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    queue = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_worker, (args.world_size, port, args, queue), args.world_size,
-                       start_method="spawn")  # fmt: skip
-    result = queue.get()
-    result["env"]["command"] = " ".join(sys.orig_argv)
-    report(result, args.json)
+    result = launch(train, args)
+    if result is not None:
+        report(result, args.json)
 
 
 if __name__ == "__main__":

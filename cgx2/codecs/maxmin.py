@@ -12,6 +12,8 @@ The byte layout is in :mod:`.layout`. Runs on any device; used on the CPU and in
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .layout import ChunkedLayout, MaxMinLayout
@@ -121,6 +123,35 @@ def decode(
     return _decode_f32(payload, layout).to(dtype)
 
 
+def fp32_scalar(x: float) -> float:
+    """``x`` rounded to fp32, as a Python float: an fp32 tensor times it gives the same bits as
+    times an fp32 tensor, with no host-to-device copy (which would block on CUDA)."""
+    return torch.tensor(x, dtype=torch.float32).item()
+
+
+def sum_rows(
+    payloads: torch.Tensor,
+    numel: int,
+    own: torch.Tensor | None,
+    own_index: int,
+    scale: float | None,
+    decode_row: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """``(own + sum of decode_row(row) for the other rows) * scale`` in fp32, in row order:
+    the one definition of the sum both codecs use."""
+    acc = (
+        own.reshape(-1).to(torch.float32).clone()
+        if own is not None
+        else torch.zeros(numel, dtype=torch.float32, device=payloads.device)
+    )
+    for w in range(payloads.shape[0]):
+        if w != own_index:
+            acc += decode_row(payloads[w])
+    if scale is not None:
+        acc *= fp32_scalar(scale)
+    return acc
+
+
 def decode_sum(
     payloads: torch.Tensor,
     numel: int,
@@ -137,17 +168,7 @@ def decode_sum(
     precision). ``scale`` None means 1 (SUM); AVG passes fp32(1/W).
     """
     layout = MaxMinLayout(numel, bits, bucket_size, skip_incomplete)
-    acc = (
-        own.reshape(-1).to(torch.float32).clone()
-        if own is not None
-        else torch.zeros(numel, dtype=torch.float32, device=payloads.device)
-    )
-    for w in range(payloads.shape[0]):
-        if w != own_index:
-            acc = acc + _decode_f32(payloads[w], layout)
-    if scale is not None:
-        acc = acc * torch.tensor(scale, dtype=torch.float32, device=acc.device)
-    return acc
+    return sum_rows(payloads, numel, own, own_index, scale, lambda p: _decode_f32(p, layout))
 
 
 def decode_sum_encode(

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import maxmin
 from .layout import ChunkedLayout, MaxMinLayout
 
 __all__ = ["decode", "decode_chunks", "decode_sum_encode", "encode", "encode_chunks"]
@@ -693,12 +694,6 @@ def decode(
     return decode_chunks(payload[:nbytes].view(1, nbytes), layout, dtype)
 
 
-def _fp32(x: float) -> float:
-    """``x`` rounded to fp32, as a Python float: multiplying a CUDA fp32 tensor by it gives the
-    reference's bits (a times fp32 tensor) without a host-to-device copy, which would block."""
-    return torch.tensor(x, dtype=torch.float32).item()
-
-
 def decode_sum(
     payloads: torch.Tensor,
     numel: int,
@@ -711,17 +706,10 @@ def decode_sum(
 ) -> torch.Tensor:
     """Same contract (and bits) as :func:`cgx2.codecs.maxmin.decode_sum`: each row decoded by
     the kernel, the fp32 sum taken in the same row order by torch."""
-    acc = (
-        own.reshape(-1).to(torch.float32).clone()
-        if own is not None
-        else torch.zeros(numel, dtype=torch.float32, device=payloads.device)
-    )
-    for w in range(payloads.shape[0]):
-        if w != own_index:
-            acc += decode(payloads[w], numel, bits, bucket_size, torch.float32, skip_incomplete)
-    if scale is not None:
-        acc *= _fp32(scale)
-    return acc
+    return maxmin.sum_rows(
+        payloads, numel, own, own_index, scale,
+        lambda p: decode(p, numel, bits, bucket_size, torch.float32, skip_incomplete),
+    )  # fmt: skip
 
 
 def decode_sum_encode(
@@ -782,6 +770,6 @@ def decode_sum_encode(
             if w != own_index:
                 acc = acc + _raw_region(payloads[w], layout)
         if scale is not None:
-            acc = acc * _fp32(scale)
+            acc = acc * maxmin.fp32_scalar(scale)
         _raw_region(out, layout).copy_(acc)
     return out
