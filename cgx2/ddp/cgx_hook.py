@@ -6,7 +6,7 @@ A layer (parameter) is compressed when it has more than one dimension and at lea
 
 # No ``from __future__ import annotations``: DDP checks cgx_hook's annotations as objects.
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +15,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
 from .. import seeding
+from ..adaptive import layer_errors, plan_bits
 from ..checks import UNCOMPRESSED_BITS, check_bits, check_bucket_size
 from ..collectives import allreduce_plain_, compression_pays
 from ..config import CGXConfig
@@ -47,6 +48,11 @@ class CGXState:
     ``CGX_COMPRESSION_BUCKET_SIZE`` (read once, here). ``layer_min_size`` is raised to
     ``CGX_COMPRESSION_MINIMAL_SIZE`` (at least 16), as in CGX.
 
+    ``adaptive_bits`` (cgx2's addition, L-GreCo): widths to choose from per layer, every
+    ``replan_every`` calls per bucket, by :func:`cgx2.adaptive.plan_bits` from the layers'
+    gradient statistics (averaged over ranks, so all ranks agree): the fewest bytes whose
+    total error stays within that of ``bits`` everywhere.
+
     ``mesh`` (cgx2's addition): a ("inter", "intra") ``DeviceMesh`` makes the compressed
     layers go through :func:`cgx2.hierarchical_allreduce` (plain inside a node, quantized
     between nodes; ``CGX_INTRA_BROADCAST`` picks the variant). ``"auto"`` builds one from
@@ -61,6 +67,8 @@ class CGXState:
         compression_params: Mapping[str, int] | None = None,
         *,
         mesh: DeviceMesh | str | None = "auto",
+        adaptive_bits: Sequence[int] | None = None,
+        replan_every: int = 100,
     ) -> None:
         config = CGXConfig.from_env()
         params = dict(compression_params or {})
@@ -90,6 +98,21 @@ class CGXState:
         elif mesh is not None and not isinstance(mesh, DeviceMesh):
             raise TypeError(f"mesh must be a DeviceMesh, 'auto' or None, got {mesh!r}")
         self.mesh = mesh
+        if adaptive_bits is not None:
+            adaptive_bits = tuple(sorted({check_bits(b, "adaptive_bits") for b in adaptive_bits}))
+            if self.bits not in adaptive_bits or UNCOMPRESSED_BITS in adaptive_bits:
+                raise ValueError(
+                    f"adaptive_bits {adaptive_bits} must be widths in 1..8 that include the "
+                    f"state's bits ({self.bits})"
+                )
+            if mesh is not None:
+                raise ValueError("adaptive_bits and a hierarchical mesh do not combine yet")
+        if isinstance(replan_every, bool) or not isinstance(replan_every, int) or replan_every < 1:
+            raise ValueError(f"replan_every must be a positive int, got {replan_every!r}")
+        self.adaptive_bits = adaptive_bits
+        self.replan_every = replan_every
+        self._bit_plans: dict[int, tuple[int, ...]] = {}
+        self._calls: dict[int, int] = {}
         self._plans: dict[int, _Plan] = {}
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self.bytes_sent = 0
@@ -106,6 +129,8 @@ class CGXState:
             "layer_min_size": self.layer_min_size,
             "bytes_sent": self.bytes_sent,
             "bytes_uncompressed": self.bytes_uncompressed,
+            "bit_plans": dict(self._bit_plans),
+            "calls": dict(self._calls),
             "seed_state": seeding.get_state(),
         }
 
@@ -117,7 +142,29 @@ class CGXState:
         self.bytes_sent = int(state["bytes_sent"])
         self.bytes_uncompressed = int(state["bytes_uncompressed"])
         self._plans.clear()
+        self._bit_plans = dict(state.get("bit_plans", {}))
+        self._calls = dict(state.get("calls", {}))
         seeding.set_state(state["seed_state"])
+
+    def layer_bits(self, index: int, layers: Sequence[torch.Tensor],
+                   group: dist.ProcessGroup) -> tuple[int, ...]:  # fmt: skip
+        """Bits for each compressed layer of bucket ``index`` (adaptive mode), re-planned every
+        ``replan_every`` calls from statistics all ranks share."""
+        calls = self._calls.get(index, 0)
+        self._calls[index] = calls + 1
+        plan = self._bit_plans.get(index)
+        if plan is None or len(plan) != len(layers) or calls % self.replan_every == 0:
+            options = self.adaptive_bits
+            errors = torch.tensor([layer_errors(x, self.bucket_size, options) for x in layers],
+                                  dtype=torch.float64, device=layers[0].device)  # fmt: skip
+            dist.all_reduce(errors, group=group)
+            errors = errors.cpu()
+            budget = float(errors[:, options.index(self.bits)].sum())
+            numels = [x.numel() for x in layers]
+            plan = tuple(plan_bits(errors.tolist(), numels, options, budget,
+                                   baseline=self.bits))  # fmt: skip
+            self._bit_plans[index] = plan
+        return plan
 
     def stream(self, device: torch.device) -> torch.cuda.Stream:
         """The side stream this state's hook codes and communicates on, one per device."""
@@ -232,6 +279,11 @@ def _reduce_bucket(
         layers = [buffer[offset : offset + numel] for offset, numel in plan.compressed]
         if state.mesh is not None:
             state.bytes_sent += _reduce_hierarchical_(state, layers)
+        elif state.adaptive_bits is not None:
+            widths = state.layer_bits(bucket.index(), layers, group)
+            for bits in sorted(set(widths)):
+                chosen = [x for x, b in zip(layers, widths, strict=True) if b == bits]
+                state.bytes_sent += allreduce_fused_(chosen, bits, state.bucket_size, group, "avg")
         else:
             state.bytes_sent += allreduce_fused_(
                 layers, state.bits, state.bucket_size, group, "avg"

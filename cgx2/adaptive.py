@@ -1,0 +1,77 @@
+"""Layer-wise bit widths (L-GreCo's dynamic program): from measured gradient statistics, the
+bits per layer that send the fewest bytes while the total quantization error stays within the
+error of a uniform width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+__all__ = ["layer_errors", "plan_bits"]
+
+
+def layer_errors(layer: torch.Tensor, bucket_size: int, options: Sequence[int]) -> list[float]:
+    """Expected squared error of max-min stochastic rounding of ``layer`` at each width in
+    ``options``: per bucket of n values and range R, n * (R / (2^b - 1))^2 / 6 (a value's
+    rounding variance p(1-p) step^2, averaged over a uniform p)."""
+    flat = layer.detach().reshape(-1).float()
+    pad = -flat.numel() % bucket_size
+    if pad:
+        flat = torch.cat([flat, flat[-1:].expand(pad)])
+    buckets = flat.view(-1, bucket_size)
+    ranges = (buckets.amax(1) - buckets.amin(1)).double()
+    spread = float((ranges**2).sum()) * bucket_size / 6
+    return [spread / (2**b - 1) ** 2 for b in options]
+
+
+def plan_bits(errors: Sequence[Sequence[float]], numels: Sequence[int], options: Sequence[int],
+              budget: float, resolution: int = 1000,
+              baseline: int | None = None) -> list[int]:  # fmt: skip
+    """Bits per layer minimising the bytes sent (numel * bits / 8) subject to the sum of the
+    chosen ``errors[layer][option]`` staying within ``budget``: a knapsack dynamic program
+    over the budget cut into ``resolution`` steps, errors rounded up. ``baseline`` (a width
+    in ``options``, everywhere) is kept feasible although rounding up may push it over: the
+    plan then costs no more than it, and exceeds the budget by less than one step per layer.
+    Falls back to the widest option where nothing fits."""
+    if not errors:
+        return []
+    cost = np.array([[n * b / 8 for b in options] for n in numels])
+    unit = budget / resolution if budget > 0 else 0.0
+
+    def units(e: float) -> int:
+        if unit > 0:
+            return int(np.ceil(e / unit))
+        return 0 if e == 0 else resolution + 1
+
+    steps = np.array([[units(e) for e in row] for row in errors])
+    if baseline is not None:
+        resolution = max(resolution, int(steps[:, list(options).index(baseline)].sum()))
+    inf = float("inf")
+    best = np.full(resolution + 1, inf)
+    best[0] = 0.0
+    choices = []
+    for layer in range(len(errors)):
+        new = np.full(resolution + 1, inf)
+        pick = np.full(resolution + 1, -1)
+        for o in range(len(options)):
+            s = steps[layer, o]
+            if s > resolution:
+                continue
+            shifted = np.full(resolution + 1, inf)
+            shifted[s:] = best[: resolution + 1 - s] + cost[layer, o]
+            better = shifted < new
+            new[better], pick[better] = shifted[better], o
+        best = new
+        choices.append(pick)
+    if not np.isfinite(best).any():
+        return [max(options)] * len(errors)
+    j = int(np.argmin(best))
+    plan = []
+    for layer in range(len(errors) - 1, -1, -1):
+        o = int(choices[layer][j])
+        plan.append(options[o])
+        j -= steps[layer, o]
+    return plan[::-1]
