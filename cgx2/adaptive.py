@@ -13,18 +13,20 @@ import torch
 __all__ = ["layer_errors", "plan_bits"]
 
 
-def layer_errors(layer: torch.Tensor, bucket_size: int, options: Sequence[int]) -> list[float]:
+def layer_errors(layer: torch.Tensor, bucket_size: int, options: Sequence[int]) -> torch.Tensor:
     """Expected squared error of max-min stochastic rounding of ``layer`` at each width in
-    ``options``: per bucket of n values and range R, n * (R / (2^b - 1))^2 / 6 (a value's
-    rounding variance p(1-p) step^2, averaged over a uniform p)."""
+    ``options``, as a float64 tensor on the layer's device (no host round-trip): per bucket of
+    n values and range R, n * (R / (2^b - 1))^2 / 6 (a value's rounding variance p(1-p)
+    step^2, averaged over a uniform p)."""
     flat = layer.detach().reshape(-1).float()
     pad = -flat.numel() % bucket_size
     if pad:
         flat = torch.cat([flat, flat[-1:].expand(pad)])
     buckets = flat.view(-1, bucket_size)
     ranges = (buckets.amax(1) - buckets.amin(1)).double()
-    spread = float((ranges**2).sum()) * bucket_size / 6
-    return [spread / (2**b - 1) ** 2 for b in options]
+    spread = (ranges**2).sum() * (bucket_size / 6)
+    steps = torch.tensor([(2**b - 1) ** 2 for b in options], dtype=torch.float64)
+    return spread / steps.to(flat.device)
 
 
 def plan_bits(errors: Sequence[Sequence[float]], numels: Sequence[int], options: Sequence[int],

@@ -6,11 +6,12 @@ two layers and the padding moves no bucket's min or max (CGX's layer-aware fusio
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from .checks import UNCOMPRESSED_BITS
 from .codecs import ChunkedLayout
 from .collectives import allreduce_quantized_, compression_pays
 
@@ -19,6 +20,7 @@ __all__ = [
     "fuse_padded",
     "fusion_batches",
     "quantized_bytes_sent",
+    "reduce_fused_",
     "ring_bytes_sent",
 ]
 
@@ -73,6 +75,24 @@ def ring_bytes_sent(nbytes: int, world: int) -> int:
     return 2 * (world - 1) * nbytes // world
 
 
+def reduce_fused_(layers: Sequence[torch.Tensor], bucket_size: int,
+                  reduce: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:  # fmt: skip
+    """Apply ``reduce`` to the layers fused and padded to whole buckets (one contiguous layer
+    of whole buckets is reduced as it is), and write the result back into each layer. Returns
+    the fused buffer ``reduce`` received."""
+    first = layers[0]
+    if len(layers) == 1 and first.is_contiguous() and first.numel() % bucket_size == 0:
+        reduced = reduce(first)
+        if reduced.data_ptr() != first.data_ptr():
+            first.copy_(reduced.view(first.shape))
+        return first
+    fused, starts = fuse_padded(layers, bucket_size)
+    reduced = reduce(fused)
+    for layer, at in zip(layers, starts, strict=True):
+        layer.copy_(reduced[at : at + layer.numel()].view(layer.shape))
+    return fused
+
+
 def allreduce_fused_(
     layers: Sequence[torch.Tensor],
     bits: int,
@@ -84,15 +104,13 @@ def allreduce_fused_(
     back into each layer. Returns the bytes this rank sent (a buffer too small for compression
     to pay goes plain: :func:`cgx2.collectives.compression_pays`)."""
     world = dist.get_world_size(group)
-    first = layers[0]
-    if len(layers) == 1 and first.is_contiguous() and first.numel() % bucket_size == 0:
-        allreduce_quantized_(first, bits, bucket_size, group, reduce_op)  # nothing to pad
-        fused = first
-    else:
-        fused, starts = fuse_padded(layers, bucket_size)
-        allreduce_quantized_(fused, bits, bucket_size, group, reduce_op)
-        for layer, at in zip(layers, starts, strict=True):
-            layer.copy_(fused[at : at + layer.numel()].view(layer.shape))
-    if not compression_pays(fused):
-        return ring_bytes_sent(fused.numel() * fused.element_size(), world)
-    return quantized_bytes_sent(fused.numel(), world, bits, bucket_size)
+    numel = sum(padded_numel(x.numel(), bucket_size) for x in layers)
+    if not compression_pays(layers[0], numel):
+        bits = UNCOMPRESSED_BITS  # decided once here, for the reduction and the count alike
+    reduce_fused_(
+        layers, bucket_size,
+        lambda fused: allreduce_quantized_(fused, bits, bucket_size, group, reduce_op),
+    )  # fmt: skip
+    if bits == UNCOMPRESSED_BITS:
+        return ring_bytes_sent(numel * layers[0].element_size(), world)
+    return quantized_bytes_sent(numel, world, bits, bucket_size)

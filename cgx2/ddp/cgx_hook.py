@@ -21,9 +21,9 @@ from ..collectives import allreduce_plain_, compression_pays
 from ..config import CGXConfig
 from ..fusion import (
     allreduce_fused_,
-    fuse_padded,
     padded_numel,
     quantized_bytes_sent,
+    reduce_fused_,
     ring_bytes_sent,
 )
 from ..hierarchical import hierarchical_allreduce, node_mesh
@@ -155,8 +155,7 @@ class CGXState:
         plan = self._bit_plans.get(index)
         if plan is None or len(plan) != len(layers) or calls % self.replan_every == 0:
             options = self.adaptive_bits
-            errors = torch.tensor([layer_errors(x, self.bucket_size, options) for x in layers],
-                                  dtype=torch.float64, device=layers[0].device)  # fmt: skip
+            errors = torch.stack([layer_errors(x, self.bucket_size, options) for x in layers])
             dist.all_reduce(errors, group=group)
             errors = errors.cpu()
             budget = float(errors[:, options.index(self.bits)].sum())
@@ -238,11 +237,11 @@ def _reduce_hierarchical_(state: CGXState, layers: list[torch.Tensor]) -> int:
     """Average ``layers`` in place over ``state.mesh``; returns the bytes this rank sent, as
     the default variant sends them (plain reduce-scatter and all-gather inside the node,
     the quantized allreduce of a 1/L shard between nodes)."""
-    fused, starts = fuse_padded(layers, state.bucket_size)
-    reduced = hierarchical_allreduce(fused, state.bits, state.mesh, "avg", state.bucket_size,
-                                     state.intra_broadcast)  # fmt: skip
-    for layer, at in zip(layers, starts, strict=True):
-        layer.copy_(reduced[at : at + layer.numel()])
+    fused = reduce_fused_(
+        layers, state.bucket_size,
+        lambda x: hierarchical_allreduce(x, state.bits, state.mesh, "avg", state.bucket_size,
+                                         state.intra_broadcast),
+    )  # fmt: skip
     nodes, local = state.mesh.size(0), state.mesh.size(1)
     shard = -(-fused.numel() // local)
     return ring_bytes_sent(fused.numel() * fused.element_size(), local) + quantized_bytes_sent(
