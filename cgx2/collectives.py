@@ -102,19 +102,37 @@ def allreduce_quantized_(
     reduce_op: str = "sum",
     seed: int | None = None,
     skip_incomplete: bool = False,
+    *,
+    error: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`allreduce_quantized` in place: the result (the same bytes) is written into
     ``t``, which must be contiguous; returns ``t``. No copy is made, below the crossover
-    either (:mod:`cgx2.crossover`)."""
+    either (:mod:`cgx2.crossover`).
+
+    ``error`` (a contiguous tensor of ``t``'s shape and dtype), when given, receives ``t``
+    minus this rank's contribution as its peers decode it in the first stage: the
+    quantization error of the chunks it sends, zero on the chunk it owns (kept exact) and
+    everywhere when nothing is quantized. Error feedback carries it into the next step. The
+    second stage's error (each reduced chunk quantized once more) is common to all ranks and
+    not in it."""
     reduce_op = _check_args(t, bits, bucket_size, reduce_op)
     if not t.is_contiguous():
         raise ValueError("tensor must be contiguous for the in-place quantized allreduce")
+    if error is not None and (
+        error.shape != t.shape or error.dtype != t.dtype or not error.is_contiguous()
+    ):
+        raise ValueError("error must be a contiguous tensor of the input's shape and dtype")
     if bits == UNCOMPRESSED_BITS or not compression_pays(t):
+        if error is not None:
+            error.zero_()
         return allreduce_plain_(t, group, reduce_op)
     if dist.get_world_size(group) == 1 or t.numel() == 0:
+        if error is not None:
+            error.zero_()
         return t
     flat = t.view(-1)
-    _run_pieces(flat, flat, bits, bucket_size, group, reduce_op, seed, skip_incomplete)
+    _run_pieces(flat, flat, bits, bucket_size, group, reduce_op, seed, skip_incomplete,
+                None if error is None else error.view(-1))  # fmt: skip
     return t
 
 
@@ -127,15 +145,19 @@ def _check_args(t: torch.Tensor, bits: int, bucket_size: int, reduce_op: str) ->
 
 def _run_pieces(flat: torch.Tensor, out: torch.Tensor, bits: int, bucket_size: int,
                 group: dist.ProcessGroup, reduce_op: str, seed: int | None,
-                skip_incomplete: bool) -> None:  # fmt: skip
+                skip_incomplete: bool, error: torch.Tensor | None = None) -> None:  # fmt: skip
     """The pipelined scatter-reduce-allgather of ``flat`` into ``out`` (which may be
-    ``flat``: a piece is written only after its last read)."""
+    ``flat``: a piece is written only after its last read); ``error`` as in
+    :func:`allreduce_quantized_`."""
     seed = next_seed() if seed is None else seed
     world = dist.get_world_size(group)
     step = _piece_numel(flat.element_size(), world, bucket_size)
     args = (bits, bucket_size, group, reduce_op, seed, skip_incomplete)
     starts = range(0, flat.numel(), step)
     pieces = [_Piece(flat[s : s + step], out[s : s + step], i, *args) for i, s in enumerate(starts)]
+    if error is not None:
+        for piece, s in zip(pieces, starts, strict=True):
+            piece.error = error[s : s + step]
     # A two-deep software pipeline: scatter piece i, reduce piece i-1, finish piece i-2.
     for i in range(len(pieces) + 2):
         if i < len(pieces):
@@ -214,6 +236,7 @@ class _Piece:
         self.scale = 1.0 / self.world if reduce_op == "avg" else None
         self.codec = maxmin_codec(x.device)
         self.layout = ChunkedLayout.split(x.numel(), self.world, bits, bucket_size, skip_incomplete)
+        self.error: torch.Tensor | None = None
 
     def scatter(self) -> None:
         """Encode the chunks other ranks own; start sending chunk j to rank j."""
@@ -221,6 +244,13 @@ class _Piece:
         send = self.codec.encode_chunks(self.x, self.layout, key, skip_chunk=self.rank)
         self.recv = torch.empty_like(send)
         self.work = dist.all_to_all_single(self.recv, send, group=self.group, async_op=True)
+        if self.error is not None:
+            # Decoding what was sent (while it travels) gives exactly what the owners add, in
+            # fp32 as they sum; the skipped row is zeros, and our own chunk stays exact.
+            sent = self.codec.decode_chunks(send, self.layout, torch.float32)
+            self.error.copy_(self.x.float() - sent)
+            start, size = self.layout.chunk_start(self.rank), self.layout.chunk_size(self.rank)
+            self.error[start : start + size] = 0
 
     def reduce(self) -> None:
         """Sum the received chunks onto our own (kept in full precision), encode the sum once

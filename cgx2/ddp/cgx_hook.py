@@ -17,8 +17,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from .. import seeding
 from ..adaptive import layer_errors, plan_bits
 from ..checks import UNCOMPRESSED_BITS, check_bits, check_bucket_size
-from ..collectives import allreduce_plain_, compression_pays
+from ..collectives import allreduce_plain_, allreduce_quantized_, compression_pays
 from ..config import CGXConfig
+from ..error_feedback import ErrorFeedback
 from ..fusion import (
     allreduce_fused_,
     padded_numel,
@@ -38,6 +39,7 @@ class _Plan:
     shapes: tuple[tuple[int, ...], ...]
     compressed: tuple[tuple[int, int], ...]  # (offset, numel) of each compressed layer
     exact: tuple[tuple[int, int], ...]
+    layers: tuple[int, ...] = ()  # each compressed layer's index in the bucket
 
 
 class CGXState:
@@ -58,6 +60,15 @@ class CGXState:
     between nodes; ``CGX_INTRA_BROADCAST`` picks the variant). ``"auto"`` builds one from
     ``LOCAL_WORLD_SIZE`` when the job spans several nodes and the group is the world; None
     never does.
+
+    ``error_feedback`` (cgx2's addition, CGX had it in its kernels): each compressed layer
+    keeps a residual, added to its gradient at the next step: what this rank put in minus
+    what its peers decode of it in the allreduce's first stage. That is exact, not a local
+    re-quantization: the allreduce decodes the very bytes it sends (zero error on the chunk
+    this rank owns, which stays exact). The second stage's error (each reduced chunk
+    quantized once more, common to all ranks) is not fed back. Residuals are per parameter
+    (:class:`cgx2.error_feedback.ErrorFeedback`) and checkpointed; error feedback does not
+    combine with a hierarchical mesh nor with compiled autograd's per-parameter reducer.
     """
 
     def __init__(
@@ -69,6 +80,7 @@ class CGXState:
         mesh: DeviceMesh | str | None = "auto",
         adaptive_bits: Sequence[int] | None = None,
         replan_every: int = 100,
+        error_feedback: bool = False,
     ) -> None:
         config = CGXConfig.from_env()
         params = dict(compression_params or {})
@@ -111,6 +123,12 @@ class CGXState:
             raise ValueError(f"replan_every must be a positive int, got {replan_every!r}")
         self.adaptive_bits = adaptive_bits
         self.replan_every = replan_every
+        if not isinstance(error_feedback, bool):
+            raise TypeError(f"error_feedback must be a bool, got {type(error_feedback).__name__}")
+        if error_feedback and mesh is not None:
+            raise ValueError("error_feedback and a hierarchical mesh do not combine yet: mesh=None")
+        self.errors = ErrorFeedback() if error_feedback else None
+        """The residuals (None: error feedback off)."""
         self._bit_plans: dict[int, tuple[int, ...]] = {}
         self._calls: dict[int, int] = {}
         self._plans: dict[int, _Plan] = {}
@@ -132,6 +150,7 @@ class CGXState:
             "bit_plans": dict(self._bit_plans),
             "calls": dict(self._calls),
             "seed_state": seeding.get_state(),
+            "error_feedback": None if self.errors is None else self.errors.state_dict(),
         }
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:
@@ -145,6 +164,15 @@ class CGXState:
         self._bit_plans = dict(state.get("bit_plans", {}))
         self._calls = dict(state.get("calls", {}))
         seeding.set_state(state["seed_state"])
+        residuals = state.get("error_feedback")
+        if residuals is not None:
+            if self.mesh is not None:
+                raise ValueError("error_feedback and a hierarchical mesh do not combine yet")
+            if self.errors is None:
+                self.errors = ErrorFeedback()
+            self.errors.load_state_dict(residuals)
+        elif self.errors is not None:  # a checkpoint without residuals: none are owed
+            self.errors = ErrorFeedback()
 
     def layer_bits(self, index: int, layers: Sequence[torch.Tensor],
                    group: dist.ProcessGroup) -> tuple[int, ...]:  # fmt: skip
@@ -176,8 +204,8 @@ class CGXState:
         shapes = tuple(tuple(g.shape) for g in bucket.gradients())
         plan = self._plans.get(bucket.index())
         if plan is None or plan.shapes != shapes:
-            compressed, exact, offset = [], [], 0
-            for shape in shapes:
+            compressed, exact, layers, offset = [], [], [], 0
+            for index, shape in enumerate(shapes):
                 numel = torch.Size(shape).numel()
                 if len(shape) > 1 and numel >= self.layer_min_size:
                     # CGX_COMPRESSION_SKIP_INCOMPLETE_BUCKETS: a layer's last, shorter
@@ -185,12 +213,13 @@ class CGXState:
                     tail = numel % self.bucket_size if self.skip_incomplete else 0
                     if numel > tail:
                         compressed.append((offset, numel - tail))
+                        layers.append(index)
                     if tail:
                         exact.append((offset + numel - tail, tail))
                 else:
                     exact.append((offset, numel))
                 offset += numel
-            plan = _Plan(shapes, tuple(compressed), tuple(exact))
+            plan = _Plan(shapes, tuple(compressed), tuple(exact), tuple(layers))
             self._plans[bucket.index()] = plan
         return plan
 
@@ -211,6 +240,12 @@ def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[t
         # DDP's Python reducer (torch.compile with compiled autograd, optimize_ddp =
         # "python_reducer") calls hook(state, (param.grad, param)) for each parameter and
         # expects the gradient averaged in place.
+        if state.errors is not None:
+            # Residuals are Python-side state the traced graph would freeze, not update.
+            raise NotImplementedError(
+                "CGXState(error_feedback=True) is not supported under compiled autograd's "
+                "per-parameter reducer (optimize_ddp='python_reducer'); turn one of them off"
+            )
         _reduce_parameter_grad_(state, bucket[0])
         return None
     if not isinstance(bucket, dist.GradBucket):
@@ -261,6 +296,33 @@ def _reduce_parameter_grad_(state: CGXState, grad: torch.Tensor) -> None:
         grad.copy_(funcol.all_reduce(grad / dist.get_world_size(group), "sum", group))
 
 
+def _allreduce_layers_(state: CGXState, layers: list[torch.Tensor], bits: int,
+                       group: dist.ProcessGroup, keys: list[int] | None) -> int:  # fmt: skip
+    """:func:`cgx2.fusion.allreduce_fused_` of ``layers`` at ``bits``; with ``keys``, each
+    layer's first-stage error (the allreduce's ``error``) becomes its residual. Returns the
+    bytes this rank sent."""
+    if keys is None:
+        return allreduce_fused_(layers, bits, state.bucket_size, group, "avg")
+    bucket_size, world = state.bucket_size, dist.get_world_size(group)
+    numel = sum(padded_numel(x.numel(), bucket_size) for x in layers)
+    if not compression_pays(layers[0], numel):
+        bits = UNCOMPRESSED_BITS  # as allreduce_fused_ decides: once, for the bytes too
+    errors: list[torch.Tensor] = []
+
+    def reduce(fused: torch.Tensor) -> torch.Tensor:
+        errors.append(torch.empty_like(fused))
+        return allreduce_quantized_(fused, bits, bucket_size, group, "avg", error=errors[0])
+
+    reduce_fused_(layers, bucket_size, reduce)
+    at = 0  # the layers' places in the fused buffer: each padded to whole buckets
+    for layer, key in zip(layers, keys, strict=True):
+        state.errors.store_(key, errors[0][at : at + layer.numel()])
+        at += padded_numel(layer.numel(), bucket_size)
+    if bits == UNCOMPRESSED_BITS:
+        return ring_bytes_sent(numel * layers[0].element_size(), world)
+    return quantized_bytes_sent(numel, world, bits, bucket_size)
+
+
 def _reduce_bucket(
     state: CGXState, bucket: dist.GradBucket, buffer: torch.Tensor
 ) -> torch.futures.Future[torch.Tensor]:
@@ -269,6 +331,14 @@ def _reduce_bucket(
     world = dist.get_world_size(group)
     padded = sum(padded_numel(n, state.bucket_size) for _, n in plan.compressed)
     state.bytes_uncompressed += ring_bytes_sent(buffer.numel() * buffer.element_size(), world)
+    keys = None
+    if state.errors is not None and plan.compressed:
+        # Keyed by parameter, not by bucket position: DDP rebuilds its buckets after the
+        # first iteration. Residuals go in before anything reads the layers.
+        params = bucket.parameters()
+        keys = state.errors.keys(params[i] for i in plan.layers)
+        for (offset, numel), key in zip(plan.compressed, keys, strict=True):
+            state.errors.add_(key, buffer[offset : offset + numel])
     if (
         state.bits != UNCOMPRESSED_BITS
         and world > 1
@@ -281,12 +351,13 @@ def _reduce_bucket(
         elif state.adaptive_bits is not None:
             widths = state.layer_bits(bucket.index(), layers, group)
             for bits in sorted(set(widths)):
-                chosen = [x for x, b in zip(layers, widths, strict=True) if b == bits]
-                state.bytes_sent += allreduce_fused_(chosen, bits, state.bucket_size, group, "avg")
+                chosen = [i for i, b in enumerate(widths) if b == bits]
+                state.bytes_sent += _allreduce_layers_(
+                    state, [layers[i] for i in chosen], bits, group,
+                    None if keys is None else [keys[i] for i in chosen],
+                )  # fmt: skip
         else:
-            state.bytes_sent += allreduce_fused_(
-                layers, state.bits, state.bucket_size, group, "avg"
-            )
+            state.bytes_sent += _allreduce_layers_(state, layers, state.bits, group, keys)
         if plan.exact:
             exact_bytes = sum(n for _, n in plan.exact) * buffer.element_size()
             state.bytes_sent += ring_bytes_sent(exact_bytes, world)
@@ -298,6 +369,8 @@ def _reduce_bucket(
                 segment.copy_(reduced[at : at + segment.numel()])
                 at += segment.numel()
     else:  # nothing to compress, or too little to pay on this interconnect: exact, in place
+        for key in keys or ():  # the residuals were delivered exactly: nothing more is owed
+            state.errors.discard_(key)
         state.bytes_sent += ring_bytes_sent(buffer.numel() * buffer.element_size(), world)
         allreduce_plain_(buffer, group, "avg")
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future(

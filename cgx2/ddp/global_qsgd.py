@@ -8,8 +8,8 @@ rank. ``ddp.register_comm_hook(None, standard_dithering_hook)`` as with Global-Q
 """
 
 # No ``from __future__ import annotations``: DDP checks the hooks' annotations as objects.
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
 )
 
 from .. import seeding
+from ..error_feedback import ErrorFeedback
 from ..seeding import derive_key, next_seed
 
 __all__ = [
@@ -53,28 +54,52 @@ class GlobalQSGDState:
     rank gets floor(127 / W) levels a side, so the sum fits int8. ``bits`` b gives every rank
     2^(b-1) - 1 levels a side and sums in the narrowest integer that cannot overflow
     (:func:`level_dtype`). ``exponential_dithering_hook`` reads ``bits`` as its code width
-    (default 8)."""
+    (default 8).
+
+    ``error_feedback``: the standard dithering, THC, QSGD and exponential hooks keep, per
+    parameter, what this rank put in minus its own decoded contribution (exact: every rank's
+    quantized values are summed or gathered without further loss) and add it to the next
+    step's gradient (:class:`cgx2.error_feedback.ErrorFeedback`, checkpointed)."""
 
     process_group: dist.ProcessGroup | None = None
     bits: int | None = None
     bytes_sent: int = 0
     """What this rank sent: allreduces counted as a ring sends them, 2(W-1)/W of the input;
     all-gathers (W-1) times the input; the parameter-server pattern as an allreduce."""
+    error_feedback: bool = False
+    errors: ErrorFeedback | None = field(default=None, init=False, repr=False, compare=False)
+    """The residuals (None: error feedback off)."""
 
     def __post_init__(self) -> None:
         if self.bits is not None and (isinstance(self.bits, bool) or not 2 <= self.bits <= 16):
             raise ValueError(f"bits must be in 2..16 (or None for int8 levels), got {self.bits}")
+        if not isinstance(self.error_feedback, bool):
+            raise TypeError(
+                f"error_feedback must be a bool, got {type(self.error_feedback).__name__}"
+            )
+        if not self.error_feedback:
+            self.errors = None
+        elif self.errors is None:  # kept when load_state_dict checks the settings again
+            self.errors = ErrorFeedback()
 
     def state_dict(self) -> dict[str, object]:
-        """``bits`` and cgx2's seed stream, so that a resumed run rounds identically."""
+        """``bits``, the residuals and cgx2's seed stream, so that a resumed run rounds
+        identically."""
+        errors = None if self.errors is None else self.errors.state_dict()
         return {"bits": self.bits, "bytes_sent": self.bytes_sent,
-                "seed_state": seeding.get_state()}  # fmt: skip
+                "seed_state": seeding.get_state(), "error_feedback": errors}  # fmt: skip
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:
         self.bits = state["bits"]
         self.bytes_sent = int(state.get("bytes_sent", 0))
+        residuals = state.get("error_feedback")
+        if residuals is None and self.errors is not None:  # none saved: none are owed
+            self.errors = None
+        self.error_feedback = self.error_feedback or residuals is not None
         self.__post_init__()
         seeding.set_state(state["seed_state"])
+        if residuals is not None:
+            self.errors.load_state_dict(residuals)
 
 
 def level_dtype(levels: int, world: int) -> torch.dtype:
@@ -157,18 +182,30 @@ def linear_levels(g: torch.Tensor, state: GlobalQSGDState,
     return q, norm, levels, world
 
 
-def standard_dithering(g: torch.Tensor, state: GlobalQSGDState) -> torch.Tensor:
-    """The average of ``g`` over the group by standard dithering (see the hook)."""
+def _keep_error(residual: torch.Tensor | None, g: torch.Tensor, decoded: torch.Tensor) -> None:
+    """``residual = g − decoded`` (this rank's own contribution, in ``g``'s units)."""
+    if residual is not None:
+        residual.copy_(g.float() - decoded)
+
+
+def standard_dithering(g: torch.Tensor, state: GlobalQSGDState, *,
+                       residual: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """The average of ``g`` over the group by standard dithering (see the hook); ``residual``,
+    when given, receives ``g`` minus this rank's decoded contribution."""
     q, norm, levels, world = linear_levels(g, state)
+    _keep_error(residual, g, q.float() * (norm / levels))  # before the sum overwrites q
     dist.all_reduce(q, group=_group(state))
     state.bytes_sent += _ring(q.numel() * q.element_size() + 4, world)
     return q.float() * (norm / (levels * world))
 
 
-def thc(g: torch.Tensor, state: GlobalQSGDState) -> torch.Tensor:
-    """The average of ``g`` by THC's levels and parameter-server sum (see the hook)."""
+def thc(g: torch.Tensor, state: GlobalQSGDState, *,
+        residual: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """The average of ``g`` by THC's levels and parameter-server sum (see the hook);
+    ``residual`` as in :func:`standard_dithering`."""
     group = _group(state)
     q, norm, levels, world = linear_levels(g, state)
+    _keep_error(residual, g, q.float() * (norm / levels))  # before the sum overwrites q
     server = dist.get_global_rank(group, 0)
     dist.reduce(q, dst=server, group=group)
     dist.broadcast(q, src=server, group=group)
@@ -176,14 +213,17 @@ def thc(g: torch.Tensor, state: GlobalQSGDState) -> torch.Tensor:
     return q.float() * (norm / (levels * world))
 
 
-def qsgd(g: torch.Tensor, state: GlobalQSGDState) -> torch.Tensor:
-    """The average of ``g`` by QSGD with local norms and an all-gather (see the hook)."""
+def qsgd(g: torch.Tensor, state: GlobalQSGDState, *,
+         residual: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """The average of ``g`` by QSGD with local norms and an all-gather (see the hook);
+    ``residual`` as in :func:`standard_dithering`."""
     group = _group(state)
     world = dist.get_world_size(group)
     levels = 127 if state.bits is None else 2 ** (state.bits - 1) - 1
     norm = g.abs().amax().float().reshape(1)
     scale = torch.where(norm > 0, levels / norm, torch.zeros_like(norm))
     q = _stochastic_levels(g.float() * scale, group).to(level_dtype(levels, 1))
+    _keep_error(residual, g, q.float() * (norm / levels))
     all_q = torch.empty(world * q.numel(), dtype=q.dtype, device=q.device)
     all_norms = torch.empty(world, dtype=torch.float32, device=g.device)
     _all_gather_single(all_q, q, group=group)
@@ -193,17 +233,44 @@ def qsgd(g: torch.Tensor, state: GlobalQSGDState) -> torch.Tensor:
     return (all_q.float() * (all_norms / levels).unsqueeze(1)).sum(0) / world
 
 
-def exponential_dithering(g: torch.Tensor, state: GlobalQSGDState) -> torch.Tensor:
-    """The average of ``g`` by exponential dithering (see the hook)."""
+def exponential_dithering(g: torch.Tensor, state: GlobalQSGDState, *,
+                          residual: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """The average of ``g`` by exponential dithering (see the hook); ``residual`` as in
+    :func:`standard_dithering`."""
     group = _group(state)
     world = dist.get_world_size(group)
     norm = _global_norm(g, group)
     x = g.float() / torch.where(norm > 0, norm, torch.ones_like(norm))
     codes = exponential_codes(x, state.bits or 8, _uniform(x, group))
+    if residual is not None:
+        _keep_error(residual, g, exponential_values(codes) * norm)
     gathered = torch.empty(world * codes.numel(), dtype=codes.dtype, device=codes.device)
     _all_gather_single(gathered, codes, group=group)
     state.bytes_sent += (world - 1) * codes.numel() * codes.element_size() + _ring(4, world)
     return exponential_values(gathered.view(world, -1)).sum(0) * (norm / world)
+
+
+def _with_feedback(bucket: dist.GradBucket, state: GlobalQSGDState,
+                   reduce: Callable[..., torch.Tensor]) -> torch.Tensor:  # fmt: skip
+    """``reduce(buffer, state)``, with the state's error feedback around it when it is on."""
+    g = bucket.buffer()
+    if state.errors is None:
+        return reduce(g, state)
+    # Keyed by parameter, not by bucket position: DDP rebuilds its buckets after the first
+    # iteration. A bucket's buffer holds its parameters' gradients in order, unpadded.
+    params = bucket.parameters()
+    keys = state.errors.keys(params)
+    spans, at = [], 0
+    for p in params:
+        spans.append((at, p.numel()))
+        at += p.numel()
+    for (start, n), key in zip(spans, keys, strict=True):
+        state.errors.add_(key, g[start : start + n])
+    residual = torch.empty_like(g)
+    out = reduce(g, state, residual=residual)
+    for (start, n), key in zip(spans, keys, strict=True):
+        state.errors.store_(key, residual[start : start + n])
+    return out
 
 
 def default_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -217,7 +284,7 @@ def standard_dithering_hook(
     """Global-QSGD's standard dithering: ``g / max|g|`` over all ranks (one small allreduce),
     stochastically rounded to integer levels that one integer allreduce sums exactly.
     Unbiased."""
-    return _done(bucket, standard_dithering(bucket.buffer(), _state(state)))
+    return _done(bucket, _with_feedback(bucket, _state(state), standard_dithering))
 
 
 def standard_dithering_4bit_hook(
@@ -236,13 +303,13 @@ def thc_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[tor
     """THC (uniform, global norm), summed as a parameter server does: the levels are reduced
     to the group's first rank and broadcast back. Unbiased; the levels of standard
     dithering, another communication pattern."""
-    return _done(bucket, thc(bucket.buffer(), _state(state)))
+    return _done(bucket, _with_feedback(bucket, _state(state), thc))
 
 
 def qsgd_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """QSGD with each rank's own norm: int8 levels and the norms are all-gathered, and every
     rank decodes all of them and sums. Unbiased; sends W times what an allreduce would."""
-    return _done(bucket, qsgd(bucket.buffer(), _state(state)))
+    return _done(bucket, _with_feedback(bucket, _state(state), qsgd))
 
 
 def exponential_codes(x: torch.Tensor, bits: int, u: torch.Tensor) -> torch.Tensor:
@@ -271,4 +338,4 @@ def exponential_dithering_hook(
     """Global-QSGD's exponential dithering: ``g / max|g|`` over all ranks on power-of-two
     levels with stochastic rounding (unbiased). The codes do not add as integers, so they
     are all-gathered and every rank decodes and sums them in the same order."""
-    return _done(bucket, exponential_dithering(bucket.buffer(), _state(state)))
+    return _done(bucket, _with_feedback(bucket, _state(state), exponential_dithering))
