@@ -51,6 +51,8 @@ def check_float_tensor(t: object, name: str = "tensor") -> torch.Tensor:
 
 def check_reduce_op(reduce_op: object, name: str = "reduce_op") -> str:
     """Normalise ``reduce_op`` ("sum"/"avg", any case, or ``dist.ReduceOp.SUM``/``AVG``)."""
+    if reduce_op is dist.ReduceOp.SUM:  # the common case, without pybind's slow comparisons
+        return "sum"
     if isinstance(reduce_op, str):
         op = reduce_op.lower()
     elif reduce_op == dist.ReduceOp.SUM:

@@ -57,9 +57,13 @@ def detect_regime(device: torch.device) -> str:
 
 def crossover_bytes(device: torch.device, dtype: torch.dtype) -> int | None:
     """The smallest tensor, in bytes, that the quantized allreduce compresses on ``device``
-    (None: never). Raises ``ValueError`` naming ``CGX2_CROSSOVER_BYTES`` if it is invalid."""
-    raw = os.environ.get(_VARIABLE, "").strip()
-    if raw and raw.lower() != "auto":
+    (None: never). Raises ``ValueError`` naming ``CGX2_CROSSOVER_BYTES`` if it is invalid.
+
+    ``CGX2_CROSSOVER_BYTES`` is read at every call; the regime once per device, as NCCL reads
+    its own variables once (this runs before every allreduce, so it must cost next to nothing).
+    """
+    raw = os.environ.get(_VARIABLE)
+    if raw and raw.strip() and raw.strip().lower() != "auto":
         try:
             value = int(raw)
         except ValueError:
@@ -67,16 +71,16 @@ def crossover_bytes(device: torch.device, dtype: torch.dtype) -> int | None:
         if value < 0:
             raise ValueError(f"{_VARIABLE}={raw!r} is invalid: expected 'auto' or bytes >= 0")
         return value
-    regime = detect_regime(device)
-    full, half = CROSSOVER_BYTES[regime]
-    chosen = full if dtype.itemsize >= 4 else half
-    _log_once(regime, str(dtype), chosen)
-    return chosen
+    return _measured_crossover(device, dtype)
 
 
 @functools.cache
-def _log_once(regime: str, dtype: str, chosen: int | None) -> None:
+def _measured_crossover(device: torch.device, dtype: torch.dtype) -> int | None:
+    regime = detect_regime(device)
+    full, half = CROSSOVER_BYTES[regime]
+    chosen = full if dtype.itemsize >= 4 else half
     logger.info(
         "cgx2: %s regime, %s: quantized allreduce from %s (%s=0 always compresses)",
         regime, dtype, "never" if chosen is None else f"{chosen} bytes", _VARIABLE,
     )  # fmt: skip
+    return chosen

@@ -20,7 +20,21 @@ def clean_env(monkeypatch):
     for var in ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
                 "CGX2_CROSSOVER_BYTES"):  # fmt: skip
         monkeypatch.delenv(var, raising=False)
-    return monkeypatch
+    crossover._measured_crossover.cache_clear()  # the regime is cached per device
+    yield monkeypatch
+    crossover._measured_crossover.cache_clear()
+
+
+def test_regime_is_read_once_per_device(clean_env):
+    """The threshold runs before every allreduce: the regime is detected once, while
+    CGX2_CROSSOVER_BYTES stays live."""
+    calls = []
+    clean_env.setattr(crossover, "detect_regime", lambda device: calls.append(device) or "shm")
+    for _ in range(3):
+        assert crossover_bytes(CUDA, torch.float32) == 16 * MiB
+    assert calls == [CUDA]
+    clean_env.setenv("CGX2_CROSSOVER_BYTES", "123")
+    assert crossover_bytes(CUDA, torch.float32) == 123
 
 
 @pytest.mark.parametrize(
