@@ -30,17 +30,20 @@ def layer_errors(layer: torch.Tensor, bucket_size: int, options: Sequence[int]) 
 
 
 def plan_bits(errors: Sequence[Sequence[float]], numels: Sequence[int], options: Sequence[int],
-              budget: float, resolution: int = 1000,
-              baseline: int | None = None) -> list[int]:  # fmt: skip
+              budget: float, resolution: int = 1000, baseline: int | None = None, *,
+              costs: Sequence[Sequence[float]] | None = None) -> list[int]:  # fmt: skip
     """Bits per layer minimising the bytes sent (numel * bits / 8) subject to the sum of the
     chosen ``errors[layer][option]`` staying within ``budget``: a knapsack dynamic program
     over the budget cut into ``resolution`` steps, errors rounded up. ``baseline`` (a width
     in ``options``, everywhere) is kept feasible although rounding up may push it over: the
     plan then costs no more than it, and exceeds the budget by less than one step per layer.
-    Falls back to the widest option where nothing fits."""
+    Falls back to the widest option where nothing fits. ``costs[layer][option]`` replaces
+    the bytes where an option is not a width (PowerSGD's ranks: (rows + columns) * rank)."""
     if not errors:
         return []
-    cost = np.array([[n * b / 8 for b in options] for n in numels])
+    if costs is None:
+        costs = [[n * b / 8 for b in options] for n in numels]
+    cost = np.array(costs, dtype=float)
     unit = budget / resolution if budget > 0 else 0.0
 
     def units(e: float) -> int:

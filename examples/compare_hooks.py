@@ -26,7 +26,7 @@ from train_ddp import CharTransformer, batch, load_text
 
 import cgx2
 from cgx2.bench.report import environment
-from cgx2.ddp import CGXState, GlobalQSGDState, PowerSGDState, cgx_hook
+from cgx2.ddp import CGXState, GlobalQSGDState, LGreCoState, PowerSGDState, cgx_hook, lgreco_hook
 from cgx2.ddp import global_qsgd as gq
 
 # name: (hook, state factory); the factory gets the process group
@@ -40,6 +40,11 @@ HOOKS = {
     "QSGD": (gq.qsgd_hook, GlobalQSGDState),
     "exponential dithering": (gq.exponential_dithering_hook, GlobalQSGDState),
     "PowerSGD rank 4": (gq.powerSGD_hook, lambda g: PowerSGDState(g, 4, start_powerSGD_iter=2)),
+    # per-layer ranks 1-8 at rank 4's error (L-GreCo), re-planned every 20 steps
+    "L-GreCo PowerSGD": (
+        lgreco_hook,
+        lambda g: LGreCoState(g, 4, start_powerSGD_iter=2, replan_every=20),
+    ),
 }
 
 

@@ -108,7 +108,8 @@ def test_compare_hooks_writes_table_json_and_plot(tmp_path):
     [png_path] = tmp_path.glob("compare_hooks_*.png")
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     runs = {r["hook"]: r for r in json.loads(json_path.read_text())["runs"]}
-    assert len(runs) == 9 and "| cgx 4-bit |" in proc.stdout
+    assert len(runs) == 10 and "| cgx 4-bit |" in proc.stdout
     for r in runs.values():
         assert len(r["losses"]) == 5 and r["final_loss"] < r["losses"][0] + 1e-6
     assert runs["cgx 4-bit"]["bytes_sent"] * 6 < runs["plain (default_hook)"]["bytes_sent"]
+    assert 0 < runs["L-GreCo PowerSGD"]["bytes_sent"] < runs["plain (default_hook)"]["bytes_sent"]

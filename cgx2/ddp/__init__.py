@@ -17,15 +17,18 @@ from .global_qsgd import (
     standard_dithering_hook,
     thc_hook,
 )
+from .lgreco import LGreCoState, lgreco_hook
 
 __all__ = [
     "CGXState",
     "GlobalQSGDState",
+    "LGreCoState",
     "PowerSGDState",
     "cgx_hook",
     "default_hook",
     "exponential_dithering_hook",
     "level_dtype",
+    "lgreco_hook",
     "powerSGD_hook",
     "qsgd_hook",
     "standard_dithering_4bit_hook",

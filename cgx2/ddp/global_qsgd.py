@@ -32,15 +32,19 @@ __all__ = [
     "exponential_dithering_hook",
     "exponential_values",
     "level_dtype",
+    "levels_4bit",
     "linear_levels",
+    "pack_nibbles",
     "powerSGD_hook",
     "qsgd",
     "qsgd_hook",
     "standard_dithering",
+    "standard_dithering_4bit",
     "standard_dithering_4bit_hook",
     "standard_dithering_hook",
     "thc",
     "thc_hook",
+    "unpack_nibbles",
 ]
 
 _INT_DTYPES = (torch.int8, torch.int32)  # neither NCCL nor gloo reduces int16
@@ -287,16 +291,67 @@ def standard_dithering_hook(
     return _done(bucket, _with_feedback(bucket, _state(state), standard_dithering))
 
 
+def levels_4bit(g: torch.Tensor, state: GlobalQSGDState,
+                ) -> tuple[torch.Tensor, torch.Tensor, int, int]:  # fmt: skip
+    """This rank's levels of ``g / global norm`` for the packed 4-bit wire, L = floor(15 / 2W)
+    a side: W nibbles of level + L (each 0..2L) add up to at most 2LW <= 15, so a byte-wise
+    sum never carries from one nibble into the next. Stochastically rounded, so unbiased:
+    E[level] = g L / norm. Returns (int8 levels in [-L, L], the global norm, L, W)."""
+    group = _group(state)
+    world = dist.get_world_size(group)
+    levels = 15 // (2 * world)
+    if levels < 1:  # checked before any collective, so every rank raises alike
+        raise ValueError(
+            f"packed 4-bit levels cannot be summed over W={world} ranks: the nibble sum 2LW "
+            "must stay within 15, so W <= 7; use standard_dithering_hook (int8 or bits)"
+        )
+    norm = _global_norm(g, group)
+    scale = torch.where(norm > 0, levels / norm, torch.zeros_like(norm))
+    # g * L / norm can round a hair past L: the clamp keeps every nibble within 0..2L.
+    q = _stochastic_levels(g.float() * scale, group).clamp_(-levels, levels)
+    return q.to(torch.int8), norm, levels, world
+
+
+def pack_nibbles(q: torch.Tensor, levels: int) -> torch.Tensor:
+    """Levels in [-L, L] as uint8 nibbles level + L, two per byte: even positions in the low
+    nibble, odd ones in the high; an odd count is padded with one nibble 0."""
+    u = (q.reshape(-1).to(torch.int16) + levels).to(torch.uint8)
+    if u.numel() % 2:
+        u = torch.cat([u, u.new_zeros(1)])
+    pairs = u.view(-1, 2)
+    return pairs[:, 0] | (pairs[:, 1] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The first ``n`` nibbles of ``packed`` (low, then high, per byte) as int32."""
+    return torch.stack([packed & 15, packed >> 4], 1).reshape(-1)[:n].to(torch.int32)
+
+
+def standard_dithering_4bit(g: torch.Tensor, state: GlobalQSGDState, *,
+                            residual: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """The average of ``g`` by standard dithering on packed 4-bit levels (see the hook);
+    ``residual``, when given, receives ``g`` minus this rank's decoded contribution."""
+    q, norm, levels, world = levels_4bit(g, state)
+    if residual is not None:
+        residual.copy_(g.float() - q.float() * (norm / levels))
+    packed = pack_nibbles(q, levels)
+    # uint8 SUM: gloo and NCCL both reduce it; the nibble sums stay <= 15, so no carries.
+    dist.all_reduce(packed, group=_group(state))
+    state.bytes_sent += _ring(packed.numel() + 4, world)
+    total = unpack_nibbles(packed, q.numel()) - world * levels  # the sum of the W levels
+    return (total.float() * (norm / (levels * world))).view(g.shape)
+
+
 def standard_dithering_4bit_hook(
     state: object, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
-    """Standard dithering with 7 levels a side (4 bits per rank). The levels travel as int8
-    (not packed two to a byte as in Global-QSGD), summed exactly for up to 18 ranks."""
-    s = _state(state)
-    four = GlobalQSGDState(s.process_group, 4)
-    out = standard_dithering(bucket.buffer(), four)
-    s.bytes_sent += four.bytes_sent
-    return _done(bucket, out)
+    """Global-QSGD's 4-bit standard dithering: levels of ``g / max|g|`` over all ranks,
+    offset to nibbles and packed two per byte, summed by one uint8 allreduce (half the bytes
+    of int8 levels). L = floor(15 / 2W) levels a side per rank (7 for 1 rank, 3 for 2, 2 for
+    3, 1 for 4 to 7), so that no nibble sum carries; decoded as (sum - W L) max / (L W).
+    Unbiased: stochastic rounding gives E[level] = g L / max, so E[decoded] is the average.
+    More than 7 ranks raise ``ValueError``. ``bits`` of the state is not read."""
+    return _done(bucket, standard_dithering_4bit(bucket.buffer(), _state(state)))
 
 
 def thc_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
