@@ -10,7 +10,27 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-__all__ = ["layer_errors", "plan_bits"]
+from .checks import UNCOMPRESSED_BITS, check_bits
+
+__all__ = ["check_options", "layer_errors", "plan_bits"]
+
+
+def check_options(
+    options: Sequence[int], bits: int, name: str = "adaptive_bits"
+) -> tuple[int, ...]:
+    """``options`` as a sorted tuple of distinct widths, checked: at least one, each in 1..8,
+    ``bits`` among them (the planner's budget is the error of ``bits`` everywhere, and that
+    plan must be one it can choose). Raises ``ValueError``/``TypeError`` naming ``name``."""
+    if isinstance(options, (str, bytes)) or not isinstance(options, Sequence):
+        raise TypeError(f"{name} must be a sequence of widths, got {type(options).__name__}")
+    if not options:
+        raise ValueError(f"{name} must list at least one width in 1..8")
+    widths = tuple(sorted({check_bits(b, name) for b in options}))
+    if UNCOMPRESSED_BITS in widths:
+        raise ValueError(f"{name} must be widths in 1..8, got {tuple(options)}")
+    if bits not in widths:
+        raise ValueError(f"{name} {widths} must include bits ({bits}), the budget's width")
+    return widths
 
 
 def layer_errors(layer: torch.Tensor, bucket_size: int, options: Sequence[int]) -> torch.Tensor:

@@ -1,11 +1,12 @@
 """FSDP2 with quantized gradients: ``cgx2.fsdp.compress(model, bits=4)`` sets a quantized
-reduce-scatter on every ``fully_shard`` module, leaving small and 1-D parameters exact.
+reduce-scatter on every ``fully_shard`` module, leaving small and 1-D parameters exact;
+``adaptive_bits=`` lets each module choose its parameters' widths (L-GreCo, :mod:`cgx2.adaptive`).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -13,13 +14,24 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
+from .. import seeding
+from ..adaptive import check_options, layer_errors, plan_bits
 from ..backend import CompletedWork
 from ..checks import UNCOMPRESSED_BITS, check_bits, check_bucket_size
+from ..collectives import compression_pays
 from ..config import CGXConfig
+from ..fusion import padded_numel
 from .reduce_scatter import Segment, reduce_scatter_quantized, reference_reduce_scatter
 
-__all__ = ["QuantizedReduceScatter", "compress", "reduce_scatter_quantized",
+__all__ = ["QuantizedReduceScatter", "compress", "compression_state_dict",
+           "load_compression_state_dict", "reduce_scatter_quantized",
            "reference_reduce_scatter"]  # fmt: skip
+
+
+def _check_replan_every(replan_every: object) -> int:
+    if isinstance(replan_every, bool) or not isinstance(replan_every, int) or replan_every < 1:
+        raise ValueError(f"replan_every must be a positive int, got {replan_every!r}")
+    return replan_every
 
 
 class QuantizedReduceScatter(ReduceScatter):
@@ -28,14 +40,54 @@ class QuantizedReduceScatter(ReduceScatter):
     ``row_params`` lists, in FSDP's order, each parameter's values per rank (its padded shard
     size) and whether it is compressed; when a reduction's rows do not match it (a parameter
     without a gradient), the whole row is compressed. ``bytes_sent`` counts this rank's bytes.
+
+    ``adaptive_bits`` (L-GreCo): widths (1..8, ``bits`` among them) to choose from per
+    compressed parameter, planned at the first call and every ``replan_every`` calls after by
+    :func:`cgx2.adaptive.plan_bits`: the fewest bytes whose total error, measured on this
+    call's gradients and summed over ranks, stays within that of ``bits`` everywhere.
+    ``widths`` holds the plan in force (None before the first).
     """
 
     def __init__(self, bits: int = 4, bucket_size: int = 512,
-                 row_params: list[tuple[int, bool]] | None = None) -> None:  # fmt: skip
+                 row_params: list[tuple[int, bool]] | None = None,
+                 adaptive_bits: Sequence[int] | None = None,
+                 replan_every: int = 100) -> None:  # fmt: skip
         self.bits = check_bits(bits)
         self.bucket_size = check_bucket_size(bucket_size)
         self.row_params = row_params or []
+        self.adaptive_bits = None if adaptive_bits is None else check_options(adaptive_bits, bits)
+        self.replan_every = _check_replan_every(replan_every)
         self.bytes_sent = 0
+        self.calls = 0
+        """Reductions that used the adaptive widths: every ``replan_every``-th re-plans."""
+        self.widths: tuple[int, ...] | None = None
+
+    def state_dict(self) -> dict[str, object]:
+        """Settings, plan and counters: with cgx2's seed stream (which
+        :func:`compression_state_dict` adds), what a resumed run needs to plan and round as
+        the uninterrupted one would."""
+        return {
+            "bits": self.bits,
+            "bucket_size": self.bucket_size,
+            "adaptive_bits": self.adaptive_bits,
+            "replan_every": self.replan_every,
+            "widths": self.widths,
+            "calls": self.calls,
+            "bytes_sent": self.bytes_sent,
+        }
+
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
+        """Restore :meth:`state_dict`'s values (the settings too, checked again)."""
+        bits = check_bits(state["bits"])
+        options = state["adaptive_bits"]
+        self.adaptive_bits = None if options is None else check_options(options, bits)
+        self.bits = bits
+        self.bucket_size = check_bucket_size(state["bucket_size"])
+        self.replan_every = _check_replan_every(state["replan_every"])
+        widths = state["widths"]
+        self.widths = None if widths is None else tuple(int(b) for b in widths)
+        self.calls = int(state["calls"])
+        self.bytes_sent = int(state["bytes_sent"])
 
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype,
                  device: torch.device) -> torch.Tensor:  # fmt: skip
@@ -50,6 +102,46 @@ class QuantizedReduceScatter(ReduceScatter):
             at += k
         return segments
 
+    def _widths(self, segments: list[Segment], input: torch.Tensor,
+                group: dist.ProcessGroup) -> tuple[int, ...] | None:  # fmt: skip
+        """The compressed segments' widths for this call, re-planned when due; None where the
+        reduction would not be compressed anyway."""
+        compressed = [s for s in segments if s[2]]
+        world = dist.get_world_size(group)
+        padded = sum(padded_numel(k, self.bucket_size) for _, k, _ in compressed)
+        if not compressed or not compression_pays(input, world * padded):
+            return None
+        due = self.calls % self.replan_every == 0
+        self.calls += 1
+        if due or self.widths is None or len(self.widths) != len(compressed):
+            self.widths = self._plan(compressed, input, group)
+        return self.widths
+
+    def _plan(self, compressed: list[Segment], input: torch.Tensor,
+              group: dist.ProcessGroup) -> tuple[int, ...]:  # fmt: skip
+        """Widths from this call's gradients. A segment's error is measured where it is
+        quantized: on the W−1 rows this rank encodes (its own row stays exact), each row's
+        slice padded to whole buckets with its last value as the codec pads it. The table is
+        summed over ranks, so every rank plans the same widths: each rank decodes what the
+        others encode, and a rank with another plan would misread the payload."""
+        options = self.adaptive_bits or (self.bits,)
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        rows = input.view(world, -1)
+        others = torch.tensor([r for r in range(world) if r != rank], device=input.device)
+        errors = []
+        for o, k, _ in compressed:
+            x = rows[:, o : o + k].index_select(0, others)
+            pad = -k % self.bucket_size
+            if pad:
+                x = torch.cat([x, x[:, -1:].expand(-1, pad)], dim=1)
+            errors.append(layer_errors(x, self.bucket_size, options))
+        table = torch.stack(errors)
+        dist.all_reduce(table, group=group)
+        table = table.cpu()  # one transfer per re-plan
+        budget = float(table[:, options.index(self.bits)].sum())
+        numels = [padded_numel(k, self.bucket_size) for _, k, _ in compressed]
+        return tuple(plan_bits(table.tolist(), numels, options, budget, baseline=self.bits))
+
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op: dist.ReduceOp,
                  async_op: bool = False) -> dist.Work | None:  # fmt: skip
@@ -62,30 +154,42 @@ class QuantizedReduceScatter(ReduceScatter):
             scale = float(op.factor)
         else:
             raise ValueError(f"cgx2's FSDP reduce-scatter takes SUM, AVG or PREMUL_SUM, not {op}")
+        widths = None
         if self.bits == UNCOMPRESSED_BITS:
             segments = [(0, output_tensor.numel(), False)]
         else:
             segments = self._segments(output_tensor.numel())
+            if segments is not None and self.adaptive_bits is not None and world > 1:
+                widths = self._widths(segments, input_tensor, group)
+        # Positional (seed None: the next of cgx2's stream), as wrappers of this function pass.
         self.bytes_sent += reduce_scatter_quantized(
-            output_tensor, input_tensor, group, self.bits, self.bucket_size, scale, segments
-        )
+            output_tensor, input_tensor, group, self.bits, self.bucket_size, scale, segments,
+            None, widths,
+        )  # fmt: skip
         if async_op:
             return CompletedWork([output_tensor])
         return None
 
 
 def compress(model: nn.Module, bits: int | None = None, bucket_size: int | None = None,
-             min_size: int = 1024) -> list[QuantizedReduceScatter]:  # fmt: skip
+             min_size: int = 1024, adaptive_bits: Sequence[int] | None = None,
+             replan_every: int = 100) -> list[QuantizedReduceScatter]:  # fmt: skip
     """Set a :class:`QuantizedReduceScatter` on every FSDP2 module of ``model`` (call it after
     ``fully_shard``). Parameters with one dimension or fewer than ``min_size`` values are
     reduced exactly, as CGX's ``layer_min_size``. ``bits``/``bucket_size`` default to
     ``CGX_COMPRESSION_QUANTIZATION_BITS`` (4 when it is not set: this function is asked to
-    compress)/``CGX_COMPRESSION_BUCKET_SIZE``. Returns the reduce-scatters set, whose
-    ``bytes_sent`` add up to what this rank sent."""
+    compress)/``CGX_COMPRESSION_BUCKET_SIZE``. ``adaptive_bits`` (widths in 1..8 that include
+    ``bits``) makes each module plan its compressed parameters' widths every ``replan_every``
+    reductions, within the error of ``bits`` everywhere (:class:`QuantizedReduceScatter`).
+    Returns the reduce-scatters set, whose ``bytes_sent`` add up to what this rank sent."""
     config = CGXConfig.from_env()
     if bits is None:
         unset = os.environ.get("CGX_COMPRESSION_QUANTIZATION_BITS", "").strip() == ""
         bits = 4 if unset else config.quantization_bits
+    bits = check_bits(bits)
+    if adaptive_bits is not None:  # fail before touching the model
+        adaptive_bits = check_options(adaptive_bits, bits)
+    replan_every = _check_replan_every(replan_every)
     bucket_size = config.bucket_size if bucket_size is None else bucket_size
     min_size = max(min_size, config.minimal_size)
     comms = []
@@ -100,9 +204,44 @@ def compress(model: nn.Module, bits: int | None = None, bucket_size: int | None 
              len(p._orig_size) > 1 and p._orig_size.numel() >= min_size)
             for p in group.fsdp_params
         ]  # fmt: skip
-        comm = QuantizedReduceScatter(bits, bucket_size, row_params)
+        comm = QuantizedReduceScatter(bits, bucket_size, row_params, adaptive_bits, replan_every)
         module.set_custom_reduce_scatter(comm)
         comms.append(comm)
     if not comms:
         raise ValueError("compress() found no fully_shard module with parameters in the model")
     return comms
+
+
+def _named_comms(model: nn.Module) -> Iterator[tuple[str, QuantizedReduceScatter]]:
+    """The :class:`QuantizedReduceScatter` set on each FSDP2 module, by module name."""
+    for name, module in model.named_modules():
+        if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group
+            comm = getattr(group, "_reduce_scatter_comm", None)  # torch keeps it there
+            if isinstance(comm, QuantizedReduceScatter):
+                yield name, comm
+
+
+def compression_state_dict(model: nn.Module) -> dict[str, object]:
+    """Every :class:`QuantizedReduceScatter` of ``model`` (by module name) and cgx2's seed
+    stream: saved with the model and optimizer, :func:`load_compression_state_dict` makes a
+    resumed run plan and round as the uninterrupted one would."""
+    comms = {name: comm.state_dict() for name, comm in _named_comms(model)}
+    if not comms:
+        raise ValueError("the model has no cgx2 reduce-scatter: call cgx2.fsdp.compress first")
+    return {"reduce_scatters": comms, "seed_state": seeding.get_state()}
+
+
+def load_compression_state_dict(model: nn.Module, state: Mapping[str, object]) -> None:
+    """Restore :func:`compression_state_dict`'s values into ``model``'s reduce-scatters (set
+    by :func:`compress` on a model sharded as the saved one was)."""
+    comms = dict(_named_comms(model))
+    saved = state["reduce_scatters"]
+    if not isinstance(saved, Mapping) or set(saved) != set(comms):
+        raise ValueError(
+            f"the state holds reduce-scatters of modules {list(saved)}, the model has "
+            f"{sorted(comms)}"
+        )
+    for name, comm in comms.items():
+        comm.load_state_dict(saved[name])
+    seeding.set_state(state["seed_state"])

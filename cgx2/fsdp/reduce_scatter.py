@@ -1,6 +1,10 @@
 """The quantized reduce-scatter behind FSDP2's gradient reduction: each rank encodes the W−1
 shards it does not own once, one ``all_to_all``, and each owner decodes and sums its shard in
 fp32 onto its own (kept in full precision) — one quantization per value.
+
+With per-segment widths (:mod:`cgx2.adaptive`), the compressed segments are grouped by width:
+each group is encoded as its own chunked payload, the groups' payloads travel side by side in
+one ``all_to_all``, and each group is decoded and summed on its own.
 """
 
 from __future__ import annotations
@@ -12,12 +16,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..checks import check_bits
 from ..codecs import ChunkedLayout, maxmin, maxmin_codec
 from ..collectives import compression_pays
 from ..fusion import fuse_padded
 from ..seeding import derive_key, next_seed
 
-__all__ = ["reduce_scatter_quantized", "reference_reduce_scatter"]
+__all__ = ["reduce_scatter_quantized", "reference_reduce_scatter", "width_groups"]
 
 _STAGE_REDUCE_SCATTER = 3
 # torch >= 2.13 renamed reduce_scatter_tensor; both exist in between.
@@ -31,6 +36,36 @@ def _split(segments: Sequence[Segment] | None, n: int) -> tuple[list[Segment], l
     if sum(k for _, k, _ in segments) != n:
         raise ValueError(f"segments cover {sum(k for _, k, _ in segments)} values of a row of {n}")
     return [s for s in segments if s[2]], [s for s in segments if not s[2]]
+
+
+Group = tuple[int, tuple[Segment, ...]]
+"""(bits, compressed segments) of one width group: its segments are fused and coded together."""
+
+
+def width_groups(compressed: Sequence[Segment], bits: int,
+                 widths: Sequence[int] | None = None) -> tuple[Group, ...]:  # fmt: skip
+    """The compressed segments grouped by width, narrowest first (one group of ``bits`` when
+    ``widths``, one per compressed segment in order, is None)."""
+    if widths is None:
+        return ((bits, tuple(compressed)),) if compressed else ()
+    widths = [check_bits(b, "widths") for b in widths]
+    if len(widths) != len(compressed):
+        raise ValueError(f"{len(widths)} widths for {len(compressed)} compressed segments")
+    if any(b > 8 for b in widths):
+        raise ValueError(f"widths must be in 1..8, got {widths}")
+    return tuple(
+        (b, tuple(s for s, w in zip(compressed, widths, strict=True) if w == b))
+        for b in sorted(set(widths))
+    )
+
+
+def _group_key(seed: int, rank: int, group: int) -> int:
+    """Philox key of a rank's width group: the first (or only) group keeps the key of the
+    uniform reduce-scatter, so one width gives the same bytes with or without ``widths``; the
+    others get keys of their own, so their rounding is independent of the first's."""
+    if group == 0:
+        return derive_key(seed, _STAGE_REDUCE_SCATTER, rank)
+    return derive_key(seed, _STAGE_REDUCE_SCATTER, rank, group)
 
 
 def _fused_rows(rows: torch.Tensor, compressed: list[Segment],
@@ -51,35 +86,49 @@ def reduce_scatter_quantized(
     scale: float | None = None,
     segments: Sequence[Segment] | None = None,
     seed: int | None = None,
+    widths: Sequence[int] | None = None,
 ) -> int:
     """Reduce-scatter ``input`` (W rows of ``output.numel()``) into ``output``: the sum times
-    ``scale`` (None: 1). Segments marked uncompressed, and everything when compression does
-    not pay on this interconnect (:mod:`cgx2.crossover`), go through the plain reduce-scatter.
-    Returns the bytes this rank sent."""
+    ``scale`` (None: 1). ``widths`` gives one width (1..8) per compressed segment, in order
+    (None: ``bits`` for all). Segments marked uncompressed, and everything when compression
+    does not pay on this interconnect (:mod:`cgx2.crossover`), go through the plain
+    reduce-scatter. Returns the bytes this rank sent."""
     world, rank, n = dist.get_world_size(group), dist.get_rank(group), output.numel()
     rows = input.view(world, n)
     compressed, exact = _split(segments, n)
+    groups = width_groups(compressed, bits, widths)
     padded = sum(-(-k // bucket_size) * bucket_size for _, k, _ in compressed)
     if compressed and not compression_pays(input, world * padded):
-        compressed, exact = [], [(0, n, False)]
+        compressed, exact, groups = [], [(0, n, False)], ()
     sent = 0
-    plan = _plan(n, world, tuple(compressed), tuple(exact), bucket_size, input.device)
+    plan = _plan(n, world, tuple(s for _, s in groups), tuple(exact), bucket_size, input.device)
     if compressed:
         seed = next_seed() if seed is None else seed
-        # One gather builds every row's padded compressed segments: chunk j is row j.
+        # One gather builds every group's rows of padded segments, group after group: chunk
+        # j of a group is row j.
         flat = input.index_select(0, plan.gather)
-        width = plan.width
-        layout = ChunkedLayout(flat.numel(), world, width, bits, bucket_size)
         codec = maxmin_codec(input.device)
-        send = codec.encode_chunks(
-            flat, layout, derive_key(seed, _STAGE_REDUCE_SCATTER, rank), skip_chunk=rank
-        )
+        parts, layouts, sends, at = [], [], [], 0
+        for g, ((b, _), width) in enumerate(zip(groups, plan.widths, strict=True)):
+            parts.append(flat[at : at + world * width])
+            layouts.append(ChunkedLayout(world * width, world, width, b, bucket_size))
+            key = _group_key(seed, rank, g)
+            sends.append(codec.encode_chunks(parts[-1], layouts[-1], key, skip_chunk=rank))
+            at += world * width
+        # The groups' payloads side by side, so one all_to_all carries them: row j of the
+        # whole buffer goes to rank j.
+        send = sends[0] if len(sends) == 1 else torch.cat(sends, dim=1)
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=group)
-        own = flat[rank * width : (rank + 1) * width]
-        reduced = codec.decode_sum(recv, width, own, rank, scale, bits, bucket_size)
+        reduced, col = [], 0
+        for (b, _), width, part, layout in zip(groups, plan.widths, parts, layouts, strict=True):
+            payloads = recv[:, col : col + layout.payload_nbytes]
+            col += layout.payload_nbytes
+            own = part[rank * width : (rank + 1) * width]
+            reduced.append(codec.decode_sum(payloads, width, own, rank, scale, b, bucket_size))
+        reduced = reduced[0] if len(reduced) == 1 else torch.cat(reduced)
         output.index_copy_(0, plan.out, reduced.index_select(0, plan.src).to(output.dtype))
-        sent += (world - 1) * layout.payload_nbytes
+        sent += (world - 1) * send.shape[1]
     if exact:
         part = rows.index_select(1, plan.exact)
         reduced = torch.empty(part.shape[1], dtype=output.dtype, device=output.device)
@@ -94,10 +143,11 @@ def reduce_scatter_quantized(
 @dataclass(frozen=True)
 class _Plan:
     """Index tensors that move a reduction's segments with one op each, made once per shape:
-    ``gather`` builds the fused rows from the flat input, ``src``/``out`` place the reduced
-    compressed values, ``exact`` lists the uncompressed positions of a row."""
+    ``gather`` builds every width group's fused rows from the flat input (group after group,
+    each ``world * widths[g]`` values), ``src``/``out`` place the reduced compressed values
+    (the groups' reduced rows concatenated), ``exact`` lists the uncompressed positions."""
 
-    width: int
+    widths: tuple[int, ...]
     gather: torch.Tensor
     src: torch.Tensor
     out: torch.Tensor
@@ -105,24 +155,29 @@ class _Plan:
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(n: int, world: int, compressed: tuple[Segment, ...], exact: tuple[Segment, ...],
-          bucket_size: int, device: torch.device) -> _Plan:  # fmt: skip
-    row, src, out, at = [], [], [], 0
-    for o, k, _ in compressed:
-        pad = -k % bucket_size
-        row.append(torch.cat([torch.arange(o, o + k), torch.full((pad,), o + k - 1)]))
-        src.append(torch.arange(at, at + k))
-        out.append(torch.arange(o, o + k))
-        at += k + pad
+def _plan(n: int, world: int, groups: tuple[tuple[Segment, ...], ...],
+          exact: tuple[Segment, ...], bucket_size: int, device: torch.device) -> _Plan:  # fmt: skip
     empty = torch.empty(0, dtype=torch.int64)
-    row_index = torch.cat(row) if row else empty
-    gather = torch.cat([row_index + r * n for r in range(world)]) if row else empty
+    gathers, src, out, widths, base = [], [], [], [], 0
+    for compressed in groups:
+        row, at = [], 0
+        for o, k, _ in compressed:
+            pad = -k % bucket_size
+            row.append(torch.cat([torch.arange(o, o + k), torch.full((pad,), o + k - 1)]))
+            src.append(torch.arange(base + at, base + at + k))
+            out.append(torch.arange(o, o + k))
+            at += k + pad
+        row_index = torch.cat(row) if row else empty
+        gathers.extend(row_index + r * n for r in range(world))
+        widths.append(at)
+        base += at
     exact_index = torch.cat([torch.arange(o, o + k) for o, k, _ in exact]) if exact else empty
+    cat = lambda parts: torch.cat(parts) if parts else empty
     return _Plan(
-        at,
-        gather.to(device),
-        (torch.cat(src) if src else empty).to(device),
-        (torch.cat(out) if out else empty).to(device),
+        tuple(widths),
+        cat(gathers).to(device),
+        cat(src).to(device),
+        cat(out).to(device),
         exact_index.to(device),
     )
 
@@ -134,25 +189,26 @@ def reference_reduce_scatter(
     seed: int,
     scale: float | None = None,
     segments: Sequence[Segment] | None = None,
+    widths: Sequence[int] | None = None,
 ) -> list[torch.Tensor]:
     """What :func:`reduce_scatter_quantized` writes on every rank when rank r holds
     ``inputs[r]`` and compression pays, for its compressed segments (the exact ones are left
-    zero), computed in one process with the reference codec: a bit-exact model for tests."""
+    zero), computed in one process with the reference codec, one width group at a time: a
+    bit-exact model for tests."""
     world = len(inputs)
     n = inputs[0].numel() // world
     compressed, _ = _split(segments, n)
-    fused = [_fused_rows(x.reshape(world, n).cpu(), compressed, bucket_size) for x in inputs]
-    starts, width = fused[0][1], fused[0][2]
-    layout = ChunkedLayout(world * width, world, width, bits, bucket_size)
-    sent = [maxmin.encode_chunks(f, layout, derive_key(seed, _STAGE_REDUCE_SCATTER, r), r)
-            for r, (f, _, _) in enumerate(fused)]  # fmt: skip
-    outputs = []
-    for j in range(world):
-        received = torch.stack([sent[r][j] for r in range(world)])
-        own = fused[j][0][j * width : (j + 1) * width]
-        reduced = maxmin.decode_sum(received, width, own, j, scale, bits, bucket_size)
-        out = torch.zeros(n, dtype=inputs[0].dtype)
-        for (o, k, _), at in zip(compressed, starts, strict=True):
-            out[o : o + k] = reduced[at : at + k]
-        outputs.append(out)
+    outputs = [torch.zeros(n, dtype=inputs[0].dtype) for _ in range(world)]
+    for g, (b, chosen) in enumerate(width_groups(compressed, bits, widths)):
+        fused = [_fused_rows(x.reshape(world, n).cpu(), list(chosen), bucket_size) for x in inputs]
+        starts, width = fused[0][1], fused[0][2]
+        layout = ChunkedLayout(world * width, world, width, b, bucket_size)
+        sent = [maxmin.encode_chunks(f, layout, _group_key(seed, r, g), r)
+                for r, (f, _, _) in enumerate(fused)]  # fmt: skip
+        for j in range(world):
+            received = torch.stack([sent[r][j] for r in range(world)])
+            own = fused[j][0][j * width : (j + 1) * width]
+            reduced = maxmin.decode_sum(received, width, own, j, scale, b, bucket_size)
+            for (o, k, _), at in zip(chosen, starts, strict=True):
+                outputs[j][o : o + k] = reduced[at : at + k]
     return outputs
