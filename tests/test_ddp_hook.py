@@ -39,7 +39,8 @@ def _train(bits: int | None, steps: int, params: dict | None = None) -> dict:
     torch.manual_seed(0)
     model = DDP(Net(), bucket_cap_mb=0.02)
     if bits is not None:
-        state = CGXState(None, 1024, {"bits": bits, "bucket_size": 128, **(params or {})})
+        state = CGXState(None, 1024, {"bits": bits, "bucket_size": 128, **(params or {})},
+                         start_iter=0)  # fmt: skip
         model.register_comm_hook(state, cgx_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.5)
     losses, first_grads = [], None
@@ -165,7 +166,7 @@ def test_cgx_utils_drop_in():
 def _bytes(bits: int) -> tuple[int, int]:
     torch.manual_seed(0)
     model = DDP(Net(), bucket_cap_mb=0.02)
-    state = CGXState(None, 1024, {"bits": bits, "bucket_size": 128})
+    state = CGXState(None, 1024, {"bits": bits, "bucket_size": 128}, start_iter=0)
     model.register_comm_hook(state, cgx_hook)
     x, y = _batch(dist.get_rank(), 0)
     nn.functional.cross_entropy(model(x), y).backward()
@@ -193,7 +194,7 @@ def _resume(split: int | None, steps: int) -> list[float]:
     def fresh() -> tuple[DDP, torch.optim.Optimizer, CGXState]:
         torch.manual_seed(0)
         model = DDP(Net(), bucket_cap_mb=0.02)
-        state = CGXState(None, 1024, {"bits": 3, "bucket_size": 128})
+        state = CGXState(None, 1024, {"bits": 3, "bucket_size": 128}, start_iter=0)
         model.register_comm_hook(state, cgx_hook)
         return model, torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.5), state
 
@@ -225,3 +226,31 @@ def test_checkpointed_hook_state_resumes_identically(dist2):
     straight = dist2.run(_resume, None, 6)
     resumed = dist2.run(_resume, 3, 6)
     assert straight == resumed
+
+
+def _first_iterations(start_iter: int) -> list[tuple[int, int]]:
+    torch.manual_seed(0)
+    model = DDP(Net(), bucket_cap_mb=0.02)
+    state = CGXState(None, 1024, {"bits": 4, "bucket_size": 128}, start_iter=start_iter)
+    model.register_comm_hook(state, cgx_hook)
+    sent = []
+    for step in range(3):
+        x, y = _batch(dist.get_rank(), step)
+        before = state.bytes_sent, state.bytes_uncompressed
+        nn.functional.cross_entropy(model(x), y).backward()
+        sent.append((state.bytes_sent - before[0], state.bytes_uncompressed - before[1]))
+    assert state.iteration == 3 and state.state_dict()["iteration"] == 3
+    return sent
+
+
+def test_first_iteration_goes_exact_by_default(dist2):
+    """DDP's first iteration (the whole model in one bucket) is averaged exactly, as CGX did;
+    compression starts at the second; start_iter=0 compresses from the first."""
+    default, _ = dist2.run(_first_iterations, 1)
+    (first, plain), later = default[0], default[1:]
+    assert first == plain
+    assert all(sent < plain for sent, plain in later)
+    eager, _ = dist2.run(_first_iterations, 0)
+    assert all(sent < plain for sent, plain in eager)
+    with pytest.raises(ValueError, match="start_iter"):
+        CGXState(None, start_iter=-1)

@@ -147,7 +147,7 @@ def _coefficients(rank: int, model: nn.Module) -> dict[str, torch.Tensor]:
 def _state(kind: str, error_feedback: bool) -> tuple[object, object]:
     if kind == "cgx":
         params = {"bits": BITS, "bucket_size": BUCKET}
-        return CGXState(None, 1024, params, error_feedback=error_feedback), cgx_hook
+        return CGXState(None, 1024, params, error_feedback=error_feedback, start_iter=0), cgx_hook
     return GlobalQSGDState(None, 3, error_feedback=error_feedback), standard_dithering_hook
 
 

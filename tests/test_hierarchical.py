@@ -87,7 +87,7 @@ def _hook_on_two_nodes() -> dict:
         for mesh in ("auto", None):
             torch.manual_seed(0)
             model = DDP(nn.Linear(128, 64))
-            state = CGXState(None, 1024, {"bits": 4, "bucket_size": 128}, mesh=mesh)
+            state = CGXState(None, 1024, {"bits": 4, "bucket_size": 128}, mesh=mesh, start_iter=0)
             model.register_comm_hook(state, cgx_hook)
             cgx2.manual_seed(1)
             model(_input(dist.get_rank(), 8 * 128).view(8, 128)).square().sum().backward()

@@ -111,5 +111,6 @@ def test_compare_hooks_writes_table_json_and_plot(tmp_path):
     assert len(runs) == 10 and "| cgx 4-bit |" in proc.stdout
     for r in runs.values():
         assert len(r["losses"]) == 5 and r["final_loss"] < r["losses"][0] + 1e-6
-    assert runs["cgx 4-bit"]["bytes_sent"] * 6 < runs["plain (default_hook)"]["bytes_sent"]
+    # 5 steps, the first exact (CGXState's start_iter): 1 + 4/7.7 of plain's bytes at most
+    assert runs["cgx 4-bit"]["bytes_sent"] * 3 < runs["plain (default_hook)"]["bytes_sent"]
     assert 0 < runs["L-GreCo PowerSGD"]["bytes_sent"] < runs["plain (default_hook)"]["bytes_sent"]
