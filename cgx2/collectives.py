@@ -19,7 +19,7 @@ from .checks import (
     check_reduce_op,
 )
 from .codecs import ChunkedLayout, maxmin, maxmin_codec
-from .crossover import crossover_bytes
+from .crossover import crossover_bytes, regime
 from .seeding import derive_key, next_seed
 
 __all__ = [
@@ -77,7 +77,7 @@ def allreduce_quantized(
     group of one returns a copy of ``t``. ``seed`` None draws the next seed from
     :mod:`cgx2.seeding`.
 
-    Tensors larger than :data:`PIPELINE_BYTES` are cut into pieces of whole buckets per rank;
+    Tensors larger than a piece (:data:`PIPELINE_BYTES`) are cut into whole buckets per rank;
     while one piece is on the wire the next one is encoded (collectives are issued
     asynchronously, so on GPUs they run on NCCL's stream beside the codec kernels).
     """
@@ -151,7 +151,7 @@ def _run_pieces(flat: torch.Tensor, out: torch.Tensor, bits: int, bucket_size: i
     :func:`allreduce_quantized_`."""
     seed = next_seed() if seed is None else seed
     world = dist.get_world_size(group)
-    step = _piece_numel(flat.element_size(), world, bucket_size)
+    step = _piece_numel(flat.element_size(), world, bucket_size, flat.device)
     args = (bits, bucket_size, group, reduce_op, seed, skip_incomplete)
     starts = range(0, flat.numel(), step)
     pieces = [_Piece(flat[s : s + step], out[s : s + step], i, *args) for i, s in enumerate(starts)]
@@ -168,11 +168,17 @@ def _run_pieces(flat: torch.Tensor, out: torch.Tensor, bits: int, bucket_size: i
             pieces[i - 2].finish()
 
 
-PIPELINE_BYTES = 256 << 20
-"""Input bytes per pipeline piece of :func:`allreduce_quantized`. Each piece costs ~0.3 ms of
-host time (launches, collectives) on our H200s, so small pieces lose more than their overlap
-gains: 256 MiB beat 64 MiB over NVLink (2 GPUs, 256 MiB fp32 at 4 bits: 0.77 vs 1.49 ms) and
-at 1 GiB over shared memory, though not at 256 MiB there (BENCHMARKS.md)."""
+PIPELINE_BYTES: int | None = None
+"""Input bytes per pipeline piece of :func:`allreduce_quantized`; None: the regime's
+(:data:`PIECE_BYTES`). The pieces fix which values share a random key, so every rank, and
+:func:`reference_allreduce`, must cut alike."""
+
+PIECE_BYTES = {"nvlink": 256 << 20, "shm": 64 << 20, "socket": 64 << 20, "cpu": 256 << 20}
+"""Pipeline piece per regime (:func:`cgx2.crossover.regime`). Each piece costs ~0.3 ms of host
+time (launches, collectives) on our H200s: over NVLink, where the transfer is shorter than the
+coding, 256 MiB pieces beat 64 MiB (2 GPUs, 256 MiB fp32 at 4 bits: 0.77 vs 1.49 ms); over
+shared memory and sockets the overlap of coding with the transfer pays for it
+(BENCHMARKS.md)."""
 
 
 def compression_pays(t: torch.Tensor, numel: int | None = None) -> bool:
@@ -183,10 +189,15 @@ def compression_pays(t: torch.Tensor, numel: int | None = None) -> bool:
     return threshold is not None and numel * t.element_size() >= threshold
 
 
-def _piece_numel(element_size: int, world: int, bucket_size: int) -> int:
-    """Values per pipeline piece: whole buckets for every rank, about PIPELINE_BYTES."""
+def _piece_numel(element_size: int, world: int, bucket_size: int,
+                 device: torch.device | None = None) -> int:  # fmt: skip
+    """Values per pipeline piece: whole buckets for every rank, about :data:`PIPELINE_BYTES`
+    (or the regime's piece on ``device``)."""
+    piece_bytes = PIPELINE_BYTES
+    if piece_bytes is None:
+        piece_bytes = PIECE_BYTES[regime(device if device is not None else torch.device("cpu"))]
     per_piece = world * bucket_size
-    return max(1, PIPELINE_BYTES // (element_size * per_piece)) * per_piece
+    return max(1, piece_bytes // (element_size * per_piece)) * per_piece
 
 
 def reference_allreduce(
@@ -198,13 +209,14 @@ def reference_allreduce(
     skip_incomplete: bool = False,
 ) -> torch.Tensor:
     """What :func:`allreduce_quantized` returns on every rank when rank r holds
-    ``inputs[r]``, computed in one process with the torch reference codec (same pieces, keys
-    and order of summation): a bit-exact model of the collective, for tests and checks."""
+    ``inputs[r]``, computed in one process with the torch reference codec (same pieces, for
+    the inputs' device, keys and order of summation): a bit-exact model of the collective,
+    for tests and checks."""
     world, x0 = len(inputs), inputs[0]
     flats = [x.reshape(-1).cpu() for x in inputs]
     out = torch.empty(x0.numel(), dtype=x0.dtype)
     scale = 1.0 / world if check_reduce_op(reduce_op) == "avg" else None
-    step = _piece_numel(x0.element_size(), world, bucket_size)
+    step = _piece_numel(x0.element_size(), world, bucket_size, x0.device)
     for index, s in enumerate(range(0, x0.numel(), step)):
         pieces = [f[s : s + step] for f in flats]
         layout = ChunkedLayout.split(pieces[0].numel(), world, bits, bucket_size, skip_incomplete)

@@ -14,7 +14,7 @@ import os
 
 import torch
 
-__all__ = ["CROSSOVER_BYTES", "crossover_bytes", "detect_regime"]
+__all__ = ["CROSSOVER_BYTES", "crossover_bytes", "detect_regime", "regime"]
 
 logger = logging.getLogger("cgx2")
 
@@ -75,12 +75,18 @@ def crossover_bytes(device: torch.device, dtype: torch.dtype) -> int | None:
 
 
 @functools.cache
+def regime(device: torch.device) -> str:
+    """:func:`detect_regime`, once per device: NCCL too reads its variables once."""
+    return detect_regime(device)
+
+
+@functools.cache
 def _measured_crossover(device: torch.device, dtype: torch.dtype) -> int | None:
-    regime = detect_regime(device)
-    full, half = CROSSOVER_BYTES[regime]
+    found = regime(device)
+    full, half = CROSSOVER_BYTES[found]
     chosen = full if dtype.itemsize >= 4 else half
     logger.info(
         "cgx2: %s regime, %s: quantized allreduce from %s (%s=0 always compresses)",
-        regime, dtype, "never" if chosen is None else f"{chosen} bytes", _VARIABLE,
+        found, dtype, "never" if chosen is None else f"{chosen} bytes", _VARIABLE,
     )  # fmt: skip
     return chosen

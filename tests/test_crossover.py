@@ -20,8 +20,10 @@ def clean_env(monkeypatch):
     for var in ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
                 "CGX2_CROSSOVER_BYTES"):  # fmt: skip
         monkeypatch.delenv(var, raising=False)
-    crossover._measured_crossover.cache_clear()  # the regime is cached per device
+    crossover.regime.cache_clear()  # the regime is cached per device
+    crossover._measured_crossover.cache_clear()
     yield monkeypatch
+    crossover.regime.cache_clear()
     crossover._measured_crossover.cache_clear()
 
 

@@ -26,6 +26,7 @@ import torch.distributed as dist
 import cgx2
 from cgx2 import collectives
 from cgx2.codecs import ChunkedLayout
+from cgx2.crossover import regime
 
 from .report import environment, format_table, write_json
 
@@ -196,7 +197,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument(
-        "--pipeline-mb", type=int, default=None, help="input MiB per pipeline piece (default: 256)"
+        "--pipeline-mb",
+        type=int,
+        default=None,
+        help="input MiB per pipeline piece (default: the regime's, cgx2.collectives.PIECE_BYTES)",
     )
     p.add_argument("--out-dir", default="bench/results", help="where the JSON goes ('' for none)")
     args = p.parse_args(argv)
@@ -214,12 +218,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     if args.pipeline_mb is not None:
         collectives.PIPELINE_BYTES = args.pipeline_mb << 20
-    args.pipeline_bytes = collectives.PIPELINE_BYTES
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         backend = "nccl"
     else:
         backend = "gloo"
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
+    args.pipeline_bytes = (
+        collectives.PIPELINE_BYTES or collectives.PIECE_BYTES[regime(device or torch.device("cpu"))]
+    )
     if "RANK" not in os.environ:  # a single process without torchrun
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29512")
     dist.init_process_group(backend)
