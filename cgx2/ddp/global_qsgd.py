@@ -20,6 +20,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
 )
 
 from .. import seeding
+from ..codecs.exponential import exponential_codec, exponential_codes, exponential_values
 from ..error_feedback import ErrorFeedback
 from ..seeding import derive_key, next_seed
 
@@ -244,14 +245,16 @@ def exponential_dithering(g: torch.Tensor, state: GlobalQSGDState, *,
     group = _group(state)
     world = dist.get_world_size(group)
     norm = _global_norm(g, group)
-    x = g.float() / torch.where(norm > 0, norm, torch.ones_like(norm))
-    codes = exponential_codes(x, state.bits or 8, _uniform(x, group))
+    # The Triton kernels on CUDA (one pass over g), the torch reference elsewhere: same codes.
+    codec = exponential_codec(g.device)
+    key = derive_key(next_seed(), dist.get_rank(group))
+    codes = codec.encode(g, norm, state.bits or 8, key)
     if residual is not None:
-        _keep_error(residual, g, exponential_values(codes) * norm)
+        _keep_error(residual, g, codec.decode(codes).view(g.shape) * norm)
     gathered = torch.empty(world * codes.numel(), dtype=codes.dtype, device=codes.device)
     _all_gather_single(gathered, codes, group=group)
     state.bytes_sent += (world - 1) * codes.numel() * codes.element_size() + _ring(4, world)
-    return exponential_values(gathered.view(world, -1)).sum(0) * (norm / world)
+    return codec.decode_sum(gathered.view(world, -1), norm / world)
 
 
 def _with_feedback(bucket: dist.GradBucket, state: GlobalQSGDState,
@@ -365,26 +368,6 @@ def qsgd_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[to
     """QSGD with each rank's own norm: int8 levels and the norms are all-gathered, and every
     rank decodes all of them and sums. Unbiased; sends W times what an allreduce would."""
     return _done(bucket, _with_feedback(bucket, _state(state), qsgd))
-
-
-def exponential_codes(x: torch.Tensor, bits: int, u: torch.Tensor) -> torch.Tensor:
-    """Codes of ``x`` in [-1, 1] on powers of two: code k > 0 stands for sign * 2^-(k-1),
-    0 for zero, rounded stochastically (with ``u``) between neighbouring levels: unbiased."""
-    kmax = 2 ** (bits - 1) - 1  # smallest magnitude 2^-(kmax-1)
-    a = x.abs().clamp(max=1.0)
-    e = torch.floor(-torch.log2(a.clamp(min=2.0 ** -(kmax - 1))))  # a in (2^-(e+1), 2^-e]
-    upper = torch.exp2(-e)
-    lower = torch.where(e >= kmax - 1, torch.zeros_like(upper), upper / 2)
-    up = u < (a - lower) / (upper - lower)
-    k = torch.where(up, e + 1, torch.where(lower > 0, e + 2, torch.zeros_like(e)))
-    k = torch.where(a > 0, k, torch.zeros_like(k))
-    return (torch.sign(x) * k).to(torch.int8 if bits <= 8 else torch.int32)
-
-
-def exponential_values(codes: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`exponential_codes`."""
-    k = codes.abs().float()
-    return torch.where(k > 0, torch.sign(codes.float()) * torch.exp2(1 - k), torch.zeros_like(k))
 
 
 def exponential_dithering_hook(
