@@ -170,15 +170,17 @@ def _run_pieces(flat: torch.Tensor, out: torch.Tensor, bits: int, bucket_size: i
 
 PIPELINE_BYTES: int | None = None
 """Input bytes per pipeline piece of :func:`allreduce_quantized`; None: the regime's
-(:data:`PIECE_BYTES`). The pieces fix which values share a random key, so every rank, and
+(:data:`PIECE_NUMEL`). The pieces fix which values share a random key, so every rank, and
 :func:`reference_allreduce`, must cut alike."""
 
-PIECE_BYTES = {"nvlink": 256 << 20, "shm": 64 << 20, "socket": 64 << 20, "cpu": 256 << 20}
-"""Pipeline piece per regime (:func:`cgx2.crossover.regime`). Each piece costs ~0.3 ms of host
-time (launches, collectives) on our H200s: over NVLink, where the transfer is shorter than the
-coding, 256 MiB pieces beat 64 MiB (2 GPUs, 256 MiB fp32 at 4 bits: 0.77 vs 1.49 ms); over
-shared memory and sockets the overlap of coding with the transfer pays for it
-(BENCHMARKS.md)."""
+PIECE_NUMEL = {"nvlink": 64 << 20, "shm": 16 << 20, "socket": 16 << 20, "cpu": 64 << 20}
+"""Values per pipeline piece in each regime (:func:`cgx2.crossover.regime`): values, not
+bytes, since both the coding and the bytes on the wire grow with the values whatever the
+input dtype. Each piece costs ~0.3 ms of host time (launches, collectives) on our H200s. Over
+NVLink, where the transfer is shorter than the coding, 256 MiB fp32 pieces beat 64 MiB ones
+(2 GPUs, 256 MiB at 4 bits: 0.77 vs 1.49 ms); over shared memory and sockets, overlapping the
+coding with the transfer pays: 4 H200s over sockets, 256 MiB of bf16 at 4 bits, 3.02x NCCL
+with 16M-value pieces against 2.24x with 32M (BENCHMARKS.md)."""
 
 
 def compression_pays(t: torch.Tensor, numel: int | None = None) -> bool:
@@ -192,12 +194,12 @@ def compression_pays(t: torch.Tensor, numel: int | None = None) -> bool:
 def _piece_numel(element_size: int, world: int, bucket_size: int,
                  device: torch.device | None = None) -> int:  # fmt: skip
     """Values per pipeline piece: whole buckets for every rank, about :data:`PIPELINE_BYTES`
-    (or the regime's piece on ``device``)."""
-    piece_bytes = PIPELINE_BYTES
-    if piece_bytes is None:
-        piece_bytes = PIECE_BYTES[regime(device if device is not None else torch.device("cpu"))]
+    (or the regime's :data:`PIECE_NUMEL` on ``device``)."""
     per_piece = world * bucket_size
-    return max(1, piece_bytes // (element_size * per_piece)) * per_piece
+    if PIPELINE_BYTES is not None:
+        return max(1, PIPELINE_BYTES // (element_size * per_piece)) * per_piece
+    numel = PIECE_NUMEL[regime(device if device is not None else torch.device("cpu"))]
+    return max(1, numel // per_piece) * per_piece
 
 
 def reference_allreduce(

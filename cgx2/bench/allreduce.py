@@ -200,7 +200,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--pipeline-mb",
         type=int,
         default=None,
-        help="input MiB per pipeline piece (default: the regime's, cgx2.collectives.PIECE_BYTES)",
+        help="input MiB per pipeline piece (default: the regime's cgx2.collectives.PIECE_NUMEL)",
     )
     p.add_argument("--out-dir", default="bench/results", help="where the JSON goes ('' for none)")
     args = p.parse_args(argv)
@@ -224,9 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         backend = "gloo"
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
-    args.pipeline_bytes = (
-        collectives.PIPELINE_BYTES or collectives.PIECE_BYTES[regime(device or torch.device("cpu"))]
-    )
+    args.pipeline_bytes = collectives.PIPELINE_BYTES  # None: the regime's PIECE_NUMEL
+    args.piece_numel = collectives.PIECE_NUMEL[regime(device or torch.device("cpu"))]
     if "RANK" not in os.environ:  # a single process without torchrun
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29512")
     dist.init_process_group(backend)
