@@ -185,3 +185,78 @@ def test_gqsgd_drop_in():
     assert isinstance(state, LGreCoState) and isinstance(state, torch_powersgd.PowerSGDState)
     assert state.ranks == (2, 3, 4, 5, 6, 7, 8) and state.replan_every == 50
     assert module.PowerSGDState(None, 1).ranks == (1, 2)
+
+
+def _train_powersgd(kind: str, steps: int) -> list[torch.Tensor]:
+    """cgx2's PowerSGDState/powerSGD_hook (``kind`` "cgx2"), or torch's state through cgx2's
+    hook ("torch-state")."""
+    from cgx2.ddp import PowerSGDState, powerSGD_hook
+
+    torch.manual_seed(0)
+    model = DDP(_Net())
+    state_type = PowerSGDState if kind == "cgx2" else torch_powersgd.PowerSGDState
+    state = state_type(None, 2, start_powerSGD_iter=2)
+    model.register_comm_hook(state, powerSGD_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    grads = [_step(model, opt, s)[1] for s in range(steps)]
+    if kind == "cgx2":
+        assert state.bytes_sent > 0 and state.layer_ranks and set(state.layer_ranks.values()) == {2}
+    return grads
+
+
+def test_cgx2_powersgd_is_torch_powersgd(dist2):
+    """cgx2.ddp.PowerSGDState + powerSGD_hook give torch's PowerSGD bit for bit (and torch's
+    own state passed to cgx2's hook runs torch's hook)."""
+    theirs = dist2.run(_train, "torch", 8)
+    for kind in ("cgx2", "torch-state"):
+        ours = dist2.run(_train_powersgd, kind, 8)
+        for a, b in zip(ours, theirs, strict=True):
+            for ga, gb in zip(a, b["grads"], strict=True):
+                assert torch.equal(ga, gb), kind
+
+
+def _resume_powersgd(load: bool) -> dict:
+    from cgx2.ddp import PowerSGDState, powerSGD_hook
+
+    def make() -> tuple[nn.Module, PowerSGDState, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = DDP(_Net())
+        state = PowerSGDState(None, 2, start_powerSGD_iter=2)
+        model.register_comm_hook(state, powerSGD_hook)
+        return model, state, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    model, state, opt = make()
+    for s in range(5):
+        _step(model, opt, s)
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                "hook": state.state_dict()}, buffer)  # fmt: skip
+    straight = [_step(model, opt, s)[1] for s in range(5, 9)]
+    buffer.seek(0)
+    checkpoint = torch.load(buffer)
+    model, state, opt = make()
+    model.load_state_dict(checkpoint["model"])
+    opt.load_state_dict(checkpoint["opt"])
+    if load:
+        state.load_state_dict(checkpoint["hook"])
+    else:
+        state.iter = checkpoint["hook"]["iter"]
+    resumed = [_step(model, opt, s)[1] for s in range(5, 9)]
+    return {"straight": straight, "resumed": resumed}
+
+
+def test_cgx2_powersgd_checkpoint_resumes_identically(dist2):
+    """P, Q and residuals are saved and restored: a resumed run continues identically (it
+    differs when the hook's state is not loaded, so the test can fail)."""
+    for r in dist2.run(_resume_powersgd, True):
+        for a, b in zip(r["straight"], r["resumed"], strict=True):
+            assert torch.equal(a, b)
+    for r in dist2.run(_resume_powersgd, False):
+        assert not torch.equal(r["straight"][0], r["resumed"][0])
+
+
+def test_gqsgd_batched_hook_refuses_cgx2_state():
+    from gqsgd.powerSGD_hook import PowerSGDState, batched_powerSGD_hook
+
+    with pytest.raises(TypeError, match="torch's PowerSGDState"):
+        batched_powerSGD_hook(PowerSGDState(None, 2), None)

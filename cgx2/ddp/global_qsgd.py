@@ -14,15 +14,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
-    PowerSGDState,
-    powerSGD_hook,
-)
 
 from .. import seeding
 from ..codecs.exponential import exponential_codec, exponential_codes, exponential_values
 from ..error_feedback import ErrorFeedback
 from ..seeding import derive_key, next_seed
+from .lgreco import PowerSGDState, powerSGD_hook
 
 __all__ = [
     "GlobalQSGDState",

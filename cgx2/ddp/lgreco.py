@@ -20,8 +20,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
-    PowerSGDState,
     _orthogonalize,
     _should_compress,
 )
@@ -29,7 +29,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..adaptive import plan_bits
 
-__all__ = ["LGreCoState", "lgreco_hook", "powerSGD_hook", "rank_errors"]
+__all__ = ["LGreCoState", "PowerSGDState", "lgreco_hook", "powerSGD_hook", "rank_errors"]
 
 _OVERSAMPLE = 8  # extra columns of the randomized SVD: its top singular values come out tighter
 
@@ -83,7 +83,7 @@ def rank_errors(matrix: torch.Tensor, ranks: Sequence[int], seed: int = 0) -> to
     return (total - captured[[min(r, top) - 1 for r in ranks]]).clamp(min=0)
 
 
-class LGreCoState(PowerSGDState):
+class LGreCoState(torch_powersgd.PowerSGDState):
     """torch's ``PowerSGDState`` plus per-layer ranks. ``matrix_approximation_rank`` is the
     baseline: it decides which layers are compressed (torch's ``min_compression_rate`` test)
     and its error, everywhere, is the budget. ``ranks`` are the candidates (default powers of
@@ -278,6 +278,38 @@ class LGreCoState(PowerSGDState):
         self.total_numel_after_compression = state["numel_after"]
 
 
+class PowerSGDState(LGreCoState):
+    """torch's ``PowerSGDState``, one rank for every layer: with :func:`powerSGD_hook` it is
+    torch's PowerSGD bit for bit (the same P, Q, residuals and random Q), but its state is
+    kept per parameter (see :class:`LGreCoState`), so it survives DDP's bucket rebuild and a
+    checkpoint (``state_dict``/``load_state_dict``), and it counts ``bytes_sent``. torch's own
+    keys residuals and P/Q by bucket index, which a resumed run's first step, laid out afresh
+    by DDP, does not match. ``batch_tensors_with_same_shape`` is accepted and has no effect:
+    layers are compressed one by one."""
+
+    __slots__ = ()
+
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None,
+        matrix_approximation_rank: int = 1,
+        start_powerSGD_iter: int = 1_000,
+        min_compression_rate: float = 2,
+        use_error_feedback: bool = True,
+        warm_start: bool = True,
+        orthogonalization_epsilon: float = 0,
+        random_seed: int = 0,
+        compression_stats_logging_frequency: int = 10_000,
+        batch_tensors_with_same_shape: bool = False,
+    ) -> None:
+        super().__init__(process_group, matrix_approximation_rank, start_powerSGD_iter,
+                         min_compression_rate, use_error_feedback, warm_start,
+                         orthogonalization_epsilon, random_seed,
+                         compression_stats_logging_frequency,
+                         ranks=(matrix_approximation_rank,))  # fmt: skip
+        self.batch_tensors_with_same_shape = batch_tensors_with_same_shape
+
+
 def _views(flat: torch.Tensor, shapes: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
     out, offset = [], 0
     for rows, cols in shapes:
@@ -308,13 +340,15 @@ def _start_qs(state: LGreCoState, keys: Sequence[int], qs: Sequence[torch.Tensor
 
 
 def powerSGD_hook(
-    state: LGreCoState, bucket: dist.GradBucket
+    state: torch_powersgd.PowerSGDState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """PowerSGD with L-GreCo's per-layer ranks (see the module). Plain allreduce for the first
     ``state.start_powerSGD_iter`` steps; then per bucket: add the residuals, allreduce the
     layers torch would not compress, and for the others P = M Q, allreduce P, orthogonalize,
     Q = M^T P, allreduce Q, M = P Q^T / W, keeping the new residuals. Biased, like PowerSGD;
-    identical on every rank."""
+    identical on every rank. Given torch's own ``PowerSGDState``, it is torch's hook."""
+    if not isinstance(state, LGreCoState):
+        return torch_powersgd.powerSGD_hook(state, bucket)
     group = state.process_group if state.process_group is not None else dist.group.WORLD
     world = dist.get_world_size(group)
     buffer = bucket.buffer()
