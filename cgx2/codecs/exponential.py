@@ -35,13 +35,12 @@ Runs on any device; used on the CPU and in tests.
 
 from __future__ import annotations
 
-import functools
-import logging
 import sys
 from types import ModuleType
 
 import torch
 
+from . import codec_for, triton_kernels
 from .philox import philox4x32
 
 __all__ = [
@@ -57,8 +56,6 @@ __all__ = [
     "triton_exponential",
     "uniforms",
 ]
-
-log = logging.getLogger("cgx2")
 
 _M32 = 0xFFFFFFFF
 _SMALLEST = 149  # fp32's smallest subnormal is 2**-149
@@ -226,22 +223,12 @@ def decode_sum(codes: torch.Tensor, scale: torch.Tensor | None = None) -> torch.
     return acc if scale is None else acc * scale.reshape(1)
 
 
-@functools.cache
 def triton_exponential() -> ModuleType | None:
     """The Triton exponential kernels, or None where Triton cannot be imported."""
-    try:
-        from . import exponential_triton
-    except ImportError as e:  # CPU-only installs have no Triton
-        log.info("Triton kernels unavailable (%s); using the torch exponential codec", e)
-        return None
-    return exponential_triton
+    return triton_kernels("exponential_triton")
 
 
 def exponential_codec(device: torch.device) -> ModuleType:
     """The implementation for tensors on ``device`` (same codes either way): the Triton
     kernels for CUDA where Triton imports, this module elsewhere."""
-    if device.type == "cuda":
-        kernels = triton_exponential()
-        if kernels is not None:
-            return kernels
-    return sys.modules[__name__]
+    return codec_for(device, "exponential_triton", sys.modules[__name__])
