@@ -77,12 +77,22 @@ class Timer:
         return (time.perf_counter() - t0) * 1e3
 
     def __call__(self, fn: Callable[[], Any]) -> float:
+        return self.interleaved(fn)[0]
+
+    def interleaved(self, *fns: Callable[[], Any]) -> list[float]:
+        """Each function's time, the calls taken in turn (a, b, a, b, ...), so that clock and
+        cache drift between them cannot favour one: for ratios of near-equal times."""
         for _ in range(self.warmup):
-            self._once(fn)
-        median = statistics.median(self._once(fn) for _ in range(self.iters))
-        slowest = torch.tensor([median], dtype=torch.float64, device=self.device)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        return float(slowest.item())
+            for fn in fns:
+                self._once(fn)
+        times: list[list[float]] = [[] for _ in fns]
+        for _ in range(self.iters):
+            for fn, out in zip(fns, times, strict=True):
+                out.append(self._once(fn))
+        medians = torch.tensor([statistics.median(t) for t in times], dtype=torch.float64,
+                               device=self.device)  # fmt: skip
+        dist.all_reduce(medians, op=dist.ReduceOp.MAX)  # the slowest rank's
+        return medians.tolist()
 
 
 def _busbw(nbytes: int, ms: float, world: int) -> float:
@@ -147,7 +157,11 @@ def _bench_size(
         def auto(bits: int = bits, buf: torch.Tensor = auto_buf) -> None:
             cgx2.quantized_allreduce_(buf, bits, op="avg", bucket_size=args.bucket_size)
 
-        auto_ms = timer(auto)  # in place, as the hook and backend use it; plain below crossover
+        # In place, as the hook and backend use it (plain below the crossover): timed in turn
+        # with NCCL's allreduce, since below the crossover the two differ by microseconds.
+        plain_paired_ms, auto_ms = timer.interleaved(
+            lambda buf=auto_buf: dist.all_reduce(buf, op=plain_op), auto
+        )
         auto_path = "quantized" if collectives.compression_pays(x) else "plain"
         rows.append({
             "dtype": dtype_name, "bytes": nbytes, "size": _size_name(nbytes), "numel": n,
@@ -156,7 +170,8 @@ def _bench_size(
             "plain_ms": plain_ms, "plain_busbw": _busbw(nbytes, plain_ms, world),
             "cgx2_ms": cgx_ms, "cgx2_busbw": _busbw(nbytes, cgx_ms, world),
             "cast_bf16_ms": cast_ms, "sol_ms": sol_ms,
-            "auto_ms": auto_ms, "auto_path": auto_path, "auto_vs_plain": plain_ms / auto_ms,
+            "auto_ms": auto_ms, "auto_path": auto_path, "plain_paired_ms": plain_paired_ms,
+            "auto_vs_plain": plain_paired_ms / auto_ms,
             "speedup_vs_plain": plain_ms / cgx_ms,
             "fraction_of_sol": sol_ms / cgx_ms,
             "cast_speedup_vs_plain": None if cast_ms is None else plain_ms / cast_ms,
