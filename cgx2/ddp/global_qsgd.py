@@ -351,7 +351,7 @@ def standard_dithering_4bit_hook(
     3, 1 for 4 to 7), so that no nibble sum carries; decoded as (sum - W L) max / (L W).
     Unbiased: stochastic rounding gives E[level] = g L / max, so E[decoded] is the average.
     More than 7 ranks raise ``ValueError``. ``bits`` of the state is not read."""
-    return _done(bucket, standard_dithering_4bit(bucket.buffer(), _state(state)))
+    return _done(bucket, _with_feedback(bucket, _state(state), standard_dithering_4bit))
 
 
 def thc_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
