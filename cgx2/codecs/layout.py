@@ -96,10 +96,12 @@ class ChunkedLayout:
     skip_incomplete: bool = False
 
     @classmethod
+    @functools.lru_cache(maxsize=256)  # once per shape: every pipeline piece asks for it
     def split(
         cls, numel: int, num_chunks: int, bits: int, bucket_size: int, skip_incomplete: bool
     ) -> ChunkedLayout:
-        """Even split at bucket boundaries: chunk j owns buckets [j*k, (j+1)*k)."""
+        """Even split at bucket boundaries: chunk j owns buckets [j*k, (j+1)*k). Layouts are
+        immutable, so one object (with its computed sizes) serves every call."""
         buckets = -(-numel // bucket_size)
         chunk = -(-buckets // num_chunks) * bucket_size if num_chunks > 1 else numel
         return cls(numel, num_chunks, chunk, bits, bucket_size, skip_incomplete)
