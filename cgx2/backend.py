@@ -2,7 +2,9 @@
 
 Every collective goes to gloo (CPU tensors) or NCCL (CUDA tensors); ``all_reduce`` of floats
 with SUM or AVG is quantized when ``CGX_COMPRESSION_QUANTIZATION_BITS`` < 32, and coalesced
-allreduces are fused into buffers of at most ``CGX_FUSION_BUFFER_SIZE_MB``.
+allreduces are fused into buffers of at most ``CGX_FUSION_BUFFER_SIZE_MB``. When the job spans
+several nodes, the world group quantizes between nodes only (:mod:`cgx2.hierarchical`;
+``CGX_INTRA_BROADCAST`` picks CGX's variant).
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore
+from torch.distributed.device_mesh import DeviceMesh
 
 from .checks import UNCOMPRESSED_BITS
 from .collectives import compression_pays
 from .config import CGXConfig, compression_from_env
 from .fusion import allreduce_fused_, fusion_batches, padded_numel, ring_bytes_sent
+from .hierarchical import hierarchical_allreduce_fused_, node_mesh, spans_nodes
 
 __all__ = ["BACKEND_NAME", "CGXProcessGroup", "CompletedWork", "register_backend"]
 
@@ -98,6 +102,7 @@ class CGXProcessGroup(dist.ProcessGroup):
         self.bytes_uncompressed = 0
         self._backends: dict[str, dist.Backend] = {}
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._meshes: dict[str, DeviceMesh | None] = {}
         gloo = dist.ProcessGroupGloo(PrefixStore("gloo/", store), rank, size, timeout)
         self._add_backend("cpu", _BackendType.GLOO, gloo)
         default = _BackendType.GLOO
@@ -213,11 +218,27 @@ class CGXProcessGroup(dist.ProcessGroup):
             and t.numel() >= self.config.minimal_size
         )
 
+    def node_mesh(self, device_type: str) -> DeviceMesh | None:
+        """The ("inter", "intra") mesh when this group is the world of a job on several nodes
+        (:func:`cgx2.hierarchical.spans_nodes`), else None. Made at the first compressed
+        allreduce, which every rank reaches in the same order (the default group must exist
+        to make it, so it cannot be made with this group)."""
+        if device_type not in self._meshes:
+            several = spans_nodes(self)
+            self._meshes[device_type] = node_mesh(device_type) if several else None
+        return self._meshes[device_type]
+
     def _compress(self, tensors: Sequence[torch.Tensor], bits: int, bucket_size: int,
                   op: str) -> None:  # fmt: skip
         nbytes = sum(t.numel() for t in tensors) * tensors[0].element_size()
         self.bytes_uncompressed += ring_bytes_sent(nbytes, self.size())
-        self.bytes_sent += allreduce_fused_(tensors, bits, bucket_size, self, op)
+        mesh = self.node_mesh(tensors[0].device.type)
+        if mesh is None:
+            self.bytes_sent += allreduce_fused_(tensors, bits, bucket_size, self, op)
+        else:
+            self.bytes_sent += hierarchical_allreduce_fused_(
+                list(tensors), bits, bucket_size, mesh, op, self.config.intra_broadcast
+            )
 
     def _delegate(self, tensors: list[torch.Tensor], op: dist.ReduceOp) -> dist.Work:
         """The backend's own allreduce, exact; AVG on gloo (which lacks it) sums and divides."""

@@ -17,14 +17,27 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from .checks import check_reduce_op
 from .collectives import allreduce_quantized
 from .config import CGXConfig
+from .fusion import quantized_bytes_sent, reduce_fused_, ring_bytes_sent
 
-__all__ = ["MESH_DIMS", "hierarchical_allreduce", "node_mesh"]
+__all__ = [
+    "MESH_DIMS", "hierarchical_allreduce", "hierarchical_allreduce_fused_", "node_mesh",
+    "spans_nodes",
+]  # fmt: skip
 
 MESH_DIMS = ("inter", "intra")
 
 # torch >= 2.13 renamed these; both exist in between.
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def spans_nodes(group: dist.ProcessGroup | None = None) -> bool:
+    """Whether the launcher says the job spans several nodes (``LOCAL_WORLD_SIZE`` below
+    ``WORLD_SIZE``) and ``group`` (None: the default) is the whole world."""
+    local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
+    if not (local and world and int(local) < int(world)):
+        return False
+    return (group.size() if group is not None else dist.get_world_size()) == int(world)
 
 
 def node_mesh(device_type: str | None = None) -> DeviceMesh:
@@ -80,3 +93,26 @@ def hierarchical_allreduce(
     if reduce_op == "avg":
         out = out / mesh.size()
     return out.view(t.shape)
+
+
+def hierarchical_allreduce_fused_(
+    layers: list[torch.Tensor],
+    bits: int,
+    bucket_size: int,
+    mesh: DeviceMesh,
+    op: str,
+    intra_broadcast: bool,
+) -> int:
+    """:func:`hierarchical_allreduce` of ``layers`` in place, fused into one buffer (each
+    padded to whole buckets); returns the bytes this rank sent, as the default variant sends
+    them: the plain reduce-scatter and all-gather inside the node, and the quantized
+    allreduce of a 1/L shard between nodes."""
+    fused = reduce_fused_(
+        layers, bucket_size,
+        lambda x: hierarchical_allreduce(x, bits, mesh, op, bucket_size, intra_broadcast),
+    )  # fmt: skip
+    nodes, local = mesh.size(0), mesh.size(1)
+    shard = -(-fused.numel() // local)
+    return ring_bytes_sent(fused.numel() * fused.element_size(), local) + quantized_bytes_sent(
+        shard, nodes, bits, bucket_size
+    )

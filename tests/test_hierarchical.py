@@ -29,17 +29,17 @@ def _run(n: int, intra_broadcast: bool, op: str) -> dict:
     return {"x": x, "out": out, "groups": groups}
 
 
-def _model(xs: list[torch.Tensor], intra_broadcast: bool, op: str) -> torch.Tensor:
+def _model(xs: list[torch.Tensor], intra_broadcast: bool, op: str, seed: int = 5) -> torch.Tensor:
     """Nodes {0,1} and {2,3}; a sum of two fp32 values does not depend on order."""
     node_sums = [xs[0] + xs[1], xs[2] + xs[3]]
     if intra_broadcast:
-        out = reference_allreduce(node_sums, 4, 128, 5)
+        out = reference_allreduce(node_sums, 4, 128, seed)
     else:
         n, local = xs[0].numel(), 2
         half = -(-n // local)
         padded = [torch.cat([s, s.new_zeros(half * local - n)]) for s in node_sums]
-        shards = [reference_allreduce([p[j * half : (j + 1) * half] for p in padded], 4, 128, 5)
-                  for j in range(local)]  # fmt: skip
+        shards = [reference_allreduce([p[j * half : (j + 1) * half] for p in padded], 4, 128,
+                                      seed) for j in range(local)]  # fmt: skip
         out = torch.cat(shards)[:n]
     return out / 4 if op == "avg" else out
 
@@ -107,3 +107,50 @@ def test_cgx_hook_goes_hierarchical_across_nodes(dist4):
         assert not torch.equal(r["auto"], r["None"])  # another path than the flat allreduce
         scale = r["None"].abs().max()
         assert (r["auto"] - r["None"]).abs().max() < 0.2 * scale
+
+
+def _backend_on_two_nodes(intra_broadcast: bool, op: str) -> dict:
+    """A ``cgx`` group over the 4 ranks of a job that the launcher says spans 2 nodes."""
+    import cgx2
+
+    env = {
+        "LOCAL_WORLD_SIZE": "2",
+        "WORLD_SIZE": "4",
+        "CGX_COMPRESSION_QUANTIZATION_BITS": "4",
+        "CGX_COMPRESSION_BUCKET_SIZE": "128",
+        "CGX_INTRA_BROADCAST": str(int(intra_broadcast)),
+    }
+    os.environ.update(env)
+    try:
+        group = dist.new_group(backend="cgx")
+        x = _input(dist.get_rank(), 5001)
+        y = x.clone()
+        cgx2.manual_seed(7)
+        dist.all_reduce(y, op=dist.ReduceOp.AVG if op == "avg" else dist.ReduceOp.SUM,
+                        group=group)  # fmt: skip
+        mesh = group.node_mesh("cpu")
+        out = {"x": x, "y": y, "mesh": tuple(mesh.shape), "sent": group.bytes_sent}
+        dist.destroy_process_group(group)
+        return out
+    finally:
+        for k in env:
+            del os.environ[k]
+
+
+@pytest.mark.parametrize(("intra_broadcast", "op"), [(False, "sum"), (True, "avg")])
+def test_cgx_backend_goes_hierarchical_across_nodes(dist4, intra_broadcast, op):
+    """dist.all_reduce on a cgx world group of a 2-node job: plain inside the nodes, quantized
+    between them, bit-equal to the model of the fused (bucket-padded) tensor."""
+    from cgx2.fusion import fuse_padded
+
+    results = dist4.run(_backend_on_two_nodes, intra_broadcast, op)
+    seed = int(
+        torch.randint(
+            0, 2**63 - 1, (), generator=torch.Generator().manual_seed(7), dtype=torch.int64
+        )
+    )  # cgx2's first call seed after manual_seed(7)
+    padded = [fuse_padded([r["x"]], 128)[0] for r in results]
+    model = _model(padded, intra_broadcast, op, seed)[:5001]
+    for r in results:
+        assert r["mesh"] == (2, 2) and r["sent"] > 0
+        assert torch.equal(r["y"], model)

@@ -5,7 +5,6 @@ A layer (parameter) is compressed when it has more than one dimension and at lea
 """
 
 # No ``from __future__ import annotations``: DDP checks cgx_hook's annotations as objects.
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -27,7 +26,7 @@ from ..fusion import (
     reduce_fused_,
     ring_bytes_sent,
 )
-from ..hierarchical import hierarchical_allreduce, node_mesh
+from ..hierarchical import hierarchical_allreduce_fused_, node_mesh, spans_nodes
 
 __all__ = ["CGXState", "cgx_hook"]
 
@@ -113,7 +112,7 @@ class CGXState:
         self.skip_incomplete = config.skip_incomplete_buckets
         self.intra_broadcast = config.intra_broadcast
         if mesh == "auto":
-            several = self.bits != UNCOMPRESSED_BITS and _several_nodes(process_group)
+            several = self.bits != UNCOMPRESSED_BITS and spans_nodes(process_group)
             mesh = node_mesh() if several else None
         elif mesh is not None and not isinstance(mesh, DeviceMesh):
             raise TypeError(f"mesh must be a DeviceMesh, 'auto' or None, got {mesh!r}")
@@ -239,13 +238,6 @@ class CGXState:
         return plan
 
 
-def _several_nodes(group: dist.ProcessGroup | None) -> bool:
-    """Whether the launcher says the job spans nodes and ``group`` is the whole world."""
-    local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
-    whole = group is None or dist.get_world_size(group) == dist.get_world_size()
-    return bool(local and world and int(local) < int(world) and whole)
-
-
 def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average a DDP gradient bucket across ranks, compressing its large layers (see module
     doc). Gradients come out bit-identical on every rank."""
@@ -281,22 +273,6 @@ def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[t
         future = _reduce_bucket(state, bucket, buffer)
     buffer.record_stream(side)
     return future
-
-
-def _reduce_hierarchical_(state: CGXState, layers: list[torch.Tensor]) -> int:
-    """Average ``layers`` in place over ``state.mesh``; returns the bytes this rank sent, as
-    the default variant sends them (plain reduce-scatter and all-gather inside the node,
-    the quantized allreduce of a 1/L shard between nodes)."""
-    fused = reduce_fused_(
-        layers, state.bucket_size,
-        lambda x: hierarchical_allreduce(x, state.bits, state.mesh, "avg", state.bucket_size,
-                                         state.intra_broadcast),
-    )  # fmt: skip
-    nodes, local = state.mesh.size(0), state.mesh.size(1)
-    shard = -(-fused.numel() // local)
-    return ring_bytes_sent(fused.numel() * fused.element_size(), local) + quantized_bytes_sent(
-        shard, nodes, state.bits, state.bucket_size
-    )
 
 
 def _reduce_parameter_grad_(state: CGXState, grad: torch.Tensor) -> None:
@@ -366,7 +342,9 @@ def _reduce_bucket(
     ):
         layers = [buffer[offset : offset + numel] for offset, numel in plan.compressed]
         if state.mesh is not None:
-            state.bytes_sent += _reduce_hierarchical_(state, layers)
+            state.bytes_sent += hierarchical_allreduce_fused_(
+                layers, state.bits, state.bucket_size, state.mesh, "avg", state.intra_broadcast
+            )
         elif state.adaptive_bits is not None:
             widths = state.layer_bits(bucket.index(), layers, group)
             for bits in sorted(set(widths)):
