@@ -1,6 +1,8 @@
 """GPU check of the ``cgx`` backend under torchrun: ``init_process_group("cgx")`` with CUDA
 tensors on NCCL and CPU tensors on gloo in one group; the compressed all_reduce equals the
-reference model bit for bit; everything else is exact; plain DDP gives identical gradients.
+reference model bit for bit; everything else is exact; plain DDP gives identical gradients;
+a cgx group in a job that says it spans nodes (``LOCAL_WORLD_SIZE`` of 1 or 2) reduces
+hierarchically, bit-equal to its model.
 
 Run: ``torchrun --nproc-per-node N bench/gpu_backend_check.py``; exits 1 on any failure.
 """
@@ -36,6 +38,45 @@ def _first_seed(seed: int) -> int:
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def hierarchical_model(n: int, world: int, local: int, seed: int) -> torch.Tensor:
+    """What a cgx group of ``world`` ranks as nodes of ``local`` returns for ``_input(r, n)``
+    (default variant, SUM). Exact for ``local`` <= 2, where a node's sum has one order."""
+    padded = [fuse_padded([_input(r, n)], 512)[0] for r in range(world)]
+    nodes = [sum(padded[k * local : (k + 1) * local]) for k in range(world // local)]
+    size = nodes[0].numel()
+    shard = -(-size // local)
+    nodes = [torch.cat([s, s.new_zeros(shard * local - size)]) for s in nodes]
+    parts = [reference_allreduce([s[j * shard : (j + 1) * shard] for s in nodes], 4, 512, seed)
+             for j in range(local)]  # fmt: skip
+    return torch.cat(parts)[:n]
+
+
+def hierarchical_checks(rank: int, world: int, dev: torch.device) -> dict[str, bool]:
+    ok = {}
+    for local in (1, 2):
+        if world % local or world // local < 2:
+            continue
+        saved = os.environ.get("LOCAL_WORLD_SIZE")
+        os.environ["LOCAL_WORLD_SIZE"] = str(local)
+        try:
+            group = dist.new_group(backend="cgx")
+            y = _input(rank, 1_000_003).to(dev)
+            cgx2.manual_seed(4)
+            dist.all_reduce(y, group=group)
+            mesh = group.node_mesh(dev.type)
+            model = hierarchical_model(1_000_003, world, local, _first_seed(4))
+            ok[f"hierarchical ({world // local} nodes of {local}) == model"] = (
+                mesh is not None and torch.equal(_bits(y.cpu()), _bits(model))
+            )
+            dist.destroy_process_group(group)
+        finally:
+            if saved is None:
+                del os.environ["LOCAL_WORLD_SIZE"]
+            else:
+                os.environ["LOCAL_WORLD_SIZE"] = saved
+    return ok
 
 
 def checks(rank: int, world: int) -> dict[str, bool]:
@@ -99,6 +140,7 @@ def checks(rank: int, world: int) -> dict[str, bool]:
     dist.all_gather(gathered, grads)
     ok["DDP grads identical on ranks"] = all(torch.equal(g, grads) for g in gathered)
     ok["DDP compressed"] = group.bytes_sent * 4 < group.bytes_uncompressed
+    ok |= hierarchical_checks(rank, world, dev)
     dist.barrier()
     return ok
 
