@@ -262,7 +262,7 @@ class _Piece:
             # Decoding what was sent (while it travels) gives exactly what the owners add, in
             # fp32 as they sum; the skipped row is zeros, and our own chunk stays exact.
             sent = self.codec.decode_chunks(send, self.layout, torch.float32)
-            self.error.copy_(self.x.float() - sent)
+            torch.sub(self.x, sent, out=self.error)  # in fp32, stored in the input's dtype
             start, size = self.layout.chunk_start(self.rank), self.layout.chunk_size(self.rank)
             self.error[start : start + size] = 0
 

@@ -23,13 +23,20 @@ class ErrorFeedback:
     and ``bucket_cap_mb`` fix; so a parameter keeps its key when DDP rebuilds its buckets
     after the first iteration (buckets and positions change, the parameter does not), and a
     run resumed from a checkpoint into a freshly built model gives each parameter the key it
-    had. Parameters are held weakly.
+    had. Parameters are held weakly. Each key's parameter shape is kept with the residuals,
+    so a checkpoint loaded into another model is refused where the shapes tell (parameters of
+    one shape numbered in another order cannot be told apart).
+
+    Non-finite values never enter a residual: a step whose gradient overflowed (which fp16
+    training with a ``GradScaler`` expects now and then, and skips) would otherwise carry
+    inf or NaN into every later step.
     """
 
     def __init__(self) -> None:
         self._keys: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._next_key = 0
         self._residuals: dict[int, torch.Tensor] = {}
+        self._shapes: dict[int, tuple[int, ...]] = {}
 
     def key(self, param: torch.Tensor) -> int:
         """``param``'s stable key (a new one the first time it is seen)."""
@@ -37,6 +44,13 @@ class ErrorFeedback:
         if key is None:
             key = self._keys[param] = self._next_key
             self._next_key += 1
+            shape = self._shapes.setdefault(key, tuple(param.shape))
+            if shape != tuple(param.shape):
+                raise ValueError(
+                    f"error feedback: residual {key} was saved for a parameter of shape "
+                    f"{shape}, met here by one of shape {tuple(param.shape)}; load a "
+                    "checkpoint into the model it came from, built the same way"
+                )
         return key
 
     def keys(self, params: Iterable[torch.Tensor]) -> list[int]:
@@ -65,19 +79,26 @@ class ErrorFeedback:
     def update_(self, key: int, sent: torch.Tensor, decoded: torch.Tensor) -> None:
         """Keep ``sent − decoded`` (computed in fp32, stored in ``sent``'s dtype)."""
         error = sent.reshape(-1).float() - decoded.reshape(-1).float()
-        self._residuals[key] = error.to(sent.dtype)
+        self._residuals[key] = error.nan_to_num_(0.0, 0.0, 0.0).to(sent.dtype)
 
     def store_(self, key: int, residual: torch.Tensor) -> None:
-        """Keep ``residual`` itself (not copied: the caller hands over a fresh tensor)."""
-        self._residuals[key] = residual.reshape(-1)
+        """Keep ``residual`` itself (not copied: the caller hands over a fresh tensor, whose
+        non-finite values are zeroed in place)."""
+        self._residuals[key] = residual.reshape(-1).nan_to_num_(0.0, 0.0, 0.0)
+
+    def clear(self) -> None:
+        """Forget every residual; parameters keep their keys."""
+        self._residuals.clear()
 
     def discard_(self, key: int) -> None:
         """Forget ``key``'s residual (its layer was reduced exactly: nothing is owed)."""
         self._residuals.pop(key, None)
 
     def state_dict(self) -> dict[str, object]:
-        """The residuals by key (copies, on their devices)."""
-        return {"residuals": {k: r.detach().clone() for k, r in self._residuals.items()}}
+        """The residuals by key (copies, on their devices) and their parameters' shapes."""
+        residuals = {k: r.detach().clone() for k, r in self._residuals.items()}
+        shapes = {k: list(self._shapes[k]) for k in residuals if k in self._shapes}
+        return {"residuals": residuals, "shapes": shapes}
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:
         """Replace the residuals with :meth:`state_dict`'s; each moves to its layer's device
@@ -88,4 +109,12 @@ class ErrorFeedback:
             isinstance(r, torch.Tensor) for r in residuals.values()
         ):
             raise TypeError("error feedback state: 'residuals' must map keys to tensors")
+        shapes = {int(k): tuple(int(d) for d in v) for k, v in state.get("shapes", {}).items()}
+        for k, shape in shapes.items():
+            if self._shapes.get(k, shape) != shape:
+                raise ValueError(
+                    f"error feedback: residual {k} was saved for a parameter of shape {shape}, "
+                    f"here it is one of shape {self._shapes[k]}"
+                )
+        self._shapes.update(shapes)
         self._residuals = {int(k): r.reshape(-1) for k, r in residuals.items()}

@@ -332,3 +332,43 @@ def test_checkpoint_resumes_identically_only_with_the_residuals(dist2, kind):
             assert torch.equal(p, r["params"][name]), name
         diff = max((p - d["params"][n]).abs().max().item() for n, p in s["params"].items())
         assert diff > 0  # the residuals matter: without them the run goes elsewhere
+
+
+def _non_finite_step(kind: str) -> list[bool]:
+    """Three steps with error feedback; rank 0's gradient is inf at the first."""
+    torch.manual_seed(0)
+    model = DDP(nn.Linear(64, 32))
+    state, hook = _state(kind, True)
+    model.register_comm_hook(state, hook)
+    finite = []
+    for step in range(3):
+        model.zero_grad(set_to_none=True)
+        loss = model(torch.randn(8, 64, generator=torch.Generator().manual_seed(step))).sum()
+        if step == 0 and dist.get_rank() == 0:
+            loss = loss * float("inf")
+        loss.backward()
+        finite.append(all(bool(p.grad.isfinite().all()) for p in model.parameters()))
+    return finite
+
+
+@pytest.mark.parametrize("kind", ["cgx", "sd"])
+def test_a_non_finite_step_does_not_poison_the_residuals(dist2, kind):
+    """fp16 training with a GradScaler expects an overflowing step now and then and skips it:
+    its inf must not stay in the residuals and ruin every later step."""
+    for finite in dist2.run(_non_finite_step, kind):
+        assert finite == [False, True, True]
+
+
+def test_residuals_loaded_into_another_model_are_refused():
+    saved = ErrorFeedback()
+    key = saved.key(torch.zeros(4, 8))
+    saved.store_(key, torch.ones(32))
+    fresh = ErrorFeedback()
+    fresh.load_state_dict(saved.state_dict())
+    with pytest.raises(ValueError, match=r"shape \(4, 8\).*shape \(8, 4\)"):
+        fresh.key(torch.zeros(8, 4))
+    fresh = ErrorFeedback()
+    fresh.load_state_dict(saved.state_dict())
+    assert fresh.key(torch.zeros(4, 8)) == key  # the same model built the same way
+    with pytest.raises(ValueError, match="shape"):
+        fresh.load_state_dict({"residuals": {key: torch.ones(32)}, "shapes": {key: [2, 16]}})

@@ -170,4 +170,6 @@ def test_gqsgd_drop_in():
 
     assert THC_uniform_hook is gq.thc_hook
     assert exponential_dithering_hook is gq.exponential_dithering_hook
-    assert powerSGD_hook.powerSGD_hook is gq.powerSGD_hook
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
+
+    assert powerSGD_hook.powerSGD_hook is torch_powersgd.powerSGD_hook  # Global-QSGD's copy

@@ -255,8 +255,9 @@ def test_cgx2_powersgd_checkpoint_resumes_identically(dist2):
         assert not torch.equal(r["straight"][0], r["resumed"][0])
 
 
-def test_gqsgd_batched_hook_refuses_cgx2_state():
-    from gqsgd.powerSGD_hook import PowerSGDState, batched_powerSGD_hook
+def test_gqsgd_powersgd_module_is_torchs():
+    """Global-QSGD's module keeps torch's PowerSGD, batched variant included."""
+    import gqsgd.powerSGD_hook as module
 
-    with pytest.raises(TypeError, match="torch's PowerSGDState"):
-        batched_powerSGD_hook(PowerSGDState(None, 2), None)
+    assert module.PowerSGDState is torch_powersgd.PowerSGDState
+    assert module.batched_powerSGD_hook is torch_powersgd.batched_powerSGD_hook

@@ -5,6 +5,7 @@ A layer (parameter) is compressed when it has more than one dimension and at lea
 """
 
 # No ``from __future__ import annotations``: DDP checks cgx_hook's annotations as objects.
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -29,6 +30,8 @@ from ..fusion import (
 from ..hierarchical import hierarchical_allreduce_fused_, node_mesh, spans_nodes
 
 __all__ = ["CGXState", "cgx_hook"]
+
+logger = logging.getLogger("cgx2")
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,12 @@ class CGXState:
     puts the whole model in one bucket in that iteration, and Adam's first update, about
     ±lr per weight whatever the gradient's size, turns quantization noise in small
     gradients into full-size steps (measured: +3.7% loss after 40 steps of a 127M-parameter
-    model, BENCHMARKS.md).
+    model, BENCHMARKS.md). Compiled autograd's per-parameter reducer sees no iterations: it
+    compresses from the first.
+
+    With ``mesh="auto"`` on several nodes, ``adaptive_bits`` and ``error_feedback`` keep the
+    flat allreduce (neither combines with the mesh yet); an explicit mesh with either is
+    refused.
     """
 
     def __init__(
@@ -113,6 +121,11 @@ class CGXState:
         self.intra_broadcast = config.intra_broadcast
         if mesh == "auto":
             several = self.bits != UNCOMPRESSED_BITS and spans_nodes(process_group)
+            if several and (adaptive_bits is not None or error_feedback):
+                # Neither combines with the mesh yet: the flat allreduce serves them.
+                logger.info("cgx2: CGXState with adaptive_bits or error_feedback on several "
+                            "nodes uses the flat allreduce, not the node mesh")  # fmt: skip
+                several = False
             mesh = node_mesh() if several else None
         elif mesh is not None and not isinstance(mesh, DeviceMesh):
             raise TypeError(f"mesh must be a DeviceMesh, 'auto' or None, got {mesh!r}")
@@ -186,7 +199,7 @@ class CGXState:
                 self.errors = ErrorFeedback()
             self.errors.load_state_dict(residuals)
         elif self.errors is not None:  # a checkpoint without residuals: none are owed
-            self.errors = ErrorFeedback()
+            self.errors.clear()
 
     def layer_bits(self, index: int, layers: Sequence[torch.Tensor],
                    group: dist.ProcessGroup) -> tuple[int, ...]:  # fmt: skip

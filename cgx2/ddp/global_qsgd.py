@@ -96,7 +96,7 @@ class GlobalQSGDState:
         self.bytes_sent = int(state.get("bytes_sent", 0))
         residuals = state.get("error_feedback")
         if residuals is None and self.errors is not None:  # none saved: none are owed
-            self.errors = None
+            self.errors.clear()  # the parameters keep their keys
         self.error_feedback = self.error_feedback or residuals is not None
         self.__post_init__()
         seeding.set_state(state["seed_state"])
@@ -185,9 +185,10 @@ def linear_levels(g: torch.Tensor, state: GlobalQSGDState,
 
 
 def _keep_error(residual: torch.Tensor | None, g: torch.Tensor, decoded: torch.Tensor) -> None:
-    """``residual = g − decoded`` (this rank's own contribution, in ``g``'s units)."""
+    """``residual = g − decoded`` (this rank's own contribution, in ``g``'s units); the
+    caller's :meth:`~cgx2.error_feedback.ErrorFeedback.store_` zeroes non-finite values."""
     if residual is not None:
-        residual.copy_(g.float() - decoded)
+        torch.sub(g, decoded, out=residual)
 
 
 def standard_dithering(g: torch.Tensor, state: GlobalQSGDState, *,

@@ -46,6 +46,7 @@ def _ring(nbytes: int, world: int) -> int:
 def _check(rank: object, ranks: Sequence[int] | None, replan_every: object) -> tuple[int, ...]:
     if not _is_int(rank) or rank < 1:
         raise ValueError(f"matrix_approximation_rank must be a positive int, got {rank!r}")
+    rank = int(rank)  # a numpy integer has no bit_length
     if ranks is None:  # powers of two up to twice the baseline, and the baseline
         ranks = [2**k for k in range(rank.bit_length() + 1)] + [rank]
     if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Sequence) or not ranks:
@@ -68,15 +69,17 @@ def rank_errors(matrix: torch.Tensor, ranks: Sequence[int], seed: int = 0) -> to
     ``ranks`` (||M||^2 minus the top r squared singular values; 0 from r = min(shape) on), as
     float64 on the matrix's device. Small matrices get exact singular values, large ones
     torch's randomized ``svd_lowrank`` (seeded by ``seed``, the global RNG left untouched):
-    only the top max(ranks) are needed."""
-    m = matrix.detach().float()
+    only the top max(ranks) are needed. Non-finite values count as 0, so that every rank
+    reaches the collective that follows (an SVD of a NaN matrix raises on the CPU)."""
+    m = matrix.detach().float().nan_to_num(0.0, 0.0, 0.0)
     total = m.square().sum(dtype=torch.float64)
     top = min(max(ranks), *m.shape)
     q = min(top + _OVERSAMPLE, *m.shape)
     if min(m.shape) <= 4 * q:
         s = torch.linalg.svdvals(m)
     else:
-        with torch.random.fork_rng(devices=[m.device] if m.is_cuda else []):
+        # manual_seed reseeds every device's generator: fork them all (the user's streams)
+        with torch.random.fork_rng(devices=range(torch.cuda.device_count())):
             torch.manual_seed(seed)
             s = torch.svd_lowrank(m, q=q, niter=4)[1]
     captured = torch.cumsum(s[:top].double().square(), 0)
@@ -363,7 +366,13 @@ def powerSGD_hook(
     if state.use_error_feedback:
         for key, grad in zip(keys, grads, strict=True):
             residual = state.error_dict.get(key)
-            if residual is not None and residual.numel() == grad.numel():
+            if residual is not None:
+                if residual.numel() != grad.numel():
+                    raise ValueError(
+                        f"PowerSGD: the residual of parameter {key} has {residual.numel()} "
+                        f"values, its gradient {grad.numel()}; load a checkpoint into the model "
+                        "it came from, built the same way"
+                    )
                 grad.add_(residual.to(grad.device).view_as(grad))
         local = buffer.clone()
 
@@ -423,7 +432,9 @@ def powerSGD_hook(
             for key, p, q in zip(matrix_keys, ps, qs, strict=True):
                 state.p_memory_dict[key], state.q_memory_dict[key] = p[0], q[0]
     if local is not None:
-        error = local - buffer
+        # Zero what is not finite: one overflowing step (fp16 with a GradScaler, which skips
+        # it) must not carry inf or NaN into every later one. torch's hook would.
+        error = (local - buffer).nan_to_num_(0.0, 0.0, 0.0)
         offset = 0
         for key, grad in zip(keys, grads, strict=True):
             state.error_dict[key] = error[offset : offset + grad.numel()]
