@@ -21,7 +21,8 @@ from cgx2 import collectives
 
 INT = {2: torch.int16, 4: torch.int32}
 CASES = [
-    # bits, dtype, numel, op, skip_incomplete, pipeline piece bytes (0: default)
+    # bits, dtype, numel, op, skip_incomplete, pipeline piece bytes (0: 64 MiB; None: the
+    # regime's cgx2.collectives.PIECE_NUMEL, what users get)
     *[(b, torch.float32, 1_000_007, "avg", False, 0) for b in range(1, 9)],
     *[(b, torch.bfloat16, 1_000_007, "sum", False, 0) for b in (2, 3, 4, 6, 8)],
     (4, torch.float16, 100_003, "avg", True, 0),
@@ -29,6 +30,7 @@ CASES = [
     (5, torch.float32, 1009, "sum", True, 0),
     (4, torch.float32, 4_000_037, "avg", False, 1 << 20),  # many pipeline pieces
     (3, torch.bfloat16, 4_000_037, "sum", True, 1 << 20),
+    (4, torch.float32, 33_554_467, "avg", False, None),  # 3 pieces over shm and sockets
 ]
 
 
@@ -43,7 +45,7 @@ def main() -> int:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     failures = 0
     for bits, dtype, n, op, skip, piece in CASES:
-        collectives.PIPELINE_BYTES = piece or 64 << 20
+        collectives.PIPELINE_BYTES = None if piece is None else piece or 64 << 20
         x = _input(rank, n, dtype).cuda()
         out = cgx2.quantized_allreduce(x, bits, op=op, seed=17, skip_incomplete=skip)
         in_place = x.clone()
@@ -58,15 +60,17 @@ def main() -> int:
         ok = same
         if rank == 0:
             inputs = [_input(r, n, dtype) for r in range(world)]
-            model = collectives.reference_allreduce(inputs, bits, 512, 17, op, skip)
+            model = collectives.reference_allreduce(inputs, bits, 512, 17, op, skip,
+                                                    device=x.device)  # fmt: skip
             got = out.cpu()
             exact = model.view(INT[model.element_size()])
             diff = got.view(INT[got.element_size()]) != exact
             diff &= ~(got.isnan() & model.isnan())
             ok = same and not bool(diff.any())
             err = got.double() - sum(i.double() for i in inputs) / (world if op == "avg" else 1)
+            cut = "regime" if piece is None else piece or "64M"
             print(f"{'ok  ' if ok else 'FAIL'} bits={bits} {str(dtype)[6:]} n={n} {op} "
-                  f"skip={skip} piece={piece or 'default'}: ranks and in-place identical={same}, "
+                  f"skip={skip} piece={cut}: ranks and in-place identical={same}, "
                   f"differ from model={int(diff.sum())}, max|err|={err.abs().max():.4g}",
                   flush=True)  # fmt: skip
         flag = torch.tensor([0 if ok else 1], device="cuda")

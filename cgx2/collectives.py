@@ -209,16 +209,18 @@ def reference_allreduce(
     seed: int,
     reduce_op: str = "sum",
     skip_incomplete: bool = False,
+    device: torch.device | None = None,
 ) -> torch.Tensor:
     """What :func:`allreduce_quantized` returns on every rank when rank r holds
-    ``inputs[r]``, computed in one process with the torch reference codec (same pieces, for
-    the inputs' device, keys and order of summation): a bit-exact model of the collective,
-    for tests and checks."""
+    ``inputs[r]``, computed in one process with the torch reference codec (same pieces, keys
+    and order of summation): a bit-exact model of the collective, for tests and checks.
+    ``device`` is where the collective runs, whose regime sets the pieces (default: the
+    inputs' device; name the GPU when modelling it from CPU copies)."""
     world, x0 = len(inputs), inputs[0]
     flats = [x.reshape(-1).cpu() for x in inputs]
     out = torch.empty(x0.numel(), dtype=x0.dtype)
     scale = 1.0 / world if check_reduce_op(reduce_op) == "avg" else None
-    step = _piece_numel(x0.element_size(), world, bucket_size, x0.device)
+    step = _piece_numel(x0.element_size(), world, bucket_size, device or x0.device)
     for index, s in enumerate(range(0, x0.numel(), step)):
         pieces = [f[s : s + step] for f in flats]
         layout = ChunkedLayout.split(pieces[0].numel(), world, bits, bucket_size, skip_incomplete)

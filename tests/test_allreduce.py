@@ -318,3 +318,21 @@ def test_bad_arguments_fail_before_any_communication(kwargs, error, match):
 def test_non_float_tensors_are_rejected(dtype):
     with pytest.raises(TypeError, match="input must have dtype"):
         torch.ops.cgx.quantized_allreduce(torch.zeros(10, dtype=dtype), 4)
+
+
+def test_pieces_follow_the_regime(monkeypatch):
+    """Without PIPELINE_BYTES, a piece holds the regime's PIECE_NUMEL values, whatever the
+    dtype (the reference models another device's pieces when told)."""
+    from cgx2 import crossover
+
+    monkeypatch.setattr(collectives, "PIPELINE_BYTES", None)
+    monkeypatch.setattr(crossover, "detect_regime", lambda device: "socket")
+    crossover.regime.cache_clear()
+    try:
+        for element_size in (2, 4):
+            step = collectives._piece_numel(element_size, 4, 512, torch.device("cuda", 0))
+            assert step == collectives.PIECE_NUMEL["socket"]
+    finally:
+        crossover.regime.cache_clear()
+    monkeypatch.setattr(collectives, "PIPELINE_BYTES", 1 << 20)
+    assert collectives._piece_numel(4, 4, 512) == (1 << 18)
