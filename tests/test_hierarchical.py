@@ -154,3 +154,22 @@ def test_cgx_backend_goes_hierarchical_across_nodes(dist4, intra_broadcast, op):
     for r in results:
         assert r["mesh"] == (2, 2) and r["sent"] > 0
         assert torch.equal(r["y"], model)
+
+
+def _meshes_with_options() -> list:
+    from cgx2.ddp import CGXState
+
+    os.environ.update(LOCAL_WORLD_SIZE="2", WORLD_SIZE="4")
+    try:
+        params = {"bits": 4}
+        return [CGXState(None, compression_params=params, **kw).mesh is None for kw in (
+            {}, {"error_feedback": True}, {"adaptive_bits": (2, 4, 8)})]  # fmt: skip
+    finally:
+        del os.environ["LOCAL_WORLD_SIZE"], os.environ["WORLD_SIZE"]
+
+
+def test_auto_mesh_steps_aside_for_error_feedback_and_adaptive_widths(dist4):
+    """On several nodes mesh="auto" builds the node mesh, except with error feedback or
+    adaptive widths, which do not combine with it yet: those keep the flat allreduce."""
+    for r in dist4.run(_meshes_with_options):
+        assert r == [False, True, True]
