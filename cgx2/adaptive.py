@@ -9,10 +9,11 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from .checks import UNCOMPRESSED_BITS, check_bits
 
-__all__ = ["check_options", "layer_errors", "plan_bits"]
+__all__ = ["check_options", "check_replan_every", "layer_errors", "plan_bits", "plan_widths"]
 
 
 def check_options(
@@ -31,6 +32,26 @@ def check_options(
     if bits not in widths:
         raise ValueError(f"{name} {widths} must include bits ({bits}), the budget's width")
     return widths
+
+
+def check_replan_every(replan_every: object) -> int:
+    """``replan_every`` checked: a positive int (a plan is made every that many calls)."""
+    if isinstance(replan_every, bool) or not isinstance(replan_every, int) or replan_every < 1:
+        raise ValueError(f"replan_every must be a positive int, got {replan_every!r}")
+    return replan_every
+
+
+def plan_widths(errors: Sequence[torch.Tensor], numels: Sequence[int], options: Sequence[int],
+                bits: int, group: dist.ProcessGroup) -> tuple[int, ...]:  # fmt: skip
+    """Widths for layers whose :func:`layer_errors` rows are ``errors``: the rows summed over
+    ``group`` (one small allreduce, so that every rank plans the same widths: a rank with
+    another plan would misread its peers' payloads), then :func:`plan_bits` within the error
+    of ``bits`` everywhere. One host transfer per plan."""
+    table = torch.stack(list(errors))
+    dist.all_reduce(table, group=group)
+    table = table.cpu()
+    budget = float(table[:, list(options).index(bits)].sum())
+    return tuple(plan_bits(table.tolist(), numels, options, budget, baseline=bits))
 
 
 def layer_errors(layer: torch.Tensor, bucket_size: int, options: Sequence[int]) -> torch.Tensor:

@@ -99,18 +99,31 @@ def allreduce_fused_(
     bucket_size: int,
     group: dist.ProcessGroup,
     reduce_op: str = "sum",
+    errors: list[torch.Tensor] | None = None,
 ) -> int:
     """Quantized allreduce of ``layers`` (same dtype and device) as one fused buffer, written
     back into each layer. Returns the bytes this rank sent (a buffer too small for compression
-    to pay goes plain: :func:`cgx2.collectives.compression_pays`)."""
+    to pay goes plain: :func:`cgx2.collectives.compression_pays`). With ``errors`` (a list),
+    each layer's first-stage error (``error`` of :func:`cgx2.collectives.allreduce_quantized_`,
+    zeros when nothing was quantized) is appended to it, flat, in layer order."""
     world = dist.get_world_size(group)
     numel = sum(padded_numel(x.numel(), bucket_size) for x in layers)
     if not compression_pays(layers[0], numel):
         bits = UNCOMPRESSED_BITS  # decided once here, for the reduction and the count alike
-    reduce_fused_(
-        layers, bucket_size,
-        lambda fused: allreduce_quantized_(fused, bits, bucket_size, group, reduce_op),
-    )  # fmt: skip
+    fused_error: list[torch.Tensor] = []
+
+    def reduce(fused: torch.Tensor) -> torch.Tensor:
+        if errors is not None:
+            fused_error.append(torch.empty_like(fused))
+        error = fused_error[0] if fused_error else None
+        return allreduce_quantized_(fused, bits, bucket_size, group, reduce_op, error=error)
+
+    reduce_fused_(layers, bucket_size, reduce)
+    if errors is not None:
+        at = 0  # each layer's place in the fused buffer: padded to whole buckets
+        for layer in layers:
+            errors.append(fused_error[0][at : at + layer.numel()])
+            at += padded_numel(layer.numel(), bucket_size)
     if bits == UNCOMPRESSED_BITS:
         return ring_bytes_sent(numel * layers[0].element_size(), world)
     return quantized_bytes_sent(numel, world, bits, bucket_size)

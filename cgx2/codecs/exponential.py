@@ -62,7 +62,7 @@ _SMALLEST = 149  # fp32's smallest subnormal is 2**-149
 _I32 = torch.int32
 
 
-def check_bits(bits: object) -> int:
+def check_code_bits(bits: object) -> int:
     """``bits`` as validated by every entry point (2..16, like GlobalQSGDState)."""
     if isinstance(bits, bool) or not isinstance(bits, int):
         raise TypeError(f"bits must be an int, got {type(bits).__name__}")
@@ -73,7 +73,7 @@ def check_bits(bits: object) -> int:
 
 def code_dtype(bits: int) -> torch.dtype:
     """The codes' dtype: int8 up to 8 bits, int32 above."""
-    return torch.int8 if check_bits(bits) <= 8 else torch.int32
+    return torch.int8 if check_code_bits(bits) <= 8 else torch.int32
 
 
 def nan_code(dtype: torch.dtype) -> int:
@@ -85,7 +85,7 @@ def nan_code(dtype: torch.dtype) -> int:
 
 def check_encode(g: torch.Tensor, norm: torch.Tensor | None, bits: int, key: int) -> None:
     """The checks both implementations make before encoding."""
-    check_bits(bits)
+    check_code_bits(bits)
     if not isinstance(g, torch.Tensor) or not g.dtype.is_floating_point:
         raise TypeError(f"g must be a floating-point tensor, got {getattr(g, 'dtype', g)}")
     if norm is not None:
@@ -153,7 +153,7 @@ def exponential_codes(x: torch.Tensor, bits: int, u: torch.Tensor) -> torch.Tens
     """Codes of ``x`` (taken as fp32, meant to lie in [-1, 1]) on powers of two: code k > 0
     stands for sign * 2^-(k-1), 0 for zero, rounded stochastically (with ``u``, uniform [0, 1)
     of x's shape) between neighbouring levels: unbiased. See the module doc."""
-    kmax = 2 ** (check_bits(bits) - 1) - 1  # smallest level 2^-(kmax-1)
+    kmax = 2 ** (check_code_bits(bits) - 1) - 1  # smallest level 2^-(kmax-1)
     if not x.dtype.is_floating_point:
         raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
     if not isinstance(u, torch.Tensor) or u.shape != x.shape:

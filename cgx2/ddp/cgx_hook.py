@@ -15,16 +15,14 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
 from .. import seeding
-from ..adaptive import layer_errors, plan_bits
+from ..adaptive import check_options, check_replan_every, layer_errors, plan_widths
 from ..checks import UNCOMPRESSED_BITS, check_bits, check_bucket_size
-from ..collectives import allreduce_plain_, allreduce_quantized_, compression_pays
+from ..collectives import allreduce_plain_, compression_pays
 from ..config import CGXConfig
 from ..error_feedback import ErrorFeedback
 from ..fusion import (
     allreduce_fused_,
     padded_numel,
-    quantized_bytes_sent,
-    reduce_fused_,
     ring_bytes_sent,
 )
 from ..hierarchical import hierarchical_allreduce_fused_, node_mesh, spans_nodes
@@ -131,18 +129,11 @@ class CGXState:
             raise TypeError(f"mesh must be a DeviceMesh, 'auto' or None, got {mesh!r}")
         self.mesh = mesh
         if adaptive_bits is not None:
-            adaptive_bits = tuple(sorted({check_bits(b, "adaptive_bits") for b in adaptive_bits}))
-            if self.bits not in adaptive_bits or UNCOMPRESSED_BITS in adaptive_bits:
-                raise ValueError(
-                    f"adaptive_bits {adaptive_bits} must be widths in 1..8 that include the "
-                    f"state's bits ({self.bits})"
-                )
+            adaptive_bits = check_options(adaptive_bits, self.bits)
             if mesh is not None:
                 raise ValueError("adaptive_bits and a hierarchical mesh do not combine yet")
-        if isinstance(replan_every, bool) or not isinstance(replan_every, int) or replan_every < 1:
-            raise ValueError(f"replan_every must be a positive int, got {replan_every!r}")
         self.adaptive_bits = adaptive_bits
-        self.replan_every = replan_every
+        self.replan_every = check_replan_every(replan_every)
         if not isinstance(error_feedback, bool):
             raise TypeError(f"error_feedback must be a bool, got {type(error_feedback).__name__}")
         if error_feedback and mesh is not None:
@@ -210,13 +201,8 @@ class CGXState:
         plan = self._bit_plans.get(index)
         if plan is None or len(plan) != len(layers) or calls % self.replan_every == 0:
             options = self.adaptive_bits
-            errors = torch.stack([layer_errors(x, self.bucket_size, options) for x in layers])
-            dist.all_reduce(errors, group=group)
-            errors = errors.cpu()
-            budget = float(errors[:, options.index(self.bits)].sum())
-            numels = [x.numel() for x in layers]
-            plan = tuple(plan_bits(errors.tolist(), numels, options, budget,
-                                   baseline=self.bits))  # fmt: skip
+            errors = [layer_errors(x, self.bucket_size, options) for x in layers]
+            plan = plan_widths(errors, [x.numel() for x in layers], options, self.bits, group)
             self._bit_plans[index] = plan
         return plan
 
@@ -303,28 +289,12 @@ def _reduce_parameter_grad_(state: CGXState, grad: torch.Tensor) -> None:
 def _allreduce_layers_(state: CGXState, layers: list[torch.Tensor], bits: int,
                        group: dist.ProcessGroup, keys: list[int] | None) -> int:  # fmt: skip
     """:func:`cgx2.fusion.allreduce_fused_` of ``layers`` at ``bits``; with ``keys``, each
-    layer's first-stage error (the allreduce's ``error``) becomes its residual. Returns the
-    bytes this rank sent."""
-    if keys is None:
-        return allreduce_fused_(layers, bits, state.bucket_size, group, "avg")
-    bucket_size, world = state.bucket_size, dist.get_world_size(group)
-    numel = sum(padded_numel(x.numel(), bucket_size) for x in layers)
-    if not compression_pays(layers[0], numel):
-        bits = UNCOMPRESSED_BITS  # as allreduce_fused_ decides: once, for the bytes too
-    errors: list[torch.Tensor] = []
-
-    def reduce(fused: torch.Tensor) -> torch.Tensor:
-        errors.append(torch.empty_like(fused))
-        return allreduce_quantized_(fused, bits, bucket_size, group, "avg", error=errors[0])
-
-    reduce_fused_(layers, bucket_size, reduce)
-    at = 0  # the layers' places in the fused buffer: each padded to whole buckets
-    for layer, key in zip(layers, keys, strict=True):
-        state.errors.store_(key, errors[0][at : at + layer.numel()])
-        at += padded_numel(layer.numel(), bucket_size)
-    if bits == UNCOMPRESSED_BITS:
-        return ring_bytes_sent(numel * layers[0].element_size(), world)
-    return quantized_bytes_sent(numel, world, bits, bucket_size)
+    layer's first-stage error becomes its residual. Returns the bytes this rank sent."""
+    errors: list[torch.Tensor] | None = None if keys is None else []
+    sent = allreduce_fused_(layers, bits, state.bucket_size, group, "avg", errors=errors)
+    for key, error in zip(keys or (), errors or (), strict=True):
+        state.errors.store_(key, error)
+    return sent
 
 
 def _reduce_bucket(

@@ -18,6 +18,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from .. import seeding
 from ..codecs.exponential import exponential_codec, exponential_codes, exponential_values
 from ..error_feedback import ErrorFeedback
+from ..fusion import ring_bytes_sent
 from ..seeding import derive_key, next_seed
 from .lgreco import PowerSGDState, powerSGD_hook
 
@@ -139,10 +140,6 @@ def _levels_per_side(state: GlobalQSGDState, world: int) -> int:
     return 2 ** (state.bits - 1) - 1
 
 
-def _ring(nbytes: int, world: int) -> int:
-    return 2 * (world - 1) * nbytes // world
-
-
 def _uniform(like: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Uniform [0, 1) numbers for stochastic rounding, from cgx2's seed stream and the rank."""
     g = torch.Generator(device=like.device)
@@ -198,7 +195,7 @@ def standard_dithering(g: torch.Tensor, state: GlobalQSGDState, *,
     q, norm, levels, world = linear_levels(g, state)
     _keep_error(residual, g, q.float() * (norm / levels))  # before the sum overwrites q
     dist.all_reduce(q, group=_group(state))
-    state.bytes_sent += _ring(q.numel() * q.element_size() + 4, world)
+    state.bytes_sent += ring_bytes_sent(q.numel() * q.element_size() + 4, world)
     return q.float() * (norm / (levels * world))
 
 
@@ -212,7 +209,7 @@ def thc(g: torch.Tensor, state: GlobalQSGDState, *,
     server = dist.get_global_rank(group, 0)
     dist.reduce(q, dst=server, group=group)
     dist.broadcast(q, src=server, group=group)
-    state.bytes_sent += _ring(q.numel() * q.element_size() + 4, world)
+    state.bytes_sent += ring_bytes_sent(q.numel() * q.element_size() + 4, world)
     return q.float() * (norm / (levels * world))
 
 
@@ -251,7 +248,8 @@ def exponential_dithering(g: torch.Tensor, state: GlobalQSGDState, *,
         _keep_error(residual, g, codec.decode(codes).view(g.shape) * norm)
     gathered = torch.empty(world * codes.numel(), dtype=codes.dtype, device=codes.device)
     _all_gather_single(gathered, codes, group=group)
-    state.bytes_sent += (world - 1) * codes.numel() * codes.element_size() + _ring(4, world)
+    gathered_bytes = (world - 1) * codes.numel() * codes.element_size()
+    state.bytes_sent += gathered_bytes + ring_bytes_sent(4, world)
     return codec.decode_sum(gathered.view(world, -1), norm / world)
 
 
@@ -262,13 +260,10 @@ def _with_feedback(bucket: dist.GradBucket, state: GlobalQSGDState,
     if state.errors is None:
         return reduce(g, state)
     # Keyed by parameter, not by bucket position: DDP rebuilds its buckets after the first
-    # iteration. A bucket's buffer holds its parameters' gradients in order, unpadded.
-    params = bucket.parameters()
-    keys = state.errors.keys(params)
-    spans, at = [], 0
-    for p in params:
-        spans.append((at, p.numel()))
-        at += p.numel()
+    # iteration. Each gradient is a view into the buffer; its offset says where.
+    keys = state.errors.keys(bucket.parameters())
+    base = g.storage_offset()
+    spans = [(grad.storage_offset() - base, grad.numel()) for grad in bucket.gradients()]
     for (start, n), key in zip(spans, keys, strict=True):
         state.errors.add_(key, g[start : start + n])
     residual = torch.empty_like(g)
@@ -338,7 +333,7 @@ def standard_dithering_4bit(g: torch.Tensor, state: GlobalQSGDState, *,
     packed = pack_nibbles(q, levels)
     # uint8 SUM: gloo and NCCL both reduce it; the nibble sums stay <= 15, so no carries.
     dist.all_reduce(packed, group=_group(state))
-    state.bytes_sent += _ring(packed.numel() + 4, world)
+    state.bytes_sent += ring_bytes_sent(packed.numel() + 4, world)
     total = unpack_nibbles(packed, q.numel()) - world * levels  # the sum of the W levels
     return (total.float() * (norm / (levels * world))).view(g.shape)
 

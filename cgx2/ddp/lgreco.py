@@ -28,6 +28,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..adaptive import plan_bits
+from ..fusion import ring_bytes_sent
 
 __all__ = ["LGreCoState", "PowerSGDState", "lgreco_hook", "powerSGD_hook", "rank_errors"]
 
@@ -36,11 +37,6 @@ _OVERSAMPLE = 8  # extra columns of the randomized SVD: its top singular values 
 
 def _is_int(x: object) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
-def _ring(nbytes: int, world: int) -> int:
-    """Bytes one rank sends in a ring allreduce of ``nbytes``, as GlobalQSGDState counts."""
-    return 2 * (world - 1) * nbytes // world
 
 
 def _check(rank: object, ranks: Sequence[int] | None, replan_every: object) -> tuple[int, ...]:
@@ -190,7 +186,7 @@ class LGreCoState(torch_powersgd.PowerSGDState):
                 [rank_errors(m, self.ranks, seed + i) for i, m in enumerate(matrices)]
             )
             dist.all_reduce(errors, group=group)
-            self.bytes_sent += _ring(
+            self.bytes_sent += ring_bytes_sent(
                 errors.numel() * errors.element_size(), dist.get_world_size(group)
             )
             errors = errors.cpu()
@@ -357,7 +353,7 @@ def powerSGD_hook(
     buffer = bucket.buffer()
     keys = state.keys(bucket.parameters())  # numbered at the first step, in its layout
     if state.iter < state.start_powerSGD_iter:
-        state.bytes_sent += _ring(buffer.numel() * buffer.element_size(), world)
+        state.bytes_sent += ring_bytes_sent(buffer.numel() * buffer.element_size(), world)
         state.maybe_increase_iter(bucket)
         return default_hooks._allreduce_fut(group, buffer)
 
@@ -439,7 +435,7 @@ def powerSGD_hook(
         for key, grad in zip(keys, grads, strict=True):
             state.error_dict[key] = error[offset : offset + grad.numel()]
             offset += grad.numel()
-    state.bytes_sent += _ring(sent * buffer.element_size(), world)
+    state.bytes_sent += ring_bytes_sent(sent * buffer.element_size(), world)
     state.maybe_increase_iter(bucket)
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future(
         devices=[buffer.device] if buffer.is_cuda else None

@@ -15,7 +15,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from .. import seeding
-from ..adaptive import check_options, layer_errors, plan_bits
+from ..adaptive import check_options, check_replan_every, layer_errors, plan_widths
 from ..backend import CompletedWork
 from ..checks import UNCOMPRESSED_BITS, check_bits, check_bucket_size
 from ..collectives import compression_pays
@@ -26,12 +26,6 @@ from .reduce_scatter import Segment, reduce_scatter_quantized, reference_reduce_
 __all__ = ["QuantizedReduceScatter", "compress", "compression_state_dict",
            "load_compression_state_dict", "reduce_scatter_quantized",
            "reference_reduce_scatter"]  # fmt: skip
-
-
-def _check_replan_every(replan_every: object) -> int:
-    if isinstance(replan_every, bool) or not isinstance(replan_every, int) or replan_every < 1:
-        raise ValueError(f"replan_every must be a positive int, got {replan_every!r}")
-    return replan_every
 
 
 class QuantizedReduceScatter(ReduceScatter):
@@ -56,7 +50,7 @@ class QuantizedReduceScatter(ReduceScatter):
         self.bucket_size = check_bucket_size(bucket_size)
         self.row_params = row_params or []
         self.adaptive_bits = None if adaptive_bits is None else check_options(adaptive_bits, bits)
-        self.replan_every = _check_replan_every(replan_every)
+        self.replan_every = check_replan_every(replan_every)
         self.bytes_sent = 0
         self.calls = 0
         """Reductions that used the adaptive widths: every ``replan_every``-th re-plans."""
@@ -83,7 +77,7 @@ class QuantizedReduceScatter(ReduceScatter):
         self.adaptive_bits = None if options is None else check_options(options, bits)
         self.bits = bits
         self.bucket_size = check_bucket_size(state["bucket_size"])
-        self.replan_every = _check_replan_every(state["replan_every"])
+        self.replan_every = check_replan_every(state["replan_every"])
         widths = state["widths"]
         self.widths = None if widths is None else tuple(int(b) for b in widths)
         self.calls = int(state["calls"])
@@ -135,12 +129,8 @@ class QuantizedReduceScatter(ReduceScatter):
             if pad:
                 x = torch.cat([x, x[:, -1:].expand(-1, pad)], dim=1)
             errors.append(layer_errors(x, self.bucket_size, options))
-        table = torch.stack(errors)
-        dist.all_reduce(table, group=group)
-        table = table.cpu()  # one transfer per re-plan
-        budget = float(table[:, options.index(self.bits)].sum())
         numels = [padded_numel(k, self.bucket_size) for _, k, _ in compressed]
-        return tuple(plan_bits(table.tolist(), numels, options, budget, baseline=self.bits))
+        return plan_widths(errors, numels, options, self.bits, group)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op: dist.ReduceOp,
@@ -189,7 +179,7 @@ def compress(model: nn.Module, bits: int | None = None, bucket_size: int | None 
     bits = check_bits(bits)
     if adaptive_bits is not None:  # fail before touching the model
         adaptive_bits = check_options(adaptive_bits, bits)
-    replan_every = _check_replan_every(replan_every)
+    replan_every = check_replan_every(replan_every)
     bucket_size = config.bucket_size if bucket_size is None else bucket_size
     min_size = max(min_size, config.minimal_size)
     comms = []
