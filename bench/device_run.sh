@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One device call: check the kernels, the allreduce, the cgx backend and FSDP2 on the GPUs,
-# time the kernels, and, with several GPUs, benchmark the allreduce and a DDP training step in
+# One device call: check the kernels (max-min and exponential), the allreduce, the cgx backend
+# (its hierarchical path too) and FSDP2 on the GPUs, time the kernels, and, with several
+# GPUs, benchmark the allreduce and a DDP training step in
 # DESIGN.md's three regimes (nvlink, shm, socket) and an FSDP2 step (socket). Raw results land
 # in bench/results/ (and as one tarball in $OUT).
 # Usage (repo root): bash bench/device_run.sh [gpu_check args]; BENCH_ARGS for cgx2.bench,
@@ -18,6 +19,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,no
 status=0
 if [ -z "${SKIP_KERNELS:-}" ]; then
   python3 bench/gpu_check.py "$@" 2>"$LOGS/gpu_check.err" | tail -n 45 || status=1
+  python3 bench/gpu_exponential_check.py 2>"$LOGS/exp_check.err" | tail -n 12 || status=1
 fi
 save() {  # after every stage, so that a run cut short still brings back what it measured
   tar czf "$OUT/results.tgz" bench/results/*.json 2>/dev/null
