@@ -311,9 +311,9 @@ def levels_4bit(g: torch.Tensor, state: GlobalQSGDState,
 def pack_nibbles(q: torch.Tensor, levels: int) -> torch.Tensor:
     """Levels in [-L, L] as uint8 nibbles level + L, two per byte: even positions in the low
     nibble, odd ones in the high; an odd count is padded with one nibble 0."""
-    u = (q.reshape(-1).to(torch.int16) + levels).to(torch.uint8)
-    if u.numel() % 2:
-        u = torch.cat([u, u.new_zeros(1)])
+    flat = q.reshape(-1)
+    u = torch.zeros(flat.numel() + flat.numel() % 2, dtype=torch.uint8, device=flat.device)
+    u[: flat.numel()] = flat + levels  # in [0, 2L], 2L <= 14: exact in any dtype
     pairs = u.view(-1, 2)
     return pairs[:, 0] | (pairs[:, 1] << 4)
 
@@ -329,7 +329,7 @@ def standard_dithering_4bit(g: torch.Tensor, state: GlobalQSGDState, *,
     ``residual``, when given, receives ``g`` minus this rank's decoded contribution."""
     q, norm, levels, world = levels_4bit(g, state)
     if residual is not None:
-        residual.copy_(g.float() - q.float() * (norm / levels))
+        _keep_error(residual, g, q.float() * (norm / levels))
     packed = pack_nibbles(q, levels)
     # uint8 SUM: gloo and NCCL both reduce it; the nibble sums stay <= 15, so no carries.
     dist.all_reduce(packed, group=_group(state))
