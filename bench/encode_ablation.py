@@ -1,6 +1,8 @@
 """Where the Triton encode kernel spends its time: the kernel with its stages switched off one
-by one (random numbers, min/max, packing), and a persistent, software-pipelined variant, timed
-against a device copy in one run. A tuning aid for ``cgx2.codecs.maxmin_triton``; the variants
+by one (random numbers, min/max, packing), a persistent, software-pipelined variant, and a
+grouped 4-bit variant (a [buckets, B/8, 8] tile: one Philox call and one word per group, no
+re-layout; with 10 rounds it writes the codec's bytes, which the run checks), timed against a
+device copy in one run. A tuning aid for ``cgx2.codecs.maxmin_triton``; the other variants
 write wrong bytes on purpose.
 
 Run on a GPU: ``python bench/encode_ablation.py [--numel N]``.
@@ -99,6 +101,71 @@ def _persistent_encode(
         tl.store(out_u8.to(tl.pointer_type(tl.float32)) + q, step, mask=qmask)
 
 
+@triton.jit
+def _philox_rounds(c0, c1, c2, c3, k0, k1, ROUNDS: tl.constexpr):
+    """Philox4x32 with ``ROUNDS`` rounds (the codec's is 10): to price the rounds."""
+    for _ in tl.static_range(ROUNDS):
+        a = c0
+        b = c2
+        c0 = tl.umulhi(b, 0xCD9E8D57) ^ c1 ^ k0
+        c2 = tl.umulhi(a, 0xD2511F53) ^ c3 ^ k1
+        c1 = b * 0xCD9E8D57
+        c3 = a * 0xD2511F53
+        k0 = k0 + 0x9E3779B9
+        k1 = k1 + 0xBB67AE85
+    return c0, c1, c2, c3
+
+
+@triton.jit(do_not_specialize=["k0", "k1"])
+def _grouped_encode(
+    x_ptr, lev_ptr, meta_ptr, k0, k1,
+    B: tl.constexpr, BUCKETS: tl.constexpr, ROUNDS: tl.constexpr,
+):  # fmt: skip
+    """4-bit encode of complete buckets on a [BUCKETS, B/8, 8] tile: each group of 8 values is
+    one Philox call and one 32-bit word, so no re-layout joins the random numbers to the
+    values. With 10 rounds it writes the codec's bytes (stream 0)."""
+    G: tl.constexpr = B // 8
+    q = tl.program_id(0).to(tl.int64) * BUCKETS + tl.arange(0, BUCKETS)
+    g = tl.arange(0, G)
+    k = tl.arange(0, 8)
+    e = q[:, None, None] * B + g[None, :, None] * 8 + k[None, None, :]
+    v = tl.load(x_ptr + e).to(tl.float32)
+    lo = tl.min(tl.min(tl.where(v == v, v, float("-inf")), axis=2), axis=1)
+    hi = tl.max(tl.max(v, axis=2), axis=1)
+    lo, step, scale, finite = _params(lo, hi, 4)
+    zero = tl.zeros((BUCKETS, G), dtype=tl.uint32)
+    c0 = zero + g.to(tl.uint32)[None, :]
+    c1 = zero + (q & 0xFFFFFFFF).to(tl.uint32)[:, None]
+    c2 = zero + (q >> 32).to(tl.uint32)[:, None]
+    r0, r1, r2, r3 = _philox_rounds(c0, c1, c2, zero, k0.to(tl.uint32), k1.to(tl.uint32), ROUNDS)
+    kk = k[None, None, :]
+    # The codec's order of the four words over a group: r0, r2, r1, r3 (see .philox).
+    w = tl.where(kk < 2, r0[:, :, None], tl.where(kk < 4, r2[:, :, None],
+                 tl.where(kk < 6, r1[:, :, None], r3[:, :, None])))  # fmt: skip
+    half = tl.where(kk % 2 == 0, w & 0xFFFF, w >> 16)
+    u = half.to(tl.float32) * (1.0 / 65536.0)
+    level = tl.floor((v - lo[:, None, None]) * scale[:, None, None] + u)
+    level = tl.where(level > 15.0, 15.0, level)
+    level = tl.where(level >= 0.0, level, 0.0)
+    level = tl.where(finite[:, None, None], level, 0.0)
+    word = tl.sum(level.to(tl.uint32) << (kk.to(tl.uint32) * 4), axis=2)  # disjoint bits
+    tl.store(lev_ptr.to(tl.pointer_type(tl.uint32)) + q[:, None] * G + g[None, :], word)
+    tl.store(meta_ptr + 2 * q, lo)
+    tl.store(meta_ptr + 2 * q + 1, step)
+
+
+def grouped(x: torch.Tensor, payload: torch.Tensor, b: int, key: int, buckets: int,
+            rounds: int, warps: int) -> torch.Tensor:  # fmt: skip
+    """Encode ``x`` (whole buckets of ``b``) into ``payload``, the codec's layout."""
+    nq = x.numel() // b
+    levels_at = (8 * nq + 15) // 16 * 16
+    _grouped_encode[(nq // buckets,)](
+        x, payload[levels_at:], payload.view(torch.float32), key & 0xFFFFFFFF, key >> 32,
+        B=b, BUCKETS=buckets, ROUNDS=rounds, num_warps=warps, enable_fp_fusion=False,
+    )  # fmt: skip
+    return payload
+
+
 def persistent(x, out, n, bits, b, warps, buckets, stages, per_sm) -> None:
     nq = n // b
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
@@ -120,7 +187,9 @@ def ablated(x, out, n, bits, b, warps, buckets, rng, stats, pack, first) -> None
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--numel", type=int, default=64 << 20)
+    p.add_argument("--parts", default="grouped,stages,persistent", help="which variants to time")
     args = p.parse_args()
+    parts = set(args.parts.split(","))
     n, bits, b = args.numel, 4, 512
     x32 = torch.randn(n, device="cuda")
     src = torch.empty(n * 4, dtype=torch.uint8, device="cuda")
@@ -135,7 +204,19 @@ def main() -> None:
         gbps = (n * x.element_size() + n * bits // 8) / ms / 1e6
         print(f"{label}: {ms:.3f} ms {gbps:6.0f} GB/s {gbps / copy_gbps:4.0%} of copy", flush=True)
 
-    for x, name in ((x32, "fp32"), (x32.bfloat16(), "bf16")):
+    from cgx2.codecs import maxmin_triton as tri
+
+    for x, name in ((x32, "fp32"), (x32.bfloat16(), "bf16")) if "grouped" in parts else ():
+        expected = tri.encode(x, bits, b, key=0x1234_5678_9ABC)
+        payload = torch.zeros_like(expected)
+        for buckets, warps in ((1, 1), (1, 2), (2, 2), (4, 4)):
+            for rounds in (10, 7):
+                fn = functools.partial(grouped, x, payload, b, 0x1234_5678_9ABC, buckets, rounds,
+                                       warps)  # fmt: skip
+                same = bool(torch.equal(fn(), expected)) if rounds == 10 else "-"
+                report(f"{name} grouped rounds={rounds} buckets={buckets} warps={warps} "
+                       f"(codec's bytes: {same})", fn, x)  # fmt: skip
+    for x, name in ((x32, "fp32"), (x32.bfloat16(), "bf16")) if "stages" in parts else ():
         # rng 0: none, 1: Philox, 2: a cheap hash; stats 0: none, 1: two reductions, 2: one
         variants = ((1, 1, 1, 0), (1, 1, 1, 1), (1, 2, 1, 0), (0, 1, 1, 0),
                     (2, 1, 1, 0), (1, 0, 1, 0), (1, 1, 0, 0), (0, 0, 0, 0))  # fmt: skip
@@ -145,6 +226,7 @@ def main() -> None:
                                        pack, first)  # fmt: skip
                 report(f"{name} rng={rng} stats={stats} pack={pack} rng_first={first} "
                        f"warps={warps} buckets={buckets}", fn, x)  # fmt: skip
+    for x, name in ((x32, "fp32"), (x32.bfloat16(), "bf16")) if "persistent" in parts else ():
         for warps, buckets in ((1, 1), (1, 2), (2, 2)):
             for stages in (1, 3):
                 for per_sm in (8, 32):
