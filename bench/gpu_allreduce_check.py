@@ -39,6 +39,29 @@ def _input(rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:
     return (torch.randn(n, generator=g) * (rank + 1) + rank).to(dtype)
 
 
+def _error_matches(x: torch.Tensor, error: torch.Tensor, bits: int, skip: bool, world: int,
+                   rank: int, device: str = "cuda") -> bool:  # fmt: skip
+    """``error`` of rank ``rank`` against the reference codec: per pipeline piece, its input
+    minus the decoded payloads it sent (zero on the chunk it owns)."""
+    from cgx2.codecs import ChunkedLayout, maxmin
+    from cgx2.seeding import derive_key
+
+    flat, expected = x.reshape(-1), torch.empty_like(error.reshape(-1))
+    step = collectives._piece_numel(x.element_size(), world, 512, torch.device(device))
+    for index, s in enumerate(range(0, flat.numel(), step)):
+        piece = flat[s : s + step]
+        layout = ChunkedLayout.split(piece.numel(), world, bits, 512, skip)
+        key = derive_key(17, collectives._STAGE_SCATTER, rank, index)
+        sent = maxmin.encode_chunks(piece, layout, key, rank)
+        decoded = maxmin.decode_chunks(sent, layout, torch.float32)
+        out = expected[s : s + step]
+        torch.sub(piece, decoded, out=out)
+        start, size = layout.chunk_start(rank), layout.chunk_size(rank)
+        out[start : start + size] = 0
+    same = expected.view(INT[x.element_size()]) == error.reshape(-1).view(INT[x.element_size()])
+    return bool((same | (expected.isnan() & error.reshape(-1).isnan())).all())
+
+
 def main() -> int:
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -50,13 +73,19 @@ def main() -> int:
         out = cgx2.quantized_allreduce(x, bits, op=op, seed=17, skip_incomplete=skip)
         in_place = x.clone()
         cgx2.quantized_allreduce_(in_place, bits, op=op, seed=17, skip_incomplete=skip)
+        with_error = x.clone()
+        error = torch.empty_like(x)  # the first stage's error, as error feedback reads it
+        collectives.allreduce_quantized_(with_error, bits, 512, dist.group.WORLD, op, 17, skip,
+                                         error=error)  # fmt: skip
+        in_place_same = torch.equal(with_error.view(INT[x.element_size()]),
+                                    in_place.view(INT[x.element_size()]))  # fmt: skip
         same_in_place = torch.equal(in_place.view(INT[x.element_size()]),
                                     out.view(INT[x.element_size()]))  # fmt: skip
         outs = [torch.empty_like(out) for _ in range(world)]
         dist.all_gather(outs, out)
         same = all(torch.equal(o.view(INT[o.element_size()]), out.view(INT[o.element_size()]))
                    for o in outs)  # fmt: skip
-        same = same and same_in_place
+        same = same and same_in_place and in_place_same
         ok = same
         if rank == 0:
             inputs = [_input(r, n, dtype) for r in range(world)]
@@ -67,6 +96,9 @@ def main() -> int:
             diff = got.view(INT[got.element_size()]) != exact
             diff &= ~(got.isnan() & model.isnan())
             ok = same and not bool(diff.any())
+            # The error is this rank's input minus its chunks as the owners decode them: the
+            # CPU reference codec decoding the same bytes must agree to the bit.
+            ok = ok and _error_matches(x.cpu(), error.cpu(), bits, skip, world, rank)
             err = got.double() - sum(i.double() for i in inputs) / (world if op == "avg" else 1)
             cut = "regime" if piece is None else piece or "64M"
             print(f"{'ok  ' if ok else 'FAIL'} bits={bits} {str(dtype)[6:]} n={n} {op} "
