@@ -372,3 +372,45 @@ def test_residuals_loaded_into_another_model_are_refused():
     assert fresh.key(torch.zeros(4, 8)) == key  # the same model built the same way
     with pytest.raises(ValueError, match="shape"):
         fresh.load_state_dict({"residuals": {key: torch.ones(32)}, "shapes": {key: [2, 16]}})
+
+
+def _with_options(options: dict, env: dict) -> dict:
+    """Five steps of :class:`Permuted` with error feedback and ``options`` (adaptive widths,
+    or CGX_COMPRESSION_SKIP_INCOMPLETE_BUCKETS through ``env``)."""
+    import os
+
+    os.environ.update(env)
+    try:
+        cgx2.manual_seed(5)
+        module = Permuted()
+        model = DDP(module, bucket_cap_mb=0.02)
+        params = {"bits": BITS, "bucket_size": 48}  # 64x64 layers end in a partial bucket
+        state = CGXState(None, 1024, params, error_feedback=True, start_iter=0, **options)
+        model.register_comm_hook(state, cgx_hook)
+        coeffs = _coefficients(dist.get_rank(), module)
+        for _ in range(5):
+            model.zero_grad(set_to_none=True)
+            model(coeffs).backward()
+        grads = {n: p.grad.clone() for n, p in module.named_parameters()}
+        kept = {n: _residual(state, p) for n, p in module.named_parameters() if p.dim() > 1}
+        return {"grads": grads, "kept": kept, "plans": dict(state._bit_plans)}
+    finally:
+        for k in env:
+            del os.environ[k]
+
+
+@pytest.mark.parametrize(
+    ("options", "env"),
+    [({"adaptive_bits": (2, 4, 8), "replan_every": 2}, {}),
+     ({}, {"CGX_COMPRESSION_SKIP_INCOMPLETE_BUCKETS": "1"})],
+)  # fmt: skip
+def test_error_feedback_with_adaptive_widths_or_raw_tails(dist2, options, env):
+    """Error feedback combines with adaptive widths and with layers whose last bucket goes
+    raw: replicas agree, and every compressed layer keeps a nonzero residual on a rank (zero
+    on the one that owns it: its own chunk stays exact)."""
+    a, b = dist2.run(_with_options, options, env)
+    assert all(torch.equal(a["grads"][n], b["grads"][n]) for n in a["grads"])
+    assert len(a["kept"]) == 3
+    for n in a["kept"]:
+        assert max(float(a["kept"][n].abs().max()), float(b["kept"][n].abs().max())) > 0, n
+    assert bool(a["plans"]) == ("adaptive_bits" in options)
