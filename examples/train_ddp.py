@@ -112,7 +112,8 @@ def train(args: argparse.Namespace) -> dict:
         x, y = batch(text, args.batch_size, args.context, gen, device)
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss = nn.functional.cross_entropy(ddp(x).flatten(0, 1), y.flatten())
+        with torch.autocast(device.split(":")[0], torch.bfloat16, enabled=args.amp == "bf16"):
+            loss = nn.functional.cross_entropy(ddp(x).flatten(0, 1).float(), y.flatten())
         loss.backward()
         opt.step()
         if device != "cpu":
@@ -197,6 +198,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--text-bytes", type=int, default=2_000_000)
     p.add_argument("--world-size", type=int, default=2, help="processes to spawn without torchrun")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--amp", choices=("none", "bf16"), default="none",
+                   help="bf16 autocast (fp32 weights and gradients): a lighter step, as in "
+                   "most training today, where communication weighs more")  # fmt: skip
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--json", help="write the result (losses, bytes, timing) here")
     args = p.parse_args(argv)

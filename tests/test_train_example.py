@@ -69,7 +69,8 @@ def test_two_node_torchrun_on_one_machine(tmp_path, mode):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
            "--nproc-per-node", "1", "--rdzv-backend", "c10d",
            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "cgx2-test",
-           str(EXAMPLE), "--steps", "3", "--json", str(out), "--mode", mode]  # fmt: skip
+           str(EXAMPLE), "--steps", "3", "--json", str(out), "--mode", mode,
+           "--amp", "bf16"]  # fmt: skip
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
     procs = [subprocess.Popen(cmd, env=env, **pipes) for _ in range(2)]
     for p in procs:
@@ -77,6 +78,7 @@ def test_two_node_torchrun_on_one_machine(tmp_path, mode):
         assert p.returncode == 0, err[-3000:]
     result = json.loads(out.read_text())
     assert result["world_size"] == 2 and result["mode"] == mode
+    assert result["args"]["amp"] == "bf16"  # autocast: fp32 gradients, compressed all the same
     assert 0 < result["bytes_sent"] < result["bytes_uncompressed"]
 
 
