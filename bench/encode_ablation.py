@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 import triton.testing
 
-from cgx2.codecs.maxmin_triton import _pack_store, _params, _stats, _tile, _uniforms
+from cgx2.codecs.maxmin_triton import _pack_store, _params, _philox, _stats, _tile, _uniforms
 
 
 @triton.jit
@@ -101,21 +101,6 @@ def _persistent_encode(
         tl.store(out_u8.to(tl.pointer_type(tl.float32)) + q, step, mask=qmask)
 
 
-@triton.jit
-def _philox_rounds(c0, c1, c2, c3, k0, k1, ROUNDS: tl.constexpr):
-    """Philox4x32 with ``ROUNDS`` rounds (the codec's is 10): to price the rounds."""
-    for _ in tl.static_range(ROUNDS):
-        a = c0
-        b = c2
-        c0 = tl.umulhi(b, 0xCD9E8D57) ^ c1 ^ k0
-        c2 = tl.umulhi(a, 0xD2511F53) ^ c3 ^ k1
-        c1 = b * 0xCD9E8D57
-        c3 = a * 0xD2511F53
-        k0 = k0 + 0x9E3779B9
-        k1 = k1 + 0xBB67AE85
-    return c0, c1, c2, c3
-
-
 @triton.jit(do_not_specialize=["k0", "k1"])
 def _grouped_encode(
     x_ptr, lev_ptr, meta_ptr, k0, k1,
@@ -137,7 +122,7 @@ def _grouped_encode(
     c0 = zero + g.to(tl.uint32)[None, :]
     c1 = zero + (q & 0xFFFFFFFF).to(tl.uint32)[:, None]
     c2 = zero + (q >> 32).to(tl.uint32)[:, None]
-    r0, r1, r2, r3 = _philox_rounds(c0, c1, c2, zero, k0.to(tl.uint32), k1.to(tl.uint32), ROUNDS)
+    r0, r1, r2, r3 = _philox(c0, c1, c2, zero, k0.to(tl.uint32), k1.to(tl.uint32), ROUNDS)
     kk = k[None, None, :]
     # The codec's order of the four words over a group: r0, r2, r1, r3 (see .philox).
     w = tl.where(kk < 2, r0[:, :, None], tl.where(kk < 4, r2[:, :, None],
