@@ -188,29 +188,42 @@ def _keep_error(residual: torch.Tensor | None, g: torch.Tensor, decoded: torch.T
         torch.sub(g, decoded, out=residual)
 
 
+def _linear_average(
+    g: torch.Tensor,
+    state: GlobalQSGDState,
+    residual: torch.Tensor | None,
+    sum_levels: Callable[[torch.Tensor, dist.ProcessGroup], None],
+) -> torch.Tensor:
+    """The average of ``g`` from global-norm levels summed in place by ``sum_levels``."""
+    q, norm, levels, world = linear_levels(g, state)
+    _keep_error(residual, g, q.float() * (norm / levels))  # before the sum overwrites q
+    sum_levels(q, _group(state))
+    state.bytes_sent += ring_bytes_sent(q.numel() * q.element_size() + 4, world)
+    return q.float() * (norm / (levels * world))
+
+
+def _allreduce_levels(q: torch.Tensor, group: dist.ProcessGroup) -> None:
+    dist.all_reduce(q, group=group)
+
+
+def _parameter_server_levels(q: torch.Tensor, group: dist.ProcessGroup) -> None:
+    server = dist.get_global_rank(group, 0)
+    dist.reduce(q, dst=server, group=group)
+    dist.broadcast(q, src=server, group=group)
+
+
 def standard_dithering(g: torch.Tensor, state: GlobalQSGDState, *,
                        residual: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """The average of ``g`` over the group by standard dithering (see the hook); ``residual``,
     when given, receives ``g`` minus this rank's decoded contribution."""
-    q, norm, levels, world = linear_levels(g, state)
-    _keep_error(residual, g, q.float() * (norm / levels))  # before the sum overwrites q
-    dist.all_reduce(q, group=_group(state))
-    state.bytes_sent += ring_bytes_sent(q.numel() * q.element_size() + 4, world)
-    return q.float() * (norm / (levels * world))
+    return _linear_average(g, state, residual, _allreduce_levels)
 
 
 def thc(g: torch.Tensor, state: GlobalQSGDState, *,
         residual: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """The average of ``g`` by THC's levels and parameter-server sum (see the hook);
     ``residual`` as in :func:`standard_dithering`."""
-    group = _group(state)
-    q, norm, levels, world = linear_levels(g, state)
-    _keep_error(residual, g, q.float() * (norm / levels))  # before the sum overwrites q
-    server = dist.get_global_rank(group, 0)
-    dist.reduce(q, dst=server, group=group)
-    dist.broadcast(q, src=server, group=group)
-    state.bytes_sent += ring_bytes_sent(q.numel() * q.element_size() + 4, world)
-    return q.float() * (norm / (levels * world))
+    return _linear_average(g, state, residual, _parameter_server_levels)
 
 
 def qsgd(g: torch.Tensor, state: GlobalQSGDState, *,
