@@ -183,7 +183,7 @@ PIPELINE_BYTES: int | None = None
 PIECE_NUMEL = {"nvlink": 64 << 20, "shm": 16 << 20, "socket": 16 << 20, "cpu": 64 << 20}
 """Values per pipeline piece in each regime (:func:`cgx2.crossover.regime`): values, not
 bytes, since both the coding and the bytes on the wire grow with the values whatever the
-input dtype. Each piece costs ~0.3 ms of host time (launches, collectives) on our H200s. Over
+input dtype. Each piece has a fixed host cost (launches, collectives, allocations). Over
 NVLink, where the transfer is shorter than the coding, 256 MiB fp32 pieces beat 64 MiB ones
 (2 GPUs, 256 MiB at 4 bits: 0.77 vs 1.49 ms); over shared memory and sockets, overlapping the
 coding with the transfer pays: 4 H200s over sockets, 256 MiB of bf16 at 4 bits, 3.02x NCCL

@@ -62,8 +62,8 @@ def crossover_bytes(device: torch.device, dtype: torch.dtype) -> int | None:
     ``CGX2_CROSSOVER_BYTES`` is read at every call; the regime once per device, as NCCL reads
     its own variables once (this runs before every allreduce, so it must cost next to nothing).
     """
-    raw = os.environ.get(_VARIABLE)
-    if raw and raw.strip() and raw.strip().lower() != "auto":
+    raw = os.environ.get(_VARIABLE, "").strip()
+    if raw and raw.lower() != "auto":
         try:
             value = int(raw)
         except ValueError:

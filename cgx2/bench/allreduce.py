@@ -240,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         backend = "gloo"
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
     args.pipeline_bytes = collectives.PIPELINE_BYTES  # None: the regime's PIECE_NUMEL
-    args.piece_numel = collectives.PIECE_NUMEL[regime(device or torch.device("cpu"))]
+    if args.pipeline_bytes is None:
+        args.piece_numel = collectives.PIECE_NUMEL[regime(device or torch.device("cpu"))]
     if "RANK" not in os.environ:  # a single process without torchrun
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29512")
     dist.init_process_group(backend)
