@@ -72,7 +72,7 @@ def _ablated_encode(
     level = tl.minimum(tl.maximum(level, 0.0), lmax)
     level = tl.where(valid & finite[:, None], level, 0.0)
     if PACK:
-        _pack_store(out_u8, level, q, qmask, quant, 0, BITS, B, BUCKETS, BLOCK, True)
+        _pack_store(out_u8, level, finite, q, qmask, quant, 0, BITS, B, BUCKETS, BLOCK, True)
     else:
         tl.store(out_u8 + e, level.to(tl.uint8), mask=valid)
     tl.store(out_u8.to(tl.pointer_type(tl.float32)) + q, step, mask=qmask)
@@ -97,7 +97,7 @@ def _persistent_encode(
         level = tl.floor((v - lo[:, None]) * scale[:, None] + r)
         level = tl.minimum(tl.maximum(level, 0.0), lmax)
         level = tl.where(valid & finite[:, None], level, 0.0)
-        _pack_store(out_u8, level, q, qmask, quant, 0, BITS, B, BUCKETS, BLOCK, True)
+        _pack_store(out_u8, level, finite, q, qmask, quant, 0, BITS, B, BUCKETS, BLOCK, True)
         tl.store(out_u8.to(tl.pointer_type(tl.float32)) + q, step, mask=qmask)
 
 

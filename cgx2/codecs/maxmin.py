@@ -120,7 +120,16 @@ def decode(
 ) -> torch.Tensor:
     """Inverse of :func:`encode`: a flat tensor of ``numel`` values in ``dtype``."""
     layout = MaxMinLayout(numel, bits, bucket_size, skip_incomplete)
-    return _decode_f32(payload, layout).to(dtype)
+    return _cast(_decode_f32(payload, layout), dtype)
+
+
+def _cast(f32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``f32`` in ``dtype``; a NaN becomes bf16's 0x7FC0 on every platform (torch 2.13's CPU
+    cast gives 0xFFFF, CUDA 0x7FC0), the NaN the kernels write."""
+    out = f32.to(dtype)
+    if dtype == torch.bfloat16:
+        out.view(torch.int16).masked_fill_(f32.isnan(), 0x7FC0)
+    return out
 
 
 def fp32_scalar(x: float) -> float:
@@ -218,5 +227,5 @@ def decode_chunks(
         size = layout.chunk_size(j)
         if size:
             start = layout.chunk_start(j)
-            out[start : start + size] = _decode_f32(payloads[j], layout.chunk(j)).to(dtype)
+            out[start : start + size] = _cast(_decode_f32(payloads[j], layout.chunk(j)), dtype)
     return out

@@ -10,10 +10,12 @@ Philox computed in-kernel, one call per four values. Runs on CUDA, or on the CPU
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from . import maxmin
 from .layout import ChunkedLayout, MaxMinLayout
@@ -31,8 +33,18 @@ _WARPS = {"encode": 1, "decode": 2, "decode_sum_encode": 1}
 _LAUNCH: dict[str, object] = {"enable_fp_fusion": False}
 
 
+_INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
 def _launch(kernel: str) -> dict[str, object]:
     return {"num_warps": _WARPS[kernel], **_LAUNCH}
+
+
+@triton.jit
+def _mulhilo(a, M: tl.constexpr):
+    """High and low words of uint32 ``a`` times ``M``: one widening multiply, not two."""
+    p = a.to(tl.uint64) * M
+    return (p >> 32).to(tl.uint32), p.to(tl.uint32)
 
 
 @triton.jit
@@ -40,12 +52,12 @@ def _philox(c0, c1, c2, c3, k0, k1, ROUNDS: tl.constexpr = 10):
     """Philox4x32 on uint32 tensors; the codecs' 10 rounds and constants are the reference's
     (other counts only price the rounds, bench/encode_ablation.py)."""
     for _ in tl.static_range(ROUNDS):
-        a = c0
-        b = c2
-        c0 = tl.umulhi(b, 0xCD9E8D57) ^ c1 ^ k0
-        c2 = tl.umulhi(a, 0xD2511F53) ^ c3 ^ k1
-        c1 = b * 0xCD9E8D57
-        c3 = a * 0xD2511F53
+        hi_b, lo_b = _mulhilo(c2, 0xCD9E8D57)
+        hi_a, lo_a = _mulhilo(c0, 0xD2511F53)
+        c0 = hi_b ^ c1 ^ k0
+        c2 = hi_a ^ c3 ^ k1
+        c1 = lo_b
+        c3 = lo_a
         k0 = k0 + 0x9E3779B9
         k1 = k1 + 0xBB67AE85
     return c0, c1, c2, c3
@@ -63,8 +75,35 @@ def _uniforms(k0, k1, q, stream, c, BUCKETS: tl.constexpr, BLOCK: tl.constexpr):
     c3 = zero + stream.to(tl.uint32)
     r0, r1, r2, r3 = _philox(c0, c1, c2, c3, k0, k1)
     words = tl.join(tl.join(r0, r1), tl.join(r2, r3))
-    halves = tl.reshape(tl.join(words & 0xFFFF, words >> 16), (BUCKETS, BLOCK))
-    return halves.to(tl.float32) * (1.0 / 65536.0)
+    # half * 2**-16 without an int-to-float conversion (a slow pipe, and the kernels are
+    # issue-bound): 1 + half * 2**-16 is exact in fp32's 23-bit mantissa, and so is minus 1.
+    mantissas = tl.reshape(tl.join((words << 7) & 0x7FFF80, (words >> 9) & 0x7FFF80),
+                           (BUCKETS, BLOCK))  # fmt: skip
+    return (mantissas | 0x3F800000).to(tl.float32, bitcast=True) - 1.0
+
+
+@triton.jit
+def _small_to_float(k):
+    """uint32 k < 2**23 as fp32, exactly, with no conversion instruction: 2**23 + k has k in
+    its mantissa."""
+    return (k | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _floor_clamped(x, LMAX: tl.constexpr):
+    """floor(x) clamped to [0, LMAX], as uint32, with no rounding or conversion instruction (a
+    slow pipe; the kernels are issue-bound): rounding x + 2**23 down leaves floor(x) in the
+    mantissa. The interpreter has no directed rounding: there, x + 2**23 rounds to nearest,
+    one less where that rounded up. Clamping first gives the same integers, and a NaN (0 times
+    the infinite scale of a subnormal span) becomes 0, as the reference's clamp makes it."""
+    x = tl.minimum(tl.maximum(x, 0.0), LMAX)
+    if _INTERPRET:
+        y = x + 8388608.0
+        up = ((y - 8388608.0) > x).to(tl.uint32)
+    else:
+        y = libdevice.add_rd(x, 8388608.0)
+        up = 0
+    return y.to(tl.uint32, bitcast=True) - 0x4B000000 - up
 
 
 @triton.jit
@@ -125,6 +164,7 @@ def _word_grid(q, qmask, quant, c, BITS: tl.constexpr, B: tl.constexpr, BLOCK: t
 def _pack_store(
     ptr,
     level,
+    keep,
     q,
     qmask,
     quant,
@@ -141,11 +181,13 @@ def _pack_store(
         k = tl.arange(0, per).to(tl.uint32)
         grouped = tl.reshape(level.to(tl.uint32), (BUCKETS, BLOCK // per, per))
         word = tl.sum(grouped << (k * BITS)[None, None, :], axis=2)  # disjoint bits: sum == or
+        word = tl.where(keep[:, None], word, 0)
         tl.store(ptr.to(tl.pointer_type(tl.uint32)) + off, word, mask=mask)
     else:
         k = tl.arange(0, 8).to(tl.int64)
         grouped = tl.reshape(level.to(tl.int64), (BUCKETS, BLOCK // 8, 8))
         word = tl.sum(grouped << (k * BITS)[None, None, :], axis=2)
+        word = tl.where(keep[:, None], word, 0)
         byte = (word[:, :, None] >> (k * 8)[None, None, :]) & 0xFF
         off, mask = _byte_grid(q, qmask, quant, c, BITS, B, BLOCK)
         tl.store(ptr + off, byte.to(tl.uint8), mask=mask)
@@ -171,6 +213,7 @@ def _unpack_load(
         word = tl.load(ptr.to(tl.pointer_type(tl.uint32)) + off, mask=mask, other=0)
         level = (word[:, :, None] >> (k * BITS)[None, None, :]) & ((1 << BITS) - 1)
         level = tl.reshape(level, (BUCKETS, BLOCK))
+        return _small_to_float(level)
     else:
         # A bucket's levels are one little-endian bit stream: level j sits at bit j*BITS,
         # within the byte at (j*BITS)//8 and, when it straddles, the next one.
@@ -182,24 +225,31 @@ def _unpack_load(
         low = tl.load(ptr + at, mask=valid, other=0).to(tl.uint32)
         high = tl.load(ptr + at + 1, mask=valid & (shift + BITS > 8), other=0).to(tl.uint32)
         level = ((low | (high << 8)) >> shift) & ((1 << BITS) - 1)
-    return level.to(tl.float32)
+    return _small_to_float(level)
 
 
 @triton.jit
 def _to_bf16(v):
-    """fp32 -> bf16 rounding to nearest even, NaN -> 0x7FC0, exactly as torch does (the
-    interpreter's own cast truncates)."""
-    bits = v.to(tl.uint32, bitcast=True)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    half = tl.where(v != v, 0x7FC0, rounded).to(tl.uint16)
-    return half.to(tl.bfloat16, bitcast=True)
+    """fp32 -> bf16 rounding to nearest even, NaN -> 0x7FC0, exactly as torch does. The GPU
+    rounds so itself (its NaN differs); the interpreter's own cast truncates."""
+    if _INTERPRET:
+        bits = v.to(tl.uint32, bitcast=True)
+        half = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16)
+    else:
+        half = v.to(tl.bfloat16).to(tl.uint16, bitcast=True)
+    return tl.where(v != v, 0x7FC0, half).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _min_with_nan(a, b):
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
 def _stats(v, valid):
-    """Per-bucket min and max; a NaN counts as -inf in the min, so that any non-finite value
+    """Per-bucket min and max; the min is NaN where a NaN is, so that any non-finite value
     shows as a non-finite span (see :func:`_params`)."""
-    lo = tl.min(tl.where(valid, tl.where(v == v, v, float("-inf")), float("inf")), axis=1)
+    lo = tl.reduce(tl.where(valid, v, float("inf")), 1, _min_with_nan)
     hi = tl.max(tl.where(valid, v, float("-inf")), axis=1)
     return lo, hi
 
@@ -240,11 +290,10 @@ def _quantize_store(
 ):
     lmax: tl.constexpr = (1 << BITS) - 1
     r = _uniforms(k0, k1, q, stream, c, BUCKETS, BLOCK)
-    level = tl.floor((v - lo[:, None]) * scale[:, None] + r)
-    level = tl.where(level > lmax, lmax, level)
-    level = tl.where(level >= 0.0, level, 0.0)
-    level = tl.where(valid & finite[:, None], level, 0.0)
-    _pack_store(ptr, level, q, qmask, quant, c, BITS, B, BUCKETS, BLOCK, WORDS)
+    level = _floor_clamped((v - lo[:, None]) * scale[:, None] + r, lmax)
+    # Zeros outside the data; a non-finite bucket's levels are zeroed a word at a time.
+    level = tl.where(valid, level, 0)
+    _pack_store(ptr, level, finite, q, qmask, quant, c, BITS, B, BUCKETS, BLOCK, WORDS)
 
 
 @triton.jit
@@ -289,7 +338,7 @@ def _encode_tiles(
             e, valid = _tile(q, qmask, quant, t * BLOCK, B, BLOCK)
             v = tl.load(x_ptr + e, mask=valid, other=0.0).to(tl.float32)
             t_lo, t_hi = _stats(v, valid)
-            lo = tl.minimum(lo, t_lo)
+            lo = _min_with_nan(lo, t_lo)
             hi = tl.maximum(hi, t_hi)
         lo, step, scale, finite = _params(lo, hi, BITS)
         for t in range(NUM_TILES):
@@ -357,6 +406,7 @@ def _decode_tiles(
     BITS: tl.constexpr,
     B: tl.constexpr,
     OUT_BF16: tl.constexpr,
+    FULL: tl.constexpr,
     BUCKETS: tl.constexpr,
     BLOCK: tl.constexpr,
     WORDS: tl.constexpr,
@@ -366,12 +416,16 @@ def _decode_tiles(
     step = tl.load(meta_ptr + 2 * q + 1, mask=qmask, other=0.0)
     NUM_TILES: tl.constexpr = (B + BLOCK - 1) // BLOCK
     for t in tl.static_range(NUM_TILES):
-        level = _unpack_load(lev_ptr, q, qmask, quant, t * BLOCK, BITS, B, BUCKETS, BLOCK, WORDS)
-        e, valid = _tile(q, qmask, quant, t * BLOCK, B, BLOCK)
+        c = t * BLOCK
+        level = _unpack_load(lev_ptr, q, qmask, quant, c, BITS, B, BUCKETS, BLOCK, WORDS)
+        e, valid = _tile(q, qmask, quant, c, B, BLOCK)
         value = lo[:, None] + step[:, None] * level
         if OUT_BF16:
             value = _to_bf16(value)
-        tl.store(out_ptr + e, value.to(out_ptr.dtype.element_ty), mask=valid)
+        if FULL:
+            tl.store(out_ptr + e, value.to(out_ptr.dtype.element_ty))
+        else:
+            tl.store(out_ptr + e, value.to(out_ptr.dtype.element_ty), mask=valid)
 
 
 @triton.jit(do_not_specialize=["numel", "chunk_numel"])
@@ -397,9 +451,15 @@ def _decode_kernel(
     row = j.to(tl.int64) * row_nbytes
     lev_ptr = in_u8 + row + levels_at
     meta_ptr = in_f32 + row // 4
-    # No complete-tile path (unlike encode): vectorized stores cost decoding a re-layout.
-    _decode_tiles(lev_ptr, meta_ptr, out_ptr + start, q, nq, quant,
-                  BITS, B, OUT_BF16, BUCKETS, BLOCK, WORDS)  # fmt: skip
+    end = (tl.program_id(0).to(tl.int64) + 1) * BUCKETS
+    if end * B <= quant:
+        # Every value of the tile exists: stores with no mask (and a start known to be
+        # aligned) vectorize to 16 bytes; a mask, even a provably full one, keeps them scalar.
+        _decode_tiles(lev_ptr, meta_ptr, out_ptr + start, q, end, end * B,
+                      BITS, B, OUT_BF16, B % BLOCK == 0, BUCKETS, BLOCK, WORDS)  # fmt: skip
+    else:
+        _decode_tiles(lev_ptr, meta_ptr, out_ptr + start, q, nq, quant,
+                      BITS, B, OUT_BF16, False, BUCKETS, BLOCK, WORDS)  # fmt: skip
 
 
 @triton.jit
@@ -425,21 +485,22 @@ def _sum_tile(
     WORDS: tl.constexpr,
 ):
     """(own + sum of decoded rows, in row order) * scale for one tile, in fp32. The rows are
-    unrolled and row ``own_index`` is masked out (never read) rather than branched around."""
-    e, valid = _tile(q, q < nq, quant, c, B, BLOCK)
+    unrolled; row ``own_index`` is branched around (a uniform branch), never read."""
+    qmask = q < nq
+    e, valid = _tile(q, qmask, quant, c, B, BLOCK)
     if HAS_OWN:
         acc = tl.load(own_ptr + e, mask=valid, other=0.0).to(tl.float32)
     else:
         acc = tl.zeros((BUCKETS, BLOCK), tl.float32)
     for w in tl.static_range(NUM_ROWS):
-        row = row_nbytes.to(tl.int64) * w
-        qmask = q < tl.where(w == own_index, 0, nq)
-        lo = tl.load(in_f32 + row // 4 + 2 * q, mask=qmask, other=0.0)
-        step = tl.load(in_f32 + row // 4 + 2 * q + 1, mask=qmask, other=0.0)
-        level = _unpack_load(
-            in_u8 + row + levels_at, q, qmask, quant, c, BITS, B, BUCKETS, BLOCK, WORDS
-        )
-        acc = tl.where(w == own_index, acc, acc + (lo[:, None] + step[:, None] * level))
+        if w != own_index:
+            row = row_nbytes.to(tl.int64) * w
+            lo = tl.load(in_f32 + row // 4 + 2 * q, mask=qmask, other=0.0)
+            step = tl.load(in_f32 + row // 4 + 2 * q + 1, mask=qmask, other=0.0)
+            level = _unpack_load(
+                in_u8 + row + levels_at, q, qmask, quant, c, BITS, B, BUCKETS, BLOCK, WORDS
+            )
+            acc = acc + (lo[:, None] + step[:, None] * level)
     if HAS_SCALE:
         acc = acc * scale
     return acc, valid
@@ -493,7 +554,7 @@ def _decode_sum_encode_tiles(
                 t * BLOCK, NUM_ROWS, BITS, B, HAS_OWN, HAS_SCALE, BUCKETS, BLOCK, WORDS,
             )  # fmt: skip
             t_lo, t_hi = _stats(v, valid)
-            lo = tl.minimum(lo, t_lo)
+            lo = _min_with_nan(lo, t_lo)
             hi = tl.maximum(hi, t_hi)
         lo, step, scale_q, finite = _params(lo, hi, BITS)
         for t in range(NUM_TILES):
@@ -643,9 +704,7 @@ def decode_chunks(
         B=layout.bucket_size,
         SKIP_INCOMPLETE=layout.skip_incomplete,
         OUT_BF16=dtype == torch.bfloat16,
-        # Unknown alignment keeps the stores in the unpacking's layout; a 16-byte-aligned
-        # start made Triton re-layout the tile through shared memory, 1.2-3x slower (H200).
-        ALIGN=1,
+        ALIGN=math.gcd(layout.chunk_numel, 16),
         **tiles,
         **_launch("decode"),
     )
