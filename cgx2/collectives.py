@@ -8,6 +8,9 @@ bit-identical tensors.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -46,24 +49,42 @@ def allreduce_plain(t: torch.Tensor, group: dist.ProcessGroup, reduce_op: str) -
 
 def allreduce_plain_(t: torch.Tensor, group: dist.ProcessGroup, reduce_op: str) -> torch.Tensor:
     """:func:`allreduce_plain` in place, on a contiguous ``t``; returns ``t``."""
-    exact = getattr(group, "allreduce_exact", None)
+    exact, nccl = _plain_route(group)
     if exact is not None:  # the cgx backend, which would otherwise quantize dist.all_reduce
         exact(t, reduce_op).wait()
         return t
-    native_avg = reduce_op == "avg" and t.is_cuda and dist.get_backend(group) == "nccl"
+    native_avg = reduce_op == "avg" and nccl and t.is_cuda
     op = dist.ReduceOp.AVG if native_avg else dist.ReduceOp.SUM
     if group is dist.GroupMember.NON_GROUP_MEMBER or torch.compiler.is_compiling():
         dist.all_reduce(t, op=op, group=group)
     else:
         # The process group's own allreduce, which dist.all_reduce calls after its checks
-        # and logging: below the crossover this runs instead of a plain allreduce, and NCCL
-        # takes 60-120 us there, so its ~5-10 us of Python would cost the fallback its 10%.
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = op
-        group.allreduce([t], opts).wait()
+        # and logging: below the crossover this runs instead of a plain allreduce, where NCCL
+        # takes 40-100 us, so each microsecond of Python here is 1-2% of the fallback.
+        group.allreduce([t], _AVG_OPTIONS if native_avg else _SUM_OPTIONS).wait()
     if reduce_op == "avg" and not native_avg:
         t.div_(dist.get_world_size(group))
     return t
+
+
+def _options(op: dist.ReduceOp) -> dist.AllreduceOptions:
+    options = dist.AllreduceOptions()
+    options.reduceOp = op
+    return options
+
+
+_SUM_OPTIONS = _options(dist.ReduceOp.SUM)
+_AVG_OPTIONS = _options(dist.ReduceOp.AVG)
+
+
+@functools.lru_cache(maxsize=64)
+def _plain_route(group: dist.ProcessGroup) -> tuple[Callable | None, bool]:
+    """The cgx backend's exact allreduce (None for other groups) and whether the group is
+    NCCL's, once per group: looking both up costs microseconds (a missing pybind attribute
+    raises inside ``getattr``)."""
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        return None, False
+    return getattr(group, "allreduce_exact", None), dist.get_backend(group) == "nccl"
 
 
 def allreduce_quantized(
@@ -180,13 +201,14 @@ PIPELINE_BYTES: int | None = None
 (:data:`PIECE_NUMEL`). The pieces fix which values share a random key, so every rank, and
 :func:`reference_allreduce`, must cut alike."""
 
-PIECE_NUMEL = {"nvlink": 64 << 20, "shm": 16 << 20, "socket": 16 << 20, "cpu": 64 << 20}
+PIECE_NUMEL = {"nvlink": 64 << 20, "shm": 32 << 20, "socket": 16 << 20, "cpu": 64 << 20}
 """Values per pipeline piece in each regime (:func:`cgx2.crossover.regime`): values, not
 bytes, since both the coding and the bytes on the wire grow with the values whatever the
 input dtype. Each piece has a fixed host cost (launches, collectives, allocations). Over
 NVLink, where the transfer is shorter than the coding, 256 MiB fp32 pieces beat 64 MiB ones
-(2 GPUs, 256 MiB at 4 bits: 0.77 vs 1.49 ms); over shared memory and sockets, overlapping the
-coding with the transfer pays: 4 H200s over sockets, 256 MiB of bf16 at 4 bits, 3.02x NCCL
+(2 GPUs, 256 MiB at 4 bits: 0.77 vs 1.49 ms); over shared memory, 32M-value pieces beat 16M
+(2 H200s, 256 MiB fp32 at 4 bits: 5.03x NCCL against 4.71x; 1 GiB on 4: 7.12x against
+6.98x); over sockets, overlapping more pays: 4 H200s, 256 MiB of bf16 at 4 bits, 3.02x NCCL
 with 16M-value pieces against 2.24x with 32M (BENCHMARKS.md)."""
 
 
