@@ -67,14 +67,41 @@ def allreduce_plain_(t: torch.Tensor, group: dist.ProcessGroup, reduce_op: str) 
     return t
 
 
-def _options(op: dist.ReduceOp) -> dist.AllreduceOptions:
-    options = dist.AllreduceOptions()
-    options.reduceOp = op
+def _options(kind: type, async_op: bool, **fields: object) -> object:
+    """Collective options as ``torch.distributed``'s own wrappers make them (``asyncOp``:
+    on NCCL's stream, or, where torch has the field and it is False, on the current one)."""
+    options = kind()
+    for name, value in fields.items():
+        setattr(options, name, value)
+    if hasattr(options, "asyncOp"):
+        options.asyncOp = async_op
     return options
 
 
-_SUM_OPTIONS = _options(dist.ReduceOp.SUM)
-_AVG_OPTIONS = _options(dist.ReduceOp.AVG)
+_SUM_OPTIONS = _options(dist.AllreduceOptions, False, reduceOp=dist.ReduceOp.SUM)
+_AVG_OPTIONS = _options(dist.AllreduceOptions, False, reduceOp=dist.ReduceOp.AVG)
+_ALL_TO_ALL_OPTIONS = _options(dist.AllToAllOptions, True)
+_ALL_GATHER_OPTIONS = _options(dist.distributed_c10d.AllgatherOptions, True)
+
+
+def _direct(group: dist.ProcessGroup) -> bool:
+    """Whether to call ``group``'s collectives directly, as ``torch.distributed``'s wrappers
+    do after their checks and logging (7-10 us a call on a CPU, per pipeline piece twice)."""
+    return not torch.compiler.is_compiling() and isinstance(group, dist.ProcessGroup)
+
+
+def _all_to_all(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup) -> dist.Work:
+    """Start ``dist.all_to_all_single(out, send, async_op=True)`` of equal splits."""
+    if _direct(group):
+        return group.alltoall_base(out, send, [], [], _ALL_TO_ALL_OPTIONS)
+    return dist.all_to_all_single(out, send, group=group, async_op=True)
+
+
+def _all_gather(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup) -> dist.Work:
+    """Start the all-gather of every rank's ``send`` into ``out``, asynchronously."""
+    if _direct(group):
+        return group._allgather_base(out, send, _ALL_GATHER_OPTIONS)
+    return _all_gather_single(out, send, group=group, async_op=True)
 
 
 @functools.lru_cache(maxsize=64)
@@ -286,9 +313,12 @@ class _Piece:
     def scatter(self) -> None:
         """Encode the chunks other ranks own; start sending chunk j to rank j."""
         key = derive_key(self.seed, _STAGE_SCATTER, self.rank, self.index)
-        send = self.codec.encode_chunks(self.x, self.layout, key, skip_chunk=self.rank)
+        layout, device = self.layout, self.x.device
+        send = torch.empty(layout.num_chunks, layout.payload_nbytes, dtype=torch.uint8,
+                           device=device)  # fmt: skip
+        self.codec.encode_chunks(self.x, layout, key, skip_chunk=self.rank, out=send)
         self.recv = torch.empty_like(send)
-        self.work = dist.all_to_all_single(self.recv, send, group=self.group, async_op=True)
+        self.work = _all_to_all(self.recv, send, self.group)
         if self.error is not None:
             # Decoding what was sent (while it travels) gives exactly what the owners add, in
             # fp32 as they sum; the skipped row is zeros, and our own chunk stays exact.
@@ -303,7 +333,7 @@ class _Piece:
         self.work.wait()
         layout, rank = self.layout, self.rank
         start, size = layout.chunk_start(rank), layout.chunk_size(rank)
-        reduced = torch.zeros(layout.payload_nbytes, dtype=torch.uint8, device=self.x.device)
+        reduced = torch.empty(layout.payload_nbytes, dtype=torch.uint8, device=self.x.device)
         self.codec.decode_sum_encode(
             self.recv, size, self.x[start : start + size], rank, self.scale, self.bits,
             self.bucket_size, derive_key(self.seed, _STAGE_GATHER, self.index), rank,
@@ -312,7 +342,7 @@ class _Piece:
         self.recv = None
         self.gathered = torch.empty(self.world * layout.payload_nbytes, dtype=torch.uint8,
                                     device=self.x.device)  # fmt: skip
-        self.work = _all_gather_single(self.gathered, reduced, group=self.group, async_op=True)
+        self.work = _all_gather(self.gathered, reduced, self.group)
 
     def finish(self) -> None:
         """Decode every rank's reduced chunk (ours too: all ranks decode the same bytes)."""

@@ -33,7 +33,6 @@ from .report import environment, format_table, write_json
 __all__ = ["main", "parse_size"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def parse_size(text: str) -> int:
@@ -143,8 +142,9 @@ def _bench_size(
         gathered = torch.empty(world * layout.payload_nbytes, dtype=torch.uint8, device=device)
 
         def speed_of_light(send=send, recv=recv, gathered=gathered) -> None:
-            dist.all_to_all_single(recv, send)
-            _all_gather_single(gathered, recv[0])
+            # The collectives the pipeline itself calls (the process group's own, directly).
+            collectives._all_to_all(recv, send, dist.group.WORLD).wait()
+            collectives._all_gather(gathered, recv[0], dist.group.WORLD).wait()
 
         def quantized(bits: int = bits) -> None:
             cgx2.quantized_allreduce(x, bits, op="avg", bucket_size=args.bucket_size)

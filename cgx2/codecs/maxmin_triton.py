@@ -640,12 +640,19 @@ def _raw_region(row: torch.Tensor, layout: MaxMinLayout) -> torch.Tensor:
 
 
 def encode_chunks(
-    x: torch.Tensor, layout: ChunkedLayout, key: int, skip_chunk: int = -1, stream0: int = 0
+    x: torch.Tensor,
+    layout: ChunkedLayout,
+    key: int,
+    skip_chunk: int = -1,
+    stream0: int = 0,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Encode each chunk j of flat ``x`` into row j of ``[K, P]`` with stream ``stream0 + j``;
-    row ``skip_chunk`` is left unwritten."""
+    row ``skip_chunk`` is left zero. Given ``out`` (uint8 ``[K, P]``, for the collectives,
+    which then need no memset), the rows are written there; row ``skip_chunk`` and the
+    padding between a row's regions, which no decoder reads, are not touched."""
     flat = x.reshape(-1)
-    rows = torch.zeros(layout.num_chunks, layout.payload_nbytes, dtype=torch.uint8, device=x.device)
+    rows = maxmin._rows(layout, x.device) if out is None else out
     if rows.numel() == 0:
         return rows
     tiles = _blocks(layout.bucket_size, layout.bits)
