@@ -61,7 +61,9 @@ def allreduce_plain_(t: torch.Tensor, group: dist.ProcessGroup, reduce_op: str) 
         # The process group's own allreduce, which dist.all_reduce calls after its checks
         # and logging: below the crossover this runs instead of a plain allreduce, where NCCL
         # takes 40-100 us, so each microsecond of Python here is 1-2% of the fallback.
-        group.allreduce([t], _AVG_OPTIONS if native_avg else _SUM_OPTIONS).wait()
+        work = group.allreduce([t], _AVG_OPTIONS if native_avg else _SUM_OPTIONS)
+        if work is not None:  # NCCL returns no Work for a synchronous call (asyncOp False)
+            work.wait()
     if reduce_op == "avg" and not native_avg:
         t.div_(dist.get_world_size(group))
     return t

@@ -135,3 +135,24 @@ def _hook_and_backend_below_the_crossover() -> list[bool]:
 
 def test_hook_and_backend_fall_back_in_place(dist2):
     assert dist2.run(_hook_and_backend_below_the_crossover) == [[True, True, True]] * 2
+
+
+def test_fallback_calls_the_group_synchronously_and_accepts_no_work(monkeypatch):
+    """Below the crossover the process group's allreduce runs as ``dist.all_reduce`` runs it
+    (``asyncOp`` False, where torch has the field); NCCL then returns no Work object."""
+    from cgx2 import collectives
+
+    calls = []
+
+    class Group:
+        def allreduce(self, tensors, options):
+            calls.append(options)
+            tensors[0].add_(1)
+            return None
+
+    monkeypatch.setattr(collectives, "_plain_route", lambda group: (None, True))
+    t = torch.zeros(4)
+    assert collectives.allreduce_plain_(t, Group(), "sum") is t
+    assert torch.equal(t, torch.ones(4))
+    assert calls[0].reduceOp == dist.ReduceOp.SUM
+    assert getattr(calls[0], "asyncOp", False) is False
