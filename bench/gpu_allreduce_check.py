@@ -62,6 +62,28 @@ def _error_matches(x: torch.Tensor, error: torch.Tensor, bits: int, skip: bool, 
     return bool((same | (expected.isnan() & error.reshape(-1).isnan())).all())
 
 
+def _check_fallback(rank: int, world: int) -> int:
+    """Below the crossover the in-place op is NCCL's allreduce itself (called directly, in the
+    same synchronous mode as ``dist.all_reduce``): the same bits, SUM and AVG. 1 if not."""
+    os.environ["CGX2_CROSSOVER_BYTES"] = str(1 << 40)
+    ok = True
+    for op, nccl_op in (("sum", dist.ReduceOp.SUM), ("avg", dist.ReduceOp.AVG)):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = _input(rank, 1_000_003, dtype).cuda()
+            plain = x.clone()
+            dist.all_reduce(plain, op=nccl_op)
+            cgx2.quantized_allreduce_(x, 4, op=op)
+            ok = ok and torch.equal(x.view(INT[x.element_size()]),
+                                    plain.view(INT[x.element_size()]))  # fmt: skip
+    os.environ["CGX2_CROSSOVER_BYTES"] = "0"
+    if rank == 0:
+        print(f"{'ok  ' if ok else 'FAIL'} fallback below the crossover == dist.all_reduce "
+              "(sum, avg; fp32, bf16)", flush=True)  # fmt: skip
+    flag = torch.tensor([0 if ok else 1], device="cuda")
+    dist.all_reduce(flag)
+    return int(flag.item())
+
+
 def main() -> int:
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -108,9 +130,10 @@ def main() -> int:
         flag = torch.tensor([0 if ok else 1], device="cuda")
         dist.all_reduce(flag)
         failures += int(flag.item())
+    failures += _check_fallback(rank, world)
     if rank == 0:
         print(f"allreduce check on {world} x {torch.cuda.get_device_name()}: "
-              f"{len(CASES) - failures} of {len(CASES)} cases ok")  # fmt: skip
+              f"{len(CASES) + 1 - failures} of {len(CASES) + 1} cases ok")  # fmt: skip
     dist.destroy_process_group()
     return 1 if failures else 0
 

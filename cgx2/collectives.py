@@ -35,7 +35,7 @@ __all__ = [
 ]
 
 # torch >= 2.13 renamed all_gather_into_tensor; both exist in between.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 _STAGE_SCATTER = 1
 _STAGE_GATHER = 2
@@ -103,7 +103,7 @@ def _all_gather(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup)
     """Start the all-gather of every rank's ``send`` into ``out``, asynchronously."""
     if _direct(group):
         return group._allgather_base(out, send, _ALL_GATHER_OPTIONS)
-    return _all_gather_single(out, send, group=group, async_op=True)
+    return all_gather_single(out, send, group=group, async_op=True)
 
 
 @functools.lru_cache(maxsize=64)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .checks import check_reduce_op
-from .collectives import allreduce_quantized
+from .collectives import all_gather_single, allreduce_quantized
 from .config import CGXConfig
 from .fusion import quantized_bytes_sent, reduce_fused_, ring_bytes_sent
 
@@ -26,9 +26,8 @@ __all__ = [
 
 MESH_DIMS = ("inter", "intra")
 
-# torch >= 2.13 renamed these; both exist in between.
+# torch >= 2.13 renamed reduce_scatter_tensor; both exist in between.
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def spans_nodes(group: dist.ProcessGroup | None = None) -> bool:
@@ -88,7 +87,7 @@ def hierarchical_allreduce(
         shard = torch.empty(padded // local, dtype=t.dtype, device=t.device)
         _reduce_scatter_single(shard, staged, group=intra)
         shard = allreduce_quantized(shard, bits, bucket_size, inter, "sum", seed)
-        _all_gather_single(staged, shard, group=intra)
+        all_gather_single(staged, shard, group=intra)
         out = staged[: flat.numel()]
     if reduce_op == "avg":
         out = out / mesh.size()

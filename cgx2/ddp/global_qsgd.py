@@ -17,6 +17,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from .. import seeding
 from ..codecs.exponential import exponential_codec, exponential_codes, exponential_values
+from ..collectives import all_gather_single
 from ..error_feedback import ErrorFeedback
 from ..fusion import ring_bytes_sent
 from ..seeding import derive_key, next_seed
@@ -47,8 +48,6 @@ __all__ = [
 ]
 
 _INT_DTYPES = (torch.int8, torch.int32)  # neither NCCL nor gloo reduces int16
-# torch >= 2.13 renamed all_gather_into_tensor; both exist in between.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass
@@ -239,10 +238,10 @@ def qsgd(g: torch.Tensor, state: GlobalQSGDState, *,
     _keep_error(residual, g, q.float() * (norm / levels))
     all_q = torch.empty(world * q.numel(), dtype=q.dtype, device=q.device)
     all_norms = torch.empty(world, dtype=torch.float32, device=g.device)
-    _all_gather_single(all_q, q, group=group)
+    all_gather_single(all_q, q, group=group)
     all_q = all_q.view(world, -1)
     state.bytes_sent += (world - 1) * (q.numel() * q.element_size() + 4)
-    _all_gather_single(all_norms, norm, group=group)
+    all_gather_single(all_norms, norm, group=group)
     return (all_q.float() * (all_norms / levels).unsqueeze(1)).sum(0) / world
 
 
@@ -260,7 +259,7 @@ def exponential_dithering(g: torch.Tensor, state: GlobalQSGDState, *,
     if residual is not None:
         _keep_error(residual, g, codec.decode(codes).view(g.shape) * norm)
     gathered = torch.empty(world * codes.numel(), dtype=codes.dtype, device=codes.device)
-    _all_gather_single(gathered, codes, group=group)
+    all_gather_single(gathered, codes, group=group)
     gathered_bytes = (world - 1) * codes.numel() * codes.element_size()
     state.bytes_sent += gathered_bytes + ring_bytes_sent(4, world)
     return codec.decode_sum(gathered.view(world, -1), norm / world)
