@@ -76,6 +76,36 @@ class ErrorFeedback:
         grad.add_(r.view(grad.shape))
         return grad
 
+    def add_many_(self, keys: Iterable[int], grads: Iterable[torch.Tensor]) -> None:
+        """:meth:`add_` of each key to each gradient, the additions in one ``_foreach`` call
+        (a bucket holds hundreds of layers; one kernel each would cost a launch each)."""
+        targets, residuals = [], []
+        for key, grad in zip(keys, grads, strict=True):
+            r = self._residuals.get(key)
+            if r is None:
+                continue
+            if r.numel() != grad.numel():
+                self.add_(key, grad)  # raises, naming the key
+            if r.device != grad.device or r.dtype != grad.dtype:  # e.g. loaded onto the CPU
+                r = self._residuals[key] = r.to(device=grad.device, dtype=grad.dtype)
+            targets.append(grad)
+            residuals.append(r.view(grad.shape))
+        if targets:
+            torch._foreach_add_(targets, residuals)
+
+    def store_many_(self, keys: Iterable[int], residuals: Iterable[torch.Tensor]) -> None:
+        """:meth:`store_` of each residual; when all are views of one tensor (a fused
+        buffer's slices), its non-finite values are zeroed in one call, not one per layer."""
+        residuals = list(residuals)
+        base = residuals[0]._base if residuals else None
+        if base is not None and all(r._base is base for r in residuals):
+            base.nan_to_num_(0.0, 0.0, 0.0)
+            for key, residual in zip(keys, residuals, strict=True):
+                self._residuals[key] = residual.reshape(-1)
+        else:
+            for key, residual in zip(keys, residuals, strict=True):
+                self.store_(key, residual)
+
     def update_(self, key: int, sent: torch.Tensor, decoded: torch.Tensor) -> None:
         """Keep ``sent − decoded`` (computed in fp32, stored in ``sent``'s dtype)."""
         error = sent.reshape(-1).float() - decoded.reshape(-1).float()

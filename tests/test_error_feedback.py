@@ -58,6 +58,29 @@ def test_add_update_store_and_state_dict_round_trip():
     assert ef.residual(0) is None
 
 
+def test_many_at_once_equals_one_by_one():
+    """add_many_/store_many_ (one _foreach add, one nan_to_num of the shared buffer) keep
+    what add_/store_ keep, one layer at a time; a layer without a residual is left alone."""
+    one, many = ErrorFeedback(), ErrorFeedback()
+    errors = torch.tensor([0.5, float("nan"), -1.0, float("inf"), 2.0, 0.25])
+    spans = [(0, 2), (2, 3), (5, 1)]
+    for key, (s, n) in enumerate(spans):
+        one.store_(key, errors[s : s + n].clone())
+    buffer = errors.clone()
+    many.store_many_([0, 1, 2], [buffer[s : s + n] for s, n in spans])
+    for key in range(3):
+        assert torch.equal(many.residual(key), one.residual(key))
+    assert torch.isfinite(buffer).all()  # zeroed in place, once
+    grads = torch.arange(8, dtype=torch.float64)
+    expected = grads.clone()
+    for key, (s, n) in zip([0, 2, 7], [(0, 2), (3, 1), (5, 3)], strict=True):
+        one.add_(key, expected[s : s + n])
+    many.add_many_([0, 2, 7], [grads[0:2], grads[3:4], grads[5:8]])
+    assert torch.equal(grads, expected)
+    with pytest.raises(ValueError, match="residual of key 1 has 3 values, its layer 2"):
+        many.add_many_([1], [torch.zeros(2)])
+
+
 def test_bad_arguments_are_clear():
     with pytest.raises(ValueError, match="residual of key 0 has 3 values, its layer 4"):
         ef = ErrorFeedback()

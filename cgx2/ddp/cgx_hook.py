@@ -292,8 +292,8 @@ def _allreduce_layers_(state: CGXState, layers: list[torch.Tensor], bits: int,
     layer's first-stage error becomes its residual. Returns the bytes this rank sent."""
     errors: list[torch.Tensor] | None = None if keys is None else []
     sent = allreduce_fused_(layers, bits, state.bucket_size, group, "avg", errors=errors)
-    for key, error in zip(keys or (), errors or (), strict=True):
-        state.errors.store_(key, error)
+    if keys is not None:
+        state.errors.store_many_(keys, errors)
     return sent
 
 
@@ -311,8 +311,8 @@ def _reduce_bucket(
         # first iteration. Residuals go in before anything reads the layers.
         params = bucket.parameters()
         keys = state.errors.keys(params[i] for i in plan.layers)
-        for (offset, numel), key in zip(plan.compressed, keys, strict=True):
-            state.errors.add_(key, buffer[offset : offset + numel])
+        layers = [buffer[offset : offset + numel] for offset, numel in plan.compressed]
+        state.errors.add_many_(keys, layers)
     warm = state.iteration >= state.start_iter
     if bucket.is_last():
         state.iteration += 1

@@ -276,12 +276,10 @@ def _with_feedback(bucket: dist.GradBucket, state: GlobalQSGDState,
     keys = state.errors.keys(bucket.parameters())
     base = g.storage_offset()
     spans = [(grad.storage_offset() - base, grad.numel()) for grad in bucket.gradients()]
-    for (start, n), key in zip(spans, keys, strict=True):
-        state.errors.add_(key, g[start : start + n])
+    state.errors.add_many_(keys, [g[start : start + n] for start, n in spans])
     residual = torch.empty_like(g)
     out = reduce(g, state, residual=residual)
-    for (start, n), key in zip(spans, keys, strict=True):
-        state.errors.store_(key, residual[start : start + n])
+    state.errors.store_many_(keys, [residual[start : start + n] for start, n in spans])
     return out
 
 
