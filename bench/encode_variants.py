@@ -1,7 +1,8 @@
-"""Times the Triton encode/decode-sum-encode kernels under launch variants (tile size, warps)
-in one run, against a device copy: a tuning aid for ``cgx2.codecs.maxmin_triton``.
+"""Times the Triton encode, decode and decode-sum-encode kernels under launch variants (values
+per program, warps) in one run, against a device copy: a tuning aid for
+``cgx2.codecs.maxmin_triton`` (its ``_TILE`` and ``_WARPS``, per kernel).
 
-Run on a GPU: ``python bench/encode_variants.py [--numel N]``.
+Run on a GPU: ``python bench/encode_variants.py [--numel N] [--bits 4] [--warps 1,2,4]``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--numel", type=int, default=64 << 20)
     p.add_argument("--bits", default="4")
+    p.add_argument("--tiles", default="512,1024,2048")
+    p.add_argument("--warps", default="1,2,4")
     args = p.parse_args()
     n = args.numel
     x32 = torch.randn(n, device="cuda")
@@ -31,37 +34,37 @@ def main() -> None:
     copy_ms = triton.testing.do_bench(lambda: dst.copy_(src), rep=200, return_mode="median")
     copy_gbps = 2 * src.numel() / copy_ms / 1e6
     print(f"copy {src.numel() >> 20} MiB: {copy_ms:.3f} ms, {copy_gbps:.0f} GB/s")
-    base_launch, base_tile = dict(tri._LAUNCH), tri._TILE
+    base_tile, base_warps = dict(tri._TILE), dict(tri._WARPS)
+
+    def report(kernel: str, name: str, bits: int, tile: int, warps: int, fn, moved: int) -> None:
+        ms = triton.testing.do_bench(fn, rep=100, return_mode="median")
+        gbps = moved / ms / 1e6
+        print(f"{kernel:6s} {name} bits={bits} tile={tile:5d} warps={warps:2d}: {ms:.3f} ms "
+              f"{gbps:6.0f} GB/s {gbps / copy_gbps:4.0%} of copy", flush=True)  # fmt: skip
+
     for bits in [int(b) for b in args.bits.split(",")]:
-        for tile in (512, 1024, 2048):
-            for warps in (1, 2, 4, 8):
-                tri._TILE = tile
-                tri._LAUNCH = {**base_launch, "num_warps": warps}
+        for tile in [int(t) for t in args.tiles.split(",")]:
+            for warps in [int(w) for w in args.warps.split(",")]:
+                tri._TILE = dict.fromkeys(base_tile, tile)
+                tri._WARPS = dict.fromkeys(base_warps, warps)
                 for name, x in (("fp32", x32), ("bf16", xbf)):
                     payload = tri.encode(x, bits, 512, key=1)
-                    ms = triton.testing.do_bench(
-                        lambda x=x, b=bits: tri.encode(x, b, 512, key=1),
-                        rep=100,
-                        return_mode="median",
-                    )
-                    moved = x.numel() * x.element_size() + payload.numel()
-                    print(f"encode {name} bits={bits} tile={tile:5d} warps={warps:2d}: "
-                          f"{ms:.3f} ms {moved / ms / 1e6:6.0f} GB/s "
-                          f"{moved / ms / 1e6 / copy_gbps:4.0%} of copy", flush=True)  # fmt: skip
-                    rows = torch.stack([payload] * 4)
-                    own = x[: x.numel()]
-                    ms = triton.testing.do_bench(
-                        lambda x=x, b=bits, rows=rows: tri.decode_sum_encode(
-                            rows, x.numel(), x, 1, 0.25, b, 512, key=2
-                        ),
-                        rep=100,
-                        return_mode="median",
-                    )
-                    moved = 3 * payload.numel() + own.numel() * own.element_size() + payload.numel()
-                    print(f"dse    {name} bits={bits} tile={tile:5d} warps={warps:2d}: "
-                          f"{ms:.3f} ms {moved / ms / 1e6:6.0f} GB/s "
-                          f"{moved / ms / 1e6 / copy_gbps:4.0%} of copy", flush=True)  # fmt: skip
-    tri._TILE, tri._LAUNCH = base_tile, base_launch
+                    size = x.numel() * x.element_size()
+                    report("encode", name, bits, tile, warps,
+                           lambda x=x, b=bits: tri.encode(x, b, 512, key=1),
+                           size + payload.numel())  # fmt: skip
+                    report("decode", name, bits, tile, warps,
+                           lambda p=payload, x=x, b=bits: tri.decode(p, n, b, 512, x.dtype),
+                           size + payload.numel())  # fmt: skip
+                    # 4 rows of n/4 values, as `python -m cgx2.bench kernels` times it
+                    own = x[: n // 4]
+                    row = tri.encode(own, bits, 512, key=2)
+                    rows = torch.stack([row] * 4)
+                    moved = 4 * row.numel() + own.numel() * own.element_size()
+                    report("dse", name, bits, tile, warps,
+                           lambda r=rows, o=own, b=bits: tri.decode_sum_encode(
+                               r, o.numel(), o, 1, 0.25, b, 512, key=2), moved)  # fmt: skip
+    tri._TILE, tri._WARPS = base_tile, base_warps
 
 
 if __name__ == "__main__":

@@ -24,8 +24,8 @@ __all__ = ["decode", "decode_chunks", "decode_sum_encode", "encode", "encode_chu
 
 # Values per program (BUCKETS * BLOCK) and warps per kernel: the fastest of tiles 512..2048 x
 # warps 1..8 for 4-bit fp32/bf16 (bench/encode_variants.py, H100; encode and decode-sum-encode
-# re-timed with one warp on an H200, bench/encode_ablation.py).
-_TILE = 512
+# re-timed with one warp on an H200, bench/encode_ablation.py). A tuning script may set both.
+_TILE = {"encode": 512, "decode": 512, "decode_sum_encode": 512}
 _MAX_BLOCK = 1024
 _WARPS = {"encode": 1, "decode": 2, "decode_sum_encode": 1}
 # Fused multiply-adds would round differently from the reference's separate operations.
@@ -616,13 +616,14 @@ def _decode_sum_encode_kernel(
 # --------------------------------------------------------------------------- launchers
 
 
-def _blocks(bucket_size: int, bits: int) -> dict[str, int | bool]:
-    """Tile shape, and whether levels move as whole 32-bit words (32/bits levels each, every
-    bucket and tile starting on a word): same bytes as the byte path, wider accesses."""
+def _blocks(bucket_size: int, bits: int, kernel: str) -> dict[str, int | bool]:
+    """``kernel``'s tile shape, and whether levels move as whole 32-bit words (32/bits levels
+    each, every bucket and tile starting on a word): same bytes as the byte path, wider
+    accesses."""
     block = min(max(triton.next_power_of_2(bucket_size), 8), _MAX_BLOCK)
     stride = -(-bucket_size // 8) * bits
     words = 32 % bits == 0 and stride % 4 == 0 and (block * bits) % 32 == 0
-    return {"BUCKETS": max(1, _TILE // block), "BLOCK": block, "WORDS": words}
+    return {"BUCKETS": max(1, _TILE[kernel] // block), "BLOCK": block, "WORDS": words}
 
 
 def _key(key: int) -> tuple[int, int]:
@@ -655,7 +656,7 @@ def encode_chunks(
     rows = maxmin._rows(layout, x.device) if out is None else out
     if rows.numel() == 0:
         return rows
-    tiles = _blocks(layout.bucket_size, layout.bits)
+    tiles = _blocks(layout.bucket_size, layout.bits, "encode")
     max_nq = -(-layout.chunk_numel // layout.bucket_size)
     grid = (triton.cdiv(max_nq, tiles["BUCKETS"]), layout.num_chunks)
     k0, k1 = _key(key)
@@ -697,7 +698,7 @@ def decode_chunks(
         out = torch.empty(layout.numel, dtype=dtype, device=payloads.device)
     if layout.numel == 0:
         return out
-    tiles = _blocks(layout.bucket_size, layout.bits)
+    tiles = _blocks(layout.bucket_size, layout.bits, "decode")
     max_nq = -(-layout.chunk_numel // layout.bucket_size)
     grid = (triton.cdiv(max_nq, tiles["BUCKETS"]), layout.num_chunks)
     _decode_kernel[grid](
@@ -796,7 +797,7 @@ def decode_sum_encode(
     if numel == 0:
         return out
     own_flat = own.reshape(-1) if own is not None else payloads
-    tiles = _blocks(bucket_size, bits)
+    tiles = _blocks(bucket_size, bits, "decode_sum_encode")
     grid = (triton.cdiv(layout.num_buckets, tiles["BUCKETS"]), 1)
     k0, k1 = _key(key)
     if layout.num_buckets:
