@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.distributed as dist
@@ -23,7 +25,7 @@ from .checks import (
 )
 from .codecs import ChunkedLayout, maxmin, maxmin_codec
 from .crossover import crossover_bytes, regime
-from .seeding import derive_key, next_seed
+from .seeding import derive_key, extend_key, next_seed
 
 __all__ = [
     "allreduce_plain",
@@ -207,11 +209,13 @@ def _run_pieces(flat: torch.Tensor, out: torch.Tensor, bits: int, bucket_size: i
     ``flat``: a piece is written only after its last read); ``error`` as in
     :func:`allreduce_quantized_`."""
     seed = next_seed() if seed is None else seed
-    world = dist.get_world_size(group)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    run = _Run(group, world, rank, bits, bucket_size, skip_incomplete,
+               1.0 / world if reduce_op == "avg" else None, maxmin_codec(flat.device),
+               derive_key(seed, _STAGE_SCATTER, rank), derive_key(seed, _STAGE_GATHER))  # fmt: skip
     step = _piece_numel(flat.element_size(), world, bucket_size, flat.device)
-    args = (bits, bucket_size, group, reduce_op, seed, skip_incomplete)
     starts = range(0, flat.numel(), step)
-    pieces = [_Piece(flat[s : s + step], out[s : s + step], i, *args) for i, s in enumerate(starts)]
+    pieces = [_Piece(run, flat[s : s + step], out[s : s + step], i) for i, s in enumerate(starts)]
     if error is not None:
         for piece, s in zip(pieces, starts, strict=True):
             piece.error = error[s : s + step]
@@ -298,57 +302,69 @@ def reference_allreduce(
     return out.view(x0.shape)
 
 
+@dataclass(frozen=True)
+class _Run:
+    """What every piece of one allreduce shares, looked up once per call (the host's time per
+    piece is what pipelining a tensor into pieces costs)."""
+
+    group: dist.ProcessGroup
+    world: int
+    rank: int
+    bits: int
+    bucket_size: int
+    skip_incomplete: bool
+    scale: float | None
+    codec: ModuleType
+    scatter_key: int  # derive_key(seed, _STAGE_SCATTER, rank): extended by the piece index
+    gather_key: int  # derive_key(seed, _STAGE_GATHER): likewise
+
+
 class _Piece:
     """One pipeline piece of the scatter-reduce-allgather: its buffers and pending work."""
 
-    def __init__(self, x: torch.Tensor, out: torch.Tensor, index: int, bits: int,
-                 bucket_size: int, group: dist.ProcessGroup, reduce_op: str, seed: int,
-                 skip_incomplete: bool) -> None:  # fmt: skip
-        self.x, self.out, self.index, self.group = x, out, index, group
-        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.bits, self.bucket_size, self.seed = bits, bucket_size, seed
-        self.scale = 1.0 / self.world if reduce_op == "avg" else None
-        self.codec = maxmin_codec(x.device)
-        self.layout = ChunkedLayout.split(x.numel(), self.world, bits, bucket_size, skip_incomplete)
+    def __init__(self, run: _Run, x: torch.Tensor, out: torch.Tensor, index: int) -> None:
+        self.run, self.x, self.out, self.index = run, x, out, index
+        self.layout = ChunkedLayout.split(x.numel(), run.world, run.bits, run.bucket_size,
+                                          run.skip_incomplete)  # fmt: skip
         self.error: torch.Tensor | None = None
 
     def scatter(self) -> None:
         """Encode the chunks other ranks own; start sending chunk j to rank j."""
-        key = derive_key(self.seed, _STAGE_SCATTER, self.rank, self.index)
-        layout, device = self.layout, self.x.device
+        run, layout = self.run, self.layout
         send = torch.empty(layout.num_chunks, layout.payload_nbytes, dtype=torch.uint8,
-                           device=device)  # fmt: skip
-        self.codec.encode_chunks(self.x, layout, key, skip_chunk=self.rank, out=send)
+                           device=self.x.device)  # fmt: skip
+        key = extend_key(run.scatter_key, self.index)
+        run.codec.encode_chunks(self.x, layout, key, skip_chunk=run.rank, out=send)
         self.recv = torch.empty_like(send)
-        self.work = _all_to_all(self.recv, send, self.group)
+        self.work = _all_to_all(self.recv, send, run.group)
         if self.error is not None:
             # Decoding what was sent (while it travels) gives exactly what the owners add, in
             # fp32 as they sum; the skipped row is zeros, and our own chunk stays exact.
-            sent = self.codec.decode_chunks(send, self.layout, torch.float32)
+            sent = run.codec.decode_chunks(send, layout, torch.float32)
             torch.sub(self.x, sent, out=self.error)  # in fp32, stored in the input's dtype
-            start, size = self.layout.chunk_start(self.rank), self.layout.chunk_size(self.rank)
+            start, size = layout.chunk_start(run.rank), layout.chunk_size(run.rank)
             self.error[start : start + size] = 0
 
     def reduce(self) -> None:
         """Sum the received chunks onto our own (kept in full precision), encode the sum once
         more, and start gathering every rank's reduced chunk."""
         self.work.wait()
-        layout, rank = self.layout, self.rank
-        start, size = layout.chunk_start(rank), layout.chunk_size(rank)
+        run, layout = self.run, self.layout
+        start, size = layout.chunk_start(run.rank), layout.chunk_size(run.rank)
         reduced = torch.empty(layout.payload_nbytes, dtype=torch.uint8, device=self.x.device)
-        self.codec.decode_sum_encode(
-            self.recv, size, self.x[start : start + size], rank, self.scale, self.bits,
-            self.bucket_size, derive_key(self.seed, _STAGE_GATHER, self.index), rank,
+        run.codec.decode_sum_encode(
+            self.recv, size, self.x[start : start + size], run.rank, run.scale, run.bits,
+            run.bucket_size, extend_key(run.gather_key, self.index), run.rank,
             layout.skip_incomplete, out=reduced,
         )  # fmt: skip
         self.recv = None
-        self.gathered = torch.empty(self.world * layout.payload_nbytes, dtype=torch.uint8,
+        self.gathered = torch.empty(run.world * layout.payload_nbytes, dtype=torch.uint8,
                                     device=self.x.device)  # fmt: skip
-        self.work = _all_gather(self.gathered, reduced, self.group)
+        self.work = _all_gather(self.gathered, reduced, run.group)
 
     def finish(self) -> None:
         """Decode every rank's reduced chunk (ours too: all ranks decode the same bytes)."""
         self.work.wait()
-        rows = self.gathered.view(self.world, self.layout.payload_nbytes)
-        self.codec.decode_chunks(rows, self.layout, self.out.dtype, out=self.out)
+        rows = self.gathered.view(self.run.world, self.layout.payload_nbytes)
+        self.run.codec.decode_chunks(rows, self.layout, self.out.dtype, out=self.out)
         self.gathered = None

@@ -10,7 +10,7 @@ import threading
 
 import torch
 
-__all__ = ["derive_key", "get_state", "manual_seed", "next_seed", "set_state"]
+__all__ = ["derive_key", "extend_key", "get_state", "manual_seed", "next_seed", "set_state"]
 
 _MASK64 = (1 << 64) - 1
 _lock = threading.Lock()
@@ -26,7 +26,13 @@ def _splitmix64(x: int) -> int:
 
 def derive_key(seed: int, *ids: int) -> int:
     """A 64-bit Philox key for ``seed`` and a path of ids (stage, rank, ...); pure and cheap."""
-    key = _splitmix64(seed & _MASK64)
+    return extend_key(_splitmix64(seed & _MASK64), *ids)
+
+
+def extend_key(key: int, *ids: int) -> int:
+    """The key one path further: ``extend_key(derive_key(seed, *a), *b)`` is
+    ``derive_key(seed, *a, *b)``, so a common prefix is derived once (per call, not per
+    pipeline piece)."""
     for i in ids:
         key = _splitmix64(key ^ (i & _MASK64))
     return key

@@ -336,3 +336,14 @@ def test_pieces_follow_the_regime(monkeypatch):
         crossover.regime.cache_clear()
     monkeypatch.setattr(collectives, "PIPELINE_BYTES", 1 << 20)
     assert collectives._piece_numel(4, 4, 512) == (1 << 18)
+
+
+def test_extend_key_continues_derive_key():
+    """The pipeline derives each stage's key prefix once per call and extends it per piece:
+    the keys must be the ones the reference model derives whole."""
+    from cgx2.seeding import derive_key, extend_key
+
+    for seed in (0, 17, 2**63 - 25):
+        assert extend_key(derive_key(seed, 1, 3), 9) == derive_key(seed, 1, 3, 9)
+        assert extend_key(derive_key(seed, 2), 0, 5) == derive_key(seed, 2, 0, 5)
+    assert extend_key(123) == 123
