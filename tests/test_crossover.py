@@ -63,8 +63,8 @@ def test_regime_detection(clean_env, env, peers, regime):
     ("regime", "dtype", "expected"),
     [
         ("nvlink", torch.float32, 256 * MiB),
-        ("nvlink", torch.bfloat16, None),
-        ("nvlink", torch.float16, None),
+        ("nvlink", torch.bfloat16, 1024 * MiB),
+        ("nvlink", torch.float16, 1024 * MiB),
         ("shm", torch.bfloat16, 16 * MiB),
         ("socket", torch.float32, 4 * MiB),
         ("cpu", torch.float32, 0),
@@ -80,7 +80,7 @@ def test_variable_overrides_and_is_checked(clean_env):
     clean_env.setenv("CGX2_CROSSOVER_BYTES", "0")
     assert crossover_bytes(CUDA, torch.bfloat16) == 0
     clean_env.setenv("CGX2_CROSSOVER_BYTES", "auto")
-    assert crossover_bytes(CUDA, torch.bfloat16) is None
+    assert crossover_bytes(CUDA, torch.bfloat16) == 1 << 30
     for bad in ("-1", "1MB"):
         clean_env.setenv("CGX2_CROSSOVER_BYTES", bad)
         with pytest.raises(ValueError, match="CGX2_CROSSOVER_BYTES"):
@@ -156,3 +156,10 @@ def test_fallback_calls_the_group_synchronously_and_accepts_no_work(monkeypatch)
     assert torch.equal(t, torch.ones(4))
     assert calls[0].reduceOp == dist.ReduceOp.SUM
     assert getattr(calls[0], "asyncOp", False) is False
+
+
+def test_a_regime_where_compression_never_won_never_compresses(clean_env):
+    clean_env.setattr(crossover, "detect_regime", lambda device: "nvlink")
+    clean_env.setitem(crossover.CROSSOVER_BYTES, "nvlink", (256 * MiB, None))
+    assert crossover_bytes(CUDA, torch.float16) is None
+    assert crossover_bytes(CUDA, torch.float32) == 256 * MiB
