@@ -339,7 +339,8 @@ class _Piece:
         self.work = _all_to_all(self.recv, send, run.group)
         if self.error is not None:
             # Decoding what was sent (while it travels) gives exactly what the owners add, in
-            # fp32 as they sum; the skipped row is zeros, and our own chunk stays exact.
+            # fp32 as they sum; our own chunk (its row unwritten, decoded to garbage) stays
+            # exact, so its error is zero.
             sent = run.codec.decode_chunks(send, layout, torch.float32)
             torch.sub(self.x, sent, out=self.error)  # in fp32, stored in the input's dtype
             start, size = layout.chunk_start(run.rank), layout.chunk_size(run.rank)

@@ -35,7 +35,7 @@ def extend_key(key: int, *ids: int) -> int:
     pipeline piece)."""
     for i in ids:
         key = _splitmix64(key ^ (i & _MASK64))
-    return key
+    return key & _MASK64
 
 
 def manual_seed(seed: int) -> None:

@@ -94,6 +94,16 @@ def _edge(bucket: int, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype).to(DEVICE)
 
 
+def test_raw_tail_nan_decodes_to_the_reference_bf16_nan():
+    """skip_incomplete's raw tail goes through the same NaN-canonicalising cast."""
+    x = _x(1000, torch.float32)
+    x[-1] = float("nan")
+    payload = ref.encode(x, 4, 512, key=1, skip_incomplete=True)
+    got = tri.decode(payload, 1000, 4, 512, torch.bfloat16, True)
+    assert _same(got, ref.decode(payload, 1000, 4, 512, torch.bfloat16, True))
+    assert got[-1:].view(torch.int16).item() == 0x7FC0
+
+
 # fp32 inputs only: the interpreter misreads subnormal bf16 (bench/gpu_check.py covers bf16).
 @pytest.mark.parametrize(("bits", "bucket"), [(1, 512), (4, 512), (8, 512), (4, 2048), (3, 128)])
 def test_edge_buckets_match_reference(bits, bucket):

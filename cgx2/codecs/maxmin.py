@@ -124,8 +124,8 @@ def decode(
 
 
 def _cast(f32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``f32`` in ``dtype``; a NaN becomes bf16's 0x7FC0 on every platform (torch 2.13's CPU
-    cast gives 0xFFFF, CUDA 0x7FC0), the NaN the kernels write."""
+    """``f32`` in ``dtype``; a NaN becomes bf16's 0x7FC0, the NaN the kernels write, on every
+    platform (torch's own cast varies: 2.13's CPU cast gives 0xFFFF)."""
     out = f32.to(dtype)
     if dtype == torch.bfloat16:
         out.view(torch.int16).masked_fill_(f32.isnan(), 0x7FC0)

@@ -33,7 +33,15 @@ _WARPS = {"encode": 1, "decode": 2, "decode_sum_encode": 1}
 _LAUNCH: dict[str, object] = {"enable_fp_fusion": False}
 
 
-_INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+def _interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter, as Triton itself decides."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+_INTERPRET = tl.constexpr(_interpreting())
 
 
 def _launch(kernel: str) -> dict[str, object]:
@@ -720,7 +728,8 @@ def decode_chunks(
         chunk = layout.chunk(j)
         if chunk.raw_numel:
             tail = layout.chunk_start(j) + chunk.num_buckets * layout.bucket_size
-            out[tail : tail + chunk.raw_numel] = _raw_region(payloads[j], chunk).to(dtype)
+            raw = _raw_region(payloads[j], chunk)
+            out[tail : tail + chunk.raw_numel] = maxmin._cast(raw, dtype)
     return out
 
 
