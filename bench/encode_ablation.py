@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 import triton.testing
 
+from cgx2.bench.report import environment, write_json
 from cgx2.codecs.maxmin_triton import _pack_store, _params, _philox, _stats, _tile, _uniforms
 
 
@@ -173,7 +174,9 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--numel", type=int, default=64 << 20)
     p.add_argument("--parts", default="grouped,stages,persistent", help="which variants to time")
+    p.add_argument("--out-dir", default="bench/results", help="where the JSON goes ('' for none)")
     args = p.parse_args()
+    results: list[dict] = []
     parts = set(args.parts.split(","))
     n, bits, b = args.numel, 4, 512
     x32 = torch.randn(n, device="cuda")
@@ -188,6 +191,8 @@ def main() -> None:
         ms = triton.testing.do_bench(fn, rep=100, return_mode="median")
         gbps = (n * x.element_size() + n * bits // 8) / ms / 1e6
         print(f"{label}: {ms:.3f} ms {gbps:6.0f} GB/s {gbps / copy_gbps:4.0%} of copy", flush=True)
+        results.append({"variant": label, "ms": ms, "gbps": gbps,
+                        "fraction_of_copy": gbps / copy_gbps})  # fmt: skip
 
     from cgx2.codecs import maxmin_triton as tri
 
@@ -219,6 +224,10 @@ def main() -> None:
                                            stages, per_sm)  # fmt: skip
                     report(f"{name} persistent warps={warps} buckets={buckets} "
                            f"stages={stages} per_sm={per_sm}", fn, x)  # fmt: skip
+    if args.out_dir:
+        report_json = {"env": environment(x32.device), "numel": n, "bits": bits, "bucket": b,
+                       "copy_ms": copy_ms, "copy_gbps": copy_gbps, "rows": results}  # fmt: skip
+        print(f"raw results: {write_json('encode_ablation', report_json, args.out_dir)}")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import triton.testing
 
+from cgx2.bench.report import environment, write_json
 from cgx2.codecs import maxmin_triton as tri
 
 
@@ -25,7 +26,9 @@ def main() -> None:
     p.add_argument("--bits", default="4")
     p.add_argument("--tiles", default="512,1024,2048")
     p.add_argument("--warps", default="1,2,4")
+    p.add_argument("--out-dir", default="bench/results", help="where the JSON goes ('' for none)")
     args = p.parse_args()
+    results: list[dict] = []
     n = args.numel
     x32 = torch.randn(n, device="cuda")
     xbf = x32.bfloat16()
@@ -41,6 +44,8 @@ def main() -> None:
         gbps = moved / ms / 1e6
         print(f"{kernel:6s} {name} bits={bits} tile={tile:5d} warps={warps:2d}: {ms:.3f} ms "
               f"{gbps:6.0f} GB/s {gbps / copy_gbps:4.0%} of copy", flush=True)  # fmt: skip
+        results.append({"kernel": kernel, "dtype": name, "bits": bits, "tile": tile, "warps": warps,
+                        "ms": ms, "gbps": gbps, "fraction_of_copy": gbps / copy_gbps})  # fmt: skip
 
     for bits in [int(b) for b in args.bits.split(",")]:
         for tile in [int(t) for t in args.tiles.split(",")]:
@@ -59,12 +64,16 @@ def main() -> None:
                     # 4 rows of n/4 values, as `python -m cgx2.bench kernels` times it
                     own = x[: n // 4]
                     row = tri.encode(own, bits, 512, key=2)
-                    rows = torch.stack([row] * 4)
+                    payloads = torch.stack([row] * 4)
                     moved = 4 * row.numel() + own.numel() * own.element_size()
                     report("dse", name, bits, tile, warps,
-                           lambda r=rows, o=own, b=bits: tri.decode_sum_encode(
+                           lambda r=payloads, o=own, b=bits: tri.decode_sum_encode(
                                r, o.numel(), o, 1, 0.25, b, 512, key=2), moved)  # fmt: skip
     tri._TILE, tri._WARPS = base_tile, base_warps
+    if args.out_dir:
+        report_json = {"env": environment(x32.device), "numel": n, "copy_ms": copy_ms,
+                       "copy_gbps": copy_gbps, "rows": results}  # fmt: skip
+        print(f"raw results: {write_json('encode_variants', report_json, args.out_dir)}")
 
 
 if __name__ == "__main__":
