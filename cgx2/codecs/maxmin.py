@@ -209,18 +209,14 @@ def encode_chunks(
     ``skip_chunk`` is left zero (its owner keeps that chunk in full precision). Given ``out``
     (uint8 ``[K, P]``), the rows are written there and row ``skip_chunk`` is not touched."""
     flat = x.reshape(-1)
-    rows = _rows(layout, x.device) if out is None else out
+    shape = (layout.num_chunks, layout.payload_nbytes)
+    rows = torch.zeros(shape, dtype=torch.uint8, device=x.device) if out is None else out
     for j in range(layout.num_chunks):
         if j != skip_chunk and layout.chunk_size(j):
             start = layout.chunk_start(j)
             chunk = flat[start : start + layout.chunk_size(j)]
             encode(chunk, layout.bits, layout.bucket_size, key, j, layout.skip_incomplete, rows[j])
     return rows
-
-
-def _rows(layout: ChunkedLayout, device: torch.device) -> torch.Tensor:
-    shape = (layout.num_chunks, layout.payload_nbytes)
-    return torch.zeros(shape, dtype=torch.uint8, device=device)
 
 
 def decode_chunks(

@@ -661,7 +661,8 @@ def encode_chunks(
     which then need no memset), the rows are written there; row ``skip_chunk`` and the
     padding between a row's regions, which no decoder reads, are not touched."""
     flat = x.reshape(-1)
-    rows = maxmin._rows(layout, x.device) if out is None else out
+    shape = (layout.num_chunks, layout.payload_nbytes)
+    rows = torch.zeros(shape, dtype=torch.uint8, device=x.device) if out is None else out
     if rows.numel() == 0:
         return rows
     tiles = _blocks(layout.bucket_size, layout.bits, "encode")
