@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from cgx2.codecs import maxmin
 from cgx2.codecs.layout import ChunkedLayout, MaxMinLayout
 from cgx2.codecs.packing import pack_levels, unpack_levels
-from cgx2.codecs.philox import bucket_uniforms, philox4x32
+from cgx2.codecs.philox import bucket_halves, philox4x32
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 LENGTHS = [0, 1, 7, 1009, 3 * 512 + 5]
@@ -82,14 +82,14 @@ def test_philox_matches_random123_known_answers():
     ]
 
 
-def test_uniforms_cover_unit_interval_and_depend_on_key_and_stream():
-    r = bucket_uniforms(key=7, num_buckets=64, bucket_size=512)
-    assert r.dtype == torch.float32 and r.shape == (64, 512)
-    assert 0 <= r.min() and r.max() < 1
-    assert abs(r.mean().item() - 0.5) < 0.005
-    assert not torch.equal(r, bucket_uniforms(8, 64, 512))
-    assert not torch.equal(r, bucket_uniforms(7, 64, 512, stream=1))
-    assert torch.equal(r, bucket_uniforms(7, 64, 512))
+def test_halves_cover_16_bits_and_depend_on_key_and_stream():
+    h = bucket_halves(key=7, num_buckets=64, bucket_size=512)
+    assert h.dtype == torch.int64 and h.shape == (64, 512)
+    assert 0 <= h.min() and h.max() < 2**16
+    assert abs(h.float().mean().item() / 2**16 - 0.5) < 0.005
+    assert not torch.equal(h, bucket_halves(8, 64, 512))
+    assert not torch.equal(h, bucket_halves(7, 64, 512, stream=1))
+    assert torch.equal(h, bucket_halves(7, 64, 512))
 
 
 # ----------------------------------------------------------------------------- accuracy

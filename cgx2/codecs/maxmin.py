@@ -1,12 +1,15 @@
 """Max-min (CGX/QSGD) codec, plain-torch reference: it defines the exact bytes.
 
 Per bucket of B values (computed in fp32): ``min``, ``max``, ``step = (max - min) / L`` with
-``L = 2**bits - 1``, ``scale = L / (max - min)`` (0 when max == min). A value v gets level
-``floor((v - min) * scale + r)`` clamped to [0, L], with r from :mod:`.philox`; it decodes to
-``min + step * level``. Each operation is one IEEE fp32 operation (no fused multiply-add), so
-the Triton kernels reproduce the bytes exactly. A bucket holding NaN or +-Inf stores
-min = step = NaN (0x7FC00000) and decodes to NaN: non-finite input is never clipped into
-finite numbers (so does a bucket whose max - min overflows fp32). Zeros are stored as +0.0.
+``L = 2**bits - 1``, and ``scale = L / (max - min)`` rounded toward zero (0 when max == min),
+so that ``a = (v - min) * scale`` never exceeds L and needs no clamp. A value v gets level
+``floor(a + h * 2**-F)``, exactly (the sum is not rounded), where h is a 16-bit random
+integer from :mod:`.philox` and F = 16 (15 for 8 bits, h's top 15 bits: fp32 holds a < 256
+to 2**-15 only); it decodes to ``min + step * level``. Each operation is one IEEE fp32
+operation (no fused multiply-add), so the Triton kernels reproduce the bytes exactly. A
+bucket holding NaN or +-Inf stores min = step = NaN (0x7FC00000) and decodes to NaN:
+non-finite input is never clipped into finite numbers (so does a bucket whose max - min
+overflows fp32). Zeros are stored as +0.0.
 The byte layout is in :mod:`.layout`. Runs on any device; used on the CPU and in tests.
 """
 
@@ -18,7 +21,7 @@ import torch
 
 from .layout import ChunkedLayout, MaxMinLayout
 from .packing import pack_levels, unpack_levels
-from .philox import bucket_uniforms
+from .philox import bucket_halves
 
 __all__ = ["decode", "decode_chunks", "decode_sum_encode", "encode", "encode_chunks"]
 
@@ -77,18 +80,33 @@ def encode(
     lmax_t = torch.full_like(span, lmax)
     step = torch.where(finite, span / lmax_t, _NAN)
     lo = torch.where(finite, lo, _NAN)
-    scale = torch.where(finite & (span > 0), lmax_t / span, 0.0)
-    r = bucket_uniforms(key, nq, bucket_size, stream, v.device)
-    level = torch.floor((rows - lo[:, None]) * scale[:, None] + r)
-    level = torch.where(level > lmax, lmax, level)
-    level = torch.where(level >= 0, level, 0.0)  # also maps NaN to 0
-    level = torch.where(finite[:, None], level, 0.0).to(torch.int64)
+    scale = torch.where(finite & (span > 0), scale_toward_zero(lmax_t, span), 0.0)
+    a = torch.where(finite[:, None], (rows - lo[:, None]) * scale[:, None], 0.0)
+    # a * 2**F < 2**23 is exact in fp32, and so are its floor and the integer sum.
+    frac = random_fraction_bits(bits)
+    h = bucket_halves(key, nq, bucket_size, stream, v.device) >> (16 - frac)
+    level = (torch.floor(a * 2.0**frac).to(torch.int64) + h) >> frac
+    level = torch.where(finite[:, None], level, 0)
     if covered < nq * bucket_size:
         level.view(-1)[covered:] = 0
     payload[: 8 * nq] = torch.stack([lo, step], dim=1).reshape(-1).view(torch.uint8)
     nbytes = layout.levels_nbytes
     payload[levels_at : levels_at + nbytes] = pack_levels(level, bits).reshape(-1)[:nbytes]
     return payload
+
+
+def scale_toward_zero(lmax: torch.Tensor, span: torch.Tensor) -> torch.Tensor:
+    """``lmax / span`` (fp32, span > 0) rounded toward zero: FLT_MAX where it overflows, and
+    never so large that ``span * scale`` rounds above lmax. The round-to-nearest quotient is
+    at most one step too large; fp64 holds the product of two fp32 numbers exactly."""
+    q = lmax / span
+    too_big = q.double() * span.double() > lmax.double()
+    return torch.where(too_big, torch.nextafter(q, torch.zeros_like(q)), q)
+
+
+def random_fraction_bits(bits: int) -> int:
+    """How many bits of the random fraction a level is rounded with (see module doc)."""
+    return 16 if bits <= 7 else 15
 
 
 def _decode_f32(payload: torch.Tensor, layout: MaxMinLayout) -> torch.Tensor:

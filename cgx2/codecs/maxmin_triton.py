@@ -3,7 +3,7 @@
 They write the same bytes as the torch reference (:mod:`.maxmin`) and take the same
 arguments. Each program handles a tile of ``BUCKETS`` buckets x ``BLOCK`` values; buckets wider
 than ``BLOCK`` are walked in tiles (statistics first, then levels). Random numbers come from
-Philox computed in-kernel, one call per four values. Runs on CUDA, or on the CPU under
+Philox computed in-kernel, one call per eight values. Runs on CUDA, or on the CPU under
 ``TRITON_INTERPRET=1`` (tests).
 """
 
@@ -72,9 +72,10 @@ def _philox(c0, c1, c2, c3, k0, k1, ROUNDS: tl.constexpr = 10):
 
 
 @triton.jit
-def _uniforms(k0, k1, q, stream, c, BUCKETS: tl.constexpr, BLOCK: tl.constexpr):
-    """[BUCKETS, BLOCK] floats in [0, 1) for values c..c+BLOCK of buckets q (c % 8 == 0):
-    one Philox call per 8 values, 16 bits each (the order is defined in :mod:`.philox`)."""
+def _random_halves(k0, k1, q, stream, c, BUCKETS: tl.constexpr, BLOCK: tl.constexpr):
+    """16-bit random integers (uint32) for a tile (c % 8 == 0), as the halves of :func:`_tile`:
+    one Philox call per group of 8 values, whose value 8g + 4i + 2k + h takes half h of word
+    2k + i (the order is defined in :mod:`.philox`)."""
     G: tl.constexpr = BLOCK // 8
     zero = tl.zeros((BUCKETS, G), dtype=tl.uint32)
     c0 = zero + (c // 8 + tl.arange(0, G)).to(tl.uint32)[None, :]
@@ -82,12 +83,14 @@ def _uniforms(k0, k1, q, stream, c, BUCKETS: tl.constexpr, BLOCK: tl.constexpr):
     c2 = zero + (q >> 32).to(tl.uint32)[:, None]
     c3 = zero + stream.to(tl.uint32)
     r0, r1, r2, r3 = _philox(c0, c1, c2, c3, k0, k1)
-    words = tl.join(tl.join(r0, r1), tl.join(r2, r3))
-    # half * 2**-16 without an int-to-float conversion (a slow pipe, and the kernels are
-    # issue-bound): 1 + half * 2**-16 is exact in fp32's 23-bit mantissa, and so is minus 1.
-    mantissas = tl.reshape(tl.join((words << 7) & 0x7FFF80, (words >> 9) & 0x7FFF80),
-                           (BUCKETS, BLOCK))  # fmt: skip
-    return (mantissas | 0x3F800000).to(tl.float32, bitcast=True) - 1.0
+    return _group_halves(r0, r2, BUCKETS, G), _group_halves(r1, r3, BUCKETS, G)
+
+
+@triton.jit
+def _group_halves(a, b, BUCKETS: tl.constexpr, G: tl.constexpr):
+    """[BUCKETS, G, 4]: the low and high halves of word a, then of word b."""
+    halves = tl.join(tl.join(a & 0xFFFF, b & 0xFFFF), tl.join(a >> 16, b >> 16))  # [.., k, h]
+    return tl.reshape(halves, (BUCKETS, G, 4))
 
 
 @triton.jit
@@ -98,20 +101,22 @@ def _small_to_float(k):
 
 
 @triton.jit
-def _floor_clamped(x, LMAX: tl.constexpr):
-    """floor(x) clamped to [0, LMAX], as uint32, with no rounding or conversion instruction (a
-    slow pipe; the kernels are issue-bound): rounding x + 2**23 down leaves floor(x) in the
-    mantissa. The interpreter has no directed rounding: there, x + 2**23 rounds to nearest,
-    one less where that rounded up. Clamping first gives the same integers, and a NaN (0 times
-    the infinite scale of a subnormal span) becomes 0, as the reference's clamp makes it."""
-    x = tl.minimum(tl.maximum(x, 0.0), LMAX)
+def _round_level(a, h, BITS: tl.constexpr):
+    """floor(a + h * 2**-F) of a in [-0, 2**BITS - 1], exactly (see :mod:`.maxmin`), plus
+    bits above the level that packing masks off; no conversion instruction (a slow pipe, and
+    the kernels are issue-bound). Rounding a + 2**(23 - F) down leaves floor(a * 2**F) in the
+    mantissa, under an exponent field that is a multiple of 2**F; adding h and shifting
+    right by F is the floor of the exact sum. The interpreter has no directed rounding:
+    there, the sum rounds to nearest, one less where that rounded up."""
+    F: tl.constexpr = 16 if BITS <= 7 else 15
+    ANCHOR: tl.constexpr = 128.0 if BITS <= 7 else 256.0
     if _INTERPRET:
-        y = x + 8388608.0
-        up = ((y - 8388608.0) > x).to(tl.uint32)
+        y = a + ANCHOR
+        up = ((y - ANCHOR) > a).to(tl.uint32)
     else:
-        y = libdevice.add_rd(x, 8388608.0)
+        y = libdevice.add_rd(a, ANCHOR)
         up = 0
-    return y.to(tl.uint32, bitcast=True) - 0x4B000000 - up
+    return (y.to(tl.uint32, bitcast=True) - up + (h >> (16 - F))) >> F
 
 
 @triton.jit
@@ -133,45 +138,53 @@ def _geometry(
 
 
 @triton.jit
-def _tile(q, qmask, quant, c, B: tl.constexpr, BLOCK: tl.constexpr):
-    """Element indices (within the chunk) of a tile and which of them hold data."""
-    col = c + tl.arange(0, BLOCK)
-    e = q[:, None] * B + col[None, :]
-    return e, qmask[:, None] & (col[None, :] < B) & (e < quant)
+def _tile(q, qmask, quant, c, B: tl.constexpr, BLOCK: tl.constexpr, FULL: tl.constexpr):
+    """A tile as two halves of shape [BUCKETS, BLOCK // 8, 4]: values 8g..8g+3 and 8g+4..8g+7
+    of each group g of eight, so that one thread holds a whole group and its random words and
+    packed levels never move between threads. Returns the first half's element indices
+    within the chunk (the second's are 4 more) and which elements of each half hold data
+    (all, given ``FULL``: a tile of complete buckets, none of them past the end)."""
+    col = c + 8 * tl.arange(0, BLOCK // 8)[:, None] + tl.arange(0, 4)[None, :]
+    e = q[:, None, None] * B + col[None, :, :]
+    if FULL:  # spelled out: the compiler cannot always prove these masks true
+        valid = tl.full(e.shape, 1, tl.int1)
+        return e, valid, valid
+    inside = qmask[:, None, None]
+    valid0 = inside & (col[None, :, :] < B) & (e < quant)
+    valid1 = inside & (col[None, :, :] + 4 < B) & (e + 4 < quant)
+    return e, valid0, valid1
 
 
 @triton.jit
-def _byte_grid(q, qmask, quant, c, BITS: tl.constexpr, B: tl.constexpr, BLOCK: tl.constexpr):
-    """Byte offsets [BUCKETS, BLOCK//8, 8] of a tile's packed groups (slot k < BITS used)."""
-    S: tl.constexpr = (B + 7) // 8 * BITS
+def _group_grid(q, qmask, quant, c, B: tl.constexpr, BLOCK: tl.constexpr, FULL: tl.constexpr):
+    """Group indices [BUCKETS, BLOCK // 8] of a tile (global: bucket q's groups are
+    q * ceil(B / 8) + g) and which groups hold data."""
     g = c // 8 + tl.arange(0, BLOCK // 8)
-    k = tl.arange(0, 8)
-    off = q[:, None, None] * S + g[None, :, None] * BITS + k[None, None, :]
-    first = q[:, None, None] * B + g[None, :, None] * 8
-    mask = (
-        qmask[:, None, None]
-        & (g[None, :, None] * 8 < B)
-        & (first < quant)
-        & (k[None, None, :] < BITS)
-    )
-    return off, mask
+    group = q[:, None] * ((B + 7) // 8) + g[None, :]
+    if FULL:
+        return group, tl.full(group.shape, 1, tl.int1)
+    mask = qmask[:, None] & (g[None, :] * 8 < B) & (q[:, None] * B + g[None, :] * 8 < quant)
+    return group, mask
 
 
 @triton.jit
-def _word_grid(q, qmask, quant, c, BITS: tl.constexpr, B: tl.constexpr, BLOCK: tl.constexpr):
-    """Word offsets [BUCKETS, BLOCK*BITS/32] of a tile's packed levels, and which to touch."""
-    per: tl.constexpr = 32 // BITS
-    S4: tl.constexpr = (B + 7) // 8 * BITS // 4
-    w = c // per + tl.arange(0, BLOCK // per)
-    first = q[:, None] * B + w[None, :] * per
-    mask = qmask[:, None] & (w[None, :] * per < B) & (first < quant)
-    return q[:, None] * S4 + w[None, :], mask
+def _field_ptr(ptr, BITS: tl.constexpr):
+    """``ptr`` as a pointer to a group's BITS bytes as one integer (BITS a power of two)."""
+    if BITS == 1:
+        return ptr.to(tl.pointer_type(tl.uint8))
+    elif BITS == 2:
+        return ptr.to(tl.pointer_type(tl.uint16))
+    elif BITS == 4:
+        return ptr.to(tl.pointer_type(tl.uint32))
+    else:
+        return ptr.to(tl.pointer_type(tl.uint64))
 
 
 @triton.jit
 def _pack_store(
     ptr,
-    level,
+    l0,
+    l1,
     keep,
     q,
     qmask,
@@ -179,61 +192,48 @@ def _pack_store(
     c,
     BITS: tl.constexpr,
     B: tl.constexpr,
-    BUCKETS: tl.constexpr,
     BLOCK: tl.constexpr,
-    WORDS: tl.constexpr,
+    FULL: tl.constexpr,
 ):
-    if WORDS:
-        off, mask = _word_grid(q, qmask, quant, c, BITS, B, BLOCK)
-        per: tl.constexpr = 32 // BITS
-        k = tl.arange(0, per).to(tl.uint32)
-        grouped = tl.reshape(level.to(tl.uint32), (BUCKETS, BLOCK // per, per))
-        word = tl.sum(grouped << (k * BITS)[None, None, :], axis=2)  # disjoint bits: sum == or
-        word = tl.where(keep[:, None], word, 0)
-        tl.store(ptr.to(tl.pointer_type(tl.uint32)) + off, word, mask=mask)
+    """Store a tile's levels (the halves of :func:`_tile`, zero outside the data): each
+    group's eight levels are one little-endian BITS-byte field, zero for buckets not kept."""
+    WIDE: tl.constexpr = BITS > 4
+    wt = tl.uint64 if WIDE else tl.uint32
+    shift = (tl.arange(0, 4) * BITS).to(wt)[None, None, :]
+    field = tl.sum(l0.to(wt) << shift, axis=2) + tl.sum(l1.to(wt) << (shift + 4 * BITS), axis=2)
+    field = tl.where(keep[:, None], field, 0)  # disjoint bits: the sums are ors
+    group, mask = _group_grid(q, qmask, quant, c, B, BLOCK, FULL)
+    if BITS == 1 or BITS == 2 or BITS == 4 or BITS == 8:
+        fields = _field_ptr(ptr, BITS) + group
+        tl.store(fields, field.to(fields.dtype.element_ty), mask=mask)
     else:
-        k = tl.arange(0, 8).to(tl.int64)
-        grouped = tl.reshape(level.to(tl.int64), (BUCKETS, BLOCK // 8, 8))
-        word = tl.sum(grouped << (k * BITS)[None, None, :], axis=2)
-        word = tl.where(keep[:, None], word, 0)
-        byte = (word[:, :, None] >> (k * 8)[None, None, :]) & 0xFF
-        off, mask = _byte_grid(q, qmask, quant, c, BITS, B, BLOCK)
-        tl.store(ptr + off, byte.to(tl.uint8), mask=mask)
+        k = tl.arange(0, 8)
+        byte = (field[:, :, None] >> (k * 8).to(wt)[None, None, :]) & 0xFF
+        off = group[:, :, None] * BITS + k[None, None, :]
+        tl.store(ptr + off, byte.to(tl.uint8), mask=mask[:, :, None] & (k < BITS)[None, None, :])
 
 
 @triton.jit
 def _unpack_load(
-    ptr,
-    q,
-    qmask,
-    quant,
-    c,
-    BITS: tl.constexpr,
-    B: tl.constexpr,
-    BUCKETS: tl.constexpr,
-    BLOCK: tl.constexpr,
-    WORDS: tl.constexpr,
-):
-    if WORDS:
-        off, mask = _word_grid(q, qmask, quant, c, BITS, B, BLOCK)
-        per: tl.constexpr = 32 // BITS
-        k = tl.arange(0, per).to(tl.uint32)
-        word = tl.load(ptr.to(tl.pointer_type(tl.uint32)) + off, mask=mask, other=0)
-        level = (word[:, :, None] >> (k * BITS)[None, None, :]) & ((1 << BITS) - 1)
-        level = tl.reshape(level, (BUCKETS, BLOCK))
-        return _small_to_float(level)
+    ptr, q, qmask, quant, c, BITS: tl.constexpr, B: tl.constexpr, BLOCK: tl.constexpr,
+    FULL: tl.constexpr,
+):  # fmt: skip
+    """A tile's levels as fp32, the halves of :func:`_tile` (inverse of :func:`_pack_store`)."""
+    WIDE: tl.constexpr = BITS > 4
+    wt = tl.uint64 if WIDE else tl.uint32
+    group, mask = _group_grid(q, qmask, quant, c, B, BLOCK, FULL)
+    if BITS == 1 or BITS == 2 or BITS == 4 or BITS == 8:
+        field = tl.load(_field_ptr(ptr, BITS) + group, mask=mask, other=0).to(wt)
     else:
-        # A bucket's levels are one little-endian bit stream: level j sits at bit j*BITS,
-        # within the byte at (j*BITS)//8 and, when it straddles, the next one.
-        S: tl.constexpr = (B + 7) // 8 * BITS
-        _, valid = _tile(q, qmask, quant, c, B, BLOCK)
-        bit = (c + tl.arange(0, BLOCK)) * BITS
-        at = q[:, None] * S + (bit // 8)[None, :]
-        shift = (bit % 8)[None, :].to(tl.uint32)
-        low = tl.load(ptr + at, mask=valid, other=0).to(tl.uint32)
-        high = tl.load(ptr + at + 1, mask=valid & (shift + BITS > 8), other=0).to(tl.uint32)
-        level = ((low | (high << 8)) >> shift) & ((1 << BITS) - 1)
-    return _small_to_float(level)
+        k = tl.arange(0, 8)
+        off = group[:, :, None] * BITS + k[None, None, :]
+        byte = tl.load(ptr + off, mask=mask[:, :, None] & (k < BITS)[None, None, :], other=0)
+        field = tl.sum(byte.to(wt) << (k * 8).to(wt)[None, None, :], axis=2)
+    shift = (tl.arange(0, 4) * BITS).to(wt)[None, None, :]
+    lmax: tl.constexpr = (1 << BITS) - 1
+    l0 = ((field[:, :, None] >> shift) & lmax).to(tl.uint32)
+    l1 = ((field[:, :, None] >> (shift + 4 * BITS)) & lmax).to(tl.uint32)
+    return _small_to_float(l0), _small_to_float(l1)
 
 
 @triton.jit
@@ -254,12 +254,13 @@ def _min_with_nan(a, b):
 
 
 @triton.jit
-def _stats(v, valid):
-    """Per-bucket min and max; the min is NaN where a NaN is, so that any non-finite value
-    shows as a non-finite span (see :func:`_params`)."""
-    lo = tl.reduce(tl.where(valid, v, float("inf")), 1, _min_with_nan)
-    hi = tl.max(tl.where(valid, v, float("-inf")), axis=1)
-    return lo, hi
+def _stats(v0, v1, valid0, valid1):
+    """Per-bucket min and max of a tile's halves; the min is NaN where a NaN is, so that any
+    non-finite value shows as a non-finite span (see :func:`_params`)."""
+    lo = _min_with_nan(tl.where(valid0, v0, float("inf")), tl.where(valid1, v1, float("inf")))
+    hi = tl.maximum(tl.where(valid0, v0, float("-inf")), tl.where(valid1, v1, float("-inf")))
+    lo = tl.reduce(tl.reduce(lo, 2, _min_with_nan), 1, _min_with_nan)
+    return lo, tl.max(tl.max(hi, axis=2), axis=1)
 
 
 @triton.jit
@@ -271,15 +272,39 @@ def _params(lo, hi, BITS: tl.constexpr):
     span = hi - lo
     finite = span < float("inf")  # False for NaN, +-Inf, and a range beyond fp32
     step = tl.where(finite, tl.math.div_rn(span, lmax), nan)
-    scale = tl.where(finite & (span > 0), tl.math.div_rn(lmax, span), 0.0)
+    scale = tl.where(finite & (span > 0), _div_toward_zero(lmax, span), 0.0)
     return tl.where(finite, lo, nan), step, scale, finite
+
+
+@triton.jit
+def _div_toward_zero(lmax, span):
+    """lmax / span for span > 0, rounded toward zero (see :func:`.maxmin.scale_toward_zero`).
+    The interpreter has no directed rounding: there, the round-to-nearest quotient, one step
+    less where its exact product with span exceeds lmax."""
+    if _INTERPRET:
+        q = tl.math.div_rn(lmax, span)
+        over = (q.to(tl.float64) * span.to(tl.float64) > lmax.to(tl.float64)).to(tl.uint32)
+        return (q.to(tl.uint32, bitcast=True) - over).to(tl.float32, bitcast=True)
+    else:
+        return libdevice.div_rd(lmax, span)
+
+
+@triton.jit
+def _levels(v, valid, h, lo, scale, BITS: tl.constexpr):
+    """One half's levels (zero outside the data). The scale is rounded toward zero, so that
+    no level needs a clamp; a non-finite bucket's are garbage, zeroed when packed."""
+    lmax: tl.constexpr = (1 << BITS) - 1
+    a = (v - lo[:, None, None]) * scale[:, None, None]
+    return tl.where(valid, _round_level(a, h, BITS) & lmax, 0)
 
 
 @triton.jit
 def _quantize_store(
     ptr,
-    v,
-    valid,
+    v0,
+    v1,
+    valid0,
+    valid1,
     lo,
     scale,
     finite,
@@ -294,20 +319,28 @@ def _quantize_store(
     B: tl.constexpr,
     BUCKETS: tl.constexpr,
     BLOCK: tl.constexpr,
-    WORDS: tl.constexpr,
+    FULL: tl.constexpr,
 ):
-    lmax: tl.constexpr = (1 << BITS) - 1
-    r = _uniforms(k0, k1, q, stream, c, BUCKETS, BLOCK)
-    level = _floor_clamped((v - lo[:, None]) * scale[:, None] + r, lmax)
-    # Zeros outside the data; a non-finite bucket's levels are zeroed a word at a time.
-    level = tl.where(valid, level, 0)
-    _pack_store(ptr, level, finite, q, qmask, quant, c, BITS, B, BUCKETS, BLOCK, WORDS)
+    h0, h1 = _random_halves(k0, k1, q, stream, c, BUCKETS, BLOCK)
+    l0 = _levels(v0, valid0, h0, lo, scale, BITS)
+    l1 = _levels(v1, valid1, h1, lo, scale, BITS)
+    # A non-finite bucket's levels are zeroed a group at a time.
+    _pack_store(ptr, l0, l1, finite, q, qmask, quant, c, BITS, B, BLOCK, FULL)
 
 
 @triton.jit
 def _store_meta(meta_ptr, q, qmask, lo, step):
     tl.store(meta_ptr + 2 * q, lo, mask=qmask)
     tl.store(meta_ptr + 2 * q + 1, step, mask=qmask)
+
+
+@triton.jit
+def _load_tile(x_ptr, q, qmask, quant, c, B: tl.constexpr, BLOCK: tl.constexpr, FULL: tl.constexpr):
+    """A tile of fp32 values as the halves of :func:`_tile`, and which of them hold data."""
+    e, valid0, valid1 = _tile(q, qmask, quant, c, B, BLOCK, FULL)
+    v0 = tl.load(x_ptr + e, mask=valid0, other=0.0).to(tl.float32)
+    v1 = tl.load(x_ptr + e + 4, mask=valid1, other=0.0).to(tl.float32)
+    return v0, v1, valid0, valid1
 
 
 @triton.jit
@@ -325,36 +358,33 @@ def _encode_tiles(
     B: tl.constexpr,
     BUCKETS: tl.constexpr,
     BLOCK: tl.constexpr,
-    WORDS: tl.constexpr,
+    FULL: tl.constexpr,
 ):
     """Encode buckets q (statistics, then levels, then metadata)."""
     qmask = q < nq
     NUM_TILES: tl.constexpr = (B + BLOCK - 1) // BLOCK
     if NUM_TILES == 1:
-        e, valid = _tile(q, qmask, quant, 0, B, BLOCK)
-        v = tl.load(x_ptr + e, mask=valid, other=0.0).to(tl.float32)
-        lo, hi = _stats(v, valid)
+        v0, v1, valid0, valid1 = _load_tile(x_ptr, q, qmask, quant, 0, B, BLOCK, FULL)
+        lo, hi = _stats(v0, v1, valid0, valid1)
         lo, step, scale, finite = _params(lo, hi, BITS)
         _quantize_store(
-            lev_ptr, v, valid, lo, scale, finite, q, qmask, quant, 0, stream, key0, key1,
-            BITS, B, BUCKETS, BLOCK, WORDS,
+            lev_ptr, v0, v1, valid0, valid1, lo, scale, finite, q, qmask, quant, 0, stream,
+            key0, key1, BITS, B, BUCKETS, BLOCK, FULL,
         )  # fmt: skip
     else:
         lo = tl.full((BUCKETS,), float("inf"), tl.float32)
         hi = tl.full((BUCKETS,), float("-inf"), tl.float32)
         for t in range(NUM_TILES):
-            e, valid = _tile(q, qmask, quant, t * BLOCK, B, BLOCK)
-            v = tl.load(x_ptr + e, mask=valid, other=0.0).to(tl.float32)
-            t_lo, t_hi = _stats(v, valid)
+            v0, v1, valid0, valid1 = _load_tile(x_ptr, q, qmask, quant, t * BLOCK, B, BLOCK, FULL)
+            t_lo, t_hi = _stats(v0, v1, valid0, valid1)
             lo = _min_with_nan(lo, t_lo)
             hi = tl.maximum(hi, t_hi)
         lo, step, scale, finite = _params(lo, hi, BITS)
         for t in range(NUM_TILES):
-            e, valid = _tile(q, qmask, quant, t * BLOCK, B, BLOCK)
-            v = tl.load(x_ptr + e, mask=valid, other=0.0).to(tl.float32)
+            v0, v1, valid0, valid1 = _load_tile(x_ptr, q, qmask, quant, t * BLOCK, B, BLOCK, FULL)
             _quantize_store(
-                lev_ptr, v, valid, lo, scale, finite, q, qmask, quant, t * BLOCK, stream,
-                key0, key1, BITS, B, BUCKETS, BLOCK, WORDS,
+                lev_ptr, v0, v1, valid0, valid1, lo, scale, finite, q, qmask, quant, t * BLOCK,
+                stream, key0, key1, BITS, B, BUCKETS, BLOCK, FULL,
             )  # fmt: skip
     _store_meta(meta_ptr, q, qmask, lo, step)
 
@@ -377,7 +407,6 @@ def _encode_kernel(
     ALIGN: tl.constexpr,
     BUCKETS: tl.constexpr,
     BLOCK: tl.constexpr,
-    WORDS: tl.constexpr,
 ):
     j = tl.program_id(1)
     start, nq, quant, levels_at = _geometry(j, numel, chunk_numel, B, SKIP_INCOMPLETE, ALIGN)
@@ -397,10 +426,10 @@ def _encode_kernel(
         # Every value of the tile exists: bounds that are multiples of the tile fold the masks
         # to constants, so that loads and stores vectorize.
         _encode_tiles(x_ptr, lev_ptr, meta_ptr, q, end, end * B, stream, key0, key1,
-                      BITS, B, BUCKETS, BLOCK, WORDS)  # fmt: skip
+                      BITS, B, BUCKETS, BLOCK, B % BLOCK == 0)  # fmt: skip
     else:
         _encode_tiles(x_ptr, lev_ptr, meta_ptr, q, nq, quant, stream, key0, key1,
-                      BITS, B, BUCKETS, BLOCK, WORDS)  # fmt: skip
+                      BITS, B, BUCKETS, BLOCK, False)  # fmt: skip
 
 
 @triton.jit
@@ -417,23 +446,28 @@ def _decode_tiles(
     FULL: tl.constexpr,
     BUCKETS: tl.constexpr,
     BLOCK: tl.constexpr,
-    WORDS: tl.constexpr,
 ):
     qmask = q < nq
-    lo = tl.load(meta_ptr + 2 * q, mask=qmask, other=0.0)
-    step = tl.load(meta_ptr + 2 * q + 1, mask=qmask, other=0.0)
+    lo = tl.load(meta_ptr + 2 * q, mask=qmask, other=0.0)[:, None, None]
+    step = tl.load(meta_ptr + 2 * q + 1, mask=qmask, other=0.0)[:, None, None]
     NUM_TILES: tl.constexpr = (B + BLOCK - 1) // BLOCK
     for t in tl.static_range(NUM_TILES):
         c = t * BLOCK
-        level = _unpack_load(lev_ptr, q, qmask, quant, c, BITS, B, BUCKETS, BLOCK, WORDS)
-        e, valid = _tile(q, qmask, quant, c, B, BLOCK)
-        value = lo[:, None] + step[:, None] * level
+        l0, l1 = _unpack_load(lev_ptr, q, qmask, quant, c, BITS, B, BLOCK, FULL)
+        e, valid0, valid1 = _tile(q, qmask, quant, c, B, BLOCK, FULL)
+        v0 = lo + step * l0
+        v1 = lo + step * l1
         if OUT_BF16:
-            value = _to_bf16(value)
+            v0 = _to_bf16(v0)
+            v1 = _to_bf16(v1)
+        v0 = v0.to(out_ptr.dtype.element_ty)
+        v1 = v1.to(out_ptr.dtype.element_ty)
         if FULL:
-            tl.store(out_ptr + e, value.to(out_ptr.dtype.element_ty))
+            tl.store(out_ptr + e, v0)
+            tl.store(out_ptr + e + 4, v1)
         else:
-            tl.store(out_ptr + e, value.to(out_ptr.dtype.element_ty), mask=valid)
+            tl.store(out_ptr + e, v0, mask=valid0)
+            tl.store(out_ptr + e + 4, v1, mask=valid1)
 
 
 @triton.jit(do_not_specialize=["numel", "chunk_numel"])
@@ -451,7 +485,6 @@ def _decode_kernel(
     ALIGN: tl.constexpr,
     BUCKETS: tl.constexpr,
     BLOCK: tl.constexpr,
-    WORDS: tl.constexpr,
 ):
     j = tl.program_id(1)
     start, nq, quant, levels_at = _geometry(j, numel, chunk_numel, B, SKIP_INCOMPLETE, ALIGN)
@@ -464,10 +497,10 @@ def _decode_kernel(
         # Every value of the tile exists: stores with no mask (and a start known to be
         # aligned) vectorize to 16 bytes; a mask, even a provably full one, keeps them scalar.
         _decode_tiles(lev_ptr, meta_ptr, out_ptr + start, q, end, end * B,
-                      BITS, B, OUT_BF16, B % BLOCK == 0, BUCKETS, BLOCK, WORDS)  # fmt: skip
+                      BITS, B, OUT_BF16, B % BLOCK == 0, BUCKETS, BLOCK)  # fmt: skip
     else:
         _decode_tiles(lev_ptr, meta_ptr, out_ptr + start, q, nq, quant,
-                      BITS, B, OUT_BF16, False, BUCKETS, BLOCK, WORDS)  # fmt: skip
+                      BITS, B, OUT_BF16, False, BUCKETS, BLOCK)  # fmt: skip
 
 
 @triton.jit
@@ -490,28 +523,30 @@ def _sum_tile(
     HAS_SCALE: tl.constexpr,
     BUCKETS: tl.constexpr,
     BLOCK: tl.constexpr,
-    WORDS: tl.constexpr,
+    FULL: tl.constexpr,
 ):
-    """(own + sum of decoded rows, in row order) * scale for one tile, in fp32. The rows are
-    unrolled; row ``own_index`` is branched around (a uniform branch), never read."""
+    """(own + sum of decoded rows, in row order) * scale for one tile, in fp32, as the halves
+    of :func:`_tile`. The rows are unrolled; row ``own_index`` is branched around (a uniform
+    branch), never read."""
     qmask = q < nq
-    e, valid = _tile(q, qmask, quant, c, B, BLOCK)
     if HAS_OWN:
-        acc = tl.load(own_ptr + e, mask=valid, other=0.0).to(tl.float32)
+        acc0, acc1, valid0, valid1 = _load_tile(own_ptr, q, qmask, quant, c, B, BLOCK, FULL)
     else:
-        acc = tl.zeros((BUCKETS, BLOCK), tl.float32)
+        _, valid0, valid1 = _tile(q, qmask, quant, c, B, BLOCK, FULL)
+        acc0 = tl.zeros((BUCKETS, BLOCK // 8, 4), tl.float32)
+        acc1 = tl.zeros((BUCKETS, BLOCK // 8, 4), tl.float32)
     for w in tl.static_range(NUM_ROWS):
         if w != own_index:
             row = row_nbytes.to(tl.int64) * w
-            lo = tl.load(in_f32 + row // 4 + 2 * q, mask=qmask, other=0.0)
-            step = tl.load(in_f32 + row // 4 + 2 * q + 1, mask=qmask, other=0.0)
-            level = _unpack_load(
-                in_u8 + row + levels_at, q, qmask, quant, c, BITS, B, BUCKETS, BLOCK, WORDS
-            )
-            acc = acc + (lo[:, None] + step[:, None] * level)
+            lo = tl.load(in_f32 + row // 4 + 2 * q, mask=qmask, other=0.0)[:, None, None]
+            step = tl.load(in_f32 + row // 4 + 2 * q + 1, mask=qmask, other=0.0)[:, None, None]
+            l0, l1 = _unpack_load(in_u8 + row + levels_at, q, qmask, quant, c, BITS, B, BLOCK, FULL)
+            acc0 = acc0 + (lo + step * l0)
+            acc1 = acc1 + (lo + step * l1)
     if HAS_SCALE:
-        acc = acc * scale
-    return acc, valid
+        acc0 = acc0 * scale
+        acc1 = acc1 * scale
+    return acc0, acc1, valid0, valid1
 
 
 @triton.jit
@@ -538,41 +573,41 @@ def _decode_sum_encode_tiles(
     HAS_SCALE: tl.constexpr,
     BUCKETS: tl.constexpr,
     BLOCK: tl.constexpr,
-    WORDS: tl.constexpr,
+    FULL: tl.constexpr,
 ):
     qmask = q < nq
     NUM_TILES: tl.constexpr = (B + BLOCK - 1) // BLOCK
     if NUM_TILES == 1:
-        v, valid = _sum_tile(
+        v0, v1, valid0, valid1 = _sum_tile(
             in_u8, in_f32, own_ptr, row_nbytes, own_index, scale, q, nq, quant, levels_at, 0,
-            NUM_ROWS, BITS, B, HAS_OWN, HAS_SCALE, BUCKETS, BLOCK, WORDS,
+            NUM_ROWS, BITS, B, HAS_OWN, HAS_SCALE, BUCKETS, BLOCK, FULL,
         )  # fmt: skip
-        lo, hi = _stats(v, valid)
+        lo, hi = _stats(v0, v1, valid0, valid1)
         lo, step, scale_q, finite = _params(lo, hi, BITS)
         _quantize_store(
-            lev_ptr, v, valid, lo, scale_q, finite, q, qmask, quant, 0, stream, key0, key1,
-            BITS, B, BUCKETS, BLOCK, WORDS,
+            lev_ptr, v0, v1, valid0, valid1, lo, scale_q, finite, q, qmask, quant, 0, stream,
+            key0, key1, BITS, B, BUCKETS, BLOCK, FULL,
         )  # fmt: skip
     else:
         lo = tl.full((BUCKETS,), float("inf"), tl.float32)
         hi = tl.full((BUCKETS,), float("-inf"), tl.float32)
         for t in range(NUM_TILES):
-            v, valid = _sum_tile(
+            v0, v1, valid0, valid1 = _sum_tile(
                 in_u8, in_f32, own_ptr, row_nbytes, own_index, scale, q, nq, quant, levels_at,
-                t * BLOCK, NUM_ROWS, BITS, B, HAS_OWN, HAS_SCALE, BUCKETS, BLOCK, WORDS,
+                t * BLOCK, NUM_ROWS, BITS, B, HAS_OWN, HAS_SCALE, BUCKETS, BLOCK, FULL,
             )  # fmt: skip
-            t_lo, t_hi = _stats(v, valid)
+            t_lo, t_hi = _stats(v0, v1, valid0, valid1)
             lo = _min_with_nan(lo, t_lo)
             hi = tl.maximum(hi, t_hi)
         lo, step, scale_q, finite = _params(lo, hi, BITS)
         for t in range(NUM_TILES):
-            v, valid = _sum_tile(
+            v0, v1, valid0, valid1 = _sum_tile(
                 in_u8, in_f32, own_ptr, row_nbytes, own_index, scale, q, nq, quant, levels_at,
-                t * BLOCK, NUM_ROWS, BITS, B, HAS_OWN, HAS_SCALE, BUCKETS, BLOCK, WORDS,
+                t * BLOCK, NUM_ROWS, BITS, B, HAS_OWN, HAS_SCALE, BUCKETS, BLOCK, FULL,
             )  # fmt: skip
             _quantize_store(
-                lev_ptr, v, valid, lo, scale_q, finite, q, qmask, quant, t * BLOCK, stream,
-                key0, key1, BITS, B, BUCKETS, BLOCK, WORDS,
+                lev_ptr, v0, v1, valid0, valid1, lo, scale_q, finite, q, qmask, quant,
+                t * BLOCK, stream, key0, key1, BITS, B, BUCKETS, BLOCK, FULL,
             )  # fmt: skip
     _store_meta(meta_ptr, q, qmask, lo, step)
 
@@ -599,7 +634,6 @@ def _decode_sum_encode_kernel(
     HAS_SCALE: tl.constexpr,
     BUCKETS: tl.constexpr,
     BLOCK: tl.constexpr,
-    WORDS: tl.constexpr,
 ):
     _, nq, quant, levels_at = _geometry(tl.program_id(1), numel, numel, B, SKIP_INCOMPLETE, 1)
     first = tl.program_id(0).to(tl.int64) * BUCKETS
@@ -611,27 +645,23 @@ def _decode_sum_encode_kernel(
         _decode_sum_encode_tiles(
             in_u8, in_f32, own_ptr, out_u8 + levels_at, out_f32, row_nbytes, own_index, scale,
             q, end, end * B, levels_at, stream, key0, key1,
-            NUM_ROWS, BITS, B, HAS_OWN, HAS_SCALE, BUCKETS, BLOCK, WORDS,
+            NUM_ROWS, BITS, B, HAS_OWN, HAS_SCALE, BUCKETS, BLOCK, B % BLOCK == 0,
         )  # fmt: skip
     else:
         _decode_sum_encode_tiles(
             in_u8, in_f32, own_ptr, out_u8 + levels_at, out_f32, row_nbytes, own_index, scale,
             q, nq, quant, levels_at, stream, key0, key1,
-            NUM_ROWS, BITS, B, HAS_OWN, HAS_SCALE, BUCKETS, BLOCK, WORDS,
+            NUM_ROWS, BITS, B, HAS_OWN, HAS_SCALE, BUCKETS, BLOCK, False,
         )  # fmt: skip
 
 
 # --------------------------------------------------------------------------- launchers
 
 
-def _blocks(bucket_size: int, bits: int, kernel: str) -> dict[str, int | bool]:
-    """``kernel``'s tile shape, and whether levels move as whole 32-bit words (32/bits levels
-    each, every bucket and tile starting on a word): same bytes as the byte path, wider
-    accesses."""
+def _blocks(bucket_size: int, kernel: str) -> dict[str, int]:
+    """``kernel``'s tile shape: ``BUCKETS`` buckets of ``BLOCK`` values each."""
     block = min(max(triton.next_power_of_2(bucket_size), 8), _MAX_BLOCK)
-    stride = -(-bucket_size // 8) * bits
-    words = 32 % bits == 0 and stride % 4 == 0 and (block * bits) % 32 == 0
-    return {"BUCKETS": max(1, _TILE[kernel] // block), "BLOCK": block, "WORDS": words}
+    return {"BUCKETS": max(1, _TILE[kernel] // block), "BLOCK": block}
 
 
 def _key(key: int) -> tuple[int, int]:
@@ -665,7 +695,7 @@ def encode_chunks(
     rows = torch.zeros(shape, dtype=torch.uint8, device=x.device) if out is None else out
     if rows.numel() == 0:
         return rows
-    tiles = _blocks(layout.bucket_size, layout.bits, "encode")
+    tiles = _blocks(layout.bucket_size, "encode")
     max_nq = -(-layout.chunk_numel // layout.bucket_size)
     grid = (triton.cdiv(max_nq, tiles["BUCKETS"]), layout.num_chunks)
     k0, k1 = _key(key)
@@ -707,7 +737,7 @@ def decode_chunks(
         out = torch.empty(layout.numel, dtype=dtype, device=payloads.device)
     if layout.numel == 0:
         return out
-    tiles = _blocks(layout.bucket_size, layout.bits, "decode")
+    tiles = _blocks(layout.bucket_size, "decode")
     max_nq = -(-layout.chunk_numel // layout.bucket_size)
     grid = (triton.cdiv(max_nq, tiles["BUCKETS"]), layout.num_chunks)
     _decode_kernel[grid](
@@ -807,7 +837,7 @@ def decode_sum_encode(
     if numel == 0:
         return out
     own_flat = own.reshape(-1) if own is not None else payloads
-    tiles = _blocks(bucket_size, bits, "decode_sum_encode")
+    tiles = _blocks(bucket_size, "decode_sum_encode")
     grid = (triton.cdiv(layout.num_buckets, tiles["BUCKETS"]), 1)
     k0, k1 = _key(key)
     if layout.num_buckets:

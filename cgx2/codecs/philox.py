@@ -2,16 +2,16 @@
 
 Values 8g..8g+7 of bucket q in stream s, under a 64-bit key, share one call of
 Philox4x32-10(counter = (g, q_lo, q_hi, s), key = (key_lo, key_hi)): value 8g + 4i + 2k + h
-takes the 16-bit half h (0 = low) of word 2k + i, as ``half * 2**-16``, a float32 in [0, 1)
-with no rounding (16 bits bias stochastic rounding by under 2**-16 of a step). The Triton
-kernels compute the same words with the same counters, so both produce the same bytes.
+takes the 16-bit half h (0 = low) of word 2k + i (the max-min codec adds it, as 16 fraction
+bits, to a level before flooring). The Triton kernels compute the same words with the same
+counters, so both produce the same bytes.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["bucket_uniforms", "philox4x32"]
+__all__ = ["bucket_halves", "philox4x32"]
 
 _M32 = 0xFFFFFFFF
 _ROUND_A = 0xD2511F53
@@ -42,10 +42,11 @@ def philox4x32(
     return c0, c1, c2, c3
 
 
-def bucket_uniforms(
+def bucket_halves(
     key: int, num_buckets: int, bucket_size: int, stream: int = 0, device: torch.device = None
 ) -> torch.Tensor:
-    """Uniform [0, 1) float32 of shape ``[num_buckets, bucket_size]`` (see module doc)."""
+    """Uniform 16-bit integers (int64, in [0, 2**16)) of shape ``[num_buckets, bucket_size]``
+    (see module doc)."""
     groups = -(-bucket_size // 8)
     q = torch.arange(num_buckets, dtype=torch.int64, device=device)[:, None]
     c0 = torch.arange(groups, dtype=torch.int64, device=device)[None, :].expand(num_buckets, -1)
@@ -56,5 +57,4 @@ def bucket_uniforms(
     # The kernels' tl.join order: value 4i + 2k + h takes half h of word 2k + i.
     words = torch.stack([torch.stack([r0, r1], -1), torch.stack([r2, r3], -1)], -1)
     halves = torch.stack([words & 0xFFFF, words >> 16], -1)  # [nq, groups, 2, 2, 2]
-    halves = halves.reshape(num_buckets, groups * 8)[:, :bucket_size]
-    return halves.to(torch.float32) * (2.0**-16)
+    return halves.reshape(num_buckets, groups * 8)[:, :bucket_size]
