@@ -1,8 +1,9 @@
 """Where the Triton encode kernel spends its time: its stages switched off one by one (the
 Philox random numbers, the min/max statistics) and Philox with fewer rounds, timed against
-the codec's own encode and a device copy in one run. A tuning aid for
-``cgx2.codecs.maxmin_triton``; every variant but the 10-round one with statistics writes
-wrong bytes on purpose (that one is checked against the codec).
+the codec's own encode (into a preallocated payload, as the allreduce calls it) and a device
+copy in one run. A tuning aid for ``cgx2.codecs.maxmin_triton``; every variant but the
+10-round one with statistics writes wrong bytes on purpose (that one is checked against the
+codec).
 
 Run on a GPU: ``python bench/encode_ablation.py [--numel N] [--out-dir DIR]``.
 """
@@ -23,6 +24,7 @@ import triton.testing
 
 from cgx2.bench.report import environment, write_json
 from cgx2.codecs import maxmin_triton as tri
+from cgx2.codecs.layout import ChunkedLayout
 from cgx2.codecs.maxmin_triton import (
     _group_halves,
     _levels,
@@ -105,7 +107,11 @@ def main() -> None:
 
     for x, name in ((x32, "fp32"), (x32.bfloat16(), "bf16")):
         expected = tri.encode(x, bits, b, key=key)
-        report(f"{name} codec encode", functools.partial(tri.encode, x, bits, b, key=key), x)
+        whole = ChunkedLayout(n, 1, n, bits, b, False)
+        codec = functools.partial(
+            tri.encode_chunks, x, whole, key, out=expected.clone().view(1, -1)
+        )
+        report(f"{name} codec encode_chunks", codec, x)
         payload = torch.zeros_like(expected)
         for buckets, warps in ((1, 1), (2, 2)):
             for rounds, stats in ((10, True), (7, True), (0, True), (10, False), (0, False)):

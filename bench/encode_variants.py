@@ -1,6 +1,7 @@
 """Times the Triton encode, decode and decode-sum-encode kernels under launch variants (values
 per program, warps) in one run, against a device copy: a tuning aid for
-``cgx2.codecs.maxmin_triton`` (its ``_TILE`` and ``_WARPS``, per kernel).
+``cgx2.codecs.maxmin_triton`` (its ``_SHAPE``, per kernel and value width). Encode writes
+into a preallocated payload, as the allreduce calls it.
 
 Run on a GPU: ``python bench/encode_variants.py [--numel N] [--bits 4] [--warps 1,2,4]``.
 """
@@ -18,6 +19,7 @@ import triton.testing
 
 from cgx2.bench.report import environment, write_json
 from cgx2.codecs import maxmin_triton as tri
+from cgx2.codecs.layout import ChunkedLayout
 
 
 def main() -> None:
@@ -37,7 +39,7 @@ def main() -> None:
     copy_ms = triton.testing.do_bench(lambda: dst.copy_(src), rep=200, return_mode="median")
     copy_gbps = 2 * src.numel() / copy_ms / 1e6
     print(f"copy {src.numel() >> 20} MiB: {copy_ms:.3f} ms, {copy_gbps:.0f} GB/s")
-    base_tile, base_warps = dict(tri._TILE), dict(tri._WARPS)
+    base = dict(tri._SHAPE)
 
     def report(kernel: str, name: str, bits: int, tile: int, warps: int, fn, moved: int) -> None:
         ms = triton.testing.do_bench(fn, rep=100, return_mode="median")
@@ -50,13 +52,14 @@ def main() -> None:
     for bits in [int(b) for b in args.bits.split(",")]:
         for tile in [int(t) for t in args.tiles.split(",")]:
             for warps in [int(w) for w in args.warps.split(",")]:
-                tri._TILE = dict.fromkeys(base_tile, tile)
-                tri._WARPS = dict.fromkeys(base_warps, warps)
+                tri._SHAPE = dict.fromkeys(base, (tile, warps))
                 for name, x in (("fp32", x32), ("bf16", xbf)):
                     payload = tri.encode(x, bits, 512, key=1)
                     size = x.numel() * x.element_size()
+                    layout = ChunkedLayout(n, 1, n, bits, 512, False)
                     report("encode", name, bits, tile, warps,
-                           lambda x=x, b=bits: tri.encode(x, b, 512, key=1),
+                           lambda x=x, lay=layout, p=payload: tri.encode_chunks(
+                               x, lay, 1, out=p.view(1, -1)),
                            size + payload.numel())  # fmt: skip
                     report("decode", name, bits, tile, warps,
                            lambda p=payload, x=x, b=bits: tri.decode(p, n, b, 512, x.dtype),
@@ -69,7 +72,7 @@ def main() -> None:
                     report("dse", name, bits, tile, warps,
                            lambda r=payloads, o=own, b=bits: tri.decode_sum_encode(
                                r, o.numel(), o, 1, 0.25, b, 512, key=2), moved)  # fmt: skip
-    tri._TILE, tri._WARPS = base_tile, base_warps
+    tri._SHAPE = base
     if args.out_dir:
         report_json = {"env": environment(x32.device), "numel": n, "copy_ms": copy_ms,
                        "copy_gbps": copy_gbps, "rows": results}  # fmt: skip

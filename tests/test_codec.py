@@ -130,6 +130,43 @@ def test_stochastic_rounding_is_unbiased(bits):
     assert abs(err.sum().item()) <= 6 * (sigma**2).sum().sqrt().item()
 
 
+@pytest.mark.parametrize("lmax", [1.0, 15.0, 255.0])
+def test_scale_is_the_largest_fp32_whose_product_with_the_span_stays_within_lmax(lmax):
+    """So no level needs a clamp: (v - min) * scale <= span * scale <= lmax, rounding
+    included. Spans from subnormal (the quotient overflows: FLT_MAX) to huge."""
+    g = torch.Generator().manual_seed(0)
+    exponents = torch.randint(-149, 128, (20000,), generator=g).double()
+    span = (torch.rand(20000, generator=g, dtype=torch.float64) + 1) * 2**exponents
+    span = span.float()
+    span = span[(span > 0) & torch.isfinite(span)]
+    scale = maxmin.scale_toward_zero(torch.full_like(span, lmax), span)
+    assert (scale.double() * span.double() <= lmax).all()
+    above = torch.nextafter(scale, torch.full_like(scale, torch.inf))
+    assert (
+        (above.double() * span.double() > lmax) | (scale == torch.finfo(torch.float32).max)
+    ).all()
+    assert (scale == torch.finfo(torch.float32).max).any() and (scale < 1).any()
+
+
+@pytest.mark.parametrize("bits", [1, 4, 7, 8])
+def test_level_is_the_exact_floor_of_a_plus_the_random_fraction(bits):
+    """floor(a + h / 2**F) in exact arithmetic (fp64 holds the sum: a has 24 significant bits
+    at most 2**-F * 2**24 apart from h's grid), not of a rounded fp32 sum."""
+    x = _x(4 * 512, torch.float32, seed=bits)
+    payload = maxmin.encode(x, bits, 512, key=5, stream=2)
+    layout = MaxMinLayout(x.numel(), bits, 512)
+    got = unpack_levels(
+        payload[layout.levels_offset :].view(layout.num_buckets, -1), bits, 512
+    ).double()
+    rows = x.view(4, 512)
+    lo, hi = rows.amin(1), rows.amax(1)
+    scale = maxmin.scale_toward_zero(torch.full_like(lo, 2.0**bits - 1), hi - lo)
+    a = ((rows - lo[:, None]) * scale[:, None]).double()
+    frac = maxmin.random_fraction_bits(bits)
+    h = (bucket_halves(5, 4, 512, stream=2) >> (16 - frac)).double()
+    assert torch.equal(got, torch.floor(a + h * 2.0**-frac))
+
+
 def test_deterministic_rounding_would_fail_the_unbiasedness_check():
     """The statistic above detects a bias of a fraction of a step."""
     x = _x(1024, torch.float32, seed=5)

@@ -46,8 +46,9 @@ CONVENTIONS = {
     "decode": "read payload, write numel*elt",
     "dse": f"read {K - 1} payload rows (row own_index is not read) "
     "+ own numel*elt, write one payload",
-    "timed_calls": "public functions as users call them (encode "
-    "includes its torch.zeros of the payload)",
+    "timed_calls": "encode: encode_chunks into a preallocated payload (the allreduce's "
+    "call; the public encode() adds a torch.zeros of it); decode, decode_sum_encode: the "
+    "public functions",
 }
 
 _T0 = time.monotonic()
@@ -159,13 +160,16 @@ def run_timing(
         for bits in bits_list:
             payload = tri.encode(x, bits, bucket, KEY)
             p = MaxMinLayout(n, bits, bucket).nbytes
+            whole = ChunkedLayout(n, 1, n, bits, bucket, False)
             rows.append(
                 timing_row(
                     "encode",
                     dtype,
                     bits,
                     n,
-                    lambda x=x, b=bits: tri.encode(x, b, bucket, KEY, 0),
+                    lambda x=x, w=whole, pl=payload: tri.encode_chunks(
+                        x, w, KEY, out=pl.view(1, -1)
+                    ),
                     n * elt,
                     p,
                     copy,

@@ -22,14 +22,21 @@ from .layout import ChunkedLayout, MaxMinLayout
 
 __all__ = ["decode", "decode_chunks", "decode_sum_encode", "encode", "encode_chunks"]
 
-# Values per program (BUCKETS * BLOCK) and warps per kernel: the fastest of tiles 512..2048 x
-# warps 1..8 for 4-bit fp32/bf16 (bench/encode_variants.py, H100; encode and decode-sum-encode
-# re-timed with one warp on an H200, bench/encode_ablation.py). A tuning script may set both.
-_TILE = {"encode": 512, "decode": 512, "decode_sum_encode": 512}
+# Values per program (BUCKETS * BLOCK) and warps, per kernel and bytes per value of its fp
+# tensor (2: bf16/fp16; 4 and more: fp32, fp64): the fastest of tiles 512..2048 x warps 1..8
+# for 4-bit data (bench/encode_variants.py, H200). Decode runs fastest with a half-group
+# per thread (the layout Triton picks for more threads than groups). A tuning script may
+# set them.
+_SHAPE: dict[tuple[str, int], tuple[int, int]] = {
+    ("encode", 2): (1024, 1),
+    ("encode", 4): (1024, 1),
+    ("decode", 2): (1024, 2),
+    ("decode", 4): (512, 4),
+    ("decode_sum_encode", 2): (512, 1),
+    ("decode_sum_encode", 4): (512, 1),
+}
 _MAX_BLOCK = 1024
-_WARPS = {"encode": 1, "decode": 2, "decode_sum_encode": 1}
 # Fused multiply-adds would round differently from the reference's separate operations.
-# (A tuning script may set "num_warps" here to override _WARPS.)
 _LAUNCH: dict[str, object] = {"enable_fp_fusion": False}
 
 
@@ -42,10 +49,6 @@ def _interpreting() -> bool:
 
 
 _INTERPRET = tl.constexpr(_interpreting())
-
-
-def _launch(kernel: str) -> dict[str, object]:
-    return {"num_warps": _WARPS[kernel], **_LAUNCH}
 
 
 @triton.jit
@@ -658,10 +661,12 @@ def _decode_sum_encode_kernel(
 # --------------------------------------------------------------------------- launchers
 
 
-def _blocks(bucket_size: int, kernel: str) -> dict[str, int]:
-    """``kernel``'s tile shape: ``BUCKETS`` buckets of ``BLOCK`` values each."""
+def _launch(kernel: str, bucket_size: int, dtype: torch.dtype) -> dict[str, object]:
+    """``kernel``'s launch for values of ``dtype``: its tile (``BUCKETS`` buckets of ``BLOCK``
+    values each), warps and compile options."""
+    tile, warps = _SHAPE[kernel, min(dtype.itemsize, 4)]
     block = min(max(triton.next_power_of_2(bucket_size), 8), _MAX_BLOCK)
-    return {"BUCKETS": max(1, _TILE[kernel] // block), "BLOCK": block}
+    return {"BUCKETS": max(1, tile // block), "BLOCK": block, "num_warps": warps, **_LAUNCH}
 
 
 def _key(key: int) -> tuple[int, int]:
@@ -695,9 +700,9 @@ def encode_chunks(
     rows = torch.zeros(shape, dtype=torch.uint8, device=x.device) if out is None else out
     if rows.numel() == 0:
         return rows
-    tiles = _blocks(layout.bucket_size, "encode")
+    launch = _launch("encode", layout.bucket_size, x.dtype)
     max_nq = -(-layout.chunk_numel // layout.bucket_size)
-    grid = (triton.cdiv(max_nq, tiles["BUCKETS"]), layout.num_chunks)
+    grid = (triton.cdiv(max_nq, launch["BUCKETS"]), layout.num_chunks)
     k0, k1 = _key(key)
     _encode_kernel[grid](
         flat,
@@ -714,8 +719,7 @@ def encode_chunks(
         B=layout.bucket_size,
         SKIP_INCOMPLETE=layout.skip_incomplete,
         ALIGN=math.gcd(layout.chunk_numel, 16),
-        **tiles,
-        **_launch("encode"),
+        **launch,
     )
     for j in range(layout.num_chunks if layout.skip_incomplete else 0):
         chunk = layout.chunk(j)
@@ -737,9 +741,9 @@ def decode_chunks(
         out = torch.empty(layout.numel, dtype=dtype, device=payloads.device)
     if layout.numel == 0:
         return out
-    tiles = _blocks(layout.bucket_size, "decode")
+    launch = _launch("decode", layout.bucket_size, dtype)
     max_nq = -(-layout.chunk_numel // layout.bucket_size)
-    grid = (triton.cdiv(max_nq, tiles["BUCKETS"]), layout.num_chunks)
+    grid = (triton.cdiv(max_nq, launch["BUCKETS"]), layout.num_chunks)
     _decode_kernel[grid](
         payloads,
         _f32(payloads),
@@ -752,8 +756,7 @@ def decode_chunks(
         SKIP_INCOMPLETE=layout.skip_incomplete,
         OUT_BF16=dtype == torch.bfloat16,
         ALIGN=math.gcd(layout.chunk_numel, 16),
-        **tiles,
-        **_launch("decode"),
+        **launch,
     )
     for j in range(layout.num_chunks if layout.skip_incomplete else 0):
         chunk = layout.chunk(j)
@@ -837,8 +840,10 @@ def decode_sum_encode(
     if numel == 0:
         return out
     own_flat = own.reshape(-1) if own is not None else payloads
-    tiles = _blocks(bucket_size, "decode_sum_encode")
-    grid = (triton.cdiv(layout.num_buckets, tiles["BUCKETS"]), 1)
+    launch = _launch(
+        "decode_sum_encode", bucket_size, own_flat.dtype if own is not None else torch.float32
+    )
+    grid = (triton.cdiv(layout.num_buckets, launch["BUCKETS"]), 1)
     k0, k1 = _key(key)
     if layout.num_buckets:
         _decode_sum_encode_kernel[grid](
@@ -860,8 +865,7 @@ def decode_sum_encode(
             SKIP_INCOMPLETE=skip_incomplete,
             HAS_OWN=own is not None,
             HAS_SCALE=scale is not None,
-            **tiles,
-            **_launch("decode_sum_encode"),
+            **launch,
         )
     if layout.raw_numel:
         tail = layout.num_buckets * bucket_size
