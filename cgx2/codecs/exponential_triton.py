@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from .exponential import check_codes, check_encode, code_dtype, nan_code
-from .maxmin_triton import _philox
+from .maxmin_triton import _key, _philox
 
 __all__ = ["decode", "decode_sum", "encode"]
 
@@ -247,8 +247,7 @@ def encode(
         norm if norm is not None else flat,
         out,
         flat.numel(),
-        key & 0xFFFFFFFF,
-        key >> 32,
+        *_key(key),
         stream & 0xFFFFFFFF,
         CAP=min(2 ** (bits - 1) - 2, 149),  # the smallest level is 2**-CAP
         NAN_CODE=nan_code(dtype),

@@ -670,7 +670,11 @@ def _launch(kernel: str, bucket_size: int, dtype: torch.dtype) -> dict[str, obje
 
 
 def _key(key: int) -> tuple[int, int]:
-    return key & 0xFFFFFFFF, (key >> 32) & 0xFFFFFFFF
+    """The key's 32-bit halves, each with bit 32 set: Triton types a Python int argument by
+    its value (i32 below 2**31, i64 above), so random halves would select among four
+    compiled variants per kernel, the first launch of each loading it (milliseconds). The
+    kernels keep the low 32 bits."""
+    return (key & 0xFFFFFFFF) | 1 << 32, (key >> 32) & 0xFFFFFFFF | 1 << 32
 
 
 def _f32(payload: torch.Tensor) -> torch.Tensor:

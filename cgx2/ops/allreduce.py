@@ -12,11 +12,8 @@ import torch.distributed as dist
 
 from ..checks import check_bits, check_bucket_size, check_float_tensor, check_reduce_op
 from ..collectives import (
-    allreduce_plain,
-    allreduce_plain_,
     allreduce_quantized,
     allreduce_quantized_,
-    compression_pays,
 )
 
 __all__ = ["quantized_allreduce", "quantized_allreduce_"]
@@ -83,14 +80,17 @@ def quantized_allreduce(
     quantization, summing (``op=SUM``) or averaging (``op=AVG``).
 
     Returns a new tensor of the same shape and dtype, bit-identical on every rank; ``tensor``
-    is not modified. ``bits=32`` is the plain allreduce. Calls
-    ``torch.ops.cgx.quantized_allreduce``.
+    is not modified. ``bits=32`` is the plain allreduce. Under ``torch.compile`` this is the
+    op ``torch.ops.cgx.quantized_allreduce``; eagerly, the op's body.
     """
     reduce_op = check_reduce_op(op, "op")
     if not torch.compiler.is_compiling():
+        # Eagerly, the op's body without its dispatch (20-30 us of host time per call).
         _check_args(tensor, bits, bucket_size)
-        if not compression_pays(tensor):  # the plain allreduce, without the op's dispatch cost
-            return allreduce_plain(tensor, dist.group.WORLD if group is None else group, reduce_op)
+        group = resolve_group("") if group is None else group
+        with torch.no_grad():
+            return allreduce_quantized(tensor, bits, bucket_size, group, reduce_op, seed,
+                                       skip_incomplete)  # fmt: skip
     return torch.ops.cgx.quantized_allreduce(
         tensor, bits, bucket_size, "" if group is None else group.group_name, reduce_op,
         -1 if seed is None else seed, skip_incomplete,
@@ -112,11 +112,17 @@ def _quantized_allreduce_inplace_op(
 ) -> None:
     _check(input, bits, bucket_size, reduce_op)
     group = resolve_group(group_name)
-    args = (bits, bucket_size, group, reduce_op, None if seed < 0 else seed, skip_incomplete)
-    if input.is_contiguous():
-        allreduce_quantized_(input, *args)
+    _inplace(input, bits, bucket_size, group, reduce_op, None if seed < 0 else seed,
+             skip_incomplete)  # fmt: skip
+
+
+def _inplace(t: torch.Tensor, bits: int, bucket_size: int, group: dist.ProcessGroup,
+             reduce_op: str, seed: int | None, skip_incomplete: bool) -> None:  # fmt: skip
+    args = (bits, bucket_size, group, reduce_op, seed, skip_incomplete)
+    if t.is_contiguous():
+        allreduce_quantized_(t, *args)
     else:
-        input.copy_(allreduce_quantized(input, *args))
+        t.copy_(allreduce_quantized(t, *args))
 
 
 @_quantized_allreduce_inplace_op.register_fake
@@ -136,14 +142,18 @@ def quantized_allreduce_(
 ) -> torch.Tensor:
     """:func:`quantized_allreduce` in place, like ``dist.all_reduce``: ``tensor`` receives the
     result (the same bytes on every rank) and is returned. Below the crossover
-    (:mod:`cgx2.crossover`) this is ``dist.all_reduce`` itself, with no copy. Calls
-    ``torch.ops.cgx.quantized_allreduce_``.
+    (:mod:`cgx2.crossover`) this is ``dist.all_reduce`` itself, with no copy. Under
+    ``torch.compile`` this is the op ``torch.ops.cgx.quantized_allreduce_``; eagerly, the op's
+    body.
     """
     reduce_op = check_reduce_op(op, "op")
     if not torch.compiler.is_compiling():
+        # Eagerly, the op's body without its dispatch (20-30 us of host time per call).
         _check_args(tensor, bits, bucket_size)
-        if tensor.is_contiguous() and not compression_pays(tensor):
-            return allreduce_plain_(tensor, dist.group.WORLD if group is None else group, reduce_op)
+        group = resolve_group("") if group is None else group
+        with torch.no_grad():
+            _inplace(tensor, bits, bucket_size, group, reduce_op, seed, skip_incomplete)
+        return tensor
     torch.ops.cgx.quantized_allreduce_(
         tensor, bits, bucket_size, "" if group is None else group.group_name, reduce_op,
         -1 if seed is None else seed, skip_incomplete,
