@@ -409,10 +409,14 @@ class Checker:
 
 
 def run_checks(
-    prof: Profile, device: torch.device, ref_device: torch.device, budget_s: float
+    prof: Profile,
+    device: torch.device,
+    ref_device: torch.device,
+    budget_s: float,
+    match: str = "",
 ) -> list[CheckResult]:
     checker = Checker(device, ref_device)
-    cases = build_cases(prof)
+    cases = [c for c in build_cases(prof) if match in c.label]
     deadline = time.monotonic() + budget_s
     log(f"checks: {len(cases)} cases ({prof.name} sizes), budget {budget_s:.0f} s")
     for i, c in enumerate(cases):
@@ -605,6 +609,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--skip-checks", action="store_true", help="only time the kernels")
     ap.add_argument("--skip-timing", action="store_true", help="only check the bytes")
     ap.add_argument(
+        "--match", default="", help="only the cases whose label contains this (e.g. 'edge')"
+    )
+    ap.add_argument(
         "--check-budget",
         type=float,
         default=200.0,
@@ -659,7 +666,7 @@ def main() -> int:
         t = time.monotonic()
         ref_device = torch.device(args.ref_device if device.type == "cuda" else "cpu")
         report["ref_device"] = str(ref_device)
-        results = run_checks(prof, device, ref_device, args.check_budget)
+        results = run_checks(prof, device, ref_device, args.check_budget, args.match)
         report["check_seconds"] = time.monotonic() - t
         report["checks"] = [vars(r) for r in results]
         if device.type != "cpu":

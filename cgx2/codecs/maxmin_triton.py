@@ -281,15 +281,13 @@ def _params(lo, hi, BITS: tl.constexpr):
 
 @triton.jit
 def _div_toward_zero(lmax, span):
-    """lmax / span for span > 0, rounded toward zero (see :func:`.maxmin.scale_toward_zero`).
-    The interpreter has no directed rounding: there, the round-to-nearest quotient, one step
-    less where its exact product with span exceeds lmax."""
-    if _INTERPRET:
-        q = tl.math.div_rn(lmax, span)
-        over = (q.to(tl.float64) * span.to(tl.float64) > lmax.to(tl.float64)).to(tl.uint32)
-        return (q.to(tl.uint32, bitcast=True) - over).to(tl.float32, bitcast=True)
-    else:
-        return libdevice.div_rd(lmax, span)
+    """lmax / span for span > 0, rounded toward zero (see :func:`.maxmin.scale_toward_zero`):
+    the round-to-nearest quotient, one step less where its exact product with span exceeds
+    lmax, whose sign a fused multiply-add gives exactly. Not libdevice's div_rd: Triton builds
+    libdevice flushing subnormals, so a subnormal span became 0 and the scale infinite."""
+    q = tl.math.div_rn(lmax, span)
+    over = (tl.fma(q, span, -lmax) > 0.0).to(tl.uint32)
+    return (q.to(tl.uint32, bitcast=True) - over).to(tl.float32, bitcast=True)
 
 
 @triton.jit

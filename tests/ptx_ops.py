@@ -1,0 +1,54 @@
+"""Prints the floating-point PTX instructions of the max-min kernels built for sm_90, one
+``opcode count`` per line. Run in a fresh process with TRITON_INTERPRET=0: Triton builds for
+a GPU target on a machine without one (used by test_kernel_ptx.py)."""
+
+import collections
+import re
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from cgx2.codecs import maxmin_triton as mt
+
+
+def ptx(fn, signature: dict, constexprs: dict, pointers: int) -> str:
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(pointers)}
+    source = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
+    options = {"num_warps": 1, "enable_fp_fusion": False}
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+
+def main() -> None:
+    tiles = {"BUCKETS": 1, "BLOCK": 512}
+    encode = ptx(
+        mt._encode_kernel,
+        {"x_ptr": "*fp32", "out_u8": "*u8", "out_f32": "*fp32", "numel": "i64",
+         "chunk_numel": "i64", "row_nbytes": "i64", "k0": "i64", "k1": "i64", "stream0": "i64",
+         "skip_chunk": "i64", "BITS": "constexpr", "B": "constexpr",
+         "SKIP_INCOMPLETE": "constexpr", "ALIGN": "constexpr", "BUCKETS": "constexpr",
+         "BLOCK": "constexpr"},
+        {"BITS": 4, "B": 512, "SKIP_INCOMPLETE": False, "ALIGN": 16, **tiles},
+        3,
+    )  # fmt: skip
+    dse = ptx(
+        mt._decode_sum_encode_kernel,
+        {"in_u8": "*u8", "in_f32": "*fp32", "own_ptr": "*fp32", "out_u8": "*u8",
+         "out_f32": "*fp32", "numel": "i64", "row_nbytes": "i64", "own_index": "i64",
+         "scale": "fp32", "k0": "i64", "k1": "i64", "stream": "i64", "NUM_ROWS": "constexpr",
+         "BITS": "constexpr", "B": "constexpr", "SKIP_INCOMPLETE": "constexpr",
+         "HAS_OWN": "constexpr", "HAS_SCALE": "constexpr", "BUCKETS": "constexpr",
+         "BLOCK": "constexpr"},
+        {"NUM_ROWS": 2, "BITS": 4, "B": 512, "SKIP_INCOMPLETE": True, "HAS_OWN": True,
+         "HAS_SCALE": True, **tiles},
+        5,
+    )  # fmt: skip
+    pattern = r"\b((?:add|sub|mul|div|fma|min|max|cvt)\.[\w.]+)"
+    ops = collections.Counter(re.findall(pattern, encode + dse))
+    for op, count in sorted(ops.items()):
+        print(op, count)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
