@@ -215,16 +215,21 @@ def _run_pieces(flat: torch.Tensor, out: torch.Tensor, bits: int, bucket_size: i
     ``flat``: a piece is written only after its last read); ``error`` as in
     :func:`allreduce_quantized_`."""
     seed = next_seed() if seed is None else seed
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    world, rank = _size_and_rank(group)
     run = _Run(group, world, rank, bits, bucket_size, skip_incomplete,
                1.0 / world if reduce_op == "avg" else None, maxmin_codec(flat.device),
                derive_key(seed, _STAGE_SCATTER, rank), derive_key(seed, _STAGE_GATHER))  # fmt: skip
     step = _piece_numel(flat.element_size(), world, bucket_size, flat.device)
     starts = range(0, flat.numel(), step)
-    pieces = [_Piece(run, flat[s : s + step], out[s : s + step], i) for i, s in enumerate(starts)]
-    if error is not None:
-        for piece, s in zip(pieces, starts, strict=True):
-            piece.error = error[s : s + step]
+    if len(starts) == 1:  # narrow() and slicing cost microseconds of host time each
+        pieces = [_Piece(run, flat, out, 0)]
+        pieces[0].error = error
+    else:
+        pieces = [_Piece(run, _part(flat, s, step), _part(out, s, step), i)
+                  for i, s in enumerate(starts)]  # fmt: skip
+        if error is not None:
+            for piece, s in zip(pieces, starts, strict=True):
+                piece.error = _part(error, s, step)
     # A two-deep software pipeline: scatter piece i, reduce piece i-1, finish piece i-2.
     for i in range(len(pieces) + 2):
         if i < len(pieces):
@@ -233,6 +238,18 @@ def _run_pieces(flat: torch.Tensor, out: torch.Tensor, bits: int, bucket_size: i
             pieces[i - 1].reduce()
         if 0 <= i - 2 < len(pieces):
             pieces[i - 2].finish()
+
+
+def _part(t: torch.Tensor, start: int, length: int) -> torch.Tensor:
+    return t.narrow(0, start, min(length, t.numel() - start))
+
+
+def _size_and_rank(group: dist.ProcessGroup) -> tuple[int, int]:
+    """``group``'s size and this process's rank in it; a ProcessGroup's own methods where it
+    is one (``dist.get_world_size`` and ``dist.get_rank`` add microseconds of checks)."""
+    if isinstance(group, dist.ProcessGroup):
+        return group.size(), group.rank()
+    return dist.get_world_size(group), dist.get_rank(group)
 
 
 PIPELINE_BYTES: int | None = None
@@ -308,10 +325,11 @@ def reference_allreduce(
     return out.view(x0.shape)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class _Run:
     """What every piece of one allreduce shares, looked up once per call (the host's time per
-    piece is what pipelining a tensor into pieces costs)."""
+    piece is what pipelining a tensor into pieces costs; a frozen dataclass's __init__ alone
+    took microseconds)."""
 
     group: dist.ProcessGroup
     world: int
@@ -350,7 +368,7 @@ class _Piece:
             sent = run.codec.decode_chunks(send, layout, torch.float32)
             torch.sub(self.x, sent, out=self.error)  # in fp32, stored in the input's dtype
             start, size = layout.chunk_start(run.rank), layout.chunk_size(run.rank)
-            self.error[start : start + size] = 0
+            self.error.narrow(0, start, size).zero_()
 
     def reduce(self) -> None:
         """Sum the received chunks onto our own (kept in full precision), encode the sum once
@@ -360,7 +378,7 @@ class _Piece:
         start, size = layout.chunk_start(run.rank), layout.chunk_size(run.rank)
         reduced = torch.empty(layout.payload_nbytes, dtype=torch.uint8, device=self.x.device)
         run.codec.decode_sum_encode(
-            self.recv, size, self.x[start : start + size], run.rank, run.scale, run.bits,
+            self.recv, size, self.x.narrow(0, start, size), run.rank, run.scale, run.bits,
             run.bucket_size, extend_key(run.gather_key, self.index), run.rank,
             layout.skip_incomplete, out=reduced,
         )  # fmt: skip

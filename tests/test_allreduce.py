@@ -347,3 +347,21 @@ def test_extend_key_continues_derive_key():
         assert extend_key(derive_key(seed, 1, 3), 9) == derive_key(seed, 1, 3, 9)
         assert extend_key(derive_key(seed, 2), 0, 5) == derive_key(seed, 2, 0, 5)
     assert extend_key(123) == 123
+
+
+def test_call_seed_stream_restarts_resumes_and_rejects_foreign_state():
+    from cgx2 import seeding
+
+    cgx2.manual_seed(42)
+    first = [seeding.next_seed() for _ in range(3)]
+    assert len(set(first)) == 3 and all(0 <= s < 2**63 for s in first)
+    state = seeding.get_state()
+    later = [seeding.next_seed() for _ in range(2)]
+    cgx2.manual_seed(42)
+    assert [seeding.next_seed() for _ in range(3)] == first
+    seeding.set_state(state)
+    assert [seeding.next_seed() for _ in range(2)] == later
+    cgx2.manual_seed(43)
+    assert seeding.next_seed() not in first
+    with pytest.raises(ValueError, match="16-byte state"):
+        seeding.set_state(torch.Generator().get_state())

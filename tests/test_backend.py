@@ -53,10 +53,17 @@ def _input(rank: int, n: int, dtype: torch.dtype = torch.float32, seed: int = 0)
 
 
 def _call_seeds(seed: int, count: int) -> list[int]:
-    """The call seeds cgx2 draws after ``cgx2.manual_seed(seed)``."""
-    g = torch.Generator().manual_seed(seed)
-    return [int(torch.randint(0, 2**63 - 1, (), generator=g, dtype=torch.int64))
-            for _ in range(count)]  # fmt: skip
+    """The call seeds cgx2 draws after ``cgx2.manual_seed(seed)``: SplitMix64's stream from
+    ``seed``, shifted to 63 bits (:func:`cgx2.seeding.next_seed`)."""
+    mask = (1 << 64) - 1
+
+    def splitmix64(x: int) -> int:
+        x = (x + 0x9E3779B97F4A7C15) & mask
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+        return x ^ (x >> 31)
+
+    return [splitmix64((seed + k * 0x9E3779B97F4A7C15) & mask) >> 1 for k in range(count)]
 
 
 def _padded_reference(inputs: list[list[torch.Tensor]], bits: int, bucket: int, seed: int,

@@ -242,7 +242,7 @@ def encode(
         return out
     if norm is not None:
         norm = norm.reshape(1).to(torch.float32)
-    _encode_kernel[(triton.cdiv(flat.numel(), _BLOCK),)](
+    _encode_kernel[(-(-flat.numel() // _BLOCK),)](
         flat,
         norm if norm is not None else flat,
         out,
@@ -265,7 +265,7 @@ def decode(codes: torch.Tensor) -> torch.Tensor:
     flat = codes.reshape(-1)
     out = torch.empty(flat.numel(), dtype=torch.float32, device=codes.device)
     if flat.numel():
-        _decode_kernel[(triton.cdiv(flat.numel(), _BLOCK),)](
+        _decode_kernel[(-(-flat.numel() // _BLOCK),)](
             flat,
             out,
             out,
@@ -289,7 +289,7 @@ def decode_sum(codes: torch.Tensor, scale: torch.Tensor | None = None) -> torch.
     n = rows.shape[1]
     out = torch.empty(n, dtype=torch.float32, device=codes.device)
     if n:
-        _decode_kernel[(triton.cdiv(n, _BLOCK),)](
+        _decode_kernel[(-(-n // _BLOCK),)](
             rows,
             scale if scale is not None else out,
             out,

@@ -36,39 +36,46 @@ def round_up(x: int, multiple: int) -> int:
 
 @dataclass(frozen=True)
 class MaxMinLayout:
-    """Layout of one payload. All sizes in bytes unless named ``*_numel``."""
+    """Layout of one payload. All sizes in bytes unless named ``*_numel``. Immutable: each
+    size is computed once (the collectives ask for them per pipeline piece)."""
 
     numel: int
     bits: int
     bucket_size: int
     skip_incomplete: bool = False
 
-    @property
+    @classmethod
+    @functools.lru_cache(maxsize=1024)
+    def of(cls, numel: int, bits: int, bucket_size: int, skip_incomplete: bool) -> MaxMinLayout:
+        """The shared layout of these parameters, its sizes already computed once asked."""
+        return cls(numel, bits, bucket_size, skip_incomplete)
+
+    @functools.cached_property
     def num_buckets(self) -> int:
         """Quantized buckets (each with one min and one step)."""
         if self.skip_incomplete:
             return self.numel // self.bucket_size
         return -(-self.numel // self.bucket_size)
 
-    @property
+    @functools.cached_property
     def raw_numel(self) -> int:
         """Trailing elements sent raw as fp32 (only with ``skip_incomplete``)."""
         return self.numel - self.num_buckets * self.bucket_size if self.skip_incomplete else 0
 
-    @property
+    @functools.cached_property
     def bucket_stride(self) -> int:
         """Bytes of packed levels per bucket."""
         return -(-self.bucket_size // 8) * self.bits
 
-    @property
+    @functools.cached_property
     def raw_offset(self) -> int:
         return 8 * self.num_buckets
 
-    @property
+    @functools.cached_property
     def levels_offset(self) -> int:
         return round_up(self.raw_offset + 4 * self.raw_numel, ALIGN)
 
-    @property
+    @functools.cached_property
     def levels_nbytes(self) -> int:
         nq = self.num_buckets
         if nq == 0:
@@ -76,7 +83,7 @@ class MaxMinLayout:
         last = min(self.bucket_size, self.numel - (nq - 1) * self.bucket_size)
         return (nq - 1) * self.bucket_stride + -(-last // 8) * self.bits
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         return round_up(self.levels_offset + self.levels_nbytes, ALIGN)
 
@@ -113,7 +120,8 @@ class ChunkedLayout:
         return max(0, min(self.chunk_numel, self.numel - j * self.chunk_numel))
 
     def chunk(self, j: int) -> MaxMinLayout:
-        return MaxMinLayout(self.chunk_size(j), self.bits, self.bucket_size, self.skip_incomplete)
+        size = self.chunk_size(j)
+        return MaxMinLayout.of(size, self.bits, self.bucket_size, self.skip_incomplete)
 
     @functools.cached_property
     def payload_nbytes(self) -> int:

@@ -663,7 +663,9 @@ def _launch(kernel: str, bucket_size: int, dtype: torch.dtype) -> dict[str, obje
     """``kernel``'s launch for values of ``dtype``: its tile (``BUCKETS`` buckets of ``BLOCK``
     values each), warps and compile options."""
     tile, warps = _SHAPE[kernel, min(dtype.itemsize, 4)]
-    block = min(max(triton.next_power_of_2(bucket_size), 8), _MAX_BLOCK)
+    # Plain arithmetic: triton.next_power_of_2 and triton.cdiv are @jit functions, whose calls
+    # from Python take microseconds each.
+    block = min(max(1 << (bucket_size - 1).bit_length(), 8), _MAX_BLOCK)
     return {"BUCKETS": max(1, tile // block), "BLOCK": block, "num_warps": warps, **_LAUNCH}
 
 
@@ -704,7 +706,7 @@ def encode_chunks(
         return rows
     launch = _launch("encode", layout.bucket_size, x.dtype)
     max_nq = -(-layout.chunk_numel // layout.bucket_size)
-    grid = (triton.cdiv(max_nq, launch["BUCKETS"]), layout.num_chunks)
+    grid = (-(-max_nq // launch["BUCKETS"]), layout.num_chunks)
     k0, k1 = _key(key)
     _encode_kernel[grid](
         flat,
@@ -745,7 +747,7 @@ def decode_chunks(
         return out
     launch = _launch("decode", layout.bucket_size, dtype)
     max_nq = -(-layout.chunk_numel // layout.bucket_size)
-    grid = (triton.cdiv(max_nq, launch["BUCKETS"]), layout.num_chunks)
+    grid = (-(-max_nq // launch["BUCKETS"]), layout.num_chunks)
     _decode_kernel[grid](
         payloads,
         _f32(payloads),
@@ -836,7 +838,7 @@ def decode_sum_encode(
 ) -> torch.Tensor:
     """Same contract as :func:`cgx2.codecs.maxmin.decode_sum_encode`, fused: the fp32 sum
     never leaves the chip."""
-    layout = MaxMinLayout(numel, bits, bucket_size, skip_incomplete)
+    layout = MaxMinLayout.of(numel, bits, bucket_size, skip_incomplete)
     if out is None:
         out = torch.zeros(layout.nbytes, dtype=torch.uint8, device=payloads.device)
     if numel == 0:
@@ -845,7 +847,7 @@ def decode_sum_encode(
     launch = _launch(
         "decode_sum_encode", bucket_size, own_flat.dtype if own is not None else torch.float32
     )
-    grid = (triton.cdiv(layout.num_buckets, launch["BUCKETS"]), 1)
+    grid = (-(-layout.num_buckets // launch["BUCKETS"]), 1)
     k0, k1 = _key(key)
     if layout.num_buckets:
         _decode_sum_encode_kernel[grid](
@@ -853,7 +855,7 @@ def decode_sum_encode(
             _f32(payloads),
             own_flat,
             out,
-            _f32(out[: layout.nbytes]),
+            _f32(out if out.numel() == layout.nbytes else out[: layout.nbytes]),
             numel,
             payloads.shape[1],
             own_index,
