@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import cgx2
 from cgx2.collectives import reference_allreduce
 from cgx2.fusion import fuse_padded
+from cgx2.seeding import call_seed
 
 
 def _input(rank: int, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -32,8 +33,8 @@ def _input(rank: int, n: int, dtype: torch.dtype = torch.float32) -> torch.Tenso
 
 
 def _first_seed(seed: int) -> int:
-    g = torch.Generator().manual_seed(seed)
-    return int(torch.randint(0, 2**63 - 1, (), generator=g, dtype=torch.int64))
+    """cgx2's first call seed after ``cgx2.manual_seed(seed)``."""
+    return call_seed(seed, 0)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

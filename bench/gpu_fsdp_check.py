@@ -21,6 +21,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import cgx2
 from cgx2.fsdp import compress, reduce_scatter_quantized, reference_reduce_scatter
+from cgx2.seeding import call_seed
 
 
 def _input(rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -29,8 +30,8 @@ def _input(rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _first_seed(seed: int) -> int:
-    g = torch.Generator().manual_seed(seed)
-    return int(torch.randint(0, 2**63 - 1, (), generator=g, dtype=torch.int64))
+    """cgx2's first call seed after ``cgx2.manual_seed(seed)``."""
+    return call_seed(seed, 0)
 
 
 def _train(bits: int | None, bf16: bool, steps: int = 30) -> list[float]:

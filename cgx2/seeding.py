@@ -11,7 +11,15 @@ import threading
 
 import torch
 
-__all__ = ["derive_key", "extend_key", "get_state", "manual_seed", "next_seed", "set_state"]
+__all__ = [
+    "call_seed",
+    "derive_key",
+    "extend_key",
+    "get_state",
+    "manual_seed",
+    "next_seed",
+    "set_state",
+]
 
 _MASK64 = (1 << 64) - 1
 _lock = threading.Lock()
@@ -56,18 +64,22 @@ def manual_seed(seed: int) -> None:
         _stream = [seed & _MASK64, 0]
 
 
+def call_seed(seed: int, k: int) -> int:
+    """The seed of call ``k`` (from 0) after ``manual_seed(seed)``: SplitMix64's stream,
+    ``splitmix64(seed + k * 0x9E3779B97F4A7C15) >> 1``, 63 bits. A few hundred nanoseconds,
+    where a torch generator took 10-20 us of the allreduce's host time."""
+    return _splitmix64((seed + k * _GOLDEN) & _MASK64) >> 1
+
+
 def next_seed() -> int:
-    """The next 63-bit call seed: call k after ``manual_seed(s)`` draws
-    ``splitmix64(s + k * 0x9E3779B97F4A7C15) >> 1`` (SplitMix64's stream, a few hundred
-    nanoseconds, where a torch generator took 10-20 us of the allreduce's host time). The
-    stream starts from ``torch.initial_seed()`` unless :func:`manual_seed` was called, so
-    ``torch.manual_seed`` makes runs reproducible without cgx2 consuming numbers from torch's
-    own generator."""
+    """The next call seed (:func:`call_seed`). The stream starts from ``torch.initial_seed()``
+    unless :func:`manual_seed` was called, so ``torch.manual_seed`` makes runs reproducible
+    without cgx2 consuming numbers from torch's own generator."""
     with _lock:
         state = _stream_state()
         start, k = state
         state[1] = k + 1
-    return _splitmix64((start + k * _GOLDEN) & _MASK64) >> 1
+    return call_seed(start, k)
 
 
 def get_state() -> torch.Tensor:

@@ -355,6 +355,12 @@ def test_call_seed_stream_restarts_resumes_and_rejects_foreign_state():
     cgx2.manual_seed(42)
     first = [seeding.next_seed() for _ in range(3)]
     assert len(set(first)) == 3 and all(0 <= s < 2**63 for s in first)
+    mask = (1 << 64) - 1
+    z = (42 + 2 * 0x9E3779B97F4A7C15 + 0x9E3779B97F4A7C15) & mask  # SplitMix64, third draw
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    assert first == [seeding.call_seed(42, k) for k in range(3)]
+    assert first[2] == (z ^ (z >> 31)) >> 1
     state = seeding.get_state()
     later = [seeding.next_seed() for _ in range(2)]
     cgx2.manual_seed(42)

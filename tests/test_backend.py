@@ -18,6 +18,7 @@ import cgx2
 from cgx2.collectives import reference_allreduce
 from cgx2.ddp import CGXState, cgx_hook
 from cgx2.fusion import fuse_padded, fusion_batches, quantized_bytes_sent
+from cgx2.seeding import call_seed
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,17 +54,8 @@ def _input(rank: int, n: int, dtype: torch.dtype = torch.float32, seed: int = 0)
 
 
 def _call_seeds(seed: int, count: int) -> list[int]:
-    """The call seeds cgx2 draws after ``cgx2.manual_seed(seed)``: SplitMix64's stream from
-    ``seed``, shifted to 63 bits (:func:`cgx2.seeding.next_seed`)."""
-    mask = (1 << 64) - 1
-
-    def splitmix64(x: int) -> int:
-        x = (x + 0x9E3779B97F4A7C15) & mask
-        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
-        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
-        return x ^ (x >> 31)
-
-    return [splitmix64((seed + k * 0x9E3779B97F4A7C15) & mask) >> 1 for k in range(count)]
+    """The call seeds cgx2 draws after ``cgx2.manual_seed(seed)``."""
+    return [call_seed(seed, k) for k in range(count)]
 
 
 def _padded_reference(inputs: list[list[torch.Tensor]], bits: int, bucket: int, seed: int,

@@ -12,11 +12,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 import cgx2
 import cgx2.fsdp
 from cgx2.fsdp import compress, reduce_scatter_quantized, reference_reduce_scatter
+from cgx2.seeding import call_seed
 
 
 def _seed_after(seed: int) -> int:
-    g = torch.Generator().manual_seed(seed)
-    return int(torch.randint(0, 2**63 - 1, (), generator=g, dtype=torch.int64))
+    return call_seed(seed, 0)
 
 
 def _input(rank: int, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -21,6 +21,7 @@ from cgx2.fsdp import (
     reduce_scatter_quantized,
     reference_reduce_scatter,
 )
+from cgx2.seeding import call_seed
 
 OPTIONS = (2, 3, 4, 6, 8)
 # Compressed segments of three widths around an exact one; 1000 values a row.
@@ -32,8 +33,7 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 
 def _seed_after(seed: int) -> int:
-    g = torch.Generator().manual_seed(seed)
-    return int(torch.randint(0, 2**63 - 1, (), generator=g, dtype=torch.int64))
+    return call_seed(seed, 0)
 
 
 def _input(rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:

@@ -7,6 +7,8 @@ collectives ("" is the default group), so compiled graphs carry it as a constant
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -31,6 +33,14 @@ def resolve_group(group_name: str) -> dist.ProcessGroup:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return _resolve_process_group(group_name)
+
+
+def _no_grad_for(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """``torch.no_grad()`` where autograd would see the call (as it does not see the op's
+    body), a free null context elsewhere: entering no_grad costs microseconds."""
+    if t.requires_grad and torch.is_grad_enabled():
+        return torch.no_grad()
+    return contextlib.nullcontext()
 
 
 def _check_args(t: torch.Tensor, bits: int, bucket_size: int) -> None:
@@ -94,7 +104,7 @@ def quantized_allreduce(
         group = dist.group.WORLD if group is None else group
         if not compression_pays(tensor):
             return allreduce_plain(tensor, group, reduce_op)
-        with torch.no_grad():
+        with _no_grad_for(tensor):
             return allreduce_quantized(tensor, bits, bucket_size, group, reduce_op, seed,
                                        skip_incomplete)  # fmt: skip
     return torch.ops.cgx.quantized_allreduce(
@@ -160,7 +170,7 @@ def quantized_allreduce_(
         group = dist.group.WORLD if group is None else group
         if tensor.is_contiguous() and not compression_pays(tensor):
             return allreduce_plain_(tensor, group, reduce_op)
-        with torch.no_grad():
+        with _no_grad_for(tensor):
             _inplace(tensor, bits, bucket_size, group, reduce_op, seed, skip_incomplete)
         return tensor
     torch.ops.cgx.quantized_allreduce_(
