@@ -8,13 +8,13 @@ bit-identical tensors.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 import torch.distributed as dist
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .checks import (
     UNCOMPRESSED_BITS,
@@ -108,19 +108,22 @@ def _all_gather(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup)
     return all_gather_single(out, send, group=group, async_op=True)
 
 
-_ROUTES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_ROUTES: dict[int, tuple[Callable | None, bool]] = {}
 
 
 def _plain_route(group: dist.ProcessGroup) -> tuple[Callable | None, bool]:
     """The cgx backend's exact allreduce (None for other groups) and whether the group is
-    NCCL's, once per group (held weakly: a destroyed group is let go): looking both up costs
-    microseconds (a missing pybind attribute raises inside ``getattr``)."""
-    route = _ROUTES.get(group)
+    NCCL's, once per group: looking both up costs microseconds (a missing pybind attribute
+    raises inside ``getattr``). Keyed by ``id`` (a weak-keyed dictionary's lookup builds a
+    weak reference each time, microseconds again); a destroyed group's entry is dropped as
+    it goes, before its id can be reused."""
+    route = _ROUTES.get(id(group))
     if route is None:
         if group is dist.GroupMember.NON_GROUP_MEMBER:
             return None, False
         exact = getattr(group, "allreduce_exact", None)
-        route = _ROUTES[group] = (exact, dist.get_backend(group) == "nccl")
+        route = _ROUTES[id(group)] = (exact, dist.get_backend(group) == "nccl")
+        weakref.finalize(group, _ROUTES.pop, id(group), None)
     return route
 
 

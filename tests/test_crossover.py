@@ -163,3 +163,29 @@ def test_a_regime_where_compression_never_won_never_compresses(clean_env):
     clean_env.setitem(crossover.CROSSOVER_BYTES, "nvlink", (256 * MiB, None))
     assert crossover_bytes(CUDA, torch.float16) is None
     assert crossover_bytes(CUDA, torch.float32) == 256 * MiB
+
+
+def test_plain_route_is_looked_up_once_per_group_and_dropped_with_it(monkeypatch):
+    import gc
+
+    from cgx2 import collectives
+
+    backends = []
+
+    def get_backend(group):
+        backends.append(group)
+        return "nccl"
+
+    monkeypatch.setattr(collectives.dist, "get_backend", get_backend)
+
+    class Group:
+        pass
+
+    group = Group()
+    assert collectives._plain_route(group) == (None, True)
+    assert collectives._plain_route(group) == (None, True)
+    assert len(backends) == 1 and id(group) in collectives._ROUTES
+    key = id(group)
+    del group, backends[:]
+    gc.collect()
+    assert key not in collectives._ROUTES
