@@ -2,9 +2,9 @@
 
 They write the same bytes as the torch reference (:mod:`.maxmin`) and take the same
 arguments. Each program handles a tile of ``BUCKETS`` buckets x ``BLOCK`` values; buckets wider
-than ``BLOCK`` are walked in tiles (statistics first, then levels). Random numbers come from
-Philox computed in-kernel, one call per eight values. Runs on CUDA, or on the CPU under
-``TRITON_INTERPRET=1`` (tests).
+than ``BLOCK`` are walked in tiles (statistics first, then levels). A thread holds whole groups
+of eight values: each group is one Philox call (computed in-kernel) and one packed field, so
+neither crosses threads. Runs on CUDA, or on the CPU under ``TRITON_INTERPRET=1`` (tests).
 """
 
 from __future__ import annotations
@@ -24,9 +24,8 @@ __all__ = ["decode", "decode_chunks", "decode_sum_encode", "encode", "encode_chu
 
 # Values per program (BUCKETS * BLOCK) and warps, per kernel and bytes per value of its fp
 # tensor (2: bf16/fp16; 4 and more: fp32, fp64): the fastest of tiles 512..2048 x warps 1..8
-# for 4-bit data (bench/encode_variants.py, H200). Decode runs fastest with a half-group
-# per thread (the layout Triton picks for more threads than groups). A tuning script may
-# set them.
+# for 4-bit data (bench/encode_variants.py, H200; fp32 decode ran fastest with more threads
+# than groups). A tuning script may set them.
 _SHAPE: dict[tuple[str, int], tuple[int, int]] = {
     ("encode", 2): (1024, 1),
     ("encode", 4): (1024, 1),
