@@ -33,6 +33,7 @@ __all__ = [
     "allreduce_quantized",
     "allreduce_quantized_",
     "compression_pays",
+    "group_size_and_rank",
     "reference_allreduce",
 ]
 
@@ -218,7 +219,7 @@ def _run_pieces(flat: torch.Tensor, out: torch.Tensor, bits: int, bucket_size: i
     ``flat``: a piece is written only after its last read); ``error`` as in
     :func:`allreduce_quantized_`."""
     seed = next_seed() if seed is None else seed
-    world, rank = _size_and_rank(group)
+    world, rank = group_size_and_rank(group)
     run = _Run(group, world, rank, bits, bucket_size, skip_incomplete,
                1.0 / world if reduce_op == "avg" else None, maxmin_codec(flat.device),
                derive_key(seed, _STAGE_SCATTER, rank), derive_key(seed, _STAGE_GATHER))  # fmt: skip
@@ -247,7 +248,7 @@ def _part(t: torch.Tensor, start: int, length: int) -> torch.Tensor:
     return t.narrow(0, start, min(length, t.numel() - start))
 
 
-def _size_and_rank(group: dist.ProcessGroup) -> tuple[int, int]:
+def group_size_and_rank(group: dist.ProcessGroup) -> tuple[int, int]:
     """``group``'s size and this process's rank in it; a ProcessGroup's own methods where it
     is one (``dist.get_world_size`` and ``dist.get_rank`` add microseconds of checks)."""
     if isinstance(group, dist.ProcessGroup):

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ..checks import check_bits
 from ..codecs import ChunkedLayout, maxmin, maxmin_codec
-from ..collectives import compression_pays
+from ..collectives import compression_pays, group_size_and_rank
 from ..fusion import fuse_padded
 from ..seeding import derive_key, next_seed
 
@@ -93,7 +93,7 @@ def reduce_scatter_quantized(
     (None: ``bits`` for all). Segments marked uncompressed, and everything when compression
     does not pay on this interconnect (:mod:`cgx2.crossover`), go through the plain
     reduce-scatter. Returns the bytes this rank sent."""
-    world, rank, n = dist.get_world_size(group), dist.get_rank(group), output.numel()
+    (world, rank), n = group_size_and_rank(group), output.numel()
     rows = input.view(world, n)
     compressed, exact = _split(segments, n)
     groups = width_groups(compressed, bits, widths)
