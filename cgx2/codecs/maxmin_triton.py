@@ -104,8 +104,8 @@ def _small_to_float(k):
 
 @triton.jit
 def _round_level(a, h, BITS: tl.constexpr):
-    """floor(a + h * 2**-F) of a in [-0, 2**BITS - 1], exactly (see :mod:`.maxmin`), plus
-    bits above the level that packing masks off; no conversion instruction (a slow pipe, and
+    """floor(a + h * 2**-F) of a in [-0, 2**BITS - 1], exactly (see :mod:`.maxmin`), under
+    bits above the level that the caller masks off; no conversion instruction (a slow pipe, and
     the kernels are issue-bound). Rounding a + 2**(23 - F) down leaves floor(a * 2**F) in the
     mantissa, under an exponent field that is a multiple of 2**F; adding h and shifting
     right by F is the floor of the exact sum. The interpreter has no directed rounding:
