@@ -517,6 +517,7 @@ def _sum_tile(
     levels_at,
     c,
     NUM_ROWS: tl.constexpr,
+    SKIP_OWN: tl.constexpr,
     BITS: tl.constexpr,
     B: tl.constexpr,
     HAS_OWN: tl.constexpr,
@@ -526,8 +527,8 @@ def _sum_tile(
     FULL: tl.constexpr,
 ):
     """(own + sum of decoded rows, in row order) * scale for one tile, in fp32, as the halves
-    of :func:`_tile`. The rows are unrolled; row ``own_index`` is branched around (a uniform
-    branch), never read."""
+    of :func:`_tile`. The rows are unrolled; row ``own_index`` (given ``SKIP_OWN``) is never
+    read."""
     qmask = q < nq
     if HAS_OWN:
         acc0, acc1, valid0, valid1 = _load_tile(own_ptr, q, qmask, quant, c, B, BLOCK, FULL)
@@ -535,14 +536,16 @@ def _sum_tile(
         _, valid0, valid1 = _tile(q, qmask, quant, c, B, BLOCK, FULL)
         acc0 = tl.zeros((BUCKETS, BLOCK // 8, 4), tl.float32)
         acc1 = tl.zeros((BUCKETS, BLOCK // 8, 4), tl.float32)
-    for w in tl.static_range(NUM_ROWS):
-        if w != own_index:
-            row = row_nbytes.to(tl.int64) * w
-            lo = tl.load(in_f32 + row // 4 + 2 * q, mask=qmask, other=0.0)[:, None, None]
-            step = tl.load(in_f32 + row // 4 + 2 * q + 1, mask=qmask, other=0.0)[:, None, None]
-            l0, l1 = _unpack_load(in_u8 + row + levels_at, q, qmask, quant, c, BITS, B, BLOCK, FULL)
-            acc0 = acc0 + (lo + step * l0)
-            acc1 = acc1 + (lo + step * l1)
+    for r in tl.static_range(NUM_ROWS - SKIP_OWN):
+        # The r-th row other than own_index, by arithmetic: no branch stands between the rows'
+        # loads, so that they are all in flight together.
+        w = r + (r >= own_index).to(tl.int64) if SKIP_OWN else r
+        row = row_nbytes.to(tl.int64) * w
+        lo = tl.load(in_f32 + row // 4 + 2 * q, mask=qmask, other=0.0)[:, None, None]
+        step = tl.load(in_f32 + row // 4 + 2 * q + 1, mask=qmask, other=0.0)[:, None, None]
+        l0, l1 = _unpack_load(in_u8 + row + levels_at, q, qmask, quant, c, BITS, B, BLOCK, FULL)
+        acc0 = acc0 + (lo + step * l0)
+        acc1 = acc1 + (lo + step * l1)
     if HAS_SCALE:
         acc0 = acc0 * scale
         acc1 = acc1 * scale
@@ -567,6 +570,7 @@ def _decode_sum_encode_tiles(
     key0,
     key1,
     NUM_ROWS: tl.constexpr,
+    SKIP_OWN: tl.constexpr,
     BITS: tl.constexpr,
     B: tl.constexpr,
     HAS_OWN: tl.constexpr,
@@ -580,7 +584,7 @@ def _decode_sum_encode_tiles(
     if NUM_TILES == 1:
         v0, v1, valid0, valid1 = _sum_tile(
             in_u8, in_f32, own_ptr, row_nbytes, own_index, scale, q, nq, quant, levels_at, 0,
-            NUM_ROWS, BITS, B, HAS_OWN, HAS_SCALE, BUCKETS, BLOCK, FULL,
+            NUM_ROWS, SKIP_OWN, BITS, B, HAS_OWN, HAS_SCALE, BUCKETS, BLOCK, FULL,
         )  # fmt: skip
         lo, hi = _stats(v0, v1, valid0, valid1)
         lo, step, scale_q, finite = _params(lo, hi, BITS)
@@ -594,7 +598,7 @@ def _decode_sum_encode_tiles(
         for t in range(NUM_TILES):
             v0, v1, valid0, valid1 = _sum_tile(
                 in_u8, in_f32, own_ptr, row_nbytes, own_index, scale, q, nq, quant, levels_at,
-                t * BLOCK, NUM_ROWS, BITS, B, HAS_OWN, HAS_SCALE, BUCKETS, BLOCK, FULL,
+                t * BLOCK, NUM_ROWS, SKIP_OWN, BITS, B, HAS_OWN, HAS_SCALE, BUCKETS, BLOCK, FULL,
             )  # fmt: skip
             t_lo, t_hi = _stats(v0, v1, valid0, valid1)
             lo = _min_with_nan(lo, t_lo)
@@ -603,7 +607,7 @@ def _decode_sum_encode_tiles(
         for t in range(NUM_TILES):
             v0, v1, valid0, valid1 = _sum_tile(
                 in_u8, in_f32, own_ptr, row_nbytes, own_index, scale, q, nq, quant, levels_at,
-                t * BLOCK, NUM_ROWS, BITS, B, HAS_OWN, HAS_SCALE, BUCKETS, BLOCK, FULL,
+                t * BLOCK, NUM_ROWS, SKIP_OWN, BITS, B, HAS_OWN, HAS_SCALE, BUCKETS, BLOCK, FULL,
             )  # fmt: skip
             _quantize_store(
                 lev_ptr, v0, v1, valid0, valid1, lo, scale_q, finite, q, qmask, quant,
@@ -627,6 +631,7 @@ def _decode_sum_encode_kernel(
     k1,
     stream,
     NUM_ROWS: tl.constexpr,
+    SKIP_OWN: tl.constexpr,
     BITS: tl.constexpr,
     B: tl.constexpr,
     SKIP_INCOMPLETE: tl.constexpr,
@@ -645,13 +650,13 @@ def _decode_sum_encode_kernel(
         _decode_sum_encode_tiles(
             in_u8, in_f32, own_ptr, out_u8 + levels_at, out_f32, row_nbytes, own_index, scale,
             q, end, end * B, levels_at, stream, key0, key1,
-            NUM_ROWS, BITS, B, HAS_OWN, HAS_SCALE, BUCKETS, BLOCK, B % BLOCK == 0,
+            NUM_ROWS, SKIP_OWN, BITS, B, HAS_OWN, HAS_SCALE, BUCKETS, BLOCK, B % BLOCK == 0,
         )  # fmt: skip
     else:
         _decode_sum_encode_tiles(
             in_u8, in_f32, own_ptr, out_u8 + levels_at, out_f32, row_nbytes, own_index, scale,
             q, nq, quant, levels_at, stream, key0, key1,
-            NUM_ROWS, BITS, B, HAS_OWN, HAS_SCALE, BUCKETS, BLOCK, False,
+            NUM_ROWS, SKIP_OWN, BITS, B, HAS_OWN, HAS_SCALE, BUCKETS, BLOCK, False,
         )  # fmt: skip
 
 
@@ -863,6 +868,7 @@ def decode_sum_encode(
             k1,
             stream,
             NUM_ROWS=payloads.shape[0],
+            SKIP_OWN=0 <= own_index < payloads.shape[0],
             BITS=bits,
             B=bucket_size,
             SKIP_INCOMPLETE=skip_incomplete,
