@@ -37,11 +37,11 @@ def main() -> None:
         {"in_u8": "*u8", "in_f32": "*fp32", "own_ptr": "*fp32", "out_u8": "*u8",
          "out_f32": "*fp32", "numel": "i64", "row_nbytes": "i64", "own_index": "i64",
          "scale": "fp32", "k0": "i64", "k1": "i64", "stream": "i64", "NUM_ROWS": "constexpr",
-         "SKIP_OWN": "constexpr", "BITS": "constexpr", "B": "constexpr", "SKIP_INCOMPLETE": "constexpr",
-         "HAS_OWN": "constexpr", "HAS_SCALE": "constexpr", "BUCKETS": "constexpr",
-         "BLOCK": "constexpr"},
-        {"NUM_ROWS": 2, "SKIP_OWN": True, "BITS": 4, "B": 512, "SKIP_INCOMPLETE": True, "HAS_OWN": True,
-         "HAS_SCALE": True, **tiles},
+         "SKIP_OWN": "constexpr", "BITS": "constexpr", "B": "constexpr",
+         "SKIP_INCOMPLETE": "constexpr", "HAS_OWN": "constexpr", "HAS_SCALE": "constexpr",
+         "BUCKETS": "constexpr", "BLOCK": "constexpr"},
+        {"NUM_ROWS": 2, "SKIP_OWN": True, "BITS": 4, "B": 512, "SKIP_INCOMPLETE": True,
+         "HAS_OWN": True, "HAS_SCALE": True, **tiles},
         5,
     )  # fmt: skip
     pattern = r"\b((?:add|sub|mul|div|fma|min|max|cvt)\.[\w.]+)"

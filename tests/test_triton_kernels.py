@@ -158,3 +158,27 @@ def test_decode_sum_encode_matches_reference(bits, bucket, own_index, scale, ski
     assert _same(tri.decode_sum_encode(payloads, *args), ref.decode_sum_encode(payloads, *args))
     args = (n, own, own_index, scale, bits, bucket, skip)  # the reduce-scatter's last stage
     assert _same(tri.decode_sum(payloads, *args), ref.decode_sum(payloads, *args))
+
+
+@pytest.mark.parametrize("programs", [1, 2, 5])
+@pytest.mark.parametrize(
+    ("bits", "bucket", "skip"), [(4, 512, False), (3, 100, True), (2, 2048, False)]
+)
+def test_strided_programs_match_reference(monkeypatch, programs, bits, bucket, skip):
+    """Encode and decode-sum-encode walk their tiles in strides of the grid, loading one tile
+    ahead: any number of programs writes the reference's bytes, the incomplete last tile
+    included, whichever program it falls to."""
+    monkeypatch.setattr(tri, "_programs", lambda tiles, chunks, device: min(tiles, programs))
+    n = 9 * bucket + 37
+    x = _x(n, torch.float32, seed=programs)
+    expected = ref.encode(x, bits, bucket, key=42, stream=1, skip_incomplete=skip)
+    assert _same(tri.encode(x, bits, bucket, key=42, stream=1, skip_incomplete=skip), expected)
+    layout = ChunkedLayout.split(n, 3, bits, bucket, skip)
+    rows = tri.encode_chunks(x, layout, key=8, skip_chunk=1)
+    assert _same(rows, ref.encode_chunks(x, layout, key=8, skip_chunk=1).to(DEVICE))
+    payloads = torch.stack(
+        [ref.encode(_x(n, torch.float32, seed=s), bits, bucket, key=s, skip_incomplete=skip)
+         for s in range(3)]
+    )  # fmt: skip
+    args = (n, x, 2, 0.5, bits, bucket, 6, 1, skip)
+    assert _same(tri.decode_sum_encode(payloads, *args), ref.decode_sum_encode(payloads, *args))

@@ -9,6 +9,7 @@ neither crosses threads. Runs on CUDA, or on the CPU under ``TRITON_INTERPRET=1`
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -35,6 +36,8 @@ _SHAPE: dict[tuple[str, int], tuple[int, int]] = {
     ("decode_sum_encode", 4): (512, 1),
 }
 _MAX_BLOCK = 1024
+# Resident programs per SM that a strided kernel's grid is sized for.
+_PROGRAMS_PER_SM = 16
 # Fused multiply-adds would round differently from the reference's separate operations.
 _LAUNCH: dict[str, object] = {"enable_fp_fusion": False}
 
@@ -216,21 +219,25 @@ def _pack_store(
 
 
 @triton.jit
-def _unpack_load(
+def _load_fields(
     ptr, q, qmask, quant, c, BITS: tl.constexpr, B: tl.constexpr, BLOCK: tl.constexpr,
     FULL: tl.constexpr,
 ):  # fmt: skip
-    """A tile's levels as fp32, the halves of :func:`_tile` (inverse of :func:`_pack_store`)."""
-    WIDE: tl.constexpr = BITS > 4
-    wt = tl.uint64 if WIDE else tl.uint32
+    """A tile's packed groups [BUCKETS, BLOCK // 8], one field each (see :func:`_pack_store`)."""
+    wt = tl.uint64 if BITS > 4 else tl.uint32
     group, mask = _group_grid(q, qmask, quant, c, B, BLOCK, FULL)
     if BITS == 1 or BITS == 2 or BITS == 4 or BITS == 8:
-        field = tl.load(_field_ptr(ptr, BITS) + group, mask=mask, other=0).to(wt)
-    else:
-        k = tl.arange(0, 8)
-        off = group[:, :, None] * BITS + k[None, None, :]
-        byte = tl.load(ptr + off, mask=mask[:, :, None] & (k < BITS)[None, None, :], other=0)
-        field = tl.sum(byte.to(wt) << (k * 8).to(wt)[None, None, :], axis=2)
+        return tl.load(_field_ptr(ptr, BITS) + group, mask=mask, other=0).to(wt)
+    k = tl.arange(0, 8)
+    off = group[:, :, None] * BITS + k[None, None, :]
+    byte = tl.load(ptr + off, mask=mask[:, :, None] & (k < BITS)[None, None, :], other=0)
+    return tl.sum(byte.to(wt) << (k * 8).to(wt)[None, None, :], axis=2)
+
+
+@triton.jit
+def _unpack(field, BITS: tl.constexpr):
+    """Packed groups' levels as fp32, the halves of :func:`_tile`."""
+    wt = tl.uint64 if BITS > 4 else tl.uint32
     shift = (tl.arange(0, 4) * BITS).to(wt)[None, None, :]
     lmax: tl.constexpr = (1 << BITS) - 1
     l0 = ((field[:, :, None] >> shift) & lmax).to(tl.uint32)
@@ -344,7 +351,37 @@ def _load_tile(x_ptr, q, qmask, quant, c, B: tl.constexpr, BLOCK: tl.constexpr, 
 
 
 @triton.jit
-def _encode_tiles(
+def _encode_loaded(
+    v0,
+    v1,
+    valid0,
+    valid1,
+    lev_ptr,
+    meta_ptr,
+    q,
+    nq,
+    quant,
+    stream,
+    key0,
+    key1,
+    BITS: tl.constexpr,
+    B: tl.constexpr,
+    BUCKETS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    FULL: tl.constexpr,
+):
+    """Encode buckets q (B <= BLOCK) from their loaded values."""
+    lo, hi = _stats(v0, v1, valid0, valid1)
+    lo, step, scale, finite = _params(lo, hi, BITS)
+    _quantize_store(
+        lev_ptr, v0, v1, valid0, valid1, lo, scale, finite, q, q < nq, quant, 0, stream,
+        key0, key1, BITS, B, BUCKETS, BLOCK, FULL,
+    )  # fmt: skip
+    _store_meta(meta_ptr, q, q < nq, lo, step)
+
+
+@triton.jit
+def _encode_wide(
     x_ptr,
     lev_ptr,
     meta_ptr,
@@ -360,32 +397,23 @@ def _encode_tiles(
     BLOCK: tl.constexpr,
     FULL: tl.constexpr,
 ):
-    """Encode buckets q (statistics, then levels, then metadata)."""
+    """Encode buckets q wider than BLOCK, a tile at a time: statistics, then levels."""
     qmask = q < nq
     NUM_TILES: tl.constexpr = (B + BLOCK - 1) // BLOCK
-    if NUM_TILES == 1:
-        v0, v1, valid0, valid1 = _load_tile(x_ptr, q, qmask, quant, 0, B, BLOCK, FULL)
-        lo, hi = _stats(v0, v1, valid0, valid1)
-        lo, step, scale, finite = _params(lo, hi, BITS)
+    lo = tl.full((BUCKETS,), float("inf"), tl.float32)
+    hi = tl.full((BUCKETS,), float("-inf"), tl.float32)
+    for t in range(NUM_TILES):
+        v0, v1, valid0, valid1 = _load_tile(x_ptr, q, qmask, quant, t * BLOCK, B, BLOCK, FULL)
+        t_lo, t_hi = _stats(v0, v1, valid0, valid1)
+        lo = _min_with_nan(lo, t_lo)
+        hi = tl.maximum(hi, t_hi)
+    lo, step, scale, finite = _params(lo, hi, BITS)
+    for t in range(NUM_TILES):
+        v0, v1, valid0, valid1 = _load_tile(x_ptr, q, qmask, quant, t * BLOCK, B, BLOCK, FULL)
         _quantize_store(
-            lev_ptr, v0, v1, valid0, valid1, lo, scale, finite, q, qmask, quant, 0, stream,
-            key0, key1, BITS, B, BUCKETS, BLOCK, FULL,
+            lev_ptr, v0, v1, valid0, valid1, lo, scale, finite, q, qmask, quant, t * BLOCK,
+            stream, key0, key1, BITS, B, BUCKETS, BLOCK, FULL,
         )  # fmt: skip
-    else:
-        lo = tl.full((BUCKETS,), float("inf"), tl.float32)
-        hi = tl.full((BUCKETS,), float("-inf"), tl.float32)
-        for t in range(NUM_TILES):
-            v0, v1, valid0, valid1 = _load_tile(x_ptr, q, qmask, quant, t * BLOCK, B, BLOCK, FULL)
-            t_lo, t_hi = _stats(v0, v1, valid0, valid1)
-            lo = _min_with_nan(lo, t_lo)
-            hi = tl.maximum(hi, t_hi)
-        lo, step, scale, finite = _params(lo, hi, BITS)
-        for t in range(NUM_TILES):
-            v0, v1, valid0, valid1 = _load_tile(x_ptr, q, qmask, quant, t * BLOCK, B, BLOCK, FULL)
-            _quantize_store(
-                lev_ptr, v0, v1, valid0, valid1, lo, scale, finite, q, qmask, quant, t * BLOCK,
-                stream, key0, key1, BITS, B, BUCKETS, BLOCK, FULL,
-            )  # fmt: skip
     _store_meta(meta_ptr, q, qmask, lo, step)
 
 
@@ -408,12 +436,15 @@ def _encode_kernel(
     BUCKETS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    """Program i encodes tiles i, i + P, ... of chunk program_id(1) (P programs per chunk).
+    Buckets that fit a tile are loaded one tile ahead, so that the next tile's loads are in
+    flight while this one is coded."""
     j = tl.program_id(1)
     start, nq, quant, levels_at = _geometry(j, numel, chunk_numel, B, SKIP_INCOMPLETE, ALIGN)
     nq = tl.where(j == skip_chunk, 0, nq)
     quant = tl.where(j == skip_chunk, 0, quant)
-    first = tl.program_id(0).to(tl.int64) * BUCKETS
-    q = first + tl.arange(0, BUCKETS)
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
     row = j.to(tl.int64) * row_nbytes
     x_ptr += start
     lev_ptr = out_u8 + row + levels_at
@@ -421,15 +452,41 @@ def _encode_kernel(
     key0 = k0.to(tl.uint32)
     key1 = k1.to(tl.uint32)
     stream = stream0 + j
-    end = first + BUCKETS
-    if end * B <= quant:
-        # Every value of the tile exists: bounds that are multiples of the tile fold the masks
-        # to constants, so that loads and stores vectorize.
-        _encode_tiles(x_ptr, lev_ptr, meta_ptr, q, end, end * B, stream, key0, key1,
-                      BITS, B, BUCKETS, BLOCK, B % BLOCK == 0)  # fmt: skip
+    lanes = tl.arange(0, BUCKETS).to(tl.int64)
+    tiles = ((nq + BUCKETS - 1) // BUCKETS).to(tl.int32)
+    # Tiles of complete buckets come first: given bounds that are multiples of the tile, the
+    # masks fold to constants, so that loads and stores vectorize.
+    full = (quant // (BUCKETS * B)).to(tl.int32)
+    full_nq = full.to(tl.int64) * BUCKETS
+    if B <= BLOCK:
+        if pid < full:
+            q = pid * BUCKETS + lanes
+            v0, v1, valid0, valid1 = _load_tile(x_ptr, q, q < full_nq, full_nq * B, 0, B, BLOCK,
+                                                B % BLOCK == 0)  # fmt: skip
+            for t in range(pid, full, programs):
+                q = tl.cast(t, tl.int64) * BUCKETS + lanes
+                ahead = tl.minimum(t + programs, full - 1).to(tl.int64) * BUCKETS + lanes
+                n0, n1, _, _ = _load_tile(x_ptr, ahead, ahead < full_nq, full_nq * B, 0, B,
+                                          BLOCK, B % BLOCK == 0)  # fmt: skip
+                _encode_loaded(v0, v1, valid0, valid1, lev_ptr, meta_ptr, q, full_nq,
+                               full_nq * B, stream, key0, key1, BITS, B, BUCKETS, BLOCK,
+                               B % BLOCK == 0)  # fmt: skip
+                v0 = n0
+                v1 = n1
+        if (full < tiles) & (pid == full % programs):
+            q = full.to(tl.int64) * BUCKETS + lanes
+            v0, v1, valid0, valid1 = _load_tile(x_ptr, q, q < nq, quant, 0, B, BLOCK, False)
+            _encode_loaded(v0, v1, valid0, valid1, lev_ptr, meta_ptr, q, nq, quant, stream,
+                           key0, key1, BITS, B, BUCKETS, BLOCK, False)  # fmt: skip
     else:
-        _encode_tiles(x_ptr, lev_ptr, meta_ptr, q, nq, quant, stream, key0, key1,
-                      BITS, B, BUCKETS, BLOCK, False)  # fmt: skip
+        for t in range(pid, tiles, programs):
+            q = tl.cast(t, tl.int64) * BUCKETS + lanes
+            if t < full:
+                _encode_wide(x_ptr, lev_ptr, meta_ptr, q, full_nq, full_nq * B, stream, key0,
+                             key1, BITS, B, BUCKETS, BLOCK, B % BLOCK == 0)  # fmt: skip
+            else:
+                _encode_wide(x_ptr, lev_ptr, meta_ptr, q, nq, quant, stream, key0, key1,
+                             BITS, B, BUCKETS, BLOCK, False)  # fmt: skip
 
 
 @triton.jit
@@ -453,7 +510,7 @@ def _decode_tiles(
     NUM_TILES: tl.constexpr = (B + BLOCK - 1) // BLOCK
     for t in tl.static_range(NUM_TILES):
         c = t * BLOCK
-        l0, l1 = _unpack_load(lev_ptr, q, qmask, quant, c, BITS, B, BLOCK, FULL)
+        l0, l1 = _unpack(_load_fields(lev_ptr, q, qmask, quant, c, BITS, B, BLOCK, FULL), BITS)
         e, valid0, valid1 = _tile(q, qmask, quant, c, B, BLOCK, FULL)
         v0 = lo + step * l0
         v1 = lo + step * l1
@@ -504,15 +561,52 @@ def _decode_kernel(
 
 
 @triton.jit
-def _sum_tile(
+def _load_rows(
+    in_u8,
+    in_f32,
+    row_nbytes,
+    own_index,
+    q,
+    qmask,
+    quant,
+    levels_at,
+    c,
+    NUM_ROWS: tl.constexpr,
+    SKIP_OWN: tl.constexpr,
+    BITS: tl.constexpr,
+    B: tl.constexpr,
+    BLOCK: tl.constexpr,
+    FULL: tl.constexpr,
+):
+    """The packed fields of a tile and its buckets' lo and step in each row but own's, as
+    tuples in row order."""
+    fields = ()
+    los = ()
+    steps = ()
+    for r in tl.static_range(NUM_ROWS - SKIP_OWN):
+        # The r-th row other than own_index, by arithmetic: no branch stands between the rows'
+        # loads, so that they are all in flight together.
+        w = r + (r >= own_index).to(tl.int64) if SKIP_OWN else r
+        row = row_nbytes.to(tl.int64) * w
+        meta = in_f32 + row // 4 + 2 * q
+        # Triton builds tuples by concatenation, not unpacking.
+        los = los + (tl.load(meta, mask=qmask, other=0.0),)  # noqa: RUF005
+        steps = steps + (tl.load(meta + 1, mask=qmask, other=0.0),)  # noqa: RUF005
+        lev = in_u8 + row + levels_at
+        field = _load_fields(lev, q, qmask, quant, c, BITS, B, BLOCK, FULL)
+        fields = fields + (field,)  # noqa: RUF005
+    return fields, los, steps
+
+
+@triton.jit
+def _load_sum_inputs(
     in_u8,
     in_f32,
     own_ptr,
     row_nbytes,
     own_index,
-    scale,
     q,
-    nq,
+    qmask,
     quant,
     levels_at,
     c,
@@ -521,39 +615,46 @@ def _sum_tile(
     BITS: tl.constexpr,
     B: tl.constexpr,
     HAS_OWN: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
     BUCKETS: tl.constexpr,
     BLOCK: tl.constexpr,
     FULL: tl.constexpr,
 ):
-    """(own + sum of decoded rows, in row order) * scale for one tile, in fp32, as the halves
-    of :func:`_tile`. The rows are unrolled; row ``own_index`` (given ``SKIP_OWN``) is never
-    read."""
-    qmask = q < nq
+    """All that a tile's sum reads: own's values (as the halves of :func:`_tile`, zeros
+    without own) and the other rows' (:func:`_load_rows`)."""
     if HAS_OWN:
-        acc0, acc1, valid0, valid1 = _load_tile(own_ptr, q, qmask, quant, c, B, BLOCK, FULL)
+        own0, own1, _, _ = _load_tile(own_ptr, q, qmask, quant, c, B, BLOCK, FULL)
     else:
-        _, valid0, valid1 = _tile(q, qmask, quant, c, B, BLOCK, FULL)
-        acc0 = tl.zeros((BUCKETS, BLOCK // 8, 4), tl.float32)
-        acc1 = tl.zeros((BUCKETS, BLOCK // 8, 4), tl.float32)
-    for r in tl.static_range(NUM_ROWS - SKIP_OWN):
-        # The r-th row other than own_index, by arithmetic: no branch stands between the rows'
-        # loads, so that they are all in flight together.
-        w = r + (r >= own_index).to(tl.int64) if SKIP_OWN else r
-        row = row_nbytes.to(tl.int64) * w
-        lo = tl.load(in_f32 + row // 4 + 2 * q, mask=qmask, other=0.0)[:, None, None]
-        step = tl.load(in_f32 + row // 4 + 2 * q + 1, mask=qmask, other=0.0)[:, None, None]
-        l0, l1 = _unpack_load(in_u8 + row + levels_at, q, qmask, quant, c, BITS, B, BLOCK, FULL)
+        own0 = tl.zeros((BUCKETS, BLOCK // 8, 4), tl.float32)
+        own1 = tl.zeros((BUCKETS, BLOCK // 8, 4), tl.float32)
+    fields, los, steps = _load_rows(
+        in_u8, in_f32, row_nbytes, own_index, q, qmask, quant, levels_at, c,
+        NUM_ROWS, SKIP_OWN, BITS, B, BLOCK, FULL,
+    )  # fmt: skip
+    return own0, own1, fields, los, steps
+
+
+@triton.jit
+def _sum_loaded(
+    own0, own1, fields, los, steps, scale, ROWS: tl.constexpr, BITS: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+):  # fmt: skip
+    """(own + the rows decoded, summed in row order) * scale, in fp32."""
+    acc0 = own0
+    acc1 = own1
+    for r in tl.static_range(ROWS):
+        l0, l1 = _unpack(fields[r], BITS)
+        lo = los[r][:, None, None]
+        step = steps[r][:, None, None]
         acc0 = acc0 + (lo + step * l0)
         acc1 = acc1 + (lo + step * l1)
     if HAS_SCALE:
         acc0 = acc0 * scale
         acc1 = acc1 * scale
-    return acc0, acc1, valid0, valid1
+    return acc0, acc1
 
 
 @triton.jit
-def _decode_sum_encode_tiles(
+def _decode_sum_encode_wide(
     in_u8,
     in_f32,
     own_ptr,
@@ -579,40 +680,35 @@ def _decode_sum_encode_tiles(
     BLOCK: tl.constexpr,
     FULL: tl.constexpr,
 ):
+    """Buckets q wider than BLOCK, a tile at a time: the sums for the statistics, then again
+    for the levels."""
     qmask = q < nq
     NUM_TILES: tl.constexpr = (B + BLOCK - 1) // BLOCK
-    if NUM_TILES == 1:
-        v0, v1, valid0, valid1 = _sum_tile(
-            in_u8, in_f32, own_ptr, row_nbytes, own_index, scale, q, nq, quant, levels_at, 0,
-            NUM_ROWS, SKIP_OWN, BITS, B, HAS_OWN, HAS_SCALE, BUCKETS, BLOCK, FULL,
+    ROWS: tl.constexpr = NUM_ROWS - SKIP_OWN
+    lo = tl.full((BUCKETS,), float("inf"), tl.float32)
+    hi = tl.full((BUCKETS,), float("-inf"), tl.float32)
+    for t in range(NUM_TILES):
+        own0, own1, fields, los, steps = _load_sum_inputs(
+            in_u8, in_f32, own_ptr, row_nbytes, own_index, q, qmask, quant, levels_at,
+            t * BLOCK, NUM_ROWS, SKIP_OWN, BITS, B, HAS_OWN, BUCKETS, BLOCK, FULL,
         )  # fmt: skip
-        lo, hi = _stats(v0, v1, valid0, valid1)
-        lo, step, scale_q, finite = _params(lo, hi, BITS)
+        v0, v1 = _sum_loaded(own0, own1, fields, los, steps, scale, ROWS, BITS, HAS_SCALE)
+        _, valid0, valid1 = _tile(q, qmask, quant, t * BLOCK, B, BLOCK, FULL)
+        t_lo, t_hi = _stats(v0, v1, valid0, valid1)
+        lo = _min_with_nan(lo, t_lo)
+        hi = tl.maximum(hi, t_hi)
+    lo, step, scale_q, finite = _params(lo, hi, BITS)
+    for t in range(NUM_TILES):
+        own0, own1, fields, los, steps = _load_sum_inputs(
+            in_u8, in_f32, own_ptr, row_nbytes, own_index, q, qmask, quant, levels_at,
+            t * BLOCK, NUM_ROWS, SKIP_OWN, BITS, B, HAS_OWN, BUCKETS, BLOCK, FULL,
+        )  # fmt: skip
+        v0, v1 = _sum_loaded(own0, own1, fields, los, steps, scale, ROWS, BITS, HAS_SCALE)
+        _, valid0, valid1 = _tile(q, qmask, quant, t * BLOCK, B, BLOCK, FULL)
         _quantize_store(
-            lev_ptr, v0, v1, valid0, valid1, lo, scale_q, finite, q, qmask, quant, 0, stream,
-            key0, key1, BITS, B, BUCKETS, BLOCK, FULL,
+            lev_ptr, v0, v1, valid0, valid1, lo, scale_q, finite, q, qmask, quant, t * BLOCK,
+            stream, key0, key1, BITS, B, BUCKETS, BLOCK, FULL,
         )  # fmt: skip
-    else:
-        lo = tl.full((BUCKETS,), float("inf"), tl.float32)
-        hi = tl.full((BUCKETS,), float("-inf"), tl.float32)
-        for t in range(NUM_TILES):
-            v0, v1, valid0, valid1 = _sum_tile(
-                in_u8, in_f32, own_ptr, row_nbytes, own_index, scale, q, nq, quant, levels_at,
-                t * BLOCK, NUM_ROWS, SKIP_OWN, BITS, B, HAS_OWN, HAS_SCALE, BUCKETS, BLOCK, FULL,
-            )  # fmt: skip
-            t_lo, t_hi = _stats(v0, v1, valid0, valid1)
-            lo = _min_with_nan(lo, t_lo)
-            hi = tl.maximum(hi, t_hi)
-        lo, step, scale_q, finite = _params(lo, hi, BITS)
-        for t in range(NUM_TILES):
-            v0, v1, valid0, valid1 = _sum_tile(
-                in_u8, in_f32, own_ptr, row_nbytes, own_index, scale, q, nq, quant, levels_at,
-                t * BLOCK, NUM_ROWS, SKIP_OWN, BITS, B, HAS_OWN, HAS_SCALE, BUCKETS, BLOCK, FULL,
-            )  # fmt: skip
-            _quantize_store(
-                lev_ptr, v0, v1, valid0, valid1, lo, scale_q, finite, q, qmask, quant,
-                t * BLOCK, stream, key0, key1, BITS, B, BUCKETS, BLOCK, FULL,
-            )  # fmt: skip
     _store_meta(meta_ptr, q, qmask, lo, step)
 
 
@@ -640,24 +736,72 @@ def _decode_sum_encode_kernel(
     BUCKETS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    _, nq, quant, levels_at = _geometry(tl.program_id(1), numel, numel, B, SKIP_INCOMPLETE, 1)
-    first = tl.program_id(0).to(tl.int64) * BUCKETS
-    q = first + tl.arange(0, BUCKETS)
+    """Program i sums and encodes tiles i, i + P, ... (P programs); as in
+    :func:`_encode_kernel`, the next tile's inputs load while this one is coded."""
+    _start, nq, quant, levels_at = _geometry(tl.program_id(1), numel, numel, B, SKIP_INCOMPLETE, 1)
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    lev_ptr = out_u8 + levels_at
     key0 = k0.to(tl.uint32)
     key1 = k1.to(tl.uint32)
-    end = first + BUCKETS
-    if end * B <= quant:  # a complete tile: constant masks (see _encode_kernel)
-        _decode_sum_encode_tiles(
-            in_u8, in_f32, own_ptr, out_u8 + levels_at, out_f32, row_nbytes, own_index, scale,
-            q, end, end * B, levels_at, stream, key0, key1,
-            NUM_ROWS, SKIP_OWN, BITS, B, HAS_OWN, HAS_SCALE, BUCKETS, BLOCK, B % BLOCK == 0,
-        )  # fmt: skip
+    lanes = tl.arange(0, BUCKETS).to(tl.int64)
+    tiles = ((nq + BUCKETS - 1) // BUCKETS).to(tl.int32)
+    full = (quant // (BUCKETS * B)).to(tl.int32)  # tiles of complete buckets, first
+    full_nq = full.to(tl.int64) * BUCKETS
+    ROWS: tl.constexpr = NUM_ROWS - SKIP_OWN
+    if B <= BLOCK:
+        if pid < full:
+            q = pid * BUCKETS + lanes
+            own0, own1, fields, los, steps = _load_sum_inputs(
+                in_u8, in_f32, own_ptr, row_nbytes, own_index, q, q < full_nq, full_nq * B,
+                levels_at, 0, NUM_ROWS, SKIP_OWN, BITS, B, HAS_OWN, BUCKETS, BLOCK,
+                B % BLOCK == 0,
+            )  # fmt: skip
+            for t in range(pid, full, programs):
+                q = tl.cast(t, tl.int64) * BUCKETS + lanes
+                ahead = tl.minimum(t + programs, full - 1).to(tl.int64) * BUCKETS + lanes
+                next0, next1, next_fields, next_los, next_steps = _load_sum_inputs(
+                    in_u8, in_f32, own_ptr, row_nbytes, own_index, ahead, ahead < full_nq,
+                    full_nq * B, levels_at, 0, NUM_ROWS, SKIP_OWN, BITS, B, HAS_OWN, BUCKETS,
+                    BLOCK, B % BLOCK == 0,
+                )  # fmt: skip
+                v0, v1 = _sum_loaded(own0, own1, fields, los, steps, scale, ROWS, BITS,
+                                     HAS_SCALE)  # fmt: skip
+                _, valid0, valid1 = _tile(q, q < full_nq, full_nq * B, 0, B, BLOCK,
+                                          B % BLOCK == 0)  # fmt: skip
+                _encode_loaded(v0, v1, valid0, valid1, lev_ptr, out_f32, q, full_nq,
+                               full_nq * B, stream, key0, key1, BITS, B, BUCKETS, BLOCK,
+                               B % BLOCK == 0)  # fmt: skip
+                own0 = next0
+                own1 = next1
+                fields = next_fields
+                los = next_los
+                steps = next_steps
+        if (full < tiles) & (pid == full % programs):
+            q = full.to(tl.int64) * BUCKETS + lanes
+            own0, own1, fields, los, steps = _load_sum_inputs(
+                in_u8, in_f32, own_ptr, row_nbytes, own_index, q, q < nq, quant, levels_at, 0,
+                NUM_ROWS, SKIP_OWN, BITS, B, HAS_OWN, BUCKETS, BLOCK, False,
+            )  # fmt: skip
+            v0, v1 = _sum_loaded(own0, own1, fields, los, steps, scale, ROWS, BITS, HAS_SCALE)
+            _, valid0, valid1 = _tile(q, q < nq, quant, 0, B, BLOCK, False)
+            _encode_loaded(v0, v1, valid0, valid1, lev_ptr, out_f32, q, nq, quant, stream,
+                           key0, key1, BITS, B, BUCKETS, BLOCK, False)  # fmt: skip
     else:
-        _decode_sum_encode_tiles(
-            in_u8, in_f32, own_ptr, out_u8 + levels_at, out_f32, row_nbytes, own_index, scale,
-            q, nq, quant, levels_at, stream, key0, key1,
-            NUM_ROWS, SKIP_OWN, BITS, B, HAS_OWN, HAS_SCALE, BUCKETS, BLOCK, False,
-        )  # fmt: skip
+        for t in range(pid, tiles, programs):
+            q = tl.cast(t, tl.int64) * BUCKETS + lanes
+            if t < full:
+                _decode_sum_encode_wide(
+                    in_u8, in_f32, own_ptr, lev_ptr, out_f32, row_nbytes, own_index, scale, q,
+                    full_nq, full_nq * B, levels_at, stream, key0, key1, NUM_ROWS, SKIP_OWN,
+                    BITS, B, HAS_OWN, HAS_SCALE, BUCKETS, BLOCK, B % BLOCK == 0,
+                )  # fmt: skip
+            else:
+                _decode_sum_encode_wide(
+                    in_u8, in_f32, own_ptr, lev_ptr, out_f32, row_nbytes, own_index, scale, q,
+                    nq, quant, levels_at, stream, key0, key1, NUM_ROWS, SKIP_OWN, BITS, B,
+                    HAS_OWN, HAS_SCALE, BUCKETS, BLOCK, False,
+                )  # fmt: skip
 
 
 # --------------------------------------------------------------------------- launchers
@@ -671,6 +815,20 @@ def _launch(kernel: str, bucket_size: int, dtype: torch.dtype) -> dict[str, obje
     # from Python take microseconds each.
     block = min(max(1 << (bucket_size - 1).bit_length(), 8), _MAX_BLOCK)
     return {"BUCKETS": max(1, tile // block), "BLOCK": block, "num_warps": warps, **_LAUNCH}
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _programs(tiles: int, chunks: int, device: torch.device) -> int:
+    """Programs per chunk for a kernel that walks its tiles in strides: enough to fill the
+    GPU ``_PROGRAMS_PER_SM`` deep, few enough that each walks several tiles (and, under the
+    interpreter, a few, so that the tests walk strides too)."""
+    if device.type != "cuda":
+        return min(tiles, 3)
+    return max(1, min(tiles, -(-_sm_count(device) * _PROGRAMS_PER_SM // chunks)))
 
 
 def _key(key: int) -> tuple[int, int]:
@@ -710,7 +868,8 @@ def encode_chunks(
         return rows
     launch = _launch("encode", layout.bucket_size, x.dtype)
     max_nq = -(-layout.chunk_numel // layout.bucket_size)
-    grid = (-(-max_nq // launch["BUCKETS"]), layout.num_chunks)
+    tiles = -(-max_nq // launch["BUCKETS"])
+    grid = (_programs(tiles, layout.num_chunks, x.device), layout.num_chunks)
     k0, k1 = _key(key)
     _encode_kernel[grid](
         flat,
@@ -851,7 +1010,8 @@ def decode_sum_encode(
     launch = _launch(
         "decode_sum_encode", bucket_size, own_flat.dtype if own is not None else torch.float32
     )
-    grid = (-(-layout.num_buckets // launch["BUCKETS"]), 1)
+    tiles = -(-layout.num_buckets // launch["BUCKETS"])
+    grid = (_programs(tiles, 1, payloads.device), 1)
     k0, k1 = _key(key)
     if layout.num_buckets:
         _decode_sum_encode_kernel[grid](
