@@ -32,8 +32,8 @@ def main() -> None:
     p.add_argument("--warps", default="1,2,4")
     p.add_argument(
         "--programs-per-sm",
-        default=str(tri._PROGRAMS_PER_SM),
-        help="grid depth of the strided kernels (comma list)",
+        default="0",
+        help="programs per SM of the strided kernels (comma list; 0: as many as fit)",
     )
     p.add_argument("--kernels", default="encode,decode,dse")
     p.add_argument("--dtypes", default="fp32,bf16")

@@ -24,20 +24,23 @@ from .layout import ChunkedLayout, MaxMinLayout
 __all__ = ["decode", "decode_chunks", "decode_sum_encode", "encode", "encode_chunks"]
 
 # Values per program (BUCKETS * BLOCK) and warps, per kernel and bytes per value of its fp
-# tensor (2: bf16/fp16; 4 and more: fp32, fp64): the fastest of tiles 512..2048 x warps 1..8
-# for 4-bit data (bench/encode_variants.py, H200; fp32 decode ran fastest with more threads
-# than groups). A tuning script may set them.
+# tensor (2: bf16/fp16; 4 and more: fp32, fp64): the fastest for 4-bit data on an H200
+# (bench/encode_variants.py; fp32 decode ran fastest with more threads than groups). A tuning
+# script may set them.
 _SHAPE: dict[tuple[str, int], tuple[int, int]] = {
-    ("encode", 2): (1024, 1),
-    ("encode", 4): (1024, 1),
+    ("encode", 2): (512, 1),
+    ("encode", 4): (512, 1),
     ("decode", 2): (1024, 2),
     ("decode", 4): (512, 4),
     ("decode_sum_encode", 2): (512, 1),
     ("decode_sum_encode", 4): (512, 1),
 }
 _MAX_BLOCK = 1024
-# Resident programs per SM that a strided kernel's grid is sized for.
-_PROGRAMS_PER_SM = 16
+# Programs per SM that a strided kernel's grid is sized for; 0: _WAVES times as many as fit at
+# once (measured after its first launch). Three waves ran up to 20% faster than one (the last
+# tiles are shared out, not left to a few programs) and no slower than more (H200, 4-bit).
+_PROGRAMS_PER_SM = 0
+_WAVES = 3
 # Fused multiply-adds would round differently from the reference's separate operations.
 _LAUNCH: dict[str, object] = {"enable_fp_fusion": False}
 
@@ -822,13 +825,30 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _programs(tiles: int, chunks: int, device: torch.device) -> int:
-    """Programs per chunk for a kernel that walks its tiles in strides: enough to fill the
-    GPU ``_PROGRAMS_PER_SM`` deep, few enough that each walks several tiles (and, under the
-    interpreter, a few, so that the tests walk strides too)."""
+# Programs of each compiled strided kernel that fit on one SM at once, by its launch key
+# (filled after its first launch, from its registers).
+_RESIDENT: dict[tuple, int] = {}
+
+
+def _programs(tiles: int, chunks: int, device: torch.device, key: tuple = ()) -> int:
+    """Programs per chunk for a kernel that walks its tiles in strides: ``_WAVES`` times as
+    many as fit on the GPU at once (``_PROGRAMS_PER_SM`` where set); under the interpreter a
+    few, so that the tests walk strides too."""
     if device.type != "cuda":
         return min(tiles, 3)
-    return max(1, min(tiles, -(-_sm_count(device) * _PROGRAMS_PER_SM // chunks)))
+    per_sm = _PROGRAMS_PER_SM or _WAVES * _RESIDENT.get(key, 8)
+    return max(1, min(tiles, -(-_sm_count(device) * per_sm // chunks)))
+
+
+def _note_residency(key: tuple, compiled: object) -> None:
+    """Record how many programs of a just-launched kernel fit on one SM: registers are
+    allocated per warp in units of 256, 64K per SM, at most 64 warps and 32 programs."""
+    regs = getattr(compiled, "n_regs", 0)
+    metadata = getattr(compiled, "metadata", None)
+    if key in _RESIDENT or not regs or metadata is None:
+        return
+    warps_per_sm = min(64, 65536 // (-(-regs // 8) * 8 * 32))
+    _RESIDENT[key] = max(1, min(32, warps_per_sm // metadata.num_warps))
 
 
 def _key(key: int) -> tuple[int, int]:
@@ -869,9 +889,11 @@ def encode_chunks(
     launch = _launch("encode", layout.bucket_size, x.dtype)
     max_nq = -(-layout.chunk_numel // layout.bucket_size)
     tiles = -(-max_nq // launch["BUCKETS"])
-    grid = (_programs(tiles, layout.num_chunks, x.device), layout.num_chunks)
+    align = math.gcd(layout.chunk_numel, 16)
+    resident_key = ("encode", x.dtype, layout.bits, layout.bucket_size, align, *launch.values())
+    grid = (_programs(tiles, layout.num_chunks, x.device, resident_key), layout.num_chunks)
     k0, k1 = _key(key)
-    _encode_kernel[grid](
+    compiled = _encode_kernel[grid](
         flat,
         rows,
         _f32(rows),
@@ -885,9 +907,11 @@ def encode_chunks(
         BITS=layout.bits,
         B=layout.bucket_size,
         SKIP_INCOMPLETE=layout.skip_incomplete,
-        ALIGN=math.gcd(layout.chunk_numel, 16),
+        ALIGN=align,
         **launch,
     )
+    if resident_key not in _RESIDENT:
+        _note_residency(resident_key, compiled)
     for j in range(layout.num_chunks if layout.skip_incomplete else 0):
         chunk = layout.chunk(j)
         if chunk.raw_numel and j != skip_chunk:
@@ -1011,10 +1035,13 @@ def decode_sum_encode(
         "decode_sum_encode", bucket_size, own_flat.dtype if own is not None else torch.float32
     )
     tiles = -(-layout.num_buckets // launch["BUCKETS"])
-    grid = (_programs(tiles, 1, payloads.device), 1)
+    skip_own = 0 <= own_index < payloads.shape[0]
+    resident_key = ("decode_sum_encode", own_flat.dtype, bits, bucket_size, payloads.shape[0],
+                    skip_own, own is not None, scale is not None, *launch.values())  # fmt: skip
+    grid = (_programs(tiles, 1, payloads.device, resident_key), 1)
     k0, k1 = _key(key)
     if layout.num_buckets:
-        _decode_sum_encode_kernel[grid](
+        compiled = _decode_sum_encode_kernel[grid](
             payloads,
             _f32(payloads),
             own_flat,
@@ -1028,7 +1055,7 @@ def decode_sum_encode(
             k1,
             stream,
             NUM_ROWS=payloads.shape[0],
-            SKIP_OWN=0 <= own_index < payloads.shape[0],
+            SKIP_OWN=skip_own,
             BITS=bits,
             B=bucket_size,
             SKIP_INCOMPLETE=skip_incomplete,
@@ -1036,6 +1063,8 @@ def decode_sum_encode(
             HAS_SCALE=scale is not None,
             **launch,
         )
+        if resident_key not in _RESIDENT:
+            _note_residency(resident_key, compiled)
     if layout.raw_numel:
         tail = layout.num_buckets * bucket_size
         acc = (
