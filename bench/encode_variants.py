@@ -1,10 +1,10 @@
 """Times the Triton encode, decode and decode-sum-encode kernels under launch variants (values
-per program, warps) in one run, against a device copy: a tuning aid for
+per program, warps, tiles per program) in one run, against a device copy: a tuning aid for
 ``cgx2.codecs.maxmin_triton`` (its ``_SHAPE``, per kernel and value width). Encode writes
 into a preallocated payload, as the allreduce calls it.
 
 Run on a GPU: ``python bench/encode_variants.py [--numel N] [--bits 4] [--warps 1,2,4]
-[--programs-per-sm 8,16,32]``.
+[--tiles-per-program 1,4,16]``.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ def main() -> None:
     p.add_argument("--tiles", default="512,1024,2048")
     p.add_argument("--warps", default="1,2,4")
     p.add_argument(
-        "--programs-per-sm",
-        default="0",
-        help="programs per SM of the strided kernels (comma list; 0: as many as fit)",
+        "--tiles-per-program",
+        default=str(tri._TILES_PER_PROGRAM),
+        help="tiles each program of the strided kernels walks (comma list)",
     )
     p.add_argument("--kernels", default="encode,decode,dse")
     p.add_argument("--dtypes", default="fp32,bf16")
@@ -49,7 +49,7 @@ def main() -> None:
     copy_gbps = 2 * src.numel() / copy_ms / 1e6
     print(f"copy {src.numel() >> 20} MiB: {copy_ms:.3f} ms, {copy_gbps:.0f} GB/s")
     base = dict(tri._SHAPE)
-    base_depth = tri._PROGRAMS_PER_SM
+    base_depth = tri._TILES_PER_PROGRAM
 
     kernels = args.kernels.split(",")
 
@@ -58,22 +58,22 @@ def main() -> None:
             return
         ms = triton.testing.do_bench(fn, rep=100, return_mode="median")
         gbps = moved / ms / 1e6
-        depth = tri._PROGRAMS_PER_SM
+        depth = tri._TILES_PER_PROGRAM
         print(f"{kernel:6s} {name} bits={bits} tile={tile:5d} warps={warps:2d} "
-              f"per_sm={depth:3d}: {ms:.3f} ms {gbps:6.0f} GB/s "
+              f"tiles/program={depth:3d}: {ms:.3f} ms {gbps:6.0f} GB/s "
               f"{gbps / copy_gbps:4.0%} of copy", flush=True)  # fmt: skip
         results.append({"kernel": kernel, "dtype": name, "bits": bits, "tile": tile, "warps": warps,
-                        "programs_per_sm": depth, "ms": ms, "gbps": gbps,
+                        "tiles_per_program": depth, "ms": ms, "gbps": gbps,
                         "fraction_of_copy": gbps / copy_gbps})  # fmt: skip
 
     for bits in [int(b) for b in args.bits.split(",")]:
         for tile in [int(t) for t in args.tiles.split(",")]:
             for warps, depth in itertools.product(
                 [int(w) for w in args.warps.split(",")],
-                [int(d) for d in args.programs_per_sm.split(",")],
+                [int(d) for d in args.tiles_per_program.split(",")],
             ):
                 tri._SHAPE = dict.fromkeys(base, (tile, warps))
-                tri._PROGRAMS_PER_SM = depth
+                tri._TILES_PER_PROGRAM = depth
                 for name, x in (("fp32", x32), ("bf16", xbf)):
                     if name not in args.dtypes.split(","):
                         continue
@@ -96,7 +96,7 @@ def main() -> None:
                            lambda r=payloads, o=own, b=bits: tri.decode_sum_encode(
                                r, o.numel(), o, 1, 0.25, b, 512, key=2), moved)  # fmt: skip
     tri._SHAPE = base
-    tri._PROGRAMS_PER_SM = base_depth
+    tri._TILES_PER_PROGRAM = base_depth
     if args.out_dir:
         report_json = {"env": environment(x32.device), "numel": n, "copy_ms": copy_ms,
                        "copy_gbps": copy_gbps, "rows": results}  # fmt: skip

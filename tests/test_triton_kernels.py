@@ -168,9 +168,7 @@ def test_strided_programs_match_reference(monkeypatch, programs, bits, bucket, s
     """Encode and decode-sum-encode walk their tiles in strides of the grid, loading one tile
     ahead: any number of programs writes the reference's bytes, the incomplete last tile
     included, whichever program it falls to."""
-    monkeypatch.setattr(
-        tri, "_programs", lambda tiles, chunks, device, key=(): min(tiles, programs)
-    )
+    monkeypatch.setattr(tri, "_programs", lambda tiles: min(tiles, programs))
     n = 9 * bucket + 37
     x = _x(n, torch.float32, seed=programs)
     expected = ref.encode(x, bits, bucket, key=42, stream=1, skip_incomplete=skip)

@@ -9,7 +9,6 @@ neither crosses threads. Runs on CUDA, or on the CPU under ``TRITON_INTERPRET=1`
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 
@@ -36,11 +35,11 @@ _SHAPE: dict[tuple[str, int], tuple[int, int]] = {
     ("decode_sum_encode", 4): (512, 1),
 }
 _MAX_BLOCK = 1024
-# Programs per SM that a strided kernel's grid is sized for; 0: _WAVES times as many as fit at
-# once (measured after its first launch). Three waves ran up to 20% faster than one (the last
-# tiles are shared out, not left to a few programs) and no slower than more (H200, 4-bit).
-_PROGRAMS_PER_SM = 0
-_WAVES = 3
+# Tiles each program of a strided kernel walks (the grid is sized from it). A few: the loads
+# of all but the first are in flight while the one before is coded, and each program still
+# ends soon, so that NCCL's kernels, which run beside the coding, find SMs free; on an H200,
+# grids of 3 to 9 tiles a program ran as fast as any, and at one tile 15-25% slower.
+_TILES_PER_PROGRAM = 4
 # Fused multiply-adds would round differently from the reference's separate operations.
 _LAUNCH: dict[str, object] = {"enable_fp_fusion": False}
 
@@ -849,35 +848,9 @@ def _launch(kernel: str, bucket_size: int, dtype: torch.dtype) -> dict[str, obje
     return {"BUCKETS": max(1, tile // block), "BLOCK": block, "num_warps": warps, **_LAUNCH}
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-# Programs of each compiled strided kernel that fit on one SM at once, by its launch key
-# (filled after its first launch, from its registers).
-_RESIDENT: dict[tuple, int] = {}
-
-
-def _programs(tiles: int, chunks: int, device: torch.device, key: tuple = ()) -> int:
-    """Programs per chunk for a kernel that walks its tiles in strides: ``_WAVES`` times as
-    many as fit on the GPU at once (``_PROGRAMS_PER_SM`` where set); under the interpreter a
-    few, so that the tests walk strides too."""
-    if device.type != "cuda":
-        return min(tiles, 3)
-    per_sm = _PROGRAMS_PER_SM or _WAVES * _RESIDENT.get(key, 8)
-    return max(1, min(tiles, -(-_sm_count(device) * per_sm // chunks)))
-
-
-def _note_residency(key: tuple, compiled: object) -> None:
-    """Record how many programs of a just-launched kernel fit on one SM: registers are
-    allocated per warp in units of 256, 64K per SM, at most 64 warps and 32 programs."""
-    regs = getattr(compiled, "n_regs", 0)
-    metadata = getattr(compiled, "metadata", None)
-    if key in _RESIDENT or not regs or metadata is None:
-        return
-    warps_per_sm = min(64, 65536 // (-(-regs // 8) * 8 * 32))
-    _RESIDENT[key] = max(1, min(32, warps_per_sm // metadata.num_warps))
+def _programs(tiles: int) -> int:
+    """Programs for a kernel that walks its tiles in grid strides."""
+    return -(-tiles // _TILES_PER_PROGRAM)
 
 
 def _key(key: int) -> tuple[int, int]:
@@ -917,12 +890,9 @@ def encode_chunks(
         return rows
     launch = _launch("encode", layout.bucket_size, x.dtype)
     max_nq = -(-layout.chunk_numel // layout.bucket_size)
-    tiles = -(-max_nq // launch["BUCKETS"])
-    align = math.gcd(layout.chunk_numel, 16)
-    resident_key = ("encode", x.dtype, layout.bits, layout.bucket_size, align, *launch.values())
-    grid = (_programs(tiles, layout.num_chunks, x.device, resident_key), layout.num_chunks)
+    grid = (_programs(-(-max_nq // launch["BUCKETS"])), layout.num_chunks)
     k0, k1 = _key(key)
-    compiled = _encode_kernel[grid](
+    _encode_kernel[grid](
         flat,
         rows,
         _f32(rows),
@@ -936,11 +906,9 @@ def encode_chunks(
         BITS=layout.bits,
         B=layout.bucket_size,
         SKIP_INCOMPLETE=layout.skip_incomplete,
-        ALIGN=align,
+        ALIGN=math.gcd(layout.chunk_numel, 16),
         **launch,
     )
-    if resident_key not in _RESIDENT:
-        _note_residency(resident_key, compiled)
     for j in range(layout.num_chunks if layout.skip_incomplete else 0):
         chunk = layout.chunk(j)
         if chunk.raw_numel and j != skip_chunk:
@@ -1063,14 +1031,10 @@ def decode_sum_encode(
     launch = _launch(
         "decode_sum_encode", bucket_size, own_flat.dtype if own is not None else torch.float32
     )
-    tiles = -(-layout.num_buckets // launch["BUCKETS"])
-    skip_own = 0 <= own_index < payloads.shape[0]
-    resident_key = ("decode_sum_encode", own_flat.dtype, bits, bucket_size, payloads.shape[0],
-                    skip_own, own is not None, scale is not None, *launch.values())  # fmt: skip
-    grid = (_programs(tiles, 1, payloads.device, resident_key), 1)
+    grid = (_programs(-(-layout.num_buckets // launch["BUCKETS"])), 1)
     k0, k1 = _key(key)
     if layout.num_buckets:
-        compiled = _decode_sum_encode_kernel[grid](
+        _decode_sum_encode_kernel[grid](
             payloads,
             _f32(payloads),
             own_flat,
@@ -1084,7 +1048,7 @@ def decode_sum_encode(
             k1,
             stream,
             NUM_ROWS=payloads.shape[0],
-            SKIP_OWN=skip_own,
+            SKIP_OWN=0 <= own_index < payloads.shape[0],
             BITS=bits,
             B=bucket_size,
             SKIP_INCOMPLETE=skip_incomplete,
@@ -1092,8 +1056,6 @@ def decode_sum_encode(
             HAS_SCALE=scale is not None,
             **launch,
         )
-        if resident_key not in _RESIDENT:
-            _note_residency(resident_key, compiled)
     if layout.raw_numel:
         tail = layout.num_buckets * bucket_size
         acc = (
