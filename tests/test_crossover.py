@@ -63,8 +63,8 @@ def test_regime_detection(clean_env, env, peers, regime):
     ("regime", "dtype", "expected"),
     [
         ("nvlink", torch.float32, 256 * MiB),
-        ("nvlink", torch.bfloat16, 1024 * MiB),
-        ("nvlink", torch.float16, 1024 * MiB),
+        ("nvlink", torch.bfloat16, None),
+        ("nvlink", torch.float16, None),
         ("shm", torch.bfloat16, 16 * MiB),
         ("socket", torch.float32, 4 * MiB),
         ("cpu", torch.float32, 0),
@@ -80,7 +80,7 @@ def test_variable_overrides_and_is_checked(clean_env):
     clean_env.setenv("CGX2_CROSSOVER_BYTES", "0")
     assert crossover_bytes(CUDA, torch.bfloat16) == 0
     clean_env.setenv("CGX2_CROSSOVER_BYTES", "auto")
-    assert crossover_bytes(CUDA, torch.bfloat16) == 1 << 30
+    assert crossover_bytes(CUDA, torch.bfloat16) is None
     for bad in ("-1", "1MB"):
         clean_env.setenv("CGX2_CROSSOVER_BYTES", bad)
         with pytest.raises(ValueError, match="CGX2_CROSSOVER_BYTES"):
