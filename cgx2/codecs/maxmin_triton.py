@@ -1,10 +1,12 @@
 """Max-min codec as Triton kernels: encode, decode and fused decode-sum-encode.
 
 They write the same bytes as the torch reference (:mod:`.maxmin`) and take the same
-arguments. Each program handles a tile of ``BUCKETS`` buckets x ``BLOCK`` values; buckets wider
-than ``BLOCK`` are walked in tiles (statistics first, then levels). A thread holds whole groups
-of eight values: each group is one Philox call (computed in-kernel) and one packed field, so
-neither crosses threads. Runs on CUDA, or on the CPU under ``TRITON_INTERPRET=1`` (tests).
+arguments. A tile is ``BUCKETS`` buckets x ``BLOCK`` values; encode and decode-sum-encode
+programs walk a few tiles each in grid strides, loading the next while coding one; buckets
+wider than ``BLOCK`` are walked a tile at a time (statistics first, then levels). A thread
+holds whole groups of eight values: each group is one Philox call (computed in-kernel) and one
+packed field, so neither crosses threads. Runs on CUDA, or on the CPU under
+``TRITON_INTERPRET=1`` (tests).
 """
 
 from __future__ import annotations
@@ -37,8 +39,9 @@ _SHAPE: dict[tuple[str, int], tuple[int, int]] = {
 _MAX_BLOCK = 1024
 # Tiles each program of a strided kernel walks (the grid is sized from it). A few: the loads
 # of all but the first are in flight while the one before is coded, and each program still
-# ends soon, so that NCCL's kernels, which run beside the coding, find SMs free; on an H200,
-# grids of 3 to 9 tiles a program ran as fast as any, and at one tile 15-25% slower.
+# ends soon, leaving SMs to the NCCL kernels that run beside the coding. On an H200, 2 to 8
+# tiles a program ran within 5% of each other, one tile 10-40% slower (bench/results/
+# encode_variants_nvidia-h200_nvlink_w1_20261123T050011.json).
 _TILES_PER_PROGRAM = 4
 # Fused multiply-adds would round differently from the reference's separate operations.
 _LAUNCH: dict[str, object] = {"enable_fp_fusion": False}
@@ -245,7 +248,8 @@ def _load_fields(
 @triton.jit
 def _byte_float(word, byte):
     """2**23 + byte ``byte`` of uint32 ``word``, as fp32 bits: one byte permute, where a shift,
-    a mask and an or would be three instructions (the decoding kernels are issue-bound)."""
+    a mask and an or would be three instructions (decode-sum-encode decodes K - 1 rows a
+    value)."""
     if _INTERPRET:
         return ((word >> (byte * 8).to(tl.uint32)) & 0xFF) | 0x4B000000
     return tl.inline_asm_elementwise(
