@@ -124,41 +124,16 @@ class Case:
 
 
 def build_cases(p: Profile) -> list[Case]:
-    """Checks in priority order (the budget cuts from the end); kernels compile once per
-    (dtype, bits, bucket, skip, ...) so each new combination is followed by its reuses."""
+    """Checks in priority order (the budget cuts from the end): the small and the edge-value
+    cases first, the big lengths last; kernels compile once per (dtype, bits, bucket, skip,
+    ...) so each new combination is followed by its reuses."""
     cases: list[Case] = []
     # 1. Main bucket, every width, small lengths (1000 and 4099 leave an incomplete bucket).
     for dtype in (F32, BF16):
         for bits in range(1, 9):
             ops = FULL_OPS if dtype is F32 or bits == 4 else BIG_OPS
             cases += [Case(dtype, n, bits, 512, ops=ops) for n in p.small]
-    # 2. Big lengths, main bucket.
-    for n in p.big:
-        for dtype in (F32, BF16):
-            cases += [Case(dtype, n, bits, 512, ops=BIG_OPS) for bits in p.big_bits]
-    # 3. Huge: encode bytes (and decode) at 4 bits.
-    if p.huge:
-        cases.append(Case(F32, p.huge, 4, 512, ops=("encode", "decode")))
-        cases.append(Case(BF16, p.huge, 4, 512, ops=("encode",)))
-    # 4. Multi-tile path (bucket 2048 > BLOCK 1024) and a small bucket.
-    for bucket, widths in (
-        (2048, {F32: (1, 3, 4, 8), BF16: (2, 4)}),
-        (128, {F32: (3, 4), BF16: (4,)}),
-    ):
-        for dtype, bits_list in widths.items():
-            for bits in bits_list:
-                cases += [Case(dtype, n, bits, bucket, ops=BIG_OPS) for n in p.odd]
-    # 5. skip_incomplete=True (the False side of the same lengths is covered above).
-    for bucket, dtype, bits in ((512, F32, 4), (512, F32, 2), (512, F32, 8), (512, BF16, 4)):
-        cases += [Case(dtype, n, bits, bucket, skip=True) for n in p.skip]
-    for bucket, dtype, bits in ((2048, F32, 4), (128, F32, 3)):
-        cases += [Case(dtype, n, bits, bucket, skip=True, ops=BIG_OPS) for n in p.odd]
-    # 6. fp16 once; own=None; a key whose halves pass as int32.
-    cases += [Case(F16, n, 4, 512) for n in (4099, p.big[0])]
-    cases.append(Case(F32, 4099, 4, 512, ops=("dse_noown",)))
-    cases.append(Case(BF16, 4099, 4, 512, ops=("dse_noown",)))
-    cases.append(Case(F32, 4099, 4, 512, ops=("encode", "dse", "chunks"), key=SMALL_KEY))
-    # 7. Non-finite, overflowing-span, subnormal and constant buckets.
+    # 2. Non-finite, overflowing-span, subnormal and constant buckets.
     for dtype, bits, bucket in (
         (F32, 1, 512),
         (F32, 4, 512),
@@ -171,6 +146,32 @@ def build_cases(p: Profile) -> list[Case]:
         for skip in (False, True):
             ops = FULL_OPS if bucket == 512 else BIG_OPS
             cases.append(Case(dtype, n, bits, bucket, skip=skip, ops=ops, data="edge"))
+    # 3. Multi-tile path (bucket 2048 > BLOCK 1024) and a small bucket.
+    for bucket, widths in (
+        (2048, {F32: (1, 3, 4, 8), BF16: (2, 4)}),
+        (128, {F32: (3, 4), BF16: (4,)}),
+    ):
+        for dtype, bits_list in widths.items():
+            for bits in bits_list:
+                cases += [Case(dtype, n, bits, bucket, ops=BIG_OPS) for n in p.odd]
+    # 4. skip_incomplete=True (the False side of the same lengths is covered above).
+    for bucket, dtype, bits in ((512, F32, 4), (512, F32, 2), (512, F32, 8), (512, BF16, 4)):
+        cases += [Case(dtype, n, bits, bucket, skip=True) for n in p.skip]
+    for bucket, dtype, bits in ((2048, F32, 4), (128, F32, 3)):
+        cases += [Case(dtype, n, bits, bucket, skip=True, ops=BIG_OPS) for n in p.odd]
+    # 5. fp16 once; own=None; a key whose halves pass as int32.
+    cases += [Case(F16, n, 4, 512) for n in (4099, p.big[0])]
+    cases.append(Case(F32, 4099, 4, 512, ops=("dse_noown",)))
+    cases.append(Case(BF16, 4099, 4, 512, ops=("dse_noown",)))
+    cases.append(Case(F32, 4099, 4, 512, ops=("encode", "dse", "chunks"), key=SMALL_KEY))
+    # 6. Big lengths, main bucket (the slowest: last).
+    for n in p.big:
+        for dtype in (F32, BF16):
+            cases += [Case(dtype, n, bits, 512, ops=BIG_OPS) for bits in p.big_bits]
+    # 7. Huge: encode bytes (and decode) at 4 bits.
+    if p.huge:
+        cases.append(Case(F32, p.huge, 4, 512, ops=("encode", "decode")))
+        cases.append(Case(BF16, p.huge, 4, 512, ops=("encode",)))
     return cases
 
 
