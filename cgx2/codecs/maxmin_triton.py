@@ -43,6 +43,10 @@ _MAX_BLOCK = 1024
 # tiles a program ran within 5% of each other, one tile 10-40% slower (bench/results/
 # encode_variants_nvidia-h200_nvlink_w1_20261123T050011.json).
 _TILES_PER_PROGRAM = 4
+# A grid has at least this many programs (up to one a tile): walking 4 tiles each, a small
+# tensor's few programs would leave SMs idle. Small grids so keep the one-tile programs that
+# all sizes had before the strides; strides were timed at 64M values only.
+_MIN_PROGRAMS = 2048
 # Fused multiply-adds would round differently from the reference's separate operations.
 _LAUNCH: dict[str, object] = {"enable_fp_fusion": False}
 
@@ -854,7 +858,7 @@ def _launch(kernel: str, bucket_size: int, dtype: torch.dtype) -> dict[str, obje
 
 def _programs(tiles: int) -> int:
     """Programs for a kernel that walks its tiles in grid strides."""
-    return -(-tiles // _TILES_PER_PROGRAM)
+    return min(tiles, max(_MIN_PROGRAMS, -(-tiles // _TILES_PER_PROGRAM)))
 
 
 def _key(key: int) -> tuple[int, int]:
