@@ -113,7 +113,7 @@ class Case:
     bucket: int
     skip: bool = False
     ops: tuple[str, ...] = FULL_OPS
-    data: str = "randn"  # or "edge": constant, +-inf, NaN, +-3e38, subnormal, zero buckets
+    data: str = "randn"  # or "edge": constant, +-inf, NaN, +-3e38, subnormal, zero, 1e34 buckets
     key: int = KEY
 
     @property
@@ -201,6 +201,7 @@ def make_input(
         lambda s: s.mul_(1e-40),  # subnormal
         lambda s: s.copy_(torch.where(s > 0, 0.0, -0.0)),
         lambda s: s.mul_(1e-3).add_(1e4),  # tiny span, large magnitude
+        lambda s: s.mul_(1e34),  # finite span near fp32's top (step > 2**104)
     ]
     for i, fill in enumerate(specials):
         if (i + 1) * b <= n:

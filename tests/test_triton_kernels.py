@@ -77,7 +77,8 @@ def test_non_finite_buckets_match_reference(bad):
 def _edge(bucket: int, dtype: torch.dtype) -> torch.Tensor:
     """One bucket of each kind the kernels' shortcuts must get right, then ordinary ones: a
     constant, +-inf, NaN (in the second tile of a wide bucket too), a span that overflows, a
-    subnormal span (infinite scale: 0 * inf is NaN), signed zeros, a tiny span far from 0."""
+    subnormal span (infinite scale: 0 * inf is NaN), signed zeros, a tiny span far from 0, a
+    finite span near fp32's top."""
     specials = [
         lambda s: s.fill_(1.5),
         lambda s: s.__setitem__(len(s) // 3, float("inf")),
@@ -87,6 +88,7 @@ def _edge(bucket: int, dtype: torch.dtype) -> torch.Tensor:
         lambda s: s.mul_(1e-40),
         lambda s: s.copy_(torch.where(s > 0, 0.0, -0.0)),
         lambda s: s.mul_(1e-3).add_(1e4),
+        lambda s: s.mul_(1e34),
     ]
     x = _x((len(specials) + 1) * bucket + bucket // 2 + 3, torch.float32, seed=7).cpu()
     for i, fill in enumerate(specials):
