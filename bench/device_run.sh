@@ -8,7 +8,9 @@
 # TRAIN_ARGS for examples/train_ddp.py, TRAIN_REGIMES ("socket shm nvlink") and TRAIN_RUNS
 # ("32 hook,4 hook,4 backend") to pick runs, FSDP_ARGS/FSDP_REGIMES ("socket") for
 # examples/train_fsdp.py; SKIP_KERNELS, SKIP_CHECKS, SKIP_BENCH, SKIP_TRAIN, SKIP_FSDP_TRAIN=1
-# leave a stage out (a call is limited to 10 minutes on our machines).
+# leave a stage out (a call is limited to 10 minutes on our machines). Tuning stages, off unless
+# asked: AB_VERSIONS="name=path ..." times those copies of maxmin_triton.py against the tree's
+# (bench/kernel_ab.py); TIMELINE_REGIMES="shm ..." prints a 256 MiB allreduce's GPU timeline.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -24,6 +26,11 @@ fi
 save() {  # after every stage, so that a run cut short still brings back what it measured
   tar czf "$OUT/results.tgz" bench/results/*.json 2>/dev/null
 }
+if [ -n "${AB_VERSIONS:-}" ]; then
+  # shellcheck disable=SC2086  # one NAME=PATH word each
+  python3 bench/kernel_ab.py $AB_VERSIONS 2>"$LOGS/kernel_ab.err" | tail -n 60 || status=1
+  save
+fi
 regime_vars() {
   case $1 in
     nvlink) vars=() ;;
@@ -46,6 +53,14 @@ if [ "$NGPU" -ge 2 ] && [ -z "${SKIP_BENCH:-}" ]; then
     env "${vars[@]}" torchrun --nproc-per-node "$NGPU" -m cgx2.bench ${BENCH_ARGS:-} \
       2>>"$LOGS/bench_$regime.err" || status=1
     save
+  done
+fi
+if [ "$NGPU" -ge 2 ]; then
+  for regime in ${TIMELINE_REGIMES:-}; do
+    regime_vars $regime
+    echo "== timeline, $NGPU GPUs, regime $regime"
+    env "${vars[@]}" torchrun --nproc-per-node "$NGPU" bench/allreduce_timeline.py --mib 256 \
+      2>>"$LOGS/timeline_$regime.err" | tail -n 40 || status=1
   done
 fi
 GPU=$(python3 -c "import torch; print(torch.cuda.get_device_name().lower().replace(' ', '-'))")
