@@ -410,13 +410,14 @@ def _encode_loaded(
     FULL: tl.constexpr,
 ):
     """Encode buckets q (B <= BLOCK) from their loaded values."""
+    qmask = q < nq
     lo, hi = _stats(v0, v1, valid0, valid1)
     lo, step, scale, finite = _params(lo, hi, BITS)
     _quantize_store(
-        lev_ptr, v0, v1, valid0, valid1, lo, scale, finite, q, q < nq, quant, 0, stream,
+        lev_ptr, v0, v1, valid0, valid1, lo, scale, finite, q, qmask, quant, 0, stream,
         key0, key1, BITS, B, BUCKETS, BLOCK, FULL,
     )  # fmt: skip
-    _store_meta(meta_ptr, q, q < nq, lo, step)
+    _store_meta(meta_ptr, q, qmask, lo, step)
 
 
 @triton.jit
