@@ -1,7 +1,10 @@
 """The GPU timeline of one quantized allreduce, under torchrun: each kernel and collective
-(start, duration, gap before it) and the host's enqueue calls, from torch.profiler, to see
-where the time between the speed of light and the measured time goes. A tuning aid:
-``torchrun --nproc-per-node 2 bench/allreduce_timeline.py [--mib 256] [--bits 4]``.
+(start and duration, from the host's start of the call) and a summary of where the time between
+the speed of light and the measured time goes. A tuning aid:
+``torchrun --nproc-per-node 2 bench/allreduce_timeline.py [--mib 256] [--bits 4] [--dtype bf16]``.
+
+Each call starts as the benchmark's do (synced GPUs, a barrier); the first profiled calls are
+warm-up steps, so that the profiler's own first-call stall falls outside the one reported.
 """
 
 from __future__ import annotations
@@ -17,13 +20,30 @@ import torch.distributed as dist
 
 import cgx2
 
-
-def _start(e) -> float:
-    return e.time_range.start
+MARK = "cgx2_timed_call"
 
 
-def _row(e, t0: float) -> None:
-    print(f"  {e.time_range.start - t0:9.1f} {e.time_range.elapsed_us():8.1f}  {e.name[:70]}")
+def _is_nccl(e) -> bool:
+    return e.name.startswith(("ncclDevKernel", "ncclKernel"))
+
+
+def _summary(events: list, t0: float, t1: float) -> dict[str, float]:
+    """Microseconds from the call's host start ``t0``; ``t1`` its host end."""
+    nccl = [e for e in events if _is_nccl(e)]
+    kernels = [e for e in events if not _is_nccl(e) and not e.name.startswith("nccl:")]
+    end = max(e.time_range.end for e in events)
+    busy = sum(e.time_range.elapsed_us() for e in nccl)
+    span = nccl[-1].time_range.end - nccl[0].time_range.start if nccl else 0.0
+    return {
+        "host call": t1 - t0,
+        "to first GPU work": min(e.time_range.start for e in events) - t0,
+        "to first collective": nccl[0].time_range.start - t0 if nccl else 0.0,
+        "collectives, busy": busy,
+        "collectives, idle between": span - busy,
+        "after the last collective": end - nccl[-1].time_range.end if nccl else 0.0,
+        "coding kernels, busy": sum(e.time_range.elapsed_us() for e in kernels),
+        "GPU end": end - t0,
+    }
 
 
 def main() -> None:
@@ -39,30 +59,36 @@ def main() -> None:
     os.environ["CGX2_CROSSOVER_BYTES"] = "0"
     for _ in range(5):
         cgx2.quantized_allreduce(x, args.bits, op="avg")
-    torch.cuda.synchronize()
-    dist.barrier()
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as prof:
-        torch.cuda.synchronize()
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        cgx2.quantized_allreduce(x, args.bits, op="avg")
-        end.record()
-        end.synchronize()
+    schedule = torch.profiler.schedule(wait=0, warmup=3, active=1, repeat=1)
+    with torch.profiler.profile(activities=activities, schedule=schedule) as prof:
+        for _ in range(4):
+            torch.cuda.synchronize()
+            dist.barrier()
+            torch.cuda.synchronize()
+            with torch.profiler.record_function(MARK):
+                cgx2.quantized_allreduce(x, args.bits, op="avg")
+            torch.cuda.synchronize()
+            prof.step()
+    mark = next(e for e in prof.events() if e.name == MARK)
+    t0, t1 = mark.time_range.start, mark.time_range.end
+    gpu = sorted(
+        (e for e in prof.events()
+         if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.start >= t0),
+        key=lambda e: e.time_range.start,
+    )  # fmt: skip
+    summary = _summary(gpu, t0, t1)
+    summaries = [None] * dist.get_world_size()
+    dist.all_gather_object(summaries, summary)
     if dist.get_rank() == 0:
-        events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        events.sort(key=lambda e: e.time_range.start)
-        host = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
-        t0 = min(e.time_range.start for e in host)
-        print(f"{args.mib} MiB {args.dtype} {args.bits}-bit: {start.elapsed_time(end):.3f} ms "
-              f"between events; GPU work (start us, duration us, name):")  # fmt: skip
-        for e in events:
-            _row(e, t0)
-        names = ("cudaLaunch", "cuLaunch", "c10d::", "aten::zero", "aten::empty", "nccl:")
-        print("host calls (start us, duration us, name):")
-        for e in sorted((e for e in host if e.name.startswith(names)), key=_start):
-            _row(e, t0)
+        print(f"{args.mib} MiB {args.dtype} {args.bits}-bit, one profiled call (us from the "
+              f"host's start of the call):")  # fmt: skip
+        for e in gpu:
+            print(f"  {e.time_range.start - t0:9.1f} {e.time_range.elapsed_us():8.1f}  "
+                  f"{e.name[:70]}")  # fmt: skip
+        print("summary, us" + "".join(f"   rank {r}" for r in range(len(summaries))))
+        for key in summary:
+            print(f"  {key:28s}" + "".join(f" {s[key]:8.1f}" for s in summaries))
     dist.destroy_process_group()
 
 

@@ -60,7 +60,7 @@ if [ "$NGPU" -ge 2 ]; then
     regime_vars $regime
     echo "== timeline, $NGPU GPUs, regime $regime"
     env "${vars[@]}" torchrun --nproc-per-node "$NGPU" bench/allreduce_timeline.py --mib 256 \
-      2>>"$LOGS/timeline_$regime.err" | tail -n 40 || status=1
+      2>>"$LOGS/timeline_$regime.err" | tee "$LOGS/timeline_$regime.out" | head -n 40 || status=1
   done
 fi
 GPU=$(python3 -c "import torch; print(torch.cuda.get_device_name().lower().replace(' ', '-'))")

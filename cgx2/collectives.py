@@ -1,9 +1,9 @@
 """Quantized collectives over a ``torch.distributed`` process group.
 
 The allreduce is scatter-reduce-allgather on packed payloads: encode the W chunks, one
-``all_to_all_single``, decode-and-sum into the owned chunk (fused) and encode it once more,
-one ``all_gather_into_tensor``, decode. All ranks decode the same bytes, so they return
-bit-identical tensors.
+``all_to_all_single`` (an all-gather between two ranks), decode-and-sum into the owned chunk
+(fused) and encode it once more, one ``all_gather_into_tensor``, decode. All ranks decode the
+same bytes, so they return bit-identical tensors.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ __all__ = [
     "allreduce_quantized",
     "allreduce_quantized_",
     "compression_pays",
+    "exchange",
     "group_size_and_rank",
     "reference_allreduce",
 ]
@@ -107,6 +108,23 @@ def _all_gather(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup)
     if _direct(group):
         return group._allgather_base(out, send, _ALL_GATHER_OPTIONS)
     return all_gather_single(out, send, group=group, async_op=True)
+
+
+PAIR_GATHER = True
+"""Whether two ranks swap their chunks by an all-gather rather than an all-to-all
+(:func:`exchange`); False for the all-to-all, to compare them."""
+
+
+def exchange(recv: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup, world: int,
+             rank: int) -> dist.Work:  # fmt: skip
+    """Start sending row j of ``send`` (``[world, P]``) to rank j, each rank's row for us
+    landing in its row of ``recv``; our own row of ``recv`` is left undefined (nobody reads
+    it). Between two ranks that is an all-gather of the row for the other rank: the same
+    bytes, but through NCCL's collective path, not its point-to-point one (all-to-all), which
+    is slower over every interconnect (BENCHMARKS.md, "Exchange")."""
+    if world == 2 and PAIR_GATHER:
+        return _all_gather(recv.view(-1), send[1 - rank], group)
+    return _all_to_all(recv, send, group)
 
 
 _ROUTES: dict[int, tuple[Callable | None, bool]] = {}
@@ -364,7 +382,7 @@ class _Piece:
         key = extend_key(run.scatter_key, self.index)
         run.codec.encode_chunks(self.x, layout, key, skip_chunk=run.rank, out=send)
         self.recv = torch.empty_like(send)
-        self.work = _all_to_all(self.recv, send, run.group)
+        self.work = exchange(self.recv, send, run.group, run.world, run.rank)
         if self.error is not None:
             # Decoding what was sent (while it travels) gives exactly what the owners add, in
             # fp32 as they sum; our own chunk (its row unwritten, decoded to garbage) stays

@@ -33,12 +33,13 @@ def _run_cases(cases: list[tuple]) -> list[torch.Tensor]:
     return outs
 
 
-def _run_pipelined(cases: list[tuple], piece_bytes: int) -> list[torch.Tensor]:
-    saved, collectives.PIPELINE_BYTES = collectives.PIPELINE_BYTES, piece_bytes
+def _run_pipelined(cases: list[tuple], piece_bytes: int, pair_gather: bool) -> list[torch.Tensor]:
+    saved = collectives.PIPELINE_BYTES, collectives.PAIR_GATHER
+    collectives.PIPELINE_BYTES, collectives.PAIR_GATHER = piece_bytes, pair_gather
     try:
         return _run_cases(cases)
     finally:
-        collectives.PIPELINE_BYTES = saved
+        collectives.PIPELINE_BYTES, collectives.PAIR_GATHER = saved
 
 
 def _plain_equals_dist_all_reduce() -> list[bool]:
@@ -212,9 +213,10 @@ def test_a_few_million_values(dist2):
     _check(dist2.run(_run_cases, cases), cases, 2)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_pipelined_pieces(dist2, dist4, world):
-    """Small pieces: many in flight at once, the last one short; same guarantees."""
+@pytest.mark.parametrize("world, pair_gather", [(2, True), (2, False), (4, True)])
+def test_pipelined_pieces(dist2, dist4, world, pair_gather):
+    """Small pieces: many in flight at once, the last one short; same guarantees, whether two
+    ranks swap their chunks by all-gather or all-to-all."""
     pool = dist2 if world == 2 else dist4
     piece_bytes = 4 * 512 * world
     cases = [
@@ -223,7 +225,7 @@ def test_pipelined_pieces(dist2, dist4, world):
         for n in (1, 8 * 512 * world + 123, 20 * 512 * world)
         for op, skip in (("sum", False), ("avg", True))
     ]
-    outs = pool.run(_run_pipelined, cases, piece_bytes)
+    outs = pool.run(_run_pipelined, cases, piece_bytes, pair_gather)
     saved, collectives.PIPELINE_BYTES = collectives.PIPELINE_BYTES, piece_bytes
     try:
         _check(outs, cases, world)

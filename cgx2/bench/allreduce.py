@@ -3,8 +3,10 @@
 Per size it times, inside one run: the backend's ``all_reduce``; ``cgx2.quantized_allreduce``
 at each bits value, always quantizing ("cgx2"); ``cgx2.quantized_allreduce_`` in place as
 users get it, plain below the regime's crossover ("auto", :mod:`cgx2.crossover`); a cast to
-bf16 + allreduce + cast back (what torch's compress hooks do); and the speed of light, a bare
-``all_to_all`` + ``all_gather`` of the compressed payload with no coding. Run it under
+bf16 + allreduce + cast back (what torch's compress hooks do); and the speed of light, the
+pipeline's collectives bare, on a payload of the compressed size with no coding: an
+``all_to_all`` + ``all_gather`` ("a2a SoL"), and, between two ranks, where the pipeline swaps
+chunks by an all-gather (:func:`cgx2.collectives.exchange`), two all-gathers ("SoL"). Run it under
 ``torchrun``; rank 0 prints the table and writes the JSON.
 """
 
@@ -141,15 +143,22 @@ def _bench_size(
         recv = torch.empty_like(send)
         gathered = torch.empty(world * layout.payload_nbytes, dtype=torch.uint8, device=device)
 
-        def speed_of_light(send=send, recv=recv, gathered=gathered) -> None:
-            # The collectives the pipeline itself calls (the process group's own, directly).
-            collectives._all_to_all(recv, send, dist.group.WORLD).wait()
-            collectives._all_gather(gathered, recv[0], dist.group.WORLD).wait()
+        def speed_of_light(send=send, recv=recv, gathered=gathered, pair=True) -> None:
+            # The collectives the pipeline itself calls (the process group's own, directly);
+            # pair=False: all_to_all + all_gather, whatever the world size.
+            group = dist.group.WORLD
+            if pair:
+                collectives.exchange(recv, send, group, world, rank).wait()
+            else:
+                collectives._all_to_all(recv, send, group).wait()
+            collectives._all_gather(gathered, recv[0], group).wait()
 
         def quantized(bits: int = bits) -> None:
             cgx2.quantized_allreduce(x, bits, op="avg", bucket_size=args.bucket_size)
 
         sol_ms = timer(speed_of_light)
+        pair_gather = world == 2 and collectives.PAIR_GATHER
+        sol_a2a_ms = timer(lambda: speed_of_light(pair=False)) if pair_gather else sol_ms
         with _crossover_bytes("0"):  # always quantize: what the codec and pipeline cost
             cgx_ms = timer(quantized)
         auto_buf = x.clone()
@@ -169,7 +178,7 @@ def _bench_size(
             "payload_bytes_per_rank": layout.payload_nbytes,
             "plain_ms": plain_ms, "plain_busbw": _busbw(nbytes, plain_ms, world),
             "cgx2_ms": cgx_ms, "cgx2_busbw": _busbw(nbytes, cgx_ms, world),
-            "cast_bf16_ms": cast_ms, "sol_ms": sol_ms,
+            "cast_bf16_ms": cast_ms, "sol_ms": sol_ms, "sol_all_to_all_ms": sol_a2a_ms,
             "auto_ms": auto_ms, "auto_path": auto_path, "plain_paired_ms": plain_paired_ms,
             "auto_vs_plain": plain_paired_ms / auto_ms,
             "speedup_vs_plain": plain_ms / cgx_ms,
@@ -198,6 +207,7 @@ COLUMNS = [
     ("plain_ms", "plain ms", ".3f"), ("plain_busbw", "busbw GB/s", ".2f"),
     ("cgx2_ms", "cgx2 ms", ".3f"), ("cgx2_busbw", "busbw GB/s", ".2f"),
     ("cast_bf16_ms", "bf16-cast ms", ".3f"), ("sol_ms", "SoL ms", ".3f"),
+    ("sol_all_to_all_ms", "a2a SoL ms", ".3f"),
     ("speedup_vs_plain", "cgx2/plain x", ".2f"), ("fraction_of_sol", "cgx2 % of SoL", ".0%"),
     ("auto_path", "auto", ""), ("auto_vs_plain", "auto/plain x", ".2f"),
 ]  # fmt: skip
@@ -217,6 +227,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="input MiB per pipeline piece (default: the regime's cgx2.collectives.PIECE_NUMEL)",
     )
+    p.add_argument(
+        "--no-pair-gather",
+        action="store_true",
+        help="two ranks swap chunks by all_to_all, not all_gather (cgx2.collectives.PAIR_GATHER)",
+    )
     p.add_argument("--out-dir", default="bench/results", help="where the JSON goes ('' for none)")
     args = p.parse_args(argv)
     args.sizes = [parse_size(s) for s in args.sizes.split(",")]
@@ -233,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     if args.pipeline_mb is not None:
         collectives.PIPELINE_BYTES = args.pipeline_mb << 20
+    collectives.PAIR_GATHER = not args.no_pair_gather
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         backend = "nccl"

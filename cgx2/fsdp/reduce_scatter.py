@@ -1,5 +1,6 @@
 """The quantized reduce-scatter behind FSDP2's gradient reduction: each rank encodes the W−1
-shards it does not own once, one ``all_to_all``, and each owner decodes and sums its shard in
+shards it does not own once, one ``all_to_all`` (an all-gather between two ranks:
+:func:`cgx2.collectives.exchange`), and each owner decodes and sums its shard in
 fp32 onto its own (kept in full precision) — one quantization per value.
 
 With per-segment widths (:mod:`cgx2.adaptive`), the compressed segments are grouped by width:
@@ -18,7 +19,7 @@ import torch.distributed as dist
 
 from ..checks import check_bits
 from ..codecs import ChunkedLayout, maxmin, maxmin_codec
-from ..collectives import compression_pays, group_size_and_rank
+from ..collectives import compression_pays, exchange, group_size_and_rank
 from ..fusion import fuse_padded
 from ..seeding import derive_key, next_seed
 
@@ -119,7 +120,7 @@ def reduce_scatter_quantized(
         # whole buffer goes to rank j.
         send = sends[0] if len(sends) == 1 else torch.cat(sends, dim=1)
         recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=group)
+        exchange(recv, send, group, world, rank).wait()
         reduced, col = [], 0
         for (b, _), width, part, layout in zip(groups, plan.widths, parts, layouts, strict=True):
             payloads = recv[:, col : col + layout.payload_nbytes]
