@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import cgx2
 from cgx2 import collectives
-from cgx2.codecs import maxmin_triton
+from cgx2.codecs import direct_launch, maxmin_triton
 
 SPENT: collections.Counter = collections.Counter()
 CALLS: collections.Counter = collections.Counter()
@@ -61,19 +61,20 @@ def main() -> None:
     p.add_argument("--mib", type=int, default=256)
     p.add_argument("--pipeline-mb", type=int, default=0)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--no-direct-launch", action="store_true")
     p.add_argument("--cprofile", action="store_true", help="also print rank 0's cProfile")
     args = p.parse_args()
     dist.init_process_group("nccl")
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    direct_launch.ENABLED = not args.no_direct_launch
     if args.pipeline_mb:
         collectives.PIPELINE_BYTES = args.pipeline_mb << 20
     x = torch.randn(args.mib << 18, device="cuda")
     bare = _enqueue_ms(x, args.iters)  # before the timers below add theirs
     for name in ("encode_chunks", "decode_chunks", "decode_sum_encode"):
         setattr(maxmin_triton, name, timed(name, getattr(maxmin_triton, name)))
-    for name in ("_encode_kernel", "_decode_kernel", "_decode_sum_encode_kernel"):
-        kernel = getattr(maxmin_triton, name)
-        kernel.run = timed(f"launch{name}", kernel.run)
+    for name in ("_launch_encode", "_launch_decode", "_launch_decode_sum_encode"):
+        setattr(maxmin_triton, name, timed(name, getattr(maxmin_triton, name)))
     for name in ("_all_to_all", "_all_gather"):
         setattr(collectives, name, timed(name, getattr(collectives, name)))
     for name in ("scatter", "reduce", "finish"):
@@ -94,8 +95,8 @@ def main() -> None:
             pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     if dist.get_rank() == 0:
         n = args.iters
-        print(f"{args.mib} MiB fp32, 4 bits: host enqueue {bare:.3f} ms per call "
-              f"({timed_ms:.3f} ms with the timers below)")  # fmt: skip
+        print(f"direct launch {direct_launch.ENABLED}, {args.mib} MiB fp32, 4 bits: host enqueue "
+              f"{bare:.3f} ms per call ({timed_ms:.3f} ms with the timers below)")  # fmt: skip
         for name, s in spent.most_common():
             print(f"  {name:32s} {s / n * 1e3:7.3f} ms per call, {calls[name] // n} calls")
         # The encode alone, back to back (the GPU busy) and after a sync (the GPU idle).

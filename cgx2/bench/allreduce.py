@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 import cgx2
 from cgx2 import collectives
-from cgx2.codecs import ChunkedLayout
+from cgx2.codecs import ChunkedLayout, direct_launch
 from cgx2.crossover import regime
 
 from .report import environment, format_table, write_json
@@ -232,6 +232,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="two ranks swap chunks by all_to_all, not all_gather (cgx2.collectives.PAIR_GATHER)",
     )
+    p.add_argument(
+        "--no-direct-launch",
+        action="store_true",
+        help="launch the codec kernels through Triton's dispatch (cgx2.codecs.direct_launch)",
+    )
     p.add_argument("--out-dir", default="bench/results", help="where the JSON goes ('' for none)")
     args = p.parse_args(argv)
     args.sizes = [parse_size(s) for s in args.sizes.split(",")]
@@ -249,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.pipeline_mb is not None:
         collectives.PIPELINE_BYTES = args.pipeline_mb << 20
     collectives.PAIR_GATHER = not args.no_pair_gather
+    direct_launch.ENABLED = not args.no_direct_launch
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         backend = "nccl"

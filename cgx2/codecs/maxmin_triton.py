@@ -20,6 +20,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from . import maxmin
+from .direct_launch import Launcher
 from .layout import ChunkedLayout, MaxMinLayout
 
 __all__ = ["decode", "decode_chunks", "decode_sum_encode", "encode", "encode_chunks"]
@@ -846,6 +847,10 @@ def _decode_sum_encode_kernel(
 
 # --------------------------------------------------------------------------- launchers
 
+_launch_encode = Launcher(_encode_kernel)
+_launch_decode = Launcher(_decode_kernel)
+_launch_decode_sum_encode = Launcher(_decode_sum_encode_kernel)
+
 
 def _launch(kernel: str, bucket_size: int, dtype: torch.dtype) -> dict[str, object]:
     """``kernel``'s launch for values of ``dtype``: its tile (``BUCKETS`` buckets of ``BLOCK``
@@ -901,7 +906,8 @@ def encode_chunks(
     max_nq = -(-layout.chunk_numel // layout.bucket_size)
     grid = (_programs(-(-max_nq // launch["BUCKETS"])), layout.num_chunks)
     k0, k1 = _key(key)
-    _encode_kernel[grid](
+    _launch_encode(
+        grid,
         flat,
         rows,
         _f32(rows),
@@ -941,7 +947,8 @@ def decode_chunks(
     launch = _launch("decode", layout.bucket_size, dtype)
     max_nq = -(-layout.chunk_numel // layout.bucket_size)
     grid = (-(-max_nq // launch["BUCKETS"]), layout.num_chunks)
-    _decode_kernel[grid](
+    _launch_decode(
+        grid,
         payloads,
         _f32(payloads),
         out,
@@ -1043,7 +1050,8 @@ def decode_sum_encode(
     grid = (_programs(-(-layout.num_buckets // launch["BUCKETS"])), 1)
     k0, k1 = _key(key)
     if layout.num_buckets:
-        _decode_sum_encode_kernel[grid](
+        _launch_decode_sum_encode(
+            grid,
             payloads,
             _f32(payloads),
             own_flat,
