@@ -12,14 +12,17 @@ def allreduce_table(path: Path, bits: int | None = None) -> str:
     report = json.loads(path.read_text())
     env = report["env"]
     auto = "auto_ms" in report["rows"][0]  # results since the automatic fallback
+    a2a = "sol_all_to_all_ms" in report["rows"][0]  # since two ranks swap by all-gather
     lines = [
         f"`{path.name}` — {env['device']} ×{env['world_size']}, regime **{env['regime']}**, "
         f"torch {env['torch']}, NCCL {env.get('nccl', '-')}, {env['date']}",
         "",
         "| dtype | size | bits | NCCL ms | cgx2 ms | bf16-cast ms | speed of light ms "
-        "| cgx2 vs NCCL | cgx2 / speed of light |"
+        + ("| all_to_all light ms " if a2a else "")
+        + "| cgx2 vs NCCL | cgx2 / speed of light |"
         + (" auto: path, ms | auto vs NCCL |" if auto else ""),
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        + (" ---: |" if a2a else "")
         + (" --- | ---: |" if auto else ""),
     ]
     for r in report["rows"]:
@@ -29,7 +32,8 @@ def allreduce_table(path: Path, bits: int | None = None) -> str:
         line = (
             f"| {r['dtype']} | {r['size']} | {r['bits']} | {r['plain_ms']:.3f} | "
             f"{r['cgx2_ms']:.3f} | {cast} | {r['sol_ms']:.3f} | "
-            f"**{r['speedup_vs_plain']:.2f}×** | {r['fraction_of_sol']:.0%} |"
+            + (f"{r['sol_all_to_all_ms']:.3f} | " if a2a else "")
+            + f"**{r['speedup_vs_plain']:.2f}×** | {r['fraction_of_sol']:.0%} |"
         )
         if auto:
             line += f" {r['auto_path']}, {r['auto_ms']:.3f} | **{r['auto_vs_plain']:.2f}×** |"

@@ -111,18 +111,20 @@ def _all_gather(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup)
 
 
 PAIR_GATHER = True
-"""Whether two ranks swap their chunks by an all-gather rather than an all-to-all
-(:func:`exchange`); False for the all-to-all, to compare them."""
+"""Whether two ranks swap their chunks by an all-gather rather than an all-to-all, outside
+NVLink (:func:`exchange`); False for the all-to-all everywhere, to compare them."""
 
 
 def exchange(recv: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup, world: int,
              rank: int) -> dist.Work:  # fmt: skip
     """Start sending row j of ``send`` (``[world, P]``) to rank j, each rank's row for us
     landing in its row of ``recv``; our own row of ``recv`` is left undefined (nobody reads
-    it). Between two ranks that is an all-gather of the row for the other rank: the same
-    bytes, but through NCCL's collective path, not its point-to-point one (all-to-all), which
-    is slower over every interconnect (BENCHMARKS.md, "Exchange")."""
-    if world == 2 and PAIR_GATHER:
+    it). Between two ranks, outside NVLink, that is an all-gather of the row for the other
+    rank: the same bytes, through NCCL's collective path rather than its point-to-point one
+    (all-to-all), which took 1-34% longer over sockets on 2 H200s (median 23%); over NVLink
+    the all-to-all was the faster by about 5% (BENCHMARKS.md, "Two ranks swap by
+    all-gather")."""
+    if world == 2 and PAIR_GATHER and regime(send.device) != "nvlink":
         return _all_gather(recv.view(-1), send[1 - rank], group)
     return _all_to_all(recv, send, group)
 

@@ -157,7 +157,7 @@ def _bench_size(
             cgx2.quantized_allreduce(x, bits, op="avg", bucket_size=args.bucket_size)
 
         sol_ms = timer(speed_of_light)
-        pair_gather = world == 2 and collectives.PAIR_GATHER
+        pair_gather = world == 2 and collectives.PAIR_GATHER and regime(x.device) != "nvlink"
         sol_a2a_ms = timer(lambda: speed_of_light(pair=False)) if pair_gather else sol_ms
         with _crossover_bytes("0"):  # always quantize: what the codec and pipeline cost
             cgx_ms = timer(quantized)
