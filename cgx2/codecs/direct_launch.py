@@ -1,5 +1,6 @@
 """Launch compiled Triton kernels without Triton's per-call dispatch, whose Python (binding,
-cache key, launch metadata) costs tens of microseconds a launch on a busy host.
+cache key, launch metadata) took 4-7 us of each codec call's host time on an H200 machine
+(bench/launch_overhead.py): host time is what the NVLink regime's allreduce waits on.
 
 Each kernel's compiled variants are kept under a key at least as fine as Triton's own
 specialization (tensor dtypes and 16-byte alignment; integers' width, divisibility by 16 and
