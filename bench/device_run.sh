@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One device call: check the kernels (max-min and exponential), the allreduce, the cgx backend
+# One device call: check the kernels (max-min and exponential; max-min past 2**31 values too),
+# the allreduce, the cgx backend
 # (its hierarchical path too) and FSDP2 on the GPUs, time the kernels, and, with several
 # GPUs, benchmark the allreduce and a DDP training step in
 # DESIGN.md's three regimes (nvlink, shm, socket) and an FSDP2 step (socket). Raw results land
@@ -22,6 +23,7 @@ status=0
 if [ -z "${SKIP_KERNELS:-}" ]; then
   python3 bench/gpu_check.py "$@" 2>"$LOGS/gpu_check.err" | tail -n 45 || status=1
   python3 bench/gpu_exponential_check.py 2>"$LOGS/exp_check.err" | tail -n 12 || status=1
+  python3 bench/gpu_large_check.py 2>"$LOGS/large_check.err" | tail -n 6 || status=1
 fi
 save() {  # after every stage, so that a run cut short still brings back what it measured
   tar czf "$OUT/results.tgz" bench/results/*.json 2>/dev/null
