@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # One device call: check the kernels (max-min and exponential; max-min past 2**31 values too),
-# the allreduce, the cgx backend
-# (its hierarchical path too) and FSDP2 on the GPUs, time the kernels, and, with several
-# GPUs, benchmark the allreduce and a DDP training step in
+# the allreduce, the cgx backend (its hierarchical path too) and FSDP2 on the GPUs, time the
+# kernels, and, with several GPUs, benchmark the allreduce and a DDP training step in
 # DESIGN.md's three regimes (nvlink, shm, socket) and an FSDP2 step (socket). Raw results land
 # in bench/results/ (and as one tarball in $OUT).
 # Usage (repo root): bash bench/device_run.sh [gpu_check args]; BENCH_ARGS for cgx2.bench,
