@@ -84,6 +84,66 @@ def _check_fallback(rank: int, world: int) -> int:
     return int(flag.item())
 
 
+GRAPH_CASES = [
+    # bits, dtype, numel, op, pipeline piece bytes (None: the regime's), error feedback
+    (4, torch.float32, 4_000_037, "avg", None, False),
+    (4, torch.float32, 33_554_467, "avg", None, True),  # 1 to 3 pieces by regime
+    (3, torch.bfloat16, 4_000_037, "sum", 1 << 20, True),  # many pieces
+]
+
+
+def _check_graphs(rank: int, world: int) -> int:
+    """CUDA-graph replay (cgx2.graphs) gives the eager launches' bytes, seed for seed: the
+    first call runs eagerly, the second captures, the rest replay with fresh keys read from
+    device memory. 1 per failed case."""
+    from cgx2 import graphs
+
+    failures = 0
+    for bits, dtype, n, op, piece, with_error in GRAPH_CASES:
+        collectives.PIPELINE_BYTES = piece
+        x = _input(rank, n, dtype).cuda()
+        seeds = (101, 102, 103, 104, 105)
+        eager, err_eager = [], []
+        for seed in seeds:
+            buf, err = x.clone(), torch.empty_like(x) if with_error else None
+            collectives.allreduce_quantized_(buf, bits, 512, dist.group.WORLD, op, seed, False,
+                                             error=err)  # fmt: skip
+            eager.append(buf)
+            err_eager.append(err)
+        graphs.ENABLED = True
+        buf, err = torch.empty_like(x), torch.empty_like(x) if with_error else None
+        ok, differ = True, False
+        for i, seed in enumerate(seeds):
+            buf.copy_(x)
+            collectives.allreduce_quantized_(buf, bits, 512, dist.group.WORLD, op, seed, False,
+                                             error=err)  # fmt: skip
+            ok = ok and torch.equal(buf.view(INT[x.element_size()]),
+                                    eager[i].view(INT[x.element_size()]))  # fmt: skip
+            if with_error:
+                ok = ok and torch.equal(err.view(INT[x.element_size()]),
+                                        err_eager[i].view(INT[x.element_size()]))  # fmt: skip
+            differ = differ or (i and not torch.equal(eager[i], eager[0]))
+        for _ in range(3):  # each result freed first: the next one lands at its address
+            functional = None
+            functional = cgx2.quantized_allreduce(x, bits, op=op, seed=seeds[-1])
+        ok = ok and torch.equal(functional.view(INT[x.element_size()]),
+                                eager[-1].view(INT[x.element_size()]))  # fmt: skip
+        captured = sum(e.graph is not None for e in graphs._CACHE.values())
+        ok = ok and differ and captured >= 1 and not graphs._failed
+        graphs.ENABLED = False
+        graphs.clear()
+        if rank == 0:
+            print(f"{'ok  ' if ok else 'FAIL'} CUDA graphs: bits={bits} {str(dtype)[6:]} n={n} "
+                  f"{op} piece={piece or 'regime'} error={with_error}: 5 calls (eager, capture, "
+                  f"3 replays) == eager launches, seeds apart differ={differ}, "
+                  f"graphs captured={captured}", flush=True)  # fmt: skip
+        flag = torch.tensor([0 if ok else 1], device="cuda")
+        dist.all_reduce(flag)
+        failures += int(flag.item())
+    collectives.PIPELINE_BYTES = None
+    return failures
+
+
 def main() -> int:
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -131,9 +191,11 @@ def main() -> int:
         dist.all_reduce(flag)
         failures += int(flag.item())
     failures += _check_fallback(rank, world)
+    failures += _check_graphs(rank, world)
+    total = len(CASES) + 1 + len(GRAPH_CASES)
     if rank == 0:
         print(f"allreduce check on {world} x {torch.cuda.get_device_name()}: "
-              f"{len(CASES) + 1 - failures} of {len(CASES) + 1} cases ok")  # fmt: skip
+              f"{total - failures} of {total} cases ok")  # fmt: skip
     dist.destroy_process_group()
     return 1 if failures else 0
 

@@ -16,6 +16,7 @@ from types import ModuleType
 import torch
 import torch.distributed as dist
 
+from . import graphs
 from .checks import (
     UNCOMPRESSED_BITS,
     check_bits,
@@ -237,13 +238,33 @@ def _run_pieces(flat: torch.Tensor, out: torch.Tensor, bits: int, bucket_size: i
                 skip_incomplete: bool, error: torch.Tensor | None = None) -> None:  # fmt: skip
     """The pipelined scatter-reduce-allgather of ``flat`` into ``out`` (which may be
     ``flat``: a piece is written only after its last read); ``error`` as in
-    :func:`allreduce_quantized_`."""
+    :func:`allreduce_quantized_`. With :data:`cgx2.graphs.ENABLED`, a CUDA graph's replay."""
     seed = next_seed() if seed is None else seed
     world, rank = group_size_and_rank(group)
     run = _Run(group, world, rank, bits, bucket_size, skip_incomplete,
                1.0 / world if reduce_op == "avg" else None, maxmin_codec(flat.device),
                derive_key(seed, _STAGE_SCATTER, rank), derive_key(seed, _STAGE_GATHER))  # fmt: skip
     step = _piece_numel(flat.element_size(), world, bucket_size, flat.device)
+    if not graphs.usable(flat, group):
+        _pipeline(run, flat, out, error, step)
+        return
+    # Piece i reads its scatter key at 2i and its gather key at 2i + 1.
+    keys = []
+    for i in range(-(-flat.numel() // step)):
+        keys += (extend_key(run.scatter_key, i), extend_key(run.gather_key, i))
+    signature = (id(group), flat.data_ptr(), out.data_ptr(),
+                 0 if error is None else error.data_ptr(), flat.numel(), flat.dtype, bits,
+                 bucket_size, reduce_op, skip_incomplete, step, PAIR_GATHER)  # fmt: skip
+
+    def pipeline(device_keys: torch.Tensor) -> None:
+        run.keys = device_keys
+        _pipeline(run, flat, out, error, step)
+
+    graphs.run(signature, keys, flat.device, pipeline)
+
+
+def _pipeline(run: _Run, flat: torch.Tensor, out: torch.Tensor, error: torch.Tensor | None,
+              step: int) -> None:  # fmt: skip
     starts = range(0, flat.numel(), step)
     if len(starts) == 1:  # narrow() and slicing cost microseconds of host time each
         pieces = [_Piece(run, flat, out, 0)]
@@ -365,6 +386,17 @@ class _Run:
     codec: ModuleType
     scatter_key: int  # derive_key(seed, _STAGE_SCATTER, rank): extended by the piece index
     gather_key: int  # derive_key(seed, _STAGE_GATHER): likewise
+    keys: torch.Tensor | None = None  # the pieces' keys in device memory, for a CUDA graph
+
+    def scatter_key_of(self, index: int) -> int | torch.Tensor:
+        if self.keys is None:
+            return extend_key(self.scatter_key, index)
+        return self.keys[2 * index : 2 * index + 1]
+
+    def gather_key_of(self, index: int) -> int | torch.Tensor:
+        if self.keys is None:
+            return extend_key(self.gather_key, index)
+        return self.keys[2 * index + 1 : 2 * index + 2]
 
 
 class _Piece:
@@ -381,7 +413,7 @@ class _Piece:
         run, layout = self.run, self.layout
         send = torch.empty(layout.num_chunks, layout.payload_nbytes, dtype=torch.uint8,
                            device=self.x.device)  # fmt: skip
-        key = extend_key(run.scatter_key, self.index)
+        key = run.scatter_key_of(self.index)
         run.codec.encode_chunks(self.x, layout, key, skip_chunk=run.rank, out=send)
         self.recv = torch.empty_like(send)
         self.work = exchange(self.recv, send, run.group, run.world, run.rank)
@@ -403,7 +435,7 @@ class _Piece:
         reduced = torch.empty(layout.payload_nbytes, dtype=torch.uint8, device=self.x.device)
         run.codec.decode_sum_encode(
             self.recv, size, self.x.narrow(0, start, size), run.rank, run.scale, run.bits,
-            run.bucket_size, extend_key(run.gather_key, self.index), run.rank,
+            run.bucket_size, run.gather_key_of(self.index), run.rank,
             layout.skip_incomplete, out=reduced,
         )  # fmt: skip
         self.recv = None

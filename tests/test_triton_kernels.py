@@ -184,3 +184,34 @@ def test_strided_programs_match_reference(monkeypatch, programs, bits, bucket, s
     )  # fmt: skip
     args = (n, x, 2, 0.5, bits, bucket, 6, 1, skip)
     assert _same(tri.decode_sum_encode(payloads, *args), ref.decode_sum_encode(payloads, *args))
+
+
+def _key_tensor(key: int) -> torch.Tensor:
+    return torch.tensor([key - (1 << 64) if key >= 1 << 63 else key], device=DEVICE)
+
+
+@pytest.mark.parametrize("key", [77, 0xFEDCBA9876543210, (1 << 64) - 1])
+def test_keys_read_from_memory_match_reference(key):
+    """A key held in a device tensor (what a CUDA graph replays with) gives the bytes of the
+    same key passed by value: both halves, the sign bit of the int64 included."""
+    n, bits, bucket = 3 * 512 + 9, 4, 512
+    x = _x(n, torch.float32, seed=3)
+    layout = ChunkedLayout.split(n, 2, bits, bucket, False)
+    rows = tri.encode_chunks(x, layout, key=_key_tensor(key), skip_chunk=0)
+    assert _same(rows, ref.encode_chunks(x, layout, key=key, skip_chunk=0).to(DEVICE))
+    payloads = torch.stack(
+        [ref.encode(_x(n, torch.float32, seed=s), bits, bucket, key=s) for s in range(2)]
+    ).to(DEVICE)
+    args = (n, x, 1, 0.5, bits, bucket)
+    assert _same(
+        tri.decode_sum_encode(payloads, *args, _key_tensor(key), 1),
+        ref.decode_sum_encode(payloads.cpu(), n, x.cpu(), 1, 0.5, bits, bucket, key, 1).to(DEVICE),
+    )
+
+
+def test_key_tensor_must_be_one_int64_on_the_device():
+    x = _x(1024, torch.float32)
+    layout = ChunkedLayout.split(1024, 2, 4, 512, False)
+    for bad in (torch.tensor([1, 2], device=DEVICE), torch.tensor([1.0], device=DEVICE)):
+        with pytest.raises(ValueError, match="one int64"):
+            tri.encode_chunks(x, layout, key=bad)

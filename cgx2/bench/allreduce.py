@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import cgx2
-from cgx2 import collectives
+from cgx2 import collectives, graphs
 from cgx2.codecs import ChunkedLayout, direct_launch
 from cgx2.crossover import regime
 
@@ -161,6 +161,7 @@ def _bench_size(
         sol_a2a_ms = timer(lambda: speed_of_light(pair=False)) if pair_gather else sol_ms
         with _crossover_bytes("0"):  # always quantize: what the codec and pipeline cost
             cgx_ms = timer(quantized)
+            graphs_ms = _with_graphs(timer, quantized) if args.cuda_graphs else None
         auto_buf = x.clone()
 
         def auto(bits: int = bits, buf: torch.Tensor = auto_buf) -> None:
@@ -184,8 +185,23 @@ def _bench_size(
             "speedup_vs_plain": plain_ms / cgx_ms,
             "fraction_of_sol": sol_ms / cgx_ms,
             "cast_speedup_vs_plain": None if cast_ms is None else plain_ms / cast_ms,
+            "cgx2_graphs_ms": graphs_ms,
+            "graphs_speedup_vs_plain": None if graphs_ms is None else plain_ms / graphs_ms,
+            "graphs_fraction_of_sol": None if graphs_ms is None else sol_ms / graphs_ms,
         })  # fmt: skip
     return rows
+
+
+def _with_graphs(timer: Timer, fn: Callable[[], Any]) -> float:
+    """``fn``'s time with CUDA-graph replay (:mod:`cgx2.graphs`): the warm-up's first call runs
+    eagerly and its second captures; each result is freed before the next call, so the next
+    lands at the same address and replays. The graphs are dropped after."""
+    graphs.ENABLED = True
+    try:
+        return timer(fn)
+    finally:
+        graphs.ENABLED = False
+        graphs.clear()
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -210,6 +226,10 @@ COLUMNS = [
     ("sol_all_to_all_ms", "a2a SoL ms", ".3f"),
     ("speedup_vs_plain", "cgx2/plain x", ".2f"), ("fraction_of_sol", "cgx2 % of SoL", ".0%"),
     ("auto_path", "auto", ""), ("auto_vs_plain", "auto/plain x", ".2f"),
+]  # fmt: skip
+GRAPH_COLUMNS = [
+    ("cgx2_graphs_ms", "graphs ms", ".3f"), ("graphs_speedup_vs_plain", "graphs/plain x", ".2f"),
+    ("graphs_fraction_of_sol", "graphs % of SoL", ".0%"),
 ]  # fmt: skip
 
 
@@ -237,6 +257,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="launch the codec kernels through Triton's dispatch (cgx2.codecs.direct_launch)",
     )
+    p.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="also time cgx2 replaying CUDA graphs (cgx2.graphs; GPUs only)",
+    )
     p.add_argument("--out-dir", default="bench/results", help="where the JSON goes ('' for none)")
     args = p.parse_args(argv)
     args.sizes = [parse_size(s) for s in args.sizes.split(",")]
@@ -255,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         collectives.PIPELINE_BYTES = args.pipeline_mb << 20
     collectives.PAIR_GATHER = not args.no_pair_gather
     direct_launch.ENABLED = not args.no_direct_launch
+    if args.cuda_graphs and not torch.cuda.is_available():
+        raise SystemExit("--cuda-graphs needs GPUs")
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         backend = "nccl"
@@ -270,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         report = run(args)
         if dist.get_rank() == 0:
-            print(format_table(report["rows"], COLUMNS))
+            columns = COLUMNS + (GRAPH_COLUMNS if args.cuda_graphs else [])
+            print(format_table(report["rows"], columns))
             env = report["env"]
             print(
                 f"\n{env['device']} x{env['world_size']}, regime {env['regime']}, "

@@ -141,6 +141,17 @@ def _round_level(a, h, BITS: tl.constexpr):
 
 
 @triton.jit
+def _load_key(k0, k1, keys_ptr, KEYS_IN_MEMORY: tl.constexpr):
+    """The Philox key's 32-bit halves: the arguments' low bits, or the int64 at ``keys_ptr``
+    (written before a CUDA graph's replay, which freezes arguments)."""
+    if KEYS_IN_MEMORY:
+        key = tl.load(keys_ptr)
+        return key.to(tl.uint32), (key >> 32).to(tl.uint32)
+    else:
+        return k0.to(tl.uint32), k1.to(tl.uint32)
+
+
+@triton.jit
 def _geometry(
     j, numel, chunk_numel, B: tl.constexpr, SKIP_INCOMPLETE: tl.constexpr, ALIGN: tl.constexpr
 ):
@@ -468,12 +479,14 @@ def _encode_kernel(
     row_nbytes,
     k0,
     k1,
+    keys_ptr,
     stream0,
     skip_chunk,
     BITS: tl.constexpr,
     B: tl.constexpr,
     SKIP_INCOMPLETE: tl.constexpr,
     ALIGN: tl.constexpr,
+    KEYS_IN_MEMORY: tl.constexpr,
     BUCKETS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -490,8 +503,7 @@ def _encode_kernel(
     x_ptr += start
     lev_ptr = out_u8 + row + levels_at
     meta_ptr = out_f32 + row // 4
-    key0 = k0.to(tl.uint32)
-    key1 = k1.to(tl.uint32)
+    key0, key1 = _load_key(k0, k1, keys_ptr, KEYS_IN_MEMORY)
     stream = stream0 + j
     lanes = tl.arange(0, BUCKETS).to(tl.int64)
     tiles = ((nq + BUCKETS - 1) // BUCKETS).to(tl.int32)
@@ -766,6 +778,7 @@ def _decode_sum_encode_kernel(
     scale,
     k0,
     k1,
+    keys_ptr,
     stream,
     NUM_ROWS: tl.constexpr,
     SKIP_OWN: tl.constexpr,
@@ -774,6 +787,7 @@ def _decode_sum_encode_kernel(
     SKIP_INCOMPLETE: tl.constexpr,
     HAS_OWN: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    KEYS_IN_MEMORY: tl.constexpr,
     BUCKETS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -783,8 +797,7 @@ def _decode_sum_encode_kernel(
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     lev_ptr = out_u8 + levels_at
-    key0 = k0.to(tl.uint32)
-    key1 = k1.to(tl.uint32)
+    key0, key1 = _load_key(k0, k1, keys_ptr, KEYS_IN_MEMORY)
     lanes = tl.arange(0, BUCKETS).to(tl.int64)
     tiles = ((nq + BUCKETS - 1) // BUCKETS).to(tl.int32)
     full = (quant // (BUCKETS * B)).to(tl.int32)  # tiles of complete buckets, first
@@ -875,6 +888,18 @@ def _key(key: int) -> tuple[int, int]:
     return (key & 0xFFFFFFFF) | 1 << 32, (key >> 32) & 0xFFFFFFFF | 1 << 32
 
 
+def _key_args(key: int | torch.Tensor, other: torch.Tensor) -> tuple[int, int, torch.Tensor, bool]:
+    """``(k0, k1, keys_ptr, KEYS_IN_MEMORY)`` for ``key``: a Python int, passed by value, or an
+    int64 tensor on the device holding it, read by the kernel (what a CUDA graph replays with
+    fresh keys); ``other``, any tensor of the launch, stands in for the unused pointer."""
+    if isinstance(key, torch.Tensor):
+        if key.dtype != torch.int64 or key.numel() != 1 or key.device != other.device:
+            raise ValueError("a key tensor must hold one int64 on the data's device")
+        return 1 << 32, 1 << 32, key, True
+    k0, k1 = _key(key)
+    return k0, k1, other, False
+
+
 def _f32(payload: torch.Tensor) -> torch.Tensor:
     return payload.view(torch.float32)
 
@@ -888,7 +913,7 @@ def _raw_region(row: torch.Tensor, layout: MaxMinLayout) -> torch.Tensor:
 def encode_chunks(
     x: torch.Tensor,
     layout: ChunkedLayout,
-    key: int,
+    key: int | torch.Tensor,
     skip_chunk: int = -1,
     stream0: int = 0,
     out: torch.Tensor | None = None,
@@ -896,7 +921,8 @@ def encode_chunks(
     """Encode each chunk j of flat ``x`` into row j of ``[K, P]`` with stream ``stream0 + j``;
     row ``skip_chunk`` is left zero. Given ``out`` (uint8 ``[K, P]``, for the collectives,
     which then need no memset), the rows are written there; row ``skip_chunk`` and the
-    padding between a row's regions, which no decoder reads, are not touched."""
+    padding between a row's regions, which no decoder reads, are not touched. ``key`` may be
+    a one-element int64 tensor on the device that holds it (:func:`_key_args`)."""
     flat = x.reshape(-1)
     shape = (layout.num_chunks, layout.payload_nbytes)
     rows = torch.zeros(shape, dtype=torch.uint8, device=x.device) if out is None else out
@@ -905,7 +931,7 @@ def encode_chunks(
     launch = _launch("encode", layout.bucket_size, x.dtype)
     max_nq = -(-layout.chunk_numel // layout.bucket_size)
     grid = (_programs(-(-max_nq // launch["BUCKETS"])), layout.num_chunks)
-    k0, k1 = _key(key)
+    k0, k1, keys, in_memory = _key_args(key, rows)
     _launch_encode(
         grid,
         flat,
@@ -916,12 +942,14 @@ def encode_chunks(
         layout.payload_nbytes,
         k0,
         k1,
+        keys,
         stream0,
         skip_chunk,
         BITS=layout.bits,
         B=layout.bucket_size,
         SKIP_INCOMPLETE=layout.skip_incomplete,
         ALIGN=math.gcd(layout.chunk_numel, 16),
+        KEYS_IN_MEMORY=in_memory,
         **launch,
     )
     for j in range(layout.num_chunks if layout.skip_incomplete else 0):
@@ -1031,13 +1059,13 @@ def decode_sum_encode(
     scale: float | None,
     bits: int,
     bucket_size: int,
-    key: int,
+    key: int | torch.Tensor,
     stream: int = 0,
     skip_incomplete: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as :func:`cgx2.codecs.maxmin.decode_sum_encode`, fused: the fp32 sum
-    never leaves the chip."""
+    never leaves the chip. ``key`` may be a tensor, as in :func:`encode_chunks`."""
     layout = MaxMinLayout.of(numel, bits, bucket_size, skip_incomplete)
     if out is None:
         out = torch.zeros(layout.nbytes, dtype=torch.uint8, device=payloads.device)
@@ -1048,7 +1076,7 @@ def decode_sum_encode(
         "decode_sum_encode", bucket_size, own_flat.dtype if own is not None else torch.float32
     )
     grid = (_programs(-(-layout.num_buckets // launch["BUCKETS"])), 1)
-    k0, k1 = _key(key)
+    k0, k1, keys, in_memory = _key_args(key, out)
     if layout.num_buckets:
         _launch_decode_sum_encode(
             grid,
@@ -1063,6 +1091,7 @@ def decode_sum_encode(
             1.0 if scale is None else scale,
             k0,
             k1,
+            keys,
             stream,
             NUM_ROWS=payloads.shape[0],
             SKIP_OWN=0 <= own_index < payloads.shape[0],
@@ -1071,6 +1100,7 @@ def decode_sum_encode(
             SKIP_INCOMPLETE=skip_incomplete,
             HAS_OWN=own is not None,
             HAS_SCALE=scale is not None,
+            KEYS_IN_MEMORY=in_memory,
             **launch,
         )
     if layout.raw_numel:

@@ -1,0 +1,162 @@
+"""CUDA-graph replay of the quantized allreduce: a tensor allreduced before is done by one graph
+launch of its kernels and collectives, with fresh random keys, instead of a dozen from Python.
+
+Where the GPU outruns the host (NVLink), the allreduce waits on its host's launches; a replay
+costs one launch and one copy of the keys. Opt-in, by ``CGX2_CUDA_GRAPHS=1`` (read at import)
+or ``cgx2.graphs.ENABLED = True``: each cached graph keeps its buffers, about 0.4 of the
+tensor's bytes at 4 bits, while it is one of the :data:`MAX_GRAPHS` most recently used.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ENABLED", "MAX_GRAPHS", "clear", "run", "usable"]
+
+logger = logging.getLogger("cgx2")
+
+
+def _enabled_by_env() -> bool:
+    import os
+
+    raw = os.environ.get("CGX2_CUDA_GRAPHS", "").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"CGX2_CUDA_GRAPHS={raw!r} is invalid: expected 0 or 1")
+
+
+ENABLED = _enabled_by_env()
+"""Whether GPU allreduces on NCCL groups replay CUDA graphs (:func:`run`)."""
+
+MAX_GRAPHS = 8
+"""Graphs kept per process, least recently used dropped first (with a device sync: a graph's
+memory must not be reused while a replay may still run)."""
+
+
+@dataclass(slots=True)
+class _Entry:
+    keys: torch.Tensor  # int64 on the device: the Philox keys the kernels read at each replay
+    graph: torch.cuda.CUDAGraph | None = None
+
+
+_CACHE: OrderedDict[Hashable, _Entry] = OrderedDict()
+_NCCL: dict[int, bool] = {}
+_failed = False
+
+
+def usable(t: torch.Tensor, group: dist.ProcessGroup) -> bool:
+    """Whether an allreduce of ``t`` over ``group`` may replay a graph: enabled, a CUDA tensor,
+    an NCCL group, not under ``torch.compile`` or inside a capture of the caller's own."""
+    if not (ENABLED and t.is_cuda) or _failed or torch.compiler.is_compiling():
+        return False
+    if torch.cuda.is_current_stream_capturing():
+        return False
+    nccl = _NCCL.get(id(group))
+    if nccl is None:
+        nccl = _NCCL[id(group)] = (
+            isinstance(group, dist.ProcessGroup) and dist.get_backend(group) == "nccl"
+        )
+        weakref.finalize(group, _forget_group, id(group))
+    return nccl
+
+
+def _forget_group(group_id: int) -> None:
+    """Drop a destroyed group's graphs before its id can name another group."""
+    _NCCL.pop(group_id, None)
+    stale = [k for k in _CACHE if isinstance(k, tuple) and k and k[0] == group_id]
+    if stale:
+        torch.cuda.synchronize()
+        for k in stale:
+            del _CACHE[k]
+
+
+def clear() -> None:
+    """Drop every cached graph (after a device sync)."""
+    if _CACHE:
+        torch.cuda.synchronize()
+        _CACHE.clear()
+
+
+def run(signature: tuple, keys: Sequence[int], device: torch.device,
+        pipeline: Callable[[torch.Tensor], None]) -> None:  # fmt: skip
+    """Run ``pipeline(device_keys)``, which must read its random keys from ``device_keys``
+    (int64, written with ``keys`` first) and be the same launches for the same
+    ``signature`` (its first item the group's id; the tensors' addresses among the rest).
+
+    The first call of a signature runs it eagerly: that compiles the kernels' variants that
+    read keys from memory and connects NCCL's channels for these sizes, neither of which may
+    happen in a capture. The second captures it into a graph; every call replays the graph.
+    All ranks capture the same calls, as they make the same calls; a capture sends nothing.
+    """
+    entry = _CACHE.get(signature)
+    if entry is None:
+        entry = _CACHE[signature] = _Entry(torch.empty(len(keys), dtype=torch.int64,
+                                                       device=device))  # fmt: skip
+        if len(_CACHE) > MAX_GRAPHS:
+            torch.cuda.synchronize(device)
+            _CACHE.popitem(last=False)
+        _write(entry.keys, keys)
+        pipeline(entry.keys)
+        return
+    _CACHE.move_to_end(signature)
+    if entry.graph is None:
+        try:
+            entry.graph = _capture(pipeline, entry.keys)
+        except Exception:
+            _give_up()
+            _write(entry.keys, keys)
+            pipeline(entry.keys)
+            return
+    _write(entry.keys, keys)
+    entry.graph.replay()
+
+
+def _write(device_keys: torch.Tensor, keys: Sequence[int]) -> None:
+    """Copy the unsigned 64-bit ``keys`` to the device, in stream order: from pinned memory,
+    which torch's host allocator keeps until the copy is done, so the host never waits."""
+    signed = [k - (1 << 64) if k >= 1 << 63 else k for k in keys]
+    device_keys.copy_(torch.tensor(signed, dtype=torch.int64, pin_memory=True), non_blocking=True)
+
+
+_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _capture(pipeline: Callable[[torch.Tensor], None],
+             device_keys: torch.Tensor) -> torch.cuda.CUDAGraph:  # fmt: skip
+    """``pipeline(device_keys)`` captured (not run) into a graph with its own memory pool, on a
+    side stream as ``torch.cuda.graph`` does; other threads' CUDA calls may go on meanwhile."""
+    device = device_keys.device
+    stream = _STREAMS.get(device.index)
+    if stream is None:
+        stream = _STREAMS[device.index] = torch.cuda.Stream(device)
+    graph = torch.cuda.CUDAGraph()
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            pipeline(device_keys)
+        except BaseException:
+            try:
+                graph.capture_end()
+            except RuntimeError:
+                pass  # the capture is invalid already; the pipeline's error is the one to see
+            raise
+        graph.capture_end()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    return graph
+
+
+def _give_up() -> None:
+    global _failed
+    _failed = True
+    logger.warning("cgx2: capturing the allreduce into a CUDA graph failed; launching "
+                   "eagerly from now on", exc_info=True)  # fmt: skip
