@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import cgx2
+from cgx2 import graphs
 
 MARK = "cgx2_timed_call"
 
@@ -51,7 +52,10 @@ def main() -> None:
     p.add_argument("--mib", type=int, default=256)
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    p.add_argument("--cuda-graphs", action="store_true", help="replay CUDA graphs (cgx2.graphs)")
+    p.add_argument("--host", action="store_true", help="also list the call's host-side events")
     args = p.parse_args()
+    graphs.ENABLED = args.cuda_graphs
     dist.init_process_group("nccl")
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
@@ -86,6 +90,17 @@ def main() -> None:
         for e in gpu:
             print(f"  {e.time_range.start - t0:9.1f} {e.time_range.elapsed_us():8.1f}  "
                   f"{e.name[:70]}")  # fmt: skip
+        if args.host:
+            host = sorted(
+                (e for e in prof.events()
+                 if e.device_type == torch.autograd.DeviceType.CPU and t0 <= e.time_range.start
+                 and e.time_range.end <= t1 and e.name != MARK),
+                key=lambda e: e.time_range.start,
+            )  # fmt: skip
+            print("host events (us from the call's start, duration):")
+            for e in host[:60]:
+                print(f"  {e.time_range.start - t0:9.1f} {e.time_range.elapsed_us():8.1f}  "
+                      f"{e.name[:70]}")  # fmt: skip
         print("summary, us" + "".join(f"   rank {r}" for r in range(len(summaries))))
         for key in summary:
             print(f"  {key:28s}" + "".join(f" {s[key]:8.1f}" for s in summaries))

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import cgx2
-from cgx2 import collectives
+from cgx2 import collectives, graphs
 from cgx2.codecs import direct_launch, maxmin_triton
 
 SPENT: collections.Counter = collections.Counter()
@@ -63,7 +63,9 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--no-direct-launch", action="store_true")
     p.add_argument("--cprofile", action="store_true", help="also print rank 0's cProfile")
+    p.add_argument("--cuda-graphs", action="store_true", help="replay CUDA graphs (cgx2.graphs)")
     args = p.parse_args()
+    graphs.ENABLED = args.cuda_graphs
     dist.init_process_group("nccl")
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     direct_launch.ENABLED = not args.no_direct_launch
@@ -77,6 +79,10 @@ def main() -> None:
         setattr(maxmin_triton, name, timed(name, getattr(maxmin_triton, name)))
     for name in ("_all_to_all", "_all_gather"):
         setattr(collectives, name, timed(name, getattr(collectives, name)))
+    for name in ("run", "_write", "_capture"):
+        setattr(graphs, name, timed(f"graphs.{name}", getattr(graphs, name)))
+    torch.cuda.CUDAGraph.replay = timed("CUDAGraph.replay", torch.cuda.CUDAGraph.replay)
+    collectives._run_pieces = timed("_run_pieces", collectives._run_pieces)
     for name in ("scatter", "reduce", "finish"):
         setattr(collectives._Piece, name, timed(f"piece.{name}", getattr(collectives._Piece, name)))
     timed_ms = _enqueue_ms(x, args.iters, lambda: (SPENT.clear(), CALLS.clear()))

@@ -24,7 +24,7 @@ from .checks import (
     check_float_tensor,
     check_reduce_op,
 )
-from .codecs import ChunkedLayout, maxmin, maxmin_codec
+from .codecs import ChunkedLayout, maxmin, maxmin_codec, triton_kernels
 from .crossover import crossover_bytes, regime
 from .seeding import derive_key, extend_key, next_seed
 
@@ -172,12 +172,18 @@ def allreduce_quantized(
     asynchronously, so on GPUs they run on NCCL's stream beside the codec kernels).
     """
     reduce_op = _check_args(t, bits, bucket_size, reduce_op)
-    world = dist.get_world_size(group)
     if bits == UNCOMPRESSED_BITS or not compression_pays(t):
         return allreduce_plain(t, group, reduce_op)
-    if world == 1 or t.numel() == 0:
-        return t.clone(memory_format=torch.contiguous_format)
+    return quantized_copy(t, bits, bucket_size, group, reduce_op, seed, skip_incomplete)
 
+
+def quantized_copy(t: torch.Tensor, bits: int, bucket_size: int, group: dist.ProcessGroup,
+                   reduce_op: str, seed: int | None,
+                   skip_incomplete: bool) -> torch.Tensor:  # fmt: skip
+    """:func:`allreduce_quantized` once its arguments are checked and compression pays: the
+    ops' eager path, whose host time counts (GPU allreduces over NVLink wait on it)."""
+    if group_size_and_rank(group)[0] == 1 or t.numel() == 0:
+        return t.clone(memory_format=torch.contiguous_format)
     out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
     _run_pieces(t.reshape(-1), out.view(-1), bits, bucket_size, group, reduce_op, seed,
                 skip_incomplete)  # fmt: skip
@@ -216,7 +222,7 @@ def allreduce_quantized_(
         if error is not None:
             error.zero_()
         return allreduce_plain_(t, group, reduce_op)
-    if dist.get_world_size(group) == 1 or t.numel() == 0:
+    if group_size_and_rank(group)[0] == 1 or t.numel() == 0:
         if error is not None:
             error.zero_()
         return t
@@ -240,31 +246,36 @@ def _run_pieces(flat: torch.Tensor, out: torch.Tensor, bits: int, bucket_size: i
     ``flat``: a piece is written only after its last read); ``error`` as in
     :func:`allreduce_quantized_`. With :data:`cgx2.graphs.ENABLED`, a CUDA graph's replay."""
     seed = next_seed() if seed is None else seed
-    world, rank = group_size_and_rank(group)
-    run = _Run(group, world, rank, bits, bucket_size, skip_incomplete,
-               1.0 / world if reduce_op == "avg" else None, maxmin_codec(flat.device),
-               derive_key(seed, _STAGE_SCATTER, rank), derive_key(seed, _STAGE_GATHER))  # fmt: skip
-    step = _piece_numel(flat.element_size(), world, bucket_size, flat.device)
     if not graphs.usable(flat, group):
-        _pipeline(run, flat, out, error, step)
+        _pipeline(_make_run(flat, bits, bucket_size, group, reduce_op, skip_incomplete, seed),
+                  flat, out, error)  # fmt: skip
         return
-    # Piece i reads its scatter key at 2i and its gather key at 2i + 1.
-    keys = []
-    for i in range(-(-flat.numel() // step)):
-        keys += (extend_key(run.scatter_key, i), extend_key(run.gather_key, i))
     signature = (id(group), flat.data_ptr(), out.data_ptr(),
                  0 if error is None else error.data_ptr(), flat.numel(), flat.dtype, bits,
-                 bucket_size, reduce_op, skip_incomplete, step, PAIR_GATHER)  # fmt: skip
+                 bucket_size, reduce_op, skip_incomplete, PIPELINE_BYTES, PAIR_GATHER)  # fmt: skip
 
-    def pipeline(device_keys: torch.Tensor) -> None:
-        run.keys = device_keys
-        _pipeline(run, flat, out, error, step)
+    def pipeline(device_seed: torch.Tensor) -> None:
+        run = _make_run(flat, bits, bucket_size, group, reduce_op, skip_incomplete, 0)
+        pieces = -(-flat.numel() // run.step)
+        piece_keys = triton_kernels("keys_triton").piece_keys  # graphs.usable checked it
+        run.keys = piece_keys(device_seed, run.rank, pieces, _STAGE_SCATTER, _STAGE_GATHER)
+        _pipeline(run, flat, out, error)
 
-    graphs.run(signature, keys, flat.device, pipeline)
+    graphs.run(signature, seed, flat.device, pipeline)
 
 
-def _pipeline(run: _Run, flat: torch.Tensor, out: torch.Tensor, error: torch.Tensor | None,
-              step: int) -> None:  # fmt: skip
+def _make_run(flat: torch.Tensor, bits: int, bucket_size: int, group: dist.ProcessGroup,
+              reduce_op: str, skip_incomplete: bool, seed: int) -> _Run:  # fmt: skip
+    world, rank = group_size_and_rank(group)
+    return _Run(group, world, rank, bits, bucket_size, skip_incomplete,
+                1.0 / world if reduce_op == "avg" else None, maxmin_codec(flat.device),
+                derive_key(seed, _STAGE_SCATTER, rank), derive_key(seed, _STAGE_GATHER),
+                _piece_numel(flat.element_size(), world, bucket_size, flat.device))  # fmt: skip
+
+
+def _pipeline(run: _Run, flat: torch.Tensor, out: torch.Tensor,
+              error: torch.Tensor | None) -> None:  # fmt: skip
+    step = run.step
     starts = range(0, flat.numel(), step)
     if len(starts) == 1:  # narrow() and slicing cost microseconds of host time each
         pieces = [_Piece(run, flat, out, 0)]
@@ -386,7 +397,9 @@ class _Run:
     codec: ModuleType
     scatter_key: int  # derive_key(seed, _STAGE_SCATTER, rank): extended by the piece index
     gather_key: int  # derive_key(seed, _STAGE_GATHER): likewise
-    keys: torch.Tensor | None = None  # the pieces' keys in device memory, for a CUDA graph
+    step: int  # values per piece
+    keys: torch.Tensor | None = None  # in device memory instead (for a CUDA graph): piece i's
+    # scatter key at 2i, its gather key at 2i + 1 (keys_triton.piece_keys)
 
     def scatter_key_of(self, index: int) -> int | torch.Tensor:
         if self.keys is None:

@@ -2,9 +2,10 @@
 launch of its kernels and collectives, with fresh random keys, instead of a dozen from Python.
 
 Where the GPU outruns the host (NVLink), the allreduce waits on its host's launches; a replay
-costs one launch and one copy of the keys. Opt-in, by ``CGX2_CUDA_GRAPHS=1`` (read at import)
-or ``cgx2.graphs.ENABLED = True``: each cached graph keeps its buffers, about 0.4 of the
-tensor's bytes at 4 bits, while it is one of the :data:`MAX_GRAPHS` most recently used.
+costs two: a fill of the call's seed, and the graph's. Opt-in, by ``CGX2_CUDA_GRAPHS=1`` (read
+at import) or ``cgx2.graphs.ENABLED = True``; needs Triton. Each cached graph keeps its
+buffers, about 0.4 of the tensor's bytes at 4 bits, while it is one of the
+:data:`MAX_GRAPHS` most recently used.
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ from __future__ import annotations
 import logging
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from .codecs import triton_kernels
 
 __all__ = ["ENABLED", "MAX_GRAPHS", "clear", "run", "usable"]
 
@@ -44,7 +47,7 @@ memory must not be reused while a replay may still run)."""
 
 @dataclass(slots=True)
 class _Entry:
-    keys: torch.Tensor  # int64 on the device: the Philox keys the kernels read at each replay
+    seed: torch.Tensor  # one int64 on the device: the call's seed, which the graph reads
     graph: torch.cuda.CUDAGraph | None = None
 
 
@@ -55,8 +58,11 @@ _failed = False
 
 def usable(t: torch.Tensor, group: dist.ProcessGroup) -> bool:
     """Whether an allreduce of ``t`` over ``group`` may replay a graph: enabled, a CUDA tensor,
-    an NCCL group, not under ``torch.compile`` or inside a capture of the caller's own."""
+    an NCCL group, Triton (whose kernels read keys from memory), not under ``torch.compile``
+    or inside a capture of the caller's own."""
     if not (ENABLED and t.is_cuda) or _failed or torch.compiler.is_compiling():
+        return False
+    if triton_kernels("keys_triton") is None:
         return False
     if torch.cuda.is_current_stream_capturing():
         return False
@@ -86,11 +92,12 @@ def clear() -> None:
         _CACHE.clear()
 
 
-def run(signature: tuple, keys: Sequence[int], device: torch.device,
+def run(signature: tuple, seed: int, device: torch.device,
         pipeline: Callable[[torch.Tensor], None]) -> None:  # fmt: skip
-    """Run ``pipeline(device_keys)``, which must read its random keys from ``device_keys``
-    (int64, written with ``keys`` first) and be the same launches for the same
-    ``signature`` (its first item the group's id; the tensors' addresses among the rest).
+    """Run ``pipeline(device_seed)``, which must take its random keys from the call seed in
+    ``device_seed`` (one int64 on ``device``, holding ``seed`` when the launches run) and be
+    the same launches for the same ``signature`` (its first item the group's id; the tensors'
+    addresses among the rest).
 
     The first call of a signature runs it eagerly: that compiles the kernels' variants that
     read keys from memory and connects NCCL's channels for these sizes, neither of which may
@@ -99,42 +106,41 @@ def run(signature: tuple, keys: Sequence[int], device: torch.device,
     """
     entry = _CACHE.get(signature)
     if entry is None:
-        entry = _CACHE[signature] = _Entry(torch.empty(len(keys), dtype=torch.int64,
-                                                       device=device))  # fmt: skip
+        entry = _CACHE[signature] = _Entry(torch.empty(1, dtype=torch.int64, device=device))
         if len(_CACHE) > MAX_GRAPHS:
             torch.cuda.synchronize(device)
             _CACHE.popitem(last=False)
-        _write(entry.keys, keys)
-        pipeline(entry.keys)
+        _write(entry.seed, seed)
+        pipeline(entry.seed)
         return
     _CACHE.move_to_end(signature)
     if entry.graph is None:
         try:
-            entry.graph = _capture(pipeline, entry.keys)
+            entry.graph = _capture(pipeline, entry.seed)
         except Exception:
             _give_up()
-            _write(entry.keys, keys)
-            pipeline(entry.keys)
+            _write(entry.seed, seed)
+            pipeline(entry.seed)
             return
-    _write(entry.keys, keys)
+    _write(entry.seed, seed)
     entry.graph.replay()
 
 
-def _write(device_keys: torch.Tensor, keys: Sequence[int]) -> None:
-    """Copy the unsigned 64-bit ``keys`` to the device, in stream order: from pinned memory,
-    which torch's host allocator keeps until the copy is done, so the host never waits."""
-    signed = [k - (1 << 64) if k >= 1 << 63 else k for k in keys]
-    device_keys.copy_(torch.tensor(signed, dtype=torch.int64, pin_memory=True), non_blocking=True)
+def _write(device_seed: torch.Tensor, seed: int) -> None:
+    """Set the unsigned 64-bit ``seed`` on the device, in stream order: a fill kernel, whose
+    argument carries it (a copy from pinned memory cost twice the host time)."""
+    seed &= (1 << 64) - 1
+    device_seed.fill_(seed - (1 << 64) if seed >= 1 << 63 else seed)
 
 
 _STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
 def _capture(pipeline: Callable[[torch.Tensor], None],
-             device_keys: torch.Tensor) -> torch.cuda.CUDAGraph:  # fmt: skip
-    """``pipeline(device_keys)`` captured (not run) into a graph with its own memory pool, on a
+             device_seed: torch.Tensor) -> torch.cuda.CUDAGraph:  # fmt: skip
+    """``pipeline(device_seed)`` captured (not run) into a graph with its own memory pool, on a
     side stream as ``torch.cuda.graph`` does; other threads' CUDA calls may go on meanwhile."""
-    device = device_keys.device
+    device = device_seed.device
     stream = _STREAMS.get(device.index)
     if stream is None:
         stream = _STREAMS[device.index] = torch.cuda.Stream(device)
@@ -143,7 +149,7 @@ def _capture(pipeline: Callable[[torch.Tensor], None],
     with torch.cuda.stream(stream):
         graph.capture_begin(capture_error_mode="thread_local")
         try:
-            pipeline(device_keys)
+            pipeline(device_seed)
         except BaseException:
             try:
                 graph.capture_end()

@@ -12,13 +12,20 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from ..checks import check_bits, check_bucket_size, check_float_tensor, check_reduce_op
+from ..checks import (
+    UNCOMPRESSED_BITS,
+    check_bits,
+    check_bucket_size,
+    check_float_tensor,
+    check_reduce_op,
+)
 from ..collectives import (
     allreduce_plain,
     allreduce_plain_,
     allreduce_quantized,
     allreduce_quantized_,
     compression_pays,
+    quantized_copy,
 )
 
 __all__ = ["quantized_allreduce", "quantized_allreduce_"]
@@ -102,11 +109,11 @@ def quantized_allreduce(
         # the crossover straight to the plain allreduce, where each microsecond counts.
         _check_args(tensor, bits, bucket_size)
         group = dist.group.WORLD if group is None else group
-        if not compression_pays(tensor):
+        if bits == UNCOMPRESSED_BITS or not compression_pays(tensor):
             return allreduce_plain(tensor, group, reduce_op)
         with _no_grad_for(tensor):
-            return allreduce_quantized(tensor, bits, bucket_size, group, reduce_op, seed,
-                                       skip_incomplete)  # fmt: skip
+            return quantized_copy(tensor, bits, bucket_size, group, reduce_op, seed,
+                                  skip_incomplete)  # fmt: skip
     return torch.ops.cgx.quantized_allreduce(
         tensor, bits, bucket_size, "" if group is None else group.group_name, reduce_op,
         -1 if seed is None else seed, skip_incomplete,

@@ -1,0 +1,102 @@
+"""CUDA-graph replay (cgx2.graphs): the keys derived on the device match cgx2.seeding, and the
+cache runs, captures, replays and evicts in the right order. The capture itself needs a GPU
+(bench/gpu_allreduce_check.py checks its bytes); here a stand-in records what it was given."""
+
+import logging
+
+import pytest
+import torch
+
+from cgx2 import graphs
+from cgx2.seeding import derive_key
+
+keys_triton = pytest.importorskip("cgx2.codecs.keys_triton", reason="Triton is not installed")
+
+
+def _signed(v: int) -> int:
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2**63 - 1, 2**63, 2**64 - 1, 0x0123456789ABCDEF])
+@pytest.mark.parametrize(("rank", "pieces"), [(0, 1), (3, 70)])
+def test_piece_keys_match_seeding(seed, rank, pieces):
+    device_seed = torch.tensor([_signed(seed)])
+    got = [v % (1 << 64) for v in keys_triton.piece_keys(device_seed, rank, pieces, 1, 2).tolist()]
+    expected = []
+    for i in range(pieces):
+        expected += [derive_key(seed, 1, rank, i), derive_key(seed, 2, i)]
+    assert got == expected
+
+
+class _FakeGraph:
+    """Stands in for a captured graph: replaying runs the pipeline again, reading the seed."""
+
+    def __init__(self, pipeline, device_seed):
+        self.pipeline, self.device_seed = pipeline, device_seed
+
+    def replay(self):
+        self.pipeline(self.device_seed)
+
+
+@pytest.fixture
+def fake_capture(monkeypatch):
+    captured = []
+
+    def capture(pipeline, device_seed):
+        captured.append(device_seed)
+        return _FakeGraph(pipeline, device_seed)
+
+    monkeypatch.setattr(graphs, "_capture", capture)
+    monkeypatch.setattr(graphs, "_failed", False)
+    graphs._CACHE.clear()
+    yield captured
+    graphs._CACHE.clear()
+
+
+def test_first_call_eager_second_captures_then_replays(fake_capture):
+    seen = []
+
+    def pipeline(device_seed):
+        seen.append(int(device_seed.item()))
+
+    seeds = [5, 2**64 - 3, 7, 2**63]
+    for seed in seeds:
+        graphs.run(("g", 1), seed, torch.device("cpu"), pipeline)
+    assert len(fake_capture) == 1  # captured once, at the second call
+    assert seen == [_signed(s) for s in seeds]  # every call read its own seed
+    assert graphs._CACHE[("g", 1)].graph is not None
+
+
+def test_least_recently_used_graph_is_dropped(fake_capture, monkeypatch):
+    monkeypatch.setattr(graphs, "MAX_GRAPHS", 2)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    for signature in (1, 2, 1, 3):
+        graphs.run(("g", signature), 0, torch.device("cpu"), lambda s: None)
+    assert list(graphs._CACHE) == [("g", 1), ("g", 3)]
+
+
+def test_failed_capture_runs_eagerly_and_stops_capturing(fake_capture, monkeypatch, caplog):
+    def broken(pipeline, device_seed):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphs, "_capture", broken)
+    seen = []
+    with caplog.at_level(logging.WARNING, logger="cgx2"):
+        for seed in (1, 2):
+            graphs.run(("g", 1), seed, torch.device("cpu"), lambda s: seen.append(int(s.item())))
+    assert seen == [1, 2]
+    assert graphs._failed
+    assert "launching eagerly" in caplog.text
+
+
+@pytest.mark.parametrize(("raw", "expected"), [("", False), ("0", False), ("1", True),
+                                               ("on", True)])  # fmt: skip
+def test_environment_variable(monkeypatch, raw, expected):
+    monkeypatch.setenv("CGX2_CUDA_GRAPHS", raw)
+    assert graphs._enabled_by_env() is expected
+
+
+def test_environment_variable_rejects_junk(monkeypatch):
+    monkeypatch.setenv("CGX2_CUDA_GRAPHS", "maybe")
+    with pytest.raises(ValueError, match="CGX2_CUDA_GRAPHS"):
+        graphs._enabled_by_env()
