@@ -23,7 +23,7 @@ def _splitmix64(x):
     return x ^ (x >> 31)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rank", "pieces"])  # rank 1 would be a constexpr int
 def _piece_keys_kernel(seed_ptr, out_ptr, rank, pieces, SCATTER: tl.constexpr,
                        GATHER: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     seed = tl.load(seed_ptr).to(tl.uint64, bitcast=True)
