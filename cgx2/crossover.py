@@ -2,8 +2,9 @@
 quantized allreduce falls back to the plain one, which is faster there.
 
 The sizes are the smallest at which 4-bit cgx2 beat NCCL on 2 H200s (BENCHMARKS.md; 2 and 8
-bits cross at the same sizes). ``CGX2_CROSSOVER_BYTES`` overrides them: a byte count (0 =
-always compress) or ``auto``.
+bits cross at the same sizes); with CUDA-graph replay (:mod:`cgx2.graphs`), which costs the
+host less, smaller ones. ``CGX2_CROSSOVER_BYTES`` overrides them: a byte count (0 = always
+compress) or ``auto``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,11 @@ import os
 
 import torch
 
-__all__ = ["CROSSOVER_BYTES", "crossover_bytes", "detect_regime", "regime"]
+from . import graphs
+
+__all__ = [
+    "CROSSOVER_BYTES", "CROSSOVER_BYTES_GRAPHS", "crossover_bytes", "detect_regime", "regime",
+]  # fmt: skip
 
 logger = logging.getLogger("cgx2")
 
@@ -27,6 +32,16 @@ CROSSOVER_BYTES: dict[str, tuple[int | None, int | None]] = {
     "socket": (4 << 20, 4 << 20),
     "shm": (16 << 20, 16 << 20),
     "nvlink": (256 << 20, None),
+}
+CROSSOVER_BYTES_GRAPHS: dict[str, tuple[int | None, int | None]] = {
+    # With CUDA-graph replay (cgx2.graphs), whose host time is a fraction of the launches':
+    # where it beat NCCL by 1.15x or more on 2 H200s (one run, 2026-11-23 07:16 UTC;
+    # BENCHMARKS.md). 16-bit over NVLink won by 1.15-1.42x from 64 MiB in that run, but
+    # eagerly it swung between 0.87x and 1.31x over six, so it stays plain there.
+    "cpu": (0, 0),
+    "socket": (4 << 20, 4 << 20),
+    "shm": (4 << 20, 16 << 20),
+    "nvlink": (64 << 20, None),
 }
 _VARIABLE = "CGX2_CROSSOVER_BYTES"
 
@@ -85,7 +100,7 @@ def crossover_bytes(device: torch.device, dtype: torch.dtype) -> int | None:
         if value < 0:
             raise ValueError(f"{_VARIABLE}={raw!r} is invalid: expected 'auto' or bytes >= 0")
         return value
-    return _measured_crossover(device, dtype)
+    return _measured_crossover(device, dtype, graphs.ENABLED)
 
 
 @functools.cache
@@ -95,12 +110,14 @@ def regime(device: torch.device) -> str:
 
 
 @functools.cache
-def _measured_crossover(device: torch.device, dtype: torch.dtype) -> int | None:
+def _measured_crossover(device: torch.device, dtype: torch.dtype,
+                        with_graphs: bool = False) -> int | None:  # fmt: skip
     found = regime(device)
-    full, half = CROSSOVER_BYTES[found]
+    full, half = (CROSSOVER_BYTES_GRAPHS if with_graphs else CROSSOVER_BYTES)[found]
     chosen = full if dtype.itemsize >= 4 else half
     logger.info(
-        "cgx2: %s regime, %s: quantized allreduce from %s (%s=0 always compresses)",
-        found, dtype, "never" if chosen is None else f"{chosen} bytes", _VARIABLE,
+        "cgx2: %s regime, %s%s: quantized allreduce from %s (%s=0 always compresses)",
+        found, dtype, ", CUDA graphs" if with_graphs else "",
+        "never" if chosen is None else f"{chosen} bytes", _VARIABLE,
     )  # fmt: skip
     return chosen

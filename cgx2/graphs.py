@@ -41,17 +41,22 @@ ENABLED = _enabled_by_env()
 """Whether GPU allreduces on NCCL groups replay CUDA graphs (:func:`run`)."""
 
 MAX_GRAPHS = 8
-"""Graphs kept per process, least recently used dropped first (with a device sync: a graph's
-memory must not be reused while a replay may still run)."""
+"""Captured graphs kept per process, least recently used dropped first (with a device sync: a
+graph's memory must not be reused while a replay may still run)."""
+
+MAX_PENDING = 64
+"""Signatures seen once (each holding only its seed's 8 bytes) kept per process, oldest
+dropped first: one-off calls never push a captured graph out."""
 
 
 @dataclass(slots=True)
 class _Entry:
     seed: torch.Tensor  # one int64 on the device: the call's seed, which the graph reads
-    graph: torch.cuda.CUDAGraph | None = None
+    graph: torch.cuda.CUDAGraph
 
 
-_CACHE: OrderedDict[Hashable, _Entry] = OrderedDict()
+_PENDING: OrderedDict[Hashable, torch.Tensor] = OrderedDict()  # signature -> its seed
+_GRAPHS: OrderedDict[Hashable, _Entry] = OrderedDict()
 _NCCL: dict[int, bool] = {}
 _failed = False
 
@@ -78,18 +83,21 @@ def usable(t: torch.Tensor, group: dist.ProcessGroup) -> bool:
 def _forget_group(group_id: int) -> None:
     """Drop a destroyed group's graphs before its id can name another group."""
     _NCCL.pop(group_id, None)
-    stale = [k for k in _CACHE if isinstance(k, tuple) and k and k[0] == group_id]
+    for key in [k for k in _PENDING if k[0] == group_id]:
+        del _PENDING[key]
+    stale = [k for k in _GRAPHS if k[0] == group_id]
     if stale:
         torch.cuda.synchronize()
-        for k in stale:
-            del _CACHE[k]
+        for key in stale:
+            del _GRAPHS[key]
 
 
 def clear() -> None:
-    """Drop every cached graph (after a device sync)."""
-    if _CACHE:
+    """Drop every cached graph (after a device sync) and signature seen."""
+    _PENDING.clear()
+    if _GRAPHS:
         torch.cuda.synchronize()
-        _CACHE.clear()
+        _GRAPHS.clear()
 
 
 def run(signature: tuple, seed: int, device: torch.device,
@@ -104,26 +112,34 @@ def run(signature: tuple, seed: int, device: torch.device,
     happen in a capture. The second captures it into a graph; every call replays the graph.
     All ranks capture the same calls, as they make the same calls; a capture sends nothing.
     """
-    entry = _CACHE.get(signature)
-    if entry is None:
-        entry = _CACHE[signature] = _Entry(torch.empty(1, dtype=torch.int64, device=device))
-        if len(_CACHE) > MAX_GRAPHS:
-            torch.cuda.synchronize(device)
-            _CACHE.popitem(last=False)
+    entry = _GRAPHS.get(signature)
+    if entry is not None:
+        _GRAPHS.move_to_end(signature)
         _write(entry.seed, seed)
-        pipeline(entry.seed)
+        entry.graph.replay()
         return
-    _CACHE.move_to_end(signature)
-    if entry.graph is None:
-        try:
-            entry.graph = _capture(pipeline, entry.seed)
-        except Exception:
-            _give_up()
-            _write(entry.seed, seed)
-            pipeline(entry.seed)
-            return
-    _write(entry.seed, seed)
-    entry.graph.replay()
+    device_seed = _PENDING.pop(signature, None)
+    if device_seed is None:
+        # Dropping a seed needs no sync: only launches on this stream read it, in order.
+        device_seed = _PENDING[signature] = torch.empty(1, dtype=torch.int64, device=device)
+        if len(_PENDING) > MAX_PENDING:
+            _PENDING.popitem(last=False)
+        _write(device_seed, seed)
+        pipeline(device_seed)
+        return
+    try:
+        graph = _capture(pipeline, device_seed)
+    except Exception:
+        _give_up()
+        _write(device_seed, seed)
+        pipeline(device_seed)
+        return
+    _GRAPHS[signature] = _Entry(device_seed, graph)
+    if len(_GRAPHS) > MAX_GRAPHS:
+        torch.cuda.synchronize(device)
+        _GRAPHS.popitem(last=False)
+    _write(device_seed, seed)
+    graph.replay()
 
 
 def _write(device_seed: torch.Tensor, seed: int) -> None:

@@ -40,6 +40,20 @@ def _one_json(out_dir: Path, kind: str) -> dict:
     return json.loads(path.read_text())
 
 
+def test_allreduce_cuda_graphs_refused_without_cuda(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "cgx2.bench", "--cuda-graphs", "--out-dir", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=_env(CUDA_VISIBLE_DEVICES=""),
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "--cuda-graphs needs CUDA" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.slow
 def test_kernels_interpreted_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "out"

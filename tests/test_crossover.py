@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import cgx2
-from cgx2 import crossover
+from cgx2 import crossover, graphs
 from cgx2.crossover import crossover_bytes, detect_regime
 
 CUDA = torch.device("cuda", 0)
@@ -73,6 +73,25 @@ def test_regime_detection(clean_env, env, peers, regime):
 def test_crossover_per_regime_and_dtype(clean_env, regime, dtype, expected):
     clean_env.setattr(crossover, "detect_regime", lambda device: regime)
     assert crossover_bytes(CUDA, dtype) == expected
+
+
+@pytest.mark.parametrize(
+    ("regime", "dtype", "expected"),
+    [
+        ("nvlink", torch.float32, 64 * MiB),
+        ("nvlink", torch.bfloat16, None),
+        ("shm", torch.float32, 4 * MiB),
+        ("shm", torch.bfloat16, 16 * MiB),
+        ("socket", torch.bfloat16, 4 * MiB),
+    ],
+)
+def test_crossover_with_cuda_graphs(clean_env, regime, dtype, expected):
+    """Replaying graphs costs the host less: compression pays from smaller sizes."""
+    clean_env.setattr(crossover, "detect_regime", lambda device: regime)
+    clean_env.setattr(graphs, "ENABLED", True)
+    assert crossover_bytes(CUDA, dtype) == expected
+    clean_env.setattr(graphs, "ENABLED", False)
+    assert crossover_bytes(CUDA, dtype) == crossover.CROSSOVER_BYTES[regime][dtype.itemsize < 4]
 
 
 def test_variable_overrides_and_is_checked(clean_env):

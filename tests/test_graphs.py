@@ -48,9 +48,11 @@ def fake_capture(monkeypatch):
 
     monkeypatch.setattr(graphs, "_capture", capture)
     monkeypatch.setattr(graphs, "_failed", False)
-    graphs._CACHE.clear()
+    graphs._PENDING.clear()
+    graphs._GRAPHS.clear()
     yield captured
-    graphs._CACHE.clear()
+    graphs._PENDING.clear()
+    graphs._GRAPHS.clear()
 
 
 def test_first_call_eager_second_captures_then_replays(fake_capture):
@@ -64,15 +66,29 @@ def test_first_call_eager_second_captures_then_replays(fake_capture):
         graphs.run(("g", 1), seed, torch.device("cpu"), pipeline)
     assert len(fake_capture) == 1  # captured once, at the second call
     assert seen == [_signed(s) for s in seeds]  # every call read its own seed
-    assert graphs._CACHE[("g", 1)].graph is not None
+    assert list(graphs._GRAPHS) == [("g", 1)] and not graphs._PENDING
 
 
 def test_least_recently_used_graph_is_dropped(fake_capture, monkeypatch):
     monkeypatch.setattr(graphs, "MAX_GRAPHS", 2)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    for signature in (1, 2, 1, 3):
+    syncs = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: syncs.append(device))
+    for signature in (1, 1, 2, 2, 1, 3, 3):
         graphs.run(("g", signature), 0, torch.device("cpu"), lambda s: None)
-    assert list(graphs._CACHE) == [("g", 1), ("g", 3)]
+    assert list(graphs._GRAPHS) == [("g", 1), ("g", 3)]
+    assert len(syncs) == 1  # dropping graph 2, whose replay might still be running
+
+
+def test_calls_seen_once_never_push_out_a_graph(fake_capture, monkeypatch):
+    monkeypatch.setattr(graphs, "MAX_GRAPHS", 1)
+    monkeypatch.setattr(graphs, "MAX_PENDING", 3)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: pytest.fail("synced"))
+    calls = []
+    for signature in (0, 0, 1, 2, 3, 4, 0):
+        graphs.run(("g", signature), signature, torch.device("cpu"), calls.append)
+    assert list(graphs._GRAPHS) == [("g", 0)]
+    assert list(graphs._PENDING) == [("g", 2), ("g", 3), ("g", 4)]
+    assert len(fake_capture) == 1
 
 
 def test_failed_capture_runs_eagerly_and_stops_capturing(fake_capture, monkeypatch, caplog):

@@ -173,6 +173,18 @@ def _bench_size(
             lambda buf=auto_buf: dist.all_reduce(buf, op=plain_op), auto
         )
         auto_path = "quantized" if collectives.compression_pays(x) else "plain"
+        graphs_auto = None
+        if args.cuda_graphs:  # in place with graphs, plain below the graphs' crossover
+            graphs.ENABLED = True
+            try:
+                graphs_auto = (
+                    "quantized" if collectives.compression_pays(x) else "plain",
+                    *timer.interleaved(lambda buf=auto_buf: dist.all_reduce(buf, op=plain_op),
+                                       auto),
+                )  # fmt: skip
+            finally:
+                graphs.ENABLED = False
+                graphs.clear()
         rows.append({
             "dtype": dtype_name, "bytes": nbytes, "size": _size_name(nbytes), "numel": n,
             "bits": bits, "bucket_size": args.bucket_size,
@@ -188,6 +200,9 @@ def _bench_size(
             "cgx2_graphs_ms": graphs_ms,
             "graphs_speedup_vs_plain": None if graphs_ms is None else plain_ms / graphs_ms,
             "graphs_fraction_of_sol": None if graphs_ms is None else sol_ms / graphs_ms,
+            "graphs_auto_path": graphs_auto and graphs_auto[0],
+            "graphs_auto_ms": graphs_auto and graphs_auto[2],
+            "graphs_auto_vs_plain": graphs_auto and graphs_auto[1] / graphs_auto[2],
         })  # fmt: skip
     return rows
 
@@ -229,7 +244,8 @@ COLUMNS = [
 ]  # fmt: skip
 GRAPH_COLUMNS = [
     ("cgx2_graphs_ms", "graphs ms", ".3f"), ("graphs_speedup_vs_plain", "graphs/plain x", ".2f"),
-    ("graphs_fraction_of_sol", "graphs % of SoL", ".0%"),
+    ("graphs_fraction_of_sol", "graphs % of SoL", ".0%"), ("graphs_auto_path", "g-auto", ""),
+    ("graphs_auto_vs_plain", "g-auto/plain x", ".2f"),
 ]  # fmt: skip
 
 
@@ -267,6 +283,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.sizes = [parse_size(s) for s in args.sizes.split(",")]
     args.dtypes = args.dtypes.split(",")
     args.bits = [int(b) for b in args.bits.split(",")]
+    if args.cuda_graphs and not torch.cuda.is_available():
+        p.error("--cuda-graphs needs CUDA GPUs")
     for d in args.dtypes:
         if d not in DTYPES:
             p.error(f"--dtypes: unknown {d!r}; choose from {', '.join(DTYPES)}")
@@ -280,8 +298,6 @@ def main(argv: list[str] | None = None) -> int:
         collectives.PIPELINE_BYTES = args.pipeline_mb << 20
     collectives.PAIR_GATHER = not args.no_pair_gather
     direct_launch.ENABLED = not args.no_direct_launch
-    if args.cuda_graphs and not torch.cuda.is_available():
-        raise SystemExit("--cuda-graphs needs GPUs")
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         backend = "nccl"
