@@ -10,6 +10,8 @@ buffers, about 0.4 of the tensor's bytes at 4 bits, while it is one of the
 
 from __future__ import annotations
 
+import atexit
+import functools
 import logging
 import weakref
 from collections import OrderedDict
@@ -134,12 +136,40 @@ def run(signature: tuple, seed: int, device: torch.device,
         _write(device_seed, seed)
         pipeline(device_seed)
         return
+    _guard_teardown()
     _GRAPHS[signature] = _Entry(device_seed, graph)
     if len(_GRAPHS) > MAX_GRAPHS:
         torch.cuda.synchronize(device)
         _GRAPHS.popitem(last=False)
     _write(device_seed, seed)
     graph.replay()
+
+
+_guarded = False
+
+
+def _guard_teardown() -> None:
+    """Make ``dist.destroy_process_group`` (and the interpreter's exit) drop the graphs first:
+    a graph holding a communicator's collectives kept NCCL from destroying it (both ranks hung
+    in ``destroy_process_group`` at the end of a DDP run on 2 H200s). Installed at the first
+    capture, so that nothing of torch's is touched unless graphs are."""
+    global _guarded
+    if _guarded:
+        return
+    _guarded = True
+    original = dist.destroy_process_group
+
+    @functools.wraps(original)
+    def destroy_process_group(group: dist.ProcessGroup | None = None) -> None:
+        if group is None or group is dist.GroupMember.WORLD:
+            clear()  # every group goes with the default one
+        else:
+            _forget_group(id(group))
+        original(group)
+
+    dist.destroy_process_group = destroy_process_group
+    dist.distributed_c10d.destroy_process_group = destroy_process_group
+    atexit.register(clear)  # runs before torch's own exit handlers, registered earlier
 
 
 def _write(device_seed: torch.Tensor, seed: int) -> None:

@@ -116,3 +116,31 @@ def test_environment_variable_rejects_junk(monkeypatch):
     monkeypatch.setenv("CGX2_CUDA_GRAPHS", "maybe")
     with pytest.raises(ValueError, match="CGX2_CUDA_GRAPHS"):
         graphs._enabled_by_env()
+
+
+def test_destroying_a_group_drops_its_graphs_first(fake_capture, monkeypatch):
+    """A graph holding a communicator's collectives kept NCCL from destroying it: once a graph
+    is captured, destroy_process_group drops the group's graphs (all, for the default group)
+    before the communicator goes."""
+    import atexit
+
+    import torch.distributed as dist
+
+    left_at_destroy = []
+
+    def original(group=None):
+        left_at_destroy.append((group, list(graphs._GRAPHS)))
+
+    monkeypatch.setattr(dist, "destroy_process_group", original)
+    monkeypatch.setattr(dist.distributed_c10d, "destroy_process_group", original)
+    monkeypatch.setattr(graphs, "_guarded", False)
+    monkeypatch.setattr(atexit, "register", lambda fn: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    for signature in ((7, 1), (7, 1), (8, 1), (8, 1)):  # two groups' ids, one graph each
+        graphs.run(signature, 0, torch.device("cpu"), lambda s: None)
+    assert dist.destroy_process_group is not original  # wrapped at the first capture
+    sub = object()
+    monkeypatch.setattr(graphs, "id", lambda g: 8 if g is sub else 0, raising=False)
+    dist.destroy_process_group(sub)
+    dist.destroy_process_group()
+    assert left_at_destroy == [(sub, [(7, 1)]), (None, [])]

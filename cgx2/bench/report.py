@@ -21,8 +21,9 @@ _NCCL_VARS = ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_NVLS_ENABLE", "NCCL_
 
 
 def _command(world_size: int) -> str:
-    """The command that reproduces this run, launcher and NCCL variables included."""
-    nccl = " ".join(f"{k}={os.environ[k]}" for k in _NCCL_VARS if k in os.environ)
+    """The command that reproduces this run, launcher, NCCL and cgx2 variables included."""
+    names = [*_NCCL_VARS, *sorted(k for k in os.environ if k.startswith(("CGX2_", "CGX_")))]
+    nccl = " ".join(f"{k}={os.environ[k]}" for k in names if k in os.environ)
     argv = getattr(sys, "orig_argv", sys.argv)
     if "TORCHELASTIC_RUN_ID" in os.environ:
         nproc = os.environ.get("LOCAL_WORLD_SIZE", world_size)
@@ -56,6 +57,7 @@ def environment(device: torch.device, world_size: int = 1) -> dict[str, Any]:
         "python": platform.python_version(),
         "regime": regime(),
         "nccl_env": {k: os.environ[k] for k in _NCCL_VARS if k in os.environ},
+        "cgx2_env": {k: v for k, v in os.environ.items() if k.startswith(("CGX2_", "CGX_"))},
         "command": _command(world_size),
         "launcher": "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "python",
     }
