@@ -41,6 +41,32 @@ def allreduce_table(path: Path, bits: int | None = None) -> str:
     return "\n".join(lines)
 
 
+def graphs_table(path: Path) -> str:
+    """cgx2 launched eagerly and replaying CUDA graphs (``python -m cgx2.bench --cuda-graphs``),
+    in one run: times, ratios to NCCL, and "auto" (in place, plain below the crossover)."""
+    report = json.loads(path.read_text())
+    env = report["env"]
+    lines = [
+        f"`{path.name}` — {env['device']} ×{env['world_size']}, regime **{env['regime']}**, "
+        f"{env['date']}",
+        "",
+        "| dtype | size | NCCL ms | cgx2 ms | graphs ms | light ms | cgx2 vs NCCL "
+        "| graphs vs NCCL | graphs / light | graphs auto: path, vs NCCL |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for r in report["rows"]:
+        auto = "-"
+        if r.get("graphs_auto_path") is not None:
+            auto = f"{r['graphs_auto_path']}, {r['graphs_auto_vs_plain']:.2f}×"
+        lines.append(
+            f"| {r['dtype']} | {r['size']} | {r['plain_ms']:.3f} | {r['cgx2_ms']:.3f} | "
+            f"{r['cgx2_graphs_ms']:.3f} | {r['sol_ms']:.3f} | {r['speedup_vs_plain']:.2f}× | "
+            f"**{r['graphs_speedup_vs_plain']:.2f}×** | {r['graphs_fraction_of_sol']:.0%} | "
+            f"{auto} |"
+        )
+    return "\n".join(lines)
+
+
 def train_table(paths: list[Path]) -> str:
     """One row per regime: plain DDP, cgx_hook and the cgx backend (examples/train_ddp.py)."""
     runs: dict[str, dict[str, dict]] = {}
@@ -97,7 +123,9 @@ def main(argv: list[str]) -> None:
     for name in argv:
         path = Path(name)
         if path.name.startswith("allreduce_"):
-            print(allreduce_table(path, bits), end="\n\n")
+            graphs = json.loads(path.read_text())["rows"][0].get("cgx2_graphs_ms") is not None
+            table = graphs_table(path) if graphs else allreduce_table(path, bits)
+            print(table, end="\n\n")
         elif not path.name.startswith("train_ddp_"):
             print(kernels_table(path), end="\n\n")
     trains = [Path(n) for n in argv if Path(n).name.startswith("train_ddp_")]

@@ -4,8 +4,8 @@ launch of its kernels and collectives, with fresh random keys, instead of a doze
 Where the GPU outruns the host (NVLink), the allreduce waits on its host's launches; a replay
 costs two: a fill of the call's seed, and the graph's. Opt-in, by ``CGX2_CUDA_GRAPHS=1`` (read
 at import) or ``cgx2.graphs.ENABLED = True``; needs Triton. Each cached graph keeps its
-buffers, about 0.4 of the tensor's bytes at 4 bits, while it is one of the
-:data:`MAX_GRAPHS` most recently used.
+buffers while it is one of the :data:`MAX_GRAPHS` most recently used: about half an fp32
+tensor's bytes at 4 bits (as many bytes as a bf16 one), plus an fp32 copy with error feedback.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
+import os
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -29,8 +30,6 @@ logger = logging.getLogger("cgx2")
 
 
 def _enabled_by_env() -> bool:
-    import os
-
     raw = os.environ.get("CGX2_CUDA_GRAPHS", "").strip().lower()
     if raw in ("", "0", "false", "no", "off"):
         return False
@@ -112,7 +111,9 @@ def run(signature: tuple, seed: int, device: torch.device,
     The first call of a signature runs it eagerly: that compiles the kernels' variants that
     read keys from memory and connects NCCL's channels for these sizes, neither of which may
     happen in a capture. The second captures it into a graph; every call replays the graph.
-    All ranks capture the same calls, as they make the same calls; a capture sends nothing.
+    A capture sends nothing, so ranks need not agree on it: one rank capturing a call that
+    another ran eagerly (their tensors at addresses seen before on one only) worked over
+    sockets and NVLink on 2 H200s.
     """
     entry = _GRAPHS.get(signature)
     if entry is not None:
