@@ -255,6 +255,7 @@ def _run_pieces(flat: torch.Tensor, out: torch.Tensor, bits: int, bucket_size: i
                  bucket_size, reduce_op, skip_incomplete, PIPELINE_BYTES, PAIR_GATHER)  # fmt: skip
 
     def pipeline(device_seed: torch.Tensor) -> None:
+        # Seed 0: the host's keys go unused; the kernels read those derived from device_seed.
         run = _make_run(flat, bits, bucket_size, group, reduce_op, skip_incomplete, 0)
         pieces = -(-flat.numel() // run.step)
         piece_keys = triton_kernels("keys_triton").piece_keys  # graphs.usable checked it
