@@ -6,11 +6,12 @@
 # in bench/results/ (and as one tarball in $OUT).
 # Usage (repo root): bash bench/device_run.sh [gpu_check args]; BENCH_ARGS for cgx2.bench,
 # TRAIN_ARGS for examples/train_ddp.py, TRAIN_REGIMES ("socket shm nvlink") and TRAIN_RUNS
-# ("32 hook,4 hook,4 backend") to pick runs, FSDP_ARGS/FSDP_REGIMES ("socket") for
-# examples/train_fsdp.py; SKIP_KERNELS, SKIP_CHECKS, SKIP_BENCH, SKIP_TRAIN, SKIP_FSDP_TRAIN=1
-# leave a stage out (a call is limited to 10 minutes on our machines). Tuning stages, off unless
-# asked: AB_VERSIONS="name=path ..." times those copies of maxmin_triton.py against the tree's
-# (bench/kernel_ab.py); TIMELINE_REGIMES="shm ..." prints a 256 MiB allreduce's GPU timeline.
+# ("32 hook,4 hook,4 backend"; "4 hook graphs" sets CGX2_CUDA_GRAPHS=1) to pick runs,
+# FSDP_ARGS/FSDP_REGIMES ("socket") for examples/train_fsdp.py; SKIP_KERNELS, SKIP_CHECKS,
+# SKIP_BENCH, SKIP_TRAIN, SKIP_FSDP_TRAIN=1 leave a stage out (a call is limited to 10 minutes
+# on our machines). Tuning stages, off unless asked: AB_VERSIONS="name=path ..." times those
+# copies of maxmin_triton.py against the tree's (bench/kernel_ab.py); TIMELINE_REGIMES="shm ..."
+# prints a 256 MiB allreduce's GPU timeline.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -71,11 +72,13 @@ if [ "$NGPU" -ge 2 ] && [ -z "${SKIP_TRAIN:-}" ]; then
   for regime in ${TRAIN_REGIMES:-socket shm nvlink}; do
     regime_vars $regime
     for run in "${RUNS[@]}"; do
-      set -- $run
-      echo "== DDP step, $NGPU GPUs, regime $regime, $1 bits, $2"
-      env "${vars[@]}" torchrun --nproc-per-node "$NGPU" examples/train_ddp.py --bits "$1" \
-        --mode "$2" $TRAIN_ARGS --log-every 1000 \
-        --json "bench/results/train_ddp_${GPU}_${regime}_w${NGPU}_b$1_$2_$(date -u +%Y%m%dT%H%M).json" \
+      set -- $run  # bits, mode and, optionally, "graphs" (CGX2_CUDA_GRAPHS=1)
+      graphs=0; tag=""
+      if [ "${3:-}" = graphs ]; then graphs=1; tag=_graphs; fi
+      echo "== DDP step, $NGPU GPUs, regime $regime, $1 bits, $2${3:+, $3}"
+      env "${vars[@]}" CGX2_CUDA_GRAPHS=$graphs torchrun --nproc-per-node "$NGPU" \
+        examples/train_ddp.py --bits "$1" --mode "$2" $TRAIN_ARGS --log-every 1000 \
+        --json "bench/results/train_ddp_${GPU}_${regime}_w${NGPU}_b$1_$2${tag}_$(date -u +%Y%m%dT%H%M).json" \
         2>>"$LOGS/train_$regime.err" | tail -n 1 || status=1
       save
     done
