@@ -73,7 +73,13 @@ def train_table(paths: list[Path]) -> str:
     for path in paths:
         r = json.loads(path.read_text())
         kind = "plain" if r["bits"] == 32 else r.get("mode", "hook")
-        runs.setdefault(r["env"]["regime"], {})[kind] = r | {"file": path.stem}
+        row = r["env"]["regime"]
+        if kind == "hook" and r["env"].get("cgx2_env", {}).get("CGX2_CUDA_GRAPHS") == "1":
+            row += ", CUDA graphs"  # a row of its own, against the regime's plain run
+        runs.setdefault(row, {})[kind] = r | {"file": path.stem}
+    for row, r in runs.items():
+        if "plain" not in r and row.split(",")[0] in runs:
+            r["plain"] = runs[row.split(",")[0]].get("plain")
     lines = [
         "| regime | plain ms/step | hook ms/step | hook vs plain | backend ms/step "
         "| backend vs plain | bytes sent, hook / backend / plain (MB) "
@@ -81,19 +87,24 @@ def train_table(paths: list[Path]) -> str:
         "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- | --- |",
     ]
     for regime, r in runs.items():
-        plain, hook = r["plain"], r["hook"]
-        backend = r.get("backend")  # a regime may have been run without the backend
+        plain = r["plain"]
         kinds = [kind for kind in ("plain", "hook", "backend") if kind in r]
         files = ", ".join(f"`{r[kind]['file']}`" for kind in kinds)
-        b_ms = f"{backend['step_ms']:.1f}" if backend else "-"
-        b_x = f"**{plain['step_ms'] / backend['step_ms']:.2f}×**" if backend else "-"
-        b_mb = f"{backend['bytes_sent'] / 1e6:.0f}" if backend else "-"
-        b_loss = f"{backend['final_loss']:.3f}" if backend else "-"
+        cells = {}
+        for kind in ("hook", "backend"):  # a row may lack either
+            run = r.get(kind)
+            cells[kind] = (
+                (f"{run['step_ms']:.1f}", f"**{plain['step_ms'] / run['step_ms']:.2f}×**",
+                 f"{run['bytes_sent'] / 1e6:.0f}", f"{run['final_loss']:.3f}")
+                if run else ("-",) * 4
+            )  # fmt: skip
+        hook, backend = cells["hook"], cells["backend"]
+        counted = r.get("hook") or r.get("backend")  # a plain run counts no bytes
+        uncompressed = f"{counted['bytes_uncompressed'] / 1e6:.0f}" if counted else "-"
         lines.append(
-            f"| {regime} | {plain['step_ms']:.1f} | {hook['step_ms']:.1f} | "
-            f"**{plain['step_ms'] / hook['step_ms']:.2f}×** | {b_ms} | {b_x} | "
-            f"{hook['bytes_sent'] / 1e6:.0f} / {b_mb} / {hook['bytes_uncompressed'] / 1e6:.0f} | "
-            f"{plain['final_loss']:.3f} / {hook['final_loss']:.3f} / {b_loss} | {files} |"
+            f"| {regime} | {plain['step_ms']:.1f} | {hook[0]} | {hook[1]} | {backend[0]} | "
+            f"{backend[1]} | {hook[2]} / {backend[2]} / {uncompressed} | "
+            f"{plain['final_loss']:.3f} / {hook[3]} / {backend[3]} | {files} |"
         )
     return "\n".join(lines)
 
