@@ -3,9 +3,9 @@ launch of its kernels and collectives, with fresh random keys, instead of a doze
 
 Where the GPU outruns the host (NVLink), the allreduce waits on its host's launches; a replay
 costs two: a fill of the call's seed, and the graph's. Opt-in, by ``CGX2_CUDA_GRAPHS=1`` (read
-at import) or ``cgx2.graphs.ENABLED = True``; needs Triton. Each cached graph keeps its
-buffers while it is one of the :data:`MAX_GRAPHS` most recently used: about half an fp32
-tensor's bytes at 4 bits (as many bytes as a bf16 one), plus an fp32 copy with error feedback.
+at import) or ``cgx2.graphs.ENABLED = True``; needs Triton. Each of at most :data:`MAX_GRAPHS`
+graphs keeps its buffers: about half an fp32 tensor's bytes at 4 bits (as many bytes as a bf16
+one), plus an fp32 copy with error feedback.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from .codecs import triton_kernels
 
-__all__ = ["ENABLED", "MAX_GRAPHS", "clear", "run", "usable"]
+__all__ = ["ENABLED", "MAX_GRAPHS", "STALE_CALLS", "clear", "run", "usable"]
 
 logger = logging.getLogger("cgx2")
 
@@ -41,25 +41,32 @@ def _enabled_by_env() -> bool:
 ENABLED = _enabled_by_env()
 """Whether GPU allreduces on NCCL groups replay CUDA graphs (:func:`run`)."""
 
-MAX_GRAPHS = 8
-"""Captured graphs kept per process, least recently used dropped first (with a device sync: a
-graph's memory must not be reused while a replay may still run)."""
+MAX_GRAPHS = 32
+"""Captured graphs kept per process. When they are all in use, more signatures run eagerly:
+evicting by recency alone would make a cycle of more signatures than this (DDP's buckets of a
+large model) capture at every call."""
+
+STALE_CALLS = 1000
+"""A graph not replayed in this many calls (of the graph path) may be dropped, with a device
+sync (its memory must not be reused while a replay may still run), for a new one."""
 
 MAX_PENDING = 64
 """Signatures seen once (each holding only its seed's 8 bytes) kept per process, oldest
-dropped first: one-off calls never push a captured graph out."""
+dropped first."""
 
 
 @dataclass(slots=True)
 class _Entry:
     seed: torch.Tensor  # one int64 on the device: the call's seed, which the graph reads
     graph: torch.cuda.CUDAGraph
+    used: int  # the call (of _calls) that last replayed it
 
 
 _PENDING: OrderedDict[Hashable, torch.Tensor] = OrderedDict()  # signature -> its seed
 _GRAPHS: OrderedDict[Hashable, _Entry] = OrderedDict()
 _NCCL: dict[int, bool] = {}
 _failed = False
+_calls = 0
 
 
 def usable(t: torch.Tensor, group: dist.ProcessGroup) -> bool:
@@ -115,21 +122,30 @@ def run(signature: tuple, seed: int, device: torch.device,
     another ran eagerly (their tensors at addresses seen before on one only) worked over
     sockets and NVLink on 2 H200s.
     """
+    global _calls
+    _calls += 1
     entry = _GRAPHS.get(signature)
     if entry is not None:
         _GRAPHS.move_to_end(signature)
+        entry.used = _calls
         _write(entry.seed, seed)
         entry.graph.replay()
         return
-    device_seed = _PENDING.pop(signature, None)
-    if device_seed is None:
-        # Dropping a seed needs no sync: only launches on this stream read it, in order.
-        device_seed = _PENDING[signature] = torch.empty(1, dtype=torch.int64, device=device)
-        if len(_PENDING) > MAX_PENDING:
-            _PENDING.popitem(last=False)
+    device_seed = _PENDING.get(signature)
+    if device_seed is None or not _room(device):
+        if device_seed is None:
+            device_seed = _PENDING[signature] = torch.empty(1, dtype=torch.int64, device=device)
+            if len(_PENDING) > MAX_PENDING:
+                _PENDING.popitem(last=False)
+        else:
+            _PENDING.move_to_end(signature)
+            if device_seed.is_cuda:  # (the tests' stand-ins are on the CPU)
+                # Dropping a seed needs no sync once the allocator knows each stream using it.
+                device_seed.record_stream(torch.cuda.current_stream(device))
         _write(device_seed, seed)
         pipeline(device_seed)
         return
+    del _PENDING[signature]
     try:
         graph = _capture(pipeline, device_seed)
     except Exception:
@@ -138,12 +154,22 @@ def run(signature: tuple, seed: int, device: torch.device,
         pipeline(device_seed)
         return
     _guard_teardown()
-    _GRAPHS[signature] = _Entry(device_seed, graph)
-    if len(_GRAPHS) > MAX_GRAPHS:
-        torch.cuda.synchronize(device)
-        _GRAPHS.popitem(last=False)
+    _GRAPHS[signature] = _Entry(device_seed, graph, _calls)
     _write(device_seed, seed)
     graph.replay()
+
+
+def _room(device: torch.device) -> bool:
+    """Whether a graph may be added: fewer than :data:`MAX_GRAPHS`, or the least recently used
+    one stale (dropped here, after a device sync)."""
+    if len(_GRAPHS) < MAX_GRAPHS:
+        return True
+    oldest = next(iter(_GRAPHS.values()))
+    if _calls - oldest.used <= STALE_CALLS:
+        return False
+    torch.cuda.synchronize(device)
+    _GRAPHS.popitem(last=False)
+    return True
 
 
 _guarded = False

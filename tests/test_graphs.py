@@ -69,14 +69,29 @@ def test_first_call_eager_second_captures_then_replays(fake_capture):
     assert list(graphs._GRAPHS) == [("g", 1)] and not graphs._PENDING
 
 
-def test_least_recently_used_graph_is_dropped(fake_capture, monkeypatch):
+def test_a_cycle_longer_than_the_cache_captures_once_and_never_syncs(fake_capture, monkeypatch):
+    """DDP's buckets of a large model: more signatures, over and over, than graphs kept. The
+    first MAX_GRAPHS seen twice replay; the others run eagerly, none is captured again."""
     monkeypatch.setattr(graphs, "MAX_GRAPHS", 2)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: pytest.fail("synced"))
+    eager = []
+    for _ in range(5):
+        for signature in (1, 2, 3):
+            graphs.run(("g", signature), 0, torch.device("cpu"), lambda s: eager.append(1))
+    assert list(graphs._GRAPHS) == [("g", 1), ("g", 2)]
+    assert len(fake_capture) == 2
+    assert list(graphs._PENDING) == [("g", 3)]
+
+
+def test_a_stale_graph_makes_room_after_a_sync(fake_capture, monkeypatch):
+    monkeypatch.setattr(graphs, "MAX_GRAPHS", 2)
+    monkeypatch.setattr(graphs, "STALE_CALLS", 3)
     syncs = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: syncs.append(device))
-    for signature in (1, 1, 2, 2, 1, 3, 3):
+    for signature in (1, 1, 2, 2, 2, 2, 2, 3, 3):  # graph 1 last replayed 6 calls before
         graphs.run(("g", signature), 0, torch.device("cpu"), lambda s: None)
-    assert list(graphs._GRAPHS) == [("g", 1), ("g", 3)]
-    assert len(syncs) == 1  # dropping graph 2, whose replay might still be running
+    assert list(graphs._GRAPHS) == [("g", 2), ("g", 3)]
+    assert len(syncs) == 1
 
 
 def test_calls_seen_once_never_push_out_a_graph(fake_capture, monkeypatch):
