@@ -12,6 +12,7 @@ import threading
 import torch
 
 __all__ = [
+    "SEEDED_OP_TAGS",
     "call_seed",
     "derive_key",
     "extend_key",
@@ -23,6 +24,14 @@ __all__ = [
 
 _MASK64 = (1 << 64) - 1
 _lock = threading.Lock()
+
+SEEDED_OP_TAGS: tuple[torch.Tag, ...] = (
+    torch.Tag.nondeterministic_seeded,
+    # A CUDA graph (torch.compile's "reduce-overhead") would replay the seed of its capture at
+    # every step; so tagged, Inductor runs the op outside its graphs. Missing in old torch.
+    *((torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()),
+)
+"""``torch.library`` tags of the ops that draw call seeds from this stream."""
 
 
 def _splitmix64(x: int) -> int:

@@ -84,3 +84,14 @@ def test_compiled_roundtrip_fullgraph_matches_eager():
     x = torch.randn(64, 48)
     compiled = torch.compile(roundtrip, fullgraph=True, backend="inductor")
     assert torch.equal(compiled(x), roundtrip(x))
+
+
+@pytest.mark.parametrize("op", ["quantize", "quantized_allreduce", "quantized_allreduce_"])
+def test_seeded_ops_stay_out_of_cuda_graphs(op):
+    """Each call draws a fresh seed on the host: a CUDA graph of torch.compile's
+    "reduce-overhead" would replay its capture's seed (the same rounding at every step), so the
+    ops are tagged for Inductor to run them outside its graphs."""
+    tags = getattr(torch.ops.cgx, op).default.tags
+    assert torch.Tag.nondeterministic_seeded in tags
+    if hasattr(torch.Tag, "cudagraph_unsafe"):
+        assert torch.Tag.cudagraph_unsafe in tags

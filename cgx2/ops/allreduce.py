@@ -27,6 +27,7 @@ from ..collectives import (
     compression_pays,
     quantized_copy,
 )
+from ..seeding import SEEDED_OP_TAGS
 
 __all__ = ["quantized_allreduce", "quantized_allreduce_"]
 
@@ -61,9 +62,7 @@ def _check(t: torch.Tensor, bits: int, bucket_size: int, reduce_op: str) -> None
     check_reduce_op(reduce_op)
 
 
-@torch.library.custom_op(
-    "cgx::quantized_allreduce", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,)
-)
+@torch.library.custom_op("cgx::quantized_allreduce", mutates_args=(), tags=SEEDED_OP_TAGS)
 def _quantized_allreduce_op(
     input: torch.Tensor,
     bits: int,
@@ -122,7 +121,7 @@ def quantized_allreduce(
 
 @torch.library.custom_op(
     "cgx::quantized_allreduce_", mutates_args=("input",),
-    tags=(torch.Tag.nondeterministic_seeded,),
+    tags=SEEDED_OP_TAGS,
 )  # fmt: skip
 def _quantized_allreduce_inplace_op(
     input: torch.Tensor,

@@ -6,7 +6,7 @@ import torch
 
 from ..checks import check_bits, check_bucket_size, check_float_tensor
 from ..codecs import MaxMinLayout, maxmin_codec
-from ..seeding import derive_key, next_seed
+from ..seeding import SEEDED_OP_TAGS, derive_key, next_seed
 
 __all__ = ["dequantize", "quantize"]
 
@@ -18,7 +18,7 @@ def _check_codec_args(bits: int, bucket_size: int) -> None:
     check_bucket_size(bucket_size)
 
 
-@torch.library.custom_op("cgx::quantize", mutates_args=())
+@torch.library.custom_op("cgx::quantize", mutates_args=(), tags=SEEDED_OP_TAGS)
 def quantize(
     x: torch.Tensor,
     bits: int,
