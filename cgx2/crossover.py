@@ -35,9 +35,9 @@ CROSSOVER_BYTES: dict[str, tuple[int | None, int | None]] = {
 }
 CROSSOVER_BYTES_GRAPHS: dict[str, tuple[int | None, int | None]] = {
     # With CUDA-graph replay (cgx2.graphs), whose host time is a fraction of the launches':
-    # where it beat NCCL by 1.15x or more on 2 H200s (one run, 2026-11-23 07:16 UTC;
-    # BENCHMARKS.md). 16-bit over NVLink won by 1.15-1.42x from 64 MiB in that run, but
-    # eagerly it swung between 0.87x and 1.31x over six, so it stays plain there.
+    # where it beat NCCL by 1.15x or more on 2 H200s (the run of 2026-11-23 07:16 UTC; that
+    # of 07:23 agrees; BENCHMARKS.md). 16-bit over NVLink won by 1.07-1.50x from 64 MiB in
+    # those runs, but eagerly it swung between 0.87x and 1.31x over six: it stays plain there.
     "cpu": (0, 0),
     "socket": (4 << 20, 4 << 20),
     "shm": (4 << 20, 16 << 20),
