@@ -117,7 +117,9 @@ def run(signature: tuple, seed: int, device: torch.device,
 
     The first call of a signature runs it eagerly: that compiles the kernels' variants that
     read keys from memory and connects NCCL's channels for these sizes, neither of which may
-    happen in a capture. The second captures it into a graph; every call replays the graph.
+    happen in a capture. The second captures it into a graph, if there is room
+    (:data:`MAX_GRAPHS`, :data:`STALE_CALLS`; else it runs eagerly again, and later calls
+    retry); every call after the capture replays the graph.
     A capture sends nothing, so ranks need not agree on it: one rank capturing a call that
     another ran eagerly (their tensors at addresses seen before on one only) worked over
     sockets and NVLink on 2 H200s.
