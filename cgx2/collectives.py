@@ -246,13 +246,13 @@ def _run_pieces(flat: torch.Tensor, out: torch.Tensor, bits: int, bucket_size: i
     ``flat``: a piece is written only after its last read); ``error`` as in
     :func:`allreduce_quantized_`. With :data:`cgx2.graphs.ENABLED`, a CUDA graph's replay."""
     seed = next_seed() if seed is None else seed
-    if not graphs.usable(flat, group):
+    if not (graphs.usable(flat) and _plain_route(group)[1]):  # graphs replay NCCL's only
         _pipeline(_make_run(flat, bits, bucket_size, group, reduce_op, skip_incomplete, seed),
                   flat, out, error)  # fmt: skip
         return
-    signature = (id(group), flat.data_ptr(), out.data_ptr(),
-                 0 if error is None else error.data_ptr(), flat.numel(), flat.dtype, bits,
-                 bucket_size, reduce_op, skip_incomplete, PIPELINE_BYTES, PAIR_GATHER)  # fmt: skip
+    signature = (flat.data_ptr(), out.data_ptr(), 0 if error is None else error.data_ptr(),
+                 flat.numel(), flat.dtype, bits, bucket_size, reduce_op, skip_incomplete,
+                 PIPELINE_BYTES, PAIR_GATHER)  # fmt: skip
 
     def pipeline(device_seed: torch.Tensor) -> None:
         # Seed 0: the host's keys go unused; the kernels read those derived from device_seed.
@@ -262,7 +262,7 @@ def _run_pieces(flat: torch.Tensor, out: torch.Tensor, bits: int, bucket_size: i
         run.keys = piece_keys(device_seed, run.rank, pieces, _STAGE_SCATTER, _STAGE_GATHER)
         _pipeline(run, flat, out, error)
 
-    graphs.run(signature, seed, flat.device, pipeline)
+    graphs.run(group, signature, seed, flat.device, pipeline)
 
 
 def _make_run(flat: torch.Tensor, bits: int, bucket_size: int, group: dist.ProcessGroup,

@@ -64,33 +64,32 @@ class _Entry:
 
 _PENDING: OrderedDict[Hashable, torch.Tensor] = OrderedDict()  # signature -> its seed
 _GRAPHS: OrderedDict[Hashable, _Entry] = OrderedDict()
-_NCCL: dict[int, bool] = {}
+_WATCHED: set[int] = set()  # ids of the groups whose graphs go with them
 _failed = False
 _calls = 0
 
 
-def usable(t: torch.Tensor, group: dist.ProcessGroup) -> bool:
-    """Whether an allreduce of ``t`` over ``group`` may replay a graph: enabled, a CUDA tensor,
-    an NCCL group, Triton (whose kernels read keys from memory), not under ``torch.compile``
-    or inside a capture of the caller's own."""
+def usable(t: torch.Tensor) -> bool:
+    """Whether an allreduce of ``t`` may replay a graph: enabled, a CUDA tensor, Triton (whose
+    kernels read keys from memory), not under ``torch.compile`` or inside a capture of the
+    caller's own. The caller checks that its group is NCCL's."""
     if not (ENABLED and t.is_cuda) or _failed or torch.compiler.is_compiling():
         return False
     if triton_kernels("keys_triton") is None:
         return False
-    if torch.cuda.is_current_stream_capturing():
-        return False
-    nccl = _NCCL.get(id(group))
-    if nccl is None:
-        nccl = _NCCL[id(group)] = (
-            isinstance(group, dist.ProcessGroup) and dist.get_backend(group) == "nccl"
-        )
+    return not torch.cuda.is_current_stream_capturing()
+
+
+def _watch(group: dist.ProcessGroup) -> None:
+    """Drop ``group``'s graphs when it is garbage collected, before its id can name another."""
+    if id(group) not in _WATCHED:
+        _WATCHED.add(id(group))
         weakref.finalize(group, _forget_group, id(group))
-    return nccl
 
 
 def _forget_group(group_id: int) -> None:
     """Drop a destroyed group's graphs before its id can name another group."""
-    _NCCL.pop(group_id, None)
+    _WATCHED.discard(group_id)
     for key in [k for k in _PENDING if k[0] == group_id]:
         del _PENDING[key]
     stale = [k for k in _GRAPHS if k[0] == group_id]
@@ -108,12 +107,12 @@ def clear() -> None:
         _GRAPHS.clear()
 
 
-def run(signature: tuple, seed: int, device: torch.device,
+def run(group: dist.ProcessGroup, signature: tuple, seed: int, device: torch.device,
         pipeline: Callable[[torch.Tensor], None]) -> None:  # fmt: skip
     """Run ``pipeline(device_seed)``, which must take its random keys from the call seed in
     ``device_seed`` (one int64 on ``device``, holding ``seed`` when the launches run) and be
-    the same launches for the same ``signature`` (its first item the group's id; the tensors'
-    addresses among the rest).
+    the same launches over ``group`` for the same ``signature`` (the tensors' addresses among
+    the rest).
 
     The first call of a signature runs it eagerly: that compiles the kernels' variants that
     read keys from memory and connects NCCL's channels for these sizes, neither of which may
@@ -126,6 +125,7 @@ def run(signature: tuple, seed: int, device: torch.device,
     """
     global _calls
     _calls += 1
+    signature = (id(group), *signature)
     entry = _GRAPHS.get(signature)
     if entry is not None:
         _GRAPHS.move_to_end(signature)
@@ -156,6 +156,7 @@ def run(signature: tuple, seed: int, device: torch.device,
         pipeline(device_seed)
         return
     _guard_teardown()
+    _watch(group)
     _GRAPHS[signature] = _Entry(device_seed, graph, _calls)
     _write(device_seed, seed)
     graph.replay()

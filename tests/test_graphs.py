@@ -28,6 +28,15 @@ def test_piece_keys_match_seeding(seed, rank, pieces):
     assert got == expected
 
 
+class _Group:
+    """Stands in for a process group (graphs only key on it and watch it go)."""
+
+
+GROUP = _Group()
+G = id(GROUP)
+CPU = torch.device("cpu")
+
+
 class _FakeGraph:
     """Stands in for a captured graph: replaying runs the pipeline again, reading the seed."""
 
@@ -63,10 +72,10 @@ def test_first_call_eager_second_captures_then_replays(fake_capture):
 
     seeds = [5, 2**64 - 3, 7, 2**63]
     for seed in seeds:
-        graphs.run(("g", 1), seed, torch.device("cpu"), pipeline)
+        graphs.run(GROUP, (1,), seed, CPU, pipeline)
     assert len(fake_capture) == 1  # captured once, at the second call
     assert seen == [_signed(s) for s in seeds]  # every call read its own seed
-    assert list(graphs._GRAPHS) == [("g", 1)] and not graphs._PENDING
+    assert list(graphs._GRAPHS) == [(G, 1)] and not graphs._PENDING
 
 
 def test_a_cycle_longer_than_the_cache_captures_once_and_never_syncs(fake_capture, monkeypatch):
@@ -77,10 +86,10 @@ def test_a_cycle_longer_than_the_cache_captures_once_and_never_syncs(fake_captur
     eager = []
     for _ in range(5):
         for signature in (1, 2, 3):
-            graphs.run(("g", signature), 0, torch.device("cpu"), lambda s: eager.append(1))
-    assert list(graphs._GRAPHS) == [("g", 1), ("g", 2)]
+            graphs.run(GROUP, (signature,), 0, CPU, lambda s: eager.append(1))
+    assert list(graphs._GRAPHS) == [(G, 1), (G, 2)]
     assert len(fake_capture) == 2
-    assert list(graphs._PENDING) == [("g", 3)]
+    assert list(graphs._PENDING) == [(G, 3)]
 
 
 def test_a_stale_graph_makes_room_after_a_sync(fake_capture, monkeypatch):
@@ -89,8 +98,8 @@ def test_a_stale_graph_makes_room_after_a_sync(fake_capture, monkeypatch):
     syncs = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: syncs.append(device))
     for signature in (1, 1, 2, 2, 2, 2, 2, 3, 3):  # graph 1 last replayed 6 calls before
-        graphs.run(("g", signature), 0, torch.device("cpu"), lambda s: None)
-    assert list(graphs._GRAPHS) == [("g", 2), ("g", 3)]
+        graphs.run(GROUP, (signature,), 0, CPU, lambda s: None)
+    assert list(graphs._GRAPHS) == [(G, 2), (G, 3)]
     assert len(syncs) == 1
 
 
@@ -100,9 +109,9 @@ def test_calls_seen_once_never_push_out_a_graph(fake_capture, monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: pytest.fail("synced"))
     calls = []
     for signature in (0, 0, 1, 2, 3, 4, 0):
-        graphs.run(("g", signature), signature, torch.device("cpu"), calls.append)
-    assert list(graphs._GRAPHS) == [("g", 0)]
-    assert list(graphs._PENDING) == [("g", 2), ("g", 3), ("g", 4)]
+        graphs.run(GROUP, (signature,), signature, CPU, calls.append)
+    assert list(graphs._GRAPHS) == [(G, 0)]
+    assert list(graphs._PENDING) == [(G, 2), (G, 3), (G, 4)]
     assert len(fake_capture) == 1
 
 
@@ -114,7 +123,7 @@ def test_failed_capture_runs_eagerly_and_stops_capturing(fake_capture, monkeypat
     seen = []
     with caplog.at_level(logging.WARNING, logger="cgx2"):
         for seed in (1, 2):
-            graphs.run(("g", 1), seed, torch.device("cpu"), lambda s: seen.append(int(s.item())))
+            graphs.run(GROUP, (1,), seed, CPU, lambda s: seen.append(int(s.item())))
     assert seen == [1, 2]
     assert graphs._failed
     assert "launching eagerly" in caplog.text
@@ -151,11 +160,26 @@ def test_destroying_a_group_drops_its_graphs_first(fake_capture, monkeypatch):
     monkeypatch.setattr(graphs, "_guarded", False)
     monkeypatch.setattr(atexit, "register", lambda fn: None)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    for signature in ((7, 1), (7, 1), (8, 1), (8, 1)):  # two groups' ids, one graph each
-        graphs.run(signature, 0, torch.device("cpu"), lambda s: None)
+    sub = _Group()
+    for group in (GROUP, GROUP, sub, sub):  # one graph each
+        graphs.run(group, (1,), 0, CPU, lambda s: None)
     assert dist.destroy_process_group is not original  # wrapped at the first capture
-    sub = object()
-    monkeypatch.setattr(graphs, "id", lambda g: 8 if g is sub else 0, raising=False)
     dist.destroy_process_group(sub)
     dist.destroy_process_group()
-    assert left_at_destroy == [(sub, [(7, 1)]), (None, [])]
+    assert left_at_destroy == [(sub, [(G, 1)]), (None, [])]
+
+
+def test_a_collected_group_takes_its_graphs(fake_capture, monkeypatch):
+    """Graphs are keyed by the group's id: when the group goes, so do they, before another
+    group can get its id."""
+    import gc
+
+    monkeypatch.setattr(graphs, "_guard_teardown", lambda: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    gone = _Group()
+    for group in (GROUP, GROUP, gone, gone):
+        graphs.run(group, (1,), 0, CPU, lambda s: None)
+    assert len(graphs._GRAPHS) == 2
+    del group, gone
+    gc.collect()
+    assert list(graphs._GRAPHS) == [(G, 1)]

@@ -85,7 +85,7 @@ def encode(
     # a * 2**F < 2**23 is exact in fp32, and so are its floor and the integer sum.
     frac = random_fraction_bits(bits)
     h = bucket_halves(key, nq, bucket_size, stream, v.device) >> (16 - frac)
-    level = (torch.floor(a * 2.0**frac).to(torch.int64) + h) >> frac  # 0 where a is
+    level = (torch.floor(a * 2.0**frac).to(torch.int64) + h) >> frac  # 0 where a is 0: h < 2**F
     if covered < nq * bucket_size:
         level.view(-1)[covered:] = 0
     payload[: 8 * nq] = torch.stack([lo, step], dim=1).reshape(-1).view(torch.uint8)
