@@ -8,6 +8,12 @@ import sys
 from pathlib import Path
 
 
+def _timing(report: dict) -> str:
+    """How the bench timed its calls (``--calls``; results before it timed one call a window)."""
+    calls = report["args"].get("calls", 1)
+    return "one call per window" if calls == 1 else f"{calls} calls back to back per window"
+
+
 def allreduce_table(path: Path, bits: int | None = None) -> str:
     report = json.loads(path.read_text())
     env = report["env"]
@@ -15,7 +21,7 @@ def allreduce_table(path: Path, bits: int | None = None) -> str:
     a2a = "sol_all_to_all_ms" in report["rows"][0]  # since two ranks swap by all-gather
     lines = [
         f"`{path.name}` — {env['device']} ×{env['world_size']}, regime **{env['regime']}**, "
-        f"torch {env['torch']}, NCCL {env.get('nccl', '-')}, {env['date']}",
+        f"torch {env['torch']}, NCCL {env.get('nccl', '-')}, {env['date']}, {_timing(report)}",
         "",
         "| dtype | size | bits | NCCL ms | cgx2 ms | bf16-cast ms | speed of light ms "
         + ("| all_to_all light ms " if a2a else "")
@@ -48,7 +54,7 @@ def graphs_table(path: Path) -> str:
     env = report["env"]
     lines = [
         f"`{path.name}` — {env['device']} ×{env['world_size']}, regime **{env['regime']}**, "
-        f"{env['date']}",
+        f"{env['date']}, {_timing(report)}",
         "",
         "| dtype | size | NCCL ms | cgx2 ms | graphs ms | light ms | cgx2 vs NCCL "
         "| graphs vs NCCL | graphs / light | graphs auto: path, vs NCCL |",

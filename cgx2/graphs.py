@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from .codecs import triton_kernels
 
-__all__ = ["ENABLED", "MAX_GRAPHS", "STALE_CALLS", "clear", "run", "usable"]
+__all__ = ["ENABLED", "MAX_GRAPHS", "STALE_CALLS", "clear", "run", "stats", "usable"]
 
 logger = logging.getLogger("cgx2")
 
@@ -67,6 +67,14 @@ _GRAPHS: OrderedDict[Hashable, _Entry] = OrderedDict()
 _WATCHED: set[int] = set()  # ids of the groups whose graphs go with them
 _failed = False
 _calls = 0
+_COUNTS = {"eager": 0, "captures": 0, "replays": 0}  # what run() did, since the process began
+
+
+def stats() -> dict[str, int]:
+    """What :func:`run` has done in this process: calls run eagerly (first sightings, no room,
+    failed captures), graphs captured and replays (the capturing call's own included), and
+    graphs held now."""
+    return {**_COUNTS, "graphs": len(_GRAPHS)}
 
 
 def usable(t: torch.Tensor) -> bool:
@@ -132,6 +140,7 @@ def run(group: dist.ProcessGroup, signature: tuple, seed: int, device: torch.dev
         entry.used = _calls
         _write(entry.seed, seed)
         entry.graph.replay()
+        _COUNTS["replays"] += 1
         return
     device_seed = _PENDING.get(signature)
     if device_seed is None or not _room(device):
@@ -146,6 +155,7 @@ def run(group: dist.ProcessGroup, signature: tuple, seed: int, device: torch.dev
                 device_seed.record_stream(torch.cuda.current_stream(device))
         _write(device_seed, seed)
         pipeline(device_seed)
+        _COUNTS["eager"] += 1
         return
     del _PENDING[signature]
     try:
@@ -154,12 +164,15 @@ def run(group: dist.ProcessGroup, signature: tuple, seed: int, device: torch.dev
         _give_up()
         _write(device_seed, seed)
         pipeline(device_seed)
+        _COUNTS["eager"] += 1
         return
     _guard_teardown()
     _watch(group)
     _GRAPHS[signature] = _Entry(device_seed, graph, _calls)
     _write(device_seed, seed)
     graph.replay()
+    _COUNTS["captures"] += 1
+    _COUNTS["replays"] += 1
 
 
 def _room(device: torch.device) -> bool:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from cgx2 import graphs
 from cgx2.bench.report import environment
 from cgx2.ddp import CGXState, cgx_hook
 
@@ -150,6 +151,8 @@ def train(args: argparse.Namespace) -> dict:
         "bytes_sent": sent[0],
         "bytes_uncompressed": sent[1],
         "losses": losses,
+        # What replayed CUDA graphs (CGX2_CUDA_GRAPHS=1) did on this rank, over the whole run.
+        "cuda_graphs": graphs.stats() if graphs.ENABLED else None,
     }
 
 
@@ -163,6 +166,13 @@ def init_process_group(args: argparse.Namespace, **kwargs: int) -> None:
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo", **kwargs)
 
 
+def _graphs_said(counts: dict[str, int] | None) -> str:
+    if counts is None:
+        return ""
+    return (f"; CUDA graphs: {counts['captures']} captured, {counts['replays']} replays, "
+            f"{counts['eager']} calls eager")  # fmt: skip
+
+
 def report(result: dict, json_path: str | None) -> None:
     sent, plain = result["bytes_sent"], result["bytes_uncompressed"]
     saved = f", sent {sent / 1e6:.2f} MB vs {plain / 1e6:.2f} MB uncompressed " \
@@ -171,7 +181,8 @@ def report(result: dict, json_path: str | None) -> None:
           f"{result['device']}, "
           f"{result['params'] / 1e6:.2f}M params: loss {result['first_loss']:.3f} -> "
           f"{result['final_loss']:.3f} (mean of the last steps), "
-          f"{result['step_ms']:.0f} ms/step{saved}")  # fmt: skip
+          f"{result['step_ms']:.0f} ms/step{saved}"
+          f"{_graphs_said(result['cuda_graphs'])}")  # fmt: skip
     if json_path:
         Path(json_path).write_text(json.dumps(result, indent=1))
 

@@ -89,13 +89,22 @@ def test_gpu_only_runs_refuse_without_cuda(tmp_path: Path, args: list[str], mess
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("args", [["--calls", "0"], ["--iters", "0"]])
+def test_allreduce_bench_refuses_empty_windows(args: list[str]) -> None:
+    from cgx2.bench.allreduce import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(args)
+    assert exc.value.code == 2
+
+
 @pytest.mark.slow
 def test_allreduce_bench_under_torchrun(tmp_path: Path) -> None:
     out = tmp_path / "out"
     launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
     launch += ["--master-addr", "127.0.0.1", "--master-port", str(_free_port())]
     bench = ["-m", "cgx2.bench", "--sizes", "64K", "--dtypes", "fp32", "--bits", "4"]
-    bench += ["--iters", "1", "--warmup", "0", "--out-dir", str(out)]
+    bench += ["--iters", "1", "--warmup", "0", "--calls", "3", "--out-dir", str(out)]
     proc = subprocess.run(
         [*launch, *bench],
         capture_output=True,
@@ -109,11 +118,13 @@ def test_allreduce_bench_under_torchrun(tmp_path: Path) -> None:
     header_at = next(i for i, line in enumerate(lines) if "cgx2/plain x" in line)
     assert lines[header_at].split()[:3] == ["dtype", "size", "bits"]
     assert lines[header_at + 2].split()[:3] == ["fp32", "64K", "4"]
+    assert lines[-2].endswith("3 calls back to back per timed window")
 
     report = _one_json(out, "allreduce")
     env = report["env"]
     assert env["regime"] == "cpu" and env["world_size"] == 2
     assert env["command"].startswith("torchrun --nproc-per-node 2 -m cgx2.bench")
+    assert "--calls 3" in env["command"] and report["args"]["calls"] == 3
     assert env["launcher"] == "torchrun"
     (row,) = report["rows"]
     assert (row["dtype"], row["bytes"], row["bits"]) == ("fp32", 64 * 1024, 4)

@@ -83,6 +83,7 @@ def test_a_cycle_longer_than_the_cache_captures_once_and_never_syncs(fake_captur
     first MAX_GRAPHS seen twice replay; the others run eagerly, none is captured again."""
     monkeypatch.setattr(graphs, "MAX_GRAPHS", 2)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: pytest.fail("synced"))
+    monkeypatch.setattr(graphs, "_COUNTS", dict.fromkeys(graphs._COUNTS, 0))
     eager = []
     for _ in range(5):
         for signature in (1, 2, 3):
@@ -90,6 +91,8 @@ def test_a_cycle_longer_than_the_cache_captures_once_and_never_syncs(fake_captur
     assert list(graphs._GRAPHS) == [(G, 1), (G, 2)]
     assert len(fake_capture) == 2
     assert list(graphs._PENDING) == [(G, 3)]
+    # Signatures 1 and 2: eager once, then captured and replayed 4 times; 3: eager 5 times.
+    assert graphs.stats() == {"eager": 2 + 5, "captures": 2, "replays": 8, "graphs": 2}
 
 
 def test_a_stale_graph_makes_room_after_a_sync(fake_capture, monkeypatch):

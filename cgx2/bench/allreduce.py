@@ -54,11 +54,19 @@ def _size_name(nbytes: int) -> str:
 
 
 class Timer:
-    """Median time of ``fn`` over ``iters`` runs after ``warmup``, each started together on all
-    ranks (barrier), timed with CUDA events on GPUs; the slowest rank's median is returned."""
+    """Median time of ``fn`` over ``iters`` windows after ``warmup``, each started together on
+    all ranks (barrier), timed with CUDA events on GPUs; the slowest rank's median is returned.
 
-    def __init__(self, device: torch.device, warmup: int, iters: int) -> None:
-        self.device, self.warmup, self.iters = device, warmup, iters
+    A window holds ``calls`` calls of ``fn``, and its time is their mean. One call a window
+    times a call from an idle GPU: its latency, the host's work before its first launch
+    included. Several are launched back to back, as nccl-tests does, so that the host's work
+    for one call overlaps the GPU's for the one before, as in training, where the allreduce is
+    enqueued behind the backward's kernels."""
+
+    def __init__(self, device: torch.device, warmup: int, iters: int, calls: int = 1) -> None:
+        if calls < 1:
+            raise ValueError(f"calls={calls}: a window needs at least one call")
+        self.device, self.warmup, self.iters, self.calls = device, warmup, iters, calls
 
     def _once(self, fn: Callable[[], Any]) -> float:
         if self.device.type == "cuda":
@@ -68,14 +76,16 @@ class Timer:
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             start.record()
-            fn()
+            for _ in range(self.calls):
+                fn()
             end.record()
             end.synchronize()
-            return start.elapsed_time(end)
+            return start.elapsed_time(end) / self.calls
         dist.barrier()
         t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
+        for _ in range(self.calls):
+            fn()
+        return (time.perf_counter() - t0) * 1e3 / self.calls
 
     def __call__(self, fn: Callable[[], Any]) -> float:
         return self.interleaved(fn)[0]
@@ -223,7 +233,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """All sizes, dtypes and bits; the report every rank returns (rank 0 prints it)."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    timer = Timer(device, args.warmup, args.iters)
+    timer = Timer(device, args.warmup, args.iters, args.calls)
     rows = [
         row
         for dtype_name in args.dtypes
@@ -256,7 +266,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bits", default="2,4,8")
     p.add_argument("--bucket-size", type=int, default=512)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--iters", type=int, default=10, help="timed windows (the median is taken)")
+    p.add_argument(
+        "--calls",
+        type=int,
+        default=1,
+        help="calls per timed window, launched back to back (as nccl-tests does) and averaged; "
+        "1 (default): each call alone from an idle GPU, its host time before the first launch "
+        "included",
+    )
     p.add_argument(
         "--pipeline-mb",
         type=int,
@@ -283,6 +301,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.sizes = [parse_size(s) for s in args.sizes.split(",")]
     args.dtypes = args.dtypes.split(",")
     args.bits = [int(b) for b in args.bits.split(",")]
+    if args.calls < 1 or args.iters < 1:
+        p.error("--calls and --iters must be at least 1")
     if args.cuda_graphs and not torch.cuda.is_available():
         p.error("--cuda-graphs needs CUDA GPUs")
     for d in args.dtypes:
@@ -318,8 +338,10 @@ def main(argv: list[str] | None = None) -> int:
             env = report["env"]
             print(
                 f"\n{env['device']} x{env['world_size']}, regime {env['regime']}, "
-                f"torch {env['torch']}, NCCL {env.get('nccl', '-')}, busbw = algbw * 2(W-1)/W"
-            )
+                f"torch {env['torch']}, NCCL {env.get('nccl', '-')}, busbw = algbw * 2(W-1)/W, "
+                + ("one call per timed window" if args.calls == 1
+                   else f"{args.calls} calls back to back per timed window")
+            )  # fmt: skip
             if args.out_dir:
                 print(f"raw results: {write_json('allreduce', report, args.out_dir)}")
     finally:
