@@ -2,7 +2,7 @@
 tensors on NCCL and CPU tensors on gloo in one group; the compressed all_reduce equals the
 reference model bit for bit; everything else is exact; plain DDP gives identical gradients;
 a cgx group in a job that says it spans nodes (``LOCAL_WORLD_SIZE`` of 1 or 2) reduces
-hierarchically, bit-equal to its model.
+hierarchically, bit-equal to its model; replaying CUDA graphs gives the eager bytes.
 
 Run: ``torchrun --nproc-per-node N bench/gpu_backend_check.py``; exits 1 on any failure.
 """
@@ -80,6 +80,53 @@ def hierarchical_checks(rank: int, world: int, dev: torch.device) -> dict[str, b
     return ok
 
 
+def graph_checks(rank: int, world: int, dev: torch.device) -> dict[str, bool]:
+    """The cgx group's compressed all_reduce replaying CUDA graphs (cgx2.graphs): five calls
+    on one buffer (eager, capture, three replays), each equal bit for bit to the eager one of
+    its seed; DDP's buckets on it give every rank the same gradients."""
+    from cgx2 import graphs
+
+    ok = {}
+    x = _input(rank, 4_000_037).to(dev)
+    eager = []
+    for k in range(5):
+        y = x.clone()
+        cgx2.manual_seed(10 + k)
+        dist.all_reduce(y)
+        eager.append(y)
+    before = graphs.stats()
+    graphs.ENABLED = True
+    try:
+        y, same = torch.empty_like(x), True
+        for k in range(5):
+            y.copy_(x)
+            cgx2.manual_seed(10 + k)
+            dist.all_reduce(y)
+            same = same and torch.equal(_bits(y), _bits(eager[k]))
+        after = graphs.stats()
+        replays = after["replays"] - before["replays"]
+        ok["all_reduce under CUDA graphs == eager, seed for seed"] = (
+            same and replays == 4 and not torch.equal(eager[0], eager[1])
+        )
+        torch.manual_seed(0)
+        model = DDP(nn.Sequential(nn.Linear(1024, 2048), nn.ReLU(), nn.Linear(2048, 8)).to(dev))
+        for step in range(4):
+            x = torch.randn(64, 1024, generator=torch.Generator().manual_seed(step * 10 + rank))
+            model(x.to(dev)).square().mean().backward()
+        grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        gathered = [torch.empty_like(grads) for _ in range(world)]
+        dist.all_gather(gathered, grads)
+        replays = graphs.stats()["replays"] - after["replays"]
+        ok[f"DDP under CUDA graphs: grads identical on ranks ({replays} replays)"] = (
+            all(torch.equal(g, grads) for g in gathered) and replays > 0
+        )
+        ok["no capture failed"] = not graphs._failed
+    finally:
+        graphs.ENABLED = False
+        graphs.clear()
+    return ok
+
+
 def checks(rank: int, world: int) -> dict[str, bool]:
     dev = torch.device("cuda", torch.cuda.current_device())
     ok: dict[str, bool] = {}
@@ -142,6 +189,7 @@ def checks(rank: int, world: int) -> dict[str, bool]:
     ok["DDP grads identical on ranks"] = all(torch.equal(g, grads) for g in gathered)
     ok["DDP compressed"] = group.bytes_sent * 4 < group.bytes_uncompressed
     ok |= hierarchical_checks(rank, world, dev)
+    ok |= graph_checks(rank, world, dev)
     dist.barrier()
     return ok
 

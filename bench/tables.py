@@ -80,7 +80,7 @@ def train_table(paths: list[Path]) -> str:
         r = json.loads(path.read_text())
         kind = "plain" if r["bits"] == 32 else r.get("mode", "hook")
         row = r["env"]["regime"]
-        if kind == "hook" and r["env"].get("cgx2_env", {}).get("CGX2_CUDA_GRAPHS") == "1":
+        if kind != "plain" and r["env"].get("cgx2_env", {}).get("CGX2_CUDA_GRAPHS") == "1":
             row += ", CUDA graphs"  # a row of its own, against the regime's plain run
         runs.setdefault(row, {})[kind] = r | {"file": path.stem}
     for row, r in runs.items():

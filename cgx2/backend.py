@@ -85,7 +85,8 @@ class CGXProcessGroup(dist.ProcessGroup):
     ``config`` holds the ``CGX_*`` variables read when the group is made, except bits and
     bucket size, which are read again at every allreduce (CGX lets scripts change them).
     ``bytes_sent`` / ``bytes_uncompressed`` count what this rank's allreduces sent and what a
-    ring allreduce of the same tensors would have sent.
+    ring allreduce of the same tensors would have sent. ``cuda_on_nccl`` says whether CUDA
+    tensors' collectives go to NCCL, whose launches :mod:`cgx2.graphs` may capture.
     """
 
     def __init__(
@@ -116,6 +117,7 @@ class CGXProcessGroup(dist.ProcessGroup):
             self._add_backend("cuda", _BackendType.NCCL, nccl)
             default = _BackendType.NCCL
         self._set_default_backend(default)
+        self.cuda_on_nccl = default == _BackendType.NCCL
 
     def _add_backend(self, device: str, kind: _BackendType, backend: dist.Backend) -> None:
         # Registered backends serve every collective this class does not override.

@@ -134,17 +134,19 @@ _ROUTES: dict[int, tuple[Callable | None, bool]] = {}
 
 
 def _plain_route(group: dist.ProcessGroup) -> tuple[Callable | None, bool]:
-    """The cgx backend's exact allreduce (None for other groups) and whether the group is
-    NCCL's, once per group: looking both up costs microseconds (a missing pybind attribute
-    raises inside ``getattr``). Keyed by ``id`` (a weak-keyed dictionary's lookup builds a
-    weak reference each time, microseconds again); a destroyed group's entry is dropped as
-    it goes, before its id can be reused."""
+    """The cgx backend's exact allreduce (None for other groups) and whether the group's CUDA
+    collectives are NCCL's (an NCCL group, or a cgx one with NCCL under it), once per group:
+    looking both up costs microseconds (a missing pybind attribute raises inside
+    ``getattr``). Keyed by ``id`` (a weak-keyed dictionary's lookup builds a weak reference
+    each time, microseconds again); a destroyed group's entry is dropped as it goes, before
+    its id can be reused."""
     route = _ROUTES.get(id(group))
     if route is None:
         if group is dist.GroupMember.NON_GROUP_MEMBER:
             return None, False
         exact = getattr(group, "allreduce_exact", None)
-        route = _ROUTES[id(group)] = (exact, dist.get_backend(group) == "nccl")
+        nccl = dist.get_backend(group) == "nccl" or getattr(group, "cuda_on_nccl", False)
+        route = _ROUTES[id(group)] = (exact, nccl)
         weakref.finalize(group, _ROUTES.pop, id(group), None)
     return route
 
@@ -246,7 +248,7 @@ def _run_pieces(flat: torch.Tensor, out: torch.Tensor, bits: int, bucket_size: i
     ``flat``: a piece is written only after its last read); ``error`` as in
     :func:`allreduce_quantized_`. With :data:`cgx2.graphs.ENABLED`, a CUDA graph's replay."""
     seed = next_seed() if seed is None else seed
-    if not (graphs.usable(flat) and _plain_route(group)[1]):  # graphs replay NCCL's only
+    if not (graphs.usable(flat) and _plain_route(group)[1]):  # graphs replay NCCL only
         _pipeline(_make_run(flat, bits, bucket_size, group, reduce_op, skip_incomplete, seed),
                   flat, out, error)  # fmt: skip
         return

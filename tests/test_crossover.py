@@ -208,3 +208,21 @@ def test_plain_route_is_looked_up_once_per_group_and_dropped_with_it(monkeypatch
     del group, backends[:]
     gc.collect()
     assert key not in collectives._ROUTES
+
+
+@pytest.mark.parametrize("cuda_on_nccl", [True, False])
+def test_a_cgx_group_routes_exactly_and_says_whether_nccl_carries_cuda(monkeypatch, cuda_on_nccl):
+    """The cgx group's fallback is its own exact allreduce; CUDA graphs (which capture NCCL's
+    launches only) may replay on it where NCCL carries its CUDA tensors."""
+    from cgx2 import collectives
+
+    monkeypatch.setattr(collectives.dist, "get_backend", lambda group: "cgx")
+
+    class CGXGroup:
+        def allreduce_exact(self, tensor, reduce_op):
+            raise AssertionError("not called here")
+
+    group = CGXGroup()
+    group.cuda_on_nccl = cuda_on_nccl
+    exact, nccl = collectives._plain_route(group)
+    assert exact == group.allreduce_exact and nccl is cuda_on_nccl
