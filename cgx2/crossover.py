@@ -36,12 +36,12 @@ CROSSOVER_BYTES: dict[str, tuple[int | None, int | None]] = {
 CROSSOVER_BYTES_GRAPHS: dict[str, tuple[int | None, int | None]] = {
     # With CUDA-graph replay (cgx2.graphs), whose host time is a fraction of the launches':
     # where it beat NCCL by 1.15x or more on 2 H200s (the run of 2026-11-23 07:16 UTC; that
-    # of 07:23 agrees; BENCHMARKS.md). 16-bit over NVLink won by 1.07-1.50x from 64 MiB in
-    # those runs, but eagerly it swung between 0.87x and 1.31x over six: it stays plain there.
+    # of 07:23 agrees; BENCHMARKS.md). 16-bit over NVLink: 1.32-1.50x at 256 MiB and 1 GiB in
+    # three runs (07:16, 07:23, 08:04), 1.07-1.22x at 64 MiB, so from 256 MiB.
     "cpu": (0, 0),
     "socket": (4 << 20, 4 << 20),
     "shm": (4 << 20, 16 << 20),
-    "nvlink": (64 << 20, None),
+    "nvlink": (64 << 20, 256 << 20),
 }
 _VARIABLE = "CGX2_CROSSOVER_BYTES"
 

@@ -79,7 +79,7 @@ def test_crossover_per_regime_and_dtype(clean_env, regime, dtype, expected):
     ("regime", "dtype", "expected"),
     [
         ("nvlink", torch.float32, 64 * MiB),
-        ("nvlink", torch.bfloat16, None),
+        ("nvlink", torch.bfloat16, 256 * MiB),
         ("shm", torch.float32, 4 * MiB),
         ("shm", torch.bfloat16, 16 * MiB),
         ("socket", torch.bfloat16, 4 * MiB),
