@@ -326,6 +326,14 @@ NVLink, where the transfer is shorter than the coding, 256 MiB fp32 pieces beat 
 6.98x); over sockets, overlapping more pays: 4 H200s, 256 MiB of bf16 at 4 bits, 3.02x NCCL
 with 16M-value pieces against 2.24x with 32M (BENCHMARKS.md)."""
 
+PIECE_NUMEL_PAIR = {"shm": 64 << 20, "socket": 64 << 20}
+"""Values per piece where two ranks swap their chunks by all-gather (:data:`PAIR_GATHER`),
+in place of :data:`PIECE_NUMEL`. There each collective's fixed cost outweighs the coding
+that smaller pieces overlap (2 H200s, 4 bits, calls back to back, against 32M (shm) and
+16M (sockets) values: sockets 256 MiB fp32 10.5 against 12.7-12.8 ms, bf16 18.3 against
+24.0 ms; shm 256 MiB fp32 1.63-1.65 against 1.68-1.70 ms, 1 GiB 6.32-6.34 against
+6.56-6.58 ms; BENCHMARKS.md)."""
+
 
 def compression_pays(t: torch.Tensor, numel: int | None = None) -> bool:
     """Whether ``t`` (or ``numel`` values of its dtype on its device) is large enough for the
@@ -342,7 +350,10 @@ def _piece_numel(element_size: int, world: int, bucket_size: int,
     per_piece = world * bucket_size
     if PIPELINE_BYTES is not None:
         return max(1, PIPELINE_BYTES // (element_size * per_piece)) * per_piece
-    numel = PIECE_NUMEL[regime(device if device is not None else torch.device("cpu"))]
+    where = regime(device if device is not None else torch.device("cpu"))
+    numel = PIECE_NUMEL[where]
+    if world == 2 and PAIR_GATHER:
+        numel = PIECE_NUMEL_PAIR.get(where, numel)
     return max(1, numel // per_piece) * per_piece
 
 

@@ -322,20 +322,29 @@ def test_non_float_tensors_are_rejected(dtype):
         torch.ops.cgx.quantized_allreduce(torch.zeros(10, dtype=dtype), 4)
 
 
-def test_pieces_follow_the_regime(monkeypatch):
+@pytest.mark.parametrize("where", ["socket", "shm", "nvlink"])
+def test_pieces_follow_the_regime(monkeypatch, where):
     """Without PIPELINE_BYTES, a piece holds the regime's PIECE_NUMEL values, whatever the
-    dtype (the reference models another device's pieces when told)."""
+    dtype, or, where two ranks swap by all-gather, PIECE_NUMEL_PAIR's (the reference models
+    another device's pieces when told)."""
     from cgx2 import crossover
 
     monkeypatch.setattr(collectives, "PIPELINE_BYTES", None)
-    monkeypatch.setattr(crossover, "detect_regime", lambda device: "socket")
+    monkeypatch.setattr(crossover, "detect_regime", lambda device: where)
     crossover.regime.cache_clear()
+    cuda = torch.device("cuda", 0)
+    plain = collectives.PIECE_NUMEL[where]
+    pair = collectives.PIECE_NUMEL_PAIR.get(where, plain)
     try:
         for element_size in (2, 4):
-            step = collectives._piece_numel(element_size, 4, 512, torch.device("cuda", 0))
-            assert step == collectives.PIECE_NUMEL["socket"]
+            assert collectives._piece_numel(element_size, 4, 512, cuda) == plain
+            assert collectives._piece_numel(element_size, 2, 512, cuda) == pair
+            monkeypatch.setattr(collectives, "PAIR_GATHER", False)
+            assert collectives._piece_numel(element_size, 2, 512, cuda) == plain
+            monkeypatch.setattr(collectives, "PAIR_GATHER", True)
     finally:
         crossover.regime.cache_clear()
+    assert collectives.PIECE_NUMEL_PAIR["socket"] > collectives.PIECE_NUMEL["socket"]
     monkeypatch.setattr(collectives, "PIPELINE_BYTES", 1 << 20)
     assert collectives._piece_numel(4, 4, 512) == (1 << 18)
 

@@ -279,7 +279,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--pipeline-mb",
         type=int,
         default=None,
-        help="input MiB per pipeline piece (default: the regime's cgx2.collectives.PIECE_NUMEL)",
+        help="input MiB per pipeline piece (default: the regime's cgx2.collectives.PIECE_NUMEL, "
+        "PIECE_NUMEL_PAIR between two ranks)",
     )
     p.add_argument(
         "--no-pair-gather",
@@ -325,11 +326,13 @@ def main(argv: list[str] | None = None) -> int:
         backend = "gloo"
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
     args.pipeline_bytes = collectives.PIPELINE_BYTES  # None: the regime's PIECE_NUMEL
-    if args.pipeline_bytes is None:
-        args.piece_numel = collectives.PIECE_NUMEL[regime(device or torch.device("cpu"))]
     if "RANK" not in os.environ:  # a single process without torchrun
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29512")
     dist.init_process_group(backend)
+    if args.pipeline_bytes is None:  # values a piece (of any dtype), as the pipeline cuts them
+        args.piece_numel = collectives._piece_numel(
+            4, dist.get_world_size(), args.bucket_size, device or torch.device("cpu")
+        )
     try:
         report = run(args)
         if dist.get_rank() == 0:
