@@ -37,7 +37,7 @@ CROSSOVER_BYTES_GRAPHS: dict[str, tuple[int | None, int | None]] = {
     # With CUDA-graph replay (cgx2.graphs), whose host time is a fraction of the launches':
     # where it beat NCCL by 1.15x or more on 2 H200s (the run of 2026-11-23 07:16 UTC; that
     # of 07:23 agrees; BENCHMARKS.md). 16-bit over NVLink: 1.32-1.50x at 256 MiB and 1 GiB in
-    # three runs (07:16, 07:23, 08:04), 1.07-1.22x at 64 MiB, so from 256 MiB.
+    # five runs (07:16-08:24), 1.07-1.24x at 64 MiB, so from 256 MiB.
     "cpu": (0, 0),
     "socket": (4 << 20, 4 << 20),
     "shm": (4 << 20, 16 << 20),
