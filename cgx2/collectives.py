@@ -87,8 +87,12 @@ def _options(kind: type, async_op: bool, **fields: object) -> object:
 
 _SUM_OPTIONS = _options(dist.AllreduceOptions, False, reduceOp=dist.ReduceOp.SUM)
 _AVG_OPTIONS = _options(dist.AllreduceOptions, False, reduceOp=dist.ReduceOp.AVG)
-_ALL_TO_ALL_OPTIONS = _options(dist.AllToAllOptions, True)
-_ALL_GATHER_OPTIONS = _options(dist.distributed_c10d.AllgatherOptions, True)
+# Asynchronous (on NCCL's stream, overlapping the caller's), or not (on the caller's stream:
+# 4-18 us less host time a call on an H200 machine, bench/nccl_host_cost.py).
+_ALL_TO_ALL_OPTIONS = {a: _options(dist.AllToAllOptions, a) for a in (True, False)}
+_ALL_GATHER_OPTIONS = {
+    a: _options(dist.distributed_c10d.AllgatherOptions, a) for a in (True, False)
+}
 
 
 def _direct(group: dist.ProcessGroup) -> bool:
@@ -97,18 +101,22 @@ def _direct(group: dist.ProcessGroup) -> bool:
     return not torch.compiler.is_compiling() and isinstance(group, dist.ProcessGroup)
 
 
-def _all_to_all(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup) -> dist.Work:
-    """Start ``dist.all_to_all_single(out, send, async_op=True)`` of equal splits."""
+def _all_to_all(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
+                async_op: bool = True) -> dist.Work | None:  # fmt: skip
+    """Start ``dist.all_to_all_single(out, send, async_op=async_op)`` of equal splits. The
+    Work, if any, must be waited on (gloo returns one even when ``async_op`` is False)."""
     if _direct(group):
-        return group.alltoall_base(out, send, [], [], _ALL_TO_ALL_OPTIONS)
-    return dist.all_to_all_single(out, send, group=group, async_op=True)
+        return group.alltoall_base(out, send, [], [], _ALL_TO_ALL_OPTIONS[async_op])
+    return dist.all_to_all_single(out, send, group=group, async_op=async_op)
 
 
-def _all_gather(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup) -> dist.Work:
-    """Start the all-gather of every rank's ``send`` into ``out``, asynchronously."""
+def _all_gather(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
+                async_op: bool = True) -> dist.Work | None:  # fmt: skip
+    """Start the all-gather of every rank's ``send`` into ``out``; its Work as
+    :func:`_all_to_all`'s."""
     if _direct(group):
-        return group._allgather_base(out, send, _ALL_GATHER_OPTIONS)
-    return all_gather_single(out, send, group=group, async_op=True)
+        return group._allgather_base(out, send, _ALL_GATHER_OPTIONS[async_op])
+    return all_gather_single(out, send, group=group, async_op=async_op)
 
 
 PAIR_GATHER = True
@@ -117,7 +125,7 @@ NVLink (:func:`exchange`); False for the all-to-all everywhere, to compare them.
 
 
 def exchange(recv: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup, world: int,
-             rank: int) -> dist.Work:  # fmt: skip
+             rank: int, async_op: bool = True) -> dist.Work | None:  # fmt: skip
     """Start sending row j of ``send`` (``[world, P]``) to rank j, each rank's row for us
     landing in its row of ``recv``; our own row of ``recv`` is left undefined (nobody reads
     it). Between two ranks, outside NVLink, that is an all-gather of the row for the other
@@ -126,8 +134,8 @@ def exchange(recv: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup, w
     the all-to-all was the faster by about 5% (BENCHMARKS.md, "Two ranks swap by
     all-gather")."""
     if world == 2 and PAIR_GATHER and regime(send.device) != "nvlink":
-        return _all_gather(recv.view(-1), send[1 - rank], group)
-    return _all_to_all(recv, send, group)
+        return _all_gather(recv.view(-1), send[1 - rank], group, async_op)
+    return _all_to_all(recv, send, group, async_op)
 
 
 _ROUTES: dict[int, tuple[Callable | None, bool]] = {}
@@ -283,6 +291,7 @@ def _pipeline(run: _Run, flat: torch.Tensor, out: torch.Tensor,
     if len(starts) == 1:  # narrow() and slicing cost microseconds of host time each
         pieces = [_Piece(run, flat, out, 0)]
         pieces[0].error = error
+        pieces[0].overlap = error is not None
     else:
         pieces = [_Piece(run, _part(flat, s, step), _part(out, s, step), i)
                   for i, s in enumerate(starts)]  # fmt: skip
@@ -434,6 +443,9 @@ class _Piece:
         self.layout = ChunkedLayout.split(x.numel(), run.world, run.bits, run.bucket_size,
                                           run.skip_incomplete)  # fmt: skip
         self.error: torch.Tensor | None = None
+        # Collectives on NCCL's stream, beside the coding of other pieces; with nothing to
+        # overlap (one piece, no error to decode meanwhile), on the caller's: less host time.
+        self.overlap = True
 
     def scatter(self) -> None:
         """Encode the chunks other ranks own; start sending chunk j to rank j."""
@@ -443,7 +455,7 @@ class _Piece:
         key = run.scatter_key_of(self.index)
         run.codec.encode_chunks(self.x, layout, key, skip_chunk=run.rank, out=send)
         self.recv = torch.empty_like(send)
-        self.work = exchange(self.recv, send, run.group, run.world, run.rank)
+        self.work = exchange(self.recv, send, run.group, run.world, run.rank, self.overlap)
         if self.error is not None:
             # Decoding what was sent (while it travels) gives exactly what the owners add, in
             # fp32 as they sum; our own chunk (its row unwritten, decoded to garbage) stays
@@ -456,7 +468,8 @@ class _Piece:
     def reduce(self) -> None:
         """Sum the received chunks onto our own (kept in full precision), encode the sum once
         more, and start gathering every rank's reduced chunk."""
-        self.work.wait()
+        if self.work is not None:
+            self.work.wait()
         run, layout = self.run, self.layout
         start, size = layout.chunk_start(run.rank), layout.chunk_size(run.rank)
         reduced = torch.empty(layout.payload_nbytes, dtype=torch.uint8, device=self.x.device)
@@ -468,11 +481,12 @@ class _Piece:
         self.recv = None
         self.gathered = torch.empty(run.world * layout.payload_nbytes, dtype=torch.uint8,
                                     device=self.x.device)  # fmt: skip
-        self.work = _all_gather(self.gathered, reduced, run.group)
+        self.work = _all_gather(self.gathered, reduced, run.group, self.overlap)
 
     def finish(self) -> None:
         """Decode every rank's reduced chunk (ours too: all ranks decode the same bytes)."""
-        self.work.wait()
+        if self.work is not None:
+            self.work.wait()
         rows = self.gathered.view(self.run.world, self.layout.payload_nbytes)
         self.run.codec.decode_chunks(rows, self.layout, self.out.dtype, out=self.out)
         self.gathered = None

@@ -382,3 +382,47 @@ def test_call_seed_stream_restarts_resumes_and_rejects_foreign_state():
     assert seeding.next_seed() not in first
     with pytest.raises(ValueError, match="16-byte state"):
         seeding.set_state(torch.Generator().get_state())
+
+
+def _collective_modes() -> list[list[bool]]:
+    """The async_op each pipeline collective got: one piece, one piece with error feedback,
+    three pieces; each call's result checked against the model."""
+    seen: list[bool] = []
+    all_to_all, all_gather = collectives._all_to_all, collectives._all_gather
+
+    def record(fn):
+        def wrapper(*args, **kwargs):
+            seen.append(args[-1] if isinstance(args[-1], bool) else kwargs.get("async_op", True))
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    collectives._all_to_all = record(all_to_all)  # exchange() calls one of the two
+    collectives._all_gather = record(all_gather)
+    saved = collectives.PIPELINE_BYTES
+    modes = []
+    try:
+        rank = dist.get_rank()
+        for piece_bytes, with_error in ((None, False), (None, True), (4 * 1024 * 4, False)):
+            collectives.PIPELINE_BYTES = piece_bytes
+            seen.clear()
+            x = torch.randn(3 * 4096, generator=torch.Generator().manual_seed(rank))
+            error = torch.empty_like(x) if with_error else None
+            got = collectives.allreduce_quantized_(x.clone(), 4, 512, dist.group.WORLD, "sum",
+                                                   7, error=error)  # fmt: skip
+            inputs = [torch.randn(3 * 4096, generator=torch.Generator().manual_seed(r))
+                      for r in range(dist.get_world_size())]  # fmt: skip
+            assert torch.equal(got, collectives.reference_allreduce(inputs, 4, 512, 7))
+            modes.append(list(seen))
+    finally:
+        collectives._all_to_all, collectives._all_gather = all_to_all, all_gather
+        collectives.PIPELINE_BYTES = saved
+    return modes
+
+
+def test_collectives_overlap_only_where_there_is_something_to_overlap(dist2):
+    """One piece, nothing to overlap: its collectives run on the caller's stream (less host
+    time on NCCL); with error feedback (decoded while the chunks travel) or several pieces,
+    asynchronously. The bytes are the model's either way."""
+    for modes in dist2.run(_collective_modes):
+        assert modes == [[False, False], [True, True], [True] * 6]

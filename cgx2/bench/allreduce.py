@@ -154,14 +154,19 @@ def _bench_size(
         gathered = torch.empty(world * layout.payload_nbytes, dtype=torch.uint8, device=device)
 
         def speed_of_light(send=send, recv=recv, gathered=gathered, pair=True) -> None:
-            # The collectives the pipeline itself calls (the process group's own, directly);
-            # pair=False: all_to_all + all_gather, whatever the world size.
+            # The collectives the pipeline itself calls (the process group's own, directly,
+            # on the caller's stream: the least host time); pair=False: all_to_all +
+            # all_gather, whatever the world size.
             group = dist.group.WORLD
             if pair:
-                collectives.exchange(recv, send, group, world, rank).wait()
+                work = collectives.exchange(recv, send, group, world, rank, async_op=False)
             else:
-                collectives._all_to_all(recv, send, group).wait()
-            collectives._all_gather(gathered, recv[0], group).wait()
+                work = collectives._all_to_all(recv, send, group, async_op=False)
+            if work is not None:  # gloo's
+                work.wait()
+            work = collectives._all_gather(gathered, recv[0], group, async_op=False)
+            if work is not None:
+                work.wait()
 
         def quantized(bits: int = bits) -> None:
             cgx2.quantized_allreduce(x, bits, op="avg", bucket_size=args.bucket_size)
