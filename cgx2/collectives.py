@@ -232,13 +232,26 @@ def allreduce_quantized_(
         if error is not None:
             error.zero_()
         return allreduce_plain_(t, group, reduce_op)
+    if error is None:
+        return quantized_inplace(t, bits, bucket_size, group, reduce_op, seed, skip_incomplete)
     if group_size_and_rank(group)[0] == 1 or t.numel() == 0:
-        if error is not None:
-            error.zero_()
+        error.zero_()
         return t
     flat = t.view(-1)
     _run_pieces(flat, flat, bits, bucket_size, group, reduce_op, seed, skip_incomplete,
-                None if error is None else error.view(-1))  # fmt: skip
+                error.view(-1))  # fmt: skip
+    return t
+
+
+def quantized_inplace(t: torch.Tensor, bits: int, bucket_size: int, group: dist.ProcessGroup,
+                      reduce_op: str, seed: int | None,
+                      skip_incomplete: bool) -> torch.Tensor:  # fmt: skip
+    """:func:`allreduce_quantized_` without error feedback, once its arguments are checked,
+    ``t`` is contiguous and compression pays: the ops' eager path, as :func:`quantized_copy`."""
+    if group_size_and_rank(group)[0] == 1 or t.numel() == 0:
+        return t
+    flat = t.view(-1)
+    _run_pieces(flat, flat, bits, bucket_size, group, reduce_op, seed, skip_incomplete)
     return t
 
 
@@ -313,11 +326,20 @@ def _part(t: torch.Tensor, start: int, length: int) -> torch.Tensor:
 
 
 def group_size_and_rank(group: dist.ProcessGroup) -> tuple[int, int]:
-    """``group``'s size and this process's rank in it; a ProcessGroup's own methods where it
-    is one (``dist.get_world_size`` and ``dist.get_rank`` add microseconds of checks)."""
-    if isinstance(group, dist.ProcessGroup):
-        return group.size(), group.rank()
-    return dist.get_world_size(group), dist.get_rank(group)
+    """``group``'s size and this process's rank in it, looked up once per ProcessGroup (each
+    of its pybind methods costs microseconds, ``dist.get_world_size`` more), kept by ``id``
+    and dropped with the group, as :func:`_plain_route`'s."""
+    found = _SIZE_RANK.get(id(group))
+    if found is not None:
+        return found
+    if not isinstance(group, dist.ProcessGroup):
+        return dist.get_world_size(group), dist.get_rank(group)
+    found = _SIZE_RANK[id(group)] = (group.size(), group.rank())
+    weakref.finalize(group, _SIZE_RANK.pop, id(group), None)
+    return found
+
+
+_SIZE_RANK: dict[int, tuple[int, int]] = {}
 
 
 PIPELINE_BYTES: int | None = None

@@ -226,3 +226,29 @@ def test_a_cgx_group_routes_exactly_and_says_whether_nccl_carries_cuda(monkeypat
     group.cuda_on_nccl = cuda_on_nccl
     exact, nccl = collectives._plain_route(group)
     assert exact == group.allreduce_exact and nccl is cuda_on_nccl
+
+
+def test_group_size_and_rank_are_looked_up_once_per_group_and_dropped_with_it():
+    import gc
+
+    from cgx2 import collectives
+
+    calls = []
+
+    class Group(dist.ProcessGroup):
+        def size(self):
+            calls.append("size")
+            return 3
+
+        def rank(self):
+            calls.append("rank")
+            return 2
+
+    group = Group(2, 3)
+    assert collectives.group_size_and_rank(group) == (3, 2)
+    assert collectives.group_size_and_rank(group) == (3, 2)
+    assert calls == ["size", "rank"]
+    key = id(group)
+    del group
+    gc.collect()
+    assert key not in collectives._SIZE_RANK

@@ -26,6 +26,7 @@ from ..collectives import (
     allreduce_quantized_,
     compression_pays,
     quantized_copy,
+    quantized_inplace,
 )
 from ..seeding import SEEDED_OP_TAGS
 
@@ -174,8 +175,12 @@ def quantized_allreduce_(
         # the crossover straight to the plain allreduce, where each microsecond counts.
         _check_args(tensor, bits, bucket_size)
         group = dist.group.WORLD if group is None else group
-        if tensor.is_contiguous() and not compression_pays(tensor):
-            return allreduce_plain_(tensor, group, reduce_op)
+        if tensor.is_contiguous():
+            if bits == UNCOMPRESSED_BITS or not compression_pays(tensor):
+                return allreduce_plain_(tensor, group, reduce_op)
+            with _no_grad_for(tensor):
+                return quantized_inplace(tensor, bits, bucket_size, group, reduce_op, seed,
+                                         skip_incomplete)  # fmt: skip
         with _no_grad_for(tensor):
             _inplace(tensor, bits, bucket_size, group, reduce_op, seed, skip_incomplete)
         return tensor
