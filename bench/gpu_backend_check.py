@@ -80,6 +80,22 @@ def hierarchical_checks(rank: int, world: int, dev: torch.device) -> dict[str, b
     return ok
 
 
+def ddp_grads_identical(rank: int, world: int, dev: torch.device, width: int,
+                        steps: int) -> bool:  # fmt: skip
+    """Plain DDP on the default (cgx) group, a two-layer MLP ``width`` wide, each rank its own
+    batches for ``steps`` steps: whether every rank ends with the same gradients."""
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(width, 2 * width), nn.ReLU(),
+                              nn.Linear(2 * width, 8)).to(dev))  # fmt: skip
+    for step in range(steps):
+        x = torch.randn(64, width, generator=torch.Generator().manual_seed(step * 10 + rank))
+        model(x.to(dev)).square().mean().backward()
+    grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    gathered = [torch.empty_like(grads) for _ in range(world)]
+    dist.all_gather(gathered, grads)
+    return all(torch.equal(g, grads) for g in gathered)
+
+
 def graph_checks(rank: int, world: int, dev: torch.device) -> dict[str, bool]:
     """The cgx group's compressed all_reduce replaying CUDA graphs (cgx2.graphs): five calls
     on one buffer (eager, capture, three replays), each equal bit for bit to the eager one of
@@ -108,17 +124,10 @@ def graph_checks(rank: int, world: int, dev: torch.device) -> dict[str, bool]:
         ok["all_reduce under CUDA graphs == eager, seed for seed"] = (
             same and replays == 4 and not torch.equal(eager[0], eager[1])
         )
-        torch.manual_seed(0)
-        model = DDP(nn.Sequential(nn.Linear(1024, 2048), nn.ReLU(), nn.Linear(2048, 8)).to(dev))
-        for step in range(4):
-            x = torch.randn(64, 1024, generator=torch.Generator().manual_seed(step * 10 + rank))
-            model(x.to(dev)).square().mean().backward()
-        grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-        gathered = [torch.empty_like(grads) for _ in range(world)]
-        dist.all_gather(gathered, grads)
+        same = ddp_grads_identical(rank, world, dev, width=1024, steps=4)
         replays = graphs.stats()["replays"] - after["replays"]
         ok[f"DDP under CUDA graphs: grads identical on ranks ({replays} replays)"] = (
-            all(torch.equal(g, grads) for g in gathered) and replays > 0
+            same and replays > 0
         )
         ok["no capture failed"] = not graphs._failed
     finally:
@@ -178,15 +187,7 @@ def checks(rank: int, world: int) -> dict[str, bool]:
     out = torch.empty(world, device=dev)
     dist.all_to_all_single(out, torch.arange(world, device=dev) + 10.0 * rank)
     ok["all_to_all exact"] = torch.equal(out.cpu(), torch.arange(world) * 10.0 + rank)
-    torch.manual_seed(0)
-    model = DDP(nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 8)).to(dev))
-    for step in range(3):
-        x = torch.randn(64, 256, generator=torch.Generator().manual_seed(step * 10 + rank))
-        model(x.to(dev)).square().mean().backward()
-    grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-    gathered = [torch.empty_like(grads) for _ in range(world)]
-    dist.all_gather(gathered, grads)
-    ok["DDP grads identical on ranks"] = all(torch.equal(g, grads) for g in gathered)
+    ok["DDP grads identical on ranks"] = ddp_grads_identical(rank, world, dev, width=256, steps=3)
     ok["DDP compressed"] = group.bytes_sent * 4 < group.bytes_uncompressed
     ok |= hierarchical_checks(rank, world, dev)
     ok |= graph_checks(rank, world, dev)
