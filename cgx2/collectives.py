@@ -232,26 +232,22 @@ def allreduce_quantized_(
         if error is not None:
             error.zero_()
         return allreduce_plain_(t, group, reduce_op)
-    if error is None:
-        return quantized_inplace(t, bits, bucket_size, group, reduce_op, seed, skip_incomplete)
-    if group_size_and_rank(group)[0] == 1 or t.numel() == 0:
-        error.zero_()
-        return t
-    flat = t.view(-1)
-    _run_pieces(flat, flat, bits, bucket_size, group, reduce_op, seed, skip_incomplete,
-                error.view(-1))  # fmt: skip
-    return t
+    return quantized_inplace(t, bits, bucket_size, group, reduce_op, seed, skip_incomplete,
+                             error)  # fmt: skip
 
 
 def quantized_inplace(t: torch.Tensor, bits: int, bucket_size: int, group: dist.ProcessGroup,
-                      reduce_op: str, seed: int | None,
-                      skip_incomplete: bool) -> torch.Tensor:  # fmt: skip
-    """:func:`allreduce_quantized_` without error feedback, once its arguments are checked,
-    ``t`` is contiguous and compression pays: the ops' eager path, as :func:`quantized_copy`."""
+                      reduce_op: str, seed: int | None, skip_incomplete: bool,
+                      error: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """:func:`allreduce_quantized_` once its arguments are checked, ``t`` is contiguous and
+    compression pays: the ops' eager path, as :func:`quantized_copy`."""
     if group_size_and_rank(group)[0] == 1 or t.numel() == 0:
+        if error is not None:
+            error.zero_()
         return t
     flat = t.view(-1)
-    _run_pieces(flat, flat, bits, bucket_size, group, reduce_op, seed, skip_incomplete)
+    _run_pieces(flat, flat, bits, bucket_size, group, reduce_op, seed, skip_incomplete,
+                None if error is None else error.view(-1))  # fmt: skip
     return t
 
 

@@ -20,9 +20,14 @@ _NCCL_VARS = ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_NVLS_ENABLE", "NCCL_
               "NCCL_SOCKET_IFNAME", "NCCL_ALGO", "NCCL_PROTO")  # fmt: skip
 
 
+def _cgx2_vars() -> dict[str, str]:
+    """The environment's cgx2 and CGX variables (``CGX2_*``, ``CGX_*``)."""
+    return {k: v for k, v in os.environ.items() if k.startswith(("CGX2_", "CGX_"))}
+
+
 def _command(world_size: int) -> str:
     """The command that reproduces this run, launcher, NCCL and cgx2 variables included."""
-    names = [*_NCCL_VARS, *sorted(k for k in os.environ if k.startswith(("CGX2_", "CGX_")))]
+    names = [*_NCCL_VARS, *sorted(_cgx2_vars())]
     nccl = " ".join(f"{k}={os.environ[k]}" for k in names if k in os.environ)
     argv = getattr(sys, "orig_argv", sys.argv)
     if "TORCHELASTIC_RUN_ID" in os.environ:
@@ -57,7 +62,7 @@ def environment(device: torch.device, world_size: int = 1) -> dict[str, Any]:
         "python": platform.python_version(),
         "regime": regime(),
         "nccl_env": {k: os.environ[k] for k in _NCCL_VARS if k in os.environ},
-        "cgx2_env": {k: v for k, v in os.environ.items() if k.startswith(("CGX2_", "CGX_"))},
+        "cgx2_env": _cgx2_vars(),
         "command": _command(world_size),
         "launcher": "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "python",
     }

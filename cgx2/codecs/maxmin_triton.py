@@ -45,8 +45,9 @@ _MAX_BLOCK = 1024
 # encode_variants_nvidia-h200_nvlink_w1_20261123T050011.json).
 _TILES_PER_PROGRAM = 4
 # A grid has at least this many programs (up to one a tile): walking 4 tiles each, a small
-# tensor's few programs would leave SMs idle. Small grids so keep the one-tile programs that
-# all sizes had before the strides; strides were timed at 64M values only.
+# tensor's few programs would leave SMs idle. Against 512 and 8192 at 1M and 4M values, each
+# lost 4-10% somewhere (H200, bench/results/kernel_ab_nvidia-h200_nvlink_w1_20261123T081454,
+# ...T081509).
 _MIN_PROGRAMS = 2048
 # Fused multiply-adds would round differently from the reference's separate operations.
 _LAUNCH: dict[str, object] = {"enable_fp_fusion": False}
