@@ -47,6 +47,41 @@ def _summary(events: list, t0: float, t1: float) -> dict[str, float]:
     }
 
 
+def _back_to_back(prof: torch.profiler.profile, args: argparse.Namespace) -> None:
+    """Per call of the profiled step: its host time and the GPU's idle time before its last
+    GPU work ends (summed over the ranks' own timelines); idle GPU time while calls are queued
+    means the host fell behind."""
+    marks = sorted((e for e in prof.events() if e.name == MARK), key=lambda e: e.time_range.start)
+    gpu = sorted(
+        (e for e in prof.events()
+         if e.device_type == torch.autograd.DeviceType.CUDA
+         and e.time_range.start >= marks[0].time_range.start),
+        key=lambda e: e.time_range.start,
+    )  # fmt: skip
+    rows, end = [], gpu[0].time_range.start
+    for i, mark in enumerate(marks):
+        # A call's GPU work: what starts after its host start and before the next call's.
+        until = marks[i + 1].time_range.start if i + 1 < len(marks) else float("inf")
+        mine = [e for e in gpu if mark.time_range.start <= e.time_range.start < until]
+        idle = 0.0
+        for e in mine:
+            idle += max(0.0, e.time_range.start - end)
+            end = max(end, e.time_range.end)
+        rows.append({"host us": mark.time_range.elapsed_us(), "GPU idle us": idle,
+                     "GPU end us": end - marks[0].time_range.start})  # fmt: skip
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, rows)
+    if dist.get_rank() == 0:
+        print(f"{args.mib} MiB {args.dtype} {args.bits}-bit, {args.calls} calls back to back "
+              f"(host time of each call; GPU idle before its work; GPU end from the first "
+              f"call's host start), us")  # fmt: skip
+        print("call" + "".join(f"  rank {r}: host    idle     end" for r in range(len(everyone))))
+        for i in range(len(rows)):
+            cells = (f"{c['host us']:7.1f} {c['GPU idle us']:7.1f} {c['GPU end us']:7.1f}"
+                     for c in (r[i] for r in everyone))  # fmt: skip
+            print(f"{i:4d}" + "".join(f"        {c}" for c in cells))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--mib", type=int, default=256)
@@ -54,6 +89,11 @@ def main() -> None:
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     p.add_argument("--cuda-graphs", action="store_true", help="replay CUDA graphs (cgx2.graphs)")
     p.add_argument("--host", action="store_true", help="also list the call's host-side events")
+    p.add_argument(
+        "--calls", type=int, default=1,
+        help="calls back to back in the profiled step (as `cgx2.bench --calls`): with more than "
+        "one, each call's host time and where the GPU sat idle between them are reported",
+    )  # fmt: skip
     args = p.parse_args()
     graphs.ENABLED = args.cuda_graphs
     dist.init_process_group("nccl")
@@ -70,10 +110,15 @@ def main() -> None:
             torch.cuda.synchronize()
             dist.barrier()
             torch.cuda.synchronize()
-            with torch.profiler.record_function(MARK):
-                cgx2.quantized_allreduce(x, args.bits, op="avg")
+            for _ in range(args.calls):
+                with torch.profiler.record_function(MARK):
+                    cgx2.quantized_allreduce(x, args.bits, op="avg")
             torch.cuda.synchronize()
             prof.step()
+    if args.calls > 1:
+        _back_to_back(prof, args)
+        dist.destroy_process_group()
+        return
     mark = next(e for e in prof.events() if e.name == MARK)
     t0, t1 = mark.time_range.start, mark.time_range.end
     gpu = sorted(

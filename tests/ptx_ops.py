@@ -1,5 +1,6 @@
 """Prints the floating-point PTX instructions of the max-min kernels built for sm_90, one
-``opcode count`` per line. Run in a fresh process with TRITON_INTERPRET=0: Triton builds for
+``opcode count`` per line, then each kernel's lane-indexed shuffles (``kernel:shfl.sync.idx
+count``). Run in a fresh process with TRITON_INTERPRET=0: Triton builds for
 a GPU target on a machine without one (used by test_kernel_ptx.py)."""
 
 import collections
@@ -50,6 +51,10 @@ def main() -> None:
     ops = collections.Counter(re.findall(pattern, encode + dse))
     for op, count in sorted(ops.items()):
         print(op, count)
+    # Shuffles by lane index move values between threads' layouts (the reductions' shuffles
+    # are butterflies).
+    for name, text in (("encode", encode), ("dse", dse)):
+        print(f"{name}:shfl.sync.idx", text.count("shfl.sync.idx"))
 
 
 if __name__ == "__main__":

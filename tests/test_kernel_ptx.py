@@ -28,3 +28,12 @@ def test_only_the_level_floor_flushes_subnormals():
     flushing = {op for op in ops if ".ftz" in op}
     assert flushing == {"add.rm.ftz.f32"}, flushing
     assert ops.get("div.rn.f32", 0) > 0 and ops.get("fma.rn.f32", 0) > 0
+
+
+def test_packed_fields_meet_the_tile_without_shuffles():
+    """Each thread loads and stores the packed fields of the groups it codes: laid out for
+    vector access instead, they crossed threads by shuffles, 48 of decode-sum-encode's 690
+    instructions a tile (``maxmin_triton._group_grid``)."""
+    ops = _float_ops()
+    assert ops["encode:shfl.sync.idx"] == 0
+    assert ops["dse:shfl.sync.idx"] == 0

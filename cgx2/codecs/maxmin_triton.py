@@ -11,6 +11,7 @@ packed field, so neither crosses threads. Runs on CUDA, or on the CPU under
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -49,6 +50,13 @@ _TILES_PER_PROGRAM = 4
 # lost 4-10% somewhere (H200, bench/results/kernel_ab_nvidia-h200_nvlink_w1_20261123T081454,
 # ...T081509).
 _MIN_PROGRAMS = 2048
+# Decode-sum-encode's grid instead holds this many programs a multiprocessor, one resident
+# wave, each walking its share of the tiles: against the grid above, fp32 at 16M values ran
+# 1.06-1.10x faster at 4 bits and 1.04-1.05x at 8 (2-bit and bf16 even; at 4M values both
+# grids are 2048-2112 programs). 8 and 12 a multiprocessor were slower, 20 and 24 no faster
+# (H200, bench/results/kernel_ab_nvidia-h200_nvlink_w1_20261123T090247, ...T090350,
+# ...T090550, ...T091145).
+_DSE_PROGRAMS_PER_SM = 16
 # Fused multiply-adds would round differently from the reference's separate operations.
 _LAUNCH: dict[str, object] = {"enable_fp_fusion": False}
 
@@ -189,11 +197,20 @@ def _tile(q, qmask, quant, c, B: tl.constexpr, BLOCK: tl.constexpr, FULL: tl.con
 
 
 @triton.jit
-def _group_grid(q, qmask, quant, c, B: tl.constexpr, BLOCK: tl.constexpr, FULL: tl.constexpr):
+def _group_grid(
+    q, qmask, quant, c, B: tl.constexpr, BLOCK: tl.constexpr, FULL: tl.constexpr,
+    AS_TILE: tl.constexpr = True,
+):  # fmt: skip
     """Group indices [BUCKETS, BLOCK // 8] of a tile (global: bucket q's groups are
-    q * ceil(B / 8) + g) and which groups hold data."""
+    q * ceil(B / 8) + g) and which groups hold data. ``AS_TILE``: laid out over the threads
+    as :func:`_tile` lays out its groups, a warp apart. Seen contiguous, Triton gave each
+    thread adjacent groups, to load them as one vector, then shuffled them between threads to
+    meet the tile: 48 of decode-sum-encode's 690 instructions a tile, and 8 registers. The
+    decoder, which stores its tile as it loaded the fields, keeps the vector loads."""
     g = c // 8 + tl.arange(0, BLOCK // 8)
     group = q[:, None] * ((B + 7) // 8) + g[None, :]
+    if AS_TILE:
+        group = tl.max_contiguous(group, [1, 1])
     if FULL:
         return group, tl.full(group.shape, 1, tl.int1)
     mask = qmask[:, None] & (g[None, :] * 8 < B) & (q[:, None] * B + g[None, :] * 8 < quant)
@@ -249,11 +266,12 @@ def _pack_store(
 @triton.jit
 def _load_fields(
     ptr, q, qmask, quant, c, BITS: tl.constexpr, B: tl.constexpr, BLOCK: tl.constexpr,
-    FULL: tl.constexpr,
+    FULL: tl.constexpr, AS_TILE: tl.constexpr = True,
 ):  # fmt: skip
-    """A tile's packed groups [BUCKETS, BLOCK // 8], one field each (see :func:`_pack_store`)."""
+    """A tile's packed groups [BUCKETS, BLOCK // 8], one field each (see :func:`_pack_store`;
+    ``AS_TILE`` as in :func:`_group_grid`)."""
     wt = tl.uint64 if BITS > 4 else tl.uint32
-    group, mask = _group_grid(q, qmask, quant, c, B, BLOCK, FULL)
+    group, mask = _group_grid(q, qmask, quant, c, B, BLOCK, FULL, AS_TILE)
     if BITS == 1 or BITS == 2 or BITS == 4 or BITS == 8:
         return tl.load(_field_ptr(ptr, BITS) + group, mask=mask, other=0).to(wt)
     k = tl.arange(0, 8)
@@ -564,7 +582,8 @@ def _decode_tiles(
     NUM_TILES: tl.constexpr = (B + BLOCK - 1) // BLOCK
     for t in tl.static_range(NUM_TILES):
         c = t * BLOCK
-        l0, l1 = _unpack(_load_fields(lev_ptr, q, qmask, quant, c, BITS, B, BLOCK, FULL), BITS)
+        fields = _load_fields(lev_ptr, q, qmask, quant, c, BITS, B, BLOCK, FULL, False)
+        l0, l1 = _unpack(fields, BITS)
         e, valid0, valid1 = _tile(q, qmask, quant, c, B, BLOCK, FULL)
         v0 = lo + step * l0
         v1 = lo + step * l1
@@ -881,6 +900,19 @@ def _programs(tiles: int) -> int:
     return min(tiles, max(_MIN_PROGRAMS, -(-tiles // _TILES_PER_PROGRAM)))
 
 
+@functools.cache
+def _multiprocessors(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _resident_programs(tiles: int, device: torch.device) -> int:
+    """Programs for decode-sum-encode: ``_DSE_PROGRAMS_PER_SM`` on each multiprocessor of a
+    GPU (:func:`_programs` elsewhere, as under the interpreter)."""
+    if device.type != "cuda":
+        return _programs(tiles)
+    return min(tiles, _DSE_PROGRAMS_PER_SM * _multiprocessors(device.index))
+
+
 def _key(key: int) -> tuple[int, int]:
     """The key's 32-bit halves, each with bit 32 set: Triton types a Python int argument by
     its value (i32 below 2**31, i64 above), so random halves would select among four
@@ -1076,7 +1108,7 @@ def decode_sum_encode(
     launch = _launch(
         "decode_sum_encode", bucket_size, own_flat.dtype if own is not None else torch.float32
     )
-    grid = (_programs(-(-layout.num_buckets // launch["BUCKETS"])), 1)
+    grid = (_resident_programs(-(-layout.num_buckets // launch["BUCKETS"]), out.device), 1)
     k0, k1, keys, in_memory = _key_args(key, out)
     if layout.num_buckets:
         _launch_decode_sum_encode(
