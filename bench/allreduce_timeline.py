@@ -51,7 +51,10 @@ def _back_to_back(prof: torch.profiler.profile, args: argparse.Namespace) -> Non
     """Per call of the profiled step: its host time and the GPU's idle time before its last
     GPU work ends (summed over the ranks' own timelines); idle GPU time while calls are queued
     means the host fell behind."""
-    marks = sorted((e for e in prof.events() if e.name == MARK), key=lambda e: e.time_range.start)
+    # The host's ranges only: the profiler also records each range's GPU annotation.
+    cpu = torch.autograd.DeviceType.CPU
+    marks = sorted((e for e in prof.events() if e.name == MARK and e.device_type == cpu),
+                   key=lambda e: e.time_range.start)  # fmt: skip
     gpu = sorted(
         (e for e in prof.events()
          if e.device_type == torch.autograd.DeviceType.CUDA
