@@ -62,9 +62,10 @@ def test_first_launch_dispatches_then_direct_with_every_parameter(launcher):
     launcher((5, 2), x, 100, 0.25, B=512, num_warps=1)
     assert len(launcher.kernel.dispatched) == 1
     # grid (z 1), stream, function, metadata, no launch metadata or hooks, then every
-    # parameter in order, FLAG's default included; num_warps is an option, not a parameter.
+    # parameter in order (a tensor as its address), FLAG's default included; num_warps is an
+    # option, not a parameter.
     assert launcher.kernel.compiled[0].runs == [
-        (5, 2, 1, 1234, "fn", "meta", None, None, None, x, 100, 0.25, 512, 7)
+        (5, 2, 1, 1234, "fn", "meta", None, None, None, x.data_ptr(), 100, 0.25, 512, 7)
     ]
 
 
@@ -73,6 +74,8 @@ def test_first_launch_dispatches_then_direct_with_every_parameter(launcher):
     [
         lambda x: ((x[1:],), {}),  # 4-byte offset: no longer 16-byte aligned
         lambda x: ((x.double(),), {}),
+        lambda x: ((x, True), {}),  # a bool, not the int 1
+        lambda x: ((x, 2**63), {}),  # unsigned 64-bit
         lambda x: ((x, 1), {}),  # Triton makes an int of 1 a constant
         lambda x: ((x, 96), {}),  # divisible by 16
         lambda x: ((x, 2**31), {}),  # 64-bit

@@ -28,7 +28,8 @@ _TESTED = triton.__version__.split(".")[:2] == ["3", "6"]
 
 
 def _spec(arg: Any) -> object:
-    """What Triton may specialize ``arg`` on, or finer."""
+    """What Triton may specialize ``arg`` on, or finer (``Launcher.__call__`` inlines the
+    cases of tensors and ints)."""
     if isinstance(arg, torch.Tensor):
         return arg.dtype, arg.data_ptr() % 16 == 0
     if isinstance(arg, bool):
@@ -54,24 +55,39 @@ class Launcher:
         if not (ENABLED and _TESTED) or triton.knobs.runtime.interpret:
             self.kernel[grid](*args, **constexprs)
             return
-        device = torch.cuda.current_device()
-        key = (device, tuple(constexprs.items()), tuple(map(_spec, args)))
-        compiled = self.variants.get(key)
+        # _spec's key, built inline: a call per argument took 6-7 us of a 22 us launch (H200
+        # host, bench/launch_parts.py). Tensors go to Triton's launcher as their addresses,
+        # which it takes as they are, where a tensor costs a data_ptr() call and a driver
+        # query of the pointer (1.5 us a launch).
+        key = [torch.cuda.current_device(), *constexprs.items()]
+        values = list(args)
+        for i, arg in enumerate(args):
+            if type(arg) is int:
+                key.append((arg == 1, arg % 16 == 0, -(2**31) <= arg < 2**31, arg < 2**63))
+            elif isinstance(arg, torch.Tensor):
+                address = arg.data_ptr()
+                key.append((arg.dtype, address % 16 == 0, arg.is_cuda))
+                values[i] = address
+            else:
+                key.append(_spec(arg))
+        key = tuple(key)
+        found = self.variants.get(key)
         enter, leave = triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook
-        if compiled is None or enter.calls or leave.calls:
+        if found is None or enter.calls or leave.calls:
             compiled = self.kernel[grid](*args, **constexprs)
             if hasattr(compiled, "result"):  # compiled asynchronously
                 compiled = compiled.result()
-            self.variants[key] = compiled
             if not self.names:
                 self.names = [p.name for p in self.kernel.params]
                 self.defaults = {p.name: p.default for p in self.kernel.params if p.has_default}
+            # The parameters after the positional ones (constexprs), fixed by the key.
+            tail = [constexprs[name] if name in constexprs else self.defaults[name]
+                    for name in self.names[len(args) :]]  # fmt: skip
+            self.variants[key] = compiled, tail
             return
-        values = list(args)
-        for name in self.names[len(args) :]:
-            values.append(constexprs[name] if name in constexprs else self.defaults[name])
-        stream = torch._C._cuda_getCurrentRawStream(device)
+        compiled, tail = found
+        stream = torch._C._cuda_getCurrentRawStream(key[0])
         grid_1 = grid[1] if len(grid) > 1 else 1
         grid_2 = grid[2] if len(grid) > 2 else 1
         compiled.run(grid[0], grid_1, grid_2, stream, compiled.function, compiled.packed_metadata,
-                     None, None, None, *values)  # fmt: skip
+                     None, None, None, *values, *tail)  # fmt: skip

@@ -1,0 +1,87 @@
+"""Host microseconds of each part of one codec kernel launch on a GPU (a tiny tensor, so the
+GPU keeps up): the codec call, the direct launcher, Triton's compiled ``run`` with tensors or
+with raw addresses as pointer arguments, and the launcher's own Python pieces. A tuning aid:
+``python bench/launch_parts.py``."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+import triton
+
+from cgx2.codecs import ChunkedLayout, direct_launch
+from cgx2.codecs import maxmin_triton as tri
+
+
+def per_call_us(fn, calls: int = 4000) -> float:
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
+
+
+def main() -> None:
+    x = torch.randn(4096, device="cuda")
+    layout = ChunkedLayout.split(4096, 1, 4, 512, False)
+    out = tri.encode_chunks(x, layout, 1)
+    launcher = tri._launch_encode
+    ((_key, compiled),) = launcher.variants.items()
+    launch = tri._launch("encode", 512, torch.float32)
+    grid = (tri._programs(-(-8 // launch["BUCKETS"])), 1)
+    k0, k1, keys, in_memory = tri._key_args(1, out)
+    args = (x, out, tri._f32(out), 4096, 4096, out.shape[1], k0, k1, keys, 0, -1)
+    consts = dict(
+        BITS=4, B=512, SKIP_INCOMPLETE=False, ALIGN=16, KEYS_IN_MEMORY=in_memory, **launch
+    )
+    values = list(args) + [
+        consts[n] if n in consts else launcher.defaults[n] for n in launcher.names[len(args) :]
+    ]
+    addresses = [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in values]
+    stream = torch._C._cuda_getCurrentRawStream(0)
+    run = compiled.run
+    fn, meta = compiled.function, compiled.packed_metadata
+    rows = {
+        "encode_chunks (codec call)": lambda: tri.encode_chunks(x, layout, 1, out=out),
+        "direct Launcher call": lambda: launcher(grid, *args, **consts),
+        "compiled.run, tensors": lambda: run(
+            grid[0], 1, 1, stream, fn, meta, None, None, None, *values
+        ),
+        "compiled.run, addresses": lambda: run(
+            grid[0], 1, 1, stream, fn, meta, None, None, None, *addresses
+        ),
+        "launcher key (_spec of every arg)": lambda: (
+            0,
+            tuple(consts.items()),
+            tuple(map(direct_launch._spec, args)),
+        ),
+        "torch.cuda.current_device()": torch.cuda.current_device,
+        "_cuda_getCurrentRawStream": lambda: torch._C._cuda_getCurrentRawStream(0),
+        "triton.knobs hooks, read": lambda: (
+            triton.knobs.runtime.launch_enter_hook,
+            triton.knobs.runtime.launch_exit_hook,
+        ),
+        "triton.knobs.runtime.interpret": lambda: triton.knobs.runtime.interpret,
+        "tensor.data_ptr()": x.data_ptr,
+        "out.view(torch.float32)": lambda: out.view(torch.float32),
+        "x.reshape(-1)": lambda: x.reshape(-1),
+        "torch.empty(2, 4096, uint8)": lambda: torch.empty(
+            2, 4096, dtype=torch.uint8, device="cuda"
+        ),
+    }
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    for name, fn_ in rows.items():
+        print(f"  {name:40s} {per_call_us(fn_):7.2f} us")
+
+
+if __name__ == "__main__":
+    main()
