@@ -1,10 +1,13 @@
 """Host microseconds of each part of one codec kernel launch on a GPU (a tiny tensor, so the
 GPU keeps up): the codec call, the direct launcher, Triton's compiled ``run`` with tensors or
 with raw addresses as pointer arguments, and the launcher's own Python pieces. A tuning aid:
-``python bench/launch_parts.py``."""
+``python bench/launch_parts.py [--compare OLD_DIRECT_LAUNCH.py]`` (another version of
+``cgx2/codecs/direct_launch.py``, e.g. from ``git show REV:...``, timed beside the tree's)."""
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import os
 import sys
 import time
@@ -31,11 +34,14 @@ def per_call_us(fn, calls: int = 4000) -> float:
 
 
 def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--compare", default="", help="another direct_launch.py to time beside")
+    cli = p.parse_args()
     x = torch.randn(4096, device="cuda")
     layout = ChunkedLayout.split(4096, 1, 4, 512, False)
     out = tri.encode_chunks(x, layout, 1)
     launcher = tri._launch_encode
-    ((_key, compiled),) = launcher.variants.items()
+    ((compiled, _tail),) = launcher.variants.values()
     launch = tri._launch("encode", 512, torch.float32)
     grid = (tri._programs(-(-8 // launch["BUCKETS"])), 1)
     k0, k1, keys, in_memory = tri._key_args(1, out)
@@ -78,6 +84,13 @@ def main() -> None:
             2, 4096, dtype=torch.uint8, device="cuda"
         ),
     }
+    if cli.compare:
+        spec = importlib.util.spec_from_file_location("compared_direct_launch", cli.compare)
+        other = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(other)
+        old_launcher = other.Launcher(tri._encode_kernel)
+        old_launcher(grid, *args, **consts)  # its first launch goes through Triton
+        rows[f"direct Launcher call, {cli.compare}"] = lambda: old_launcher(grid, *args, **consts)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     for name, fn_ in rows.items():
         print(f"  {name:40s} {per_call_us(fn_):7.2f} us")
