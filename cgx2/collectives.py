@@ -290,7 +290,8 @@ def _make_run(flat: torch.Tensor, bits: int, bucket_size: int, group: dist.Proce
     return _Run(group, world, rank, bits, bucket_size, skip_incomplete,
                 1.0 / world if reduce_op == "avg" else None, maxmin_codec(flat.device),
                 derive_key(seed, _STAGE_SCATTER, rank), derive_key(seed, _STAGE_GATHER),
-                _piece_numel(flat.element_size(), world, bucket_size, flat.device))  # fmt: skip
+                _piece_numel(flat.element_size(), world, bucket_size, flat.device),
+                flat.is_cuda and _plain_route(group)[1])  # fmt: skip
 
 
 def _pipeline(run: _Run, flat: torch.Tensor, out: torch.Tensor,
@@ -439,6 +440,7 @@ class _Run:
     scatter_key: int  # derive_key(seed, _STAGE_SCATTER, rank): extended by the piece index
     gather_key: int  # derive_key(seed, _STAGE_GATHER): likewise
     step: int  # values per piece
+    gather_in_place: bool  # the reduced chunk encoded straight into its slot (NCCL)
     keys: torch.Tensor | None = None  # in device memory instead (for a CUDA graph): piece i's
     # scatter key at 2i, its gather key at 2i + 1 (keys_triton.piece_keys)
 
@@ -490,15 +492,20 @@ class _Piece:
             self.work.wait()
         run, layout = self.run, self.layout
         start, size = layout.chunk_start(run.rank), layout.chunk_size(run.rank)
-        reduced = torch.empty(layout.payload_nbytes, dtype=torch.uint8, device=self.x.device)
+        nbytes = layout.payload_nbytes
+        self.gathered = torch.empty(run.world * nbytes, dtype=torch.uint8, device=self.x.device)
+        if run.gather_in_place:
+            # NCCL gathers in place when our contribution already lies in our slot of the
+            # output: one allocation and one copy of it fewer.
+            reduced = self.gathered[run.rank * nbytes : (run.rank + 1) * nbytes]
+        else:
+            reduced = torch.empty(nbytes, dtype=torch.uint8, device=self.x.device)
         run.codec.decode_sum_encode(
             self.recv, size, self.x.narrow(0, start, size), run.rank, run.scale, run.bits,
             run.bucket_size, run.gather_key_of(self.index), run.rank,
             layout.skip_incomplete, out=reduced,
         )  # fmt: skip
         self.recv = None
-        self.gathered = torch.empty(run.world * layout.payload_nbytes, dtype=torch.uint8,
-                                    device=self.x.device)  # fmt: skip
         self.work = _all_gather(self.gathered, reduced, run.group, self.overlap)
 
     def finish(self) -> None:

@@ -426,3 +426,43 @@ def test_collectives_overlap_only_where_there_is_something_to_overlap(dist2):
     asynchronously. The bytes are the model's either way."""
     for modes in dist2.run(_collective_modes):
         assert modes == [[False, False], [True, True], [True] * 6]
+
+
+def _gathered_in_place() -> list[bool]:
+    """Each piece's all-gather with ``gather_in_place`` forced (what a group on NCCL gets):
+    whether its input is its output's slot of this rank, the result checked against the
+    model (gloo gathers in place too)."""
+    slots: list[bool] = []
+    all_gather, make_run = collectives._all_gather, collectives._make_run
+
+    def record(out, send, group, async_op=True):
+        rank, nbytes = dist.get_rank(), send.numel()
+        slots.append(send.data_ptr() == out.data_ptr() + rank * nbytes)
+        return all_gather(out, send, group, async_op)
+
+    def in_place(*args, **kwargs):
+        run = make_run(*args, **kwargs)
+        run.gather_in_place = True
+        return run
+
+    collectives._all_gather, collectives._make_run = record, in_place
+    saved = collectives.PIPELINE_BYTES, collectives.PAIR_GATHER
+    collectives.PIPELINE_BYTES, collectives.PAIR_GATHER = 4 * 1024 * 4, False
+    try:
+        rank, n = dist.get_rank(), 3 * 4096 + 77
+        inputs = [torch.randn(n, generator=torch.Generator().manual_seed(r))
+                  for r in range(dist.get_world_size())]  # fmt: skip
+        got = collectives.allreduce_quantized_(inputs[rank].clone(), 4, 512, dist.group.WORLD,
+                                               "sum", 7)  # fmt: skip
+        assert torch.equal(got, collectives.reference_allreduce(inputs, 4, 512, 7))
+    finally:
+        collectives._all_gather, collectives._make_run = all_gather, make_run
+        collectives.PIPELINE_BYTES, collectives.PAIR_GATHER = saved
+    return slots
+
+
+def test_reduced_chunks_gather_in_place(dist2):
+    """On NCCL each rank encodes its reduced chunk straight into its slot of the gather's
+    output, which NCCL then gathers in place; the bytes stay the model's."""
+    for slots in dist2.run(_gathered_in_place):
+        assert slots == [True] * 4

@@ -164,7 +164,9 @@ def _bench_size(
                 work = collectives._all_to_all(recv, send, group, async_op=False)
             if work is not None:  # gloo's
                 work.wait()
-            work = collectives._all_gather(gathered, recv[0], group, async_op=False)
+            # In place, as the pipeline gathers on NCCL (its own slot as the input).
+            slot = gathered.view(world, -1)[rank] if x.is_cuda else recv[0]
+            work = collectives._all_gather(gathered, slot, group, async_op=False)
             if work is not None:
                 work.wait()
 
