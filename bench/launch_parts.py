@@ -10,7 +10,6 @@ import argparse
 import importlib.util
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -20,17 +19,8 @@ import triton
 from cgx2.codecs import ChunkedLayout, direct_launch
 from cgx2.codecs import maxmin_triton as tri
 
-
-def per_call_us(fn, calls: int = 4000) -> float:
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / calls * 1e6
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from launch_overhead import per_call_us
 
 
 def main() -> None:
@@ -93,7 +83,7 @@ def main() -> None:
         rows[f"direct Launcher call, {cli.compare}"] = lambda: old_launcher(grid, *args, **consts)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     for name, fn_ in rows.items():
-        print(f"  {name:40s} {per_call_us(fn_):7.2f} us")
+        print(f"  {name:40s} {per_call_us(fn_, 4000):7.2f} us")
 
 
 if __name__ == "__main__":
