@@ -52,10 +52,10 @@ _TILES_PER_PROGRAM = 4
 _MIN_PROGRAMS = 2048
 # Decode-sum-encode's grid instead holds this many programs a multiprocessor, one resident
 # wave, each walking its share of the tiles: against the grid above, fp32 at 16M values ran
-# 1.06-1.10x faster at 4 bits and 1.04-1.05x at 8 (2-bit and bf16 even; at 4M values both
-# grids are 2048-2112 programs). 8 and 12 a multiprocessor were slower, 20 and 24 no faster
-# (H200, bench/results/kernel_ab_nvidia-h200_nvlink_w1_20261123T090247, ...T090350,
-# ...T090550, ...T091145).
+# 1.06-1.10x faster at 4 bits and 1.04-1.06x at 8 (2-bit and bf16 0.95-1.00x, within noise;
+# at 4M values both grids are 2048-2112 programs). 8 and 12 a multiprocessor were slower,
+# 20 and 24 no faster (H200, bench/results/kernel_ab_nvidia-h200_nvlink_w1_20261123T090247,
+# ...T090350, ...T090550, ...T091145).
 _DSE_PROGRAMS_PER_SM = 16
 # Fused multiply-adds would round differently from the reference's separate operations.
 _LAUNCH: dict[str, object] = {"enable_fp_fusion": False}
