@@ -37,6 +37,7 @@ __all__ = [
     "exchange",
     "group_size_and_rank",
     "reference_allreduce",
+    "wait",
 ]
 
 # torch >= 2.13 renamed all_gather_into_tensor; both exist in between.
@@ -66,9 +67,7 @@ def allreduce_plain_(t: torch.Tensor, group: dist.ProcessGroup, reduce_op: str) 
         # The process group's own allreduce, which dist.all_reduce calls after its checks
         # and logging: below the crossover this runs instead of a plain allreduce, where NCCL
         # takes 40-100 us, so each microsecond of Python here is 1-2% of the fallback.
-        work = group.allreduce([t], _AVG_OPTIONS if native_avg else _SUM_OPTIONS)
-        if work is not None:  # NCCL returns no Work for a synchronous call (asyncOp False)
-            work.wait()
+        wait(group.allreduce([t], _AVG_OPTIONS if native_avg else _SUM_OPTIONS))
     if reduce_op == "avg" and not native_avg:
         t.div_(dist.get_world_size(group))
     return t
@@ -99,6 +98,13 @@ def _direct(group: dist.ProcessGroup) -> bool:
     """Whether to call ``group``'s collectives directly, as ``torch.distributed``'s wrappers
     do after their checks and logging (7-10 us a call on a CPU, per pipeline piece twice)."""
     return not torch.compiler.is_compiling() and isinstance(group, dist.ProcessGroup)
+
+
+def wait(work: dist.Work | None) -> None:
+    """Wait on a collective's Work, if it returned one: NCCL returns none for a synchronous
+    call (asyncOp False), on the caller's stream; gloo returns one that must still be waited."""
+    if work is not None:
+        work.wait()
 
 
 def _all_to_all(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
@@ -488,8 +494,7 @@ class _Piece:
     def reduce(self) -> None:
         """Sum the received chunks onto our own (kept in full precision), encode the sum once
         more, and start gathering every rank's reduced chunk."""
-        if self.work is not None:
-            self.work.wait()
+        wait(self.work)
         run, layout = self.run, self.layout
         start, size = layout.chunk_start(run.rank), layout.chunk_size(run.rank)
         nbytes = layout.payload_nbytes
@@ -510,8 +515,7 @@ class _Piece:
 
     def finish(self) -> None:
         """Decode every rank's reduced chunk (ours too: all ranks decode the same bytes)."""
-        if self.work is not None:
-            self.work.wait()
+        wait(self.work)
         rows = self.gathered.view(self.run.world, self.layout.payload_nbytes)
         self.run.codec.decode_chunks(rows, self.layout, self.out.dtype, out=self.out)
         self.gathered = None

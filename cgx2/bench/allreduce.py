@@ -162,13 +162,10 @@ def _bench_size(
                 work = collectives.exchange(recv, send, group, world, rank, async_op=False)
             else:
                 work = collectives._all_to_all(recv, send, group, async_op=False)
-            if work is not None:  # gloo's
-                work.wait()
+            collectives.wait(work)
             # In place, as the pipeline gathers on NCCL (its own slot as the input).
             slot = gathered.view(world, -1)[rank] if x.is_cuda else recv[0]
-            work = collectives._all_gather(gathered, slot, group, async_op=False)
-            if work is not None:
-                work.wait()
+            collectives.wait(collectives._all_gather(gathered, slot, group, async_op=False))
 
         def quantized(bits: int = bits) -> None:
             cgx2.quantized_allreduce(x, bits, op="avg", bucket_size=args.bucket_size)
@@ -178,7 +175,10 @@ def _bench_size(
         sol_a2a_ms = timer(lambda: speed_of_light(pair=False)) if pair_gather else sol_ms
         with _crossover_bytes("0"):  # always quantize: what the codec and pipeline cost
             cgx_ms = timer(quantized)
-            graphs_ms = _with_graphs(timer, quantized) if args.cuda_graphs else None
+            graphs_ms = None
+            if args.cuda_graphs:
+                with _graphs_on():
+                    graphs_ms = timer(quantized)
         auto_buf = x.clone()
 
         def auto(bits: int = bits, buf: torch.Tensor = auto_buf) -> None:
@@ -192,16 +192,12 @@ def _bench_size(
         auto_path = "quantized" if collectives.compression_pays(x) else "plain"
         graphs_auto = None
         if args.cuda_graphs:  # in place with graphs, plain below the graphs' crossover
-            graphs.ENABLED = True
-            try:
+            with _graphs_on():
                 graphs_auto = (
                     "quantized" if collectives.compression_pays(x) else "plain",
                     *timer.interleaved(lambda buf=auto_buf: dist.all_reduce(buf, op=plain_op),
                                        auto),
                 )  # fmt: skip
-            finally:
-                graphs.ENABLED = False
-                graphs.clear()
         rows.append({
             "dtype": dtype_name, "bytes": nbytes, "size": _size_name(nbytes), "numel": n,
             "bits": bits, "bucket_size": args.bucket_size,
@@ -224,13 +220,14 @@ def _bench_size(
     return rows
 
 
-def _with_graphs(timer: Timer, fn: Callable[[], Any]) -> float:
-    """``fn``'s time with CUDA-graph replay (:mod:`cgx2.graphs`): the warm-up's first call runs
-    eagerly and its second captures; each result is freed before the next call, so the next
-    lands at the same address and replays. The graphs are dropped after."""
+@contextlib.contextmanager
+def _graphs_on() -> Iterator[None]:
+    """CUDA-graph replay (:mod:`cgx2.graphs`) inside: a timer's warm-up runs a signature's
+    first call eagerly and its second captures; each result is freed before the next call, so
+    the next lands at the same address and replays. The graphs are dropped after."""
     graphs.ENABLED = True
     try:
-        return timer(fn)
+        yield
     finally:
         graphs.ENABLED = False
         graphs.clear()

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ..checks import check_bits
 from ..codecs import ChunkedLayout, maxmin, maxmin_codec
-from ..collectives import compression_pays, exchange, group_size_and_rank
+from ..collectives import compression_pays, exchange, group_size_and_rank, wait
 from ..fusion import fuse_padded
 from ..seeding import derive_key, next_seed
 
@@ -122,9 +122,7 @@ def reduce_scatter_quantized(
         recv = torch.empty_like(send)
         # On the caller's stream: nothing runs beside the exchange, so an asynchronous one
         # would only add NCCL's stream switch and events (tens of microseconds a call).
-        work = exchange(recv, send, group, world, rank, async_op=False)
-        if work is not None:  # gloo's Work, which must still be waited on
-            work.wait()
+        wait(exchange(recv, send, group, world, rank, async_op=False))
         reduced, col = [], 0
         for (b, _), width, part, layout in zip(groups, plan.widths, parts, layouts, strict=True):
             payloads = recv[:, col : col + layout.payload_nbytes]
