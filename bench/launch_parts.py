@@ -35,7 +35,7 @@ def main() -> None:
     launch = tri._launch("encode", 512, torch.float32)
     grid = (tri._programs(-(-8 // launch["BUCKETS"])), 1)
     k0, k1, keys, in_memory = tri._key_args(1, out)
-    args = (x, out, tri._f32(out), 4096, 4096, out.shape[1], k0, k1, keys, 0, -1)
+    args = (x, out, 4096, 4096, out.shape[1], k0, k1, keys, 0, -1)
     consts = dict(
         BITS=4, B=512, SKIP_INCOMPLETE=False, ALIGN=16, KEYS_IN_MEMORY=in_memory, **launch
     )

@@ -231,6 +231,13 @@ def _field_ptr(ptr, BITS: tl.constexpr):
 
 
 @triton.jit
+def _meta_ptr(row_ptr):
+    """A payload row's (lo, step) fp32 pairs, from the row's uint8 pointer. Cast here, not as
+    a float32 view of each payload on the host: a view costs about a microsecond a launch."""
+    return row_ptr.to(tl.pointer_type(tl.float32))
+
+
+@triton.jit
 def _pack_store(
     ptr,
     l0,
@@ -492,7 +499,6 @@ def _encode_wide(
 def _encode_kernel(
     x_ptr,
     out_u8,
-    out_f32,
     numel,
     chunk_numel,
     row_nbytes,
@@ -521,7 +527,7 @@ def _encode_kernel(
     row = j.to(tl.int64) * row_nbytes
     x_ptr += start
     lev_ptr = out_u8 + row + levels_at
-    meta_ptr = out_f32 + row // 4
+    meta_ptr = _meta_ptr(out_u8 + row)
     key0, key1 = _load_key(k0, k1, keys_ptr, KEYS_IN_MEMORY)
     stream = stream0 + j
     lanes = tl.arange(0, BUCKETS).to(tl.int64)
@@ -603,7 +609,6 @@ def _decode_tiles(
 @triton.jit(do_not_specialize=["numel", "chunk_numel"])
 def _decode_kernel(
     in_u8,
-    in_f32,
     out_ptr,
     numel,
     chunk_numel,
@@ -621,7 +626,7 @@ def _decode_kernel(
     q = tl.program_id(0).to(tl.int64) * BUCKETS + tl.arange(0, BUCKETS)
     row = j.to(tl.int64) * row_nbytes
     lev_ptr = in_u8 + row + levels_at
-    meta_ptr = in_f32 + row // 4
+    meta_ptr = _meta_ptr(in_u8 + row)
     end = (tl.program_id(0).to(tl.int64) + 1) * BUCKETS
     if end * B <= quant:
         # Every value of the tile exists: stores with no mask (and a start known to be
@@ -636,7 +641,6 @@ def _decode_kernel(
 @triton.jit
 def _load_rows(
     in_u8,
-    in_f32,
     row_nbytes,
     own_index,
     q,
@@ -661,7 +665,7 @@ def _load_rows(
         # loads, so that they are all in flight together.
         w = r + (r >= own_index).to(tl.int64) if SKIP_OWN else r
         row = row_nbytes.to(tl.int64) * w
-        meta = in_f32 + row // 4 + 2 * q
+        meta = _meta_ptr(in_u8 + row) + 2 * q
         # Triton builds tuples by concatenation, not unpacking.
         los = los + (tl.load(meta, mask=qmask, other=0.0),)  # noqa: RUF005
         steps = steps + (tl.load(meta + 1, mask=qmask, other=0.0),)  # noqa: RUF005
@@ -674,7 +678,6 @@ def _load_rows(
 @triton.jit
 def _load_sum_inputs(
     in_u8,
-    in_f32,
     own_ptr,
     row_nbytes,
     own_index,
@@ -700,7 +703,7 @@ def _load_sum_inputs(
         own0 = tl.zeros((BUCKETS, BLOCK // 8, 4), tl.float32)
         own1 = tl.zeros((BUCKETS, BLOCK // 8, 4), tl.float32)
     fields, los, steps = _load_rows(
-        in_u8, in_f32, row_nbytes, own_index, q, qmask, quant, levels_at, c,
+        in_u8, row_nbytes, own_index, q, qmask, quant, levels_at, c,
         NUM_ROWS, SKIP_OWN, BITS, B, BLOCK, FULL,
     )  # fmt: skip
     return own0, own1, fields, los, steps
@@ -729,7 +732,6 @@ def _sum_loaded(
 @triton.jit
 def _decode_sum_encode_wide(
     in_u8,
-    in_f32,
     own_ptr,
     lev_ptr,
     meta_ptr,
@@ -762,7 +764,7 @@ def _decode_sum_encode_wide(
     hi = tl.full((BUCKETS,), float("-inf"), tl.float32)
     for t in range(NUM_TILES):
         own0, own1, fields, los, steps = _load_sum_inputs(
-            in_u8, in_f32, own_ptr, row_nbytes, own_index, q, qmask, quant, levels_at,
+            in_u8, own_ptr, row_nbytes, own_index, q, qmask, quant, levels_at,
             t * BLOCK, NUM_ROWS, SKIP_OWN, BITS, B, HAS_OWN, BUCKETS, BLOCK, FULL,
         )  # fmt: skip
         v0, v1 = _sum_loaded(own0, own1, fields, los, steps, scale, ROWS, BITS, HAS_SCALE)
@@ -773,7 +775,7 @@ def _decode_sum_encode_wide(
     lo, step, scale_q, finite = _params(lo, hi, BITS)
     for t in range(NUM_TILES):
         own0, own1, fields, los, steps = _load_sum_inputs(
-            in_u8, in_f32, own_ptr, row_nbytes, own_index, q, qmask, quant, levels_at,
+            in_u8, own_ptr, row_nbytes, own_index, q, qmask, quant, levels_at,
             t * BLOCK, NUM_ROWS, SKIP_OWN, BITS, B, HAS_OWN, BUCKETS, BLOCK, FULL,
         )  # fmt: skip
         v0, v1 = _sum_loaded(own0, own1, fields, los, steps, scale, ROWS, BITS, HAS_SCALE)
@@ -788,10 +790,8 @@ def _decode_sum_encode_wide(
 @triton.jit(do_not_specialize=["numel", "own_index", "k0", "k1", "stream"])
 def _decode_sum_encode_kernel(
     in_u8,
-    in_f32,
     own_ptr,
     out_u8,
-    out_f32,
     numel,
     row_nbytes,
     own_index,
@@ -817,6 +817,7 @@ def _decode_sum_encode_kernel(
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     lev_ptr = out_u8 + levels_at
+    meta_ptr = _meta_ptr(out_u8)
     key0, key1 = _load_key(k0, k1, keys_ptr, KEYS_IN_MEMORY)
     lanes = tl.arange(0, BUCKETS).to(tl.int64)
     tiles = ((nq + BUCKETS - 1) // BUCKETS).to(tl.int32)
@@ -827,7 +828,7 @@ def _decode_sum_encode_kernel(
         if pid < full:
             q = pid * BUCKETS + lanes
             own0, own1, fields, los, steps = _load_sum_inputs(
-                in_u8, in_f32, own_ptr, row_nbytes, own_index, q, q < full_nq, full_nq * B,
+                in_u8, own_ptr, row_nbytes, own_index, q, q < full_nq, full_nq * B,
                 levels_at, 0, NUM_ROWS, SKIP_OWN, BITS, B, HAS_OWN, BUCKETS, BLOCK,
                 B % BLOCK == 0,
             )  # fmt: skip
@@ -835,7 +836,7 @@ def _decode_sum_encode_kernel(
                 q = tl.cast(t, tl.int64) * BUCKETS + lanes
                 ahead = tl.minimum(t + programs, full - 1).to(tl.int64) * BUCKETS + lanes
                 next0, next1, next_fields, next_los, next_steps = _load_sum_inputs(
-                    in_u8, in_f32, own_ptr, row_nbytes, own_index, ahead, ahead < full_nq,
+                    in_u8, own_ptr, row_nbytes, own_index, ahead, ahead < full_nq,
                     full_nq * B, levels_at, 0, NUM_ROWS, SKIP_OWN, BITS, B, HAS_OWN, BUCKETS,
                     BLOCK, B % BLOCK == 0,
                 )  # fmt: skip
@@ -843,7 +844,7 @@ def _decode_sum_encode_kernel(
                                      HAS_SCALE)  # fmt: skip
                 _, valid0, valid1 = _tile(q, q < full_nq, full_nq * B, 0, B, BLOCK,
                                           B % BLOCK == 0)  # fmt: skip
-                _encode_loaded(v0, v1, valid0, valid1, lev_ptr, out_f32, q, full_nq,
+                _encode_loaded(v0, v1, valid0, valid1, lev_ptr, meta_ptr, q, full_nq,
                                full_nq * B, stream, key0, key1, BITS, B, BUCKETS, BLOCK,
                                B % BLOCK == 0)  # fmt: skip
                 own0 = next0
@@ -854,25 +855,25 @@ def _decode_sum_encode_kernel(
         if (full < tiles) & (pid == full % programs):
             q = full.to(tl.int64) * BUCKETS + lanes
             own0, own1, fields, los, steps = _load_sum_inputs(
-                in_u8, in_f32, own_ptr, row_nbytes, own_index, q, q < nq, quant, levels_at, 0,
+                in_u8, own_ptr, row_nbytes, own_index, q, q < nq, quant, levels_at, 0,
                 NUM_ROWS, SKIP_OWN, BITS, B, HAS_OWN, BUCKETS, BLOCK, False,
             )  # fmt: skip
             v0, v1 = _sum_loaded(own0, own1, fields, los, steps, scale, ROWS, BITS, HAS_SCALE)
             _, valid0, valid1 = _tile(q, q < nq, quant, 0, B, BLOCK, False)
-            _encode_loaded(v0, v1, valid0, valid1, lev_ptr, out_f32, q, nq, quant, stream,
+            _encode_loaded(v0, v1, valid0, valid1, lev_ptr, meta_ptr, q, nq, quant, stream,
                            key0, key1, BITS, B, BUCKETS, BLOCK, False)  # fmt: skip
     else:
         for t in range(pid, tiles, programs):
             q = tl.cast(t, tl.int64) * BUCKETS + lanes
             if t < full:
                 _decode_sum_encode_wide(
-                    in_u8, in_f32, own_ptr, lev_ptr, out_f32, row_nbytes, own_index, scale, q,
+                    in_u8, own_ptr, lev_ptr, meta_ptr, row_nbytes, own_index, scale, q,
                     full_nq, full_nq * B, levels_at, stream, key0, key1, NUM_ROWS, SKIP_OWN,
                     BITS, B, HAS_OWN, HAS_SCALE, BUCKETS, BLOCK, B % BLOCK == 0,
                 )  # fmt: skip
             else:
                 _decode_sum_encode_wide(
-                    in_u8, in_f32, own_ptr, lev_ptr, out_f32, row_nbytes, own_index, scale, q,
+                    in_u8, own_ptr, lev_ptr, meta_ptr, row_nbytes, own_index, scale, q,
                     nq, quant, levels_at, stream, key0, key1, NUM_ROWS, SKIP_OWN, BITS, B,
                     HAS_OWN, HAS_SCALE, BUCKETS, BLOCK, False,
                 )  # fmt: skip
@@ -933,14 +934,10 @@ def _key_args(key: int | torch.Tensor, other: torch.Tensor) -> tuple[int, int, t
     return k0, k1, other, False
 
 
-def _f32(payload: torch.Tensor) -> torch.Tensor:
-    return payload.view(torch.float32)
-
-
 def _raw_region(row: torch.Tensor, layout: MaxMinLayout) -> torch.Tensor:
     """The fp32 raw tail of one payload row (empty unless skip_incomplete leaves one)."""
     start = layout.raw_offset // 4
-    return _f32(row)[start : start + layout.raw_numel]
+    return row.view(torch.float32)[start : start + layout.raw_numel]
 
 
 def encode_chunks(
@@ -969,7 +966,6 @@ def encode_chunks(
         grid,
         flat,
         rows,
-        _f32(rows),
         layout.numel,
         layout.chunk_numel,
         layout.payload_nbytes,
@@ -1011,7 +1007,6 @@ def decode_chunks(
     _launch_decode(
         grid,
         payloads,
-        _f32(payloads),
         out,
         layout.numel,
         layout.chunk_numel,
@@ -1114,10 +1109,8 @@ def decode_sum_encode(
         _launch_decode_sum_encode(
             grid,
             payloads,
-            _f32(payloads),
             own_flat,
             out,
-            _f32(out if out.numel() == layout.nbytes else out[: layout.nbytes]),
             numel,
             payloads.shape[1],
             own_index,
