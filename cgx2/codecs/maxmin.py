@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 
+from . import native
 from .layout import ChunkedLayout, MaxMinLayout
 from .packing import pack_levels, unpack_levels
 from .philox import bucket_halves
@@ -69,6 +70,11 @@ def encode(
     if nq == 0:
         return payload
     rows, covered = _bucket_rows(v, layout)
+    nbytes = layout.levels_nbytes
+    meta = payload[: 8 * nq].view(torch.float32)
+    if native.encode_rows(rows, bits, key, stream, covered, meta,
+                          payload[levels_at : levels_at + nbytes]):  # fmt: skip
+        return payload
     lmax = float((1 << bits) - 1)
     # + 0.0 turns -0.0 into +0.0: which zero min/max pick differs between devices. A NaN
     # counts as -inf in the min, so any non-finite value makes the span non-finite.
@@ -88,8 +94,7 @@ def encode(
     level = (torch.floor(a * 2.0**frac).to(torch.int64) + h) >> frac  # 0 where a is 0: h < 2**F
     if covered < nq * bucket_size:
         level.view(-1)[covered:] = 0
-    payload[: 8 * nq] = torch.stack([lo, step], dim=1).reshape(-1).view(torch.uint8)
-    nbytes = layout.levels_nbytes
+    meta.copy_(torch.stack([lo, step], dim=1).reshape(-1))
     payload[levels_at : levels_at + nbytes] = pack_levels(level, bits).reshape(-1)[:nbytes]
     return payload
 
@@ -118,11 +123,14 @@ def _decode_f32(payload: torch.Tensor, layout: MaxMinLayout) -> torch.Tensor:
         return out
     meta = payload[: 8 * nq].view(torch.float32).view(nq, 2)
     levels_at = layout.levels_offset
+    levels = payload[levels_at : levels_at + layout.levels_nbytes]
+    covered = min(layout.numel, nq * bsz)
+    if native.decode_rows(meta, levels, nq, bsz, layout.bits, out[:covered]):
+        return out
     packed = torch.zeros(nq * layout.bucket_stride, dtype=torch.uint8, device=payload.device)
-    packed[: layout.levels_nbytes] = payload[levels_at : levels_at + layout.levels_nbytes]
+    packed[: layout.levels_nbytes] = levels
     level = unpack_levels(packed.view(nq, -1), layout.bits, bsz).to(torch.float32)
     values = meta[:, :1] + meta[:, 1:] * level
-    covered = min(layout.numel, nq * bsz)
     out[:covered] = values.reshape(-1)[:covered]
     return out
 

@@ -1,0 +1,118 @@
+/* The max-min codec's per-bucket loops in C, for CPU tensors: the same bytes as the torch
+ * reference (cgx2/codecs/maxmin.py), whose docstring defines them, at memory speed rather
+ * than one tensor pass per operation. Built on first use by cgx2/codecs/native.py with
+ * -ffp-contract=off: every operation is one IEEE fp32 operation, as in the reference. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static float nan_bits(void) {
+    uint32_t u = 0x7FC00000u; /* the reference's NaN */
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Philox4x32-10 (cgx2/codecs/philox.py). */
+static void philox(uint32_t c[4], uint32_t k0, uint32_t k1) {
+    for (int r = 0; r < 10; r++) {
+        uint64_t a = (uint64_t)c[0] * 0xD2511F53u;
+        uint64_t b = (uint64_t)c[2] * 0xCD9E8D57u;
+        uint32_t c0 = (uint32_t)(b >> 32) ^ c[1] ^ k0;
+        uint32_t c2 = (uint32_t)(a >> 32) ^ c[3] ^ k1;
+        c[0] = c0;
+        c[1] = (uint32_t)b;
+        c[2] = c2;
+        c[3] = (uint32_t)a;
+        k0 += 0x9E3779B9u;
+        k1 += 0xBB67AE85u;
+    }
+}
+
+/* lmax / span (span > 0) rounded toward zero: maxmin.scale_toward_zero. */
+static float scale_toward_zero(float lmax, float span) {
+    float q = lmax / span;
+    if ((double)q * (double)span > (double)lmax) q = nextafterf(q, 0.0f);
+    return q;
+}
+
+/* Encode buckets [q_begin, q_end) of complete buckets of B fp32 values (rows, contiguous):
+ * their (lo, step) pairs into meta and their packed levels, bucket q's at
+ * q * ceil(B / 8) * bits, into levels, of which only the first levels_nbytes bytes are
+ * written. Levels of values at or past covered (a padded last bucket) are zero. Random
+ * halves: key, bucket q of stream, as philox.py. Ranges of buckets may run in threads. */
+void cgx2_maxmin_encode(const float *rows, int64_t q_begin, int64_t q_end, int64_t B, int bits,
+                        uint64_t key, uint64_t stream, int64_t covered, float *meta,
+                        uint8_t *levels, int64_t levels_nbytes) {
+    const float lmax = (float)((1 << bits) - 1);
+    const int frac = bits <= 7 ? 16 : 15;
+    const float two_frac = (float)(1 << frac);
+    const int64_t groups = (B + 7) / 8, stride = groups * bits;
+    const uint32_t k0 = (uint32_t)key, k1 = (uint32_t)(key >> 32);
+    for (int64_t q = q_begin; q < q_end; q++) {
+        const float *v = rows + q * B;
+        float lo = INFINITY, hi = -INFINITY;
+        int has_nan = 0;
+        for (int64_t i = 0; i < B; i++) {
+            float x = v[i];
+            if (x != x) has_nan = 1;
+            lo = x < lo ? x : lo;
+            hi = x > hi ? x : hi;
+        }
+        if (has_nan) { /* a NaN counts as -inf in the min and makes the max NaN */
+            lo = -INFINITY;
+            hi = nan_bits();
+        }
+        lo = lo + 0.0f; /* -0.0 becomes +0.0 */
+        hi = hi + 0.0f;
+        float span = hi - lo;
+        int finite = span < INFINITY;
+        float scale = finite && span > 0.0f ? scale_toward_zero(lmax, span) : 0.0f;
+        meta[2 * q] = finite ? lo : nan_bits();
+        meta[2 * q + 1] = finite ? span / lmax : nan_bits();
+        for (int64_t g = 0; g < groups; g++) {
+            uint32_t c[4] = {(uint32_t)g, (uint32_t)q, (uint32_t)((uint64_t)q >> 32),
+                             (uint32_t)stream};
+            philox(c, k0, k1);
+            uint64_t field = 0;
+            for (int j = 0; j < 8; j++) {
+                int64_t i = 8 * g + j, e = q * B + i;
+                if (i >= B || e >= covered) continue;
+                /* value 8g + 4i + 2k + h takes half h of word 2k + i */
+                uint32_t word = c[2 * ((j >> 1) & 1) + ((j >> 2) & 1)];
+                int64_t h = (int64_t)((j & 1) ? word >> 16 : word & 0xFFFFu) >> (16 - frac);
+                float a = finite ? (v[i] - lo) * scale : 0.0f;
+                /* a >= 0 (v >= lo, scale >= 0): truncation is the floor, with no libm call */
+                int64_t level = ((int64_t)(a * two_frac) + h) >> frac;
+                field |= (uint64_t)level << (bits * j);
+            }
+            int64_t at = q * stride + g * bits;
+            for (int b = 0; b < bits && at + b < levels_nbytes; b++)
+                levels[at + b] = (uint8_t)(field >> (8 * b));
+        }
+    }
+}
+
+/* Decode buckets [q_begin, q_end) (meta and levels as written above; bytes past
+ * levels_nbytes read as zero) into out, values below covered: lo + step * level, in fp32. */
+void cgx2_maxmin_decode(const float *meta, const uint8_t *levels, int64_t levels_nbytes,
+                        int64_t q_begin, int64_t q_end, int64_t B, int bits, int64_t covered,
+                        float *out) {
+    const uint64_t mask = (1u << bits) - 1;
+    const int64_t groups = (B + 7) / 8, stride = groups * bits;
+    for (int64_t q = q_begin; q < q_end; q++) {
+        const float lo = meta[2 * q], step = meta[2 * q + 1];
+        for (int64_t g = 0; g < groups; g++) {
+            int64_t at = q * stride + g * bits;
+            uint64_t field = 0;
+            for (int b = 0; b < bits && at + b < levels_nbytes; b++)
+                field |= (uint64_t)levels[at + b] << (8 * b);
+            for (int j = 0; j < 8; j++) {
+                int64_t i = 8 * g + j, e = q * B + i;
+                if (i >= B || e >= covered) break;
+                float level = (float)((field >> (bits * j)) & mask);
+                out[e] = lo + step * level;
+            }
+        }
+    }
+}

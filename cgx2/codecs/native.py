@@ -1,0 +1,146 @@
+"""The max-min codec's C loops for CPU tensors (``maxmin_native.c``), built on first use with
+the system's C compiler and loaded by ctypes; None where that fails (the torch code runs).
+
+The library is cached per source and compiler under ``$CGX2_CACHE_DIR`` (default
+``~/.cache/cgx2``). ``CGX2_NATIVE=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import itertools
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+__all__ = ["decode_rows", "encode_rows", "library"]
+
+log = logging.getLogger("cgx2")
+
+_SOURCE = Path(__file__).with_name("maxmin_native.c")
+# -ffp-contract=off: no fused multiply-adds, which round differently from the reference.
+_FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math"]
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("CGX2_CACHE_DIR") or Path.home() / ".cache" / "cgx2")
+
+
+def _build(compiler: str) -> Path:
+    """The built library: from the cache, or compiled into it (atomically, so that ranks
+    building at once each load a whole file)."""
+    tag = hashlib.sha256(
+        _SOURCE.read_bytes() + " ".join([compiler, *_FLAGS, platform.machine()]).encode()
+    ).hexdigest()[:16]
+    target = _cache_dir() / f"maxmin_native_{tag}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], check=True,
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded library, or None: turned off, no C compiler, or the build failed (logged)."""
+    if os.environ.get("CGX2_NATIVE", "1").strip() == "0":
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        log.info("cgx2: no C compiler; the CPU codec runs in torch")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", "") or e
+        log.warning("cgx2: the CPU codec's C loops did not build (%s); using torch", detail)
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.cgx2_maxmin_encode.argtypes = [ptr, i64, i64, i64, ctypes.c_int, ctypes.c_uint64,
+                                       ctypes.c_uint64, i64, ptr, ptr, i64]  # fmt: skip
+    lib.cgx2_maxmin_encode.restype = None
+    lib.cgx2_maxmin_decode.argtypes = [ptr, ptr, i64, i64, i64, i64, ctypes.c_int, i64, ptr]
+    lib.cgx2_maxmin_decode.restype = None
+    return lib
+
+
+# Buckets per thread at least: below, a thread's start costs more than it saves.
+_MIN_BUCKETS_PER_THREAD = 256
+
+
+@functools.cache
+def _pool(workers: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(workers, thread_name_prefix="cgx2-codec")
+
+
+def _over_threads(fn: Callable[[int, int], None], nq: int) -> None:
+    """``fn(begin, end)`` over ranges of the ``nq`` buckets, in as many threads as torch
+    uses (ctypes releases the GIL for the call)."""
+    parts = max(1, min(torch.get_num_threads(), nq // _MIN_BUCKETS_PER_THREAD))
+    if parts == 1:
+        fn(0, nq)
+        return
+    bounds = [nq * i // parts for i in range(parts + 1)]
+    futures = [_pool(parts).submit(fn, a, b) for a, b in itertools.pairwise(bounds)]
+    for future in futures:
+        future.result()
+
+
+def _usable(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors) and (
+        sys.byteorder == "little"
+    )
+
+
+def encode_rows(rows: torch.Tensor, bits: int, key: int, stream: int, covered: int,
+                meta: torch.Tensor, levels: torch.Tensor) -> bool:  # fmt: skip
+    """Encode fp32 ``rows`` ``[nq, B]`` into ``meta`` (fp32 ``[2 nq]``) and ``levels``
+    (uint8, the payload's levels region) as :func:`cgx2.codecs.maxmin.encode` does; False
+    (nothing written) where the C loops are unavailable or the tensors do not suit them."""
+    lib = library()
+    if lib is None or not _usable(rows, meta, levels) or rows.dtype != torch.float32:
+        return False
+    nq, bucket = rows.shape
+    args = (bucket, bits, key & (2**64 - 1), stream & (2**64 - 1), covered, meta.data_ptr(),
+            levels.data_ptr(), levels.numel())  # fmt: skip
+    _over_threads(lambda a, b: lib.cgx2_maxmin_encode(rows.data_ptr(), a, b, *args), nq)
+    return True
+
+
+def decode_rows(meta: torch.Tensor, levels: torch.Tensor, nq: int, bucket: int, bits: int,
+                out: torch.Tensor) -> bool:  # fmt: skip
+    """Decode ``nq`` buckets into fp32 ``out`` (its ``numel`` values) as the reference does;
+    False (nothing written) where the C loops are unavailable."""
+    lib = library()
+    if lib is None or not _usable(meta, levels, out) or out.dtype != torch.float32:
+        return False
+    head = (meta.data_ptr(), levels.data_ptr(), levels.numel())
+    tail = (bucket, bits, out.numel(), out.data_ptr())
+    _over_threads(lambda a, b: lib.cgx2_maxmin_decode(*head, a, b, *tail), nq)
+    return True

@@ -1,0 +1,123 @@
+"""The max-min codec's C loops for CPU tensors: the torch reference's bytes, in threads too,
+and the torch code where they cannot be built."""
+
+import itertools
+import logging
+
+import pytest
+import torch
+
+from cgx2.codecs import maxmin, native
+from cgx2.codecs.layout import ChunkedLayout
+
+
+@pytest.fixture
+def torch_only(monkeypatch):
+    """Run a function with the C loops turned off: the torch reference's own result."""
+
+    def run(fn, *args):
+        with monkeypatch.context() as m:
+            m.setattr(native, "library", lambda: None)
+            return fn(*args)
+
+    return run
+
+
+@pytest.fixture(autouse=True)
+def _built():
+    if native._compiler() is None:
+        pytest.skip("no C compiler here: the CPU codec runs in torch")
+    assert native.library() is not None, "a C compiler is here, but the library did not build"
+
+
+def _awkward(n: int, bits: int, bucket: int, seed: int) -> torch.Tensor:
+    """Gaussian values with a non-finite one, a bucket whose minimum is -0.0, a constant
+    bucket and a subnormal."""
+    x = torch.randn(n, generator=torch.Generator().manual_seed(seed)) * 3
+    if n > 4 * bucket:
+        x[3] = float("nan") if bits % 2 else float("inf")
+        x[bucket : 2 * bucket] = x[bucket : 2 * bucket].abs()
+        x[bucket + 5] = -0.0
+        x[2 * bucket : 3 * bucket] = 2.5
+        x[-1] = 1e-40
+    return x
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_encode_and_decode_write_the_references_bytes(bits, torch_only):
+    cases = itertools.product([8, 13, 100, 512], [1, 7, 1000, 4099], [False, True])
+    for bucket, n, skip in cases:
+        x = _awkward(n, bits, bucket, seed=bits)
+        key, stream = 0xFEDCBA9876543210 + bits, 2**33 + 5  # both halves of each matter
+        args = (x, bits, bucket, key, stream, skip)
+        payload = maxmin.encode(*args)
+        assert torch.equal(payload, torch_only(maxmin.encode, *args)), (bucket, n, skip)
+        for dtype in (torch.float32, torch.bfloat16):
+            decode_args = (payload, n, bits, bucket, dtype, skip)
+            got = maxmin.decode(*decode_args)
+            want = torch_only(maxmin.decode, *decode_args)
+            assert torch.equal(got.view(-1).view(torch.uint8), want.view(-1).view(torch.uint8))
+
+
+def test_threads_split_the_buckets_without_changing_a_byte(monkeypatch, torch_only):
+    monkeypatch.setattr(native, "_MIN_BUCKETS_PER_THREAD", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    calls = []
+    encode = native.library().cgx2_maxmin_encode
+
+    def spy(rows, begin, end, *rest):
+        calls.append((begin, end))
+        return encode(rows, begin, end, *rest)
+
+    monkeypatch.setattr(native.library(), "cgx2_maxmin_encode", spy)
+    x = _awkward(100 * 64 + 3, 4, 64, seed=7)
+    payload = maxmin.encode(x, 4, 64, key=11)
+    assert sorted(calls) == [(0, 33), (33, 67), (67, 101)]
+    assert torch.equal(payload, torch_only(maxmin.encode, x, 4, 64, 11))
+    decoded = maxmin.decode(payload, x.numel(), 4, 64)
+    want = torch_only(maxmin.decode, payload, x.numel(), 4, 64)
+    assert torch.equal(decoded.view(torch.int32), want.view(torch.int32))
+
+
+def test_decode_sum_encode_and_chunks_match_the_reference(torch_only):
+    x = _awkward(4 * 1000 + 17, 4, 128, seed=3)
+    layout = ChunkedLayout.split(x.numel(), 4, 4, 128, False)
+    rows = maxmin.encode_chunks(x, layout, key=5)
+    assert torch.equal(rows, torch_only(maxmin.encode_chunks, x, layout, 5))
+    own = x[: layout.chunk_size(0)]
+    args = (rows, own.numel(), own, 0, 0.25, 4, 128, 9, 0)
+    got = maxmin.decode_sum_encode(*args)
+    assert torch.equal(got, torch_only(maxmin.decode_sum_encode, *args))
+
+
+def test_turned_off_or_unbuildable_means_torch(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("CGX2_CACHE_DIR", str(tmp_path))
+    try:
+        native.library.cache_clear()
+        monkeypatch.setenv("CGX2_NATIVE", "0")
+        assert native.library() is None
+        native.library.cache_clear()
+        monkeypatch.setenv("CGX2_NATIVE", "1")
+        monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+        with caplog.at_level(logging.WARNING, logger="cgx2"):
+            assert native.library() is None
+        assert "did not build" in caplog.text
+        assert not list(tmp_path.iterdir())  # no half-written library left behind
+        x = torch.randn(1000)
+        assert not native.encode_rows(x.view(-1, 8), 4, 1, 0, 1000, x[:2], x[:2].byte())
+        assert maxmin.decode(maxmin.encode(x, 4, 8, key=1), 1000, 4, 8).shape == (1000,)
+    finally:
+        native.library.cache_clear()
+
+
+def test_spans_from_subnormal_to_huge_scale_as_the_reference(torch_only):
+    """Buckets [0, span, ...] over every exponent: the scale rounded toward zero (FLT_MAX where
+    the quotient overflows) gives the reference's levels."""
+    g = torch.Generator().manual_seed(0)
+    exponents = torch.randint(-149, 127, (4000,), generator=g).double()
+    span = ((torch.rand(4000, generator=g, dtype=torch.float64) + 1) * 2**exponents).float()
+    x = torch.rand(4000, 8, generator=g) * span[:, None]
+    x[:, 0], x[:, 1] = 0.0, span
+    for bits in (1, 4, 8):
+        payload = maxmin.encode(x.view(-1), bits, 8, key=3)
+        assert torch.equal(payload, torch_only(maxmin.encode, x.view(-1), bits, 8, 3))
