@@ -84,10 +84,18 @@ def test_decode_sum_encode_and_chunks_match_the_reference(torch_only):
     layout = ChunkedLayout.split(x.numel(), 4, 4, 128, False)
     rows = maxmin.encode_chunks(x, layout, key=5)
     assert torch.equal(rows, torch_only(maxmin.encode_chunks, x, layout, 5))
-    own = x[: layout.chunk_size(0)]
-    args = (rows, own.numel(), own, 0, 0.25, 4, 128, 9, 0)
-    got = maxmin.decode_sum_encode(*args)
-    assert torch.equal(got, torch_only(maxmin.decode_sum_encode, *args))
+    for dtype in (torch.float32, torch.bfloat16):
+        got = maxmin.decode_chunks(rows, layout, dtype)
+        want = torch_only(maxmin.decode_chunks, rows, layout, dtype)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    size = layout.chunk_size(0)
+    for own, own_index in ((x[:size], 0), (x[:size], 2), (None, -1)):
+        # own + the first row decoded in one pass, then the others added in place
+        args = (rows, size, own, own_index, 0.25, 4, 128, 9, 0)
+        got = maxmin.decode_sum_encode(*args)
+        assert torch.equal(got, torch_only(maxmin.decode_sum_encode, *args)), own_index
+        want = torch_only(maxmin.decode_sum, *args[:7])
+        assert torch.equal(maxmin.decode_sum(*args[:7]).view(torch.int32), want.view(torch.int32))
 
 
 def test_turned_off_or_unbuildable_means_torch(monkeypatch, tmp_path, caplog):

@@ -113,25 +113,41 @@ def random_fraction_bits(bits: int) -> int:
     return 16 if bits <= 7 else 15
 
 
-def _decode_f32(payload: torch.Tensor, layout: MaxMinLayout) -> torch.Tensor:
+def _decode_f32(
+    payload: torch.Tensor,
+    layout: MaxMinLayout,
+    out: torch.Tensor | None = None,
+    base: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The payload's values in fp32, written into ``out`` (contiguous fp32) when given; with
+    ``base`` (fp32, which may be ``out``), ``base + value`` each: one row of a sum, in one pass."""
     nq, bsz = layout.num_buckets, layout.bucket_size
-    out = torch.empty(layout.numel, dtype=torch.float32, device=payload.device)
+    if out is None:
+        out = torch.empty(layout.numel, dtype=torch.float32, device=payload.device)
+    covered = min(layout.numel, nq * bsz)
+
+    def put(region: slice, values: torch.Tensor) -> None:
+        if base is None:
+            out[region] = values
+        else:
+            torch.add(base[region], values, out=out[region])
+
     if layout.raw_numel:
         raw = payload[layout.raw_offset : layout.raw_offset + 4 * layout.raw_numel]
-        out[nq * bsz :] = raw.view(torch.float32)
+        put(slice(covered, None), raw.view(torch.float32))
     if nq == 0:
         return out
     meta = payload[: 8 * nq].view(torch.float32).view(nq, 2)
     levels_at = layout.levels_offset
     levels = payload[levels_at : levels_at + layout.levels_nbytes]
-    covered = min(layout.numel, nq * bsz)
-    if native.decode_rows(meta, levels, nq, bsz, layout.bits, out[:covered]):
+    if native.decode_rows(meta, levels, nq, bsz, layout.bits, out[:covered],
+                          None if base is None else base[:covered]):  # fmt: skip
         return out
     packed = torch.zeros(nq * layout.bucket_stride, dtype=torch.uint8, device=payload.device)
     packed[: layout.levels_nbytes] = levels
     level = unpack_levels(packed.view(nq, -1), layout.bits, bsz).to(torch.float32)
     values = meta[:, :1] + meta[:, 1:] * level
-    out[:covered] = values.reshape(-1)[:covered]
+    put(slice(None, covered), values.reshape(-1)[:covered])
     return out
 
 
@@ -169,18 +185,21 @@ def sum_rows(
     own: torch.Tensor | None,
     own_index: int,
     scale: float | None,
-    decode_row: Callable[[torch.Tensor], torch.Tensor],
+    add_row: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object],
 ) -> torch.Tensor:
-    """``(own + sum of decode_row(row) for the other rows) * scale`` in fp32, in row order:
-    the one definition of the sum both codecs use."""
-    acc = (
-        own.reshape(-1).to(torch.float32).clone()
-        if own is not None
-        else torch.zeros(numel, dtype=torch.float32, device=payloads.device)
-    )
-    for w in range(payloads.shape[0]):
-        if w != own_index:
-            acc += decode_row(payloads[w])
+    """``(own + sum of the other rows decoded) * scale`` in fp32, in row order: the one
+    definition of the sum both codecs use. ``add_row(out, base, row)`` writes ``base`` plus
+    the row decoded into ``out`` (``base`` may be ``out``)."""
+    rows = [w for w in range(payloads.shape[0]) if w != own_index]
+    if own is None:
+        acc = torch.zeros(numel, dtype=torch.float32, device=payloads.device)
+    elif rows:  # own + the first row straight into acc: no copy of own first
+        acc = torch.empty(numel, dtype=torch.float32, device=payloads.device)
+        add_row(acc, own.reshape(-1).to(torch.float32), payloads[rows.pop(0)])
+    else:
+        acc = own.reshape(-1).to(torch.float32).clone()
+    for w in rows:
+        add_row(acc, acc, payloads[w])
     if scale is not None:
         acc *= fp32_scalar(scale)
     return acc
@@ -202,7 +221,8 @@ def decode_sum(
     precision). ``scale`` None means 1 (SUM); AVG passes fp32(1/W).
     """
     layout = MaxMinLayout(numel, bits, bucket_size, skip_incomplete)
-    return sum_rows(payloads, numel, own, own_index, scale, lambda p: _decode_f32(p, layout))
+    return sum_rows(payloads, numel, own, own_index, scale,
+                    lambda out, base, row: _decode_f32(row, layout, out, base))  # fmt: skip
 
 
 def decode_sum_encode(
@@ -258,5 +278,9 @@ def decode_chunks(
         size = layout.chunk_size(j)
         if size:
             start = layout.chunk_start(j)
-            out[start : start + size] = _cast(_decode_f32(payloads[j], layout.chunk(j)), dtype)
+            part = out[start : start + size]
+            if dtype == torch.float32 and part.is_contiguous():
+                _decode_f32(payloads[j], layout.chunk(j), part)
+            else:
+                part.copy_(_cast(_decode_f32(payloads[j], layout.chunk(j)), dtype))
     return out

@@ -94,10 +94,11 @@ void cgx2_maxmin_encode(const float *rows, int64_t q_begin, int64_t q_end, int64
 }
 
 /* Decode buckets [q_begin, q_end) (meta and levels as written above; bytes past
- * levels_nbytes read as zero) into out, values below covered: lo + step * level, in fp32. */
+ * levels_nbytes read as zero) into out, values below covered: lo + step * level, in fp32,
+ * added to base[e] where base is not NULL (base == out accumulates: a row of a sum). */
 void cgx2_maxmin_decode(const float *meta, const uint8_t *levels, int64_t levels_nbytes,
                         int64_t q_begin, int64_t q_end, int64_t B, int bits, int64_t covered,
-                        float *out) {
+                        const float *base, float *out) {
     const uint64_t mask = (1u << bits) - 1;
     const int64_t groups = (B + 7) / 8, stride = groups * bits;
     for (int64_t q = q_begin; q < q_end; q++) {
@@ -111,7 +112,8 @@ void cgx2_maxmin_decode(const float *meta, const uint8_t *levels, int64_t levels
                 int64_t i = 8 * g + j, e = q * B + i;
                 if (i >= B || e >= covered) break;
                 float level = (float)((field >> (bits * j)) & mask);
-                out[e] = lo + step * level;
+                float value = lo + step * level;
+                out[e] = base ? base[e] + value : value;
             }
         }
     }

@@ -1075,7 +1075,9 @@ def decode_sum(
     the kernel, the fp32 sum taken in the same row order by torch."""
     return maxmin.sum_rows(
         payloads, numel, own, own_index, scale,
-        lambda p: decode(p, numel, bits, bucket_size, torch.float32, skip_incomplete),
+        lambda out, base, row: torch.add(
+            base, decode(row, numel, bits, bucket_size, torch.float32, skip_incomplete), out=out
+        ),
     )  # fmt: skip
 
 
