@@ -129,3 +129,16 @@ def test_spans_from_subnormal_to_huge_scale_as_the_reference(torch_only):
     for bits in (1, 4, 8):
         payload = maxmin.encode(x.view(-1), bits, 8, key=3)
         assert torch.equal(payload, torch_only(maxmin.encode, x.view(-1), bits, 8, 3))
+
+
+def test_a_forked_child_codes_in_threads_of_its_own(monkeypatch):
+    """The parent's pool has threads; a fork has none of them, so it must not queue on it."""
+    import multiprocessing
+
+    monkeypatch.setattr(native, "_MIN_BUCKETS_PER_THREAD", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    x = torch.randn(64 * 100)
+    want = maxmin.encode(x, 4, 64, key=1)  # the parent's pool now runs
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        got = pool.apply_async(maxmin.encode, (x, 4, 64, 1)).get(timeout=60)
+    assert torch.equal(got, want)

@@ -100,6 +100,10 @@ def _pool(workers: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(workers, thread_name_prefix="cgx2-codec")
 
 
+# A forked child has none of its parent's threads: it starts pools of its own.
+os.register_at_fork(after_in_child=_pool.cache_clear)
+
+
 def _over_threads(fn: Callable[[int, int], None], nq: int) -> None:
     """``fn(begin, end)`` over ranges of the ``nq`` buckets, in as many threads as torch
     uses (ctypes releases the GIL for the call)."""
