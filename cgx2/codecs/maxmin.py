@@ -113,24 +113,27 @@ def random_fraction_bits(bits: int) -> int:
     return 16 if bits <= 7 else 15
 
 
-def _decode_f32(
+def _decode_values(
     payload: torch.Tensor,
     layout: MaxMinLayout,
     out: torch.Tensor | None = None,
     base: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The payload's values in fp32, written into ``out`` (contiguous fp32) when given; with
-    ``base`` (fp32, which may be ``out``), ``base + value`` each: one row of a sum, in one pass."""
+    """The payload's values in fp32, written into ``out`` when given (contiguous; fp32, or
+    any float dtype, cast by :func:`_cast`); with ``base`` (fp32, which may be ``out``, itself
+    fp32), ``base + value`` each: one row of a sum, in one pass."""
     nq, bsz = layout.num_buckets, layout.bucket_size
     if out is None:
         out = torch.empty(layout.numel, dtype=torch.float32, device=payload.device)
     covered = min(layout.numel, nq * bsz)
 
     def put(region: slice, values: torch.Tensor) -> None:
-        if base is None:
+        if base is not None:
+            torch.add(base[region], values, out=out[region])
+        elif out.dtype == torch.float32:
             out[region] = values
         else:
-            torch.add(base[region], values, out=out[region])
+            out[region] = _cast(values, out.dtype)
 
     if layout.raw_numel:
         raw = payload[layout.raw_offset : layout.raw_offset + 4 * layout.raw_numel]
@@ -161,7 +164,7 @@ def decode(
 ) -> torch.Tensor:
     """Inverse of :func:`encode`: a flat tensor of ``numel`` values in ``dtype``."""
     layout = MaxMinLayout(numel, bits, bucket_size, skip_incomplete)
-    return _cast(_decode_f32(payload, layout), dtype)
+    return _decode_values(payload, layout, torch.empty(numel, dtype=dtype, device=payload.device))
 
 
 def _cast(f32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -222,7 +225,7 @@ def decode_sum(
     """
     layout = MaxMinLayout(numel, bits, bucket_size, skip_incomplete)
     return sum_rows(payloads, numel, own, own_index, scale,
-                    lambda out, base, row: _decode_f32(row, layout, out, base))  # fmt: skip
+                    lambda out, base, row: _decode_values(row, layout, out, base))  # fmt: skip
 
 
 def decode_sum_encode(
@@ -278,9 +281,5 @@ def decode_chunks(
         size = layout.chunk_size(j)
         if size:
             start = layout.chunk_start(j)
-            part = out[start : start + size]
-            if dtype == torch.float32 and part.is_contiguous():
-                _decode_f32(payloads[j], layout.chunk(j), part)
-            else:
-                part.copy_(_cast(_decode_f32(payloads[j], layout.chunk(j)), dtype))
+            _decode_values(payloads[j], layout.chunk(j), out[start : start + size])
     return out

@@ -112,12 +112,23 @@ void cgx2_maxmin_encode(const float *rows, int64_t q_begin, int64_t q_end, int64
     }
 }
 
+/* fp32 -> bf16 rounding to nearest even, NaN -> 0x7FC0: maxmin._cast. */
+static uint16_t to_bf16(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    if (x != x) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
 /* Decode buckets [q_begin, q_end) (meta and levels as written above; bytes past
  * levels_nbytes read as zero) into out, values below covered: lo + step * level, in fp32,
- * added to base[e] where base is not NULL (base == out accumulates: a row of a sum). */
+ * added to base[e] where base is not NULL (base == out accumulates: a row of a sum); with
+ * out_bf16 (and no base), stored as bf16. */
 void cgx2_maxmin_decode(const float *meta, const uint8_t *levels, int64_t levels_nbytes,
                         int64_t q_begin, int64_t q_end, int64_t B, int bits, int64_t covered,
-                        const float *base, float *out) {
+                        const float *base, void *out, int out_bf16) {
+    float *out32 = (float *)out;
+    uint16_t *out16 = (uint16_t *)out;
     const uint64_t mask = (1u << bits) - 1;
     const int64_t groups = (B + 7) / 8, stride = groups * bits;
     for (int64_t q = q_begin; q < q_end; q++) {
@@ -132,7 +143,10 @@ void cgx2_maxmin_decode(const float *meta, const uint8_t *levels, int64_t levels
                 if (i >= B || e >= covered) break;
                 float level = (float)((field >> (bits * j)) & mask);
                 float value = lo + step * level;
-                out[e] = base ? base[e] + value : value;
+                if (out_bf16)
+                    out16[e] = to_bf16(value);
+                else
+                    out32[e] = base ? base[e] + value : value;
             }
         }
     }

@@ -86,7 +86,7 @@ def library() -> ctypes.CDLL | None:
                                        ctypes.c_uint64, i64, ptr, ptr, i64]  # fmt: skip
     lib.cgx2_maxmin_encode.restype = None
     lib.cgx2_maxmin_decode.argtypes = [ptr, ptr, i64, i64, i64, i64, ctypes.c_int, i64, ptr,
-                                       ptr]  # fmt: skip
+                                       ptr, ctypes.c_int]  # fmt: skip
     lib.cgx2_maxmin_decode.restype = None
     return lib
 
@@ -140,15 +140,20 @@ def encode_rows(rows: torch.Tensor, bits: int, key: int, stream: int, covered: i
 
 def decode_rows(meta: torch.Tensor, levels: torch.Tensor, nq: int, bucket: int, bits: int,
                 out: torch.Tensor, base: torch.Tensor | None = None) -> bool:  # fmt: skip
-    """Decode ``nq`` buckets into fp32 ``out`` (its ``numel`` values) as the reference does,
-    each added to ``base``'s value where given (fp32, ``out``'s size; ``out`` itself
-    accumulates); False (nothing written) where the C loops are unavailable."""
+    """Decode ``nq`` buckets into ``out`` (its ``numel`` values; fp32, or bf16 rounded as
+    :func:`cgx2.codecs.maxmin._cast` does) as the reference does, each added to ``base``'s
+    value where given (fp32 ``base`` and ``out`` of one size; ``out`` itself accumulates);
+    False (nothing written) where the C loops are unavailable."""
     lib = library()
-    fp32 = out.dtype == torch.float32 and (base is None or base.dtype == torch.float32)
+    if base is None:
+        suits = out.dtype in (torch.float32, torch.bfloat16)
+    else:
+        suits = out.dtype == base.dtype == torch.float32
     tensors = (meta, levels, out) if base is None else (meta, levels, out, base)
-    if lib is None or not fp32 or not _usable(*tensors):
+    if lib is None or not suits or not _usable(*tensors):
         return False
     head = (meta.data_ptr(), levels.data_ptr(), levels.numel())
-    tail = (bucket, bits, out.numel(), None if base is None else base.data_ptr(), out.data_ptr())
+    tail = (bucket, bits, out.numel(), None if base is None else base.data_ptr(), out.data_ptr(),
+            int(out.dtype == torch.bfloat16))  # fmt: skip
     _over_threads(lambda a, b: lib.cgx2_maxmin_decode(*head, a, b, *tail), nq)
     return True
