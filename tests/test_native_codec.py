@@ -142,3 +142,12 @@ def test_a_forked_child_codes_in_threads_of_its_own(monkeypatch):
     with multiprocessing.get_context("fork").Pool(1) as pool:
         got = pool.apply_async(maxmin.encode, (x, 4, 64, 1)).get(timeout=60)
     assert torch.equal(got, want)
+
+
+def test_an_unaligned_out_buffer_gets_the_same_bytes():
+    """The C loops write the (lo, step) pairs as fp32; a payload at an odd offset is encoded
+    by the torch code instead, alike."""
+    x = _awkward(5000, 4, 512, seed=1)
+    want = maxmin.encode(x, 4, 512, key=1)
+    buffer = torch.zeros(want.numel() + 1, dtype=torch.uint8)
+    assert torch.equal(maxmin.encode(x, 4, 512, key=1, out=buffer[1:])[: want.numel()], want)

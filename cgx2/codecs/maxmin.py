@@ -10,7 +10,9 @@ operation (no fused multiply-add), so the Triton kernels reproduce the bytes exa
 bucket holding NaN or +-Inf stores min = step = NaN (0x7FC00000) and decodes to NaN:
 non-finite input is never clipped into finite numbers (so does a bucket whose max - min
 overflows fp32). Zeros are stored as +0.0.
-The byte layout is in :mod:`.layout`. Runs on any device; used on the CPU and in tests.
+The byte layout is in :mod:`.layout`. Runs on any device; used on the CPU and in tests. On
+CPU tensors the per-bucket loops of encode and decode run as C (:mod:`.native`) where a
+compiler builds it; these torch lines stay the definition, which tests hold the C to.
 """
 
 from __future__ import annotations
@@ -71,9 +73,10 @@ def encode(
         return payload
     rows, covered = _bucket_rows(v, layout)
     nbytes = layout.levels_nbytes
-    meta = payload[: 8 * nq].view(torch.float32)
-    if native.encode_rows(rows, bits, key, stream, covered, meta,
-                          payload[levels_at : levels_at + nbytes]):  # fmt: skip
+    if payload.storage_offset() % 4 == 0 and native.encode_rows(  # meta as fp32: aligned
+        rows, bits, key, stream, covered, payload[: 8 * nq].view(torch.float32),
+        payload[levels_at : levels_at + nbytes],
+    ):  # fmt: skip
         return payload
     lmax = float((1 << bits) - 1)
     # + 0.0 turns -0.0 into +0.0: which zero min/max pick differs between devices. A NaN
@@ -94,7 +97,7 @@ def encode(
     level = (torch.floor(a * 2.0**frac).to(torch.int64) + h) >> frac  # 0 where a is 0: h < 2**F
     if covered < nq * bucket_size:
         level.view(-1)[covered:] = 0
-    meta.copy_(torch.stack([lo, step], dim=1).reshape(-1))
+    payload[: 8 * nq] = torch.stack([lo, step], dim=1).reshape(-1).view(torch.uint8)
     payload[levels_at : levels_at + nbytes] = pack_levels(level, bits).reshape(-1)[:nbytes]
     return payload
 
@@ -119,9 +122,9 @@ def _decode_values(
     out: torch.Tensor | None = None,
     base: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The payload's values in fp32, written into ``out`` when given (contiguous; fp32, or
-    any float dtype, cast by :func:`_cast`); with ``base`` (fp32, which may be ``out``, itself
-    fp32), ``base + value`` each: one row of a sum, in one pass."""
+    """The payload's values: a new fp32 tensor, or written into ``out`` (any float dtype,
+    cast by :func:`_cast`); with ``base`` (fp32, which may be ``out``, itself fp32),
+    ``base + value`` each: one row of a sum, in one pass."""
     nq, bsz = layout.num_buckets, layout.bucket_size
     if out is None:
         out = torch.empty(layout.numel, dtype=torch.float32, device=payload.device)
