@@ -1,6 +1,6 @@
 /* The max-min codec's per-bucket loops in C, for CPU tensors: the same bytes as the torch
- * reference (cgx2/codecs/maxmin.py), whose docstring defines them, at memory speed rather
- * than one tensor pass per operation. Built on first use by cgx2/codecs/native.py with
+ * reference (cgx2/codecs/maxmin.py), whose docstring defines them, in one pass over the data
+ * rather than one tensor pass per operation. Built on first use by cgx2/codecs/native.py with
  * -ffp-contract=off: every operation is one IEEE fp32 operation, as in the reference. */
 #include <math.h>
 #include <stdint.h>
