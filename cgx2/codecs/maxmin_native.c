@@ -50,6 +50,17 @@ static float scale_toward_zero(float lmax, float span) {
     return q;
 }
 
+/* Value j of a group whose Philox words are c, in a finite bucket: its level,
+ * floor((x - lo) * scale + h * 2**-frac) with h its 16-bit half (value 8g + 4i + 2k + h takes
+ * half h of word 2k + i); a = (x - lo) * scale >= 0, so truncation is the floor. */
+static inline uint64_t level_of(const uint32_t c[4], int j, float x, float lo, float scale,
+                                int frac) {
+    uint32_t word = c[2 * ((j >> 1) & 1) + ((j >> 2) & 1)];
+    int64_t h = (int64_t)((j & 1) ? word >> 16 : word & 0xFFFFu) >> (16 - frac);
+    float a = (x - lo) * scale;
+    return (uint64_t)(((int64_t)(a * (float)(1 << frac)) + h) >> frac);
+}
+
 /* Encode buckets [q_begin, q_end) of complete buckets of B fp32 values (rows, contiguous):
  * their (lo, step) pairs into meta and their packed levels, bucket q's at
  * q * ceil(B / 8) * bits, into levels, of which only the first levels_nbytes bytes are
@@ -60,7 +71,6 @@ void cgx2_maxmin_encode(const float *rows, int64_t q_begin, int64_t q_end, int64
                         uint8_t *levels, int64_t levels_nbytes) {
     const float lmax = (float)((1 << bits) - 1);
     const int frac = bits <= 7 ? 16 : 15;
-    const float two_frac = (float)(1 << frac);
     const int64_t groups = (B + 7) / 8, stride = groups * bits;
     const uint32_t k0 = (uint32_t)key, k1 = (uint32_t)(key >> 32);
     for (int64_t q = q_begin; q < q_end; q++) {
@@ -93,17 +103,14 @@ void cgx2_maxmin_encode(const float *rows, int64_t q_begin, int64_t q_end, int64
                 philox_groups(w[0], w[1], w[2], w[3], n, g, q, stream, k0, k1);
             }
             uint32_t c[4] = {w[0][k], w[1][k], w[2][k], w[3][k]};
-            uint64_t field = 0;
-            for (int j = 0; j < 8; j++) {
-                int64_t i = 8 * g + j, e = q * B + i;
-                if (i >= B || e >= covered) continue;
-                /* value 8g + 4i + 2k + h takes half h of word 2k + i */
-                uint32_t word = c[2 * ((j >> 1) & 1) + ((j >> 2) & 1)];
-                int64_t h = (int64_t)((j & 1) ? word >> 16 : word & 0xFFFFu) >> (16 - frac);
-                float a = finite ? (v[i] - lo) * scale : 0.0f;
-                /* a >= 0 (v >= lo, scale >= 0): truncation is the floor, with no libm call */
-                int64_t level = ((int64_t)(a * two_frac) + h) >> frac;
-                field |= (uint64_t)level << (bits * j);
+            uint64_t field = 0; /* a non-finite bucket's levels are zero */
+            const float *x = v + 8 * g;
+            if (finite && 8 * g + 8 <= B && q * B + 8 * g + 8 <= covered) {
+                for (int j = 0; j < 8; j++) /* a whole group: no checks, unrolled */
+                    field |= level_of(c, j, x[j], lo, scale, frac) << (bits * j);
+            } else if (finite) {
+                for (int j = 0; j < 8 && 8 * g + j < B && q * B + 8 * g + j < covered; j++)
+                    field |= level_of(c, j, x[j], lo, scale, frac) << (bits * j);
             }
             int64_t at = q * stride + g * bits;
             for (int b = 0; b < bits && at + b < levels_nbytes; b++)
