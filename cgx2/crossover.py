@@ -29,9 +29,9 @@ CROSSOVER_BYTES: dict[str, tuple[int | None, int | None]] = {
     # across six runs on different 2-H200 machines (the host's enqueue bounds it there), so
     # it is never compressed rather than sometimes 13% slower.
     # CPU users ask for compression. On one host gloo's plain allreduce was faster at every
-    # size (2 ranks, 16-64 MiB: cgx2 0.15-0.30x, the codec bounding it; BENCHMARKS.md, "CPU"),
+    # size (2 ranks, 16-64 MiB: cgx2 0.17-0.37x, the codec bounding it; BENCHMARKS.md, "CPU"),
     # but the link between CPU nodes is unknown here, and over links slower than the codec
-    # (about 3 Gb/s, by arithmetic; not measured) compression would win.
+    # (about 3.5 Gb/s, by arithmetic; not measured) compression would win.
     "cpu": (0, 0),
     "socket": (4 << 20, 4 << 20),
     "shm": (16 << 20, 16 << 20),
