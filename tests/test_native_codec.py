@@ -144,10 +144,18 @@ def test_a_forked_child_codes_in_threads_of_its_own(monkeypatch):
     assert torch.equal(got, want)
 
 
-def test_an_unaligned_out_buffer_gets_the_same_bytes():
-    """The C loops write the (lo, step) pairs as fp32; a payload at an odd offset is encoded
-    by the torch code instead, alike."""
+def test_an_unaligned_out_buffer_gets_the_same_bytes(monkeypatch, torch_only):
+    """The C loops write the (lo, step) pairs byte-wise: a payload at an odd offset is coded
+    by them too, to the reference's bytes."""
+    encode_rows, used = native.encode_rows, []
+
+    def spy(*args):
+        used.append(encode_rows(*args))
+        return used[-1]
+
     x = _awkward(5000, 4, 512, seed=1)
-    want = maxmin.encode(x, 4, 512, key=1)
+    want = torch_only(maxmin.encode, x, 4, 512, 1)
+    monkeypatch.setattr(native, "encode_rows", spy)
     buffer = torch.zeros(want.numel() + 1, dtype=torch.uint8)
     assert torch.equal(maxmin.encode(x, 4, 512, key=1, out=buffer[1:])[: want.numel()], want)
+    assert used == [True]

@@ -73,10 +73,8 @@ def encode(
         return payload
     rows, covered = _bucket_rows(v, layout)
     nbytes = layout.levels_nbytes
-    if payload.storage_offset() % 4 == 0 and native.encode_rows(  # meta as fp32: aligned
-        rows, bits, key, stream, covered, payload[: 8 * nq].view(torch.float32),
-        payload[levels_at : levels_at + nbytes],
-    ):  # fmt: skip
+    if native.encode_rows(rows, bits, key, stream, covered, payload[: 8 * nq],
+                          payload[levels_at : levels_at + nbytes]):  # fmt: skip
         return payload
     lmax = float((1 << bits) - 1)
     # + 0.0 turns -0.0 into +0.0: which zero min/max pick differs between devices. A NaN

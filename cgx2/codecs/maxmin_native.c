@@ -6,6 +6,9 @@
 #include <stdint.h>
 #include <string.h>
 
+/* An fp32 at any byte address (a payload's pairs need not be 4-byte aligned). */
+static void put_f32(uint8_t *at, float x) { memcpy(at, &x, sizeof x); }
+
 static float nan_bits(void) {
     uint32_t u = 0x7FC00000u; /* the reference's NaN */
     float f;
@@ -67,7 +70,7 @@ static inline uint64_t level_of(const uint32_t c[4], int j, float x, float lo, f
  * written. Levels of values at or past covered (a padded last bucket) are zero. Random
  * halves: key, bucket q of stream, as philox.py. Ranges of buckets may run in threads. */
 void cgx2_maxmin_encode(const float *rows, int64_t q_begin, int64_t q_end, int64_t B, int bits,
-                        uint64_t key, uint64_t stream, int64_t covered, float *meta,
+                        uint64_t key, uint64_t stream, int64_t covered, uint8_t *meta,
                         uint8_t *levels, int64_t levels_nbytes) {
     const float lmax = (float)((1 << bits) - 1);
     const int frac = bits <= 7 ? 16 : 15;
@@ -92,8 +95,8 @@ void cgx2_maxmin_encode(const float *rows, int64_t q_begin, int64_t q_end, int64
         float span = hi - lo;
         int finite = span < INFINITY;
         float scale = finite && span > 0.0f ? scale_toward_zero(lmax, span) : 0.0f;
-        meta[2 * q] = finite ? lo : nan_bits();
-        meta[2 * q + 1] = finite ? span / lmax : nan_bits();
+        put_f32(meta + 8 * q, finite ? lo : nan_bits());
+        put_f32(meta + 8 * q + 4, finite ? span / lmax : nan_bits());
         uint32_t w[4][GROUPS_AT_ONCE];
         for (int64_t g = 0; g < groups; g++) {
             int k = (int)(g % GROUPS_AT_ONCE);

@@ -76,11 +76,13 @@ def library() -> ctypes.CDLL | None:
         log.info("cgx2: no C compiler; the CPU codec runs in torch")
         return None
     try:
-        lib = ctypes.CDLL(str(_build(compiler)))
+        path = _build(compiler)
+        lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or e
         log.warning("cgx2: the CPU codec's C loops did not build (%s); using torch", detail)
         return None
+    log.info("cgx2: the CPU codec's C loops: %s", path)
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.cgx2_maxmin_encode.argtypes = [ptr, i64, i64, i64, ctypes.c_int, ctypes.c_uint64,
                                        ctypes.c_uint64, i64, ptr, ptr, i64]  # fmt: skip
@@ -125,9 +127,10 @@ def _usable(*tensors: torch.Tensor) -> bool:
 
 def encode_rows(rows: torch.Tensor, bits: int, key: int, stream: int, covered: int,
                 meta: torch.Tensor, levels: torch.Tensor) -> bool:  # fmt: skip
-    """Encode fp32 ``rows`` ``[nq, B]`` into ``meta`` (fp32 ``[2 nq]``) and ``levels``
-    (uint8, the payload's levels region) as :func:`cgx2.codecs.maxmin.encode` does; False
-    (nothing written) where the C loops are unavailable or the tensors do not suit them."""
+    """Encode fp32 ``rows`` ``[nq, B]`` into ``meta`` (the payload's ``8 nq`` bytes of
+    (lo, step) fp32 pairs) and ``levels`` (its levels region), both uint8, as
+    :func:`cgx2.codecs.maxmin.encode` does; False (nothing written) where the C loops are
+    unavailable or the tensors do not suit them."""
     lib = library()
     if lib is None or not _usable(rows, meta, levels) or rows.dtype != torch.float32:
         return False
