@@ -10,8 +10,9 @@
 # FSDP_ARGS/FSDP_REGIMES ("socket") for examples/train_fsdp.py; SKIP_KERNELS, SKIP_CHECKS,
 # SKIP_BENCH, SKIP_TRAIN, SKIP_FSDP_TRAIN=1 leave a stage out (a call is limited to 10 minutes
 # on our machines). Tuning stages, off unless asked: AB_VERSIONS="name=path ..." times those
-# copies of maxmin_triton.py against the tree's (bench/kernel_ab.py); TIMELINE_REGIMES="shm ..."
-# prints a 256 MiB allreduce's GPU timeline.
+# copies of maxmin_triton.py against the tree's (bench/kernel_ab.py); PROFILE_KERNELS="dse:fp32:4
+# ..." profiles those kernels with Nsight Compute (bench/kernel_profile.py: issue rate, stalls,
+# instructions per value); TIMELINE_REGIMES="shm ..." prints a 256 MiB allreduce's GPU timeline.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -31,6 +32,12 @@ save() {  # after every stage, so that a run cut short still brings back what it
 if [ -n "${AB_VERSIONS:-}" ]; then
   # shellcheck disable=SC2086  # one NAME=PATH word each
   python3 bench/kernel_ab.py $AB_VERSIONS 2>"$LOGS/kernel_ab.err" | tail -n 60 || status=1
+  save
+fi
+if [ -n "${PROFILE_KERNELS:-}" ]; then
+  # shellcheck disable=SC2086  # one KERNEL:DTYPE:BITS word each
+  python3 bench/kernel_profile.py $PROFILE_KERNELS 2>"$LOGS/kernel_profile.err" | tail -n 30 \
+    || status=1
   save
 fi
 regime_vars() {

@@ -134,6 +134,30 @@ def kernels_table(path: Path) -> str:
     return "\n".join(lines)
 
 
+def profile_table(path: Path) -> str:
+    """bench/kernel_profile.py's results: what each kernel issues, waits on and is made of."""
+    report = json.loads(path.read_text())
+    env = report["env"]
+    lines = [
+        f"`{path.name}` — {env['device']}, torch {env['torch']}, Triton {env.get('triton')}, "
+        f"{env.get('ncu', 'ncu')}",
+        "",
+        "| kernel | dtype | bits | µs | IPC | issue busy | DRAM | occupancy | registers | "
+        "instructions a value | warp samples | instructions a value, most common |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
+    ]
+    for r in report["kernels"]:
+        stalls = ", ".join(f"{k} {v:.0%}" for k, v in list(r["stalls"].items())[:4])
+        ops = ", ".join(f"{k} {v:.1f}" for k, v in list(r["opcodes_per_value"].items())[:6])
+        lines.append(
+            f"| {r['kernel']} | {r['dtype']} | {r['bits']} | {r['duration']:.1f} | "
+            f"{r['issued_ipc']:.2f} | {r['issue_busy_pct']:.0f}% | {r['dram_pct']:.0f}% | "
+            f"{r['achieved_occupancy_pct']:.0f}% | {r['registers']:.0f} | "
+            f"{r['instructions_per_value']:.1f} | {stalls} | {ops} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> None:
     bits = None
     if argv and argv[0].startswith("--bits="):
@@ -144,6 +168,8 @@ def main(argv: list[str]) -> None:
             graphs = json.loads(path.read_text())["rows"][0].get("cgx2_graphs_ms") is not None
             table = graphs_table(path) if graphs else allreduce_table(path, bits)
             print(table, end="\n\n")
+        elif path.name.startswith("kernel_profile_"):
+            print(profile_table(path), end="\n\n")
         elif not path.name.startswith("train_ddp_"):
             print(kernels_table(path), end="\n\n")
     trains = [Path(n) for n in argv if Path(n).name.startswith("train_ddp_")]
