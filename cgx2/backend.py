@@ -310,7 +310,14 @@ class CGXProcessGroup(dist.ProcessGroup):
     all_to_all_single = alltoall_base
 
     def barrier(self, opts: dist.BarrierOptions) -> dist.Work:
-        return self._backends.get("cuda", self._backends["cpu"]).barrier(opts)
+        # dist.barrier names the device: the CPU for a group with a CPU backend, as this one,
+        # unless init_process_group(device_id=...) bound it to a GPU. CPU ranks on a GPU host
+        # would otherwise meet on NCCL, every rank on the same GPU.
+        device = opts.device
+        backend = self._backends.get(device.type) if device is not None else None
+        if backend is None:
+            backend = self._backends.get("cuda", self._backends["cpu"])
+        return backend.barrier(opts)
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> dist.Work:
         return self.backend_for(tensors[0]).send(tensors, dst, tag)

@@ -6,11 +6,13 @@ Spawning and joining a process group costs seconds; the pool pays it once per wo
 from __future__ import annotations
 
 import datetime
+import os
 import queue
 import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -63,8 +65,11 @@ class DistPool:
             )
             for r in range(world_size)
         ]
-        for p in self._procs:
-            p.start()
+        # The ranks are CPU processes of one gloo group, on a GPU machine as on CI: seeing a GPU,
+        # cgx2's backend and torch's own hooks would take it, every rank the same one.
+        with mock.patch.dict(os.environ, {"CUDA_VISIBLE_DEVICES": ""}):
+            for p in self._procs:
+                p.start()
 
     def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         """Run ``fn(*args)`` on every rank (``fn`` must be importable); return the results by

@@ -2,6 +2,7 @@
 delegation of everything it does not compress, fusion, DDP with and without the hook."""
 
 import contextlib
+import datetime
 import os
 import subprocess
 import sys
@@ -343,6 +344,34 @@ def test_every_collective_is_delegated(dist2, dist4):
     for pool in (dist2, dist4):
         for checks in pool.run(_collectives_delegated):
             assert checks and all(checks), checks
+
+
+class _Barriers:
+    """Stands in for a gloo or NCCL backend: records the barriers it ran."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def barrier(self, opts: dist.BarrierOptions) -> str:
+        self.calls += 1
+        return "work"
+
+
+@pytest.mark.parametrize(
+    ("device", "runs_on"),
+    [(torch.device("cpu"), "cpu"), (torch.device("cuda", 1), "cuda"), (None, "cuda")],
+)  # fmt: skip
+def test_barrier_runs_on_the_device_torch_names(device, runs_on):
+    """dist.barrier() names the CPU for a group with a CPU backend (NCCL would put CPU ranks
+    of a GPU host on one GPU), a GPU for a group bound to one; unnamed, the GPU as before."""
+    group = cgx2.backend.CGXProcessGroup(dist.HashStore(), 0, 1, datetime.timedelta(seconds=10))
+    group._backends = {"cpu": _Barriers(), "cuda": _Barriers()}
+    opts = dist.BarrierOptions()
+    opts.device = device
+    assert group.barrier(opts) == "work"
+    assert {k: b.calls for k, b in group._backends.items()} == {
+        "cpu": int(runs_on == "cpu"), "cuda": int(runs_on == "cuda"),
+    }  # fmt: skip
 
 
 def test_plain_ddp_on_the_cgx_backend_trains_compressed(dist2):

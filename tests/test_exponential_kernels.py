@@ -139,9 +139,9 @@ def test_integer_decision_matches_reference_at_every_threshold(bits):
     expected = ref.exponential_codes(x, bits, h.float() * 2.0**-24)
     block = triton.next_power_of_2(x.numel())
     pad = block - x.numel()
-    out = torch.empty(block, dtype=torch.int32)
+    out = torch.empty(block, dtype=torch.int32, device=DEVICE)
     _codes_kernel[(1,)](
-        torch.cat([x, x[:pad]]).to(DEVICE), torch.cat([h, h[:pad]]).to(DEVICE), out.to(DEVICE),
+        torch.cat([x, x[:pad]]).to(DEVICE), torch.cat([h, h[:pad]]).to(DEVICE), out,
         CAP=min(2 ** (bits - 1) - 2, 149), NAN_CODE=ref.nan_code(ref.code_dtype(bits)),
         SUBNORMAL_LEVELS=bits > 8, BLOCK=block,
     )  # fmt: skip

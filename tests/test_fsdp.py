@@ -11,7 +11,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import cgx2
 import cgx2.fsdp
-from cgx2.fsdp import compress, reduce_scatter_quantized, reference_reduce_scatter
+from cgx2.fsdp import compress, premul_factor, reduce_scatter_quantized, reference_reduce_scatter
 from cgx2.seeding import call_seed
 
 
@@ -75,18 +75,20 @@ def _train_fsdp(bits: int | None, steps: int, mp: bool = False, divide: float | 
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     cgx2.manual_seed(1)
     losses = []
-    for step in range(steps):
-        g = torch.Generator().manual_seed(10 * (step % 5) + rank)
-        x = torch.randn(64, 32, generator=g)
-        y = (x[:, :4].argmax(dim=1) + (x[:, 5] > 0).long()) % 4
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / dist.get_world_size())
-    cgx2.fsdp.reduce_scatter_quantized = real
+    try:  # the pool's worker runs later tests: a failure here must not leave the wrapper set
+        for step in range(steps):
+            g = torch.Generator().manual_seed(10 * (step % 5) + rank)
+            x = torch.randn(64, 32, generator=g)
+            y = (x[:, :4].argmax(dim=1) + (x[:, 5] > 0).long()) % 4
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)
+            losses.append(mean.item() / dist.get_world_size())
+    finally:
+        cgx2.fsdp.reduce_scatter_quantized = real
     return {"losses": losses, "sent": sum(c.bytes_sent for c in comms), "comms": len(comms),
             "seen": seen}  # fmt: skip
 
@@ -126,6 +128,25 @@ def _default_bits(env: str | None) -> int:
 def test_compress_defaults_to_four_bits_unless_the_variable_says(dist2):
     assert dist2.run(_default_bits, None) == [4, 4]
     assert dist2.run(_default_bits, "8") == [8, 8]
+
+
+class _PickledOnly:
+    """A PREMUL_SUM op as torch 2.11 gives it: the factor only in its pickled state."""
+
+    def __init__(self, factor: object) -> None:
+        self._factor = factor
+
+    def __getstate__(self) -> tuple:
+        return (dist.ReduceOp.RedOpType.PREMUL_SUM, self._factor)
+
+
+@pytest.mark.parametrize(
+    "op",
+    [dist._make_nccl_premul_sum(0.25), dist._make_nccl_premul_sum(torch.tensor(0.25)),
+     _PickledOnly(0.25), _PickledOnly(torch.tensor(0.25))],
+)  # fmt: skip
+def test_premul_factor_read_as_every_torch_gives_it(op):
+    assert premul_factor(op) == 0.25
 
 
 def test_compress_without_fsdp_modules_is_refused():

@@ -11,6 +11,8 @@ from cgx2 import graphs
 from cgx2.seeding import derive_key
 
 keys_triton = pytest.importorskip("cgx2.codecs.keys_triton", reason="Triton is not installed")
+# Where the key kernel runs: compiled on a GPU, else under the interpreter (tests/conftest.py).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _signed(v: int) -> int:
@@ -20,7 +22,7 @@ def _signed(v: int) -> int:
 @pytest.mark.parametrize("seed", [0, 1, 2**63 - 1, 2**63, 2**64 - 1, 0x0123456789ABCDEF])
 @pytest.mark.parametrize(("rank", "pieces"), [(0, 1), (3, 70)])
 def test_piece_keys_match_seeding(seed, rank, pieces):
-    device_seed = torch.tensor([_signed(seed)])
+    device_seed = torch.tensor([_signed(seed)], device=DEVICE)
     got = [v % (1 << 64) for v in keys_triton.piece_keys(device_seed, rank, pieces, 1, 2).tolist()]
     expected = []
     for i in range(pieces):

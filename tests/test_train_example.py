@@ -1,4 +1,6 @@
-"""examples/train_ddp.py: runs on 2 gloo processes, and 4-bit training tracks plain DDP."""
+"""examples/train_ddp.py: runs on 2 gloo processes, and 4-bit training tracks plain DDP. The
+examples are told ``--device cpu``: on a GPU machine they would take the GPU (one process each,
+under torchrun), and these tests are of the CPU runs."""
 
 import json
 import os
@@ -15,7 +17,7 @@ EXAMPLE = Path(__file__).parents[1] / "examples" / "train_ddp.py"
 def _run(tmp_path: Path, bits: int, steps: int, mode: str = "hook") -> dict:
     out = tmp_path / f"bits{bits}_{mode}.json"
     cmd = [sys.executable, str(EXAMPLE), "--bits", str(bits), "--steps", str(steps),
-           "--json", str(out), "--log-every", "20", "--mode", mode]  # fmt: skip
+           "--json", str(out), "--log-every", "20", "--mode", mode, "--device", "cpu"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"{bits}-bit DDP ({mode}), 2 x cpu" in proc.stdout
@@ -45,7 +47,8 @@ def test_mpirun_launch_needs_no_setup(tmp_path):
     the user."""
     out = tmp_path / "mpi.json"
     cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", sys.executable,
-           str(EXAMPLE), "--steps", "3", "--json", str(out), "--mode", "backend"]  # fmt: skip
+           str(EXAMPLE), "--steps", "3", "--json", str(out), "--mode", "backend",
+           "--device", "cpu"]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -70,7 +73,7 @@ def test_two_node_torchrun_on_one_machine(tmp_path, mode):
            "--nproc-per-node", "1", "--rdzv-backend", "c10d",
            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "cgx2-test",
            str(EXAMPLE), "--steps", "3", "--json", str(out), "--mode", mode,
-           "--amp", "bf16"]  # fmt: skip
+           "--amp", "bf16", "--device", "cpu"]  # fmt: skip
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
     procs = [subprocess.Popen(cmd, env=env, **pipes) for _ in range(2)]
     for p in procs:
@@ -88,7 +91,7 @@ def test_fsdp_example_runs_compressed(tmp_path):
     out = tmp_path / "fsdp.json"
     cmd = [sys.executable, str(EXAMPLE.with_name("train_fsdp.py")), "--bits", "4", "--dim",
            "64", "--layers", "2", "--heads", "4", "--context", "64", "--steps", "6",
-           "--no-compile", "--json", str(out)]  # fmt: skip
+           "--no-compile", "--json", str(out), "--device", "cpu"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "4-bit FSDP2, 2 x cpu" in proc.stdout
@@ -103,7 +106,7 @@ def test_compare_hooks_writes_table_json_and_plot(tmp_path):
     the PNG plot are written."""
     cmd = [sys.executable, str(EXAMPLE.with_name("compare_hooks.py")), "--steps", "5", "--dim",
            "32", "--layers", "1", "--heads", "2", "--context", "32", "--batch-size", "8",
-           "--out-dir", str(tmp_path)]  # fmt: skip
+           "--out-dir", str(tmp_path), "--device", "cpu"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     [json_path] = tmp_path.glob("compare_hooks_*.json")

@@ -28,6 +28,16 @@ __all__ = ["QuantizedReduceScatter", "compress", "compression_state_dict",
            "reference_reduce_scatter"]  # fmt: skip
 
 
+def premul_factor(op: dist.ReduceOp) -> float:
+    """The factor of a ``PREMUL_SUM`` op (a float, or a one-element tensor). Torch 2.13
+    exposes it as ``op.factor``; torch 2.11 has no such attribute, and both give it as the
+    second item of the op's pickled state."""
+    factor = getattr(op, "factor", None)
+    if factor is None:
+        factor = op.__getstate__()[1]
+    return float(factor)
+
+
 class QuantizedReduceScatter(ReduceScatter):
     """FSDP2's reduce-scatter, quantized to ``bits`` (the protocol of torch's ``_fsdp_api``).
 
@@ -141,7 +151,7 @@ class QuantizedReduceScatter(ReduceScatter):
         elif op == dist.ReduceOp.AVG:
             scale = 1.0 / world
         elif op == dist.ReduceOp.PREMUL_SUM:
-            scale = float(op.factor)
+            scale = premul_factor(op)
         else:
             raise ValueError(f"cgx2's FSDP reduce-scatter takes SUM, AVG or PREMUL_SUM, not {op}")
         widths = None
