@@ -106,6 +106,14 @@ def parse_source(text: str, values: int) -> dict[str, Any]:
     }
 
 
+def summary(result: dict[str, Any]) -> tuple[str, str]:
+    """A result's four commonest stall reasons and six commonest opcodes, as table cells."""
+    stalls = list(result["stalls"].items())[:4]
+    opcodes = list(result["opcodes_per_value"].items())[:6]
+    return (", ".join(f"{k} {v:.0%}" for k, v in stalls),
+            ", ".join(f"{k} {v:.1f}" for k, v in opcodes))  # fmt: skip
+
+
 def values_of(kernel: str, numel: int) -> int:
     """Values a kernel codes: decode-sum-encode sums rows of numel / 4."""
     return numel // 4 if kernel == "dse" else numel
@@ -180,20 +188,17 @@ def main() -> None:
         for i, spec in enumerate(args.specs):
             print(f"profiling {spec} ({i + 1} of {len(args.specs)})", file=sys.stderr)
             results.append(profile(ncu, spec, args.numel, tmp))
-    for r in results:
-        top = list(r["stalls"].items())[:4]
-        r["top_stalls"] = ", ".join(f"{k} {v:.0%}" for k, v in top)
-        opcodes = list(r["opcodes_per_value"].items())[:6]
-        r["top_opcodes"] = ", ".join(f"{k} {v:.1f}" for k, v in opcodes)
+    rows = [dict(zip(("top_stalls", "top_opcodes"), summary(r), strict=True), **r)
+            for r in results]  # fmt: skip
     columns = [("kernel", "kernel", ""), ("dtype", "dtype", ""), ("bits", "bits", "d"),
                ("duration", "us", ".1f"), ("issued_ipc", "IPC", ".2f"),
                ("issue_busy_pct", "issue %", ".0f"), ("dram_pct", "DRAM %", ".0f"),
                ("achieved_occupancy_pct", "occup. %", ".0f"), ("registers", "regs", ".0f"),
                ("instructions_per_value", "instr/value", ".1f"),
                ("top_stalls", "warp samples", "")]  # fmt: skip
-    print(format_table(results, columns))
+    print(format_table(rows, columns))
     per_value = [("spec", "kernel", ""), ("top_opcodes", "thread instructions per value", "")]
-    print(format_table(results, per_value))
+    print(format_table(rows, per_value))
     print(f"{env['device']}, {env['ncu']}; ncu's clocks left as they were", file=sys.stderr)
     if args.out_dir:
         report = {"env": env, "args": vars(args), "kernels": results}

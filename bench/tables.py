@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from kernel_profile import summary  # bench/ is this script's folder, first on sys.path
+
 
 def _timing(report: dict) -> str:
     """How the bench timed its calls (``--calls``; results before it timed one call a window)."""
@@ -147,8 +149,7 @@ def profile_table(path: Path) -> str:
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
     ]
     for r in report["kernels"]:
-        stalls = ", ".join(f"{k} {v:.0%}" for k, v in list(r["stalls"].items())[:4])
-        ops = ", ".join(f"{k} {v:.1f}" for k, v in list(r["opcodes_per_value"].items())[:6])
+        stalls, ops = summary(r)
         lines.append(
             f"| {r['kernel']} | {r['dtype']} | {r['bits']} | {r['duration']:.1f} | "
             f"{r['issued_ipc']:.2f} | {r['issue_busy_pct']:.0f}% | {r['dram_pct']:.0f}% | "

@@ -96,3 +96,13 @@ def test_specs_and_values() -> None:
     assert kp.parse_spec("dse:bf16:2") == ("dse", "bf16", 2)
     assert kp.values_of("dse", 64 << 20) == 16 << 20
     assert kp.values_of("encode", 64 << 20) == 64 << 20
+
+
+def test_summary_keeps_the_commonest_in_order() -> None:
+    result = {
+        "stalls": {"wait": 0.5, "math": 0.2, "selected": 0.15, "long_sb": 0.1, "mio": 0.05},
+        "opcodes_per_value": {f"OP{i}": 7.0 - i for i in range(7)},
+    }
+    stalls, opcodes = kp.summary(result)
+    assert stalls == "wait 50%, math 20%, selected 15%, long_sb 10%"
+    assert opcodes == "OP0 7.0, OP1 6.0, OP2 5.0, OP3 4.0, OP4 3.0, OP5 2.0"
