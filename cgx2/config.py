@@ -1,17 +1,32 @@
-"""The ``CGX_*`` environment variables as one frozen, validated dataclass.
+"""The one reader of the environment: ``CGX_*`` (CGX's variables), ``CGX2_*`` (cgx2's own
+tuning), and the launcher's and NCCL's variables that decide a call's route, each validated.
 
-Defaults are CGX's own; explicit arguments (``compression_params``, op arguments) override them.
+Sections are frozen dataclasses with documented fields; explicit arguments override them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from .checks import UNCOMPRESSED_BITS, check_bits, check_bucket_size
 
-__all__ = ["CGXConfig", "compression_from_env"]
+__all__ = [
+    "CGXConfig",
+    "LaunchConfig",
+    "TuningConfig",
+    "compression_from_env",
+    "crossover_override",
+    "launch",
+    "parse_bytes",
+    "reload",
+    "tuned",
+    "tuning",
+]
 
 MIN_COMPRESSION_SIZE = 16
 """CGX never compresses a buffer of fewer elements than this, whatever the variable says."""
@@ -46,7 +61,7 @@ def _bool(env: Mapping[str, str], var: str, default: bool) -> bool:
         return True
     if value in ("0", "false", "no", "off"):
         return False
-    raise ValueError(f"{var}={raw!r} is invalid: expected 0 or 1")
+    raise ValueError(f"{var}={raw!r} is invalid: expected 0/1, true/false, yes/no or on/off")
 
 
 def _choice(env: Mapping[str, str], var: str, default: str, allowed: tuple[str, ...]) -> str:
@@ -142,3 +157,200 @@ def compression_from_env(environ: Mapping[str, str] | None = None) -> tuple[int,
             f"CGX_COMPRESSION_QUANTIZATION_BITS={raw!r} is out of range: expected {bits_allowed}"
         )
     return bits, _int(env, "CGX_COMPRESSION_BUCKET_SIZE", 512, 1, 2**31 - 1)
+
+
+def _bytes(env: Mapping[str, str], var: str, auto: str = "auto") -> int | None:
+    """A byte count >= 0 (K/M/G suffixes: KiB/MiB/GiB), or None for unset or ``auto``."""
+    raw = env.get(var)
+    if raw is None or raw.strip() == "" or raw.strip().lower() == auto:
+        return None
+    value = parse_bytes(raw)
+    if value is None:
+        raise ValueError(
+            f"{var}={raw!r} is invalid: expected '{auto}' or a byte count >= 0 (K, M, G: KiB...)"
+        )
+    return value
+
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_bytes(text: str) -> int | None:
+    """``"64M"`` -> 67108864: bytes with an optional K/M/G (KiB/MiB/GiB) suffix, ``B`` and
+    ``iB`` allowed after it; None if ``text`` is not such a count."""
+    raw = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = raw[-1:] if raw[-1:] in ("K", "M", "G") else ""
+    number = raw[: len(raw) - len(unit)].strip()
+    if not number.isdigit():
+        return None
+    return int(number) * _UNITS[unit]
+
+
+def _default_cache_dir() -> str:
+    return str(Path.home() / ".cache" / "cgx2")
+
+
+@dataclass(frozen=True)
+class TuningConfig:
+    """cgx2's own knobs (``CGX2_*``), read once per process (:func:`tuning`); :func:`tuned`
+    overrides them for a block of code (benchmarks, tests).
+
+    - ``crossover_bytes`` (``CGX2_CROSSOVER_BYTES``, ``auto``): below this many bytes the
+      quantized allreduce runs the plain one; None lets the policy decide (calibration file,
+      else the built-in tables: :mod:`cgx2.collectives.policy`); 0 always compresses. The
+      variable is also read at every call (:func:`crossover_override`), as CGX reads its bits.
+    - ``cuda_graphs`` (``CGX2_CUDA_GRAPHS``, 0): replay GPU allreduces on NCCL as CUDA graphs.
+    - ``pipeline_bytes`` (``CGX2_PIPELINE_BYTES``, ``auto``): input bytes per pipeline piece;
+      None takes the regime's (:mod:`cgx2.collectives.policy`).
+    - ``pair_gather`` (``CGX2_PAIR_GATHER``, 1): two ranks swap their chunks by all-gather
+      rather than all-to-all, outside NVLink.
+    - ``calibration_file`` (``CGX2_CALIBRATION_FILE``, ``<cache_dir>/calibration.json``):
+      crossovers measured on this machine by ``python -m cgx2.bench calibrate``.
+    - ``native_codec`` (``CGX2_NATIVE``, 1): the CPU codec's C loops (0: the torch code).
+    - ``cache_dir`` (``CGX2_CACHE_DIR``, ``~/.cache/cgx2``): where the C loops are built.
+    - ``c_compiler`` (``CC``, None: the first of cc, gcc, clang on the ``PATH``).
+    """
+
+    crossover_bytes: int | None = None
+    cuda_graphs: bool = False
+    pipeline_bytes: int | None = None
+    pair_gather: bool = True
+    calibration_file: str = ""
+    native_codec: bool = True
+    cache_dir: str = ""
+    c_compiler: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("crossover_bytes", "pipeline_bytes"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or value < 0):
+                raise ValueError(f"{name} must be None or bytes >= 0, got {value!r}")
+        if self.pipeline_bytes == 0:
+            raise ValueError("pipeline_bytes must be positive (None: the regime's)")
+        if not self.cache_dir:
+            object.__setattr__(self, "cache_dir", _default_cache_dir())
+        if not self.calibration_file:
+            path = str(Path(self.cache_dir) / "calibration.json")
+            object.__setattr__(self, "calibration_file", path)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> TuningConfig:
+        """Read the ``CGX2_*`` variables (and ``CC``); ``ValueError`` naming a bad one."""
+        env = os.environ if environ is None else environ
+        return cls(
+            crossover_bytes=_bytes(env, "CGX2_CROSSOVER_BYTES"),
+            cuda_graphs=_bool(env, "CGX2_CUDA_GRAPHS", False),
+            pipeline_bytes=_bytes(env, "CGX2_PIPELINE_BYTES") or None,
+            pair_gather=_bool(env, "CGX2_PAIR_GATHER", True),
+            calibration_file=env.get("CGX2_CALIBRATION_FILE", "").strip(),
+            native_codec=_bool(env, "CGX2_NATIVE", True),
+            cache_dir=env.get("CGX2_CACHE_DIR", "").strip(),
+            c_compiler=env.get("CC", "").strip() or None,
+        )
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """What the launcher (torchrun, or mpirun through :mod:`cgx2.launch`) and NCCL's own
+    variables say about where this process runs; read at each :func:`launch` call.
+
+    - ``world_size`` (``WORLD_SIZE``) and ``local_world_size`` (``LOCAL_WORLD_SIZE``):
+      ranks in the job and on this node; None where no launcher set them.
+    - ``nccl_p2p_disabled`` (``NCCL_P2P_DISABLE``) and ``nccl_shm_disabled``
+      (``NCCL_SHM_DISABLE``): NCCL told to avoid peer-to-peer and shared memory.
+    """
+
+    world_size: int | None = None
+    local_world_size: int | None = None
+    nccl_p2p_disabled: bool = False
+    nccl_shm_disabled: bool = False
+
+    @property
+    def spans_nodes(self) -> bool:
+        """Whether the job has more ranks than this node (several nodes)."""
+        return (
+            self.world_size is not None
+            and self.local_world_size is not None
+            and self.local_world_size < self.world_size
+        )
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> LaunchConfig:
+        env = os.environ if environ is None else environ
+
+        def size(var: str) -> int | None:
+            raw = env.get(var, "").strip()
+            return None if raw == "" else _int(env, var, 0, 1, None)
+
+        def flag(var: str) -> bool:  # NCCL's reading: anything but unset or 0 turns it on
+            return env.get(var, "").strip() not in ("", "0")
+
+        return cls(size("WORLD_SIZE"), size("LOCAL_WORLD_SIZE"),
+                   flag("NCCL_P2P_DISABLE"), flag("NCCL_SHM_DISABLE"))  # fmt: skip
+
+
+_tuning: TuningConfig | None = None
+_overrides: dict[str, object] = {}
+
+
+def tuning() -> TuningConfig:
+    """The ``CGX2_*`` settings: read from the environment at the first call (or after
+    :func:`reload`), with :func:`tuned`'s overrides applied."""
+    global _tuning
+    if _tuning is None:
+        found = TuningConfig.from_env()
+        _tuning = dataclasses.replace(found, **_overrides) if _overrides else found
+    return _tuning
+
+
+def reload() -> TuningConfig:
+    """Read the ``CGX2_*`` variables again (after a script changed them)."""
+    global _tuning
+    _tuning = None
+    return tuning()
+
+
+@contextlib.contextmanager
+def tuned(**changes: object) -> Iterator[TuningConfig]:
+    """Override :class:`TuningConfig` fields inside a ``with`` block, e.g.
+    ``with cgx2.config.tuned(crossover_bytes=0):`` always compresses. Nests."""
+    global _tuning
+    unknown = set(changes) - {f.name for f in dataclasses.fields(TuningConfig)}
+    if unknown:
+        raise TypeError(f"TuningConfig has no field {sorted(unknown)}")
+    saved = dict(_overrides)
+    _overrides.update(changes)
+    _tuning = None
+    try:
+        yield tuning()  # validated here
+    finally:
+        _overrides.clear()
+        _overrides.update(saved)
+        _tuning = None
+
+
+def crossover_override() -> int | None:
+    """``CGX2_CROSSOVER_BYTES`` as it is now (a byte count, or None for ``auto``/unset), or
+    :func:`tuned`'s value: read at every call, at a fraction of ``os.environ``'s cost (this
+    runs before every allreduce). ``ValueError`` naming the variable if it is invalid."""
+    if "crossover_bytes" in _overrides:
+        return _overrides["crossover_bytes"]  # type: ignore[return-value]
+    raw = _getenv("CGX2_CROSSOVER_BYTES")
+    if not raw:
+        return None
+    return _bytes({"CGX2_CROSSOVER_BYTES": raw}, "CGX2_CROSSOVER_BYTES")
+
+
+def _getenv(name: str) -> str:
+    """``os.environ.get(name, "")`` in a tenth of its time: ``os.environ``'s lookup of a
+    missing name raises and catches a KeyError, its underlying bytes dict does not."""
+    data = getattr(os.environ, "_data", None)
+    if not isinstance(data, dict):
+        return os.environ.get(name, "")
+    value = data.get(os.environ.encodekey(name))
+    return "" if value is None else os.environ.decodevalue(value)
+
+
+def launch() -> LaunchConfig:
+    """The launcher's and NCCL's variables as they are now (:class:`LaunchConfig`)."""
+    return LaunchConfig.from_env()
