@@ -9,8 +9,8 @@ import logging
 
 from . import ops
 from .backend import CGXProcessGroup, register_backend
+from .collectives import hierarchical_allreduce
 from .config import CGXConfig
-from .hierarchical import hierarchical_allreduce
 from .launch import setup_mpi_env
 from .ops import dequantize, quantize, quantized_allreduce, quantized_allreduce_
 from .seeding import manual_seed

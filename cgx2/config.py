@@ -21,6 +21,7 @@ __all__ = [
     "TuningConfig",
     "compression_from_env",
     "crossover_override",
+    "env_quantization_bits",
     "launch",
     "parse_bytes",
     "reload",
@@ -157,6 +158,15 @@ def compression_from_env(environ: Mapping[str, str] | None = None) -> tuple[int,
             f"CGX_COMPRESSION_QUANTIZATION_BITS={raw!r} is out of range: expected {bits_allowed}"
         )
     return bits, _int(env, "CGX_COMPRESSION_BUCKET_SIZE", 512, 1, 2**31 - 1)
+
+
+def env_quantization_bits(default: int, environ: Mapping[str, str] | None = None) -> int:
+    """``CGX_COMPRESSION_QUANTIZATION_BITS``, or ``default`` where it is not set: for entry
+    points that are asked to compress (e.g. :func:`cgx2.fsdp.compress`)."""
+    env = os.environ if environ is None else environ
+    if env.get("CGX_COMPRESSION_QUANTIZATION_BITS", "").strip() == "":
+        return default
+    return compression_from_env(env)[0]
 
 
 def _bytes(env: Mapping[str, str], var: str, auto: str = "auto") -> int | None:

@@ -1,14 +1,19 @@
 """cgx.quantized_allreduce on gloo groups of 2 and 4: identical results on every rank, error
 within the two-stage bound, unbiasedness, plain fallback, compile and opcheck."""
 
+import importlib
+
 import pytest
 import torch
 import torch.distributed as dist
 from bounds import FP32_EPS, allreduce_bound
 
 import cgx2
-from cgx2 import collectives
-from cgx2.collectives import reference_allreduce
+from cgx2.collectives import allreduce_, policy, reference_allreduce
+from cgx2.config import tuned
+
+# The module, which the package's function of the same name hides.
+pipeline = importlib.import_module("cgx2.collectives.allreduce")
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -34,12 +39,8 @@ def _run_cases(cases: list[tuple]) -> list[torch.Tensor]:
 
 
 def _run_pipelined(cases: list[tuple], piece_bytes: int, pair_gather: bool) -> list[torch.Tensor]:
-    saved = collectives.PIPELINE_BYTES, collectives.PAIR_GATHER
-    collectives.PIPELINE_BYTES, collectives.PAIR_GATHER = piece_bytes, pair_gather
-    try:
+    with tuned(pipeline_bytes=piece_bytes, pair_gather=pair_gather):
         return _run_cases(cases)
-    finally:
-        collectives.PIPELINE_BYTES, collectives.PAIR_GATHER = saved
 
 
 def _plain_equals_dist_all_reduce() -> list[bool]:
@@ -105,14 +106,11 @@ def _in_place() -> list[bool]:
     y = x.clone()
     cgx2.quantized_allreduce_(y, 4, seed=1)
     ok.append(not y.is_contiguous() and torch.equal(y, cgx2.quantized_allreduce(x, 4, seed=1)))
-    saved, collectives.PIPELINE_BYTES = collectives.PIPELINE_BYTES, 8 << 10
-    try:
+    with tuned(pipeline_bytes=8 << 10):
         x = _input(rank, 40_000, torch.float32)  # 20 pieces, each written after its last read
         y = x.clone()
         cgx2.quantized_allreduce_(y, 3, seed=2)
         ok.append(torch.equal(y, cgx2.quantized_allreduce(x, 3, seed=2)))
-    finally:
-        collectives.PIPELINE_BYTES = saved
     torch.library.opcheck(torch.ops.cgx.quantized_allreduce_.default, (x, 4, 512, "", "sum", 5))
     return ok
 
@@ -226,11 +224,8 @@ def test_pipelined_pieces(dist2, dist4, world, pair_gather):
         for op, skip in (("sum", False), ("avg", True))
     ]
     outs = pool.run(_run_pipelined, cases, piece_bytes, pair_gather)
-    saved, collectives.PIPELINE_BYTES = collectives.PIPELINE_BYTES, piece_bytes
-    try:
+    with tuned(pipeline_bytes=piece_bytes, pair_gather=pair_gather):
         _check(outs, cases, world)
-    finally:
-        collectives.PIPELINE_BYTES = saved
 
 
 def test_bits_32_is_the_plain_allreduce_exactly(dist2, dist4):
@@ -323,30 +318,23 @@ def test_non_float_tensors_are_rejected(dtype):
 
 
 @pytest.mark.parametrize("where", ["socket", "shm", "nvlink"])
-def test_pieces_follow_the_regime(monkeypatch, where):
-    """Without PIPELINE_BYTES, a piece holds the regime's PIECE_NUMEL values, whatever the
-    dtype, or, where two ranks swap by all-gather, PIECE_NUMEL_PAIR's (the reference models
-    another device's pieces when told)."""
-    from cgx2 import crossover
-
-    monkeypatch.setattr(collectives, "PIPELINE_BYTES", None)
-    monkeypatch.setattr(crossover, "detect_regime", lambda device: where)
-    crossover.regime.cache_clear()
-    cuda = torch.device("cuda", 0)
-    plain = collectives.PIECE_NUMEL[where]
-    pair = collectives.PIECE_NUMEL_PAIR.get(where, plain)
-    try:
+def test_pieces_follow_the_regime(where):
+    """Without CGX2_PIPELINE_BYTES, a piece holds the regime's PIECE_NUMEL values, whatever
+    the dtype, or, where two ranks swap by all-gather, PIECE_NUMEL_PAIR's."""
+    plain = policy.PIECE_NUMEL[where]
+    pair = policy.PIECE_NUMEL_PAIR.get(where, plain)
+    with tuned(pipeline_bytes=None):
         for element_size in (2, 4):
-            assert collectives._piece_numel(element_size, 4, 512, cuda) == plain
-            assert collectives._piece_numel(element_size, 2, 512, cuda) == pair
-            monkeypatch.setattr(collectives, "PAIR_GATHER", False)
-            assert collectives._piece_numel(element_size, 2, 512, cuda) == plain
-            monkeypatch.setattr(collectives, "PAIR_GATHER", True)
-    finally:
-        crossover.regime.cache_clear()
-    assert collectives.PIECE_NUMEL_PAIR["socket"] > collectives.PIECE_NUMEL["socket"]
-    monkeypatch.setattr(collectives, "PIPELINE_BYTES", 1 << 20)
-    assert collectives._piece_numel(4, 4, 512) == (1 << 18)
+            assert policy.piece_numel(element_size, 4, 512, where, False) == plain
+            assert policy.uses_pair_gather(2, where) == (where != "nvlink")
+            two = policy.uses_pair_gather(2, where)
+            assert policy.piece_numel(element_size, 2, 512, where, two) == pair
+            with tuned(pair_gather=False):
+                assert not policy.uses_pair_gather(2, where)
+                assert policy.piece_numel(element_size, 2, 512, where, False) == plain
+    assert policy.PIECE_NUMEL_PAIR["socket"] > policy.PIECE_NUMEL["socket"]
+    with tuned(pipeline_bytes=1 << 20):
+        assert policy.piece_numel(4, 4, 512, "nvlink", False) == (1 << 18)
 
 
 def test_extend_key_continues_derive_key():
@@ -388,7 +376,7 @@ def _collective_modes() -> list[list[bool]]:
     """The async_op each pipeline collective got: one piece, one piece with error feedback,
     three pieces; each call's result checked against the model."""
     seen: list[bool] = []
-    all_to_all, all_gather = collectives._all_to_all, collectives._all_gather
+    all_to_all, all_gather = pipeline.all_to_all, pipeline.all_gather
 
     def record(fn):
         def wrapper(*args, **kwargs):
@@ -397,26 +385,23 @@ def _collective_modes() -> list[list[bool]]:
 
         return wrapper
 
-    collectives._all_to_all = record(all_to_all)  # exchange() calls one of the two
-    collectives._all_gather = record(all_gather)
-    saved = collectives.PIPELINE_BYTES
+    pipeline.all_to_all = record(all_to_all)  # exchange() calls one of the two
+    pipeline.all_gather = record(all_gather)
     modes = []
     try:
         rank = dist.get_rank()
         for piece_bytes, with_error in ((None, False), (None, True), (4 * 1024 * 4, False)):
-            collectives.PIPELINE_BYTES = piece_bytes
-            seen.clear()
-            x = torch.randn(3 * 4096, generator=torch.Generator().manual_seed(rank))
-            error = torch.empty_like(x) if with_error else None
-            got = collectives.allreduce_quantized_(x.clone(), 4, 512, dist.group.WORLD, "sum",
-                                                   7, error=error)  # fmt: skip
-            inputs = [torch.randn(3 * 4096, generator=torch.Generator().manual_seed(r))
-                      for r in range(dist.get_world_size())]  # fmt: skip
-            assert torch.equal(got, collectives.reference_allreduce(inputs, 4, 512, 7))
-            modes.append(list(seen))
+            with tuned(pipeline_bytes=piece_bytes):
+                seen.clear()
+                x = torch.randn(3 * 4096, generator=torch.Generator().manual_seed(rank))
+                error = torch.empty_like(x) if with_error else None
+                got = allreduce_(x.clone(), 4, 512, dist.group.WORLD, "sum", 7, error=error)
+                inputs = [torch.randn(3 * 4096, generator=torch.Generator().manual_seed(r))
+                          for r in range(dist.get_world_size())]  # fmt: skip
+                assert torch.equal(got, reference_allreduce(inputs, 4, 512, 7))
+                modes.append(list(seen))
     finally:
-        collectives._all_to_all, collectives._all_gather = all_to_all, all_gather
-        collectives.PIPELINE_BYTES = saved
+        pipeline.all_to_all, pipeline.all_gather = all_to_all, all_gather
     return modes
 
 
@@ -433,7 +418,7 @@ def _gathered_in_place() -> list[bool]:
     whether its input is its output's slot of this rank, the result checked against the
     model (gloo gathers in place too)."""
     slots: list[bool] = []
-    all_gather, make_run = collectives._all_gather, collectives._make_run
+    all_gather, make_run = pipeline.all_gather, pipeline._make_run
 
     def record(out, send, group, async_op=True):
         rank, nbytes = dist.get_rank(), send.numel()
@@ -445,19 +430,16 @@ def _gathered_in_place() -> list[bool]:
         run.gather_in_place = True
         return run
 
-    collectives._all_gather, collectives._make_run = record, in_place
-    saved = collectives.PIPELINE_BYTES, collectives.PAIR_GATHER
-    collectives.PIPELINE_BYTES, collectives.PAIR_GATHER = 4 * 1024 * 4, False
+    pipeline.all_gather, pipeline._make_run = record, in_place
     try:
-        rank, n = dist.get_rank(), 3 * 4096 + 77
-        inputs = [torch.randn(n, generator=torch.Generator().manual_seed(r))
-                  for r in range(dist.get_world_size())]  # fmt: skip
-        got = collectives.allreduce_quantized_(inputs[rank].clone(), 4, 512, dist.group.WORLD,
-                                               "sum", 7)  # fmt: skip
-        assert torch.equal(got, collectives.reference_allreduce(inputs, 4, 512, 7))
+        with tuned(pipeline_bytes=4 * 1024 * 4, pair_gather=False):
+            rank, n = dist.get_rank(), 3 * 4096 + 77
+            inputs = [torch.randn(n, generator=torch.Generator().manual_seed(r))
+                      for r in range(dist.get_world_size())]  # fmt: skip
+            got = allreduce_(inputs[rank].clone(), 4, 512, dist.group.WORLD, "sum", 7)
+            assert torch.equal(got, reference_allreduce(inputs, 4, 512, 7))
     finally:
-        collectives._all_gather, collectives._make_run = all_gather, make_run
-        collectives.PIPELINE_BYTES, collectives.PAIR_GATHER = saved
+        pipeline.all_gather, pipeline._make_run = all_gather, make_run
     return slots
 
 

@@ -15,17 +15,14 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
 from .. import seeding
-from ..adaptive import check_options, check_replan_every, layer_errors, plan_widths
 from ..checks import UNCOMPRESSED_BITS, check_bits, check_bucket_size
-from ..collectives import allreduce_plain_, compression_pays
+from ..collectives import policy
+from ..collectives.adaptive import check_options, check_replan_every, layer_errors, plan_widths
+from ..collectives.fusion import allreduce_fused_, padded_numel, ring_bytes_sent
+from ..collectives.hierarchical import hierarchical_allreduce_fused_, node_mesh, spans_nodes
+from ..comm import allreduce_plain_
 from ..config import CGXConfig
-from ..error_feedback import ErrorFeedback
-from ..fusion import (
-    allreduce_fused_,
-    padded_numel,
-    ring_bytes_sent,
-)
-from ..hierarchical import hierarchical_allreduce_fused_, node_mesh, spans_nodes
+from .error_feedback import ErrorFeedback
 
 __all__ = ["CGXState", "cgx_hook"]
 
@@ -288,7 +285,7 @@ def _reduce_parameter_grad_(state: CGXState, grad: torch.Tensor) -> None:
 
 def _allreduce_layers_(state: CGXState, layers: list[torch.Tensor], bits: int,
                        group: dist.ProcessGroup, keys: list[int] | None) -> int:  # fmt: skip
-    """:func:`cgx2.fusion.allreduce_fused_` of ``layers`` at ``bits``; with ``keys``, each
+    """:func:`cgx2.collectives.allreduce_fused_` of ``layers`` at ``bits``; with ``keys``, each
     layer's first-stage error becomes its residual. Returns the bytes this rank sent."""
     errors: list[torch.Tensor] | None = None if keys is None else []
     sent = allreduce_fused_(layers, bits, state.bucket_size, group, "avg", errors=errors)
@@ -316,13 +313,7 @@ def _reduce_bucket(
     warm = state.iteration >= state.start_iter
     if bucket.is_last():
         state.iteration += 1
-    if (
-        warm
-        and state.bits != UNCOMPRESSED_BITS
-        and world > 1
-        and plan.compressed
-        and compression_pays(buffer, padded)
-    ):
+    if warm and plan.compressed and policy.compresses(buffer, group, state.bits, padded):
         layers = [buffer[offset : offset + numel] for offset, numel in plan.compressed]
         if state.mesh is not None:
             state.bytes_sent += hierarchical_allreduce_fused_(

@@ -17,10 +17,10 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from .. import seeding
 from ..codecs.exponential import exponential_codec, exponential_codes, exponential_values
-from ..collectives import all_gather_single
-from ..error_feedback import ErrorFeedback
-from ..fusion import ring_bytes_sent
+from ..collectives.fusion import ring_bytes_sent
+from ..comm import all_gather_single
 from ..seeding import derive_key, next_seed
+from .error_feedback import ErrorFeedback
 from .lgreco import PowerSGDState, powerSGD_hook
 
 __all__ = [

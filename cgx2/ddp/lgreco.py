@@ -27,8 +27,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
 )
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..adaptive import plan_bits
-from ..fusion import ring_bytes_sent
+from ..collectives.adaptive import plan_bits
+from ..collectives.fusion import ring_bytes_sent
 
 __all__ = ["LGreCoState", "PowerSGDState", "lgreco_hook", "powerSGD_hook", "rank_errors"]
 

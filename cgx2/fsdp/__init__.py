@@ -5,7 +5,6 @@ reduce-scatter on every ``fully_shard`` module, leaving small and 1-D parameters
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Mapping, Sequence
 
 import torch
@@ -15,13 +14,15 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from .. import seeding
-from ..adaptive import check_options, check_replan_every, layer_errors, plan_widths
-from ..backend import CompletedWork
 from ..checks import UNCOMPRESSED_BITS, check_bits, check_bucket_size
-from ..collectives import compression_pays
-from ..config import CGXConfig
-from ..fusion import padded_numel
-from .reduce_scatter import Segment, reduce_scatter_quantized, reference_reduce_scatter
+from ..collectives import policy
+from ..collectives.adaptive import check_options, check_replan_every, layer_errors, plan_widths
+from ..collectives.fusion import padded_numel
+from ..collectives.reduce_scatter import Segment
+from ..collectives.reduce_scatter import reduce_scatter as reduce_scatter_quantized
+from ..collectives.reference import reference_reduce_scatter
+from ..comm import CompletedWork
+from ..config import CGXConfig, env_quantization_bits
 
 __all__ = ["QuantizedReduceScatter", "compress", "compression_state_dict",
            "load_compression_state_dict", "reduce_scatter_quantized",
@@ -113,7 +114,7 @@ class QuantizedReduceScatter(ReduceScatter):
         compressed = [s for s in segments if s[2]]
         world = dist.get_world_size(group)
         padded = sum(padded_numel(k, self.bucket_size) for _, k, _ in compressed)
-        if not compressed or not compression_pays(input, world * padded):
+        if not compressed or not policy.compresses(input, group, self.bits, world * padded):
             return None
         due = self.calls % self.replan_every == 0
         self.calls += 1
@@ -184,8 +185,7 @@ def compress(model: nn.Module, bits: int | None = None, bucket_size: int | None 
     Returns the reduce-scatters set, whose ``bytes_sent`` add up to what this rank sent."""
     config = CGXConfig.from_env()
     if bits is None:
-        unset = os.environ.get("CGX_COMPRESSION_QUANTIZATION_BITS", "").strip() == ""
-        bits = 4 if unset else config.quantization_bits
+        bits = env_quantization_bits(default=4)
     bits = check_bits(bits)
     if adaptive_bits is not None:  # fail before touching the model
         adaptive_bits = check_options(adaptive_bits, bits)

@@ -1,8 +1,10 @@
 """``cgx::quantized_allreduce`` (functional) and ``cgx::quantized_allreduce_`` (in place): the
-quantized allreduce as custom ops.
+quantized allreduce as custom ops, and the public functions that call them.
 
-The process group is named by ``group_name`` as in ``torch.distributed``'s functional
-collectives ("" is the default group), so compiled graphs carry it as a constant.
+As in ``torch.distributed._functional_collectives``: the public function checks its arguments
+and resolves the group; compiled, it calls the op, whose body calls
+:func:`cgx2.collectives.allreduce`; eagerly it calls that function itself (the op's dispatch
+would add host time to every call). The group is named as in the functional collectives.
 """
 
 from __future__ import annotations
@@ -12,25 +14,11 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from ..checks import (
-    UNCOMPRESSED_BITS,
-    check_bits,
-    check_bucket_size,
-    check_float_tensor,
-    check_reduce_op,
-)
-from ..collectives import (
-    allreduce_plain,
-    allreduce_plain_,
-    allreduce_quantized,
-    allreduce_quantized_,
-    compression_pays,
-    quantized_copy,
-    quantized_inplace,
-)
+from .. import collectives
+from ..checks import check_bits, check_bucket_size, check_float_tensor, check_reduce_op
 from ..seeding import SEEDED_OP_TAGS
 
-__all__ = ["quantized_allreduce", "quantized_allreduce_"]
+__all__ = ["quantized_allreduce", "quantized_allreduce_", "resolve_group"]
 
 
 def resolve_group(group_name: str) -> dist.ProcessGroup:
@@ -44,23 +32,21 @@ def resolve_group(group_name: str) -> dist.ProcessGroup:
     return _resolve_process_group(group_name)
 
 
-def _no_grad_for(t: torch.Tensor) -> contextlib.AbstractContextManager:
-    """``torch.no_grad()`` where autograd would see the call (as it does not see the op's
-    body), a free null context elsewhere: entering no_grad costs microseconds."""
-    if t.requires_grad and torch.is_grad_enabled():
-        return torch.no_grad()
-    return contextlib.nullcontext()
-
-
-def _check_args(t: torch.Tensor, bits: int, bucket_size: int) -> None:
+def _check(t: torch.Tensor, bits: int, bucket_size: int, reduce_op: object,
+           op_name: str = "reduce_op") -> str:  # fmt: skip
+    """Every argument checked, once per call; the normalised reduce op."""
     check_float_tensor(t, "input")
     check_bits(bits)
     check_bucket_size(bucket_size)
+    return check_reduce_op(reduce_op, op_name)
 
 
-def _check(t: torch.Tensor, bits: int, bucket_size: int, reduce_op: str) -> None:
-    _check_args(t, bits, bucket_size)
-    check_reduce_op(reduce_op)
+def _no_grad_for(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """``torch.no_grad()`` where autograd would see the eager call (it does not see the op's
+    body), a free null context elsewhere: entering no_grad costs host time."""
+    if t.requires_grad and torch.is_grad_enabled():
+        return torch.no_grad()
+    return contextlib.nullcontext()
 
 
 @torch.library.custom_op("cgx::quantized_allreduce", mutates_args=(), tags=SEEDED_OP_TAGS)
@@ -73,11 +59,9 @@ def _quantized_allreduce_op(
     seed: int = -1,
     skip_incomplete: bool = False,
 ) -> torch.Tensor:
-    _check(input, bits, bucket_size, reduce_op)
-    group = resolve_group(group_name)
-    return allreduce_quantized(
-        input, bits, bucket_size, group, reduce_op, None if seed < 0 else seed, skip_incomplete
-    )
+    reduce_op = _check(input, bits, bucket_size, reduce_op)
+    return collectives.allreduce(input, bits, bucket_size, resolve_group(group_name), reduce_op,
+                                 None if seed < 0 else seed, skip_incomplete)  # fmt: skip
 
 
 @_quantized_allreduce_op.register_fake
@@ -85,6 +69,27 @@ def _(input, bits, bucket_size=512, group_name="", reduce_op="sum", seed=-1,
       skip_incomplete=False):  # fmt: skip
     _check(input, bits, bucket_size, reduce_op)
     return torch.empty_like(input, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("cgx::quantized_allreduce_", mutates_args=("input",), tags=SEEDED_OP_TAGS)
+def _quantized_allreduce_inplace_op(
+    input: torch.Tensor,
+    bits: int,
+    bucket_size: int = 512,
+    group_name: str = "",
+    reduce_op: str = "sum",
+    seed: int = -1,
+    skip_incomplete: bool = False,
+) -> None:
+    reduce_op = _check(input, bits, bucket_size, reduce_op)
+    collectives.allreduce_(input, bits, bucket_size, resolve_group(group_name), reduce_op,
+                           None if seed < 0 else seed, skip_incomplete)  # fmt: skip
+
+
+@_quantized_allreduce_inplace_op.register_fake
+def _(input, bits, bucket_size=512, group_name="", reduce_op="sum", seed=-1,
+      skip_incomplete=False):  # fmt: skip
+    _check(input, bits, bucket_size, reduce_op)
 
 
 def quantized_allreduce(
@@ -100,58 +105,20 @@ def quantized_allreduce(
     quantization, summing (``op=SUM``) or averaging (``op=AVG``).
 
     Returns a new tensor of the same shape and dtype, bit-identical on every rank; ``tensor``
-    is not modified. ``bits=32`` is the plain allreduce. Under ``torch.compile`` this is the
-    op ``torch.ops.cgx.quantized_allreduce``; eagerly, the op's body.
+    is not modified. ``bits=32``, and a tensor the routing policy does not compress
+    (:mod:`cgx2.collectives.policy`), take the plain allreduce. Under ``torch.compile`` this
+    is the op ``torch.ops.cgx.quantized_allreduce``.
     """
-    reduce_op = check_reduce_op(op, "op")
-    if not torch.compiler.is_compiling():
-        # Eagerly, the op's body without its dispatch (20-30 us of host time per call); below
-        # the crossover straight to the plain allreduce, where each microsecond counts.
-        _check_args(tensor, bits, bucket_size)
-        group = dist.group.WORLD if group is None else group
-        if bits == UNCOMPRESSED_BITS or not compression_pays(tensor):
-            return allreduce_plain(tensor, group, reduce_op)
-        with _no_grad_for(tensor):
-            return quantized_copy(tensor, bits, bucket_size, group, reduce_op, seed,
-                                  skip_incomplete)  # fmt: skip
-    return torch.ops.cgx.quantized_allreduce(
-        tensor, bits, bucket_size, "" if group is None else group.group_name, reduce_op,
-        -1 if seed is None else seed, skip_incomplete,
-    )  # fmt: skip
-
-
-@torch.library.custom_op(
-    "cgx::quantized_allreduce_", mutates_args=("input",),
-    tags=SEEDED_OP_TAGS,
-)  # fmt: skip
-def _quantized_allreduce_inplace_op(
-    input: torch.Tensor,
-    bits: int,
-    bucket_size: int = 512,
-    group_name: str = "",
-    reduce_op: str = "sum",
-    seed: int = -1,
-    skip_incomplete: bool = False,
-) -> None:
-    _check(input, bits, bucket_size, reduce_op)
-    group = resolve_group(group_name)
-    _inplace(input, bits, bucket_size, group, reduce_op, None if seed < 0 else seed,
-             skip_incomplete)  # fmt: skip
-
-
-def _inplace(t: torch.Tensor, bits: int, bucket_size: int, group: dist.ProcessGroup,
-             reduce_op: str, seed: int | None, skip_incomplete: bool) -> None:  # fmt: skip
-    args = (bits, bucket_size, group, reduce_op, seed, skip_incomplete)
-    if t.is_contiguous():
-        allreduce_quantized_(t, *args)
-    else:
-        t.copy_(allreduce_quantized(t, *args))
-
-
-@_quantized_allreduce_inplace_op.register_fake
-def _(input, bits, bucket_size=512, group_name="", reduce_op="sum", seed=-1,
-      skip_incomplete=False):  # fmt: skip
-    _check(input, bits, bucket_size, reduce_op)
+    if torch.compiler.is_compiling():
+        return torch.ops.cgx.quantized_allreduce(
+            tensor, bits, bucket_size, "" if group is None else group.group_name,
+            check_reduce_op(op, "op"), -1 if seed is None else seed, skip_incomplete,
+        )  # fmt: skip
+    reduce_op = _check(tensor, bits, bucket_size, op, "op")
+    with _no_grad_for(tensor):
+        return collectives.allreduce(tensor, bits, bucket_size,
+                                     dist.group.WORLD if group is None else group, reduce_op,
+                                     seed, skip_incomplete)  # fmt: skip
 
 
 def quantized_allreduce_(
@@ -164,28 +131,18 @@ def quantized_allreduce_(
     skip_incomplete: bool = False,
 ) -> torch.Tensor:
     """:func:`quantized_allreduce` in place, like ``dist.all_reduce``: ``tensor`` receives the
-    result (the same bytes on every rank) and is returned. Below the crossover
-    (:mod:`cgx2.crossover`) this is ``dist.all_reduce`` itself, with no copy. Under
-    ``torch.compile`` this is the op ``torch.ops.cgx.quantized_allreduce_``; eagerly, the op's
-    body.
+    result (the same bytes on every rank) and is returned; where the policy does not
+    compress, this is the plain allreduce itself, with no copy. Under ``torch.compile`` this
+    is the op ``torch.ops.cgx.quantized_allreduce_``.
     """
-    reduce_op = check_reduce_op(op, "op")
-    if not torch.compiler.is_compiling():
-        # Eagerly, the op's body without its dispatch (20-30 us of host time per call); below
-        # the crossover straight to the plain allreduce, where each microsecond counts.
-        _check_args(tensor, bits, bucket_size)
-        group = dist.group.WORLD if group is None else group
-        if tensor.is_contiguous():
-            if bits == UNCOMPRESSED_BITS or not compression_pays(tensor):
-                return allreduce_plain_(tensor, group, reduce_op)
-            with _no_grad_for(tensor):
-                return quantized_inplace(tensor, bits, bucket_size, group, reduce_op, seed,
-                                         skip_incomplete)  # fmt: skip
-        with _no_grad_for(tensor):
-            _inplace(tensor, bits, bucket_size, group, reduce_op, seed, skip_incomplete)
+    if torch.compiler.is_compiling():
+        torch.ops.cgx.quantized_allreduce_(
+            tensor, bits, bucket_size, "" if group is None else group.group_name,
+            check_reduce_op(op, "op"), -1 if seed is None else seed, skip_incomplete,
+        )  # fmt: skip
         return tensor
-    torch.ops.cgx.quantized_allreduce_(
-        tensor, bits, bucket_size, "" if group is None else group.group_name, reduce_op,
-        -1 if seed is None else seed, skip_incomplete,
-    )  # fmt: skip
-    return tensor
+    reduce_op = _check(tensor, bits, bucket_size, op, "op")
+    with _no_grad_for(tensor):
+        return collectives.allreduce_(tensor, bits, bucket_size,
+                                      dist.group.WORLD if group is None else group, reduce_op,
+                                      seed, skip_incomplete)  # fmt: skip

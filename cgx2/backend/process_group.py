@@ -1,9 +1,9 @@
-"""The ``cgx`` torch.distributed backend: ``dist.init_process_group("cgx")``, as in CGX.
+"""The ``cgx`` torch.distributed backend's process group: ``dist.init_process_group("cgx")``.
 
 Every collective goes to gloo (CPU tensors) or NCCL (CUDA tensors); ``all_reduce`` of floats
 with SUM or AVG is quantized when ``CGX_COMPRESSION_QUANTIZATION_BITS`` < 32, and coalesced
 allreduces are fused into buffers of at most ``CGX_FUSION_BUFFER_SIZE_MB``. When the job spans
-several nodes, the world group quantizes between nodes only (:mod:`cgx2.hierarchical`;
+several nodes, the world group quantizes between nodes only (:mod:`cgx2.collectives.hierarchical`;
 ``CGX_INTRA_BROADCAST`` picks CGX's variant).
 """
 
@@ -18,39 +18,20 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore
 from torch.distributed.device_mesh import DeviceMesh
 
-from .checks import UNCOMPRESSED_BITS
-from .collectives import compression_pays
-from .config import CGXConfig, compression_from_env
-from .fusion import allreduce_fused_, fusion_batches, padded_numel, ring_bytes_sent
-from .hierarchical import hierarchical_allreduce_fused_, node_mesh, spans_nodes
+from ..checks import UNCOMPRESSED_BITS
+from ..collectives import policy
+from ..collectives.fusion import allreduce_fused_, fusion_batches, padded_numel, ring_bytes_sent
+from ..collectives.hierarchical import hierarchical_allreduce_fused_, node_mesh, spans_nodes
+from ..comm import CompletedWork
+from ..config import CGXConfig, compression_from_env
 
-__all__ = ["BACKEND_NAME", "CGXProcessGroup", "CompletedWork", "register_backend"]
+__all__ = ["BACKEND_NAME", "CGXProcessGroup", "register_backend"]
 
 BACKEND_NAME = "cgx"
 COMPRESSIBLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 """What the backend quantizes; other dtypes (integers, float64) are reduced exactly."""
 
 _BackendType = dist.ProcessGroup.BackendType
-
-
-class CompletedWork(dist.Work):
-    """A collective whose result is already enqueued: on CUDA, its future's event stands for
-    the kernels on the stream that issued them."""
-
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
-        super().__init__()
-        cuda = [t.device for t in tensors if t.is_cuda]
-        self._future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future(
-            devices=cuda[:1] or None
-        )
-        self._future.set_result(tensors)
-
-    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        self._future.wait()
-        return True
-
-    def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
-        return self._future
 
 
 class _Works(dist.Work):
@@ -86,7 +67,7 @@ class CGXProcessGroup(dist.ProcessGroup):
     bucket size, which are read again at every allreduce (CGX lets scripts change them).
     ``bytes_sent`` / ``bytes_uncompressed`` count what this rank's allreduces sent and what a
     ring allreduce of the same tensors would have sent. ``cuda_on_nccl`` says whether CUDA
-    tensors' collectives go to NCCL, whose launches :mod:`cgx2.graphs` may capture.
+    tensors' collectives go to NCCL, whose launches :mod:`cgx2.collectives.graphs` may capture.
     """
 
     def __init__(
@@ -147,7 +128,7 @@ class CGXProcessGroup(dist.ProcessGroup):
         bits, bucket_size = compression_from_env()
         if len(tensors) == 1 and self._compressible(tensors[0], op, bits):
             t = tensors[0]
-            if compression_pays(t, padded_numel(t.numel(), bucket_size)):
+            if policy.compresses(t, self, bits, padded_numel(t.numel(), bucket_size)):
                 with self._side_stream(tensors):
                     self._compress(tensors, bits, bucket_size, op)
                     return CompletedWork(tensors)
@@ -177,7 +158,7 @@ class CGXProcessGroup(dist.ProcessGroup):
             sizes = [t.numel() for t in same]
             for batch in fusion_batches(sizes, dtype.itemsize, bucket_size, limit):
                 padded = sum(padded_numel(sizes[i], bucket_size) for i in batch)
-                if compression_pays(same[batch[0]], padded):
+                if policy.compresses(same[batch[0]], self, bits, padded):
                     self._compress([same[i] for i in batch], bits, bucket_size, op)
                 else:  # too small to pay on this interconnect: exact, in place
                     for i in batch:
@@ -222,7 +203,7 @@ class CGXProcessGroup(dist.ProcessGroup):
 
     def node_mesh(self, device_type: str) -> DeviceMesh | None:
         """The ("inter", "intra") mesh when this group is the world of a job on several nodes
-        (:func:`cgx2.hierarchical.spans_nodes`), else None. Made at the first compressed
+        (:func:`cgx2.collectives.hierarchical.spans_nodes`), else None. Made at the first compressed
         allreduce, which every rank reaches in the same order (the default group must exist
         to make it, so it cannot be made with this group)."""
         if device_type not in self._meshes:

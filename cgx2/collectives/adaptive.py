@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .checks import UNCOMPRESSED_BITS, check_bits
+from ..checks import UNCOMPRESSED_BITS, check_bits
 
 __all__ = ["check_options", "check_replan_every", "layer_errors", "plan_bits", "plan_widths"]
 

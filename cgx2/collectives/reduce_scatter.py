@@ -1,9 +1,9 @@
 """The quantized reduce-scatter behind FSDP2's gradient reduction: each rank encodes the W−1
 shards it does not own once, one ``all_to_all`` (an all-gather between two ranks:
-:func:`cgx2.collectives.exchange`), and each owner decodes and sums its shard in
-fp32 onto its own (kept in full precision) — one quantization per value.
+:func:`.allreduce.exchange`), and each owner decodes and sums its shard in fp32 onto its own
+(kept in full precision) — one quantization per value.
 
-With per-segment widths (:mod:`cgx2.adaptive`), the compressed segments are grouped by width:
+With per-segment widths (:mod:`.adaptive`), the compressed segments are grouped by width:
 each group is encoded as its own chunked payload, the groups' payloads travel side by side in
 one ``all_to_all``, and each group is decoded and summed on its own.
 """
@@ -18,16 +18,16 @@ import torch
 import torch.distributed as dist
 
 from ..checks import check_bits
-from ..codecs import ChunkedLayout, maxmin, maxmin_codec
-from ..collectives import compression_pays, exchange, group_size_and_rank, wait
-from ..fusion import fuse_padded
+from ..codecs import ChunkedLayout, maxmin_codec
+from ..comm import group_size_and_rank, reduce_scatter_single, wait
 from ..seeding import derive_key, next_seed
+from . import policy
+from .allreduce import exchange
+from .fusion import fuse_padded, padded_numel
 
-__all__ = ["reduce_scatter_quantized", "reference_reduce_scatter", "width_groups"]
+__all__ = ["Segment", "reduce_scatter", "width_groups"]
 
 _STAGE_REDUCE_SCATTER = 3
-# torch >= 2.13 renamed reduce_scatter_tensor; both exist in between.
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 Segment = tuple[int, int, bool]
 """(offset, numel, compressed) of one parameter's slice in every row of the input."""
 
@@ -78,7 +78,7 @@ def _fused_rows(rows: torch.Tensor, compressed: list[Segment],
     return torch.cat([f for f, _ in fused]), starts, width
 
 
-def reduce_scatter_quantized(
+def reduce_scatter(
     output: torch.Tensor,
     input: torch.Tensor,
     group: dist.ProcessGroup,
@@ -92,14 +92,15 @@ def reduce_scatter_quantized(
     """Reduce-scatter ``input`` (W rows of ``output.numel()``) into ``output``: the sum times
     ``scale`` (None: 1). ``widths`` gives one width (1..8) per compressed segment, in order
     (None: ``bits`` for all). Segments marked uncompressed, and everything when compression
-    does not pay on this interconnect (:mod:`cgx2.crossover`), go through the plain
+    does not pay (:mod:`.policy`), go through the plain
     reduce-scatter. Returns the bytes this rank sent."""
     (world, rank), n = group_size_and_rank(group), output.numel()
     rows = input.view(world, n)
     compressed, exact = _split(segments, n)
     groups = width_groups(compressed, bits, widths)
-    padded = sum(-(-k // bucket_size) * bucket_size for _, k, _ in compressed)
-    if compressed and not compression_pays(input, world * padded):
+    padded = sum(padded_numel(k, bucket_size) for _, k, _ in compressed)
+    route = policy.route(input, group, bits, bucket_size, world * padded)
+    if compressed and not route.compress:
         compressed, exact, groups = [], [(0, n, False)], ()
     sent = 0
     plan = _plan(n, world, tuple(s for _, s in groups), tuple(exact), bucket_size, input.device)
@@ -122,7 +123,7 @@ def reduce_scatter_quantized(
         recv = torch.empty_like(send)
         # On the caller's stream: nothing runs beside the exchange, so an asynchronous one
         # would only add NCCL's stream switch and events (tens of microseconds a call).
-        wait(exchange(recv, send, group, world, rank, async_op=False))
+        wait(exchange(recv, send, group, world, rank, route.pair_gather, async_op=False))
         reduced, col = [], 0
         for (b, _), width, part, layout in zip(groups, plan.widths, parts, layouts, strict=True):
             payloads = recv[:, col : col + layout.payload_nbytes]
@@ -135,7 +136,7 @@ def reduce_scatter_quantized(
     if exact:
         part = rows.index_select(1, plan.exact)
         reduced = torch.empty(part.shape[1], dtype=output.dtype, device=output.device)
-        _reduce_scatter_single(reduced, part.reshape(-1), group=group)
+        reduce_scatter_single(reduced, part.reshape(-1), group=group)
         if scale is not None:
             reduced.mul_(scale)
         output.index_copy_(0, plan.exact, reduced)
@@ -183,35 +184,3 @@ def _plan(n: int, world: int, groups: tuple[tuple[Segment, ...], ...],
         cat(out).to(device),
         exact_index.to(device),
     )
-
-
-def reference_reduce_scatter(
-    inputs: list[torch.Tensor],
-    bits: int,
-    bucket_size: int,
-    seed: int,
-    scale: float | None = None,
-    segments: Sequence[Segment] | None = None,
-    widths: Sequence[int] | None = None,
-) -> list[torch.Tensor]:
-    """What :func:`reduce_scatter_quantized` writes on every rank when rank r holds
-    ``inputs[r]`` and compression pays, for its compressed segments (the exact ones are left
-    zero), computed in one process with the reference codec, one width group at a time: a
-    bit-exact model for tests."""
-    world = len(inputs)
-    n = inputs[0].numel() // world
-    compressed, _ = _split(segments, n)
-    outputs = [torch.zeros(n, dtype=inputs[0].dtype) for _ in range(world)]
-    for g, (b, chosen) in enumerate(width_groups(compressed, bits, widths)):
-        fused = [_fused_rows(x.reshape(world, n).cpu(), list(chosen), bucket_size) for x in inputs]
-        starts, width = fused[0][1], fused[0][2]
-        layout = ChunkedLayout(world * width, world, width, b, bucket_size)
-        sent = [maxmin.encode_chunks(f, layout, _group_key(seed, r, g), r)
-                for r, (f, _, _) in enumerate(fused)]  # fmt: skip
-        for j in range(world):
-            received = torch.stack([sent[r][j] for r in range(world)])
-            own = fused[j][0][j * width : (j + 1) * width]
-            reduced = maxmin.decode_sum(received, width, own, j, scale, b, bucket_size)
-            for (o, k, _), at in zip(chosen, starts, strict=True):
-                outputs[j][o : o + k] = reduced[at : at + k]
-    return outputs

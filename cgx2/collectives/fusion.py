@@ -11,9 +11,11 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from .checks import UNCOMPRESSED_BITS
-from .codecs import ChunkedLayout
-from .collectives import allreduce_quantized_, compression_pays
+from ..checks import UNCOMPRESSED_BITS
+from ..codecs import ChunkedLayout
+from ..comm import group_size_and_rank
+from . import policy
+from .allreduce import allreduce_
 
 __all__ = [
     "allreduce_fused_",
@@ -64,7 +66,7 @@ def fusion_batches(numels: Sequence[int], element_size: int, bucket_size: int,
 
 def quantized_bytes_sent(numel: int, world: int, bits: int, bucket_size: int,
                          skip_incomplete: bool = False) -> int:  # fmt: skip
-    """Bytes one rank sends in :func:`cgx2.collectives.allreduce_quantized` of ``numel``
+    """Bytes one rank sends in :func:`cgx2.collectives.allreduce` of ``numel``
     values: W-1 chunks to their owners, then its reduced chunk to W-1 ranks."""
     layout = ChunkedLayout.split(numel, world, bits, bucket_size, skip_incomplete)
     return 2 * (world - 1) * layout.payload_nbytes
@@ -102,13 +104,13 @@ def allreduce_fused_(
     errors: list[torch.Tensor] | None = None,
 ) -> int:
     """Quantized allreduce of ``layers`` (same dtype and device) as one fused buffer, written
-    back into each layer. Returns the bytes this rank sent (a buffer too small for compression
-    to pay goes plain: :func:`cgx2.collectives.compression_pays`). With ``errors`` (a list),
-    each layer's first-stage error (``error`` of :func:`cgx2.collectives.allreduce_quantized_`,
-    zeros when nothing was quantized) is appended to it, flat, in layer order."""
-    world = dist.get_world_size(group)
+    back into each layer. Returns the bytes this rank sent (a buffer the policy does not
+    compress goes plain: :func:`.policy.compresses`). With ``errors`` (a list), each layer's
+    first-stage error (``error`` of :func:`.allreduce.allreduce_`, zeros when nothing was
+    quantized) is appended to it, flat, in layer order."""
+    world = group_size_and_rank(group)[0]
     numel = sum(padded_numel(x.numel(), bucket_size) for x in layers)
-    if not compression_pays(layers[0], numel):
+    if not policy.compresses(layers[0], group, bits, numel):
         bits = UNCOMPRESSED_BITS  # decided once here, for the reduction and the count alike
     fused_error: list[torch.Tensor] = []
 
@@ -116,7 +118,7 @@ def allreduce_fused_(
         if errors is not None:
             fused_error.append(torch.empty_like(fused))
         error = fused_error[0] if fused_error else None
-        return allreduce_quantized_(fused, bits, bucket_size, group, reduce_op, error=error)
+        return allreduce_(fused, bits, bucket_size, group, reduce_op, error=error)
 
     reduce_fused_(layers, bucket_size, reduce)
     if errors is not None:

@@ -8,15 +8,14 @@ CGX's variant: reduce to the node's first GPU, which alone talks across nodes, t
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .checks import check_reduce_op
-from .collectives import all_gather_single, allreduce_quantized
-from .config import CGXConfig
+from .. import config
+from ..checks import check_bits, check_bucket_size, check_float_tensor, check_reduce_op
+from ..comm import all_gather_single, reduce_scatter_single
+from .allreduce import allreduce
 from .fusion import quantized_bytes_sent, reduce_fused_, ring_bytes_sent
 
 __all__ = [
@@ -26,25 +25,22 @@ __all__ = [
 
 MESH_DIMS = ("inter", "intra")
 
-# torch >= 2.13 renamed reduce_scatter_tensor; both exist in between.
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
 
 def spans_nodes(group: dist.ProcessGroup | None = None) -> bool:
     """Whether the launcher says the job spans several nodes (``LOCAL_WORLD_SIZE`` below
     ``WORLD_SIZE``) and ``group`` (None: the default) is the whole world."""
-    local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
-    if not (local and world and int(local) < int(world)):
+    launch = config.launch()
+    if not launch.spans_nodes:
         return False
-    return (group.size() if group is not None else dist.get_world_size()) == int(world)
+    return (group.size() if group is not None else dist.get_world_size()) == launch.world_size
 
 
 def node_mesh(device_type: str | None = None) -> DeviceMesh:
     """The ("inter", "intra") mesh of the default group, one row per node, read from the
     launcher's ``LOCAL_WORLD_SIZE`` (torchrun, or mpirun through :mod:`cgx2.launch`)."""
     world = dist.get_world_size()
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    if local < 1 or world % local:
+    local = config.launch().local_world_size or world
+    if world % local:
         raise ValueError(f"LOCAL_WORLD_SIZE={local} does not divide the world size {world}")
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
@@ -64,11 +60,14 @@ def hierarchical_allreduce(
     ``bits`` between nodes only. Returns a new tensor, bit-identical on every rank.
     ``intra_broadcast`` None reads ``CGX_INTRA_BROADCAST``."""
     reduce_op = check_reduce_op(op, "op")
+    check_float_tensor(t)
+    check_bits(bits)
+    check_bucket_size(bucket_size)
     mesh = node_mesh(t.device.type) if mesh is None else mesh
     if mesh.mesh_dim_names != MESH_DIMS:
         raise ValueError(f"mesh must have dims {MESH_DIMS}, got {mesh.mesh_dim_names}")
     if intra_broadcast is None:
-        intra_broadcast = CGXConfig.from_env().intra_broadcast
+        intra_broadcast = config.CGXConfig.from_env().intra_broadcast
     inter, intra = mesh.get_group("inter"), mesh.get_group("intra")
     local, local_rank = dist.get_world_size(intra), dist.get_rank(intra)
     flat = t.reshape(-1)
@@ -77,7 +76,7 @@ def hierarchical_allreduce(
         leader = dist.get_global_rank(intra, 0)
         dist.reduce(node_sum, dst=leader, group=intra)
         if local_rank == 0:
-            node_sum = allreduce_quantized(node_sum, bits, bucket_size, inter, "sum", seed)
+            node_sum = allreduce(node_sum, bits, bucket_size, inter, "sum", seed)
         dist.broadcast(node_sum, src=leader, group=intra)
         out = node_sum
     else:
@@ -85,8 +84,8 @@ def hierarchical_allreduce(
         staged = torch.zeros(padded, dtype=t.dtype, device=t.device)
         staged[: flat.numel()] = flat
         shard = torch.empty(padded // local, dtype=t.dtype, device=t.device)
-        _reduce_scatter_single(shard, staged, group=intra)
-        shard = allreduce_quantized(shard, bits, bucket_size, inter, "sum", seed)
+        reduce_scatter_single(shard, staged, group=intra)
+        shard = allreduce(shard, bits, bucket_size, inter, "sum", seed)
         all_gather_single(staged, shard, group=intra)
         out = staged[: flat.numel()]
     if reduce_op == "avg":

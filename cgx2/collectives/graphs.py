@@ -2,8 +2,8 @@
 launch of its kernels and collectives, with fresh random keys, instead of a dozen from Python.
 
 Where the GPU outruns the host (NVLink), the allreduce waits on its host's launches; a replay
-costs two: a fill of the call's seed, and the graph's. Opt-in, by ``CGX2_CUDA_GRAPHS=1`` (read
-at import) or ``cgx2.graphs.ENABLED = True``; needs Triton. Each of at most :data:`MAX_GRAPHS`
+costs two: a fill of the call's seed, and the graph's. Opt-in, by ``CGX2_CUDA_GRAPHS=1`` or
+``cgx2.config.tuned(cuda_graphs=True)``; needs Triton. Each of at most :data:`MAX_GRAPHS`
 graphs keeps its buffers: about half an fp32 tensor's bytes at 4 bits (as many bytes as a bf16
 one), plus an fp32 copy with error feedback.
 """
@@ -13,7 +13,6 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
-import os
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -22,24 +21,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .codecs import triton_kernels
+from .. import config
+from ..codecs import triton_kernels
 
-__all__ = ["ENABLED", "MAX_GRAPHS", "STALE_CALLS", "clear", "run", "stats", "usable"]
+__all__ = ["MAX_GRAPHS", "STALE_CALLS", "clear", "run", "stats", "usable"]
 
 logger = logging.getLogger("cgx2")
 
-
-def _enabled_by_env() -> bool:
-    raw = os.environ.get("CGX2_CUDA_GRAPHS", "").strip().lower()
-    if raw in ("", "0", "false", "no", "off"):
-        return False
-    if raw in ("1", "true", "yes", "on"):
-        return True
-    raise ValueError(f"CGX2_CUDA_GRAPHS={raw!r} is invalid: expected 0 or 1")
-
-
-ENABLED = _enabled_by_env()
-"""Whether GPU allreduces on NCCL groups replay CUDA graphs (:func:`run`)."""
 
 MAX_GRAPHS = 32
 """Captured graphs kept per process. When they are all in use, more signatures run eagerly:
@@ -81,7 +69,7 @@ def usable(t: torch.Tensor) -> bool:
     """Whether an allreduce of ``t`` may replay a graph: enabled, a CUDA tensor, Triton (whose
     kernels read keys from memory), not under ``torch.compile`` or inside a capture of the
     caller's own. The caller checks that its group is NCCL's."""
-    if not (ENABLED and t.is_cuda) or _failed or torch.compiler.is_compiling():
+    if not (t.is_cuda and config.tuning().cuda_graphs) or _failed or torch.compiler.is_compiling():
         return False
     if triton_kernels("keys_triton") is None:
         return False

@@ -1,0 +1,248 @@
+"""The quantized allreduce: scatter-reduce-allgather on packed payloads, pipelined in pieces.
+
+Per piece: encode the W chunks, one all-to-all (an all-gather between two ranks), decode-and-sum
+into the owned chunk and encode it once more (fused), one all-gather, decode. All ranks decode
+the same bytes, so they return bit-identical tensors. :mod:`.policy` decides every route.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+import torch.distributed as dist
+
+from ..codecs import ChunkedLayout, maxmin_codec, triton_kernels
+from ..comm import all_gather, all_to_all, allreduce_plain, allreduce_plain_, group_info, wait
+from ..seeding import derive_key, extend_key, next_seed
+from . import graphs, policy
+
+__all__ = ["STAGE_GATHER", "STAGE_SCATTER", "allreduce", "allreduce_", "exchange"]
+
+STAGE_SCATTER = 1
+"""The random stream of the first quantization (each rank's chunks, on their way to owners)."""
+STAGE_GATHER = 2
+"""The random stream of the second (each reduced chunk, before the all-gather)."""
+
+
+def allreduce(t: torch.Tensor, bits: int, bucket_size: int, group: dist.ProcessGroup,
+              reduce_op: str = "sum", seed: int | None = None,
+              skip_incomplete: bool = False) -> torch.Tensor:  # fmt: skip
+    """Allreduce (``"sum"``/``"avg"``) of ``t`` across ``group``, quantized to ``bits`` where
+    :func:`.policy.route` says compression pays, else the plain allreduce, exactly. Returns a
+    new tensor of ``t``'s shape and dtype, bit-identical on every rank; ``t`` is unchanged.
+
+    Arguments are the entry points' to check (they are, once). Each value is quantized twice
+    (on the way to its owner, and once reduced); the owner's own contribution stays exact.
+    ``seed`` None draws the next seed from :mod:`cgx2.seeding`. Tensors larger than a piece
+    are cut into whole buckets per rank; while one piece is on the wire the next is coded.
+    """
+    route = policy.route(t, group, bits, bucket_size)
+    if not route.compress:
+        return allreduce_plain(t, group, reduce_op)
+    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    _run_pieces(route, t.reshape(-1), out.view(-1), bits, bucket_size, group, reduce_op, seed,
+                skip_incomplete)  # fmt: skip
+    return out
+
+
+def allreduce_(t: torch.Tensor, bits: int, bucket_size: int, group: dist.ProcessGroup,
+               reduce_op: str = "sum", seed: int | None = None, skip_incomplete: bool = False,
+               *, error: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """:func:`allreduce` in place: the result (the same bytes) is written into ``t`` and ``t``
+    is returned. No copy is made where ``t`` is contiguous, below the crossover either.
+
+    ``error`` (a contiguous tensor of ``t``'s shape and dtype), when given, receives ``t``
+    minus this rank's contribution as its peers decode it in the first stage: the
+    quantization error of the chunks it sends, zero on the chunk it owns (kept exact) and
+    everywhere when nothing is quantized. Error feedback carries it into the next step. The
+    second stage's error (each reduced chunk quantized once more) is common to all ranks and
+    not in it."""
+    if error is not None and (
+        error.shape != t.shape or error.dtype != t.dtype or not error.is_contiguous()
+    ):
+        raise ValueError("error must be a contiguous tensor of the input's shape and dtype")
+    if not t.is_contiguous():
+        if error is not None:
+            raise ValueError("tensor must be contiguous for an allreduce that returns its error")
+        return t.copy_(allreduce(t, bits, bucket_size, group, reduce_op, seed, skip_incomplete))
+    route = policy.route(t, group, bits, bucket_size)
+    if not route.compress:
+        if error is not None:
+            error.zero_()
+        return allreduce_plain_(t, group, reduce_op)
+    flat = t.view(-1)
+    _run_pieces(route, flat, flat, bits, bucket_size, group, reduce_op, seed, skip_incomplete,
+                None if error is None else error.view(-1))  # fmt: skip
+    return t
+
+
+def exchange(recv: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup, world: int,
+             rank: int, pair_gather: bool, async_op: bool = True) -> dist.Work | None:  # fmt: skip
+    """Start sending row j of ``send`` (``[world, P]``) to rank j, each rank's row for us
+    landing in its row of ``recv``; our own row of ``recv`` is left undefined (nobody reads
+    it). With ``pair_gather`` (two ranks: :func:`.policy.uses_pair_gather`), that is an
+    all-gather of the row for the other rank: the same bytes by NCCL's collective path."""
+    if pair_gather:
+        return all_gather(recv.view(-1), send[1 - rank], group, async_op)
+    return all_to_all(recv, send, group, async_op)
+
+
+def _run_pieces(route: policy.Route, flat: torch.Tensor, out: torch.Tensor, bits: int,
+                bucket_size: int, group: dist.ProcessGroup, reduce_op: str, seed: int | None,
+                skip_incomplete: bool, error: torch.Tensor | None = None) -> None:  # fmt: skip
+    """The pipelined scatter-reduce-allgather of ``flat`` into ``out`` (which may be
+    ``flat``: a piece is written only after its last read); ``error`` as in
+    :func:`allreduce_`. Where the route says so, a CUDA graph's replay."""
+    seed = next_seed() if seed is None else seed
+    if not route.graphs:
+        _pipeline(_make_run(route, flat, bits, bucket_size, group, reduce_op, skip_incomplete,
+                            seed), flat, out, error)  # fmt: skip
+        return
+    signature = (flat.data_ptr(), out.data_ptr(), 0 if error is None else error.data_ptr(),
+                 flat.numel(), flat.dtype, bits, bucket_size, reduce_op, skip_incomplete,
+                 route)  # fmt: skip
+
+    def pipeline(device_seed: torch.Tensor) -> None:
+        # Seed 0: the host's keys go unused; the kernels read those derived from device_seed.
+        run = _make_run(route, flat, bits, bucket_size, group, reduce_op, skip_incomplete, 0)
+        pieces = -(-flat.numel() // run.step)
+        piece_keys = triton_kernels("keys_triton").piece_keys  # graphs.usable checked it
+        run.keys = piece_keys(device_seed, run.rank, pieces, STAGE_SCATTER, STAGE_GATHER)
+        _pipeline(run, flat, out, error)
+
+    graphs.run(group, signature, seed, flat.device, pipeline)
+
+
+def _make_run(route: policy.Route, flat: torch.Tensor, bits: int, bucket_size: int,
+              group: dist.ProcessGroup, reduce_op: str, skip_incomplete: bool,
+              seed: int) -> _Run:  # fmt: skip
+    info = group_info(group)
+    world, rank = info.size, info.rank
+    return _Run(group, world, rank, bits, bucket_size, skip_incomplete,
+                1.0 / world if reduce_op == "avg" else None, maxmin_codec(flat.device),
+                derive_key(seed, STAGE_SCATTER, rank), derive_key(seed, STAGE_GATHER),
+                route.piece_numel, route.gather_in_place, route.pair_gather)  # fmt: skip
+
+
+def _pipeline(run: _Run, flat: torch.Tensor, out: torch.Tensor,
+              error: torch.Tensor | None) -> None:  # fmt: skip
+    step = run.step
+    starts = range(0, flat.numel(), step)
+    if len(starts) == 1:  # narrow() and slicing cost microseconds of host time each
+        pieces = [_Piece(run, flat, out, 0)]
+        pieces[0].error = error
+        pieces[0].overlap = error is not None
+    else:
+        pieces = [_Piece(run, _part(flat, s, step), _part(out, s, step), i)
+                  for i, s in enumerate(starts)]  # fmt: skip
+        if error is not None:
+            for piece, s in zip(pieces, starts, strict=True):
+                piece.error = _part(error, s, step)
+    # A two-deep software pipeline: scatter piece i, reduce piece i-1, finish piece i-2.
+    for i in range(len(pieces) + 2):
+        if i < len(pieces):
+            pieces[i].scatter()
+        if 0 <= i - 1 < len(pieces):
+            pieces[i - 1].reduce()
+        if 0 <= i - 2 < len(pieces):
+            pieces[i - 2].finish()
+
+
+def _part(t: torch.Tensor, start: int, length: int) -> torch.Tensor:
+    return t.narrow(0, start, min(length, t.numel() - start))
+
+
+@dataclass(slots=True)
+class _Run:
+    """What every piece of one allreduce shares, looked up once per call (the host's time per
+    piece is what pipelining a tensor into pieces costs; a frozen dataclass's __init__ alone
+    took microseconds)."""
+
+    group: dist.ProcessGroup
+    world: int
+    rank: int
+    bits: int
+    bucket_size: int
+    skip_incomplete: bool
+    scale: float | None
+    codec: ModuleType
+    scatter_key: int  # derive_key(seed, STAGE_SCATTER, rank): extended by the piece index
+    gather_key: int  # derive_key(seed, STAGE_GATHER): likewise
+    step: int  # values per piece
+    gather_in_place: bool  # the reduced chunk encoded straight into its slot (NCCL)
+    pair_gather: bool  # two ranks swap chunks by all-gather (exchange)
+    keys: torch.Tensor | None = None  # in device memory instead (for a CUDA graph): piece i's
+    # scatter key at 2i, its gather key at 2i + 1 (keys_triton.piece_keys)
+
+    def scatter_key_of(self, index: int) -> int | torch.Tensor:
+        if self.keys is None:
+            return extend_key(self.scatter_key, index)
+        return self.keys[2 * index : 2 * index + 1]
+
+    def gather_key_of(self, index: int) -> int | torch.Tensor:
+        if self.keys is None:
+            return extend_key(self.gather_key, index)
+        return self.keys[2 * index + 1 : 2 * index + 2]
+
+
+class _Piece:
+    """One pipeline piece of the scatter-reduce-allgather: its buffers and pending work."""
+
+    def __init__(self, run: _Run, x: torch.Tensor, out: torch.Tensor, index: int) -> None:
+        self.run, self.x, self.out, self.index = run, x, out, index
+        self.layout = ChunkedLayout.split(x.numel(), run.world, run.bits, run.bucket_size,
+                                          run.skip_incomplete)  # fmt: skip
+        self.error: torch.Tensor | None = None
+        # Collectives on NCCL's stream, beside the coding of other pieces; with nothing to
+        # overlap (one piece, no error to decode meanwhile), on the caller's: less host time.
+        self.overlap = True
+
+    def scatter(self) -> None:
+        """Encode the chunks other ranks own; start sending chunk j to rank j."""
+        run, layout = self.run, self.layout
+        send = torch.empty(layout.num_chunks, layout.payload_nbytes, dtype=torch.uint8,
+                           device=self.x.device)  # fmt: skip
+        key = run.scatter_key_of(self.index)
+        run.codec.encode_chunks(self.x, layout, key, skip_chunk=run.rank, out=send)
+        self.recv = torch.empty_like(send)
+        self.work = exchange(self.recv, send, run.group, run.world, run.rank, run.pair_gather,
+                             self.overlap)  # fmt: skip
+        if self.error is not None:
+            # Decoding what was sent (while it travels) gives exactly what the owners add, in
+            # fp32 as they sum; our own chunk (its row unwritten, decoded to garbage) stays
+            # exact, so its error is zero.
+            sent = run.codec.decode_chunks(send, layout, torch.float32)
+            torch.sub(self.x, sent, out=self.error)  # in fp32, stored in the input's dtype
+            start, size = layout.chunk_start(run.rank), layout.chunk_size(run.rank)
+            self.error.narrow(0, start, size).zero_()
+
+    def reduce(self) -> None:
+        """Sum the received chunks onto our own (kept in full precision), encode the sum once
+        more, and start gathering every rank's reduced chunk."""
+        wait(self.work)
+        run, layout = self.run, self.layout
+        start, size = layout.chunk_start(run.rank), layout.chunk_size(run.rank)
+        nbytes = layout.payload_nbytes
+        self.gathered = torch.empty(run.world * nbytes, dtype=torch.uint8, device=self.x.device)
+        if run.gather_in_place:
+            # NCCL gathers in place when our contribution already lies in our slot of the
+            # output: one allocation and one copy of it fewer.
+            reduced = self.gathered[run.rank * nbytes : (run.rank + 1) * nbytes]
+        else:
+            reduced = torch.empty(nbytes, dtype=torch.uint8, device=self.x.device)
+        run.codec.decode_sum_encode(
+            self.recv, size, self.x.narrow(0, start, size), run.rank, run.scale, run.bits,
+            run.bucket_size, run.gather_key_of(self.index), run.rank,
+            layout.skip_incomplete, out=reduced,
+        )  # fmt: skip
+        self.recv = None
+        self.work = all_gather(self.gathered, reduced, run.group, self.overlap)
+
+    def finish(self) -> None:
+        """Decode every rank's reduced chunk (ours too: all ranks decode the same bytes)."""
+        wait(self.work)
+        rows = self.gathered.view(self.run.world, self.layout.payload_nbytes)
+        self.run.codec.decode_chunks(rows, self.layout, self.out.dtype, out=self.out)
+        self.gathered = None

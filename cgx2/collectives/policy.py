@@ -1,0 +1,303 @@
+"""The one place that decides a call's route: compress or plain, how chunks are swapped, how
+large the pipeline's pieces are, and whether a CUDA graph replays it.
+
+It reads the group's backend and the tensor's device, the interconnect ("regime"), and the
+crossovers: those ``python -m cgx2.bench calibrate`` measured on this machine where a file of
+them exists (rank 0's copy, so ranks decide alike), else the built-in tables, measured on
+H200s (BENCHMARKS.md, "Where compression pays"). Every entry point asks here.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .. import config
+from ..checks import UNCOMPRESSED_BITS
+from ..comm import GroupInfo, group_info
+from . import graphs
+
+__all__ = [
+    "CALIBRATION_FORMAT",
+    "CROSSOVER_BYTES",
+    "CROSSOVER_BYTES_GRAPHS",
+    "PIECE_NUMEL",
+    "PIECE_NUMEL_PAIR",
+    "Route",
+    "calibration",
+    "calibration_key",
+    "clear_caches",
+    "compresses",
+    "crossover_bytes",
+    "detect_regime",
+    "piece_numel",
+    "regime",
+    "route",
+    "uses_pair_gather",
+]
+
+logger = logging.getLogger("cgx2")
+
+CROSSOVER_BYTES: dict[str, tuple[int | None, int | None]] = {
+    # regime: (fp32 input, 16-bit input) in bytes; None: compression never reliably won.
+    # Over NVLink, 16-bit input lost to NCCL at every size measured. CPU users ask for
+    # compression: on one host gloo is faster, but over links slower than the codec it wins,
+    # and the link between CPU nodes is unknown here (BENCHMARKS.md, "CPU").
+    "cpu": (0, 0),
+    "socket": (4 << 20, 4 << 20),
+    "shm": (16 << 20, 16 << 20),
+    "nvlink": (256 << 20, None),
+}
+"""The smallest tensor the quantized allreduce compresses, per regime and input width, where
+no calibration file says otherwise (BENCHMARKS.md, "Where compression pays")."""
+
+CROSSOVER_BYTES_GRAPHS: dict[str, tuple[int | None, int | None]] = {
+    "cpu": (0, 0),
+    "socket": (4 << 20, 4 << 20),
+    "shm": (4 << 20, 16 << 20),
+    "nvlink": (64 << 20, 256 << 20),
+}
+""":data:`CROSSOVER_BYTES` with CUDA-graph replay, whose host time is a fraction of the
+launches': smaller where the host bounded the eager call."""
+
+PIECE_NUMEL = {"nvlink": 64 << 20, "shm": 32 << 20, "socket": 16 << 20, "cpu": 64 << 20}
+"""Values per pipeline piece in each regime: values, not bytes, since both the coding and the
+bytes on the wire grow with the values whatever the input dtype. Each piece has a fixed host
+cost; smaller pieces overlap more coding with sending. Where the transfer is short against the
+coding (NVLink) large pieces win; over sockets overlapping more pays (BENCHMARKS.md,
+"Pipeline pieces")."""
+
+PIECE_NUMEL_PAIR = {"shm": 64 << 20, "socket": 64 << 20}
+"""Values per piece where two ranks swap their chunks by all-gather, in place of
+:data:`PIECE_NUMEL`: there each collective's fixed cost outweighs the coding that smaller
+pieces overlap (BENCHMARKS.md, "Pipeline pieces")."""
+
+CALIBRATION_FORMAT = "cgx2-calibration/1"
+"""The ``format`` of a calibration file (``python -m cgx2.bench calibrate``)."""
+
+_STORE_KEY = "cgx2/calibration/"
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """How one allreduce (or reduce-scatter) runs.
+
+    - ``compress``: quantize, or run the plain collective.
+    - ``regime``: the interconnect it crosses (:func:`regime`).
+    - ``pair_gather``: two ranks swap their chunks by an all-gather rather than an all-to-all.
+    - ``piece_numel``: values per pipeline piece (whole buckets for every rank).
+    - ``graphs``: replay the pipeline as a CUDA graph (NCCL groups, CUDA tensors, Triton).
+    - ``gather_in_place``: encode each reduced chunk straight into its slot of the gather's
+      output (NCCL gathers in place: one allocation and copy fewer).
+    """
+
+    compress: bool
+    regime: str
+    pair_gather: bool
+    piece_numel: int
+    graphs: bool
+    gather_in_place: bool
+
+
+def detect_regime(device: torch.device, backend: str = "nccl", cuda_on_nccl: bool = True) -> str:
+    """``cpu`` (CPU tensors), ``socket`` (several nodes, NCCL limited to sockets, or CUDA
+    tensors on a group whose CUDA collectives are not NCCL's: gloo moves them through host
+    memory and TCP), ``shm`` (NCCL without peer-to-peer) or ``nvlink`` (GPUs that reach each
+    other directly; also assumed when one GPU is visible per process: it compresses least)."""
+    if device.type != "cuda":
+        return "cpu"
+    if not cuda_on_nccl:
+        return "socket"
+    launch = config.launch()
+    if launch.spans_nodes:
+        return "socket"
+    if launch.nccl_p2p_disabled:
+        return "socket" if launch.nccl_shm_disabled else "shm"
+    return "nvlink" if _peers_reachable() else "shm"
+
+
+@functools.cache
+def _peers_reachable() -> bool:
+    """Whether every visible GPU reaches every other directly (NVLink or PCIe P2P)."""
+    n = torch.cuda.device_count()
+    return all(
+        torch.cuda.can_device_access_peer(a, b) for a in range(n) for b in range(n) if a != b
+    )
+
+
+@functools.cache
+def regime(device: torch.device, backend: str = "nccl", cuda_on_nccl: bool = True) -> str:
+    """:func:`detect_regime`, once per device and backend: NCCL too reads its variables once."""
+    return detect_regime(device, backend, cuda_on_nccl)
+
+
+def calibration_key(device_type: str, backend: str, dtype: torch.dtype) -> str:
+    """The key of a crossover in a calibration file: ``"cuda/nccl/fp32"``, ``"cpu/gloo/16bit"``."""
+    return f"{device_type}/{backend}/{'fp32' if dtype.itemsize >= 4 else '16bit'}"
+
+
+def _read_calibration(path: str) -> dict[str, int | None]:
+    """The crossovers of a calibration file; {} where there is none or it is unusable (logged)."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        logger.warning("cgx2: ignoring the calibration file %s: %s", path, e)
+        return {}
+    crossovers = data.get("crossover_bytes") if isinstance(data, dict) else None
+    valid = isinstance(crossovers, dict) and all(
+        v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0)
+        for v in crossovers.values()
+    )
+    if data.get("format") != CALIBRATION_FORMAT or not valid:
+        logger.warning("cgx2: ignoring the calibration file %s: not a %s file", path,
+                       CALIBRATION_FORMAT)  # fmt: skip
+        return {}
+    logger.info("cgx2: crossovers from %s: %s", path, crossovers)
+    return dict(crossovers)
+
+
+_CALIBRATIONS: dict[int, dict[str, int | None]] = {}
+_MEASURED: dict[tuple, int | None] = {}
+_cached_for: list[config.TuningConfig | None] = [None]
+
+
+def _fresh() -> config.TuningConfig:
+    """The settings in force, dropping what was decided under others (a calibration file
+    named elsewhere, graphs turned on)."""
+    tuning = config.tuning()
+    if tuning is not _cached_for[0]:
+        clear_caches()
+        _cached_for[0] = tuning
+    return tuning
+
+
+def clear_caches() -> None:
+    """Forget the regimes, calibrations and crossovers decided so far (they are decided once
+    per device or group, as NCCL reads its variables once); the next call decides anew."""
+    regime.cache_clear()
+    _CALIBRATIONS.clear()
+    _MEASURED.clear()
+
+
+def calibration(group: dist.ProcessGroup | None = None) -> dict[str, int | None]:
+    """The measured crossovers that ``group``'s ranks route by: the calibration file of the
+    group's first rank, passed to the others through the default store, so that ranks whose
+    files differ (or who have none) still decide alike. Read once per group."""
+    key = id(group)
+    path = _fresh().calibration_file
+    found = _CALIBRATIONS.get(key)
+    if found is not None:
+        return found
+    if group is None or not dist.is_initialized():
+        found = _read_calibration(path)
+    else:
+        store = dist.distributed_c10d._get_default_store()
+        name = _STORE_KEY + group.group_name
+        if dist.get_rank(group) == 0:
+            found = _read_calibration(path)
+            store.set(name, json.dumps(found))
+        else:
+            found = json.loads(store.get(name))
+    _CALIBRATIONS[key] = found
+    if group is not None:
+        weakref.finalize(group, _CALIBRATIONS.pop, key, None)
+    return found
+
+
+def crossover_bytes(device: torch.device, dtype: torch.dtype,
+                    group: dist.ProcessGroup | None = None) -> int | None:  # fmt: skip
+    """The smallest tensor, in bytes, that is compressed on ``device`` over ``group`` (None:
+    never): ``CGX2_CROSSOVER_BYTES`` (read at every call) or :func:`cgx2.config.tuned`'s value,
+    else the calibration file's (:func:`calibration`), else the regime's table entry."""
+    override = config.crossover_override()
+    if override is not None:
+        return override
+    info = None if group is None else group_info(group)
+    return _measured(device, dtype, info, group, _fresh().cuda_graphs)
+
+
+def _measured(device: torch.device, dtype: torch.dtype, info: GroupInfo | None,
+              group: dist.ProcessGroup | None, with_graphs: bool) -> int | None:  # fmt: skip
+    key = (device, dtype, id(group), with_graphs)
+    if key in _MEASURED:
+        return _MEASURED[key]
+    backend = "nccl" if info is None else info.backend
+    nccl = True if info is None else info.cuda_on_nccl
+    where = regime(device, backend, nccl)
+    measured = calibration(group).get(calibration_key(device.type, backend, dtype), "absent")
+    if measured != "absent":
+        chosen, source = measured, "the calibration file"
+    else:
+        table = CROSSOVER_BYTES_GRAPHS if with_graphs else CROSSOVER_BYTES
+        full, half = table[where]
+        chosen, source = (full if dtype.itemsize >= 4 else half), "the built-in table"
+    logger.info(
+        "cgx2: %s regime, %s on %s%s: quantized from %s (%s; CGX2_CROSSOVER_BYTES=0 always "
+        "compresses)", where, dtype, backend, ", CUDA graphs" if with_graphs else "",
+        "never" if chosen is None else f"{chosen} bytes", source,
+    )  # fmt: skip
+    _MEASURED[key] = chosen
+    if group is not None:
+        weakref.finalize(group, _MEASURED.pop, key, None)
+    return chosen
+
+
+def compresses(t: torch.Tensor, group: dist.ProcessGroup, bits: int,
+               numel: int | None = None) -> bool:  # fmt: skip
+    """Whether a collective of ``t`` (or of ``numel`` values of its dtype on its device) over
+    ``group`` at ``bits`` is quantized: ``bits`` below 32, more than one rank, something to
+    send, and at least the crossover's bytes."""
+    if bits == UNCOMPRESSED_BITS:
+        return False
+    numel = t.numel() if numel is None else numel
+    if numel == 0 or group_info(group).size == 1:
+        return False
+    threshold = crossover_bytes(t.device, t.dtype, group)
+    return threshold is not None and numel * t.element_size() >= threshold
+
+
+def piece_numel(element_size: int, world: int, bucket_size: int, where: str,
+                pair_gather: bool) -> int:  # fmt: skip
+    """Values per pipeline piece: whole buckets for every rank, about
+    ``CGX2_PIPELINE_BYTES`` of input, or the regime's :data:`PIECE_NUMEL`. The pieces fix
+    which values share a random key, so every rank, and the reference model, cut alike."""
+    per_piece = world * bucket_size
+    pipeline_bytes = config.tuning().pipeline_bytes
+    if pipeline_bytes is not None:
+        return max(1, pipeline_bytes // (element_size * per_piece)) * per_piece
+    numel = PIECE_NUMEL_PAIR.get(where, PIECE_NUMEL[where]) if pair_gather else PIECE_NUMEL[where]
+    return max(1, numel // per_piece) * per_piece
+
+
+def uses_pair_gather(world: int, where: str) -> bool:
+    """Whether two ranks swap their chunks by all-gather: the same bytes through NCCL's
+    collective path rather than its point-to-point one, which was the slower outside NVLink
+    and the faster over it (BENCHMARKS.md, "Two ranks swap by all-gather")."""
+    return world == 2 and where != "nvlink" and config.tuning().pair_gather
+
+
+def route(t: torch.Tensor, group: dist.ProcessGroup, bits: int, bucket_size: int,
+          numel: int | None = None) -> Route:  # fmt: skip
+    """The whole route of a collective of ``t`` (or ``numel`` of its values) over ``group``."""
+    info = group_info(group)
+    compress = compresses(t, group, bits, numel)
+    where = regime(t.device, info.backend, info.cuda_on_nccl)
+    pair = uses_pair_gather(info.size, where)
+    nccl_cuda = t.is_cuda and info.cuda_on_nccl
+    return Route(
+        compress=compress,
+        regime=where,
+        pair_gather=pair,
+        piece_numel=piece_numel(t.element_size(), info.size, bucket_size, where, pair),
+        graphs=compress and nccl_cuda and graphs.usable(t),
+        gather_in_place=nccl_cuda,
+    )

@@ -1,0 +1,91 @@
+"""Bit-exact models of the quantized collectives, computed in one process with the torch
+reference codec: what every rank of the real collective returns, for tests and GPU checks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..checks import check_reduce_op
+from ..codecs import ChunkedLayout, maxmin
+from ..seeding import derive_key
+from . import policy
+from .allreduce import STAGE_GATHER, STAGE_SCATTER
+from .reduce_scatter import Segment, _fused_rows, _group_key, _split, width_groups
+
+__all__ = ["reference_allreduce", "reference_reduce_scatter"]
+
+
+def reference_allreduce(
+    inputs: list[torch.Tensor],
+    bits: int,
+    bucket_size: int,
+    seed: int,
+    reduce_op: str = "sum",
+    skip_incomplete: bool = False,
+    device: torch.device | None = None,
+    regime: str | None = None,
+) -> torch.Tensor:
+    """What :func:`cgx2.collectives.allreduce` returns on every rank when rank r holds
+    ``inputs[r]`` and it compresses, computed in one process with the torch reference codec
+    (same pieces, keys and order of summation): a bit-exact model of the collective, for
+    tests and checks. The pieces follow ``regime`` (default: that of ``device`` on NCCL, or
+    of the inputs' device; name the GPU when modelling it from CPU copies)."""
+    world, x0 = len(inputs), inputs[0]
+    flats = [x.reshape(-1).cpu() for x in inputs]
+    out = torch.empty(x0.numel(), dtype=x0.dtype)
+    scale = 1.0 / world if check_reduce_op(reduce_op) == "avg" else None
+    where = regime or policy.regime(device or x0.device)
+    pair = policy.uses_pair_gather(world, where)
+    step = policy.piece_numel(x0.element_size(), world, bucket_size, where, pair)
+    for index, s in enumerate(range(0, x0.numel(), step)):
+        pieces = [f[s : s + step] for f in flats]
+        layout = ChunkedLayout.split(pieces[0].numel(), world, bits, bucket_size, skip_incomplete)
+        sent = [
+            maxmin.encode_chunks(p, layout, derive_key(seed, STAGE_SCATTER, r, index), r)
+            for r, p in enumerate(pieces)
+        ]
+        reduced = torch.zeros(world, layout.payload_nbytes, dtype=torch.uint8)
+        for j in range(world):
+            start, size = layout.chunk_start(j), layout.chunk_size(j)
+            received = torch.stack([sent[r][j] for r in range(world)])
+            maxmin.decode_sum_encode(
+                received, size, pieces[j][start : start + size], j, scale, bits, bucket_size,
+                derive_key(seed, STAGE_GATHER, index), j, skip_incomplete, out=reduced[j],
+            )  # fmt: skip
+        maxmin.decode_chunks(reduced, layout, x0.dtype, out=out[s : s + pieces[0].numel()])
+    return out.view(x0.shape)
+
+
+def reference_reduce_scatter(
+    inputs: list[torch.Tensor],
+    bits: int,
+    bucket_size: int,
+    seed: int,
+    scale: float | None = None,
+    segments: Sequence[Segment] | None = None,
+    widths: Sequence[int] | None = None,
+) -> list[torch.Tensor]:
+    """What :func:`cgx2.collectives.reduce_scatter` writes on every rank when rank r holds
+    ``inputs[r]`` and compression pays, for its compressed segments (the exact ones are left
+    zero), computed in one process with the reference codec, one width group at a time: a
+    bit-exact model for tests."""
+    world = len(inputs)
+    n = inputs[0].numel() // world
+    compressed, _ = _split(segments, n)
+    outputs = [torch.zeros(n, dtype=inputs[0].dtype) for _ in range(world)]
+    for g, (b, chosen) in enumerate(width_groups(compressed, bits, widths)):
+        fused = [_fused_rows(x.reshape(world, n).cpu(), list(chosen), bucket_size) for x in inputs]
+        starts, width = fused[0][1], fused[0][2]
+        layout = ChunkedLayout(world * width, world, width, b, bucket_size)
+        sent = [maxmin.encode_chunks(f, layout, _group_key(seed, r, g), r)
+                for r, (f, _, _) in enumerate(fused)]  # fmt: skip
+        for j in range(world):
+            received = torch.stack([sent[r][j] for r in range(world)])
+            own = fused[j][0][j * width : (j + 1) * width]
+            reduced = maxmin.decode_sum(received, width, own, j, scale, b, bucket_size)
+            for (o, k, _), at in zip(chosen, starts, strict=True):
+                outputs[j][o : o + k] = reduced[at : at + k]
+    return outputs

@@ -1,0 +1,176 @@
+"""The process-group transport: ``torch.distributed``'s collectives on the user's group, called
+directly where that is safe (eager, a real ProcessGroup), and what a group is (backend, size).
+
+Every blocking wait goes through :func:`wait`, so the group's timeout applies.
+"""
+
+from __future__ import annotations
+
+import datetime
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "CompletedWork",
+    "GroupInfo",
+    "all_gather",
+    "all_gather_single",
+    "all_to_all",
+    "allreduce_plain",
+    "allreduce_plain_",
+    "group_info",
+    "group_size_and_rank",
+    "reduce_scatter_single",
+    "wait",
+]
+
+# torch >= 2.13 renamed all_gather_into_tensor and reduce_scatter_tensor; both exist between.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass(frozen=True, slots=True)
+class GroupInfo:
+    """What the collectives need to know of a process group, looked up once per group.
+
+    - ``backend``: ``dist.get_backend(group)`` ("nccl", "gloo", "cgx", ...).
+    - ``size`` and ``rank``: the group's size and this process's rank in it.
+    - ``cuda_on_nccl``: whether its CUDA tensors' collectives are NCCL's (an NCCL group, or a
+      ``cgx`` one with NCCL under it); otherwise CUDA tensors cross through host memory.
+    - ``has_exact_allreduce``: whether the group has an uncompressed ``allreduce_exact`` (the
+      ``cgx`` backend, whose ``all_reduce`` would quantize) for the plain path to call.
+    """
+
+    backend: str
+    size: int
+    rank: int
+    cuda_on_nccl: bool
+    has_exact_allreduce: bool
+
+
+_INFO: dict[int, GroupInfo] = {}
+
+
+def group_info(group: dist.ProcessGroup) -> GroupInfo:
+    """:class:`GroupInfo` of ``group``, cached by ``id`` (a weak-keyed dictionary builds a
+    weak reference at each lookup) and dropped with the group, before its id can be reused."""
+    info = _INFO.get(id(group))
+    if info is not None:
+        return info
+    backend = dist.get_backend(group)
+    if isinstance(group, dist.ProcessGroup):
+        size, rank = group.size(), group.rank()
+    else:
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+    nccl = backend == "nccl" or bool(getattr(group, "cuda_on_nccl", False))
+    # Nothing of the group itself is kept: the entry must not keep the group alive.
+    info = GroupInfo(backend, size, rank, nccl, hasattr(group, "allreduce_exact"))
+    _INFO[id(group)] = info
+    weakref.finalize(group, _INFO.pop, id(group), None)
+    return info
+
+
+def group_size_and_rank(group: dist.ProcessGroup) -> tuple[int, int]:
+    """``group``'s size and this process's rank in it (:func:`group_info`)."""
+    info = group_info(group)
+    return info.size, info.rank
+
+
+def wait(work: dist.Work | None) -> None:
+    """Wait on a collective's Work, if it returned one: NCCL returns none for a synchronous
+    call (asyncOp False), on the caller's stream; gloo returns one that must still be waited."""
+    if work is not None:
+        work.wait()
+
+
+def _options(kind: type, async_op: bool, **fields: object) -> object:
+    """Collective options as ``torch.distributed``'s own wrappers make them (``asyncOp``:
+    on NCCL's stream, or, where torch has the field and it is False, on the current one)."""
+    options = kind()
+    for name, value in fields.items():
+        setattr(options, name, value)
+    if hasattr(options, "asyncOp"):
+        options.asyncOp = async_op
+    return options
+
+
+_SUM_OPTIONS = _options(dist.AllreduceOptions, False, reduceOp=dist.ReduceOp.SUM)
+_AVG_OPTIONS = _options(dist.AllreduceOptions, False, reduceOp=dist.ReduceOp.AVG)
+_ALL_TO_ALL_OPTIONS = {a: _options(dist.AllToAllOptions, a) for a in (True, False)}
+_ALL_GATHER_OPTIONS = {
+    a: _options(dist.distributed_c10d.AllgatherOptions, a) for a in (True, False)
+}
+
+
+def _direct(group: dist.ProcessGroup) -> bool:
+    """Whether to call ``group``'s collectives directly, as ``torch.distributed``'s wrappers
+    do after their checks and logging (host time the allreduce's pieces wait on)."""
+    return not torch.compiler.is_compiling() and isinstance(group, dist.ProcessGroup)
+
+
+def all_to_all(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
+               async_op: bool = True) -> dist.Work | None:  # fmt: skip
+    """Start ``dist.all_to_all_single(out, send, async_op=async_op)`` of equal splits. The
+    Work, if any, must be waited on (gloo returns one even when ``async_op`` is False)."""
+    if _direct(group):
+        return group.alltoall_base(out, send, [], [], _ALL_TO_ALL_OPTIONS[async_op])
+    return dist.all_to_all_single(out, send, group=group, async_op=async_op)
+
+
+def all_gather(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
+               async_op: bool = True) -> dist.Work | None:  # fmt: skip
+    """Start the all-gather of every rank's ``send`` into ``out``; its Work as
+    :func:`all_to_all`'s."""
+    if _direct(group):
+        return group._allgather_base(out, send, _ALL_GATHER_OPTIONS[async_op])
+    return all_gather_single(out, send, group=group, async_op=async_op)
+
+
+def allreduce_plain(t: torch.Tensor, group: dist.ProcessGroup, reduce_op: str) -> torch.Tensor:
+    """The uncompressed allreduce of a copy of ``t``. AVG uses the backend's own AVG where it
+    has one (NCCL); elsewhere (gloo) it sums and divides by the world size."""
+    return allreduce_plain_(t.clone(memory_format=torch.contiguous_format), group, reduce_op)
+
+
+def allreduce_plain_(t: torch.Tensor, group: dist.ProcessGroup, reduce_op: str) -> torch.Tensor:
+    """:func:`allreduce_plain` in place, on a contiguous ``t``; returns ``t``."""
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        return t
+    info = group_info(group)
+    if info.has_exact_allreduce:  # the cgx backend, whose all_reduce would quantize
+        group.allreduce_exact(t, reduce_op).wait()
+        return t
+    native_avg = reduce_op == "avg" and info.cuda_on_nccl and t.is_cuda
+    op = dist.ReduceOp.AVG if native_avg else dist.ReduceOp.SUM
+    if torch.compiler.is_compiling():
+        dist.all_reduce(t, op=op, group=group)
+    else:
+        # The process group's own allreduce, which dist.all_reduce calls after its checks
+        # and logging: below the crossover this is the whole call, so its host time counts.
+        wait(group.allreduce([t], _AVG_OPTIONS if native_avg else _SUM_OPTIONS))
+    if reduce_op == "avg" and not native_avg:
+        t.div_(info.size)
+    return t
+
+
+class CompletedWork(dist.Work):
+    """A collective whose result is already enqueued: on CUDA, its future's event stands for
+    the kernels on the stream that issued them."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        super().__init__()
+        cuda = [t.device for t in tensors if t.is_cuda]
+        self._future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future(
+            devices=cuda[:1] or None
+        )
+        self._future.set_result(tensors)
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        self._future.wait()
+        return True
+
+    def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
+        return self._future

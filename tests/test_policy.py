@@ -1,0 +1,322 @@
+"""The routing policy: regime detection from the group's backend, NCCL's variables and the
+GPUs' peer access; crossovers per regime and dtype, from CGX2_CROSSOVER_BYTES, a calibration
+file (rank 0's copy) or the tables; the plain result below the crossover, in every entry."""
+
+import gc
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import cgx2
+from cgx2 import comm, config
+from cgx2.collectives import policy
+from cgx2.collectives.policy import crossover_bytes, detect_regime
+
+CUDA = torch.device("cuda", 0)
+MiB = 1 << 20
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for var in ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                "CGX2_CROSSOVER_BYTES", "CGX2_CUDA_GRAPHS"):  # fmt: skip
+        monkeypatch.delenv(var, raising=False)
+    config.reload()
+    policy.clear_caches()
+    yield monkeypatch
+    monkeypatch.undo()
+    config.reload()
+    policy.clear_caches()
+
+
+def _regime_is(monkeypatch, where):
+    monkeypatch.setattr(policy, "detect_regime", lambda *args: where)
+    policy.clear_caches()
+
+
+def test_regime_is_read_once_per_device(clean_env):
+    """The threshold runs before every allreduce: the regime is detected once, while
+    CGX2_CROSSOVER_BYTES stays live."""
+    calls = []
+    clean_env.setattr(policy, "detect_regime", lambda *args: calls.append(args) or "shm")
+    for _ in range(3):
+        assert crossover_bytes(CUDA, torch.float32) == 16 * MiB
+    assert len(calls) == 1
+    clean_env.setenv("CGX2_CROSSOVER_BYTES", "123")
+    assert crossover_bytes(CUDA, torch.float32) == 123
+    clean_env.setenv("CGX2_CROSSOVER_BYTES", "1M")
+    assert crossover_bytes(CUDA, torch.float32) == MiB
+
+
+@pytest.mark.parametrize(
+    ("env", "peers", "regime"),
+    [
+        ({}, True, "nvlink"),
+        ({}, False, "shm"),
+        ({"NCCL_P2P_DISABLE": "1"}, True, "shm"),
+        ({"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}, True, "socket"),
+        ({"NCCL_P2P_DISABLE": "0"}, True, "nvlink"),
+        ({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}, True, "socket"),
+        ({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "8"}, True, "nvlink"),
+    ],
+)
+def test_regime_detection(clean_env, env, peers, regime):
+    for k, v in env.items():
+        clean_env.setenv(k, v)
+    clean_env.setattr(policy, "_peers_reachable", lambda: peers)
+    assert detect_regime(CUDA) == regime
+    assert detect_regime(torch.device("cpu")) == "cpu"
+
+
+def test_cuda_tensors_on_gloo_cross_host_sockets(clean_env):
+    """CUDA tensors on a group whose CUDA collectives are not NCCL's (gloo: no NCCL, e.g. on
+    Windows) go through host memory and TCP, whatever the GPUs reach: the socket regime, so
+    they are compressed from its crossover rather than NVLink's."""
+    clean_env.setattr(policy, "_peers_reachable", lambda: True)
+    assert detect_regime(CUDA, "nccl", True) == "nvlink"
+    assert detect_regime(CUDA, "gloo", False) == "socket"
+    assert detect_regime(torch.device("cpu"), "gloo", False) == "cpu"
+
+
+def test_a_launcher_variable_that_is_not_a_count_is_named(clean_env):
+    clean_env.setenv("WORLD_SIZE", "4")
+    clean_env.setenv("LOCAL_WORLD_SIZE", "two")
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE='two'"):
+        detect_regime(CUDA)
+
+
+@pytest.mark.parametrize(
+    ("regime", "dtype", "expected"),
+    [
+        ("nvlink", torch.float32, 256 * MiB),
+        ("nvlink", torch.bfloat16, None),
+        ("nvlink", torch.float16, None),
+        ("shm", torch.bfloat16, 16 * MiB),
+        ("socket", torch.float32, 4 * MiB),
+        ("cpu", torch.float32, 0),
+    ],
+)
+def test_crossover_per_regime_and_dtype(clean_env, regime, dtype, expected):
+    _regime_is(clean_env, regime)
+    assert crossover_bytes(CUDA, dtype) == expected
+
+
+@pytest.mark.parametrize(
+    ("regime", "dtype", "expected"),
+    [
+        ("nvlink", torch.float32, 64 * MiB),
+        ("nvlink", torch.bfloat16, 256 * MiB),
+        ("shm", torch.float32, 4 * MiB),
+        ("shm", torch.bfloat16, 16 * MiB),
+        ("socket", torch.bfloat16, 4 * MiB),
+    ],
+)
+def test_crossover_with_cuda_graphs(clean_env, regime, dtype, expected):
+    """Replaying graphs costs the host less: compression pays from smaller sizes."""
+    _regime_is(clean_env, regime)
+    with config.tuned(cuda_graphs=True):
+        assert crossover_bytes(CUDA, dtype) == expected
+    assert crossover_bytes(CUDA, dtype) == policy.CROSSOVER_BYTES[regime][dtype.itemsize < 4]
+
+
+def test_variable_overrides_and_is_checked(clean_env):
+    _regime_is(clean_env, "nvlink")
+    clean_env.setenv("CGX2_CROSSOVER_BYTES", "0")
+    assert crossover_bytes(CUDA, torch.bfloat16) == 0
+    clean_env.setenv("CGX2_CROSSOVER_BYTES", "auto")
+    assert crossover_bytes(CUDA, torch.bfloat16) is None
+    for bad in ("-1", "1 TB", "lots"):
+        clean_env.setenv("CGX2_CROSSOVER_BYTES", bad)
+        with pytest.raises(ValueError, match="CGX2_CROSSOVER_BYTES"):
+            crossover_bytes(CUDA, torch.float32)
+    clean_env.setenv("CGX2_CROSSOVER_BYTES", "7")
+    with config.tuned(crossover_bytes=5):  # an explicit override beats the variable
+        assert crossover_bytes(CUDA, torch.float32) == 5
+
+
+def test_a_regime_where_compression_never_won_never_compresses(clean_env):
+    _regime_is(clean_env, "nvlink")
+    clean_env.setitem(policy.CROSSOVER_BYTES, "nvlink", (256 * MiB, None))
+    assert crossover_bytes(CUDA, torch.float16) is None
+    assert crossover_bytes(CUDA, torch.float32) == 256 * MiB
+
+
+def _calibration_file(path, crossovers, fmt=policy.CALIBRATION_FORMAT):
+    path.write_text(json.dumps({"format": fmt, "crossover_bytes": crossovers}))
+    return str(path)
+
+
+def test_a_calibration_file_sets_the_crossovers_it_measured(clean_env, tmp_path):
+    """Keys are device/backend/width; a key the file lacks keeps the table's value."""
+    _regime_is(clean_env, "nvlink")
+    path = _calibration_file(tmp_path / "c.json", {"cuda/nccl/16bit": None, "cuda/gloo/fp32": 9})
+    with config.tuned(calibration_file=path):
+        assert crossover_bytes(CUDA, torch.bfloat16) is None
+        assert crossover_bytes(CUDA, torch.float32) == 256 * MiB  # not in the file for nccl
+    path = _calibration_file(tmp_path / "d.json", {"cuda/nccl/fp32": 1234})
+    with config.tuned(calibration_file=path):
+        assert crossover_bytes(CUDA, torch.float32) == 1234
+    assert crossover_bytes(CUDA, torch.float32) == 256 * MiB  # another file: tables again
+
+
+@pytest.mark.parametrize(
+    "content",
+    ['{"format": "cgx2-calibration/1", "crossover_bytes": {"cuda/nccl/fp32": -4}}',
+     '{"format": "other/1", "crossover_bytes": {}}', "not json"],
+)
+def test_an_unusable_calibration_file_is_ignored_with_a_warning(clean_env, tmp_path, caplog,
+                                                               content):  # fmt: skip
+    _regime_is(clean_env, "shm")
+    path = tmp_path / "c.json"
+    path.write_text(content)
+    with config.tuned(calibration_file=str(path)):
+        assert crossover_bytes(CUDA, torch.float32) == 16 * MiB
+    assert "ignoring the calibration file" in caplog.text
+
+
+def _route_with_own_calibration(directory: str) -> list[object]:
+    """Each rank names its own calibration file; rank 0's says compress from 8 KiB, rank 1's
+    from 1 GiB. Both must route by rank 0's."""
+    rank = dist.get_rank()
+    path = os.path.join(directory, f"rank{rank}.json")
+    with open(path, "w") as f:
+        json.dump({"format": policy.CALIBRATION_FORMAT,
+                   "crossover_bytes": {"cpu/gloo/fp32": 8192 if rank == 0 else 1 << 30}}, f)
+    with config.tuned(calibration_file=path):
+        group = dist.new_group()
+        found = policy.crossover_bytes(torch.device("cpu"), torch.float32, group)
+        x = torch.randn(4096, generator=torch.Generator().manual_seed(rank))
+        exact = x.clone()
+        dist.all_reduce(exact, group=group)
+        got = cgx2.quantized_allreduce(x, 4, group=group, seed=3)
+        dist.destroy_process_group(group)
+    return [found, torch.equal(got, exact)]
+
+
+def test_ranks_route_by_rank_0s_calibration(dist2, tmp_path):
+    assert dist2.run(_route_with_own_calibration, str(tmp_path)) == [[8192, False]] * 2
+
+
+def _below_and_above_crossover() -> list[bool]:
+    """With the crossover at 16 KiB: 4095 fp32 values go plain (exact), 4096 are quantized."""
+    os.environ["CGX2_CROSSOVER_BYTES"] = "16K"
+    try:
+        out = []
+        for n in (4095, 4096):
+            x = torch.randn(n, generator=torch.Generator().manual_seed(dist.get_rank()))
+            exact = x.clone()
+            dist.all_reduce(exact)
+            out.append(torch.equal(cgx2.quantized_allreduce(x, 4, seed=1), exact))
+            op = torch.ops.cgx.quantized_allreduce(x, 4, 512, "", "sum", 1, False)
+            out.append(torch.equal(op, exact))
+        return out
+    finally:
+        del os.environ["CGX2_CROSSOVER_BYTES"]
+
+
+def test_below_the_crossover_the_result_is_the_plain_allreduce(dist2):
+    assert dist2.run(_below_and_above_crossover) == [[True, True, False, False]] * 2
+
+
+def _hook_and_backend_below_the_crossover() -> list[bool]:
+    """With a crossover larger than anything here, the hook and the backend send exactly."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from cgx2.ddp import CGXState, cgx_hook
+
+    os.environ.update(CGX2_CROSSOVER_BYTES=str(1 << 30), CGX_COMPRESSION_QUANTIZATION_BITS="4")
+    try:
+        group = dist.new_group(backend="cgx")
+        x = torch.randn(100_000, generator=torch.Generator().manual_seed(dist.get_rank()))
+        exact, got = x.clone(), x.clone()
+        dist.all_reduce(exact)
+        dist.all_reduce(got, group=group)
+        checks = [torch.equal(got, exact), group.bytes_sent == group.bytes_uncompressed]
+        model = DDP(torch.nn.Linear(256, 256))
+        state = CGXState(None, 1024, {"bits": 4})
+        model.register_comm_hook(state, cgx_hook)
+        model(torch.randn(8, 256)).sum().backward()
+        checks.append(state.bytes_sent == state.bytes_uncompressed > 0)
+        dist.destroy_process_group(group)
+        return checks
+    finally:
+        del os.environ["CGX2_CROSSOVER_BYTES"], os.environ["CGX_COMPRESSION_QUANTIZATION_BITS"]
+
+
+def test_hook_and_backend_fall_back_in_place(dist2):
+    assert dist2.run(_hook_and_backend_below_the_crossover) == [[True, True, True]] * 2
+
+
+def test_fallback_calls_the_group_synchronously_and_accepts_no_work(monkeypatch):
+    """Below the crossover the process group's allreduce runs as ``dist.all_reduce`` runs it
+    (``asyncOp`` False, where torch has the field); NCCL then returns no Work object."""
+    calls = []
+
+    class Group:
+        def allreduce(self, tensors, options):
+            calls.append(options)
+            tensors[0].add_(1)
+            return None
+
+    info = comm.GroupInfo("nccl", 2, 0, True, False)
+    monkeypatch.setattr(comm.process_group, "group_info", lambda group: info)
+    t = torch.zeros(4)
+    assert comm.allreduce_plain_(t, Group(), "sum") is t
+    assert torch.equal(t, torch.ones(4))
+    assert calls[0].reduceOp == dist.ReduceOp.SUM
+    assert getattr(calls[0], "asyncOp", False) is False
+
+
+@pytest.mark.parametrize("cuda_on_nccl", [True, False])
+def test_group_info_is_looked_up_once_per_group_and_dropped_with_it(monkeypatch, cuda_on_nccl):
+    """A cgx group's plain allreduce is its own exact one; whether NCCL carries its CUDA
+    tensors decides its regime and whether CUDA graphs may replay on it."""
+    backends, sizes = [], []
+    monkeypatch.setattr(comm.process_group.dist, "get_backend",
+                        lambda group: backends.append(group) or "cgx")  # fmt: skip
+
+    class CGXGroup(dist.ProcessGroup):
+        def size(self):
+            sizes.append(1)
+            return 3
+
+        def rank(self):
+            return 2
+
+        def allreduce_exact(self, tensor, reduce_op):
+            raise AssertionError("not called here")
+
+    group = CGXGroup(2, 3)
+    group.cuda_on_nccl = cuda_on_nccl
+    info = comm.group_info(group)
+    assert comm.group_info(group) is info and len(backends) == len(sizes) == 1
+    assert (info.backend, info.size, info.rank) == ("cgx", 3, 2)
+    assert info.has_exact_allreduce and info.cuda_on_nccl is cuda_on_nccl
+    assert comm.group_size_and_rank(group) == (3, 2)
+    key = id(group)
+    del group, info, backends[:]
+    gc.collect()
+    assert key not in comm.process_group._INFO
+
+
+def test_the_route_names_everything_a_call_needs(clean_env):
+    """One decision a call: compress or plain, pieces, the pair all-gather, graphs."""
+
+    class Group(dist.ProcessGroup):
+        pass
+
+    group = Group(0, 2)
+    clean_env.setattr(comm.process_group.dist, "get_backend", lambda group: "gloo")
+    x = torch.zeros(1 << 12)
+    route = policy.route(x, group, 4, 512)
+    assert route.compress and route.regime == "cpu" and route.pair_gather
+    assert not route.graphs and not route.gather_in_place
+    assert route.piece_numel == policy.PIECE_NUMEL["cpu"]
+    assert not policy.route(x, group, 32, 512).compress  # bits 32: plain, exactly
+    assert not policy.route(x[:0], group, 4, 512).compress  # nothing to send
+    with config.tuned(crossover_bytes=1 << 20):
+        assert not policy.route(x, group, 4, 512).compress
+        assert policy.route(x, group, 4, 512, numel=1 << 18).compress
