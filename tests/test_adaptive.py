@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import cgx2
-from cgx2.adaptive import layer_errors, plan_bits
+from cgx2.collectives.adaptive import layer_errors, plan_bits
 from cgx2.ddp import CGXState, cgx_hook
 
 OPTIONS = (2, 3, 4, 6, 8)

@@ -17,8 +17,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import cgx2
 from cgx2.collectives import reference_allreduce
+from cgx2.collectives.fusion import fuse_padded, fusion_batches, quantized_bytes_sent
 from cgx2.ddp import CGXState, cgx_hook
-from cgx2.fusion import fuse_padded, fusion_batches, quantized_bytes_sent
 from cgx2.seeding import call_seed
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,9 +11,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import cgx2
-from cgx2 import collectives
 from cgx2.codecs import ChunkedLayout, maxmin
-from cgx2.collectives import allreduce_quantized_
+from cgx2.collectives import allreduce_, policy
+from cgx2.collectives.allreduce import STAGE_SCATTER
+from cgx2.config import tuned
 from cgx2.ddp import (
     CGXState,
     GlobalQSGDState,
@@ -22,7 +23,7 @@ from cgx2.ddp import (
     standard_dithering_hook,
 )
 from cgx2.ddp import global_qsgd as gq
-from cgx2.error_feedback import ErrorFeedback
+from cgx2.ddp.error_feedback import ErrorFeedback
 from cgx2.seeding import derive_key
 
 BITS, BUCKET = 4, 64
@@ -96,7 +97,7 @@ def test_bad_arguments_are_clear():
         CGXState(None, compression_params={"bits": 4}, mesh=DeviceMesh.__new__(DeviceMesh),
                  error_feedback=True)  # fmt: skip
     with pytest.raises(ValueError, match="error must be"):
-        allreduce_quantized_(torch.zeros(8), 4, 4, None, error=torch.zeros(4))
+        allreduce_(torch.zeros(8), 4, 4, None, error=torch.zeros(4))
     state = CGXState(None, 16, {"bits": 4}, error_feedback=True)
     grad = torch.zeros(64, 64)
     with pytest.raises(NotImplementedError, match="compiled autograd"):
@@ -110,21 +111,20 @@ def _collective_error(dtype: torch.dtype) -> dict:
     """The allreduce's ``error`` against an independent encode/decode of what this rank
     sends, over several pipeline pieces; and the result is unchanged by asking for it."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    saved = collectives.PIPELINE_BYTES
-    collectives.PIPELINE_BYTES = 2048  # pieces of 256 (fp32) or 1024 values: several a call
-    try:
+    # Pieces of 256 (fp32) or 1024 values: several a call.
+    with tuned(pipeline_bytes=2048):
         g = torch.Generator().manual_seed(40 + rank)
         x = (torch.randn(1500, generator=g) * (rank + 1)).to(dtype)
         plain = x.clone()
-        allreduce_quantized_(plain, BITS, BUCKET, dist.group.WORLD, "avg", seed=77)
+        allreduce_(plain, BITS, BUCKET, dist.group.WORLD, "avg", seed=77)
         out, error = x.clone(), torch.full_like(x, float("nan"))
-        allreduce_quantized_(out, BITS, BUCKET, dist.group.WORLD, "avg", seed=77, error=error)
-        step = collectives._piece_numel(x.element_size(), world, BUCKET)
+        allreduce_(out, BITS, BUCKET, dist.group.WORLD, "avg", seed=77, error=error)
+        step = policy.route(x, dist.group.WORLD, BITS, BUCKET).piece_numel
         decoded = x.float().clone()
         for i, s in enumerate(range(0, x.numel(), step)):
             piece = x[s : s + step]
             layout = ChunkedLayout.split(piece.numel(), world, BITS, BUCKET, False)
-            key = derive_key(77, collectives._STAGE_SCATTER, rank, i)
+            key = derive_key(77, STAGE_SCATTER, rank, i)
             for j in range(world):
                 a, n = layout.chunk_start(j), layout.chunk_size(j)
                 if j != rank and n:
@@ -132,8 +132,6 @@ def _collective_error(dtype: torch.dtype) -> dict:
                     decoded[s + a : s + a + n] = maxmin.decode(payload, n, BITS, BUCKET)
         return {"same": torch.equal(out, plain), "error": error, "x": x, "decoded": decoded,
                 "pieces": -(-x.numel() // step)}  # fmt: skip
-    finally:
-        collectives.PIPELINE_BYTES = saved
 
 
 def _gq_algebra(name: str) -> tuple[torch.Tensor, torch.Tensor]:

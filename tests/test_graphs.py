@@ -1,4 +1,4 @@
-"""CUDA-graph replay (cgx2.graphs): the keys derived on the device match cgx2.seeding, and the
+"""CUDA-graph replay (cgx2.collectives.graphs): the keys derived on the device match cgx2.seeding, and the
 cache runs, captures, replays and evicts in the right order. The capture itself needs a GPU
 (bench/gpu_allreduce_check.py checks its bytes); here a stand-in records what it was given."""
 
@@ -7,7 +7,8 @@ import logging
 import pytest
 import torch
 
-from cgx2 import graphs
+from cgx2 import config
+from cgx2.collectives import graphs
 from cgx2.seeding import derive_key
 
 keys_triton = pytest.importorskip("cgx2.codecs.keys_triton", reason="Triton is not installed")
@@ -136,15 +137,13 @@ def test_failed_capture_runs_eagerly_and_stops_capturing(fake_capture, monkeypat
 
 @pytest.mark.parametrize(("raw", "expected"), [("", False), ("0", False), ("1", True),
                                                ("on", True)])  # fmt: skip
-def test_environment_variable(monkeypatch, raw, expected):
-    monkeypatch.setenv("CGX2_CUDA_GRAPHS", raw)
-    assert graphs._enabled_by_env() is expected
+def test_environment_variable(raw, expected):
+    assert config.TuningConfig.from_env({"CGX2_CUDA_GRAPHS": raw}).cuda_graphs is expected
 
 
-def test_environment_variable_rejects_junk(monkeypatch):
-    monkeypatch.setenv("CGX2_CUDA_GRAPHS", "maybe")
+def test_environment_variable_rejects_junk():
     with pytest.raises(ValueError, match="CGX2_CUDA_GRAPHS"):
-        graphs._enabled_by_env()
+        config.TuningConfig.from_env({"CGX2_CUDA_GRAPHS": "maybe"})
 
 
 def test_destroying_a_group_drops_its_graphs_first(fake_capture, monkeypatch):

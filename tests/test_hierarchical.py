@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from cgx2.collectives import reference_allreduce
-from cgx2.hierarchical import hierarchical_allreduce, node_mesh
+from cgx2.collectives.hierarchical import hierarchical_allreduce, node_mesh
 
 
 def _input(rank: int, n: int) -> torch.Tensor:
@@ -141,7 +141,7 @@ def _backend_on_two_nodes(intra_broadcast: bool, op: str) -> dict:
 def test_cgx_backend_goes_hierarchical_across_nodes(dist4, intra_broadcast, op):
     """dist.all_reduce on a cgx world group of a 2-node job: plain inside the nodes, quantized
     between them, bit-equal to the model of the fused (bucket-padded) tensor."""
-    from cgx2.fusion import fuse_padded
+    from cgx2.collectives.fusion import fuse_padded
     from cgx2.seeding import call_seed
 
     results = dist4.run(_backend_on_two_nodes, intra_broadcast, op)

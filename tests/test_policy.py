@@ -164,8 +164,11 @@ def test_a_calibration_file_sets_the_crossovers_it_measured(clean_env, tmp_path)
 
 @pytest.mark.parametrize(
     "content",
-    ['{"format": "cgx2-calibration/1", "crossover_bytes": {"cuda/nccl/fp32": -4}}',
-     '{"format": "other/1", "crossover_bytes": {}}', "not json"],
+    [
+        '{"format": "cgx2-calibration/1", "crossover_bytes": {"cuda/nccl/fp32": -4}}',
+        '{"format": "other/1", "crossover_bytes": {}}',
+        "not json",
+    ],
 )
 def test_an_unusable_calibration_file_is_ignored_with_a_warning(clean_env, tmp_path, caplog,
                                                                content):  # fmt: skip
@@ -183,8 +186,13 @@ def _route_with_own_calibration(directory: str) -> list[object]:
     rank = dist.get_rank()
     path = os.path.join(directory, f"rank{rank}.json")
     with open(path, "w") as f:
-        json.dump({"format": policy.CALIBRATION_FORMAT,
-                   "crossover_bytes": {"cpu/gloo/fp32": 8192 if rank == 0 else 1 << 30}}, f)
+        json.dump(
+            {
+                "format": policy.CALIBRATION_FORMAT,
+                "crossover_bytes": {"cpu/gloo/fp32": 8192 if rank == 0 else 1 << 30},
+            },
+            f,
+        )
     with config.tuned(calibration_file=path):
         group = dist.new_group()
         found = policy.crossover_bytes(torch.device("cpu"), torch.float32, group)
