@@ -59,8 +59,8 @@ if [ "$NGPU" -ge 2 ] && [ -z "${SKIP_BENCH:-}" ]; then
   for regime in nvlink shm socket; do
     regime_vars $regime
     echo "== allreduce, $NGPU GPUs, regime $regime"
-    env "${vars[@]}" torchrun --nproc-per-node "$NGPU" -m cgx2.bench ${BENCH_ARGS:-} \
-      2>>"$LOGS/bench_$regime.err" || status=1
+    env "${vars[@]}" torchrun --nproc-per-node "$NGPU" -m cgx2.bench --out bench/results \
+      ${BENCH_ARGS:-} 2>>"$LOGS/bench_$regime.err" || status=1
     save
   done
 fi

@@ -1,5 +1,7 @@
 """Markdown tables for BENCHMARKS.md from the raw JSON results, so every quoted number traces
-to a file: ``python bench/tables.py bench/results/allreduce_*.json``."""
+to a file: ``python bench/tables.py bench/results/allreduce_*.json``; ``--sweep A B`` puts one
+regime's runs on several GPU counts side by side, ``--summary FILES`` one row per file and size,
+``--by-bits FILE`` a kernel timing file with one row per kernel and dtype."""
 
 from __future__ import annotations
 
@@ -82,7 +84,7 @@ def train_table(paths: list[Path]) -> str:
     for path in paths:
         r = json.loads(path.read_text())
         kind = "plain" if r["bits"] == 32 else r.get("mode", "hook")
-        row = r["env"]["regime"]
+        row = f"{r['env']['regime']} ×{r['world_size']}"  # no comma: graphs rows split at it
         if kind != "plain" and r["env"].get("cgx2_env", {}).get("CGX2_CUDA_GRAPHS") == "1":
             row += ", CUDA graphs"  # a row of its own, against the regime's plain run
         runs.setdefault(row, {})[kind] = r | {"file": path.stem}
@@ -90,7 +92,7 @@ def train_table(paths: list[Path]) -> str:
         if "plain" not in r and row.split(",")[0] in runs:
             r["plain"] = runs[row.split(",")[0]].get("plain")
     lines = [
-        "| regime | plain ms/step | hook ms/step | hook vs plain | backend ms/step "
+        "| regime ×GPUs | plain ms/step | hook ms/step | hook vs plain | backend ms/step "
         "| backend vs plain | bytes sent, hook / backend / plain (MB) "
         "| loss plain / hook / backend | files (`bench/results/`) |",
         "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- | --- |",
@@ -115,6 +117,28 @@ def train_table(paths: list[Path]) -> str:
             f"{backend[1]} | {hook[2]} / {backend[2]} / {uncompressed} | "
             f"{plain['final_loss']:.3f} / {hook[3]} / {backend[3]} | {files} |"
         )
+    return "\n".join(lines)
+
+
+def kernels_by_bits(path: Path) -> str:
+    """A gpu_check/kernels JSON with one row per kernel and dtype: ms and % of copy per width."""
+    report = json.loads(path.read_text())
+    rows: dict[tuple[str, str], dict[int, dict]] = {}
+    for r in report["timing"] if "timing" in report else report["rows"]:
+        rows.setdefault((r["op"], r["dtype"]), {})[r["bits"]] = r
+    widths = sorted({b for by in rows.values() for b in by if b > 0})  # bits 0: the copy
+    lines = [
+        "| kernel | dtype | " + " | ".join(f"{b} bits: ms, % of copy" for b in widths) + " |",
+        "| --- | --- |" + " ---: |" * len(widths),
+    ]
+    for (op, dtype), by in rows.items():
+        if not set(by) & set(widths):
+            continue
+        cells = [
+            f"{by[b]['ms']:.3f}, {by[b]['gbps'] / by[b]['copy_gbps']:.0%}" if b in by else "-"
+            for b in widths
+        ]
+        lines.append(f"| {op} | {dtype} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -159,7 +183,61 @@ def profile_table(path: Path) -> str:
     return "\n".join(lines)
 
 
+def _sweep_cell(r: dict | None) -> str:
+    if r is None:
+        return "-"
+    return (
+        f"**{r['speedup_vs_plain']:.2f}×**, {r['fraction_of_sol']:.0%}, "
+        f"{r['auto_path'][0]} {r['auto_vs_plain']:.2f}×"
+    )
+
+
+def sweep_table(paths: list[Path]) -> str:
+    """One regime's sweep on several GPU counts side by side (one JSON each): per size, per
+    GPU count and dtype, cgx2 vs NCCL, cgx2 / speed of light, and auto (p/q) vs NCCL."""
+    reports = [json.loads(p.read_text()) for p in paths]
+    dtypes = list(dict.fromkeys(r["dtype"] for r in reports[0]["rows"]))
+    keyed = [{(r["dtype"], r["size"]): r for r in rep["rows"]} for rep in reports]
+    sizes = list(dict.fromkeys(r["size"] for r in reports[0]["rows"]))
+    head = [f"{rep['env']['world_size']} GPUs, {d}" for rep in reports for d in dtypes]
+    lines = ["| size | " + " | ".join(head) + " |", "| ---: |" + " ---: |" * len(head)]
+    for size in sizes:
+        cells = [_sweep_cell(rows.get((d, size))) for rows in keyed for d in dtypes]
+        lines.append(f"| {size} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def summary_table(paths: list[Path]) -> str:
+    """One row per (file, dtype, size): how it was timed, the ratios, and the file."""
+    lines = [
+        "| regime | GPUs | timed | dtype | size | NCCL ms | cgx2 ms | cgx2 vs NCCL "
+        "| cgx2 / light | graphs vs NCCL | file |",
+        "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for path in paths:
+        rep = json.loads(path.read_text())
+        calls = rep["args"].get("calls", 1)
+        timed = "one call" if calls == 1 else f"{calls} back to back"
+        for r in rep["rows"]:
+            graphs = r.get("graphs_speedup_vs_plain")
+            lines.append(
+                f"| {rep['env']['regime']} | {rep['env']['world_size']} | {timed} | {r['dtype']} "
+                f"| {r['size']} | {r['plain_ms']:.3f} | {r['cgx2_ms']:.3f} "
+                f"| **{r['speedup_vs_plain']:.2f}×** | {r['fraction_of_sol']:.0%} "
+                f"| {'-' if graphs is None else f'{graphs:.2f}×'} | `{path.stem}` |"
+            )
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> None:
+    if argv and argv[0] in ("--sweep", "--summary"):
+        table = sweep_table if argv[0] == "--sweep" else summary_table
+        print(table([Path(n) for n in argv[1:]]), end="\n\n")
+        return
+    if argv and argv[0] == "--by-bits":
+        for name in argv[1:]:
+            print(kernels_by_bits(Path(name)), end="\n\n")
+        return
     bits = None
     if argv and argv[0].startswith("--bits="):
         bits, argv = int(argv[0].split("=")[1]), argv[1:]
