@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import cgx2
-from cgx2 import graphs
+from cgx2 import config
 
 MARK = "cgx2_timed_call"
 
@@ -90,7 +90,9 @@ def main() -> None:
     p.add_argument("--mib", type=int, default=256)
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
-    p.add_argument("--cuda-graphs", action="store_true", help="replay CUDA graphs (cgx2.graphs)")
+    p.add_argument(
+        "--cuda-graphs", action="store_true", help="replay CUDA graphs (CGX2_CUDA_GRAPHS)"
+    )
     p.add_argument("--host", action="store_true", help="also list the call's host-side events")
     p.add_argument(
         "--calls", type=int, default=1,
@@ -98,7 +100,9 @@ def main() -> None:
         "one, each call's host time and where the GPU sat idle between them are reported",
     )  # fmt: skip
     args = p.parse_args()
-    graphs.ENABLED = args.cuda_graphs
+    if args.cuda_graphs:
+        os.environ["CGX2_CUDA_GRAPHS"] = "1"
+        config.reload()
     dist.init_process_group("nccl")
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16

@@ -6,6 +6,7 @@ Run: ``torchrun --nproc-per-node N bench/gpu_allreduce_check.py``; exits 1 on an
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -17,12 +18,23 @@ import torch
 import torch.distributed as dist
 
 import cgx2
-from cgx2 import collectives
+from cgx2 import collectives, config
+from cgx2.collectives import graphs, policy
+from cgx2.collectives.allreduce import STAGE_SCATTER
+
+_settings = contextlib.ExitStack()
+
+
+def _tune(**changes: object) -> None:
+    """cgx2's settings for the cases that follow (each call replaces the last one's)."""
+    _settings.close()
+    _settings.enter_context(config.tuned(**changes))
+
 
 INT = {2: torch.int16, 4: torch.int32}
 CASES = [
     # bits, dtype, numel, op, skip_incomplete, pipeline piece bytes (0: 64 MiB; None: the
-    # regime's cgx2.collectives.PIECE_NUMEL, what users get)
+    # regime's cgx2.collectives.policy.PIECE_NUMEL, what users get)
     *[(b, torch.float32, 1_000_007, "avg", False, 0) for b in range(1, 9)],
     *[(b, torch.bfloat16, 1_000_007, "sum", False, 0) for b in (2, 3, 4, 6, 8)],
     (4, torch.float16, 100_003, "avg", True, 0),
@@ -47,11 +59,13 @@ def _error_matches(x: torch.Tensor, error: torch.Tensor, bits: int, skip: bool, 
     from cgx2.seeding import derive_key
 
     flat, expected = x.reshape(-1), torch.empty_like(error.reshape(-1))
-    step = collectives._piece_numel(x.element_size(), world, 512, torch.device(device))
+    where = policy.regime(torch.device(device))
+    step = policy.piece_numel(x.element_size(), world, 512, where,
+                              policy.uses_pair_gather(world, where))  # fmt: skip
     for index, s in enumerate(range(0, flat.numel(), step)):
         piece = flat[s : s + step]
         layout = ChunkedLayout.split(piece.numel(), world, bits, 512, skip)
-        key = derive_key(17, collectives._STAGE_SCATTER, rank, index)
+        key = derive_key(17, STAGE_SCATTER, rank, index)
         sent = maxmin.encode_chunks(piece, layout, key, rank)
         decoded = maxmin.decode_chunks(sent, layout, torch.float32)
         out = expected[s : s + step]
@@ -93,30 +107,25 @@ GRAPH_CASES = [
 
 
 def _check_graphs(rank: int, world: int) -> int:
-    """CUDA-graph replay (cgx2.graphs) gives the eager launches' bytes, seed for seed: the
-    first call runs eagerly, the second captures, the rest replay with fresh keys read from
+    """CUDA-graph replay gives the eager launches' bytes, seed for seed: the first call runs eagerly, the second captures, the rest replay with fresh keys read from
     device memory. 1 per failed case."""
-    from cgx2 import graphs
-
     failures = 0
     for bits, dtype, n, op, piece, with_error in GRAPH_CASES:
-        collectives.PIPELINE_BYTES = piece
+        _tune(pipeline_bytes=piece)
         x = _input(rank, n, dtype).cuda()
         seeds = (101, 102, 103, 104, 105)
         eager, err_eager = [], []
         for seed in seeds:
             buf, err = x.clone(), torch.empty_like(x) if with_error else None
-            collectives.allreduce_quantized_(buf, bits, 512, dist.group.WORLD, op, seed, False,
-                                             error=err)  # fmt: skip
+            collectives.allreduce_(buf, bits, 512, dist.group.WORLD, op, seed, error=err)
             eager.append(buf)
             err_eager.append(err)
-        graphs.ENABLED = True
+        _tune(pipeline_bytes=piece, cuda_graphs=True)
         buf, err = torch.empty_like(x), torch.empty_like(x) if with_error else None
         ok, differ = True, False
         for i, seed in enumerate(seeds):
             buf.copy_(x)
-            collectives.allreduce_quantized_(buf, bits, 512, dist.group.WORLD, op, seed, False,
-                                             error=err)  # fmt: skip
+            collectives.allreduce_(buf, bits, 512, dist.group.WORLD, op, seed, error=err)
             ok = ok and torch.equal(buf.view(INT[x.element_size()]),
                                     eager[i].view(INT[x.element_size()]))  # fmt: skip
             if with_error:
@@ -130,7 +139,7 @@ def _check_graphs(rank: int, world: int) -> int:
                                 eager[-1].view(INT[x.element_size()]))  # fmt: skip
         captured = len(graphs._GRAPHS)
         ok = ok and differ and captured >= 1 and not graphs._failed
-        graphs.ENABLED = False
+        _tune(pipeline_bytes=piece)
         graphs.clear()
         if rank == 0:
             print(f"{'ok  ' if ok else 'FAIL'} CUDA graphs: bits={bits} {str(dtype)[6:]} n={n} "
@@ -140,7 +149,7 @@ def _check_graphs(rank: int, world: int) -> int:
         flag = torch.tensor([0 if ok else 1], device="cuda")
         dist.all_reduce(flag)
         failures += int(flag.item())
-    collectives.PIPELINE_BYTES = None
+    _settings.close()
     return failures
 
 
@@ -150,15 +159,15 @@ def main() -> int:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     failures = 0
     for bits, dtype, n, op, skip, piece in CASES:
-        collectives.PIPELINE_BYTES = None if piece is None else piece or 64 << 20
+        _tune(pipeline_bytes=None if piece is None else piece or 64 << 20)
         x = _input(rank, n, dtype).cuda()
         out = cgx2.quantized_allreduce(x, bits, op=op, seed=17, skip_incomplete=skip)
         in_place = x.clone()
         cgx2.quantized_allreduce_(in_place, bits, op=op, seed=17, skip_incomplete=skip)
         with_error = x.clone()
         error = torch.empty_like(x)  # the first stage's error, as error feedback reads it
-        collectives.allreduce_quantized_(with_error, bits, 512, dist.group.WORLD, op, 17, skip,
-                                         error=error)  # fmt: skip
+        collectives.allreduce_(with_error, bits, 512, dist.group.WORLD, op, 17, skip,
+                               error=error)  # fmt: skip
         in_place_same = torch.equal(with_error.view(INT[x.element_size()]),
                                     in_place.view(INT[x.element_size()]))  # fmt: skip
         same_in_place = torch.equal(in_place.view(INT[x.element_size()]),
@@ -190,6 +199,7 @@ def main() -> int:
         flag = torch.tensor([0 if ok else 1], device="cuda")
         dist.all_reduce(flag)
         failures += int(flag.item())
+    _settings.close()
     failures += _check_fallback(rank, world)
     failures += _check_graphs(rank, world)
     total = len(CASES) + 1 + len(GRAPH_CASES)

@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import cgx2
 from cgx2.collectives import reference_allreduce
-from cgx2.fusion import fuse_padded
+from cgx2.collectives.fusion import fuse_padded
 from cgx2.seeding import call_seed
 
 
@@ -97,10 +97,11 @@ def ddp_grads_identical(rank: int, world: int, dev: torch.device, width: int,
 
 
 def graph_checks(rank: int, world: int, dev: torch.device) -> dict[str, bool]:
-    """The cgx group's compressed all_reduce replaying CUDA graphs (cgx2.graphs): five calls
+    """The cgx group's compressed all_reduce replaying CUDA graphs: five calls
     on one buffer (eager, capture, three replays), each equal bit for bit to the eager one of
     its seed; DDP's buckets on it give every rank the same gradients."""
-    from cgx2 import graphs
+    from cgx2 import config
+    from cgx2.collectives import graphs
 
     ok = {}
     x = _input(rank, 4_000_037).to(dev)
@@ -111,27 +112,26 @@ def graph_checks(rank: int, world: int, dev: torch.device) -> dict[str, bool]:
         dist.all_reduce(y)
         eager.append(y)
     before = graphs.stats()
-    graphs.ENABLED = True
     try:
-        y, same = torch.empty_like(x), True
-        for k in range(5):
-            y.copy_(x)
-            cgx2.manual_seed(10 + k)
-            dist.all_reduce(y)
-            same = same and torch.equal(_bits(y), _bits(eager[k]))
-        after = graphs.stats()
-        replays = after["replays"] - before["replays"]
-        ok["all_reduce under CUDA graphs == eager, seed for seed"] = (
-            same and replays == 4 and not torch.equal(eager[0], eager[1])
-        )
-        same = ddp_grads_identical(rank, world, dev, width=1024, steps=4)
-        replays = graphs.stats()["replays"] - after["replays"]
-        ok[f"DDP under CUDA graphs: grads identical on ranks ({replays} replays)"] = (
-            same and replays > 0
-        )
-        ok["no capture failed"] = not graphs._failed
+        with config.tuned(cuda_graphs=True):
+            y, same = torch.empty_like(x), True
+            for k in range(5):
+                y.copy_(x)
+                cgx2.manual_seed(10 + k)
+                dist.all_reduce(y)
+                same = same and torch.equal(_bits(y), _bits(eager[k]))
+            after = graphs.stats()
+            replays = after["replays"] - before["replays"]
+            ok["all_reduce under CUDA graphs == eager, seed for seed"] = (
+                same and replays == 4 and not torch.equal(eager[0], eager[1])
+            )
+            same = ddp_grads_identical(rank, world, dev, width=1024, steps=4)
+            replays = graphs.stats()["replays"] - after["replays"]
+            ok[f"DDP under CUDA graphs: grads identical on ranks ({replays} replays)"] = (
+                same and replays > 0
+            )
+            ok["no capture failed"] = not graphs._failed
     finally:
-        graphs.ENABLED = False
         graphs.clear()
     return ok
 
