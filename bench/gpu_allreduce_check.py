@@ -107,8 +107,9 @@ GRAPH_CASES = [
 
 
 def _check_graphs(rank: int, world: int) -> int:
-    """CUDA-graph replay gives the eager launches' bytes, seed for seed: the first call runs eagerly, the second captures, the rest replay with fresh keys read from
-    device memory. 1 per failed case."""
+    """CUDA-graph replay gives the eager launches' bytes, seed for seed: the first call runs
+    eagerly, the second captures, the rest replay with fresh keys read from device memory. 1
+    per failed case."""
     failures = 0
     for bits, dtype, n, op, piece, with_error in GRAPH_CASES:
         _tune(pipeline_bytes=piece)
