@@ -117,7 +117,7 @@ def run(group: dist.ProcessGroup, signature: tuple, seed: int, device: torch.dev
     retry); every call after the capture replays the graph.
     A capture sends nothing, so ranks need not agree on it: one rank capturing a call that
     another ran eagerly (their tensors at addresses seen before on one only) worked over
-    sockets and NVLink on 2 H200s.
+    sockets and NVLink.
     """
     global _calls
     _calls += 1
@@ -182,7 +182,7 @@ _guarded = False
 def _guard_teardown() -> None:
     """Make ``dist.destroy_process_group`` (and the interpreter's exit) drop the graphs first:
     a graph holding a communicator's collectives kept NCCL from destroying it (both ranks hung
-    in ``destroy_process_group`` at the end of a DDP run on 2 H200s). Installed at the first
+    in ``destroy_process_group`` at the end of a DDP run). Installed at the first
     capture, so that nothing of torch's is touched unless graphs are."""
     global _guarded
     if _guarded:

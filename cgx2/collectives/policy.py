@@ -4,7 +4,7 @@ large the pipeline's pieces are, and whether a CUDA graph replays it.
 It reads the group's backend and the tensor's device, the interconnect ("regime"), and the
 crossovers: those ``python -m cgx2.bench calibrate`` measured on this machine where a file of
 them exists (rank 0's copy, so ranks decide alike), else the built-in tables, measured on
-H200s (BENCHMARKS.md, "Where compression pays"). Every entry point asks here.
+H200s (BENCHMARKS.md, "The crossover"). Every entry point asks here.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ CROSSOVER_BYTES: dict[str, tuple[int | None, int | None]] = {
     "nvlink": (256 << 20, None),
 }
 """The smallest tensor the quantized allreduce compresses, per regime and input width, where
-no calibration file says otherwise (BENCHMARKS.md, "Where compression pays")."""
+no calibration file says otherwise (BENCHMARKS.md, "The crossover")."""
 
 CROSSOVER_BYTES_GRAPHS: dict[str, tuple[int | None, int | None]] = {
     "cpu": (0, 0),
