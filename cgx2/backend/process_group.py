@@ -128,7 +128,7 @@ class CGXProcessGroup(dist.ProcessGroup):
         bits, bucket_size = compression_from_env()
         if len(tensors) == 1 and self._compressible(tensors[0], op, bits):
             t = tensors[0]
-            if policy.compresses(t, self, bits, padded_numel(t.numel(), bucket_size)):
+            if policy.compresses(t, self, bits, bucket_size, padded_numel(t.numel(), bucket_size)):
                 with self._side_stream(tensors):
                     self._compress(tensors, bits, bucket_size, op)
                     return CompletedWork(tensors)
@@ -158,7 +158,7 @@ class CGXProcessGroup(dist.ProcessGroup):
             sizes = [t.numel() for t in same]
             for batch in fusion_batches(sizes, dtype.itemsize, bucket_size, limit):
                 padded = sum(padded_numel(sizes[i], bucket_size) for i in batch)
-                if policy.compresses(same[batch[0]], self, bits, padded):
+                if policy.compresses(same[batch[0]], self, bits, bucket_size, padded):
                     self._compress([same[i] for i in batch], bits, bucket_size, op)
                 else:  # too small to pay on this interconnect: exact, in place
                     for i in batch:

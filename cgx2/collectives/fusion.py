@@ -110,7 +110,7 @@ def allreduce_fused_(
     quantized) is appended to it, flat, in layer order."""
     world = group_size_and_rank(group)[0]
     numel = sum(padded_numel(x.numel(), bucket_size) for x in layers)
-    if not policy.compresses(layers[0], group, bits, numel):
+    if not policy.compresses(layers[0], group, bits, bucket_size, numel):
         bits = UNCOMPRESSED_BITS  # decided once here, for the reduction and the count alike
     fused_error: list[torch.Tensor] = []
 

@@ -9,6 +9,7 @@ H200s (BENCHMARKS.md, "The crossover"). Every entry point asks here.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -186,6 +187,7 @@ def clear_caches() -> None:
     regime.cache_clear()
     _CALIBRATIONS.clear()
     _MEASURED.clear()
+    _ROUTES.clear()
 
 
 def calibration(group: dist.ProcessGroup | None = None) -> dict[str, int | None]:
@@ -251,18 +253,12 @@ def _measured(device: torch.device, dtype: torch.dtype, info: GroupInfo | None,
     return chosen
 
 
-def compresses(t: torch.Tensor, group: dist.ProcessGroup, bits: int,
+def compresses(t: torch.Tensor, group: dist.ProcessGroup, bits: int, bucket_size: int,
                numel: int | None = None) -> bool:  # fmt: skip
     """Whether a collective of ``t`` (or of ``numel`` values of its dtype on its device) over
-    ``group`` at ``bits`` is quantized: ``bits`` below 32, more than one rank, something to
-    send, and at least the crossover's bytes."""
-    if bits == UNCOMPRESSED_BITS:
-        return False
-    numel = t.numel() if numel is None else numel
-    if numel == 0 or group_info(group).size == 1:
-        return False
-    threshold = crossover_bytes(t.device, t.dtype, group)
-    return threshold is not None and numel * t.element_size() >= threshold
+    ``group`` at ``bits`` is quantized (:func:`route`): ``bits`` below 32, more than one
+    rank, something to send, and at least the crossover's bytes."""
+    return route(t, group, bits, bucket_size, numel).compress
 
 
 def piece_numel(element_size: int, world: int, bucket_size: int, where: str,
@@ -287,17 +283,40 @@ def uses_pair_gather(world: int, where: str) -> bool:
 
 def route(t: torch.Tensor, group: dist.ProcessGroup, bits: int, bucket_size: int,
           numel: int | None = None) -> Route:  # fmt: skip
-    """The whole route of a collective of ``t`` (or ``numel`` of its values) over ``group``."""
+    """The whole route of a collective of ``t`` (or ``numel`` of its values) over ``group``:
+    decided once per group, device, dtype and bucket size, but for what the size and
+    ``CGX2_CROSSOVER_BYTES`` (read at every call) decide; this runs before every call."""
+    _fresh()
+    key = (id(group), t.device, t.dtype, bucket_size)
+    routes = _ROUTES.get(key)
+    if routes is None:
+        routes = _ROUTES[key] = _routes(t, group, bucket_size)
+        weakref.finalize(group, _ROUTES.pop, key, None)
+    plain, compressed, size = routes
+    if bits == UNCOMPRESSED_BITS or size == 1:
+        return plain
+    numel = t.numel() if numel is None else numel
+    threshold = config.crossover_override()
+    if threshold is None:
+        threshold = crossover_bytes(t.device, t.dtype, group)
+    if numel == 0 or threshold is None or numel * t.element_size() < threshold:
+        return plain
+    if compressed.gather_in_place and graphs.usable(t):  # NCCL's CUDA tensors
+        return dataclasses.replace(compressed, graphs=True)
+    return compressed
+
+
+_ROUTES: dict[tuple, tuple[Route, Route, int]] = {}
+
+
+def _routes(t: torch.Tensor, group: dist.ProcessGroup,
+            bucket_size: int) -> tuple[Route, Route, int]:  # fmt: skip
+    """The plain and the compressed route of ``t``'s device and dtype over ``group``, and
+    the group's size."""
     info = group_info(group)
-    compress = compresses(t, group, bits, numel)
     where = regime(t.device, info.backend, info.cuda_on_nccl)
     pair = uses_pair_gather(info.size, where)
+    pieces = piece_numel(t.element_size(), info.size, bucket_size, where, pair)
     nccl_cuda = t.is_cuda and info.cuda_on_nccl
-    return Route(
-        compress=compress,
-        regime=where,
-        pair_gather=pair,
-        piece_numel=piece_numel(t.element_size(), info.size, bucket_size, where, pair),
-        graphs=compress and nccl_cuda and graphs.usable(t),
-        gather_in_place=nccl_cuda,
-    )
+    compressed = Route(True, where, pair, pieces, False, nccl_cuda)
+    return dataclasses.replace(compressed, compress=False), compressed, info.size

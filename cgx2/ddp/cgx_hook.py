@@ -312,7 +312,11 @@ def _reduce_bucket(
     warm = state.iteration >= state.start_iter
     if bucket.is_last():
         state.iteration += 1
-    if warm and plan.compressed and policy.compresses(buffer, group, state.bits, padded):
+    if (
+        warm
+        and plan.compressed
+        and policy.compresses(buffer, group, state.bits, state.bucket_size, padded)
+    ):
         layers = [buffer[offset : offset + numel] for offset, numel in plan.compressed]
         if state.mesh is not None:
             state.bytes_sent += hierarchical_allreduce_fused_(

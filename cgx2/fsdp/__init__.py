@@ -114,7 +114,9 @@ class QuantizedReduceScatter(ReduceScatter):
         compressed = [s for s in segments if s[2]]
         world = dist.get_world_size(group)
         padded = sum(padded_numel(k, self.bucket_size) for _, k, _ in compressed)
-        if not compressed or not policy.compresses(input, group, self.bits, world * padded):
+        if not compressed or not policy.compresses(
+            input, group, self.bits, self.bucket_size, world * padded
+        ):
             return None
         due = self.calls % self.replan_every == 0
         self.calls += 1
