@@ -1,6 +1,9 @@
 """Every codec implementation that runs here satisfies its protocol (cgx2.codecs.base): the
 functions and parameters the collectives call, and the reference's bytes through them."""
 
+import os
+import subprocess
+import sys
 import types
 
 import pytest
@@ -105,3 +108,21 @@ def test_the_chunked_path_writes_the_references_bytes(name):
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a.cpu().view(torch.uint8), b.cpu().view(torch.uint8))
     assert got[0].dtype == torch.uint8 and got[0].shape[-1] == want[0].shape[-1]
+
+
+def test_the_codecs_import_without_triton():
+    """Triton hidden: every codec module but the kernels imports, the launcher's module too
+    (the benchmarks import it), and CUDA tensors get the torch reference."""
+    script = """
+import sys
+sys.modules["triton"] = None  # import triton raises ImportError
+import torch
+from cgx2.codecs import base, direct_launch, exponential, global_norm, layout, maxmin, native
+from cgx2.codecs import maxmin_codec, packing, philox, triton_kernels
+assert maxmin_codec(torch.device("cuda")) is maxmin
+assert exponential.exponential_codec(torch.device("cuda")) is exponential
+assert triton_kernels("maxmin_triton") is None and direct_launch.ENABLED
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
