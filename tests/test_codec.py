@@ -8,7 +8,13 @@ from hypothesis import strategies as st
 
 from cgx2.codecs import maxmin
 from cgx2.codecs.layout import ChunkedLayout, MaxMinLayout
-from cgx2.codecs.packing import pack_levels, unpack_levels
+from cgx2.codecs.packing import (
+    pack_levels,
+    pack_stream,
+    stream_nbytes,
+    unpack_levels,
+    unpack_stream,
+)
 from cgx2.codecs.philox import bucket_halves, philox4x32
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -279,3 +285,23 @@ def test_packing_is_a_little_endian_bit_stream(levels, bits):
     assert [(stream >> (j * bits)) & ((1 << bits) - 1) for j in range(lv.numel())] == lv.view(
         -1
     ).tolist()
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("n", [1, 7, 8, 301])
+def test_pack_stream_is_pack_levels_cut_after_the_last_level(bits, n):
+    levels = torch.randint(0, 1 << bits, (n,), generator=torch.Generator().manual_seed(n))
+    packed = pack_stream(levels, bits)
+    assert packed.dtype == torch.uint8 and packed.numel() == stream_nbytes(n, bits)
+    assert packed.numel() == -(-n * bits // 8)
+    assert torch.equal(packed, pack_levels(levels.view(1, n), bits).view(-1)[: packed.numel()])
+    assert torch.equal(unpack_stream(packed, bits, n), levels)
+    with pytest.raises(ValueError, match="at least"):
+        unpack_stream(packed[:-1], bits, n)
+
+
+def test_four_bit_stream_puts_the_even_level_in_the_low_nibble():
+    """Global-QSGD's 4-bit wire: two fields a byte, an odd count ends with a zero nibble."""
+    assert pack_stream(torch.tensor([1, 2, 3]), 4).tolist() == [0x21, 0x03]
+    with pytest.raises(ValueError, match=r"bits must be an int in 1\.\.8"):
+        pack_levels(torch.zeros(1, 8, dtype=torch.int64), 9)

@@ -8,6 +8,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import cgx2
+from cgx2.codecs import global_norm
 from cgx2.ddp import global_qsgd as gq
 from cgx2.ddp.global_qsgd import GlobalQSGDState, level_dtype
 
@@ -114,7 +115,7 @@ def test_level_dtype_edges():
     with pytest.raises(ValueError, match="overflow int32"):
         level_dtype(2**15 - 1, 2**17)
     with pytest.raises(ValueError, match="pass bits"):
-        gq._levels_per_side(GlobalQSGDState(), 128)
+        global_norm.levels_per_side(GlobalQSGDState().bits, 128)
 
 
 @pytest.mark.parametrize("fn", ["standard_dithering", "thc", "qsgd", "exponential_dithering"])

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 import cgx2
+from cgx2.codecs import global_norm
 from cgx2.ddp import global_qsgd as gq
 from cgx2.ddp.global_qsgd import GlobalQSGDState
 
@@ -28,9 +29,9 @@ def _exact_sums(n: int) -> dict:
     everyone = torch.empty(world * n, dtype=q.dtype)
     _all_gather_single(everyone, q.clone())
     level_sum = everyone.view(world, n).to(torch.int32).sum(0)
-    packed = gq.pack_nibbles(q, levels)
+    packed = global_norm.pack_offset_levels(q, levels)
     dist.all_reduce(packed)
-    nibble_sum = gq.unpack_nibbles(packed, n) - world * levels
+    nibble_sum = global_norm.unpack_offset_sums(packed, n, levels, world)
     cgx2.manual_seed(11)
     residual = torch.empty(n)
     out = gq.standard_dithering_4bit(g, state, residual=residual)
@@ -45,10 +46,11 @@ def _edge() -> dict:
     world = dist.get_world_size()
     levels = 15 // (2 * world)
     q = torch.tensor([levels, levels, -levels, -levels, levels, -levels, levels], dtype=torch.int8)
-    packed = gq.pack_nibbles(q, levels)
+    packed = global_norm.pack_offset_levels(q, levels)
     dist.all_reduce(packed)
     g = torch.tensor([2.5, -2.5, 0.0, 2.5, -2.5])
-    return {"sums": gq.unpack_nibbles(packed, q.numel()), "packed": packed, "levels": levels,
+    sums = global_norm.unpack_offset_sums(packed, q.numel(), levels, 0)  # the fields as sent
+    return {"sums": sums, "packed": packed, "levels": levels,
             "out": gq.standard_dithering_4bit(g, GlobalQSGDState())}  # fmt: skip
 
 
@@ -102,10 +104,10 @@ def test_sums_never_carry_up_to_seven_ranks(world):
     qs = [torch.randint(-levels, levels + 1, (301,), generator=gen, dtype=torch.int8)
           for _ in range(world - 2)]  # fmt: skip
     qs += [torch.full((301,), levels, dtype=torch.int8)] * min(world, 2)
-    total = sum(gq.pack_nibbles(q, levels) for q in qs)
+    total = sum(global_norm.pack_offset_levels(q, levels) for q in qs)
     assert total.dtype == torch.uint8
     expected = torch.stack(qs).to(torch.int32).sum(0)
-    assert torch.equal(gq.unpack_nibbles(total, 301) - world * levels, expected)
+    assert torch.equal(global_norm.unpack_offset_sums(total, 301, levels, world), expected)
 
 
 def test_more_than_seven_ranks_refused(monkeypatch):

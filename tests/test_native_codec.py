@@ -3,10 +3,12 @@ and the torch code where they cannot be built."""
 
 import itertools
 import logging
+import shutil
 
 import pytest
 import torch
 
+import cgx2.config
 from cgx2.codecs import maxmin, native
 from cgx2.codecs.layout import ChunkedLayout
 
@@ -98,24 +100,40 @@ def test_decode_sum_encode_and_chunks_match_the_reference(torch_only):
         assert torch.equal(maxmin.decode_sum(*args[:7]).view(torch.int32), want.view(torch.int32))
 
 
-def test_turned_off_or_unbuildable_means_torch(monkeypatch, tmp_path, caplog):
-    monkeypatch.setenv("CGX2_CACHE_DIR", str(tmp_path))
+def test_turned_off_or_unbuildable_means_torch(tmp_path, caplog):
+    with cgx2.config.tuned(native_codec=False):
+        assert native.library() is None  # at once, though the library is loaded
+    assert native.library() is not None
     try:
-        native.library.cache_clear()
-        monkeypatch.setenv("CGX2_NATIVE", "0")
-        assert native.library() is None
-        native.library.cache_clear()
-        monkeypatch.setenv("CGX2_NATIVE", "1")
-        monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
-        with caplog.at_level(logging.WARNING, logger="cgx2"):
-            assert native.library() is None
-        assert "did not build" in caplog.text
-        assert not list(tmp_path.iterdir())  # no half-written library left behind
-        x = torch.randn(1000)
-        assert not native.encode_rows(x.view(-1, 8), 4, 1, 0, 1000, x[:2], x[:2].byte())
-        assert maxmin.decode(maxmin.encode(x, 4, 8, key=1), 1000, 4, 8).shape == (1000,)
+        native._built_library.cache_clear()
+        # a "compiler" that always fails
+        with cgx2.config.tuned(cache_dir=str(tmp_path), c_compiler="false"):
+            with caplog.at_level(logging.WARNING, logger="cgx2"):
+                assert native.library() is None
+            assert "did not build" in caplog.text
+            assert not list(tmp_path.iterdir())  # no half-written library left behind
+            x = torch.randn(1000)
+            assert not native.encode_rows(x.view(-1, 8), 4, 1, 0, 1000, x[:2], x[:2].byte())
+            assert maxmin.decode(maxmin.encode(x, 4, 8, key=1), 1000, 4, 8).shape == (1000,)
     finally:
-        native.library.cache_clear()
+        native._built_library.cache_clear()
+
+
+def test_the_environment_is_read_through_the_config(monkeypatch, tmp_path):
+    """``CGX2_NATIVE``, ``CGX2_CACHE_DIR`` and ``CC`` reach the C loops through
+    :func:`cgx2.config.tuning`, once :func:`cgx2.config.reload` reads them."""
+    monkeypatch.setenv("CGX2_NATIVE", "0")
+    monkeypatch.setenv("CGX2_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "false")
+    try:
+        cgx2.config.reload()
+        assert native.library() is None
+        assert native._cache_dir() == tmp_path
+        assert native._compiler() == shutil.which("false")
+    finally:
+        monkeypatch.undo()
+        cgx2.config.reload()
+    assert native.library() is not None
 
 
 def test_spans_from_subnormal_to_huge_scale_as_the_reference(torch_only):

@@ -3,11 +3,20 @@
 import pytest
 import torch
 
+import cgx2.config
 from cgx2.codecs import maxmin as ref
 from cgx2.codecs.layout import ChunkedLayout
 
 tri = pytest.importorskip("cgx2.codecs.maxmin_triton", reason="Triton is not installed")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _reference_in_torch():
+    """The reference with the C loops off: its levels are packing.py's bytes, which the
+    kernels' own packer (``_pack_store``) must write."""
+    with cgx2.config.tuned(native_codec=False):
+        yield
 
 
 def _x(n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:

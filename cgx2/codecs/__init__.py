@@ -1,8 +1,10 @@
 """Codecs: flat float tensors to packed ``uint8`` payloads and back.
 
-:func:`maxmin_codec` picks the implementation for a device: the Triton kernels for CUDA
-tensors (when Triton is installed), the torch reference everywhere else. Both write the
-same bytes.
+What the collectives call is the :class:`~.base.Codec` protocol; :func:`maxmin_codec` picks its
+implementation for a device: the Triton kernels for CUDA tensors (when Triton is installed),
+the torch reference (:mod:`.maxmin`, C loops on the CPU) everywhere else. All write the same
+bytes; levels are packed by :mod:`.packing`. Global-QSGD's codecs: :mod:`.global_norm`,
+:mod:`.exponential`.
 """
 
 from __future__ import annotations
@@ -11,15 +13,17 @@ import functools
 import importlib
 import logging
 from types import ModuleType
+from typing import cast
 
 import torch
 
 from . import maxmin
+from .base import Codec, GlobalNormCodec
 from .layout import ChunkedLayout, MaxMinLayout
 
 __all__ = [
-    "ChunkedLayout", "MaxMinLayout", "codec_for", "maxmin_codec", "triton_kernels",
-    "triton_maxmin",
+    "ChunkedLayout", "Codec", "GlobalNormCodec", "MaxMinLayout", "codec_for", "maxmin",
+    "maxmin_codec", "triton_kernels", "triton_maxmin",
 ]  # fmt: skip
 
 log = logging.getLogger("cgx2")
@@ -51,6 +55,6 @@ def triton_maxmin() -> ModuleType | None:
     return triton_kernels("maxmin_triton")
 
 
-def maxmin_codec(device: torch.device) -> ModuleType:
+def maxmin_codec(device: torch.device) -> Codec:
     """The max-min implementation for tensors on ``device``."""
-    return codec_for(device, "maxmin_triton", maxmin)
+    return cast(Codec, codec_for(device, "maxmin_triton", maxmin))

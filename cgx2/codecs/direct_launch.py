@@ -7,15 +7,20 @@ specialization (tensor dtypes and 16-byte alignment; integers' width, divisibili
 equality to 1; every constexpr and option), so a key found names the variant Triton would pick.
 The first launch of a key, launches under the interpreter, with launch hooks installed or
 under an untested Triton take Triton's own path.
+
+Importing this module does not import Triton (the benchmarks import it on machines without
+Triton); a :class:`Launcher` is made from a Triton kernel, so Triton is there by then.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import triton
+
+if TYPE_CHECKING:
+    import triton
 
 __all__ = ["ENABLED", "Launcher"]
 
@@ -24,7 +29,17 @@ ENABLED = True
 
 # The launcher's calling convention (grid, stream, function, metadata, hooks, then every
 # parameter, constexprs included) is Triton 3.6's, checked there; other versions dispatch.
-_TESTED = triton.__version__.split(".")[:2] == ["3", "6"]
+# None until the first Launcher reads Triton's version.
+_TESTED: bool | None = None
+
+
+def _tested_triton() -> bool:
+    global _TESTED
+    if _TESTED is None:
+        import triton
+
+        _TESTED = triton.__version__.split(".")[:2] == ["3", "6"]
+    return _TESTED
 
 
 def _spec(arg: Any) -> object:
@@ -46,13 +61,17 @@ class Launcher:
     Triton has compiled it for these arguments' key."""
 
     def __init__(self, kernel: triton.runtime.JITFunction) -> None:
+        import triton
+
+        self.runtime = triton.knobs.runtime  # the interpreter flag and launch hooks
+        _tested_triton()
         self.kernel = kernel
         self.variants: dict[tuple, Any] = {}
         self.names: list[str] = []  # the parameters, at the first variant (the interpreter's
         self.defaults: dict[str, Any] = {}  # functions have no .params)
 
     def __call__(self, grid: Sequence[int], *args: Any, **constexprs: Any) -> None:
-        if not (ENABLED and _TESTED) or triton.knobs.runtime.interpret:
+        if not (ENABLED and _TESTED) or self.runtime.interpret:
             self.kernel[grid](*args, **constexprs)
             return
         # _spec's key, built inline: a call per argument took 6-7 us of a 22 us launch (H200
@@ -72,7 +91,7 @@ class Launcher:
                 key.append(_spec(arg))
         key = tuple(key)
         found = self.variants.get(key)
-        enter, leave = triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook
+        enter, leave = self.runtime.launch_enter_hook, self.runtime.launch_exit_hook
         if found is None or enter.calls or leave.calls:
             compiled = self.kernel[grid](*args, **constexprs)
             if hasattr(compiled, "result"):  # compiled asynchronously

@@ -30,17 +30,20 @@ finite value produces) and decode to NaN, so that in the hook they reach the ave
 rather than as finite numbers (an Inf gradient also makes the global norm Inf, and with it
 every value of the average NaN). Finite |x| > 1 is clamped to 1.
 
-Runs on any device; used on the CPU and in tests.
+Runs on any device; used on the CPU and in tests. A :class:`~cgx2.codecs.base.GlobalNormCodec`,
+as are its Triton kernels.
 """
 
 from __future__ import annotations
 
 import sys
 from types import ModuleType
+from typing import cast
 
 import torch
 
 from . import codec_for, triton_kernels
+from .base import GlobalNormCodec
 from .philox import philox4x32
 
 __all__ = [
@@ -228,7 +231,7 @@ def triton_exponential() -> ModuleType | None:
     return triton_kernels("exponential_triton")
 
 
-def exponential_codec(device: torch.device) -> ModuleType:
+def exponential_codec(device: torch.device) -> GlobalNormCodec:
     """The implementation for tensors on ``device`` (same codes either way): the Triton
     kernels for CUDA where Triton imports, this module elsewhere."""
-    return codec_for(device, "exponential_triton", sys.modules[__name__])
+    return cast(GlobalNormCodec, codec_for(device, "exponential_triton", sys.modules[__name__]))

@@ -1,4 +1,5 @@
-"""Max-min (CGX/QSGD) codec, plain-torch reference: it defines the exact bytes.
+"""Max-min (CGX/QSGD) codec, plain-torch reference: it defines the exact bytes. A
+:class:`~cgx2.codecs.base.Codec`, as are its Triton kernels (:mod:`.maxmin_triton`).
 
 Per bucket of B values (computed in fp32): ``min``, ``max``, ``step = (max - min) / L`` with
 ``L = 2**bits - 1``, and ``scale = L / (max - min)`` rounded toward zero (0 when max == min),
@@ -26,7 +27,10 @@ from .layout import ChunkedLayout, MaxMinLayout
 from .packing import pack_levels, unpack_levels
 from .philox import bucket_halves
 
-__all__ = ["decode", "decode_chunks", "decode_sum_encode", "encode", "encode_chunks"]
+__all__ = [
+    "chunked_layout", "decode", "decode_chunks", "decode_sum", "decode_sum_encode", "encode",
+    "encode_chunks",
+]  # fmt: skip
 
 _NAN = float("nan")  # stored as 0x7FC00000, the kernels' NaN too
 
@@ -245,6 +249,12 @@ def decode_sum_encode(
     """Encode :func:`decode_sum` of the rows once more (the reduced chunk of the allreduce)."""
     acc = decode_sum(payloads, numel, own, own_index, scale, bits, bucket_size, skip_incomplete)
     return encode(acc, bits, bucket_size, key, stream, skip_incomplete, out)
+
+
+def chunked_layout(numel: int, num_chunks: int, bits: int, bucket_size: int,
+                   skip_incomplete: bool = False) -> ChunkedLayout:  # fmt: skip
+    """The payload layout of the chunked functions: :meth:`ChunkedLayout.split`."""
+    return ChunkedLayout.split(numel, num_chunks, bits, bucket_size, skip_incomplete)
 
 
 def encode_chunks(

@@ -1,13 +1,12 @@
 """Max-min codec as Triton kernels: encode, decode and fused decode-sum-encode.
 
 They write the same bytes as the torch reference (:mod:`.maxmin`) and take the same
-arguments. A tile is ``BUCKETS`` buckets x ``BLOCK`` values; encode and decode-sum-encode
-programs walk a few tiles each in grid strides, loading the next while coding one; buckets
-wider than ``BLOCK`` are walked a tile at a time (statistics first, then levels). A thread
-holds whole groups of eight values: each group is one Philox call (computed in-kernel) and one
-packed field, so neither crosses threads. Runs on CUDA, or on the CPU under
-``TRITON_INTERPRET=1`` (tests).
-"""
+arguments: a :class:`~cgx2.codecs.base.Codec`. A tile is ``BUCKETS`` buckets x ``BLOCK``
+values; encode and decode-sum-encode programs walk a few tiles each in grid strides, loading
+the next while coding one; buckets wider than ``BLOCK`` are walked a tile at a time
+(statistics first, then levels). A thread holds whole groups of eight values: each group is
+one Philox call (computed in-kernel) and one packed field, so neither crosses threads. Runs on
+CUDA, or on the CPU under ``TRITON_INTERPRET=1`` (tests)."""
 
 from __future__ import annotations
 
@@ -24,7 +23,12 @@ from . import maxmin
 from .direct_launch import Launcher
 from .layout import ChunkedLayout, MaxMinLayout
 
-__all__ = ["decode", "decode_chunks", "decode_sum_encode", "encode", "encode_chunks"]
+__all__ = [
+    "chunked_layout", "decode", "decode_chunks", "decode_sum", "decode_sum_encode", "encode",
+    "encode_chunks",
+]  # fmt: skip
+
+chunked_layout = maxmin.chunked_layout  # one payload layout: the reference's
 
 # Values per program (BUCKETS * BLOCK) and warps, per kernel and bytes per value of its fp
 # tensor (2: bf16/fp16; 4 and more: fp32, fp64): the fastest for 4-bit data on an H200
@@ -253,7 +257,9 @@ def _pack_store(
     FULL: tl.constexpr,
 ):
     """Store a tile's levels (the halves of :func:`_tile`, zero outside the data): each
-    group's eight levels are one little-endian BITS-byte field, zero for buckets not kept."""
+    group's eight levels are one little-endian BITS-byte field, zero for buckets not kept.
+    This is :mod:`cgx2.codecs.packing`'s format (``pack_levels``), which a kernel cannot
+    call; tests/test_triton_kernels.py holds these bytes to it."""
     WIDE: tl.constexpr = BITS > 4
     wt = tl.uint64 if WIDE else tl.uint32
     shift = (tl.arange(0, 4) * BITS).to(wt)[None, None, :]
@@ -940,6 +946,14 @@ def _raw_region(row: torch.Tensor, layout: MaxMinLayout) -> torch.Tensor:
     return row.view(torch.float32)[start : start + layout.raw_numel]
 
 
+def _row_pitch(rows: torch.Tensor) -> int:
+    """Bytes from one payload row to the next: the rows may be a view with a longer pitch (a
+    column of a ``[W, K, P]`` buffer, as the reference takes them), each row contiguous."""
+    if rows.stride(1) != 1:
+        raise ValueError(f"payload rows must be contiguous, got strides {rows.stride()}")
+    return rows.stride(0)
+
+
 def encode_chunks(
     x: torch.Tensor,
     layout: ChunkedLayout,
@@ -968,7 +982,7 @@ def encode_chunks(
         rows,
         layout.numel,
         layout.chunk_numel,
-        layout.payload_nbytes,
+        _row_pitch(rows),
         k0,
         k1,
         keys,
@@ -1010,7 +1024,7 @@ def decode_chunks(
         out,
         layout.numel,
         layout.chunk_numel,
-        payloads.shape[1],
+        _row_pitch(payloads),
         BITS=layout.bits,
         B=layout.bucket_size,
         SKIP_INCOMPLETE=layout.skip_incomplete,
@@ -1114,7 +1128,7 @@ def decode_sum_encode(
             own_flat,
             out,
             numel,
-            payloads.shape[1],
+            _row_pitch(payloads),
             own_index,
             1.0 if scale is None else scale,
             k0,

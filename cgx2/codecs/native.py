@@ -1,8 +1,9 @@
 """The max-min codec's C loops for CPU tensors (``maxmin_native.c``), built on first use with
 the system's C compiler and loaded by ctypes; None where that fails (the torch code runs).
 
-The library is cached per source and compiler under ``$CGX2_CACHE_DIR`` (default
-``~/.cache/cgx2``). ``CGX2_NATIVE=0`` turns it off.
+The library is cached per source and compiler under ``cgx2.config.tuning().cache_dir``
+(``CGX2_CACHE_DIR``), built with its ``c_compiler`` (``CC``); ``native_codec`` false
+(``CGX2_NATIVE=0``, or ``cgx2.config.tuned(native_codec=False)``) turns it off.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from ..config import tuning
+
 __all__ = ["decode_rows", "encode_rows", "library"]
 
 log = logging.getLogger("cgx2")
@@ -34,14 +37,14 @@ _FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast
 
 
 def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+    for name in (tuning().c_compiler, "cc", "gcc", "clang"):
         if name and shutil.which(name):
             return shutil.which(name)
     return None
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("CGX2_CACHE_DIR") or Path.home() / ".cache" / "cgx2")
+    return Path(tuning().cache_dir)
 
 
 def _build(compiler: str) -> Path:
@@ -66,11 +69,17 @@ def _build(compiler: str) -> Path:
     return target
 
 
-@functools.cache
 def library() -> ctypes.CDLL | None:
-    """The loaded library, or None: turned off, no C compiler, or the build failed (logged)."""
-    if os.environ.get("CGX2_NATIVE", "1").strip() == "0":
-        return None
+    """The loaded library, or None: turned off (asked at every call, so that
+    ``cgx2.config.tuned(native_codec=False)`` takes effect at once), no C compiler, or the
+    build failed (logged)."""
+    return _built_library() if tuning().native_codec else None
+
+
+@functools.cache
+def _built_library() -> ctypes.CDLL | None:
+    """The library built (once a process) with the compiler and cache of the configuration
+    at the first call; ``_built_library.cache_clear()`` builds again."""
     compiler = _compiler()
     if compiler is None:
         log.info("cgx2: no C compiler; the CPU codec runs in torch")

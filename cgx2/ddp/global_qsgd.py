@@ -1,6 +1,7 @@
 """Global-QSGD's DDP hooks (``gqsgd.ddphook``): levels against one global norm, so that every
 rank's integers add up exactly in one integer allreduce; THC, QSGD, exponential dithering,
-PowerSGD and the plain allreduce as baselines. Torch reference implementations.
+PowerSGD and the plain allreduce as baselines. The level maths is the codecs'
+(:mod:`cgx2.codecs.global_norm`, :mod:`cgx2.codecs.exponential`); here are the collectives.
 
 Each hook is ``hook(state, bucket)``: ``state`` is None (the world), a process group, or a
 :class:`GlobalQSGDState` (group, bits, seed). Gradients are averaged, bit-identical on every
@@ -16,7 +17,9 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from .. import seeding
+from ..codecs import global_norm
 from ..codecs.exponential import exponential_codec, exponential_codes, exponential_values
+from ..codecs.global_norm import level_dtype
 from ..collectives.fusion import ring_bytes_sent
 from ..comm import all_gather_single
 from ..seeding import derive_key, next_seed
@@ -34,7 +37,6 @@ __all__ = [
     "level_dtype",
     "levels_4bit",
     "linear_levels",
-    "pack_nibbles",
     "powerSGD_hook",
     "qsgd",
     "qsgd_hook",
@@ -44,10 +46,7 @@ __all__ = [
     "standard_dithering_hook",
     "thc",
     "thc_hook",
-    "unpack_nibbles",
 ]
-
-_INT_DTYPES = (torch.int8, torch.int32)  # neither NCCL nor gloo reduces int16
 
 
 @dataclass
@@ -104,15 +103,6 @@ class GlobalQSGDState:
             self.errors.load_state_dict(residuals)
 
 
-def level_dtype(levels: int, world: int) -> torch.dtype:
-    """The narrowest signed integer dtype holding any sum of ``world`` values in
-    [-levels, levels]."""
-    for dtype in _INT_DTYPES:
-        if world * levels <= torch.iinfo(dtype).max:
-            return dtype
-    raise ValueError(f"{world} ranks x {levels} levels overflow int32")
-
-
 def _state(state: object) -> GlobalQSGDState:
     if state is None:
         return GlobalQSGDState()
@@ -130,25 +120,9 @@ def _group(state: GlobalQSGDState) -> dist.ProcessGroup:
     return state.process_group if state.process_group is not None else dist.group.WORLD
 
 
-def _levels_per_side(state: GlobalQSGDState, world: int) -> int:
-    if state.bits is None:
-        levels = 127 // world
-        if levels < 1:
-            raise ValueError(f"int8 levels cannot be shared by {world} ranks: pass bits")
-        return levels
-    return 2 ** (state.bits - 1) - 1
-
-
-def _uniform(like: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Uniform [0, 1) numbers for stochastic rounding, from cgx2's seed stream and the rank."""
-    g = torch.Generator(device=like.device)
-    g.manual_seed(derive_key(next_seed(), dist.get_rank(group)) >> 1)
-    return torch.rand(like.shape, generator=g, device=like.device, dtype=torch.float32)
-
-
-def _stochastic_levels(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """floor(x + u): unbiased, and within [-L, L] when x is."""
-    return torch.floor(x + _uniform(x, group))
+def _rounding_key(group: dist.ProcessGroup) -> int:
+    """The key of this rank's stochastic rounding, from cgx2's seed stream and the rank."""
+    return derive_key(next_seed(), dist.get_rank(group))
 
 
 def _done(bucket: dist.GradBucket, values: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
@@ -174,9 +148,8 @@ def linear_levels(g: torch.Tensor, state: GlobalQSGDState,
     group = _group(state)
     world = dist.get_world_size(group)
     norm = _global_norm(g, group)
-    levels = _levels_per_side(state, world)
-    scale = torch.where(norm > 0, levels / norm, torch.zeros_like(norm))
-    q = _stochastic_levels(g.float() * scale, group).to(level_dtype(levels, world))
+    levels = global_norm.levels_per_side(state.bits, world)
+    q = global_norm.quantize(g, norm, levels, _rounding_key(group), level_dtype(levels, world))
     return q, norm, levels, world
 
 
@@ -195,10 +168,10 @@ def _linear_average(
 ) -> torch.Tensor:
     """The average of ``g`` from global-norm levels summed in place by ``sum_levels``."""
     q, norm, levels, world = linear_levels(g, state)
-    _keep_error(residual, g, q.float() * (norm / levels))  # before the sum overwrites q
+    _keep_error(residual, g, global_norm.dequantize(q, norm, levels))  # before the sum
     sum_levels(q, _group(state))
     state.bytes_sent += ring_bytes_sent(q.numel() * q.element_size() + 4, world)
-    return q.float() * (norm / (levels * world))
+    return global_norm.dequantize(q, norm, levels, world)
 
 
 def _allreduce_levels(q: torch.Tensor, group: dist.ProcessGroup) -> None:
@@ -233,16 +206,15 @@ def qsgd(g: torch.Tensor, state: GlobalQSGDState, *,
     world = dist.get_world_size(group)
     levels = 127 if state.bits is None else 2 ** (state.bits - 1) - 1
     norm = g.abs().amax().float().reshape(1)
-    scale = torch.where(norm > 0, levels / norm, torch.zeros_like(norm))
-    q = _stochastic_levels(g.float() * scale, group).to(level_dtype(levels, 1))
-    _keep_error(residual, g, q.float() * (norm / levels))
+    q = global_norm.quantize(g, norm, levels, _rounding_key(group), level_dtype(levels, 1))
+    _keep_error(residual, g, global_norm.dequantize(q, norm, levels))
     all_q = torch.empty(world * q.numel(), dtype=q.dtype, device=q.device)
     all_norms = torch.empty(world, dtype=torch.float32, device=g.device)
     all_gather_single(all_q, q, group=group)
     all_q = all_q.view(world, -1)
     state.bytes_sent += (world - 1) * (q.numel() * q.element_size() + 4)
     all_gather_single(all_norms, norm, group=group)
-    return (all_q.float() * (all_norms / levels).unsqueeze(1)).sum(0) / world
+    return global_norm.average_rows(all_q, all_norms, levels)
 
 
 def exponential_dithering(g: torch.Tensor, state: GlobalQSGDState, *,
@@ -305,32 +277,10 @@ def levels_4bit(g: torch.Tensor, state: GlobalQSGDState,
     E[level] = g L / norm. Returns (int8 levels in [-L, L], the global norm, L, W)."""
     group = _group(state)
     world = dist.get_world_size(group)
-    levels = 15 // (2 * world)
-    if levels < 1:  # checked before any collective, so every rank raises alike
-        raise ValueError(
-            f"packed 4-bit levels cannot be summed over W={world} ranks: the nibble sum 2LW "
-            "must stay within 15, so W <= 7; use standard_dithering_hook (int8 or bits)"
-        )
+    levels = global_norm.offset_levels(world)  # raises before any collective: on every rank
     norm = _global_norm(g, group)
-    scale = torch.where(norm > 0, levels / norm, torch.zeros_like(norm))
-    # g * L / norm can round a hair past L: the clamp keeps every nibble within 0..2L.
-    q = _stochastic_levels(g.float() * scale, group).clamp_(-levels, levels)
-    return q.to(torch.int8), norm, levels, world
-
-
-def pack_nibbles(q: torch.Tensor, levels: int) -> torch.Tensor:
-    """Levels in [-L, L] as uint8 nibbles level + L, two per byte: even positions in the low
-    nibble, odd ones in the high; an odd count is padded with one nibble 0."""
-    flat = q.reshape(-1)
-    u = torch.zeros(flat.numel() + flat.numel() % 2, dtype=torch.uint8, device=flat.device)
-    u[: flat.numel()] = flat + levels  # in [0, 2L], 2L <= 14: exact in any dtype
-    pairs = u.view(-1, 2)
-    return pairs[:, 0] | (pairs[:, 1] << 4)
-
-
-def unpack_nibbles(packed: torch.Tensor, n: int) -> torch.Tensor:
-    """The first ``n`` nibbles of ``packed`` (low, then high, per byte) as int32."""
-    return torch.stack([packed & 15, packed >> 4], 1).reshape(-1)[:n].to(torch.int32)
+    q = global_norm.quantize(g, norm, levels, _rounding_key(group), torch.int8)
+    return q, norm, levels, world
 
 
 def standard_dithering_4bit(g: torch.Tensor, state: GlobalQSGDState, *,
@@ -339,13 +289,13 @@ def standard_dithering_4bit(g: torch.Tensor, state: GlobalQSGDState, *,
     ``residual``, when given, receives ``g`` minus this rank's decoded contribution."""
     q, norm, levels, world = levels_4bit(g, state)
     if residual is not None:
-        _keep_error(residual, g, q.float() * (norm / levels))
-    packed = pack_nibbles(q, levels)
+        _keep_error(residual, g, global_norm.dequantize(q, norm, levels))
+    packed = global_norm.pack_offset_levels(q, levels)
     # uint8 SUM: gloo and NCCL both reduce it; the nibble sums stay <= 15, so no carries.
     dist.all_reduce(packed, group=_group(state))
     state.bytes_sent += ring_bytes_sent(packed.numel() + 4, world)
-    total = unpack_nibbles(packed, q.numel()) - world * levels  # the sum of the W levels
-    return (total.float() * (norm / (levels * world))).view(g.shape)
+    total = global_norm.unpack_offset_sums(packed, q.numel(), levels, world)
+    return global_norm.dequantize(total, norm, levels, world).view(g.shape)
 
 
 def standard_dithering_4bit_hook(
