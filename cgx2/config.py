@@ -25,6 +25,7 @@ __all__ = [
     "launch",
     "parse_bytes",
     "reload",
+    "triton_interpret",
     "tuned",
     "tuning",
 ]
@@ -364,3 +365,9 @@ def _getenv(name: str) -> str:
 def launch() -> LaunchConfig:
     """The launcher's and NCCL's variables as they are now (:class:`LaunchConfig`)."""
     return LaunchConfig.from_env()
+
+
+def triton_interpret() -> bool:
+    """Whether ``TRITON_INTERPRET`` asks Triton to interpret kernels, as Triton reads it (for
+    Tritons without ``triton.knobs``)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")

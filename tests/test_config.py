@@ -54,12 +54,12 @@ def test_reads_os_environ(monkeypatch):
         ("CGX_COMPRESSION_QUANTIZATION_BITS", "four", "integer"),
         ("CGX_COMPRESSION_BUCKET_SIZE", "0", "1..2147483647"),
         ("CGX_COMPRESSION_BUCKET_SIZE", "-5", "1..2147483647"),
-        ("CGX_COMPRESSION_SKIP_INCOMPLETE_BUCKETS", "2", "0 or 1"),
+        ("CGX_COMPRESSION_SKIP_INCOMPLETE_BUCKETS", "2", "0/1, true/false"),
         ("CGX_COMPRESSION_MINIMAL_SIZE", "-1", ">= 0"),
         ("CGX_FUSION_BUFFER_SIZE_MB", "x", "integer"),
         ("CGX_INNER_COMMUNICATOR_TYPE", "TCP", "SHM, MPI, NCCL"),
         ("CGX_CROSS_COMMUNICATOR_TYPE", "SHM", "MPI, NCCL"),
-        ("CGX_INTRA_BROADCAST", "maybe", "0 or 1"),
+        ("CGX_INTRA_BROADCAST", "maybe", "0/1, true/false"),
     ],
 )
 def test_invalid_value_names_variable_and_range(var, value, expected):

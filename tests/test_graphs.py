@@ -1,6 +1,7 @@
-"""CUDA-graph replay (cgx2.collectives.graphs): the keys derived on the device match cgx2.seeding, and the
-cache runs, captures, replays and evicts in the right order. The capture itself needs a GPU
-(bench/gpu_allreduce_check.py checks its bytes); here a stand-in records what it was given."""
+"""CUDA-graph replay (cgx2.collectives.graphs): the keys derived on the device match
+cgx2.seeding, and the cache runs, captures, replays and evicts in the right order. The
+capture itself needs a GPU (bench/gpu_allreduce_check.py checks its bytes); here a stand-in
+records what it was given."""
 
 import logging
 

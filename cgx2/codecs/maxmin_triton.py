@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from .. import config
 from . import maxmin
 from .direct_launch import Launcher
 from .layout import ChunkedLayout, MaxMinLayout
@@ -70,7 +70,7 @@ def _interpreting() -> bool:
     knobs = getattr(triton, "knobs", None)
     if knobs is not None:
         return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    return config.triton_interpret()
 
 
 _INTERPRET = tl.constexpr(_interpreting())
