@@ -310,15 +310,18 @@ def columns(backend: str, cuda_graphs: bool = False) -> list[tuple[str, str, str
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog=PROG, description=DESCRIPTION, formatter_class=HelpFormatter
+    p = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION, formatter_class=HelpFormatter)
+    p.add_argument(
+        "--sizes",
+        type=parse_sizes,
+        default="1M,4M,16M,64M,256M,1G",
+        help=f"tensor sizes, comma-separated, in {SIZES_HELP}",
     )
-    p.add_argument("--sizes", type=parse_sizes, default="1M,4M,16M,64M,256M,1G",
-                   help=f"tensor sizes, comma-separated, in {SIZES_HELP}")  # fmt: skip
     p.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16, fp16")
     p.add_argument("--bits", default="2,4,8", help="bits per value, comma-separated, 1 to 8")
-    p.add_argument("--bucket-size", type=int, default=512,
-                   help="values sharing one scale (max-min bucket)")  # fmt: skip
+    p.add_argument(
+        "--bucket-size", type=int, default=512, help="values sharing one scale (max-min bucket)"
+    )
     p.add_argument("--warmup", type=int, default=3, help="untimed windows first")
     p.add_argument("--iters", type=int, default=10, help="timed windows (the median is taken)")
     p.add_argument(
@@ -349,9 +352,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="also time cgx2 replaying CUDA graphs (GPUs only)",
     )
-    p.add_argument("--out", "--out-dir", dest="out", metavar="DIR", default=DEFAULT_OUT,
-                   help="directory for the JSON results, created if missing; '' writes "
-                   "none")  # fmt: skip
+    p.add_argument(
+        "--out",
+        "--out-dir",
+        dest="out",
+        metavar="DIR",
+        default=DEFAULT_OUT,
+        help="directory for the JSON results, created if missing; '' writes none",
+    )
     args = p.parse_args(argv)
     args.dtypes = args.dtypes.split(",")
     try:

@@ -53,8 +53,8 @@ BACKEND_NAMES = {"nccl": "NCCL"}
 
 PROG = "python -m cgx2.bench calibrate"
 DESCRIPTION = f"""\
-Measures where compression pays on this machine's links and this process group's backend:
-times the backend's plain allreduce against cgx2's quantized one ({BITS} bits, bucket
+Measures where compression pays on this machine's links and this process group's backend.
+It times the backend's plain allreduce against cgx2's quantized one ({BITS} bits, bucket
 {BUCKET_SIZE}, compressing at every size) over a ladder of tensor sizes, for fp32 and bf16,
 and writes the crossovers (the smallest size from which cgx2 was faster at every larger
 size) to a small JSON file that cgx2 reads to decide when to compress. Every rank takes the
@@ -251,21 +251,39 @@ def format_report(data: dict[str, Any]) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION, formatter_class=HelpFormatter)
-    p.add_argument("--sizes", type=parse_sizes, default=None,
-                   help=f"tensor sizes, comma-separated, in {SIZES_HELP} (default: 64K, 256K, "
-                   "1M, ... 256M by factors of 4; up to 64M on the CPU)")  # fmt: skip
-    p.add_argument("--dtypes", default="fp32,bf16",
-                   help="comma-separated: fp32, bf16, fp16 (bf16 and fp16 give the 16-bit "
-                   "crossover)")  # fmt: skip
+    p.add_argument(
+        "--sizes",
+        type=parse_sizes,
+        default=None,
+        help=f"tensor sizes, comma-separated, in {SIZES_HELP} (default: 64K, 256K, "
+        "1M, ... 256M by factors of 4; up to 64M on the CPU)",
+    )
+    p.add_argument(
+        "--dtypes",
+        default="fp32,bf16",
+        help="comma-separated: fp32, bf16, fp16 (bf16 and fp16 give the 16-bit crossover)",
+    )
     p.add_argument("--warmup", type=int, default=2, help="untimed calls of each first")
     p.add_argument("--iters", type=int, default=5, help="timed calls of each (the median is taken)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
-                   help="where the tensors live (default: cuda if available, else cpu)")  # fmt: skip
-    p.add_argument("--backend", choices=("nccl", "gloo", "cgx"), default=None,
-                   help="the process group's backend (default: nccl on cuda, gloo on cpu)")  # fmt: skip
-    p.add_argument("--out", metavar="FILE", default=config.tuning().calibration_file,
-                   help="the calibration file, written by rank 0 (the default is where cgx2 "
-                   "reads it: CGX2_CALIBRATION_FILE)")  # fmt: skip
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default=None,
+        help="where the tensors live (default: cuda if available, else cpu)",
+    )
+    p.add_argument(
+        "--backend",
+        choices=("nccl", "gloo", "cgx"),
+        default=None,
+        help="the process group's backend (default: nccl on cuda, gloo on cpu)",
+    )
+    p.add_argument(
+        "--out",
+        metavar="FILE",
+        default=config.tuning().calibration_file,
+        help="the calibration file, written by rank 0 (the default is where cgx2 "
+        "reads it: CGX2_CALIBRATION_FILE)",
+    )
     args = p.parse_args(argv)
     args.dtypes = args.dtypes.split(",")
     for d in args.dtypes:

@@ -316,13 +316,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--bits", default="2,4,8", help="bits per value, comma-separated, 1 to 8")
     p.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16, fp16")
-    p.add_argument("--bucket-size", type=int, default=512,
-                   help="values sharing one scale (max-min bucket)")  # fmt: skip
-    p.add_argument("--rep-ms", type=int, default=200,
-                   help="milliseconds of repetitions per measurement (triton.testing.do_bench)")  # fmt: skip
-    p.add_argument("--out", "--out-dir", dest="out", metavar="DIR", default=DEFAULT_OUT,
-                   help="directory for the JSON results, created if missing; '' writes "
-                   "none")  # fmt: skip
+    p.add_argument(
+        "--bucket-size", type=int, default=512, help="values sharing one scale (max-min bucket)"
+    )
+    p.add_argument(
+        "--rep-ms",
+        type=int,
+        default=200,
+        help="milliseconds of repetitions per measurement (triton.testing.do_bench)",
+    )
+    p.add_argument(
+        "--out",
+        "--out-dir",
+        dest="out",
+        metavar="DIR",
+        default=DEFAULT_OUT,
+        help="directory for the JSON results, created if missing; '' writes none",
+    )
     args = p.parse_args(argv)
     args.bits = [int(b) for b in args.bits.split(",")]
     args.dtypes = args.dtypes.split(",")

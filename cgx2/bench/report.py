@@ -40,7 +40,13 @@ SIZES_HELP = "bytes; K, M, G mean KiB, MiB, GiB"
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """``--help`` with each option's default, and the description's paragraphs kept."""
+    """``--help`` with each option's default, and the description's paragraphs kept. Options
+    whose default is None or False (flags) say their default in their own words, or need none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def parse_sizes(text: str) -> list[int]:
@@ -104,6 +110,7 @@ class Progress:
             self.stream.write("\n")
             self.stream.flush()
             self._width = 0
+
 
 _NCCL_VARS = ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_NVLS_ENABLE", "NCCL_IB_DISABLE",
               "NCCL_SOCKET_IFNAME", "NCCL_ALGO", "NCCL_PROTO")  # fmt: skip
@@ -196,7 +203,11 @@ def format_legend(columns: list[tuple[str, str]]) -> str:
     """What each column means: ``header: meaning`` lines, the meanings wrapped and aligned."""
     width = max(len(header) for header, _ in columns) + 1
     return "\n".join(
-        textwrap.fill(meaning, 100, initial_indent=f"  {(header + ':').ljust(width)} ",
-                      subsequent_indent=" " * (width + 3))  # fmt: skip
+        textwrap.fill(
+            meaning,
+            100,
+            initial_indent=f"  {(header + ':').ljust(width)} ",
+            subsequent_indent=" " * (width + 3),
+        )
         for header, meaning in columns
     )
