@@ -40,11 +40,11 @@ SIZES_HELP = "bytes; K, M, G mean KiB, MiB, GiB"
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """``--help`` with each option's default, and the description's paragraphs kept. Options
-    whose default is None or False (flags) say their default in their own words, or need none."""
+    """``--help`` with each option's default, and the description's paragraphs kept. Flags, and
+    options whose default is None, say their default in their own words or need none."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default is False:
+        if action.default is None or action.nargs == 0:
             return action.help
         return super()._get_help_string(action)
 
