@@ -5,7 +5,6 @@ Triton is imported when a kernel is timed, so that ``--help`` and the helpers ne
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 import time
@@ -347,7 +346,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if importlib.util.find_spec("triton") is None:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
         print(f"{PROG}: it times the Triton kernels, and Triton is not installed "
               "(pip install triton)", file=sys.stderr)  # fmt: skip
         return 2
