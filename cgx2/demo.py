@@ -13,8 +13,10 @@ import shlex
 import socket
 import statistics
 import sys
+import textwrap
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,29 +24,43 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import cgx2
-from cgx2.codecs import ChunkedLayout
+from cgx2.bench.report import (
+    DEFAULT_OUT,
+    SIZES_HELP,
+    HelpFormatter,
+    format_legend,
+    parse_sizes,
+    size_name,
+)
+from cgx2.codecs import ChunkedLayout, native
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 BUCKET_SIZE = 512
 INPUT_SEED = 1234
 MB = 1e6
 
+CODECS = {
+    True: "its CPU codec's C loops (cgx2.codecs.native)",
+    False: "its CPU codec's torch code (no C compiler was found, or CGX2_NATIVE=0)",
+}
 NOTE = (
     "Note: all ranks run on one CPU host, so gloo moves bytes over loopback, which is not "
-    "bandwidth-bound, and cgx2 uses its torch reference codec on the CPU (the Triton kernels "
-    "are for GPUs). The time columns therefore do not show where cgx2 wins: here it took "
-    "{slow} the time of the plain allreduce. The sent-bytes columns are what it saves on a real "
-    "network, where an allreduce is limited by those bytes; the error column is the price paid "
-    "for them."
+    "bandwidth-bound, and cgx2 encodes and decodes on the CPU with {codec}; its Triton "
+    "kernels are for GPUs. The time columns therefore do not show where cgx2 wins: here it "
+    "took {slow} the time of gloo's allreduce. The sent-bytes columns are what it saves on a "
+    "real network, where an allreduce is limited by those bytes; the error columns are the "
+    "price paid for them."
 )
 
 
-def format_note(rows: list[dict[str, Any]]) -> str:
-    """The closing note, with the measured range of cgx2 time / plain time."""
+def format_note(rows: list[dict[str, Any]], native_codec: bool) -> str:
+    """The closing note: which codec ran, and the measured range of cgx2 time / plain time."""
     ratios = [r["cgx2_ms"] / r["plain_ms"] for r in rows if r["plain_ms"] > 0]
     lo, hi = (min(ratios), max(ratios)) if ratios else (float("nan"), float("nan"))
     slow = f"{lo:.1f}x" if f"{lo:.1f}" == f"{hi:.1f}" else f"{lo:.1f}x to {hi:.1f}x"
-    return NOTE.format(slow=slow)
+    return textwrap.fill(
+        NOTE.format(slow=slow, codec=CODECS[native_codec]), 100, break_on_hyphens=False
+    )
 
 
 @dataclass
@@ -52,6 +68,7 @@ class Row:
     """One (size, bits) measurement, as rank 0 saw it."""
 
     size: str
+    bytes: int
     numel: int
     dtype: str
     bits: int
@@ -63,31 +80,6 @@ class Row:
     max_abs_error: float
     rel_error: float
     identical: bool
-
-
-def parse_size(text: str) -> int:
-    """``"256K"`` -> 262144, ``"4M"`` -> 4194304, ``"1000"`` -> 1000 (K and M are binary)."""
-    t = text.strip().upper()
-    mult = {"K": 1 << 10, "M": 1 << 20}.get(t[-1:], 1)
-    digits = t[:-1] if mult > 1 else t
-    try:
-        n = int(digits) * mult
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"bad size {text!r} (use e.g. 65536, 64K, 4M)") from None
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
-    return n
-
-
-def size_label(n: int) -> str:
-    for suffix, mult in (("M", 1 << 20), ("K", 1 << 10)):
-        if n % mult == 0:
-            return f"{n // mult}{suffix}"
-    return str(n)
-
-
-def parse_sizes(text: str) -> list[int]:
-    return [parse_size(s) for s in text.split(",") if s.strip()]
 
 
 def parse_bits(text: str) -> list[int]:
@@ -127,7 +119,8 @@ def _bit_view(t: torch.Tensor) -> torch.Tensor:
 def _measure(rank: int, world: int, args: argparse.Namespace) -> list[Row]:
     dtype = DTYPES[args.dtype]
     rows = []
-    for numel in args.sizes:
+    for nbytes in args.sizes:
+        numel = nbytes // dtype.itemsize
         gen = torch.Generator().manual_seed(INPUT_SEED + rank)
         x = torch.randn(numel, generator=gen).to(dtype)
         exact = x.double()
@@ -135,7 +128,7 @@ def _measure(rank: int, world: int, args: argparse.Namespace) -> list[Row]:
         plain_ms, _ = _timed(lambda x=x: dist.all_reduce(x.clone()), args.iters)
         for bits in args.bits:
             if rank == 0:
-                print(f"size {size_label(numel)} bits {bits} ...", file=sys.stderr, flush=True)
+                print(f"size {size_name(nbytes)} bits {bits} ...", file=sys.stderr, flush=True)
             cgx2_ms, out = _timed(
                 lambda x=x, b=bits: cgx2.quantized_allreduce(x, bits=b, bucket_size=BUCKET_SIZE),
                 args.iters,
@@ -147,7 +140,8 @@ def _measure(rank: int, world: int, args: argparse.Namespace) -> list[Row]:
             plain_b, cgx2_b = sent_bytes(numel, x.element_size(), bits, world)
             rows.append(
                 Row(
-                    size=size_label(numel),
+                    size=size_name(nbytes),
+                    bytes=nbytes,
                     numel=numel,
                     dtype=args.dtype,
                     bits=bits,
@@ -177,9 +171,14 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results:
         rows = _measure(rank, world, args)
         dist.barrier()
         if rank == 0:
-            results.put([asdict(r) for r in rows])
+            results.put({"rows": [asdict(r) for r in rows], "native_codec": _native_codec()})
     finally:
         dist.destroy_process_group()
+
+
+def _native_codec() -> bool:
+    """Whether this process encodes CPU tensors with the codec's C loops (else in torch)."""
+    return native.library() is not None
 
 
 def free_port() -> int:
@@ -188,28 +187,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+COLUMNS = [
+    ("size", "the tensor's size in bytes (K, M, G: KiB, MiB, GiB)"),
+    ("bits", "bits per value that cgx2 sends"),
+    ("gloo ms", "gloo's own allreduce of the tensor (torch.distributed.all_reduce)"),
+    ("cgx2 ms", "cgx2.quantized_allreduce of the tensor"),
+    ("speedup vs gloo", "gloo ms / cgx2 ms: above 1, cgx2 is faster"),
+    ("sent MB gloo", "bytes one rank sends in gloo's ring allreduce, 2(W-1)/W of the tensor "
+                     "for W ranks (MB = 1e6 bytes)"),
+    ("sent MB cgx2", "bytes one rank sends in cgx2's all_to_all and all_gather of the "
+                     "compressed chunks"),
+    ("sent less", "sent MB gloo / sent MB cgx2"),
+    ("max abs err", "the largest error of cgx2's result against the exact sum (in fp64)"),
+    ("rel. error", "the error's norm over the exact sum's norm"),
+    ("identical on all ranks", "whether every rank got the same bits"),
+]  # fmt: skip
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
-    header = (
-        "size",
-        "bits",
-        "plain ms",
-        "cgx2 ms",
-        "sent MB plain",
-        "sent MB cgx2",
-        "saved (x)",
-        "max abs err",
-        "rel. error",
-        "identical on all ranks",
-    )
+    header = tuple(name for name, _ in COLUMNS)
     body = [
         (
             r["size"],
             str(r["bits"]),
             f"{r['plain_ms']:.2f}",
             f"{r['cgx2_ms']:.2f}",
+            f"{r['plain_ms'] / r['cgx2_ms']:.2f}",
             f"{r['sent_bytes_plain'] / MB:.3f}",
             f"{r['sent_bytes_cgx2'] / MB:.3f}",
-            f"{r['compression_ratio']:.2f}",
+            f"{r['compression_ratio']:.2f}x",
             f"{r['max_abs_error']:.3g}",
             f"{r['rel_error']:.4f}",
             "yes" if r["identical"] else "NO",
@@ -224,33 +230,54 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+DESCRIPTION = """\
+Compares gloo's plain allreduce with cgx2's quantized allreduce on this host's CPU: it starts
+--world-size processes, allreduces random tensors of each size both ways, and prints the time
+each took, the bytes each sends, and the error that quantizing costs. No GPU, Triton or
+torchrun is needed:
+
+  python -m cgx2.demo
+  python -m cgx2.demo --sizes 64M --bits 4 --world-size 4
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m cgx2.demo",
-        description="Compare plain and cgx2 quantized allreduce over gloo on this host (CPU).",
+        prog="python -m cgx2.demo", description=DESCRIPTION, formatter_class=HelpFormatter
     )
-    p.add_argument("--world-size", type=int, default=2, help="processes to start (default 2)")
+    p.add_argument("--world-size", type=int, default=2, help="processes to start")
     p.add_argument(
         "--sizes",
         type=parse_sizes,
-        default=parse_sizes("256K,1M,4M"),
-        help="tensor sizes in elements, K/M = 2^10/2^20 (default 256K,1M,4M)",
+        default="1M,4M,16M",
+        help=f"tensor sizes, comma-separated, in {SIZES_HELP}",
     )
-    p.add_argument("--bits", type=parse_bits, default=[2, 4, 8], help="default 2,4,8")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="default fp32")
+    p.add_argument(
+        "--bits", type=parse_bits, default="2,4,8", help="bits per value, comma-separated, 1 to 8"
+    )
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="the tensors' dtype")
     p.add_argument("--iters", type=int, default=3, help="timed iterations after 1 warm-up")
-    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
+    p.add_argument(
+        "--out",
+        metavar="DIR",
+        default=DEFAULT_OUT,
+        help="directory for the JSON results, created if missing; '' writes none",
+    )
+    p.add_argument("--json", metavar="FILE", help="write the JSON results to this file instead")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.world_size < 2:
-        print("--world-size must be at least 2", file=sys.stderr)
-        return 2
+        parser.error("--world-size must be at least 2")
     if args.iters < 1:
-        print("--iters must be at least 1", file=sys.stderr)
-        return 2
+        parser.error("--iters must be at least 1")
+    itemsize = DTYPES[args.dtype].itemsize
+    for nbytes in args.sizes:
+        if nbytes % itemsize:
+            parser.error(f"--sizes: {nbytes} bytes is not a whole number of {args.dtype} values")
 
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
@@ -277,18 +304,20 @@ def main(argv: list[str] | None = None) -> int:
     if results.empty():
         print("cgx2 demo: rank 0 returned no results", file=sys.stderr)
         return 1
-    rows = results.get()
+    found = results.get()
+    rows = found["rows"]
 
     print(
         f"cgx2 quantized allreduce vs plain allreduce: {args.world_size} ranks, gloo, "
-        f"{args.dtype}, bucket {BUCKET_SIZE}, median of {args.iters}; "
-        f"bytes sent per rank (MB = 1e6 bytes)\n"
+        f"{args.dtype}, bucket {BUCKET_SIZE}, median of {args.iters}\n"
     )
     print(format_table(rows))
+    print("\nColumns:")
+    print(format_legend(COLUMNS))
     print()
-    print(format_note(rows))
+    print(format_note(rows, found["native_codec"]))
 
-    if args.json:
+    if args.json or args.out:
         report = {
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "torch": torch.__version__,
@@ -297,12 +326,18 @@ def main(argv: list[str] | None = None) -> int:
             "dtype": args.dtype,
             "bucket_size": BUCKET_SIZE,
             "iters": args.iters,
+            "native_codec": found["native_codec"],
             "command": shlex.join(getattr(sys, "orig_argv", [sys.executable, *sys.argv])),
             "rows": rows,
         }
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-            f.write("\n")
+        if args.json:
+            path = Path(args.json)
+        else:
+            stamp = report["date"].replace(":", "").replace("-", "")[:15]
+            path = Path(args.out) / f"demo_cpu_w{args.world_size}_{stamp}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"\nresults: {path}")
 
     if not all(r["identical"] for r in rows):
         print("cgx2 demo: results were NOT identical on all ranks", file=sys.stderr)

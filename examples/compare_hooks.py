@@ -25,7 +25,7 @@ from launch import launch
 from train_ddp import CharTransformer, batch, load_text
 
 import cgx2
-from cgx2.bench.report import environment
+from cgx2.bench.report import HelpFormatter, environment
 from cgx2.ddp import CGXState, GlobalQSGDState, LGreCoState, PowerSGDState, cgx_hook, lgreco_hook
 from cgx2.ddp import global_qsgd as gq
 
@@ -145,19 +145,23 @@ def write(report: dict, out_dir: str) -> Path:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--context", type=int, default=64)
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--text-bytes", type=int, default=2_000_000)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--steps", type=int, default=100, help="training steps per hook")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per rank and step")
+    p.add_argument("--context", type=int, default=64, help="tokens (bytes) per sequence")
+    p.add_argument("--dim", type=int, default=128, help="model width")
+    p.add_argument("--layers", type=int, default=2, help="transformer blocks")
+    p.add_argument("--heads", type=int, default=4, help="attention heads")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    p.add_argument("--seed", type=int, default=0, help="weights, batches and rounding")
+    p.add_argument("--text-bytes", type=int, default=2_000_000, help="bytes of training text")
     p.add_argument("--world-size", type=int, default=2, help="processes to spawn without torchrun")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--out-dir", default="bench/results", help="where the JSON and PNG go")
+    p.add_argument(
+        "--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda if available"
+    )
+    p.add_argument(
+        "--out-dir", default="cgx2-results", help="where the JSON and PNG go, created if missing"
+    )
     args = p.parse_args(argv)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"

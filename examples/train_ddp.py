@@ -1,9 +1,9 @@
 """Train a small character-level transformer with DDP and cgx2's 4-bit gradients.
 
 The text is Python's own standard library source, so nothing is downloaded. CPU with gloo by
-default (2 processes), CUDA with NCCL when present; under ``torchrun`` it uses the launcher's
-processes. ``--mode hook`` registers ``cgx_hook``; ``--mode backend`` runs plain DDP on the
-``cgx`` backend (CGX's other way in). Logs loss, step time and the bytes sent against
+default (2 processes), CUDA with NCCL when present; under torchrun it uses the launcher's
+processes. --mode hook registers cgx_hook; --mode backend runs plain DDP on the
+cgx backend (CGX's other way in). Logs loss, step time and the bytes sent against
 uncompressed DDP:
 
     python examples/train_ddp.py --bits 4 --steps 200            # spawns 2 CPU processes
@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from cgx2 import graphs
-from cgx2.bench.report import environment
+from cgx2.bench.report import HelpFormatter, Progress, environment
 from cgx2.ddp import CGXState, cgx_hook
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -108,6 +108,7 @@ def train(args: argparse.Namespace) -> dict:
     text = load_text(args.text_bytes)
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own batches
     losses, times = [], []
+    progress = Progress()  # rank 0 reports; a line rewritten in place only on a terminal
     counted = (group.bytes_sent, group.bytes_uncompressed) if args.mode == "backend" else None
     for step in range(args.steps):
         x, y = batch(text, args.batch_size, args.context, gen, device)
@@ -125,9 +126,8 @@ def train(args: argparse.Namespace) -> dict:
         losses.append(mean_loss.item() / world)
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             line = f"step {step + 1}/{args.steps}  loss {losses[-1]:.4f}  {times[-1] * 1e3:.0f} ms"
-            print(f"\r{line}", end="", file=sys.stderr, flush=True)
-    if rank == 0:
-        print(file=sys.stderr)
+            progress(line)
+    progress.close()
     sent = (state.bytes_sent, state.bytes_uncompressed) if state else (None, None)
     if counted is not None:  # the cgx backend's own counters, over the training steps
         sent = (group.bytes_sent - counted[0], group.bytes_uncompressed - counted[1])
@@ -188,31 +188,38 @@ def report(result: dict, json_path: str | None) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--bits", type=int, default=4, help="1-8, or 32 for plain DDP")
-    p.add_argument("--bucket-size", type=int, default=512)
-    p.add_argument("--layer-min-size", type=int, default=1024, help="hook mode only")
+    p.add_argument("--bucket-size", type=int, default=512, help="values sharing one scale")
+    p.add_argument(
+        "--layer-min-size",
+        type=int,
+        default=1024,
+        help="smaller layers are sent uncompressed (hook mode only)",
+    )
     p.add_argument(
         "--mode",
         choices=("hook", "backend"),
         default="hook",
         help="cgx_hook on DDP, or plain DDP on the cgx backend",
     )
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--context", type=int, default=64)
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--text-bytes", type=int, default=2_000_000)
+    p.add_argument("--steps", type=int, default=200, help="training steps")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per rank and step")
+    p.add_argument("--context", type=int, default=64, help="tokens (bytes) per sequence")
+    p.add_argument("--dim", type=int, default=128, help="model width")
+    p.add_argument("--layers", type=int, default=2, help="transformer blocks")
+    p.add_argument("--heads", type=int, default=4, help="attention heads")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    p.add_argument("--seed", type=int, default=0, help="weights, batches and rounding")
+    p.add_argument("--text-bytes", type=int, default=2_000_000, help="bytes of training text")
     p.add_argument("--world-size", type=int, default=2, help="processes to spawn without torchrun")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument(
+        "--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda if available"
+    )
     p.add_argument("--amp", choices=("none", "bf16"), default="none",
                    help="bf16 autocast (fp32 weights and gradients): a lighter step, as in "
                    "most training today, where communication weighs more")  # fmt: skip
-    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--log-every", type=int, default=10, help="steps between progress lines")
     p.add_argument("--json", help="write the result (losses, bytes, timing) here")
     args = p.parse_args(argv)
     if args.device == "auto":

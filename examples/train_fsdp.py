@@ -1,5 +1,5 @@
 """Train a GPT-2-small-class byte-level transformer with FSDP2, compiled, with cgx2's quantized
-reduce-scatter (``cgx2.fsdp.compress``) or FSDP2's own. Logs tokens/s, loss and the bytes the
+reduce-scatter (cgx2.fsdp.compress) or FSDP2's own. Logs tokens/s, loss and the bytes the
 reduce-scatters sent against uncompressed FSDP2:
 
     torchrun --nproc-per-node 4 examples/train_fsdp.py --bits 4      # one process per GPU
@@ -30,7 +30,7 @@ from launch import launch
 from train_ddp import CharTransformer, batch, load_text
 
 import cgx2.fsdp
-from cgx2.bench.report import environment
+from cgx2.bench.report import HelpFormatter, Progress, environment
 
 
 def train(args: argparse.Namespace) -> dict:
@@ -57,6 +57,7 @@ def train(args: argparse.Namespace) -> dict:
     text = load_text(args.text_bytes)
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
     losses, times = [], []
+    progress = Progress()  # rank 0 reports; a line rewritten in place only on a terminal
     for step in range(args.steps):
         x, y = batch(text, args.batch_size, args.context, gen, device)
         t0 = time.perf_counter()
@@ -72,9 +73,8 @@ def train(args: argparse.Namespace) -> dict:
         losses.append(mean_loss.item() / world)
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             line = f"step {step + 1}/{args.steps}  loss {losses[-1]:.4f}  {times[-1] * 1e3:.0f} ms"
-            print(f"\r{line}", end="", file=sys.stderr, flush=True)
-    if rank == 0:
-        print(file=sys.stderr)
+            progress(line)
+    progress.close()
     sent = sum(c.bytes_sent for c in comms) if comms else None
     del model, opt
     gc.collect()
@@ -112,24 +112,31 @@ def report(result: dict, json_path: str | None) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--bits", type=int, default=4, help="1-8, or 32 for FSDP2's own")
-    p.add_argument("--bucket-size", type=int, default=512)
+    p.add_argument("--bucket-size", type=int, default=512, help="values sharing one scale")
     p.add_argument("--min-size", type=int, default=1024, help="smaller or 1-D params: exact")
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--context", type=int, default=1024)
-    p.add_argument("--dim", type=int, default=768)
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--heads", type=int, default=12)
-    p.add_argument("--lr", type=float, default=6e-4)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=30, help="training steps")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank and step")
+    p.add_argument("--context", type=int, default=1024, help="tokens (bytes) per sequence")
+    p.add_argument("--dim", type=int, default=768, help="model width")
+    p.add_argument("--layers", type=int, default=12, help="transformer blocks")
+    p.add_argument("--heads", type=int, default=12, help="attention heads")
+    p.add_argument("--lr", type=float, default=6e-4, help="AdamW learning rate")
+    p.add_argument("--seed", type=int, default=0, help="weights, batches and rounding")
     p.add_argument("--bf16", action="store_true", help="bf16 parameters (fp32 reduction)")
-    p.add_argument("--no-compile", dest="compile", action="store_false")
-    p.add_argument("--text-bytes", type=int, default=4_000_000)
+    p.add_argument(
+        "--no-compile",
+        dest="compile",
+        action="store_false",
+        help="run eagerly, without torch.compile",
+    )
+    p.add_argument("--text-bytes", type=int, default=4_000_000, help="bytes of training text")
     p.add_argument("--world-size", type=int, default=2, help="processes to spawn without torchrun")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--log-every", type=int, default=5)
+    p.add_argument(
+        "--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda if available"
+    )
+    p.add_argument("--log-every", type=int, default=5, help="steps between progress lines")
     p.add_argument("--json", help="write the result here")
     args = p.parse_args(argv)
     if args.device == "auto":

@@ -1,8 +1,10 @@
 """End-to-end checks of ``python -m cgx2.bench``: the kernel timing (under Triton's interpreter,
-and its refusal without CUDA) and the allreduce bench on two gloo ranks, each as a subprocess."""
+and its refusal without CUDA), the allreduce bench on two gloo ranks, each as a subprocess, its
+refusal of one process, and the command-line conventions (sizes, --help, progress lines)."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -12,6 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from cgx2.bench.report import Progress, parse_sizes
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNELS_HEADER = "op            dtype bits       ms  MB moved    GB/s  copyGB/s  %copy"
@@ -73,7 +77,7 @@ def test_kernels_interpreted_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "cgx2.bench", "kernels", "--numel", "8192", "--bits", "4"]
     proc = subprocess.run(
-        [*cmd, "--out-dir", str(out)],
+        [*cmd, "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -105,7 +109,7 @@ def test_kernels_interpreted_on_cpu(tmp_path: Path) -> None:
 )
 def test_gpu_only_runs_refuse_without_cuda(tmp_path: Path, args: list[str], message: str) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "cgx2.bench", *args, "--out-dir", str(tmp_path / "out")],
+        [sys.executable, "-m", "cgx2.bench", *args, "--out", str(tmp_path / "out")],
         capture_output=True,
         text=True,
         timeout=120,
@@ -126,13 +130,86 @@ def test_allreduce_bench_refuses_empty_windows(args: list[str]) -> None:
     assert exc.value.code == 2
 
 
+@pytest.mark.parametrize("command", [[], ["allreduce"], ["calibrate"]])
+def test_one_process_is_refused(tmp_path: Path, command: list[str]) -> None:
+    """Without torchrun (one process) the bench would time nothing but a copy: it says how to
+    start it, exits 2 and writes nothing."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "cgx2.bench", *command, "--sizes", "64K"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=_env(CUDA_VISIBLE_DEVICES="", RANK=None, WORLD_SIZE=None, LOCAL_WORLD_SIZE=None,
+                 CGX2_CALIBRATION_FILE=str(tmp_path / "calibration.json")),
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "this is one process" in proc.stderr
+    assert "torchrun --nproc-per-node 2 -m cgx2.bench" in proc.stderr
+    assert proc.stdout == ""
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", [[], ["kernels"], ["calibrate"]])
+def test_help_states_units_and_defaults_without_markup(command: list[str]) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "cgx2.bench", *command, "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(),
+    )
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())
+    assert "``" not in text and ":func:" not in text and ":mod:" not in text
+    assert "--warmup WARMUP untimed" in text or command == ["kernels"]
+    assert "(default: 2)" in text or "(default: 3)" in text or command == ["kernels"]
+    assert "(default: 2,4,8)" in text or command == ["calibrate"]
+    out_default = "calibration.json)" if command == ["calibrate"] else "(default: cgx2-results)"
+    assert out_default in text
+    if command != ["kernels"]:
+        assert "in bytes; K, M, G mean KiB, MiB, GiB" in text
+
+
+def test_sizes_are_bytes_with_binary_suffixes() -> None:
+    from cgx2.bench.allreduce import parse_args
+
+    assert parse_sizes("65536, 64K,1M,2G,3MiB") == [65536, 65536, 1 << 20, 2 << 30, 3 << 20]
+    assert parse_args(["--sizes", "1M,4K"]).sizes == [1 << 20, 4 << 10]
+    assert parse_args([]).sizes == [1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20, 1 << 30]
+    for bad in ("0", "1.5M", "64X", ""):
+        with pytest.raises(SystemExit) as exc:
+            parse_args(["--sizes", bad])
+        assert exc.value.code == 2
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_is_plain_lines_off_a_terminal() -> None:
+    log = io.StringIO()
+    progress = Progress(log)
+    progress("step 1/3")
+    progress("step 3/3")
+    progress.close()
+    assert log.getvalue() == "step 1/3\nstep 3/3\n"
+
+    tty = _Terminal()
+    progress = Progress(tty)
+    progress("step 10/30")
+    progress("step 30/30")
+    progress.close()
+    assert tty.getvalue() == "\rstep 10/30\rstep 30/30\n"
+
+
 @pytest.mark.slow
 def test_allreduce_bench_under_torchrun(tmp_path: Path) -> None:
-    out = tmp_path / "out"
     launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
     launch += ["--master-addr", "127.0.0.1", "--master-port", str(_free_port())]
     bench = ["-m", "cgx2.bench", "--sizes", "64K", "--dtypes", "fp32", "--bits", "4"]
-    bench += ["--iters", "1", "--warmup", "0", "--calls", "3", "--out-dir", str(out)]
+    bench += ["--iters", "1", "--warmup", "0", "--calls", "3"]
     proc = subprocess.run(
         [*launch, *bench],
         capture_output=True,
@@ -143,12 +220,26 @@ def test_allreduce_bench_under_torchrun(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    header_at = next(i for i, line in enumerate(lines) if "cgx2/plain x" in line)
-    assert lines[header_at].split()[:3] == ["dtype", "size", "bits"]
+    header_at = next(i for i, line in enumerate(lines) if "speedup vs gloo" in line)
+    headers = re.split(r"\s{2,}", lines[header_at].strip())
+    assert headers[:5] == ["dtype", "size", "bits", "gloo ms", "gloo GB/s"]
     assert lines[header_at + 2].split()[:3] == ["fp32", "64K", "4"]
+    # A legend under the table explains every column, in the table's order.
+    legend_at = lines.index("Columns:")
+    legend = [line.split(":")[0].strip() for line in lines[legend_at + 1 :]
+              if line.startswith("  ") and not line.startswith("   ")]  # fmt: skip
+    assert legend == headers
+    text = " ".join(proc.stdout.split())
+    assert "SoL ms: speed of light:" in text and "with no encoding or decoding" in text
+    assert "speedup vs gloo: gloo ms / cgx2 ms: above 1, cgx2 is faster" in text
+    assert "auto: the path cgx2.quantized_allreduce_" in text
     assert lines[-2].endswith("3 calls back to back per timed window")
+    assert "fp32 64K 4-bit\n" in proc.stderr and "\r" not in proc.stderr  # plain progress lines
 
-    report = _one_json(out, "allreduce")
+    # The JSON goes to ./cgx2-results by default, and its path is the last line.
+    (path,) = (tmp_path / "cgx2-results").glob("allreduce_*.json")
+    assert lines[-1] == f"results: {path.relative_to(tmp_path)}"
+    report = json.loads(path.read_text())
     env = report["env"]
     assert env["regime"] == "cpu" and env["world_size"] == 2
     # The command starts with the NCCL and CGX variables in force (none on CI; NCCL_NVLS_ENABLE=0
@@ -163,3 +254,4 @@ def test_allreduce_bench_under_torchrun(tmp_path: Path) -> None:
     (row,) = report["rows"]
     assert (row["dtype"], row["bytes"], row["bits"]) == ("fp32", 64 * 1024, 4)
     assert row["plain_ms"] > 0 and row["cgx2_ms"] > 0 and row["sol_ms"] > 0
+    assert row["speedup_vs_plain"] == pytest.approx(row["plain_ms"] / row["cgx2_ms"])

@@ -1,19 +1,24 @@
 """End-to-end check of ``python -m cgx2.demo``: two gloo ranks, one small 4-bit case.
 
-Runs the demo as a subprocess and checks its table, its JSON and its exit code.
+Runs the demo as a subprocess and checks its table, its legend, what it says of the codec, its
+JSON and its exit code.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from cgx2.codecs import native
+
 # 4 bits, bucket 512: a bucket's 2048 fp32 bytes become 8 bytes of (min, step) plus 256 bytes of
-# levels. 64K elements over 2 ranks is 64 whole buckets a chunk, so no padding: exactly 2048/264.
+# levels. 256 KiB (64K elements) over 2 ranks is 64 whole buckets a chunk, so no padding: exactly
+# 2048/264.
 RATIO_4BIT_FP32 = 2048 / 264  # 7.7576
 
 # Stochastic rounding to a step s adds error of variance <= s^2/4 (~s^2/6 on average). For
@@ -25,32 +30,73 @@ REL_ERROR_4BIT_BOUND = 0.3
 
 
 @pytest.mark.slow
-def test_demo_runs_and_reports(tmp_path: Path) -> None:
-    out_json = tmp_path / "demo.json"
-    cmd = [sys.executable, "-m", "cgx2.demo", "--sizes", "64K", "--bits", "4", "--iters", "1"]
-    proc = subprocess.run(
-        [*cmd, "--json", str(out_json)], capture_output=True, text=True, timeout=120
-    )
+@pytest.mark.parametrize("native_codec", ["1", "0"])
+def test_demo_runs_and_reports(tmp_path: Path, native_codec: str) -> None:
+    """--sizes is in bytes; the table has a legend; the note names the codec that ran; the JSON
+    goes to ./cgx2-results unless told."""
+    cmd = [sys.executable, "-m", "cgx2.demo", "--sizes", "256K", "--bits", "4", "--iters", "1"]
+    env = {**os.environ, "CGX2_NATIVE": native_codec}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr
 
     lines = proc.stdout.splitlines()
     header_at = next(i for i, line in enumerate(lines) if "identical on all ranks" in line)
     assert set(lines[header_at + 1].replace(" ", "")) == {"-"}
     cells = lines[header_at + 2].split()
-    assert cells[:2] == ["64K", "4"]
+    assert cells[:2] == ["256K", "4"]
     assert cells[-1] == "yes"
-    assert "not bandwidth-bound" in proc.stdout
-    assert "size 64K bits 4" in proc.stderr  # progress goes to stderr, not into the table
+    assert float(cells[4]) == pytest.approx(float(cells[2]) / float(cells[3]), abs=0.02)
+    headers = [h.strip() for h in lines[header_at].split("  ") if h.strip()]
+    assert headers[2:5] == ["gloo ms", "cgx2 ms", "speedup vs gloo"]
+    legend = lines[lines.index("Columns:") + 1 :]
+    legend = legend[: legend.index("")]
+    assert [line.split(":")[0].strip() for line in legend if not line.startswith("   ")] == headers
+    text = " ".join(proc.stdout.split())
+    assert "speedup vs gloo: gloo ms / cgx2 ms: above 1, cgx2 is faster" in text
+    assert "not bandwidth-bound" in text
+    uses_c = native_codec == "1" and native.library() is not None
+    assert ("its CPU codec's C loops" in text) == uses_c
+    assert ("its CPU codec's torch code" in text) == (not uses_c)
+    assert "reference codec" not in text
+    assert "size 256K bits 4" in proc.stderr  # progress goes to stderr, not into the table
 
+    (out_json,) = (tmp_path / "cgx2-results").glob("demo_*.json")
+    assert lines[-1] == f"results: {out_json.relative_to(tmp_path)}"
     report = json.loads(out_json.read_text())
-    assert report["world_size"] == 2
+    assert report["world_size"] == 2 and report["native_codec"] is uses_c
     assert "cgx2.demo" in report["command"]
     assert report["torch"] and report["date"]
     (row,) = report["rows"]
-    assert row["bits"] == 4 and row["numel"] == 64 * 1024 and row["dtype"] == "fp32"
+    assert row["bits"] == 4 and row["dtype"] == "fp32"
+    assert row["bytes"] == 256 * 1024 and row["numel"] == 64 * 1024
     assert row["identical"] is True
-    assert row["sent_bytes_plain"] == 64 * 1024 * 4  # 2*(W-1)/W * nbytes with W = 2
+    assert row["sent_bytes_plain"] == 256 * 1024  # 2*(W-1)/W * nbytes with W = 2
     assert row["compression_ratio"] == pytest.approx(RATIO_4BIT_FP32, rel=1e-6)
     assert row["compression_ratio"] > 7.7
     assert 0 < row["rel_error"] < REL_ERROR_4BIT_BOUND
     assert row["plain_ms"] > 0 and row["cgx2_ms"] > 0
+
+
+def test_demo_sizes_are_bytes(tmp_path: Path) -> None:
+    """A size that is not a whole number of values is refused before any process starts."""
+    from cgx2.demo import build_parser
+
+    args = build_parser().parse_args(["--sizes", "64K,1M"])
+    assert args.sizes == [64 << 10, 1 << 20]
+    cmd = [sys.executable, "-m", "cgx2.demo", "--sizes", "1022", "--dtype", "fp32"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "1022 bytes is not a whole number of fp32 values" in proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_demo_json_path(tmp_path: Path) -> None:
+    """--json writes exactly there (and not into ./cgx2-results)."""
+    out = tmp_path / "x" / "demo.json"
+    cmd = [sys.executable, "-m", "cgx2.demo", "--sizes", "64K", "--bits", "8", "--iters", "1"]
+    proc = subprocess.run(
+        [*cmd, "--json", str(out)], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(out.read_text())["rows"][0]["bytes"] == 64 << 10
+    assert not (tmp_path / "cgx2-results").exists()

@@ -21,7 +21,8 @@ def _run(tmp_path: Path, bits: int, steps: int, mode: str = "hook") -> dict:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"{bits}-bit DDP ({mode}), 2 x cpu" in proc.stdout
-    assert "step 1/" in proc.stderr  # progress on stderr
+    assert "step 1/" in proc.stderr  # progress on stderr,
+    assert "\r" not in proc.stderr  # as plain lines into a pipe or a log file
     return json.loads(out.read_text())
 
 
@@ -95,6 +96,7 @@ def test_fsdp_example_runs_compressed(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "4-bit FSDP2, 2 x cpu" in proc.stdout
+    assert "step 1/6" in proc.stderr and "\r" not in proc.stderr
     result = json.loads(out.read_text())
     assert result["tokens_per_s"] > 0 and result["final_loss"] < result["first_loss"]
     assert result["bytes_uncompressed"] / result["bytes_sent"] > 5

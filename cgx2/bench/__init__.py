@@ -1,4 +1,5 @@
-"""Benchmarks: ``python -m cgx2.bench`` (allreduce, under torchrun) and ``... kernels``.
+"""Benchmarks: ``python -m cgx2.bench`` (the allreduce, under torchrun), ``... kernels`` (the
+codec's GPU kernels) and ``... calibrate`` (where compression pays, for the policy).
 
-Each prints a table and writes raw results as JSON under ``bench/results/``.
+Each prints a table with a legend and writes its results as JSON (``--out``).
 """

@@ -1,18 +1,22 @@
-"""``python -m cgx2.bench [allreduce|kernels] ...``: see :mod:`cgx2.bench`."""
+"""``python -m cgx2.bench [allreduce|kernels|calibrate] ...``: see :mod:`cgx2.bench`."""
 
 import sys
 
-from .allreduce import main as allreduce_main
-
 
 def main(argv: list[str]) -> int:
-    if argv and argv[0] == "kernels":
+    command = argv[0] if argv and argv[0] in ("allreduce", "kernels", "calibrate") else None
+    rest = argv[1:] if command else argv
+    if command == "kernels":
         from .kernels import main as kernels_main
 
-        return kernels_main(argv[1:])
-    if argv and argv[0] == "allreduce":
-        argv = argv[1:]
-    return allreduce_main(argv)
+        return kernels_main(rest)
+    if command == "calibrate":
+        from .calibrate import main as calibrate_main
+
+        return calibrate_main(rest)
+    from .allreduce import main as allreduce_main
+
+    return allreduce_main(rest)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,5 @@
-"""nccl-tests-style benchmark: cgx2's quantized allreduce against the plain allreduce.
-
-Per size it times, inside one run: the backend's ``all_reduce``; ``cgx2.quantized_allreduce``
-at each bits value, always quantizing ("cgx2"); ``cgx2.quantized_allreduce_`` in place as
-users get it, plain below the regime's crossover ("auto", :mod:`cgx2.crossover`); a cast to
-bf16 + allreduce + cast back (what torch's compress hooks do); and the speed of light, the
-pipeline's collectives bare, on a payload of the compressed size with no coding: an
-``all_to_all`` + ``all_gather`` ("a2a SoL"), and, between two ranks, where the pipeline swaps
-chunks by an all-gather (:func:`cgx2.collectives.exchange`), two all-gathers ("SoL"). Run it under
-``torchrun``; rank 0 prints the table and writes the JSON.
+"""nccl-tests-style benchmark: cgx2's quantized allreduce against the process group's own,
+the cast to bf16 and the speed of light, per size, dtype and bits; ``python -m cgx2.bench``.
 """
 
 from __future__ import annotations
@@ -26,31 +18,45 @@ import torch
 import torch.distributed as dist
 
 import cgx2
-from cgx2 import collectives, graphs
-from cgx2.codecs import ChunkedLayout, direct_launch
+from cgx2 import collectives, config, graphs
+from cgx2.codecs import ChunkedLayout
 from cgx2.crossover import regime
 
-from .report import environment, format_table, write_json
+from .report import (
+    DEFAULT_OUT,
+    SIZES_HELP,
+    HelpFormatter,
+    Progress,
+    environment,
+    format_legend,
+    format_table,
+    parse_sizes,
+    require_processes,
+    size_name,
+    write_json,
+)
 
-__all__ = ["main", "parse_size"]
+__all__ = ["main", "parse_args"]
+
+PROG = "python -m cgx2.bench"
+DESCRIPTION = """\
+Times cgx2's quantized allreduce against the process group's own allreduce (NCCL on GPUs,
+gloo on CPUs), in one run, per tensor size, dtype and bits: the numbers nccl-tests would
+give, plus how close cgx2 gets to the speed of light of its own algorithm. Run it with
+several processes:
+
+  torchrun --nproc-per-node 4 -m cgx2.bench --bits 4
+
+Rank 0 prints a table, a legend of its columns, and the path of the JSON file it wrote.
+
+Other benchmarks:
+  python -m cgx2.bench kernels --help     the codec's GPU kernels against a device copy
+  python -m cgx2.bench calibrate --help   measure where compression pays on this machine
+"""
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def parse_size(text: str) -> int:
-    """'64K', '256M', '1G' or a plain number of bytes."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    text = text.strip().upper().removesuffix("B").removesuffix("I")
-    if text and text[-1] in units:
-        return int(float(text[:-1]) * units[text[-1]])
-    return int(text)
-
-
-def _size_name(nbytes: int) -> str:
-    for unit, div in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if nbytes >= div and nbytes % div == 0:
-            return f"{nbytes // div}{unit}"
-    return str(nbytes)
+BACKEND_NAMES = {"nccl": "NCCL"}
+"""How the table names a backend (``dist.get_backend``'s name otherwise)."""
 
 
 class Timer:
@@ -125,7 +131,12 @@ def _crossover_bytes(value: str) -> Iterator[None]:
 
 
 def _bench_size(
-    timer: Timer, nbytes: int, dtype_name: str, args: argparse.Namespace, device: torch.device
+    timer: Timer,
+    nbytes: int,
+    dtype_name: str,
+    args: argparse.Namespace,
+    device: torch.device,
+    progress: Progress,
 ) -> list[dict[str, Any]]:
     rank, world = dist.get_rank(), dist.get_world_size()
     dtype = DTYPES[dtype_name]
@@ -145,7 +156,7 @@ def _bench_size(
     rows = []
     for bits in args.bits:
         if rank == 0:
-            print(f"{dtype_name} {_size_name(nbytes)} {bits}-bit", file=sys.stderr, flush=True)
+            progress(f"{dtype_name} {size_name(nbytes)} {bits}-bit")
         layout = ChunkedLayout.split(n, world, bits, args.bucket_size, False)
         send = torch.randint(
             0, 255, (world, layout.payload_nbytes), dtype=torch.uint8, device=device
@@ -199,7 +210,7 @@ def _bench_size(
                                        auto),
                 )  # fmt: skip
         rows.append({
-            "dtype": dtype_name, "bytes": nbytes, "size": _size_name(nbytes), "numel": n,
+            "dtype": dtype_name, "bytes": nbytes, "size": size_name(nbytes), "numel": n,
             "bits": bits, "bucket_size": args.bucket_size,
             "payload_bytes_per_rank": layout.payload_nbytes,
             "plain_ms": plain_ms, "plain_busbw": _busbw(nbytes, plain_ms, world),
@@ -238,74 +249,125 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     timer = Timer(device, args.warmup, args.iters, args.calls)
+    progress = Progress()
     rows = [
         row
         for dtype_name in args.dtypes
         for nbytes in args.sizes
-        for row in _bench_size(timer, nbytes, dtype_name, args, device)
+        for row in _bench_size(timer, nbytes, dtype_name, args, device, progress)
     ]
+    progress.close()
     return {"env": environment(device, dist.get_world_size()), "args": vars(args), "rows": rows}
 
 
-COLUMNS = [
-    ("dtype", "dtype", ""), ("size", "size", ""), ("bits", "bits", "d"),
-    ("plain_ms", "plain ms", ".3f"), ("plain_busbw", "busbw GB/s", ".2f"),
-    ("cgx2_ms", "cgx2 ms", ".3f"), ("cgx2_busbw", "busbw GB/s", ".2f"),
-    ("cast_bf16_ms", "bf16-cast ms", ".3f"), ("sol_ms", "SoL ms", ".3f"),
-    ("sol_all_to_all_ms", "a2a SoL ms", ".3f"),
-    ("speedup_vs_plain", "cgx2/plain x", ".2f"), ("fraction_of_sol", "cgx2 % of SoL", ".0%"),
-    ("auto_path", "auto", ""), ("auto_vs_plain", "auto/plain x", ".2f"),
-]  # fmt: skip
-GRAPH_COLUMNS = [
-    ("cgx2_graphs_ms", "graphs ms", ".3f"), ("graphs_speedup_vs_plain", "graphs/plain x", ".2f"),
-    ("graphs_fraction_of_sol", "graphs % of SoL", ".0%"), ("graphs_auto_path", "g-auto", ""),
-    ("graphs_auto_vs_plain", "g-auto/plain x", ".2f"),
-]  # fmt: skip
+def columns(backend: str, cuda_graphs: bool = False) -> list[tuple[str, str, str, str]]:
+    """The table's columns, ``(row key, header, format spec, meaning)``, named after the
+    process group's ``backend`` (as the table prints it: NCCL, gloo...)."""
+    cols = [
+        ("dtype", "dtype", "", "the tensor's element type"),
+        ("size", "size", "", "the tensor's size in bytes (K, M, G: KiB, MiB, GiB)"),
+        ("bits", "bits", "d", "bits per value that cgx2 sends"),
+        ("plain_ms", f"{backend} ms", ".3f",
+         f"{backend}'s own allreduce of the tensor (torch.distributed.all_reduce)"),
+        ("plain_busbw", f"{backend} GB/s", ".2f",
+         "its bus bandwidth as nccl-tests counts it: size / time * 2(W-1)/W for W ranks"),
+        ("cgx2_ms", "cgx2 ms", ".3f",
+         "cgx2.quantized_allreduce of the tensor, compressing at every size"),
+        ("cgx2_busbw", "cgx2 GB/s", ".2f",
+         "its bus bandwidth, counted on the uncompressed size as above"),
+        ("cast_bf16_ms", "bf16 cast ms", ".3f",
+         f"cast to bf16, {backend}'s allreduce, cast back: what torch's bf16_compress_hook "
+         "does (fp32 tensors only)"),
+        ("sol_ms", "SoL ms", ".3f",
+         "speed of light: the collectives cgx2's allreduce calls, run bare on a payload of "
+         "the compressed size, with no encoding or decoding: an all_to_all plus an "
+         "all_gather (between two ranks off NVLink, two all_gathers, as the pipeline does "
+         "there). cgx2 cannot be faster than this"),
+        ("sol_all_to_all_ms", "a2a SoL ms", ".3f",
+         "the same, always as an all_to_all plus an all_gather"),
+        ("speedup_vs_plain", f"speedup vs {backend}", ".2f",
+         f"{backend} ms / cgx2 ms: above 1, cgx2 is faster"),
+        ("fraction_of_sol", "% of SoL", ".0%",
+         "SoL ms / cgx2 ms: how close cgx2 comes to its speed of light"),
+        ("auto_path", "auto", "",
+         "the path cgx2.quantized_allreduce_ (in place, as the DDP hook and the cgx backend "
+         "call it) chose at this size: quantized, or plain below the crossover where "
+         "compression does not pay"),
+        ("auto_vs_plain", "auto speedup", ".2f",
+         f"{backend}'s allreduce time / auto's, the two timed in turn"),
+    ]  # fmt: skip
+    if cuda_graphs:
+        cols += [
+            ("cgx2_graphs_ms", "graphs ms", ".3f",
+             "cgx2 ms with the allreduce replayed as a CUDA graph (CGX2_CUDA_GRAPHS=1)"),
+            ("graphs_speedup_vs_plain", "graphs speedup", ".2f", f"{backend} ms / graphs ms"),
+            ("graphs_fraction_of_sol", "graphs % of SoL", ".0%", "SoL ms / graphs ms"),
+            ("graphs_auto_path", "graphs auto", "", "auto's path with CUDA graphs"),
+            ("graphs_auto_vs_plain", "graphs auto speedup", ".2f",
+             f"{backend}'s allreduce time / auto's with CUDA graphs, timed in turn"),
+        ]  # fmt: skip
+    return cols
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m cgx2.bench", description=__doc__)
-    p.add_argument("--sizes", default="1M,4M,16M,64M,256M,1G", help="tensor sizes in bytes")
-    p.add_argument("--dtypes", default="fp32,bf16", help="fp32, bf16, fp16")
-    p.add_argument("--bits", default="2,4,8")
-    p.add_argument("--bucket-size", type=int, default=512)
-    p.add_argument("--warmup", type=int, default=3)
+    p = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION, formatter_class=HelpFormatter)
+    p.add_argument(
+        "--sizes",
+        type=parse_sizes,
+        default="1M,4M,16M,64M,256M,1G",
+        help=f"tensor sizes, comma-separated, in {SIZES_HELP}",
+    )
+    p.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16, fp16")
+    p.add_argument("--bits", default="2,4,8", help="bits per value, comma-separated, 1 to 8")
+    p.add_argument(
+        "--bucket-size", type=int, default=512, help="values sharing one scale (max-min bucket)"
+    )
+    p.add_argument("--warmup", type=int, default=3, help="untimed windows first")
     p.add_argument("--iters", type=int, default=10, help="timed windows (the median is taken)")
     p.add_argument(
         "--calls",
         type=int,
         default=1,
         help="calls per timed window, launched back to back (as nccl-tests does) and averaged; "
-        "1 (default): each call alone from an idle GPU, its host time before the first launch "
-        "included",
+        "1: each call alone from an idle GPU, its host time before the first launch included",
     )
     p.add_argument(
         "--pipeline-mb",
         type=int,
         default=None,
-        help="input MiB per pipeline piece (default: the regime's cgx2.collectives.PIECE_NUMEL, "
-        "PIECE_NUMEL_PAIR between two ranks)",
+        help="input MiB per pipeline piece (default: the regime's own)",
     )
     p.add_argument(
         "--no-pair-gather",
         action="store_true",
-        help="two ranks swap chunks by all_to_all, not all_gather (cgx2.collectives.PAIR_GATHER)",
+        help="two ranks swap chunks by all_to_all rather than all_gather",
     )
     p.add_argument(
         "--no-direct-launch",
         action="store_true",
-        help="launch the codec kernels through Triton's dispatch (cgx2.codecs.direct_launch)",
+        help="launch the codec's Triton kernels through Triton's own dispatch",
     )
     p.add_argument(
         "--cuda-graphs",
         action="store_true",
-        help="also time cgx2 replaying CUDA graphs (cgx2.graphs; GPUs only)",
+        help="also time cgx2 replaying CUDA graphs (GPUs only)",
     )
-    p.add_argument("--out-dir", default="bench/results", help="where the JSON goes ('' for none)")
+    p.add_argument(
+        "--out",
+        "--out-dir",
+        dest="out",
+        metavar="DIR",
+        default=DEFAULT_OUT,
+        help="directory for the JSON results, created if missing; '' writes none",
+    )
     args = p.parse_args(argv)
-    args.sizes = [parse_size(s) for s in args.sizes.split(",")]
     args.dtypes = args.dtypes.split(",")
-    args.bits = [int(b) for b in args.bits.split(",")]
+    try:
+        args.bits = [int(b) for b in args.bits.split(",")]
+    except ValueError:
+        p.error(f"--bits: {args.bits!r} is not a comma-separated list of integers")
+    if any(not 1 <= b <= 8 for b in args.bits):
+        p.error(f"--bits: {args.bits} must each be in 1..8")
     if args.calls < 1 or args.iters < 1:
         p.error("--calls and --iters must be at least 1")
     if args.cuda_graphs and not torch.cuda.is_available():
@@ -319,10 +381,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    refusal = require_processes(PROG, config.launch().world_size)
+    if refusal:
+        print(refusal, file=sys.stderr)
+        return 2
     if args.pipeline_mb is not None:
         collectives.PIPELINE_BYTES = args.pipeline_mb << 20
     collectives.PAIR_GATHER = not args.no_pair_gather
-    direct_launch.ENABLED = not args.no_direct_launch
+    if args.no_direct_launch:  # imported here: the module needs Triton, which GPUs only have
+        from cgx2.codecs import direct_launch
+
+        direct_launch.ENABLED = False
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         backend = "nccl"
@@ -330,8 +399,6 @@ def main(argv: list[str] | None = None) -> int:
         backend = "gloo"
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
     args.pipeline_bytes = collectives.PIPELINE_BYTES  # None: the regime's PIECE_NUMEL
-    if "RANK" not in os.environ:  # a single process without torchrun
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29512")
     dist.init_process_group(backend)
     if args.pipeline_bytes is None:  # values a piece (of any dtype), as the pipeline cuts them
         args.piece_numel = collectives._piece_numel(
@@ -340,17 +407,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         report = run(args)
         if dist.get_rank() == 0:
-            columns = COLUMNS + (GRAPH_COLUMNS if args.cuda_graphs else [])
-            print(format_table(report["rows"], columns))
+            name = dist.get_backend()
+            cols = columns(BACKEND_NAMES.get(name, name), args.cuda_graphs)
+            print(format_table(report["rows"], [c[:3] for c in cols]))
+            print("\nColumns:")
+            print(format_legend([(c[1], c[3]) for c in cols]))
             env = report["env"]
             print(
-                f"\n{env['device']} x{env['world_size']}, regime {env['regime']}, "
-                f"torch {env['torch']}, NCCL {env.get('nccl', '-')}, busbw = algbw * 2(W-1)/W, "
+                f"\n{env['device']} x{env['world_size']}, {name}, regime {env['regime']}, "
+                f"torch {env['torch']}, NCCL {env.get('nccl', '-')}, "
                 + ("one call per timed window" if args.calls == 1
                    else f"{args.calls} calls back to back per timed window")
             )  # fmt: skip
-            if args.out_dir:
-                print(f"raw results: {write_json('allreduce', report, args.out_dir)}")
+            if args.out:
+                print(f"results: {write_json('allreduce', report, args.out)}")
     finally:
         dist.destroy_process_group()
     return 0

@@ -1,5 +1,6 @@
 """Throughput of the Triton max-min kernels (encode, decode, decode-sum-encode) against a
-device-to-device copy timed in the same run: ``python -m cgx2.bench kernels`` (and gpu_check)."""
+device-to-device copy timed in the same run: ``python -m cgx2.bench kernels`` (and gpu_check).
+Triton is imported when a kernel is timed, so that ``--help`` and the helpers need none."""
 
 from __future__ import annotations
 
@@ -11,14 +12,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import triton.testing
 
 from cgx2.codecs import maxmin as ref
-from cgx2.codecs import maxmin_triton as tri
 from cgx2.codecs.layout import ChunkedLayout, MaxMinLayout
+from cgx2.config import parse_bytes
 
-from .allreduce import parse_size
-from .report import environment, write_json
+from .report import DEFAULT_OUT, HelpFormatter, environment, write_json
 
 __all__ = [
     "CONVENTIONS",
@@ -73,6 +72,8 @@ def time_ms(fn: Callable[[], Any], device: torch.device, rep_ms: int) -> float:
     """Median time of ``fn`` in ms: triton.testing.do_bench (CUDA events, L2 flushed between
     reps) on CUDA; a wall clock on the CPU (meaningless, smoke test only)."""
     if device.type == "cuda":
+        import triton.testing
+
         return float(triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"))
     fn()
     t = time.perf_counter()
@@ -152,6 +153,8 @@ def run_timing(
 ) -> list[dict[str, Any]]:
     """Rows of encode, decode and dse per dtype and width, the torch reference's encode (4 bits,
     or the first width) and the copy of ``4 n`` bytes, all on ``n`` elements."""
+    from cgx2.codecs import maxmin_triton as tri  # Triton's: imported only when timed
+
     copy = CopyBaseline(device, rep_ms)
     rows: list[dict[str, Any]] = []
     for dtype in dtypes:
@@ -283,19 +286,52 @@ def format_timing(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+PROG = "python -m cgx2.bench kernels"
+DESCRIPTION = """\
+Times the max-min codec's Triton kernels (encode, decode, and the allreduce's fused
+decode-sum-encode) on one GPU, against a device-to-device copy of as many bytes timed in the
+same run; and the torch reference's encode. GB/s counts the bytes each kernel reads plus
+those it writes. Needs Triton and a CUDA GPU (TRITON_INTERPRET=1 runs it on the CPU, where
+the times mean nothing).
+"""
+
+
+def parse_count(text: str) -> int:
+    """``"16M"`` -> 16777216 (K, M, G: 2**10, 2**20, 2**30); an ``ArgumentTypeError`` else."""
+    value = parse_bytes(text)
+    if not value:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive count (e.g. 65536, 16M)")
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m cgx2.bench kernels", description=__doc__)
+    p = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION, formatter_class=HelpFormatter)
     p.add_argument(
         "--numel",
-        type=parse_size,
+        type=parse_count,
         default=None,
-        help=f"elements timed, e.g. 16M (default 64M; {INTERPRET_NUMEL} under TRITON_INTERPRET=1)",
+        help=f"elements timed; K, M, G mean 2^10, 2^20, 2^30 (default: 64M, or "
+        f"{INTERPRET_NUMEL} under TRITON_INTERPRET=1)",
     )
-    p.add_argument("--bits", default="2,4,8")
-    p.add_argument("--dtypes", default="fp32,bf16", help="fp32, bf16, fp16")
-    p.add_argument("--bucket-size", type=int, default=512)
-    p.add_argument("--rep-ms", type=int, default=200, help="do_bench rep time per measurement")
-    p.add_argument("--out-dir", default="bench/results", help="where the JSON goes ('' for none)")
+    p.add_argument("--bits", default="2,4,8", help="bits per value, comma-separated, 1 to 8")
+    p.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16, fp16")
+    p.add_argument(
+        "--bucket-size", type=int, default=512, help="values sharing one scale (max-min bucket)"
+    )
+    p.add_argument(
+        "--rep-ms",
+        type=int,
+        default=200,
+        help="milliseconds of repetitions per measurement (triton.testing.do_bench)",
+    )
+    p.add_argument(
+        "--out",
+        "--out-dir",
+        dest="out",
+        metavar="DIR",
+        default=DEFAULT_OUT,
+        help="directory for the JSON results, created if missing; '' writes none",
+    )
     args = p.parse_args(argv)
     args.bits = [int(b) for b in args.bits.split(",")]
     args.dtypes = args.dtypes.split(",")
@@ -310,6 +346,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        print(f"{PROG}: it times the Triton kernels, and Triton is not installed "
+              "(pip install triton)", file=sys.stderr)  # fmt: skip
+        return 2
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     if interpret:
         device = torch.device("cpu")
@@ -317,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         print(
-            "python -m cgx2.bench kernels: no CUDA device is available; it times the Triton "
+            f"{PROG}: no CUDA device is available; it times the Triton "
             "kernels on a GPU (set TRITON_INTERPRET=1 for a CPU smoke run, whose times mean "
             "nothing)",
             file=sys.stderr,
@@ -339,6 +381,6 @@ def main(argv: list[str] | None = None) -> int:
     report = {"env": env, "args": vars(args), "conventions": CONVENTIONS, "rows": rows}
     print(format_timing(rows))
     print(f"\n{env['device']}, torch {env['torch']}, triton {env['triton']}")
-    if args.out_dir:
-        print(f"raw results: {write_json('kernels', report, args.out_dir)}")
+    if args.out:
+        print(f"results: {write_json('kernels', report, args.out)}")
     return 0

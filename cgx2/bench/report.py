@@ -1,20 +1,116 @@
 """What every benchmark result records: date, device, versions, regime and exact command;
-and how it is written (JSON under ``bench/results/``) and printed (a plain table)."""
+how it is written (JSON under ``--out``), printed (a plain table and its legend) and shown
+while it runs (progress lines on stderr), and the command-line conventions of the tools."""
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
 import platform
 import re
 import sys
+import textwrap
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 
-__all__ = ["environment", "format_table", "regime", "write_json"]
+from cgx2.config import parse_bytes
+
+__all__ = [
+    "DEFAULT_OUT",
+    "HelpFormatter",
+    "Progress",
+    "environment",
+    "format_legend",
+    "format_table",
+    "parse_sizes",
+    "regime",
+    "require_processes",
+    "size_name",
+    "write_json",
+]
+
+DEFAULT_OUT = "cgx2-results"
+"""Where the tools write their JSON unless told (``--out``): relative to the current directory."""
+
+SIZES_HELP = "bytes; K, M, G mean KiB, MiB, GiB"
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """``--help`` with each option's default, and the description's paragraphs kept. Flags, and
+    options whose default is None, say their default in their own words or need none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.nargs == 0:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def parse_sizes(text: str) -> list[int]:
+    """``"64K,1M"`` -> ``[65536, 1048576]``: positive byte counts, K/M/G = KiB/MiB/GiB; an
+    ``argparse.ArgumentTypeError`` naming the bad item otherwise."""
+    sizes = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        value = parse_bytes(item)
+        if not value:
+            raise argparse.ArgumentTypeError(
+                f"{item!r} is not a positive byte count (e.g. 65536, 64K, 4M, 1G)"
+            )
+        sizes.append(value)
+    if not sizes:
+        raise argparse.ArgumentTypeError("no sizes given")
+    return sizes
+
+
+def size_name(nbytes: int) -> str:
+    """65536 -> ``"64K"``: the largest binary unit that divides it, as ``--sizes`` reads it."""
+    for unit, div in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if nbytes >= div and nbytes % div == 0:
+            return f"{nbytes // div}{unit}"
+    return str(nbytes)
+
+
+def require_processes(prog: str, world_size: int | None, at_least: int = 2) -> str | None:
+    """The message to exit with (code 2) when ``prog`` runs on fewer than ``at_least``
+    processes (``world_size`` None: no launcher set ``WORLD_SIZE``), else None."""
+    if world_size is not None and world_size >= at_least:
+        return None
+    found = "one process" if world_size in (None, 1) else f"{world_size} processes"
+    module = prog.removeprefix("python ").strip()
+    return (
+        f"{prog}: it measures communication between processes, and this is {found}. "
+        f"Start {at_least} or more with torchrun, e.g. "
+        f"torchrun --nproc-per-node {at_least} {module}"
+    )
+
+
+class Progress:
+    """Progress on stderr: on a terminal one line rewritten in place; elsewhere (a log file,
+    a pipe) plain lines, since a carriage return there leaves one unreadable line."""
+
+    def __init__(self, stream: TextIO | None = None) -> None:
+        self.stream = sys.stderr if stream is None else stream
+        self.in_place = self.stream.isatty()
+        self._width = 0
+
+    def __call__(self, line: str) -> None:
+        if self.in_place:
+            self.stream.write("\r" + line.ljust(self._width))
+            self._width = len(line)
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        """End the line being rewritten (nothing to do for plain lines)."""
+        if self.in_place and self._width:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._width = 0
+
 
 _NCCL_VARS = ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_NVLS_ENABLE", "NCCL_IB_DISABLE",
               "NCCL_SOCKET_IFNAME", "NCCL_ALGO", "NCCL_PROTO")  # fmt: skip
@@ -78,7 +174,7 @@ def environment(device: torch.device, world_size: int = 1) -> dict[str, Any]:
     return env
 
 
-def write_json(kind: str, report: dict[str, Any], out_dir: str | Path = "bench/results") -> Path:
+def write_json(kind: str, report: dict[str, Any], out_dir: str | Path = DEFAULT_OUT) -> Path:
     """Write ``report`` to ``out_dir/<kind>_<device>_<regime>_w<W>_<date>.json``."""
     env = report["env"]
     device = re.sub(r"[^A-Za-z0-9]+", "-", env["device"]).strip("-").lower()
@@ -101,3 +197,17 @@ def format_table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def format_legend(columns: list[tuple[str, str]]) -> str:
+    """What each column means: ``header: meaning`` lines, the meanings wrapped and aligned."""
+    width = max(len(header) for header, _ in columns) + 1
+    return "\n".join(
+        textwrap.fill(
+            meaning,
+            100,
+            initial_indent=f"  {(header + ':').ljust(width)} ",
+            subsequent_indent=" " * (width + 3),
+        )
+        for header, meaning in columns
+    )

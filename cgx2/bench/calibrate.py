@@ -1,0 +1,331 @@
+"""Where compression pays on this machine's links: ``python -m cgx2.bench calibrate`` times the
+plain allreduce against cgx2's 4-bit one over a ladder of sizes and writes the crossovers that
+the policy reads (``cgx2.config.tuning().calibration_file``).
+
+The file (``FORMAT``) holds, per ``<device type>/<backend>/<fp32 or 16bit>``, the smallest
+measured size from which compressing was faster at every larger measured size (None: never),
+and the measurements themselves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import cgx2
+from cgx2 import config
+
+from .report import (
+    SIZES_HELP,
+    HelpFormatter,
+    Progress,
+    format_legend,
+    format_table,
+    parse_sizes,
+    require_processes,
+    size_name,
+)
+
+__all__ = ["FORMAT", "calibrate", "crossover", "crossovers", "default_sizes", "main",
+           "write_calibration"]  # fmt: skip
+
+FORMAT = "cgx2-calibration/1"
+BITS = 4
+BUCKET_SIZE = 512
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_CLASS = {"fp32": "fp32", "bf16": "16bit", "fp16": "16bit"}
+"""The file's crossovers are per element width: the policy reads one for fp32, one for 16-bit."""
+BACKEND_NAMES = {"nccl": "NCCL"}
+
+PROG = "python -m cgx2.bench calibrate"
+DESCRIPTION = f"""\
+Measures where compression pays on this machine's links and this process group's backend.
+It times the backend's plain allreduce against cgx2's quantized one ({BITS} bits, bucket
+{BUCKET_SIZE}, compressing at every size) over a ladder of tensor sizes, for fp32 and bf16,
+and writes the crossovers (the smallest size from which cgx2 was faster at every larger
+size) to a small JSON file that cgx2 reads to decide when to compress. Every rank takes the
+slowest rank's times, so that all decide alike. Run it with the processes, GPUs and backend
+that training will use:
+
+  torchrun --nproc-per-node 4 -m cgx2.bench calibrate
+  torchrun --nproc-per-node 2 -m cgx2.bench calibrate --backend gloo   (CUDA tensors on gloo)
+
+Rank 0 prints a table and writes the file.
+"""
+
+
+def default_sizes(device_type: str) -> list[int]:
+    """64 KiB to 256 MiB (64 MiB on the CPU, where the codec is slower), by factors of 4."""
+    top = (256 if device_type == "cuda" else 64) << 20
+    sizes, size = [], 64 << 10
+    while size <= top:
+        sizes.append(size)
+        size *= 4
+    return sizes
+
+
+def crossover(measurements: Sequence[dict[str, Any]]) -> int | None:
+    """The smallest measured size at which compressed was faster than plain there and at every
+    larger measured size (every measurement of a size must agree); None if at none."""
+    faster: dict[int, bool] = {}
+    for m in measurements:
+        faster[m["bytes"]] = faster.get(m["bytes"], True) and m["compressed_s"] < m["plain_s"]
+    found = None
+    for size in sorted(faster, reverse=True):
+        if not faster[size]:
+            break
+        found = size
+    return found
+
+
+def crossovers(
+    measurements: Sequence[dict[str, Any]], device_type: str, backend: str
+) -> dict[str, int | None]:
+    """``{"<device_type>/<backend>/fp32": bytes or None, ".../16bit": ...}``, a key per element
+    width measured."""
+    widths = dict.fromkeys(DTYPE_CLASS[m["dtype"]] for m in measurements)
+    return {
+        f"{device_type}/{backend}/{width}": crossover(
+            [m for m in measurements if DTYPE_CLASS[m["dtype"]] == width]
+        )
+        for width in widths
+    }
+
+
+@contextlib.contextmanager
+def _always_compress() -> Iterator[None]:
+    """Compress at every size. ``CGX2_CROSSOVER_BYTES`` is set as well as the config, for the
+    crossover lookup that still reads the variable at each call."""
+    saved = os.environ.get("CGX2_CROSSOVER_BYTES")
+    os.environ["CGX2_CROSSOVER_BYTES"] = "0"
+    try:
+        with config.tuned(crossover_bytes=0):
+            yield
+    finally:
+        if saved is None:
+            del os.environ["CGX2_CROSSOVER_BYTES"]
+        else:
+            os.environ["CGX2_CROSSOVER_BYTES"] = saved
+
+
+def _timed_in_turn(
+    fns: Sequence[Callable[[], Any]], warmup: int, iters: int, device: torch.device,
+    control: dist.ProcessGroup | None,
+) -> list[float]:  # fmt: skip
+    """Each function's median time in seconds over ``iters`` calls after ``warmup``, the calls
+    taken in turn (so that drift favours none), each started together on all ranks; each call's
+    time is the slowest rank's, so every rank returns the same medians."""
+    times = torch.zeros(len(fns), iters, dtype=torch.float64)
+    for i in range(-warmup, iters):
+        for j, fn in enumerate(fns):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            dist.barrier(group=control)
+            start = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i >= 0:
+                times[j, i] = time.perf_counter() - start
+    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=control)
+    return [statistics.median(row) for row in times.tolist()]
+
+
+def calibrate(
+    sizes: Sequence[int],
+    dtypes: Sequence[str] = ("fp32", "bf16"),
+    warmup: int = 2,
+    iters: int = 5,
+    device: torch.device | None = None,
+    group: dist.ProcessGroup | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Time plain against compressed allreduces of ``sizes`` bytes of each dtype on ``group``
+    (every rank calls it) and return the calibration file's contents, the same on every rank.
+
+    ``device``: where the tensors live (default: this rank's GPU if CUDA is available).
+    """
+    if device is None:
+        cuda = torch.cuda.is_available()
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    backend = dist.get_backend(group)
+    # Barriers and the times' maximum go over gloo, on the host: no stream to wait for.
+    control = group if backend == "gloo" else dist.new_group(backend="gloo")
+    measurements = []
+    with _always_compress():
+        for dtype_name in dtypes:
+            dtype = DTYPES[dtype_name]
+            for nbytes in sizes:
+                if progress is not None:
+                    progress(f"{dtype_name} {size_name(nbytes)}")
+                x = torch.randn(nbytes // dtype.itemsize, device=device).to(dtype)
+                buf = x.clone()
+
+                def plain(buf: torch.Tensor = buf) -> None:
+                    dist.all_reduce(buf, group=group)
+
+                def compressed(x: torch.Tensor = x) -> None:
+                    cgx2.quantized_allreduce(x, BITS, bucket_size=BUCKET_SIZE, group=group)
+
+                plain_s, compressed_s = _timed_in_turn(
+                    (plain, compressed), warmup, iters, device, control
+                )
+                measurements.append({"dtype": dtype_name, "bytes": nbytes,
+                                     "plain_s": plain_s, "compressed_s": compressed_s})  # fmt: skip
+                del x, buf
+    if control is not group:
+        dist.destroy_process_group(control)
+    return {
+        "format": FORMAT,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "world_size": dist.get_world_size(group),
+        "backend": backend,
+        "device_type": device.type,
+        "crossover_bytes": crossovers(measurements, device.type, backend),
+        "measurements": measurements,
+    }
+
+
+def write_calibration(data: dict[str, Any], path: str | os.PathLike[str]) -> Path:
+    """Write ``data`` to ``path`` atomically (a temporary file beside it, then renamed), so that
+    a reader sees the old file or the new one, never half of one."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1)
+            f.write("\n")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def format_report(data: dict[str, Any]) -> str:
+    """The table of the measurements, its legend, and the crossovers found."""
+    name = BACKEND_NAMES.get(data["backend"], data["backend"])
+    rows = [
+        {"size": size_name(m["bytes"]), "dtype": m["dtype"], "plain_ms": 1e3 * m["plain_s"],
+         "cgx2_ms": 1e3 * m["compressed_s"], "speedup": m["plain_s"] / m["compressed_s"]}
+        for m in data["measurements"]
+    ]  # fmt: skip
+    columns = [
+        ("size", "size", "", "the tensor's size in bytes (K, M, G: KiB, MiB, GiB)"),
+        ("dtype", "dtype", "", "the tensor's element type"),
+        ("plain_ms", "plain ms", ".3f", f"{name}'s own allreduce of the tensor"),
+        ("cgx2_ms", "cgx2 ms", ".3f",
+         f"cgx2.quantized_allreduce at {BITS} bits, bucket {BUCKET_SIZE}, always compressing"),
+        ("speedup", f"speedup vs {name}", ".2f", "plain ms / cgx2 ms: above 1, cgx2 is faster"),
+    ]  # fmt: skip
+    lines = [
+        format_table(rows, [c[:3] for c in columns]),
+        "",
+        "Columns (each time: the median over iterations of the slowest rank's):",
+        format_legend([(c[1], c[3]) for c in columns]),
+        "",
+        f"{data['device_name']} x{data['world_size']}, {name}, torch {data['torch']}.",
+        "cgx2 compresses from (the smallest size from which it was faster at every larger one):",
+    ]
+    for key, value in data["crossover_bytes"].items():
+        lines.append(f"  {key}: " + ("never" if value is None else size_name(value)))
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION, formatter_class=HelpFormatter)
+    p.add_argument(
+        "--sizes",
+        type=parse_sizes,
+        default=None,
+        help=f"tensor sizes, comma-separated, in {SIZES_HELP} (default: 64K, 256K, "
+        "1M, ... 256M by factors of 4; up to 64M on the CPU)",
+    )
+    p.add_argument(
+        "--dtypes",
+        default="fp32,bf16",
+        help="comma-separated: fp32, bf16, fp16 (bf16 and fp16 give the 16-bit crossover)",
+    )
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls of each first")
+    p.add_argument("--iters", type=int, default=5, help="timed calls of each (the median is taken)")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default=None,
+        help="where the tensors live (default: cuda if available, else cpu)",
+    )
+    p.add_argument(
+        "--backend",
+        choices=("nccl", "gloo", "cgx"),
+        default=None,
+        help="the process group's backend (default: nccl on cuda, gloo on cpu)",
+    )
+    p.add_argument(
+        "--out",
+        metavar="FILE",
+        default=config.tuning().calibration_file,
+        help="the calibration file, written by rank 0 (the default is where cgx2 "
+        "reads it: CGX2_CALIBRATION_FILE)",
+    )
+    args = p.parse_args(argv)
+    args.dtypes = args.dtypes.split(",")
+    for d in args.dtypes:
+        if d not in DTYPES:
+            p.error(f"--dtypes: unknown {d!r}; choose from {', '.join(DTYPES)}")
+    if args.iters < 1 or args.warmup < 0:
+        p.error("--iters must be at least 1 and --warmup at least 0")
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is available")
+    if args.backend is None:
+        args.backend = "nccl" if args.device == "cuda" else "gloo"
+    if args.backend == "nccl" and args.device == "cpu":
+        p.error("--backend nccl needs --device cuda")
+    if args.sizes is None:
+        args.sizes = default_sizes(args.device)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    refusal = require_processes(PROG, config.launch().world_size)
+    if refusal:
+        print(refusal, file=sys.stderr)
+        return 2
+    device = torch.device(args.device)
+    if device.type == "cuda":  # ranks may share GPUs (over gloo): more ranks than GPUs
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    dist.init_process_group(args.backend)
+    try:
+        rank0 = dist.get_rank() == 0
+        progress = Progress()
+        data = calibrate(args.sizes, args.dtypes, args.warmup, args.iters, device,
+                         progress=progress if rank0 else None)  # fmt: skip
+        progress.close()
+        if rank0:
+            print(format_report(data))
+            print(f"\nwrote {write_calibration(data, args.out)}")
+    finally:
+        dist.destroy_process_group()
+    return 0

@@ -1,0 +1,109 @@
+"""``python -m cgx2.bench calibrate``: the crossover it derives from measurements, and a real run
+on two gloo ranks (under torchrun, as users run it) that writes the file the policy reads."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_bench_cli import _env, _free_port
+
+from cgx2.bench.calibrate import crossover, crossovers, default_sizes, write_calibration
+
+K, M = 1 << 10, 1 << 20
+
+
+def _m(nbytes: int, plain: float, compressed: float, dtype: str = "fp32") -> dict:
+    return {"dtype": dtype, "bytes": nbytes, "plain_s": plain, "compressed_s": compressed}
+
+
+def test_crossover_is_where_compression_wins_from_then_on() -> None:
+    # Wins at 1M and above: compress from 1M.
+    assert crossover([_m(64 * K, 1, 2), _m(M, 2, 1), _m(4 * M, 4, 1)]) == M
+    # A win below a loss does not count: only the unbroken run up to the largest size does.
+    assert crossover([_m(64 * K, 2, 1), _m(M, 1, 2), _m(4 * M, 4, 1)]) == 4 * M
+    assert crossover([_m(64 * K, 2, 1), _m(M, 2, 1)]) == 64 * K  # wins everywhere measured
+    assert crossover([_m(64 * K, 2, 1), _m(M, 1, 2)]) is None  # loses at the largest: never
+    assert crossover([_m(M, 1, 1)]) is None  # a tie is no win
+    # The order of the measurements does not matter.
+    assert crossover([_m(4 * M, 4, 1), _m(64 * K, 1, 2), _m(M, 2, 1)]) == M
+
+
+def test_crossovers_are_per_element_width() -> None:
+    rows = [_m(M, 2, 1), _m(4 * M, 2, 1), _m(M, 1, 2, "bf16"), _m(4 * M, 2, 1, "bf16")]
+    assert crossovers(rows, "cuda", "gloo") == {"cuda/gloo/fp32": M, "cuda/gloo/16bit": 4 * M}
+    # bf16 and fp16 are one width: a size wins only where both won.
+    rows = [_m(M, 2, 1, "bf16"), _m(M, 1, 2, "fp16"), _m(4 * M, 2, 1, "fp16")]
+    assert crossovers(rows, "cpu", "gloo") == {"cpu/gloo/16bit": 4 * M}
+
+
+def test_default_ladder() -> None:
+    assert default_sizes("cuda") == [64 * K, 256 * K, M, 4 * M, 16 * M, 64 * M, 256 * M]
+    assert default_sizes("cpu") == [64 * K, 256 * K, M, 4 * M, 16 * M, 64 * M]
+
+
+def test_write_is_atomic_and_leaves_no_temporary(tmp_path: Path) -> None:
+    path = tmp_path / "sub" / "calibration.json"
+    write_calibration({"format": "old"}, path)
+    write_calibration({"format": "new"}, path)
+    assert json.loads(path.read_text()) == {"format": "new"}
+    assert [p.name for p in path.parent.iterdir()] == ["calibration.json"]
+
+
+@pytest.mark.slow
+def test_calibrate_under_torchrun_writes_the_policy_file(tmp_path: Path) -> None:
+    out = tmp_path / "cache" / "calibration.json"
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    launch += ["--master-addr", "127.0.0.1", "--master-port", str(_free_port())]
+    cmd = ["-m", "cgx2.bench", "calibrate", "--sizes", "64K,1M", "--iters", "2", "--warmup", "1"]
+    proc = subprocess.run(
+        [*launch, *cmd],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=_env(CUDA_VISIBLE_DEVICES="", CGX2_CALIBRATION_FILE=str(out)),  # the default --out
+    )
+    assert proc.returncode == 0, proc.stderr
+
+    data = json.loads(out.read_text())
+    assert set(data) == {"format", "created", "torch", "device_name", "world_size", "backend",
+                         "device_type", "crossover_bytes", "measurements"}  # fmt: skip
+    assert data["format"] == "cgx2-calibration/1"
+    created = datetime.datetime.fromisoformat(data["created"])
+    assert created.utcoffset() == datetime.timedelta(0)
+    assert abs(datetime.datetime.now(datetime.timezone.utc) - created).total_seconds() < 600
+    assert data["torch"] == torch.__version__
+    assert (data["device_name"], data["device_type"]) == ("cpu", "cpu")
+    assert (data["world_size"], data["backend"]) == (2, "gloo")
+    measured = [(m["dtype"], m["bytes"]) for m in data["measurements"]]
+    assert measured == [("fp32", 64 * K), ("fp32", M), ("bf16", 64 * K), ("bf16", M)]
+    for m in data["measurements"]:
+        assert set(m) == {"dtype", "bytes", "plain_s", "compressed_s"}
+        assert 0 < m["plain_s"] < 60 and 0 < m["compressed_s"] < 60
+    fp32, bf16 = data["measurements"][:2], data["measurements"][2:]
+    assert data["crossover_bytes"] == {"cpu/gloo/fp32": crossover(fp32),
+                                       "cpu/gloo/16bit": crossover(bf16)}  # fmt: skip
+    assert [p.name for p in out.parent.iterdir()] == ["calibration.json"]
+
+    # Rank 0 alone prints: one table (a row per measurement), its legend, the crossovers.
+    lines = proc.stdout.splitlines()
+    assert proc.stdout.count("speedup vs gloo") == 2  # the header and its legend line
+    header_at = next(i for i, line in enumerate(lines) if "speedup vs gloo" in line)
+    assert lines[header_at].split() == ["size", "dtype", "plain", "ms", "cgx2", "ms",
+                                        "speedup", "vs", "gloo"]  # fmt: skip
+    body = [line.split() for line in lines[header_at + 2 : header_at + 6]]
+    assert [row[:2] for row in body] == [["64K", "fp32"], ["1M", "fp32"], ["64K", "bf16"],
+                                         ["1M", "bf16"]]  # fmt: skip
+    for row, m in zip(body, data["measurements"], strict=True):
+        assert float(row[2]) == pytest.approx(1e3 * m["plain_s"], abs=6e-4)
+        assert float(row[4]) == pytest.approx(m["plain_s"] / m["compressed_s"], abs=6e-3)
+    for key, value in data["crossover_bytes"].items():
+        said = "never" if value is None else {64 * K: "64K", M: "1M"}[value]
+        assert f"  {key}: {said}" in lines
+    assert lines[-1] == f"wrote {out}"
