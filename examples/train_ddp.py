@@ -26,8 +26,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from cgx2 import graphs
+from cgx2 import config
 from cgx2.bench.report import HelpFormatter, Progress, environment
+from cgx2.collectives import graphs
 from cgx2.ddp import CGXState, cgx_hook
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -152,7 +153,7 @@ def train(args: argparse.Namespace) -> dict:
         "bytes_uncompressed": sent[1],
         "losses": losses,
         # What replayed CUDA graphs (CGX2_CUDA_GRAPHS=1) did on this rank, over the whole run.
-        "cuda_graphs": graphs.stats() if graphs.ENABLED else None,
+        "cuda_graphs": graphs.stats() if config.tuning().cuda_graphs else None,
     }
 
 

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 import cgx2
-from cgx2 import collectives, config, graphs
+from cgx2 import collectives, comm, config
 from cgx2.codecs import ChunkedLayout
-from cgx2.crossover import regime
+from cgx2.collectives import graphs, policy
 
 from .report import (
     DEFAULT_OUT,
@@ -117,19 +117,6 @@ def _busbw(nbytes: int, ms: float, world: int) -> float:
     return nbytes / (ms * 1e-3) / 1e9 * 2 * (world - 1) / world
 
 
-@contextlib.contextmanager
-def _crossover_bytes(value: str) -> Iterator[None]:
-    saved = os.environ.get("CGX2_CROSSOVER_BYTES")
-    os.environ["CGX2_CROSSOVER_BYTES"] = value
-    try:
-        yield
-    finally:
-        if saved is None:
-            del os.environ["CGX2_CROSSOVER_BYTES"]
-        else:
-            os.environ["CGX2_CROSSOVER_BYTES"] = saved
-
-
 def _bench_size(
     timer: Timer,
     nbytes: int,
@@ -164,27 +151,25 @@ def _bench_size(
         recv = torch.empty_like(send)
         gathered = torch.empty(world * layout.payload_nbytes, dtype=torch.uint8, device=device)
 
-        def speed_of_light(send=send, recv=recv, gathered=gathered, pair=True) -> None:
+        with config.tuned(crossover_bytes=0):  # the route the quantized call takes
+            pair_gather = policy.route(x, dist.group.WORLD, bits, args.bucket_size).pair_gather
+
+        def speed_of_light(send=send, recv=recv, gathered=gathered, pair=pair_gather) -> None:
             # The collectives the pipeline itself calls (the process group's own, directly,
             # on the caller's stream: the least host time); pair=False: all_to_all +
             # all_gather, whatever the world size.
             group = dist.group.WORLD
-            if pair:
-                work = collectives.exchange(recv, send, group, world, rank, async_op=False)
-            else:
-                work = collectives._all_to_all(recv, send, group, async_op=False)
-            collectives.wait(work)
+            comm.wait(collectives.exchange(recv, send, group, world, rank, pair, async_op=False))
             # In place, as the pipeline gathers on NCCL (its own slot as the input).
             slot = gathered.view(world, -1)[rank] if x.is_cuda else recv[0]
-            collectives.wait(collectives._all_gather(gathered, slot, group, async_op=False))
+            comm.wait(comm.all_gather(gathered, slot, group, async_op=False))
 
         def quantized(bits: int = bits) -> None:
             cgx2.quantized_allreduce(x, bits, op="avg", bucket_size=args.bucket_size)
 
         sol_ms = timer(speed_of_light)
-        pair_gather = world == 2 and collectives.PAIR_GATHER and regime(x.device) != "nvlink"
         sol_a2a_ms = timer(lambda: speed_of_light(pair=False)) if pair_gather else sol_ms
-        with _crossover_bytes("0"):  # always quantize: what the codec and pipeline cost
+        with config.tuned(crossover_bytes=0):  # always quantize: what the codec and pipeline cost
             cgx_ms = timer(quantized)
             graphs_ms = None
             if args.cuda_graphs:
@@ -200,12 +185,12 @@ def _bench_size(
         plain_paired_ms, auto_ms = timer.interleaved(
             lambda buf=auto_buf: dist.all_reduce(buf, op=plain_op), auto
         )
-        auto_path = "quantized" if collectives.compression_pays(x) else "plain"
+        auto_path = "quantized" if _compresses(x, bits, args) else "plain"
         graphs_auto = None
         if args.cuda_graphs:  # in place with graphs, plain below the graphs' crossover
             with _graphs_on():
                 graphs_auto = (
-                    "quantized" if collectives.compression_pays(x) else "plain",
+                    "quantized" if _compresses(x, bits, args) else "plain",
                     *timer.interleaved(lambda buf=auto_buf: dist.all_reduce(buf, op=plain_op),
                                        auto),
                 )  # fmt: skip
@@ -231,16 +216,20 @@ def _bench_size(
     return rows
 
 
+def _compresses(x: torch.Tensor, bits: int, args: argparse.Namespace) -> bool:
+    """Whether the policy compresses ``x`` on the default group: what "auto" runs."""
+    return policy.compresses(x, dist.group.WORLD, bits, args.bucket_size)
+
+
 @contextlib.contextmanager
 def _graphs_on() -> Iterator[None]:
-    """CUDA-graph replay (:mod:`cgx2.graphs`) inside: a timer's warm-up runs a signature's
-    first call eagerly and its second captures; each result is freed before the next call, so
-    the next lands at the same address and replays. The graphs are dropped after."""
-    graphs.ENABLED = True
+    """CUDA-graph replay inside: a timer's warm-up runs a signature's first call eagerly and
+    its second captures; each result is freed before the next call, so the next lands at the
+    same address and replays. The graphs are dropped after."""
     try:
-        yield
+        with config.tuned(cuda_graphs=True):
+            yield
     finally:
-        graphs.ENABLED = False
         graphs.clear()
 
 
@@ -385,9 +374,12 @@ def main(argv: list[str] | None = None) -> int:
     if refusal:
         print(refusal, file=sys.stderr)
         return 2
-    if args.pipeline_mb is not None:
-        collectives.PIPELINE_BYTES = args.pipeline_mb << 20
-    collectives.PAIR_GATHER = not args.no_pair_gather
+    pipeline_bytes = None if args.pipeline_mb is None else args.pipeline_mb << 20
+    with config.tuned(pipeline_bytes=pipeline_bytes, pair_gather=not args.no_pair_gather):
+        return _main(args)
+
+
+def _main(args: argparse.Namespace) -> int:
     if args.no_direct_launch:  # imported here: the module needs Triton, which GPUs only have
         from cgx2.codecs import direct_launch
 
@@ -398,12 +390,13 @@ def main(argv: list[str] | None = None) -> int:
     else:
         backend = "gloo"
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
-    args.pipeline_bytes = collectives.PIPELINE_BYTES  # None: the regime's PIECE_NUMEL
+    args.pipeline_bytes = config.tuning().pipeline_bytes  # None: the regime's PIECE_NUMEL
     dist.init_process_group(backend)
     if args.pipeline_bytes is None:  # values a piece (of any dtype), as the pipeline cuts them
-        args.piece_numel = collectives._piece_numel(
-            4, dist.get_world_size(), args.bucket_size, device or torch.device("cpu")
-        )
+        probe = torch.empty(0, device=device or torch.device("cpu"))
+        with config.tuned(crossover_bytes=0):
+            args.piece_numel = policy.route(probe, dist.group.WORLD, 4, args.bucket_size,
+                                            numel=1).piece_numel  # fmt: skip
     try:
         report = run(args)
         if dist.get_rank() == 0:

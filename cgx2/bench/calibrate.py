@@ -10,7 +10,6 @@ and the measurements themselves.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import logging
@@ -19,7 +18,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ import torch.distributed as dist
 
 import cgx2
 from cgx2 import config
+from cgx2.collectives import policy
 
 from .report import (
     SIZES_HELP,
@@ -43,7 +43,7 @@ from .report import (
 __all__ = ["FORMAT", "calibrate", "crossover", "crossovers", "default_sizes", "main",
            "write_calibration"]  # fmt: skip
 
-FORMAT = "cgx2-calibration/1"
+FORMAT = policy.CALIBRATION_FORMAT
 BITS = 4
 BUCKET_SIZE = 512
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -106,22 +106,6 @@ def crossovers(
     }
 
 
-@contextlib.contextmanager
-def _always_compress() -> Iterator[None]:
-    """Compress at every size. ``CGX2_CROSSOVER_BYTES`` is set as well as the config, for the
-    crossover lookup that still reads the variable at each call."""
-    saved = os.environ.get("CGX2_CROSSOVER_BYTES")
-    os.environ["CGX2_CROSSOVER_BYTES"] = "0"
-    try:
-        with config.tuned(crossover_bytes=0):
-            yield
-    finally:
-        if saved is None:
-            del os.environ["CGX2_CROSSOVER_BYTES"]
-        else:
-            os.environ["CGX2_CROSSOVER_BYTES"] = saved
-
-
 def _timed_in_turn(
     fns: Sequence[Callable[[], Any]], warmup: int, iters: int, device: torch.device,
     control: dist.ProcessGroup | None,
@@ -166,7 +150,7 @@ def calibrate(
     # Barriers and the times' maximum go over gloo, on the host: no stream to wait for.
     control = group if backend == "gloo" else dist.new_group(backend="gloo")
     measurements = []
-    with _always_compress():
+    with config.tuned(crossover_bytes=0):  # compress at every size
         for dtype_name in dtypes:
             dtype = DTYPES[dtype_name]
             for nbytes in sizes:
@@ -200,6 +184,23 @@ def calibrate(
         "crossover_bytes": crossovers(measurements, device.type, backend),
         "measurements": measurements,
     }
+
+
+def keep_other_crossovers(data: dict[str, Any], path: str | os.PathLike[str]) -> dict[str, Any]:
+    """``data`` with the crossovers of an earlier calibration file at ``path`` that this run
+    did not measure (another backend, device or width): calibrating NCCL and then gloo leaves
+    both in the file. An absent or foreign file adds nothing."""
+    try:
+        with open(path) as f:
+            earlier = json.load(f)
+    except (OSError, ValueError):
+        return data
+    if not isinstance(earlier, dict) or earlier.get("format") != policy.CALIBRATION_FORMAT:
+        return data
+    kept = earlier.get("crossover_bytes")
+    if not isinstance(kept, dict):
+        return data
+    return {**data, "crossover_bytes": {**kept, **data["crossover_bytes"]}}
 
 
 def write_calibration(data: dict[str, Any], path: str | os.PathLike[str]) -> Path:
@@ -325,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         progress.close()
         if rank0:
             print(format_report(data))
+            data = keep_other_crossovers(data, args.out)
             print(f"\nwrote {write_calibration(data, args.out)}")
     finally:
         dist.destroy_process_group()

@@ -17,6 +17,7 @@ from typing import Any, TextIO
 
 import torch
 
+from cgx2.collectives import policy
 from cgx2.config import parse_bytes
 
 __all__ = [
@@ -27,7 +28,6 @@ __all__ = [
     "format_legend",
     "format_table",
     "parse_sizes",
-    "regime",
     "require_processes",
     "size_name",
     "write_json",
@@ -135,17 +135,6 @@ def _command(world_size: int) -> str:
     return f"{nccl} {launch}".strip()
 
 
-def regime() -> str:
-    """DESIGN.md's regimes, read from NCCL's variables: nvlink, shm or socket."""
-    p2p_off = os.environ.get("NCCL_P2P_DISABLE", "0") == "1"
-    shm_off = os.environ.get("NCCL_SHM_DISABLE", "0") == "1"
-    if p2p_off and shm_off:
-        return "socket"
-    if p2p_off:
-        return "shm"
-    return "nvlink" if torch.cuda.is_available() else "cpu"
-
-
 def environment(device: torch.device, world_size: int = 1) -> dict[str, Any]:
     """Metadata of a run: when, where, with what, and how to run it again."""
     env: dict[str, Any] = {
@@ -156,7 +145,7 @@ def environment(device: torch.device, world_size: int = 1) -> dict[str, Any]:
         "world_size": world_size,
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "regime": regime(),
+        "regime": policy.group_regime(device),
         "nccl_env": {k: os.environ[k] for k in _NCCL_VARS if k in os.environ},
         "cgx2_env": _cgx2_vars(),
         "command": _command(world_size),

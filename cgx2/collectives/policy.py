@@ -37,6 +37,7 @@ __all__ = [
     "compresses",
     "crossover_bytes",
     "detect_regime",
+    "group_regime",
     "piece_numel",
     "regime",
     "route",
@@ -136,6 +137,17 @@ def _peers_reachable() -> bool:
 def regime(device: torch.device, backend: str = "nccl", cuda_on_nccl: bool = True) -> str:
     """:func:`detect_regime`, once per device and backend: NCCL too reads its variables once."""
     return detect_regime(device, backend, cuda_on_nccl)
+
+
+def group_regime(device: torch.device, group: dist.ProcessGroup | None = None) -> str:
+    """The regime of ``device``'s tensors over ``group`` (None: the default group, where one
+    exists): what :func:`route` decides by."""
+    if group is None and dist.is_initialized():
+        group = dist.group.WORLD
+    if group is None:
+        return regime(device)
+    info = group_info(group)
+    return regime(device, info.backend, info.cuda_on_nccl)
 
 
 def calibration_key(device_type: str, backend: str, dtype: torch.dtype) -> str:

@@ -11,7 +11,7 @@ import pytest
 
 
 def _load() -> ModuleType:
-    path = Path(__file__).parent.parent / "bench" / "kernel_profile.py"
+    path = Path(__file__).parents[2] / "bench" / "kernel_profile.py"
     spec = importlib.util.spec_from_file_location("kernel_profile", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-EXAMPLE = Path(__file__).parents[1] / "examples" / "train_ddp.py"
+EXAMPLE = Path(__file__).parents[2] / "examples" / "train_ddp.py"
 
 
 def _run(tmp_path: Path, bits: int, steps: int, mode: str = "hook") -> dict:

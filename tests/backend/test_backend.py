@@ -21,7 +21,7 @@ from cgx2.collectives.fusion import fuse_padded, fusion_batches, quantized_bytes
 from cgx2.ddp import CGXState, cgx_hook
 from cgx2.seeding import call_seed
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @contextlib.contextmanager

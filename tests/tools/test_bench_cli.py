@@ -17,7 +17,7 @@ import pytest
 
 from cgx2.bench.report import Progress, parse_sizes
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 KERNELS_HEADER = "op            dtype bits       ms  MB moved    GB/s  copyGB/s  %copy"
 
 
