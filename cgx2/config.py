@@ -217,6 +217,8 @@ class TuningConfig:
       rather than all-to-all, outside NVLink.
     - ``calibration_file`` (``CGX2_CALIBRATION_FILE``, ``<cache_dir>/calibration.json``):
       crossovers measured on this machine by ``python -m cgx2.bench calibrate``.
+    - ``direct_launch`` (``CGX2_DIRECT_LAUNCH``, 1): launch compiled Triton kernels without
+      Triton's per-call dispatch (0: Triton's own path, to compare them).
     - ``native_codec`` (``CGX2_NATIVE``, 1): the CPU codec's C loops (0: the torch code).
     - ``cache_dir`` (``CGX2_CACHE_DIR``, ``~/.cache/cgx2``): where the C loops are built.
     - ``c_compiler`` (``CC``, None: the first of cc, gcc, clang on the ``PATH``).
@@ -227,6 +229,7 @@ class TuningConfig:
     pipeline_bytes: int | None = None
     pair_gather: bool = True
     calibration_file: str = ""
+    direct_launch: bool = True
     native_codec: bool = True
     cache_dir: str = ""
     c_compiler: str | None = None
@@ -254,6 +257,7 @@ class TuningConfig:
             pipeline_bytes=_bytes(env, "CGX2_PIPELINE_BYTES") or None,
             pair_gather=_bool(env, "CGX2_PAIR_GATHER", True),
             calibration_file=env.get("CGX2_CALIBRATION_FILE", "").strip(),
+            direct_launch=_bool(env, "CGX2_DIRECT_LAUNCH", True),
             native_codec=_bool(env, "CGX2_NATIVE", True),
             cache_dir=env.get("CGX2_CACHE_DIR", "").strip(),
             c_compiler=env.get("CC", "").strip() or None,

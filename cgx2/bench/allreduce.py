@@ -380,10 +380,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
-    if args.no_direct_launch:  # imported here: the module needs Triton, which GPUs only have
-        from cgx2.codecs import direct_launch
-
-        direct_launch.ENABLED = False
+    if args.no_direct_launch:
+        os.environ["CGX2_DIRECT_LAUNCH"] = "0"
+        config.reload()
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         backend = "nccl"

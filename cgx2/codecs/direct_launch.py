@@ -19,13 +19,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..config import tuning
+
 if TYPE_CHECKING:
     import triton
 
-__all__ = ["ENABLED", "Launcher"]
-
-ENABLED = True
-"""False: every launch takes Triton's own path (to compare them: bench/launch_overhead.py)."""
+__all__ = ["Launcher"]
 
 # The launcher's calling convention (grid, stream, function, metadata, hooks, then every
 # parameter, constexprs included) is Triton 3.6's, checked there; other versions dispatch.
@@ -71,7 +70,7 @@ class Launcher:
         self.defaults: dict[str, Any] = {}  # functions have no .params)
 
     def __call__(self, grid: Sequence[int], *args: Any, **constexprs: Any) -> None:
-        if not (ENABLED and _TESTED) or self.runtime.interpret:
+        if not (_TESTED and tuning().direct_launch) or self.runtime.interpret:
             self.kernel[grid](*args, **constexprs)
             return
         # _spec's key, built inline: a call per argument took 6-7 us of a 22 us launch (H200

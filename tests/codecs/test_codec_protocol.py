@@ -121,7 +121,7 @@ from cgx2.codecs import base, direct_launch, exponential, global_norm, layout, m
 from cgx2.codecs import maxmin_codec, packing, philox, triton_kernels
 assert maxmin_codec(torch.device("cuda")) is maxmin
 assert exponential.exponential_codec(torch.device("cuda")) is exponential
-assert triton_kernels("maxmin_triton") is None and direct_launch.ENABLED
+assert triton_kernels("maxmin_triton") is None and direct_launch.Launcher is not None
 """
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)

@@ -5,6 +5,8 @@ compiled variant with every parameter in order; anything Triton specializes on m
 import pytest
 import torch
 
+from cgx2 import config
+
 triton = pytest.importorskip("triton", reason="Triton is not installed")
 direct_launch = pytest.importorskip("cgx2.codecs.direct_launch")
 
@@ -99,9 +101,8 @@ def test_what_triton_specializes_on_makes_a_new_key(launcher, change):
 def test_disabled_hooked_or_interpreted_launches_dispatch(launcher, monkeypatch):
     x = torch.zeros(64)
     launcher((1,), x, 100, 0.5, B=512)
-    monkeypatch.setattr(direct_launch, "ENABLED", False)
-    launcher((1,), x, 100, 0.5, B=512)
-    monkeypatch.setattr(direct_launch, "ENABLED", True)
+    with config.tuned(direct_launch=False):
+        launcher((1,), x, 100, 0.5, B=512)
     hook = triton.knobs.runtime.launch_enter_hook
     hook.add(print)
     try:
