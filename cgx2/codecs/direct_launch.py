@@ -1,6 +1,6 @@
 """Launch compiled Triton kernels without Triton's per-call dispatch, whose Python (binding,
-cache key, launch metadata) took 4-7 us of each codec call's host time on an H200 machine
-(bench/launch_overhead.py): host time is what the NVLink regime's allreduce waits on.
+cache key, launch metadata) is a large part of each codec call's host time: host time is what
+the NVLink regime's allreduce waits on (BENCHMARKS.md, "What limits the kernels").
 
 Each kernel's compiled variants are kept under a key at least as fine as Triton's own
 specialization (tensor dtypes and 16-byte alignment; integers' width, divisibility by 16 and
@@ -73,10 +73,9 @@ class Launcher:
         if not (_TESTED and tuning().direct_launch) or self.runtime.interpret:
             self.kernel[grid](*args, **constexprs)
             return
-        # _spec's key, built inline: a call per argument took 6-7 us of a 22 us launch (H200
-        # host, bench/launch_parts.py). Tensors go to Triton's launcher as their addresses,
-        # which it takes as they are, where a tensor costs a data_ptr() call and a driver
-        # query of the pointer (1.5 us a launch).
+        # _spec's key, built inline: a function call per argument cost a large share of the
+        # launch. Tensors go to Triton's launcher as their addresses, which it takes as they
+        # are, where a tensor costs a data_ptr() call and a driver query of the pointer.
         key = [torch.cuda.current_device(), *constexprs.items()]
         values = list(args)
         for i, arg in enumerate(args):

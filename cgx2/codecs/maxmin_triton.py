@@ -31,9 +31,8 @@ __all__ = [
 chunked_layout = maxmin.chunked_layout  # one payload layout: the reference's
 
 # Values per program (BUCKETS * BLOCK) and warps, per kernel and bytes per value of its fp
-# tensor (2: bf16/fp16; 4 and more: fp32, fp64): the fastest for 4-bit data on an H200
-# (bench/encode_variants.py; fp32 decode ran fastest with more threads than groups). A tuning
-# script may set them.
+# tensor (2: bf16/fp16; 4 and more: fp32, fp64): the fastest for 4-bit data, measured on an
+# H200 (fp32 decode ran fastest with more threads than groups). A tuning script may set them.
 _SHAPE: dict[tuple[str, int], tuple[int, int]] = {
     ("encode", 2): (512, 1),
     ("encode", 4): (512, 1),
@@ -45,21 +44,17 @@ _SHAPE: dict[tuple[str, int], tuple[int, int]] = {
 _MAX_BLOCK = 1024
 # Tiles each program of a strided kernel walks (the grid is sized from it). A few: the loads
 # of all but the first are in flight while the one before is coded, and each program still
-# ends soon, leaving SMs to the NCCL kernels that run beside the coding. On an H200, 2 to 8
-# tiles a program ran within 5% of each other, one tile 10-40% slower (bench/results/
-# encode_variants_nvidia-h200_nvlink_w1_20261123T050011.json).
+# ends soon, leaving SMs to the NCCL kernels that run beside the coding; one tile a program
+# was clearly slower, 2 to 8 alike.
 _TILES_PER_PROGRAM = 4
 # A grid has at least this many programs (up to one a tile): walking 4 tiles each, a small
-# tensor's few programs would leave SMs idle. Against 512 and 8192 at 1M and 4M values, each
-# lost 4-10% somewhere (H200, bench/results/kernel_ab_nvidia-h200_nvlink_w1_20261123T081454,
-# ...T081509).
+# tensor's few programs would leave SMs idle; 512 and 8192 each lost somewhere, measured
+# with bench/kernel_ab.py.
 _MIN_PROGRAMS = 2048
 # Decode-sum-encode's grid instead holds this many programs a multiprocessor, one resident
-# wave, each walking its share of the tiles: against the grid above, fp32 at 16M values ran
-# 1.06-1.10x faster at 4 bits and 1.04-1.06x at 8 (2-bit and bf16 0.95-1.00x, within noise;
-# at 4M values both grids are 2048-2112 programs). 8 and 12 a multiprocessor were slower,
-# 20 and 24 no faster (H200, bench/results/kernel_ab_nvidia-h200_nvlink_w1_20261123T090247,
-# ...T090350, ...T090550, ...T091145).
+# wave, each walking its share of the tiles: faster than the grid above for large fp32
+# tensors, no slower elsewhere; fewer a multiprocessor were slower, more no faster (measured
+# with bench/kernel_ab.py).
 _DSE_PROGRAMS_PER_SM = 16
 # Fused multiply-adds would round differently from the reference's separate operations.
 _LAUNCH: dict[str, object] = {"enable_fp_fusion": False}
@@ -86,7 +81,7 @@ def _mulhilo(a, M: tl.constexpr):
 @triton.jit
 def _philox(c0, c1, c2, c3, k0, k1, ROUNDS: tl.constexpr = 10):
     """Philox4x32 on uint32 tensors; the codecs' 10 rounds and constants are the reference's
-    (other counts only price the rounds, bench/encode_ablation.py)."""
+    (other counts only price the rounds)."""
     for _ in tl.static_range(ROUNDS):
         hi_b, lo_b = _mulhilo(c2, 0xCD9E8D57)
         hi_a, lo_a = _mulhilo(c0, 0xD2511F53)
@@ -318,8 +313,8 @@ def _unpack(field, BITS: tl.constexpr):
         b0 = tl.reshape(tl.join(_byte_float(even, i), _byte_float(odd, i)), shape)
         b1 = tl.reshape(tl.join(_byte_float(even, i + 2), _byte_float(odd, i + 2)), shape)
         return _minus_2_23(b0), _minus_2_23(b1)
-    # Byte permutes for 8 bits made Triton move the bf16 decode's values through shared memory
-    # (1.5x slower on an H200).
+    # Byte permutes for 8 bits made Triton move the bf16 decode's values through shared memory,
+    # which was slower.
     wt = tl.uint64 if BITS > 4 else tl.uint32
     shift = (tl.arange(0, 4) * BITS).to(wt)[None, None, :]
     lmax: tl.constexpr = (1 << BITS) - 1
@@ -967,7 +962,7 @@ def encode_chunks(
     which then need no memset), the rows are written there; row ``skip_chunk`` and the
     padding between a row's regions, which no decoder reads, are not touched. ``key`` may be
     a one-element int64 tensor on the device that holds it (:func:`_key_args`)."""
-    flat = x if x.dim() == 1 else x.reshape(-1)  # reshape costs 2-3 us even then
+    flat = x if x.dim() == 1 else x.reshape(-1)  # reshape costs host time even then
     shape = (layout.num_chunks, layout.payload_nbytes)
     rows = torch.zeros(shape, dtype=torch.uint8, device=x.device) if out is None else out
     if rows.numel() == 0:
