@@ -9,8 +9,10 @@ import pytest
 
 
 def _float_ops() -> dict[str, int]:
-    env = dict(os.environ, TRITON_INTERPRET="0")
     here = os.path.dirname(__file__)
+    root = os.path.dirname(os.path.dirname(here))  # cgx2 imports from the checkout
+    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=path)
     run = subprocess.run([sys.executable, os.path.join(here, "ptx_ops.py")], env=env,
                          capture_output=True, text=True, timeout=600)  # fmt: skip
     if run.returncode != 0:
