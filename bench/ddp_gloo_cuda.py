@@ -195,7 +195,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rate", default=os.environ.get("HOSTS_RATE"),
                    help="the link's rate, for the record (bench/hosts.sh exports it)")  # fmt: skip
     p.add_argument("--name", default=None,
-                   help="the run's name in the file name and table (default: the hook)")  # fmt: skip
+                   help="run name for the file and table (default: the hook)")  # fmt: skip
     p.add_argument("--out", default="cgx2-results", help="folder for the JSON result")
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
