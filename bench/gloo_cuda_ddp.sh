@@ -39,8 +39,9 @@ for run in $RUNS; do
   echo "run $n/$total: $run (hook $hook, ${vars[*]}) at $RATE on $DEVICE"
   start=$(date +%s)
   # $HOST and $MASTER_ADDR are each namespace's own: expanded there, by the inner bash.
-  HOSTS_COMMAND="env ${vars[*]} torchrun --nnodes 2 --nproc-per-node 1 --node-rank \$HOST \
---master-addr \$MASTER_ADDR ${args[*]}" \
+  HOSTS_COMMAND="bash bench/hosts.sh --rate $RATE -- env ${vars[*]} $PYTHON -m \
+torch.distributed.run --nnodes 2 --nproc-per-node 1 --node-rank \$HOST --master-addr \
+\$MASTER_ADDR --master-port 29500 ${args[*]}" \
     bash bench/hosts.sh --rate "$RATE" --timeout "$TIMEOUT" -- env "${vars[@]}" \
     bash -c 'exec "$0" -m torch.distributed.run --nnodes 2 --nproc-per-node 1 \
       --node-rank "$HOST" --master-addr "$MASTER_ADDR" --master-port 29500 "$@"' \
