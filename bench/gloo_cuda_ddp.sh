@@ -24,6 +24,7 @@ mkdir -p "$DIR"
 # Two ranks on a 2-core CPU each taking every core would measure the contention.
 [ "$DEVICE" = cpu ] && export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
+trap 'echo "gloo_cuda_ddp.sh: interrupted" >&2; exit 130' INT TERM
 status=0 n=0 total=$(wc -w <<<"$RUNS")
 for run in $RUNS; do
   n=$((n + 1))
