@@ -1,0 +1,246 @@
+"""A DDP training step over a gloo group, timed per communication hook: what a user without
+NCCL feels (CUDA tensors on gloo), or, with ``--device cpu``, the same on the CPU.
+
+Run one process per host under ``torchrun --nnodes 2 --nproc-per-node 1 --node-rank $HOST
+--master-addr $MASTER_ADDR``, e.g. in bench/hosts.sh's namespaces (bench/gloo_cuda_ddp.sh runs
+every hook). The model is a decoder-only transformer, about 134M parameters by default; the
+tokens are synthetic but learnable (each is a fixed function of the one before). Rank 0 writes
+a JSON file into ``--out`` and prints one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import cgx2
+from cgx2.collectives import policy
+from cgx2.ddp import CGXState, cgx_hook
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block: causal self-attention, then a 4x MLP."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False, is_causal=True)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+class Decoder(nn.Module):
+    """A GPT-style decoder: token and learned position embeddings, blocks, an untied head."""
+
+    def __init__(self, vocab: int, context: int, dim: int, layers: int, heads: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.zeros(context, dim))
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+        mask = torch.triu(torch.full((context, context), float("-inf")), diagonal=1)
+        self.register_buffer("mask", mask, persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        n = tokens.shape[1]
+        x = self.embed(tokens) + self.pos[:n]
+        for block in self.blocks:
+            x = block(x, self.mask[:n, :n])
+        return self.head(self.norm(x))
+
+
+def synthetic_batch(
+    args: argparse.Namespace, gen: torch.Generator, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequences where each token is ``(5 * previous + 3) % vocab`` from a random start: a rule
+    the model can learn, so that the loss shows whether the gradients still carry it."""
+    start = torch.randint(0, args.vocab, (args.batch_size, 1), generator=gen)
+    seq = [start]
+    for _ in range(args.context):
+        seq.append((5 * seq[-1] + 3) % args.vocab)
+    tokens = torch.cat(seq, dim=1).to(device)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def register_hook(ddp: DDP, hook: str, bits: int) -> CGXState | None:
+    """``plain``: DDP's own allreduce; ``cgx``: cgx2's hook at ``bits``, routed by the policy
+    (``CGX2_CROSSOVER_BYTES`` overrides it); ``bf16``: torch's ``bf16_compress_hook``."""
+    if hook == "cgx":
+        state = CGXState(None, compression_params={"bits": bits})
+        ddp.register_comm_hook(state, cgx_hook)
+        return state
+    if hook == "bf16":
+        bf16_hook = default_hooks.bf16_compress_hook
+        if not torch.cuda.is_available():
+            bf16_hook = _bf16_compress_hook_cpu
+        ddp.register_comm_hook(None, bf16_hook)
+    return None
+
+
+def _bf16_compress_hook_cpu(process_group, bucket):  # DDP checks real annotations, not strings
+    """torch's ``bf16_compress_hook`` under another name: DDP refuses that name on builds
+    without NCCL, though gloo reduces bf16 CPU tensors."""
+    return default_hooks.bf16_compress_hook(process_group, bucket)
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run(args: argparse.Namespace) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if args.device == "cuda":
+        # Every rank on the first visible GPU: ranks of one machine share it.
+        device = torch.device("cuda", 0)
+        torch.cuda.set_device(device)
+        torch.set_float32_matmul_precision("high")
+    else:
+        device = torch.device("cpu")
+    torch.manual_seed(args.seed)  # the same initial weights everywhere
+    model = Decoder(args.vocab, args.context, args.dim, args.layers, args.heads).to(device)
+    params = sum(p.numel() for p in model.parameters())
+    ddp = DDP(model, device_ids=[0] if device.type == "cuda" else None)
+    state = register_hook(ddp, args.hook, args.bits)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
+    gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own batches
+    times, sent = [], (0, 0)
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup and state is not None:
+            sent = (state.bytes_sent, state.bytes_uncompressed)
+        x, y = synthetic_batch(args, gen, device)
+        sync(device)
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = nn.functional.cross_entropy(ddp(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        sync(device)
+        if step >= args.warmup:
+            times.append(time.perf_counter() - t0)
+        if rank == 0:
+            phase = "warmup" if step < args.warmup else "timed"
+            print(f"  step {step + 1}/{args.warmup + args.steps} ({phase}) "
+                  f"{(time.perf_counter() - t0) * 1e3:.0f} ms", flush=True)  # fmt: skip
+    mean_loss = loss.detach().float().cpu()
+    dist.all_reduce(mean_loss)
+    ratio = None
+    if state is not None and state.bytes_uncompressed > sent[1]:
+        ratio = (state.bytes_sent - sent[0]) / (state.bytes_uncompressed - sent[1])
+    regime = policy.group_regime(device)
+    crossover = policy.crossover_bytes(device, torch.float32, dist.group.WORLD)
+    del ddp, state, opt  # DDP's reducer must be gone before the group is destroyed
+    gc.collect()
+    dist.barrier()
+    step_ms = [t * 1e3 for t in times]
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "cgx2": getattr(cgx2, "__version__", None),
+        "world_size": world,
+        "backend": dist.get_backend(),
+        "hook": args.hook,
+        "bits": args.bits if args.hook == "cgx" else None,
+        "run": args.name or args.hook,
+        "rate": args.rate,
+        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(("CGX2_", "CGX_"))},
+        "command": os.environ.get("HOSTS_COMMAND") or shlex.join(sys.orig_argv),
+        "args": vars(args),
+        "params": params,
+        "regime": regime,
+        "crossover_bytes": crossover,
+        "bytes_sent_ratio": ratio,
+        "step_ms": step_ms,
+        "median_ms": statistics.median(step_ms),
+        "loss": mean_loss.item() / world,
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument("--hook", choices=("plain", "cgx", "bf16"), default="plain",
+                   help="plain DDP, cgx2's cgx_hook, or torch's bf16_compress_hook")  # fmt: skip
+    p.add_argument("--bits", type=int, default=4, help="cgx_hook's bits")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--dim", type=int, default=1024, help="model width")
+    p.add_argument("--layers", type=int, default=10, help="transformer blocks")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--context", type=int, default=256, help="tokens per sequence")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank and step")
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    p.add_argument("--steps", type=int, default=5, help="timed steps")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rate", default=os.environ.get("HOSTS_RATE"),
+                   help="the link's rate, for the record (bench/hosts.sh exports it)")  # fmt: skip
+    p.add_argument("--name", default=None,
+                   help="run name for the file and table (default: the hook)")  # fmt: skip
+    p.add_argument("--out", default="cgx2-results", help="folder for the JSON result")
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0:
+        p.error("--steps must be >= 1 and --warmup >= 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if "RANK" not in os.environ:
+        sys.exit("ddp_gloo_cuda.py: run it under torchrun (one process per host)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("ddp_gloo_cuda.py: no CUDA device; --device cpu runs on the CPU")
+    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
+    if dist.get_world_size() < 2:
+        sys.exit("ddp_gloo_cuda.py: one process: start it on 2 hosts (torchrun --nnodes 2)")
+    try:
+        result = run(args)
+    finally:
+        dist.destroy_process_group()
+    if result and int(os.environ["RANK"]) == 0:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        path = out / f"ddp_gloo_{args.device}_{result['run']}_{args.rate or 'link'}_{stamp}.json"
+        path.write_text(json.dumps(result, indent=1) + "\n")
+        ratio = result["bytes_sent_ratio"]
+        print(
+            f"ddp_gloo_cuda: {result['run']} ({args.hook}) on {result['device']}, "
+            f"{result['params'] / 1e6:.1f}M params, rate {args.rate}, regime {result['regime']}: "
+            f"median step {result['median_ms']:.1f} ms, loss {result['loss']:.4f}"
+            + (f", sent {ratio:.3f} of plain's bytes" if ratio is not None else "")
+            + f" -> {path}",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
