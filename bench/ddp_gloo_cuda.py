@@ -29,8 +29,12 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import cgx2
-from cgx2.collectives import policy
 from cgx2.ddp import CGXState, cgx_hook
+
+try:
+    from cgx2.collectives import policy
+except ImportError:  # a cgx2 from before the policy, run for comparison
+    policy = None
 
 
 class Block(nn.Module):
@@ -153,8 +157,10 @@ def run(args: argparse.Namespace) -> dict:
     ratio = None
     if state is not None and state.bytes_uncompressed > sent[1]:
         ratio = (state.bytes_sent - sent[0]) / (state.bytes_uncompressed - sent[1])
-    regime = policy.group_regime(device)
-    crossover = policy.crossover_bytes(device, torch.float32, dist.group.WORLD)
+    regime = crossover = None
+    if policy is not None:
+        regime = policy.group_regime(device)
+        crossover = policy.crossover_bytes(device, torch.float32, dist.group.WORLD)
     del ddp, state, opt  # DDP's reducer must be gone before the group is destroyed
     gc.collect()
     dist.barrier()

@@ -12,7 +12,8 @@
 # on our machines). Tuning stages, off unless asked: AB_VERSIONS="name=path ..." times those
 # copies of maxmin_triton.py against the tree's (bench/kernel_ab.py); PROFILE_KERNELS="dse:fp32:4
 # ..." profiles those kernels with Nsight Compute (bench/kernel_profile.py: issue rate, stalls,
-# instructions per value); TIMELINE_REGIMES="shm ..." prints a 256 MiB allreduce's GPU timeline.
+# instructions per value); TIMELINE_REGIMES="shm ..." prints a 256 MiB allreduce's GPU timeline;
+# GLOO_DDP_RATES="10gbit 1gbit" times DDP steps of two hosts sharing GPU 0 over gloo (carry .iproute).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -102,6 +103,17 @@ if [ "$NGPU" -ge 2 ] && [ -z "${SKIP_FSDP_TRAIN:-}" ]; then
         2>>"$LOGS/fsdp_$regime.err" | tail -n 1 || status=1
       save
     done
+  done
+fi
+if [ -n "${GLOO_DDP_RATES:-}" ]; then
+  # Two hosts (network namespaces) sharing GPU 0 over a shaped link, gloo, CUDA tensors
+  # (BENCHMARKS.md, "CUDA tensors on gloo"); carry .iproute (Debian's iproute2 .debs).
+  mkdir -p /tmp/iproute && for deb in .iproute/*.deb; do dpkg -x "$deb" /tmp/iproute; done
+  for rate in $GLOO_DDP_RATES; do
+    echo "== DDP step over gloo, 2 hosts on GPU 0, $rate"
+    IPROUTE_ROOT=/tmp/iproute RATE=$rate RESULTS_DIR=bench/results bash bench/gloo_cuda_ddp.sh \
+      2>>"$LOGS/gloo_ddp.err" | grep -v "^  step" || status=1
+    save
   done
 fi
 save

@@ -12,7 +12,7 @@
 #   IPROUTE_ROOT: where dpkg -x unpacked iproute2's .debs, where ip and tc are not installed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD  # a caller's cgx2 first (A/B runs)
 RATE=${RATE:-10gbit}
 RUNS=${RUNS:-plain cgx cgx-forced bf16}
 DEVICE=${DEVICE:-cuda}
