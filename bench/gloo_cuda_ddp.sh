@@ -10,6 +10,9 @@
 #   DEVICE=cpu with a small model runs anywhere; TIMEOUT (300): seconds a run may take;
 #   RESULTS_DIR ($OUT, else cgx2-results): the JSON files and logs go in a folder under it;
 #   IPROUTE_ROOT: where dpkg -x unpacked iproute2's .debs, where ip and tc are not installed.
+# The GPU image has no iproute2; fetch its .debs here first (echo /.iproute/ >>.git/info/exclude;
+# mkdir .iproute && cd .iproute && apt-get download iproute2 libbpf1 libelf1 libmnl0
+# libxtables12 libcap2 libbsd0 libmd0) and carry .iproute (bench/device_run.sh unpacks it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD  # a caller's cgx2 first (A/B runs)
