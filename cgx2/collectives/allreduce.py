@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..codecs import ChunkedLayout, maxmin_codec, triton_kernels
-from ..comm import all_gather, all_to_all, allreduce_plain, allreduce_plain_, group_info, wait
+from ..comm import Transport, group_info, process_group
 from ..seeding import derive_key, extend_key, next_seed
 from . import graphs, policy
 
@@ -40,7 +40,9 @@ def allreduce(t: torch.Tensor, bits: int, bucket_size: int, group: dist.ProcessG
     """
     route = policy.route(t, group, bits, bucket_size)
     if not route.compress:
-        return allreduce_plain(t, group, reduce_op)
+        return route.transport.allreduce_plain_(
+            t.clone(memory_format=torch.contiguous_format), group, reduce_op
+        )
     out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
     _run_pieces(route, t.reshape(-1), out.view(-1), bits, bucket_size, group, reduce_op, seed,
                 skip_incomplete)  # fmt: skip
@@ -71,7 +73,7 @@ def allreduce_(t: torch.Tensor, bits: int, bucket_size: int, group: dist.Process
     if not route.compress:
         if error is not None:
             error.zero_()
-        return allreduce_plain_(t, group, reduce_op)
+        return route.transport.allreduce_plain_(t, group, reduce_op)
     flat = t.view(-1)
     _run_pieces(route, flat, flat, bits, bucket_size, group, reduce_op, seed, skip_incomplete,
                 None if error is None else error.view(-1))  # fmt: skip
@@ -79,14 +81,15 @@ def allreduce_(t: torch.Tensor, bits: int, bucket_size: int, group: dist.Process
 
 
 def exchange(recv: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup, world: int,
-             rank: int, pair_gather: bool, async_op: bool = True) -> dist.Work | None:  # fmt: skip
+             rank: int, pair_gather: bool, async_op: bool = True,
+             transport: Transport = process_group) -> dist.Work | None:  # fmt: skip
     """Start sending row j of ``send`` (``[world, P]``) to rank j, each rank's row for us
     landing in its row of ``recv``; our own row of ``recv`` is left undefined (nobody reads
     it). With ``pair_gather`` (two ranks: :func:`.policy.uses_pair_gather`), that is an
     all-gather of the row for the other rank: the same bytes by NCCL's collective path."""
     if pair_gather:
-        return all_gather(recv.view(-1), send[1 - rank], group, async_op)
-    return all_to_all(recv, send, group, async_op)
+        return transport.all_gather(recv.view(-1), send[1 - rank], group, async_op)
+    return transport.all_to_all(recv, send, group, async_op)
 
 
 def _run_pieces(route: policy.Route, flat: torch.Tensor, out: torch.Tensor, bits: int,
@@ -123,7 +126,8 @@ def _make_run(route: policy.Route, flat: torch.Tensor, bits: int, bucket_size: i
     return _Run(group, world, rank, bits, bucket_size, skip_incomplete,
                 1.0 / world if reduce_op == "avg" else None, maxmin_codec(flat.device),
                 derive_key(seed, STAGE_SCATTER, rank), derive_key(seed, STAGE_GATHER),
-                route.piece_numel, route.gather_in_place, route.pair_gather)  # fmt: skip
+                route.piece_numel, route.gather_in_place, route.pair_gather,
+                route.transport)  # fmt: skip
 
 
 def _pipeline(run: _Run, flat: torch.Tensor, out: torch.Tensor,
@@ -173,6 +177,7 @@ class _Run:
     step: int  # values per piece
     gather_in_place: bool  # the reduced chunk encoded straight into its slot (NCCL)
     pair_gather: bool  # two ranks swap chunks by all-gather (exchange)
+    transport: Transport
     keys: torch.Tensor | None = None  # in device memory instead (for a CUDA graph): piece i's
     # scatter key at 2i, its gather key at 2i + 1 (keys_triton.piece_keys)
 
@@ -208,7 +213,7 @@ class _Piece:
         run.codec.encode_chunks(self.x, layout, key, skip_chunk=run.rank, out=send)
         self.recv = torch.empty_like(send)
         self.work = exchange(self.recv, send, run.group, run.world, run.rank, run.pair_gather,
-                             self.overlap)  # fmt: skip
+                             self.overlap, run.transport)  # fmt: skip
         if self.error is not None:
             # Decoding what was sent (while it travels) gives exactly what the owners add, in
             # fp32 as they sum; our own chunk (its row unwritten, decoded to garbage) stays
@@ -221,8 +226,8 @@ class _Piece:
     def reduce(self) -> None:
         """Sum the received chunks onto our own (kept in full precision), encode the sum once
         more, and start gathering every rank's reduced chunk."""
-        wait(self.work)
         run, layout = self.run, self.layout
+        run.transport.wait(self.work)
         start, size = layout.chunk_start(run.rank), layout.chunk_size(run.rank)
         nbytes = layout.payload_nbytes
         self.gathered = torch.empty(run.world * nbytes, dtype=torch.uint8, device=self.x.device)
@@ -238,11 +243,11 @@ class _Piece:
             layout.skip_incomplete, out=reduced,
         )  # fmt: skip
         self.recv = None
-        self.work = all_gather(self.gathered, reduced, run.group, self.overlap)
+        self.work = run.transport.all_gather(self.gathered, reduced, run.group, self.overlap)
 
     def finish(self) -> None:
         """Decode every rank's reduced chunk (ours too: all ranks decode the same bytes)."""
-        wait(self.work)
+        self.run.transport.wait(self.work)
         rows = self.gathered.view(self.run.world, self.layout.payload_nbytes)
         self.run.codec.decode_chunks(rows, self.layout, self.out.dtype, out=self.out)
         self.gathered = None

@@ -15,13 +15,14 @@ import json
 import logging
 import weakref
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.distributed as dist
 
 from .. import config
 from ..checks import UNCOMPRESSED_BITS
-from ..comm import GroupInfo, group_info
+from ..comm import GroupInfo, group_info, process_group
 from . import graphs
 
 __all__ = [
@@ -97,6 +98,8 @@ class Route:
     - ``graphs``: replay the pipeline as a CUDA graph (NCCL groups, CUDA tensors, Triton).
     - ``gather_in_place``: encode each reduced chunk straight into its slot of the gather's
       output (NCCL gathers in place: one allocation and copy fewer).
+    - ``transport``: what moves the bytes (a :class:`cgx2.comm.Transport`): today the
+      process group's collectives.
     """
 
     compress: bool
@@ -105,6 +108,7 @@ class Route:
     piece_numel: int
     graphs: bool
     gather_in_place: bool
+    transport: ModuleType = process_group
 
 
 def detect_regime(device: torch.device, backend: str = "nccl", cuda_on_nccl: bool = True) -> str:

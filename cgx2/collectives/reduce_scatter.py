@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ..checks import check_bits
 from ..codecs import ChunkedLayout, maxmin_codec
-from ..comm import group_size_and_rank, reduce_scatter_single, wait
+from ..comm import group_size_and_rank, reduce_scatter_single
 from ..seeding import derive_key, next_seed
 from . import policy
 from .allreduce import exchange
@@ -123,7 +123,9 @@ def reduce_scatter(
         recv = torch.empty_like(send)
         # On the caller's stream: nothing runs beside the exchange, so an asynchronous one
         # would only add NCCL's stream switch and events (tens of microseconds a call).
-        wait(exchange(recv, send, group, world, rank, route.pair_gather, async_op=False))
+        transport = route.transport
+        transport.wait(exchange(recv, send, group, world, rank, route.pair_gather, False,
+                                transport))  # fmt: skip
         reduced, col = [], 0
         for (b, _), width, part, layout in zip(groups, plan.widths, parts, layouts, strict=True):
             payloads = recv[:, col : col + layout.payload_nbytes]

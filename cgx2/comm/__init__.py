@@ -1,9 +1,12 @@
 """How bytes move between ranks: the transport interface the collectives use.
 
-Today one transport, the process group the user has (:mod:`cgx2.comm.process_group`: NCCL on
-GPUs, gloo on CPUs, or the ``cgx`` backend's); the C++ transports plug in beside it.
+:class:`Transport` is the interface. Today one transport implements it, the process group the
+user has (:mod:`cgx2.comm.process_group`: NCCL on GPUs, gloo on CPUs, or the ``cgx``
+backend's); the C++ transports plug in beside it.
 """
 
+from . import process_group
+from .base import Transport
 from .process_group import (
     CompletedWork,
     GroupInfo,
@@ -21,6 +24,7 @@ from .process_group import (
 __all__ = [
     "CompletedWork",
     "GroupInfo",
+    "Transport",
     "all_gather",
     "all_gather_single",
     "all_to_all",
@@ -28,6 +32,7 @@ __all__ = [
     "allreduce_plain_",
     "group_info",
     "group_size_and_rank",
+    "process_group",
     "reduce_scatter_single",
     "wait",
 ]

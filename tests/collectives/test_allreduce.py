@@ -10,6 +10,7 @@ from bounds import FP32_EPS, allreduce_bound
 
 import cgx2
 from cgx2.collectives import allreduce_, policy, reference_allreduce
+from cgx2.comm import process_group as transport
 from cgx2.config import tuned
 
 # The module, which the package's function of the same name hides.
@@ -376,7 +377,7 @@ def _collective_modes() -> list[list[bool]]:
     """The async_op each pipeline collective got: one piece, one piece with error feedback,
     three pieces; each call's result checked against the model."""
     seen: list[bool] = []
-    all_to_all, all_gather = pipeline.all_to_all, pipeline.all_gather
+    all_to_all, all_gather = transport.all_to_all, transport.all_gather
 
     def record(fn):
         def wrapper(*args, **kwargs):
@@ -385,8 +386,8 @@ def _collective_modes() -> list[list[bool]]:
 
         return wrapper
 
-    pipeline.all_to_all = record(all_to_all)  # exchange() calls one of the two
-    pipeline.all_gather = record(all_gather)
+    transport.all_to_all = record(all_to_all)  # exchange() calls one of the two
+    transport.all_gather = record(all_gather)
     modes = []
     try:
         rank = dist.get_rank()
@@ -401,7 +402,7 @@ def _collective_modes() -> list[list[bool]]:
                 assert torch.equal(got, reference_allreduce(inputs, 4, 512, 7))
                 modes.append(list(seen))
     finally:
-        pipeline.all_to_all, pipeline.all_gather = all_to_all, all_gather
+        transport.all_to_all, transport.all_gather = all_to_all, all_gather
     return modes
 
 
@@ -418,7 +419,7 @@ def _gathered_in_place() -> list[bool]:
     whether its input is its output's slot of this rank, the result checked against the
     model (gloo gathers in place too)."""
     slots: list[bool] = []
-    all_gather, make_run = pipeline.all_gather, pipeline._make_run
+    all_gather, make_run = transport.all_gather, pipeline._make_run
 
     def record(out, send, group, async_op=True):
         rank, nbytes = dist.get_rank(), send.numel()
@@ -430,7 +431,7 @@ def _gathered_in_place() -> list[bool]:
         run.gather_in_place = True
         return run
 
-    pipeline.all_gather, pipeline._make_run = record, in_place
+    transport.all_gather, pipeline._make_run = record, in_place
     try:
         with tuned(pipeline_bytes=4 * 1024 * 4, pair_gather=False):
             rank, n = dist.get_rank(), 3 * 4096 + 77
@@ -439,7 +440,7 @@ def _gathered_in_place() -> list[bool]:
             got = allreduce_(inputs[rank].clone(), 4, 512, dist.group.WORLD, "sum", 7)
             assert torch.equal(got, reference_allreduce(inputs, 4, 512, 7))
     finally:
-        pipeline.all_gather, pipeline._make_run = all_gather, make_run
+        transport.all_gather, pipeline._make_run = all_gather, make_run
     return slots
 
 

@@ -1,0 +1,45 @@
+"""What the collectives need from a transport: :class:`Transport`, the seam where the
+process group (:mod:`.process_group`) and later transports of cgx2's own plug in.
+
+An implementation is a module of plain functions whose names and parameters are these.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Transport"]
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """Moves packed payloads between the ranks of a group. The ``all_to_all`` and
+    ``all_gather`` calls return a Work to :meth:`wait` on (or None where the call already
+    finished on the caller's stream); every wait honours the group's timeout."""
+
+    def all_to_all(self, out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
+                   async_op: bool = True) -> dist.Work | None:  # fmt: skip
+        """Row j of ``send`` (``[world, P]``) to rank j; rank j's row for us into row j of
+        ``out``."""
+        ...
+
+    def all_gather(self, out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
+                   async_op: bool = True) -> dist.Work | None:  # fmt: skip
+        """Every rank's ``send`` into its slot of ``out``, in rank order."""
+        ...
+
+    def wait(self, work: dist.Work | None) -> None:
+        """Wait for a call's Work, if it returned one."""
+        ...
+
+    def allreduce_plain_(self, t: torch.Tensor, group: dist.ProcessGroup,
+                         reduce_op: str) -> torch.Tensor:  # fmt: skip
+        """The uncompressed allreduce (``"sum"``/``"avg"``) of contiguous ``t``, in place."""
+        ...
+
+    def group_size_and_rank(self, group: dist.ProcessGroup) -> tuple[int, int]:
+        """The group's size and this process's rank in it."""
+        ...
