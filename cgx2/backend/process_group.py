@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..checks import UNCOMPRESSED_BITS
 from ..collectives import policy
 from ..collectives.fusion import allreduce_fused_, fusion_batches, padded_numel, ring_bytes_sent
-from ..collectives.hierarchical import hierarchical_allreduce_fused_, node_mesh, spans_nodes
+from ..collectives.hierarchical import hierarchical_allreduce_fused_, node_mesh
 from ..comm import CompletedWork
 from ..config import CGXConfig, compression_from_env
 
@@ -201,13 +201,13 @@ class CGXProcessGroup(dist.ProcessGroup):
             and t.numel() >= self.config.minimal_size
         )
 
-    def node_mesh(self, device_type: str) -> DeviceMesh | None:
-        """The ("inter", "intra") mesh when this group is the world of a job on several nodes
-        (:func:`cgx2.collectives.hierarchical.spans_nodes`), else None. Made at the first compressed
-        allreduce, which every rank reaches in the same order (the default group must exist
-        to make it, so it cannot be made with this group)."""
+    def node_mesh(self, device_type: str, bits: int = 4) -> DeviceMesh | None:
+        """The ("inter", "intra") mesh when the policy reduces this group hierarchically at
+        ``bits`` (:func:`cgx2.collectives.policy.hierarchical`), else None. Made at the first
+        compressed allreduce, which every rank reaches in the same order (the default group
+        must exist to make it, so it cannot be made with this group)."""
         if device_type not in self._meshes:
-            several = spans_nodes(self)
+            several = policy.hierarchical(self, bits)
             self._meshes[device_type] = node_mesh(device_type) if several else None
         return self._meshes[device_type]
 
@@ -215,7 +215,7 @@ class CGXProcessGroup(dist.ProcessGroup):
                   op: str) -> None:  # fmt: skip
         nbytes = sum(t.numel() for t in tensors) * tensors[0].element_size()
         self.bytes_uncompressed += ring_bytes_sent(nbytes, self.size())
-        mesh = self.node_mesh(tensors[0].device.type)
+        mesh = self.node_mesh(tensors[0].device.type, bits)
         if mesh is None:
             self.bytes_sent += allreduce_fused_(tensors, bits, bucket_size, self, op)
         else:

@@ -20,19 +20,9 @@ from .fusion import quantized_bytes_sent, reduce_fused_, ring_bytes_sent
 
 __all__ = [
     "MESH_DIMS", "hierarchical_allreduce", "hierarchical_allreduce_fused_", "node_mesh",
-    "spans_nodes",
 ]  # fmt: skip
 
 MESH_DIMS = ("inter", "intra")
-
-
-def spans_nodes(group: dist.ProcessGroup | None = None) -> bool:
-    """Whether the launcher says the job spans several nodes (``LOCAL_WORLD_SIZE`` below
-    ``WORLD_SIZE``) and ``group`` (None: the default) is the whole world."""
-    launch = config.launch()
-    if not launch.spans_nodes:
-        return False
-    return (group.size() if group is not None else dist.get_world_size()) == launch.world_size
 
 
 def node_mesh(device_type: str | None = None) -> DeviceMesh:

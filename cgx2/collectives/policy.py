@@ -39,6 +39,7 @@ __all__ = [
     "crossover_bytes",
     "detect_regime",
     "group_regime",
+    "hierarchical",
     "piece_numel",
     "regime",
     "route",
@@ -152,6 +153,17 @@ def group_regime(device: torch.device, group: dist.ProcessGroup | None = None) -
         return regime(device)
     info = group_info(group)
     return regime(device, info.backend, info.cuda_on_nccl)
+
+
+def hierarchical(group: dist.ProcessGroup | None, bits: int) -> bool:
+    """Whether an entry point that may reduce hierarchically (the DDP hook with
+    ``mesh="auto"``, the ``cgx`` backend) quantizes between nodes only: ``bits`` below 32, the
+    launcher says the job spans several nodes (``LOCAL_WORLD_SIZE`` below ``WORLD_SIZE``),
+    and ``group`` (None: the default) is the whole world."""
+    launch = config.launch()
+    if bits == UNCOMPRESSED_BITS or not launch.spans_nodes:
+        return False
+    return (group.size() if group is not None else dist.get_world_size()) == launch.world_size
 
 
 def calibration_key(device_type: str, backend: str, dtype: torch.dtype) -> str:

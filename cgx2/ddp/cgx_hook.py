@@ -19,7 +19,7 @@ from ..checks import UNCOMPRESSED_BITS, check_bits, check_bucket_size
 from ..collectives import policy
 from ..collectives.adaptive import check_options, check_replan_every, layer_errors, plan_widths
 from ..collectives.fusion import allreduce_fused_, padded_numel, ring_bytes_sent
-from ..collectives.hierarchical import hierarchical_allreduce_fused_, node_mesh, spans_nodes
+from ..collectives.hierarchical import hierarchical_allreduce_fused_, node_mesh
 from ..comm import allreduce_plain_
 from ..config import CGXConfig
 from .error_feedback import ErrorFeedback
@@ -114,7 +114,7 @@ class CGXState:
         self.skip_incomplete = config.skip_incomplete_buckets
         self.intra_broadcast = config.intra_broadcast
         if mesh == "auto":
-            several = self.bits != UNCOMPRESSED_BITS and spans_nodes(process_group)
+            several = policy.hierarchical(process_group, self.bits)
             if several and (adaptive_bits is not None or error_feedback):
                 # Neither combines with the mesh yet: the flat allreduce serves them.
                 logger.info("cgx2: CGXState with adaptive_bits or error_feedback on several "
