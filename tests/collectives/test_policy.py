@@ -328,3 +328,18 @@ def test_the_route_names_everything_a_call_needs(clean_env):
     with config.tuned(crossover_bytes=1 << 20):
         assert not policy.route(x, group, 4, 512).compress
         assert policy.route(x, group, 4, 512, numel=1 << 18).compress
+
+
+def test_hierarchical_only_for_the_whole_world_of_several_nodes(clean_env):
+    class Group(dist.ProcessGroup):
+        pass
+
+    world, node = Group(0, 8), Group(0, 4)
+    assert not policy.hierarchical(world, 4)  # no launcher variables: one node
+    clean_env.setenv("WORLD_SIZE", "8")
+    clean_env.setenv("LOCAL_WORLD_SIZE", "4")
+    assert policy.hierarchical(world, 4)
+    assert not policy.hierarchical(world, 32)  # nothing to quantize
+    assert not policy.hierarchical(node, 4)  # a group inside one node
+    clean_env.setenv("LOCAL_WORLD_SIZE", "8")
+    assert not policy.hierarchical(world, 4)
