@@ -9,7 +9,6 @@ import contextlib
 import logging
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -23,15 +22,15 @@ from cgx2.codecs import ChunkedLayout
 from cgx2.collectives import graphs, policy
 
 from .report import (
-    DEFAULT_OUT,
     SIZES_HELP,
     HelpFormatter,
     Progress,
+    add_out_argument,
     environment,
     format_legend,
     format_table,
     parse_sizes,
-    require_processes,
+    refused_single_process,
     size_name,
     write_json,
 )
@@ -341,14 +340,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="also time cgx2 replaying CUDA graphs (GPUs only)",
     )
-    p.add_argument(
-        "--out",
-        "--out-dir",
-        dest="out",
-        metavar="DIR",
-        default=DEFAULT_OUT,
-        help="directory for the JSON results, created if missing; '' writes none",
-    )
+    add_out_argument(p)
     args = p.parse_args(argv)
     args.dtypes = args.dtypes.split(",")
     try:
@@ -370,9 +362,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    refusal = require_processes(PROG, config.launch().world_size)
-    if refusal:
-        print(refusal, file=sys.stderr)
+    if refused_single_process(PROG):
         return 2
     pipeline_bytes = None if args.pipeline_mb is None else args.pipeline_mb << 20
     with config.tuned(pipeline_bytes=pipeline_bytes, pair_gather=not args.no_pair_gather):

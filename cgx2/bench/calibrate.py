@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -36,7 +35,7 @@ from .report import (
     format_legend,
     format_table,
     parse_sizes,
-    require_processes,
+    refused_single_process,
     size_name,
 )
 
@@ -308,9 +307,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    refusal = require_processes(PROG, config.launch().world_size)
-    if refusal:
-        print(refusal, file=sys.stderr)
+    if refused_single_process(PROG):
         return 2
     device = torch.device(args.device)
     if device.type == "cuda":  # ranks may share GPUs (over gloo): more ranks than GPUs

@@ -17,7 +17,7 @@ from cgx2.codecs import maxmin as ref
 from cgx2.codecs.layout import ChunkedLayout, MaxMinLayout
 from cgx2.config import parse_bytes
 
-from .report import DEFAULT_OUT, HelpFormatter, environment, write_json
+from .report import HelpFormatter, add_out_argument, environment, write_json
 
 __all__ = [
     "CONVENTIONS",
@@ -324,14 +324,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=200,
         help="milliseconds of repetitions per measurement (triton.testing.do_bench)",
     )
-    p.add_argument(
-        "--out",
-        "--out-dir",
-        dest="out",
-        metavar="DIR",
-        default=DEFAULT_OUT,
-        help="directory for the JSON results, created if missing; '' writes none",
-    )
+    add_out_argument(p)
     args = p.parse_args(argv)
     args.bits = [int(b) for b in args.bits.split(",")]
     args.dtypes = args.dtypes.split(",")

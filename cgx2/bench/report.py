@@ -17,6 +17,7 @@ from typing import Any, TextIO
 
 import torch
 
+from cgx2 import config
 from cgx2.collectives import policy
 from cgx2.config import parse_bytes
 
@@ -24,10 +25,12 @@ __all__ = [
     "DEFAULT_OUT",
     "HelpFormatter",
     "Progress",
+    "add_out_argument",
     "environment",
     "format_legend",
     "format_table",
     "parse_sizes",
+    "refused_single_process",
     "require_processes",
     "size_name",
     "write_json",
@@ -84,6 +87,27 @@ def require_processes(prog: str, world_size: int | None, at_least: int = 2) -> s
         f"{prog}: it measures communication between processes, and this is {found}. "
         f"Start {at_least} or more with torchrun, e.g. "
         f"torchrun --nproc-per-node {at_least} {module}"
+    )
+
+
+def refused_single_process(prog: str) -> bool:
+    """Whether ``prog`` must refuse to run: fewer than two processes, as the launcher says
+    (:func:`require_processes`'s message, on stderr); the caller exits 2."""
+    refusal = require_processes(prog, config.launch().world_size)
+    if refusal:
+        print(refusal, file=sys.stderr)
+    return refusal is not None
+
+
+def add_out_argument(p: argparse.ArgumentParser) -> None:
+    """``--out DIR`` (and its old name ``--out-dir``): where a tool writes its JSON."""
+    p.add_argument(
+        "--out",
+        "--out-dir",
+        dest="out",
+        metavar="DIR",
+        default=DEFAULT_OUT,
+        help="directory for the JSON results, created if missing; '' writes none",
     )
 
 
