@@ -236,7 +236,15 @@ def calibration(group: dist.ProcessGroup | None = None) -> dict[str, int | None]
             found = _read_calibration(path)
             store.set(name, json.dumps(found))
         else:
-            found = json.loads(store.get(name))
+            try:  # within the store's timeout, the group's
+                found = json.loads(store.get(name))
+            except RuntimeError as e:  # DistStoreError (a RuntimeError): rank 0 never came
+                raise RuntimeError(
+                    f"cgx2: rank 0 of group {group.group_name!r} did not publish its crossovers "
+                    "before the group's timeout: it has not reached a compressible collective "
+                    "that this rank has (do the ranks pass the same bits, sizes and "
+                    f"CGX2_CROSSOVER_BYTES?): {e}"
+                ) from e
     _CALIBRATIONS[key] = found
     if group is not None:
         weakref.finalize(group, _CALIBRATIONS.pop, key, None)

@@ -343,3 +343,22 @@ def test_hierarchical_only_for_the_whole_world_of_several_nodes(clean_env):
     assert not policy.hierarchical(node, 4)  # a group inside one node
     clean_env.setenv("LOCAL_WORLD_SIZE", "8")
     assert not policy.hierarchical(world, 4)
+
+
+def test_a_rank_waiting_for_rank_0s_calibration_fails_clearly(monkeypatch):
+    """Rank 0 never routes (its ranks disagree on the arguments): the others raise, naming
+    the likely cause, when the store's wait runs out, instead of hanging."""
+
+    class Store:
+        def get(self, key):
+            raise dist.DistStoreError("wait timeout after 10ms")
+
+    class Group:
+        group_name = "7"
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", lambda: Store())
+    policy.clear_caches()
+    with pytest.raises(RuntimeError, match="rank 0 of group '7' did not publish"):
+        policy.calibration(Group())
