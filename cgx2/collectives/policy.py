@@ -271,7 +271,12 @@ def _measured(device: torch.device, dtype: torch.dtype, info: GroupInfo | None,
     backend = "nccl" if info is None else info.backend
     nccl = True if info is None else info.cuda_on_nccl
     where = regime(device, backend, nccl)
-    measured = calibration(group).get(calibration_key(device.type, backend, dtype), "absent")
+    # The cgx backend carries its collectives on NCCL or gloo: their calibration serves it
+    # where it has none of its own.
+    carrier = "nccl" if device.type == "cuda" and nccl else "gloo"
+    found = calibration(group)
+    keys = [calibration_key(device.type, name, dtype) for name in dict.fromkeys((backend, carrier))]
+    measured = next((found[k] for k in keys if k in found), "absent")
     if measured != "absent":
         chosen, source = measured, "the calibration file"
     else:

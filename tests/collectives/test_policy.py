@@ -362,3 +362,21 @@ def test_a_rank_waiting_for_rank_0s_calibration_fails_clearly(monkeypatch):
     policy.clear_caches()
     with pytest.raises(RuntimeError, match="rank 0 of group '7' did not publish"):
         policy.calibration(Group())
+
+
+def test_a_cgx_group_uses_its_carriers_calibration(clean_env, tmp_path):
+    """A calibration of gloo (or NCCL) serves the cgx backend, whose collectives ride them,
+    unless the file has the cgx backend's own."""
+
+    class Group(dist.ProcessGroup):
+        pass
+
+    group = Group(0, 2)
+    clean_env.setattr(comm.process_group.dist, "get_backend", lambda group: "cgx")
+    cpu = torch.device("cpu")
+    path = _calibration_file(tmp_path / "c.json", {"cpu/gloo/fp32": 4096})
+    with config.tuned(calibration_file=path):
+        assert crossover_bytes(cpu, torch.float32, group) == 4096
+    path = _calibration_file(tmp_path / "d.json", {"cpu/gloo/fp32": 4096, "cpu/cgx/fp32": 64})
+    with config.tuned(calibration_file=path):
+        assert crossover_bytes(cpu, torch.float32, group) == 64
