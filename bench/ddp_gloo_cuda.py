@@ -31,46 +31,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import cgx2
 from cgx2.ddp import CGXState, cgx_hook
 
+# The model of examples/train_ddp.py, with a vocabulary of this script's.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from train_ddp import CharTransformer
+
 try:
     from cgx2.collectives import policy
 except ImportError:  # a cgx2 from before the policy, run for comparison
     policy = None
-
-
-class Block(nn.Module):
-    """A pre-norm transformer block: causal self-attention, then a 4x MLP."""
-
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        h = self.norm1(x)
-        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False, is_causal=True)[0]
-        return x + self.mlp(self.norm2(x))
-
-
-class Decoder(nn.Module):
-    """A GPT-style decoder: token and learned position embeddings, blocks, an untied head."""
-
-    def __init__(self, vocab: int, context: int, dim: int, layers: int, heads: int) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.pos = nn.Parameter(torch.zeros(context, dim))
-        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
-        self.norm = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, vocab)
-        mask = torch.triu(torch.full((context, context), float("-inf")), diagonal=1)
-        self.register_buffer("mask", mask, persistent=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        n = tokens.shape[1]
-        x = self.embed(tokens) + self.pos[:n]
-        for block in self.blocks:
-            x = block(x, self.mask[:n, :n])
-        return self.head(self.norm(x))
 
 
 def synthetic_batch(
@@ -128,7 +96,7 @@ def run(args: argparse.Namespace) -> dict:
     else:
         device = torch.device("cpu")
     torch.manual_seed(args.seed)  # the same initial weights everywhere
-    model = Decoder(args.vocab, args.context, args.dim, args.layers, args.heads).to(device)
+    model = CharTransformer(args.context, args.dim, args.layers, args.heads, args.vocab).to(device)
     params = sum(p.numel() for p in model.parameters())
     ddp = DDP(model, device_ids=[0] if device.type == "cuda" else None)
     state = register_hook(ddp, args.hook, args.bits)

@@ -62,15 +62,15 @@ class Block(nn.Module):
 
 
 class CharTransformer(nn.Module):
-    """A byte-level GPT: 256 symbols, learned positions, pre-norm blocks."""
+    """A byte-level GPT (``vocab`` symbols: 256 bytes), learned positions, pre-norm blocks."""
 
-    def __init__(self, context: int, dim: int, layers: int, heads: int) -> None:
+    def __init__(self, context: int, dim: int, layers: int, heads: int, vocab: int = 256) -> None:
         super().__init__()
-        self.embed = nn.Embedding(256, dim)
+        self.embed = nn.Embedding(vocab, dim)
         self.pos = nn.Parameter(torch.zeros(context, dim))
         self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
         self.norm = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, 256)
+        self.head = nn.Linear(dim, vocab)
         mask = torch.triu(torch.full((context, context), float("-inf")), diagonal=1)
         self.register_buffer("mask", mask, persistent=False)
 
