@@ -48,8 +48,8 @@ class CGXState:
     ``CGX_COMPRESSION_MINIMAL_SIZE`` (at least 16), as in CGX.
 
     ``adaptive_bits`` (cgx2's addition, L-GreCo): widths to choose from per layer, every
-    ``replan_every`` calls per bucket, by :func:`cgx2.adaptive.plan_bits` from the layers'
-    gradient statistics (averaged over ranks, so all ranks agree): the fewest bytes whose
+    ``replan_every`` calls per bucket, by :func:`cgx2.collectives.adaptive.plan_bits` from the
+    layers' gradient statistics (averaged over ranks, so all ranks agree): the fewest bytes whose
     total error stays within that of ``bits`` everywhere.
 
     ``mesh`` (cgx2's addition): a ("inter", "intra") ``DeviceMesh`` makes the compressed
@@ -64,7 +64,7 @@ class CGXState:
     re-quantization: the allreduce decodes the very bytes it sends (zero error on the chunk
     this rank owns, which stays exact). The second stage's error (each reduced chunk
     quantized once more, common to all ranks) is not fed back. Residuals are per parameter
-    (:class:`cgx2.error_feedback.ErrorFeedback`) and checkpointed; error feedback does not
+    (:class:`cgx2.ddp.error_feedback.ErrorFeedback`) and checkpointed; error feedback does not
     combine with a hierarchical mesh nor with compiled autograd's per-parameter reducer.
 
     ``start_iter``: backward passes averaged exactly before compression starts. The default,

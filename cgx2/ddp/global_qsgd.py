@@ -60,7 +60,7 @@ class GlobalQSGDState:
     ``error_feedback``: the standard dithering, THC, QSGD and exponential hooks keep, per
     parameter, what this rank put in minus its own decoded contribution (exact: every rank's
     quantized values are summed or gathered without further loss) and add it to the next
-    step's gradient (:class:`cgx2.error_feedback.ErrorFeedback`, checkpointed)."""
+    step's gradient (:class:`cgx2.ddp.error_feedback.ErrorFeedback`, checkpointed)."""
 
     process_group: dist.ProcessGroup | None = None
     bits: int | None = None
@@ -155,7 +155,7 @@ def linear_levels(g: torch.Tensor, state: GlobalQSGDState,
 
 def _keep_error(residual: torch.Tensor | None, g: torch.Tensor, decoded: torch.Tensor) -> None:
     """``residual = g − decoded`` (this rank's own contribution, in ``g``'s units); the
-    caller's :meth:`~cgx2.error_feedback.ErrorFeedback.store_` zeroes non-finite values."""
+    caller's :meth:`~cgx2.ddp.error_feedback.ErrorFeedback.store_` zeroes non-finite values."""
     if residual is not None:
         torch.sub(g, decoded, out=residual)
 

@@ -1,5 +1,6 @@
-"""L-GreCo's PowerSGD (Global-QSGD's ``lgreco_hook``): every layer its own rank, chosen by
-the knapsack of :mod:`cgx2.adaptive` so the fewest floats travel at a uniform rank's error.
+"""L-GreCo's PowerSGD (Global-QSGD's ``lgreco_hook``): every layer its own rank, chosen by the
+knapsack of :mod:`cgx2.collectives.adaptive` so the fewest floats travel at a uniform rank's
+error.
 
 ``model.register_comm_hook(LGreCoState(group, 4, start_powerSGD_iter=10), lgreco_hook)``:
 at the first compressed step and every ``replan_every`` steps after, each compressed layer's

@@ -1,6 +1,7 @@
 """FSDP2 with quantized gradients: ``cgx2.fsdp.compress(model, bits=4)`` sets a quantized
 reduce-scatter on every ``fully_shard`` module, leaving small and 1-D parameters exact;
-``adaptive_bits=`` lets each module choose its parameters' widths (L-GreCo, :mod:`cgx2.adaptive`).
+``adaptive_bits=`` lets each module choose its parameters' widths (L-GreCo,
+:mod:`cgx2.collectives.adaptive`).
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ class QuantizedReduceScatter(ReduceScatter):
 
     ``adaptive_bits`` (L-GreCo): widths (1..8, ``bits`` among them) to choose from per
     compressed parameter, planned at the first call and every ``replan_every`` calls after by
-    :func:`cgx2.adaptive.plan_bits`: the fewest bytes whose total error, measured on this
-    call's gradients and summed over ranks, stays within that of ``bits`` everywhere.
+    :func:`cgx2.collectives.adaptive.plan_bits`: the fewest bytes whose total error, measured
+    on this call's gradients and summed over ranks, stays within that of ``bits`` everywhere.
     ``widths`` holds the plan in force (None before the first).
     """
 
