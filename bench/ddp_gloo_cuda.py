@@ -11,6 +11,7 @@ a JSON file into ``--out`` and prints one line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -103,22 +104,31 @@ def run(args: argparse.Namespace) -> dict:
     opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own batches
     times, sent = [], (0, 0)
-    for step in range(args.warmup + args.steps):
+    total = args.warmup + args.steps + int(args.profile)
+    for step in range(total):
         if step == args.warmup and state is not None:
             sent = (state.bytes_sent, state.bytes_uncompressed)
         x, y = synthetic_batch(args, gen, device)
         sync(device)
+        # The last step profiled on rank 0, where asked: where a step's host time goes.
+        profiled = args.profile and step == total - 1
+        profiler = torch.profiler.profile() if profiled and rank == 0 else contextlib.nullcontext()
         t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        loss = nn.functional.cross_entropy(ddp(x).flatten(0, 1), y.flatten())
-        loss.backward()
-        opt.step()
-        sync(device)
-        if step >= args.warmup:
+        with profiler:
+            opt.zero_grad(set_to_none=True)
+            loss = nn.functional.cross_entropy(ddp(x).flatten(0, 1), y.flatten())
+            loss.backward()
+            opt.step()
+            sync(device)
+        if step >= args.warmup and not profiled:
             times.append(time.perf_counter() - t0)
+        if profiled and rank == 0:
+            table = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+            print(f"profile of step {step + 1} (not timed), by self CPU time:\n{table}",
+                  flush=True)  # fmt: skip
         if rank == 0:
             phase = "warmup" if step < args.warmup else "timed"
-            print(f"  step {step + 1}/{args.warmup + args.steps} ({phase}) "
+            print(f"  step {step + 1}/{total} ({phase}) "
                   f"{(time.perf_counter() - t0) * 1e3:.0f} ms", flush=True)  # fmt: skip
     mean_loss = loss.detach().float().cpu()
     dist.all_reduce(mean_loss)
@@ -175,6 +185,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     p.add_argument("--steps", type=int, default=5, help="timed steps")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile one more step on rank 0 and print where its time went",
+    )
     p.add_argument("--rate", default=os.environ.get("HOSTS_RATE"),
                    help="the link's rate, for the record (bench/hosts.sh exports it)")  # fmt: skip
     p.add_argument("--name", default=None,
