@@ -10,6 +10,8 @@
 #       --node-rank $HOST --master-addr $MASTER_ADDR --master-port 29500 train.py'
 #   --rate: tc's rate of each direction (kbit, mbit, gbit); --timeout: stop both commands after
 #   this long (0: never). Exit status: 0 when both commands succeeded, else the first failure's.
+#   HOSTS_SYSCTL ("name=value ..."): network settings of each namespace, e.g.
+#   net.ipv4.tcp_slow_start_after_idle=0.
 # Where ip and tc are not installed (a minimal GPU image), IPROUTE_ROOT names a folder where
 # `dpkg -x` unpacked Debian's iproute2 and the libraries it links (libbpf1, libelf1, libmnl0,
 # libxtables12, libcap2, libbsd0, libmd0): its binaries run with its libraries, the commands
@@ -100,6 +102,10 @@ set -e
 for ns in "${NAMES[@]}"; do
   ipr netns add "$ns"
   ipr -n "$ns" link set lo up
+  # HOSTS_SYSCTL="net.ipv4.tcp_slow_start_after_idle=0 ...": the namespace's own settings.
+  for setting in ${HOSTS_SYSCTL:-}; do
+    ipr netns exec "$ns" sh -c "echo ${setting#*=} > /proc/sys/$(tr . / <<<"${setting%%=*}")"
+  done
 done
 # Made inside the namespaces: no name in the caller's namespace, no clash between runs.
 ipr -n "${NAMES[0]}" link add "$IFNAME" mtu "$MTU" type veth \
