@@ -251,10 +251,16 @@ class TuningConfig:
     def from_env(cls, environ: Mapping[str, str] | None = None) -> TuningConfig:
         """Read the ``CGX2_*`` variables (and ``CC``); ``ValueError`` naming a bad one."""
         env = os.environ if environ is None else environ
+        pipeline_bytes = _bytes(env, "CGX2_PIPELINE_BYTES")
+        if pipeline_bytes == 0:
+            raw = env["CGX2_PIPELINE_BYTES"]
+            raise ValueError(
+                f"CGX2_PIPELINE_BYTES={raw!r} is invalid: expected 'auto' or a byte count > 0"
+            )
         return cls(
             crossover_bytes=_bytes(env, "CGX2_CROSSOVER_BYTES"),
             cuda_graphs=_bool(env, "CGX2_CUDA_GRAPHS", False),
-            pipeline_bytes=_bytes(env, "CGX2_PIPELINE_BYTES") or None,
+            pipeline_bytes=pipeline_bytes,
             pair_gather=_bool(env, "CGX2_PAIR_GATHER", True),
             calibration_file=env.get("CGX2_CALIBRATION_FILE", "").strip(),
             direct_launch=_bool(env, "CGX2_DIRECT_LAUNCH", True),

@@ -80,3 +80,64 @@ def test_direct_construction_validates():
         CGXConfig(quantization_bits=12)
     with pytest.raises(ValueError, match="bucket_size"):
         CGXConfig(bucket_size=0)
+
+
+def test_tuning_reads_every_cgx2_variable():
+    from cgx2.config import TuningConfig
+
+    found = TuningConfig.from_env({
+        "CGX2_CROSSOVER_BYTES": "4M", "CGX2_CUDA_GRAPHS": "on", "CGX2_PIPELINE_BYTES": "64MiB",
+        "CGX2_PAIR_GATHER": "0", "CGX2_CALIBRATION_FILE": "/x/c.json", "CGX2_DIRECT_LAUNCH": "no",
+        "CGX2_NATIVE": "false", "CGX2_CACHE_DIR": "/c", "CC": "clang",
+    })  # fmt: skip
+    assert found == TuningConfig(4 << 20, True, 64 << 20, False, "/x/c.json", False, False, "/c",
+                                 "clang")  # fmt: skip
+    default = TuningConfig.from_env({"CGX2_CACHE_DIR": "/c"})
+    assert default.crossover_bytes is None and default.pipeline_bytes is None
+    assert default.calibration_file == "/c/calibration.json"  # beside the cache by default
+    assert TuningConfig.from_env({"CGX2_CROSSOVER_BYTES": "auto"}).crossover_bytes is None
+
+
+@pytest.mark.parametrize(
+    ("var", "value"),
+    [("CGX2_PIPELINE_BYTES", "0"), ("CGX2_CROSSOVER_BYTES", "-1"), ("CGX2_CROSSOVER_BYTES", "4 TB"),
+     ("CGX2_PAIR_GATHER", "maybe"), ("CGX2_NATIVE", "2")],
+)  # fmt: skip
+def test_a_bad_cgx2_variable_is_named(var, value):
+    from cgx2.config import TuningConfig
+
+    with pytest.raises(ValueError, match=f"{var}='{value}' is invalid"):
+        TuningConfig.from_env({var: value})
+
+
+def test_launch_variables_and_a_bad_one_named():
+    from cgx2.config import LaunchConfig
+
+    launch = LaunchConfig.from_env({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4",
+                                    "NCCL_P2P_DISABLE": "1"})  # fmt: skip
+    assert launch.spans_nodes and launch.nccl_p2p_disabled and not launch.nccl_shm_disabled
+    assert not LaunchConfig.from_env({}).spans_nodes
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE='two'"):
+        LaunchConfig.from_env({"LOCAL_WORLD_SIZE": "two"})
+
+
+def test_tuned_overrides_nests_and_restores():
+    from cgx2 import config
+
+    before = config.tuning()
+    with config.tuned(pair_gather=False) as outer:
+        assert outer.pair_gather is False and config.tuning() is outer
+        with config.tuned(crossover_bytes=0):
+            assert config.tuning().pair_gather is False and config.crossover_override() == 0
+        assert config.tuning().crossover_bytes == before.crossover_bytes
+    assert config.tuning() == before
+    with pytest.raises(TypeError, match="no field"), config.tuned(bits=4):
+        pass
+
+
+def test_parse_bytes():
+    from cgx2.config import parse_bytes
+
+    assert [parse_bytes(t) for t in ("12", "64K", "1M", "2GiB", "3 MB")] == [
+        12, 64 << 10, 1 << 20, 2 << 30, 3 << 20]  # fmt: skip
+    assert parse_bytes("lots") is None and parse_bytes("-1") is None

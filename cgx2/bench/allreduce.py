@@ -365,14 +365,12 @@ def main(argv: list[str] | None = None) -> int:
     if refused_single_process(PROG):
         return 2
     pipeline_bytes = None if args.pipeline_mb is None else args.pipeline_mb << 20
-    with config.tuned(pipeline_bytes=pipeline_bytes, pair_gather=not args.no_pair_gather):
+    with config.tuned(pipeline_bytes=pipeline_bytes, pair_gather=not args.no_pair_gather,
+                      direct_launch=not args.no_direct_launch):  # fmt: skip
         return _main(args)
 
 
 def _main(args: argparse.Namespace) -> int:
-    if args.no_direct_launch:
-        os.environ["CGX2_DIRECT_LAUNCH"] = "0"
-        config.reload()
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         backend = "nccl"

@@ -2,9 +2,9 @@
 plain allreduce against cgx2's 4-bit one over a ladder of sizes and writes the crossovers that
 the policy reads (``cgx2.config.tuning().calibration_file``).
 
-The file (``FORMAT``) holds, per ``<device type>/<backend>/<fp32 or 16bit>``, the smallest
-measured size from which compressing was faster at every larger measured size (None: never),
-and the measurements themselves.
+The file (format ``cgx2.collectives.policy.CALIBRATION_FORMAT``) holds, per
+``<device type>/<backend>/<fp32 or 16bit>``, the smallest measured size from which compressing
+was faster at every larger measured size (None: never), and the measurements themselves.
 """
 
 from __future__ import annotations
@@ -39,10 +39,9 @@ from .report import (
     size_name,
 )
 
-__all__ = ["FORMAT", "calibrate", "crossover", "crossovers", "default_sizes", "main",
+__all__ = ["calibrate", "crossover", "crossovers", "default_sizes", "main",
            "write_calibration"]  # fmt: skip
 
-FORMAT = policy.CALIBRATION_FORMAT
 BITS = 4
 BUCKET_SIZE = 512
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -173,7 +172,7 @@ def calibrate(
     if control is not group:
         dist.destroy_process_group(control)
     return {
-        "format": FORMAT,
+        "format": policy.CALIBRATION_FORMAT,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

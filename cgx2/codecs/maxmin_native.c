@@ -67,10 +67,10 @@ static inline uint64_t level_of(const uint32_t c[4], int j, float x, float lo, f
 /* Encode buckets [q_begin, q_end) of complete buckets of B fp32 values (rows, contiguous):
  * their (lo, step) pairs into meta and their packed levels, bucket q's at
  * q * ceil(B / 8) * bits, into levels (cgx2/codecs/packing.py's format, pack_levels: eight
- * levels a group as one little-endian bits-byte field; tests/test_native_codec.py holds these
- * bytes to it), of which only the first levels_nbytes bytes are
- * written. Levels of values at or past covered (a padded last bucket) are zero. Random
- * halves: key, bucket q of stream, as philox.py. Ranges of buckets may run in threads. */
+ * levels a group as one little-endian bits-byte field; tests/codecs/test_native_codec.py
+ * holds these bytes to it), of which only the first levels_nbytes bytes are written.
+ * Levels of values at or past covered (a padded last bucket) are zero. Random halves: key,
+ * bucket q of stream, as philox.py. Ranges of buckets may run in threads. */
 void cgx2_maxmin_encode(const float *rows, int64_t q_begin, int64_t q_end, int64_t B, int bits,
                         uint64_t key, uint64_t stream, int64_t covered, uint8_t *meta,
                         uint8_t *levels, int64_t levels_nbytes) {

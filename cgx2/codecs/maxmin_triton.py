@@ -254,7 +254,7 @@ def _pack_store(
     """Store a tile's levels (the halves of :func:`_tile`, zero outside the data): each
     group's eight levels are one little-endian BITS-byte field, zero for buckets not kept.
     This is :mod:`cgx2.codecs.packing`'s format (``pack_levels``), which a kernel cannot
-    call; tests/test_triton_kernels.py holds these bytes to it."""
+    call; tests/codecs/test_triton_kernels.py holds these bytes to it."""
     WIDE: tl.constexpr = BITS > 4
     wt = tl.uint64 if WIDE else tl.uint32
     shift = (tl.arange(0, 4) * BITS).to(wt)[None, None, :]

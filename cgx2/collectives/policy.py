@@ -149,10 +149,15 @@ def group_regime(device: torch.device, group: dist.ProcessGroup | None = None) -
     exists): what :func:`route` decides by."""
     if group is None and dist.is_initialized():
         group = dist.group.WORLD
-    if group is None:
-        return regime(device)
-    info = group_info(group)
-    return regime(device, info.backend, info.cuda_on_nccl)
+    return _carrier(device, None if group is None else group_info(group))[2]
+
+
+def _carrier(device: torch.device, info: GroupInfo | None) -> tuple[str, bool, str]:
+    """The group's backend, whether NCCL carries its CUDA tensors, and the regime of
+    ``device``'s tensors over it (no group: NCCL's)."""
+    backend = "nccl" if info is None else info.backend
+    nccl = True if info is None else info.cuda_on_nccl
+    return backend, nccl, regime(device, backend, nccl)
 
 
 def hierarchical(group: dist.ProcessGroup | None, bits: int) -> bool:
@@ -268,9 +273,7 @@ def _measured(device: torch.device, dtype: torch.dtype, info: GroupInfo | None,
     key = (device, dtype, id(group), with_graphs)
     if key in _MEASURED:
         return _MEASURED[key]
-    backend = "nccl" if info is None else info.backend
-    nccl = True if info is None else info.cuda_on_nccl
-    where = regime(device, backend, nccl)
+    backend, nccl, where = _carrier(device, info)
     # The cgx backend carries its collectives on NCCL or gloo: their calibration serves it
     # where it has none of its own.
     carrier = "nccl" if device.type == "cuda" and nccl else "gloo"
@@ -333,31 +336,44 @@ def route(t: torch.Tensor, group: dist.ProcessGroup, bits: int, bucket_size: int
     if routes is None:
         routes = _ROUTES[key] = _routes(t, group, bucket_size)
         weakref.finalize(group, _ROUTES.pop, key, None)
-    plain, compressed, size = routes
-    if bits == UNCOMPRESSED_BITS or size == 1:
-        return plain
+    if bits == UNCOMPRESSED_BITS or routes.size == 1:
+        return routes.plain
     numel = t.numel() if numel is None else numel
     threshold = config.crossover_override()
     if threshold is None:
-        threshold = crossover_bytes(t.device, t.dtype, group)
+        threshold = routes.measured
     if numel == 0 or threshold is None or numel * t.element_size() < threshold:
-        return plain
-    if compressed.gather_in_place and graphs.usable(t):  # NCCL's CUDA tensors
-        return dataclasses.replace(compressed, graphs=True)
-    return compressed
+        return routes.plain
+    if routes.graphs is not None and graphs.usable(t):  # NCCL's CUDA tensors
+        return routes.graphs
+    return routes.compressed
 
 
-_ROUTES: dict[tuple, tuple[Route, Route, int]] = {}
+@dataclass(frozen=True, slots=True)
+class _Routes:
+    """What :func:`route` decides once per group, device, dtype and bucket size."""
+
+    plain: Route
+    compressed: Route
+    graphs: Route | None  # the compressed route replayed as a CUDA graph, where it may be
+    size: int  # the group's
+    measured: int | None  # the crossover of the calibration file or the tables
 
 
-def _routes(t: torch.Tensor, group: dist.ProcessGroup,
-            bucket_size: int) -> tuple[Route, Route, int]:  # fmt: skip
-    """The plain and the compressed route of ``t``'s device and dtype over ``group``, and
-    the group's size."""
+_ROUTES: dict[tuple, _Routes] = {}
+
+
+def _routes(t: torch.Tensor, group: dist.ProcessGroup, bucket_size: int) -> _Routes:
     info = group_info(group)
-    where = regime(t.device, info.backend, info.cuda_on_nccl)
+    where = _carrier(t.device, info)[2]
     pair = uses_pair_gather(info.size, where)
     pieces = piece_numel(t.element_size(), info.size, bucket_size, where, pair)
     nccl_cuda = t.is_cuda and info.cuda_on_nccl
     compressed = Route(True, where, pair, pieces, False, nccl_cuda)
-    return dataclasses.replace(compressed, compress=False), compressed, info.size
+    return _Routes(
+        plain=dataclasses.replace(compressed, compress=False),
+        compressed=compressed,
+        graphs=dataclasses.replace(compressed, graphs=True) if nccl_cuda else None,
+        size=info.size,
+        measured=_measured(t.device, t.dtype, info, group, config.tuning().cuda_graphs),
+    )

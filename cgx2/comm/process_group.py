@@ -19,7 +19,6 @@ __all__ = [
     "all_gather",
     "all_gather_single",
     "all_to_all",
-    "allreduce_plain",
     "allreduce_plain_",
     "group_info",
     "group_size_and_rank",
@@ -129,14 +128,10 @@ def all_gather(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
     return all_gather_single(out, send, group=group, async_op=async_op)
 
 
-def allreduce_plain(t: torch.Tensor, group: dist.ProcessGroup, reduce_op: str) -> torch.Tensor:
-    """The uncompressed allreduce of a copy of ``t``. AVG uses the backend's own AVG where it
-    has one (NCCL); elsewhere (gloo) it sums and divides by the world size."""
-    return allreduce_plain_(t.clone(memory_format=torch.contiguous_format), group, reduce_op)
-
-
 def allreduce_plain_(t: torch.Tensor, group: dist.ProcessGroup, reduce_op: str) -> torch.Tensor:
-    """:func:`allreduce_plain` in place, on a contiguous ``t``; returns ``t``."""
+    """The uncompressed allreduce of a contiguous ``t`` in place; returns ``t``. AVG uses the
+    backend's own AVG where it has one (NCCL); elsewhere (gloo) it sums and divides by the
+    world size."""
     if group is dist.GroupMember.NON_GROUP_MEMBER:
         return t
     info = group_info(group)
