@@ -28,7 +28,7 @@ if [ -z "${SKIP_KERNELS:-}" ]; then
   python3 bench/gpu_large_check.py 2>"$LOGS/large_check.err" | tail -n 6 || status=1
 fi
 save() {  # after every stage, so that a run cut short still brings back what it measured
-  tar czf "$OUT/results.tgz" bench/results/*.json 2>/dev/null
+  tar czf "$OUT/results.tgz" bench/results/*.json bench/results/gloo_ddp_*/ 2>/dev/null
 }
 if [ -n "${AB_VERSIONS:-}" ]; then
   # shellcheck disable=SC2086  # one NAME=PATH word each

@@ -3,6 +3,7 @@
 # joined by a shaped veth link), both ranks on one GPU, per communication hook: plain DDP,
 # cgx_hook at 4 bits as the policy routes it, cgx_hook with compression forced
 # (CGX2_CROSSOVER_BYTES=0), and torch's bf16_compress_hook; then a table of the step times.
+# cgx-inline (not run unless named in RUNS): cgx_hook on autograd's thread (CGX2_COMM_WORKER=0).
 #
 # Usage (repo root, as root): bash bench/gloo_cuda_ddp.sh
 #   RATE (10gbit): the link's rate; RUNS ("plain cgx cgx-forced bf16"): which runs;
@@ -35,7 +36,9 @@ for run in $RUNS; do
     plain|bf16) hook=$run vars=(-u CGX2_CROSSOVER_BYTES) ;;
     cgx) hook=cgx vars=(-u CGX2_CROSSOVER_BYTES) ;;  # the policy's own routing
     cgx-forced) hook=cgx vars=(CGX2_CROSSOVER_BYTES=0) ;;
-    *) echo "gloo_cuda_ddp.sh: unknown run $run (plain, cgx, cgx-forced, bf16)" >&2; exit 2 ;;
+    cgx-inline) hook=cgx vars=(-u CGX2_CROSSOVER_BYTES CGX2_COMM_WORKER=0) ;;  # on autograd's thread
+    *) echo "gloo_cuda_ddp.sh: unknown run $run (plain, cgx, cgx-forced, cgx-inline, bf16)" >&2
+       exit 2 ;;
   esac
   # shellcheck disable=SC2086  # MODEL_ARGS: one flag a word
   args=(bench/ddp_gloo_cuda.py --hook "$hook" --name "$run" --device "$DEVICE" --out "$DIR"
@@ -75,17 +78,17 @@ any_ = next(iter(rows.values()))[0]
 plain = rows.get("plain", (None,))[0]
 print(f"\nDDP step over gloo, {any_['world_size']} hosts at {any_['rate']}, "
       f"{any_['params'] / 1e6:.1f}M params, {any_['device']}, torch {any_['torch']}, {any_['date']}")
-print("| run | hook | CGX2_CROSSOVER_BYTES | regime | median step ms | speedup vs plain "
-      "| bytes sent vs plain | loss | file |")
-print("| --- | --- | --- | --- | ---: | ---: | ---: | ---: | --- |")
-for run in ("plain", "cgx", "cgx-forced", "bf16"):
-    if run not in rows:
-        continue
+print("| run | hook | CGX2_CROSSOVER_BYTES | CGX2_COMM_WORKER | regime | median step ms "
+      "| speedup vs plain | bytes sent vs plain | loss | file |")
+print("| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | --- |")
+order = ["plain", "cgx", "cgx-inline", "cgx-forced", "bf16"]
+for run in sorted(rows, key=lambda run: order.index(run) if run in order else len(order)):
     r, name = rows[run]
     speedup = f"{plain['median_ms'] / r['median_ms']:.2f}x" if plain else "-"
     ratio = "-" if r["bytes_sent_ratio"] is None else f"{r['bytes_sent_ratio']:.3f}"
-    print(f"| {run} | {r['hook']} | {r['env'].get('CGX2_CROSSOVER_BYTES', '(unset)')} "
-          f"| {r['regime']} | {r['median_ms']:.1f} | {speedup} | {ratio} | {r['loss']:.4f} "
+    env = r["env"]
+    print(f"| {run} | {r['hook']} | {env.get('CGX2_CROSSOVER_BYTES', '(unset)')} "
+          f"| {env.get('CGX2_COMM_WORKER', '(unset)')} | {r['regime']} | {r['median_ms']:.1f} | {speedup} | {ratio} | {r['loss']:.4f} "
           f"| `{name}` |")
 print("speedup vs plain: plain DDP's median step time over the run's. bytes sent vs plain: "
       "what cgx_hook sent in the timed steps over what a plain ring allreduce sends "

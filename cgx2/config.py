@@ -215,6 +215,9 @@ class TuningConfig:
       None takes the regime's (:mod:`cgx2.collectives.policy`).
     - ``pair_gather`` (``CGX2_PAIR_GATHER``, 1): two ranks swap their chunks by all-gather
       rather than all-to-all, outside NVLink.
+    - ``comm_worker`` (``CGX2_COMM_WORKER``, 1): DDP's hooks run collectives that would block
+      autograd's thread (gloo's) on a worker thread per group (:mod:`cgx2.comm.worker`); 0
+      runs them in the hook, as torch's own hooks do.
     - ``calibration_file`` (``CGX2_CALIBRATION_FILE``, ``<cache_dir>/calibration.json``):
       crossovers measured on this machine by ``python -m cgx2.bench calibrate``.
     - ``direct_launch`` (``CGX2_DIRECT_LAUNCH``, 1): launch compiled Triton kernels without
@@ -228,6 +231,7 @@ class TuningConfig:
     cuda_graphs: bool = False
     pipeline_bytes: int | None = None
     pair_gather: bool = True
+    comm_worker: bool = True
     calibration_file: str = ""
     direct_launch: bool = True
     native_codec: bool = True
@@ -262,6 +266,7 @@ class TuningConfig:
             cuda_graphs=_bool(env, "CGX2_CUDA_GRAPHS", False),
             pipeline_bytes=pipeline_bytes,
             pair_gather=_bool(env, "CGX2_PAIR_GATHER", True),
+            comm_worker=_bool(env, "CGX2_COMM_WORKER", True),
             calibration_file=env.get("CGX2_CALIBRATION_FILE", "").strip(),
             direct_launch=_bool(env, "CGX2_DIRECT_LAUNCH", True),
             native_codec=_bool(env, "CGX2_NATIVE", True),

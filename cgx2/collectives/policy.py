@@ -43,6 +43,7 @@ __all__ = [
     "piece_numel",
     "regime",
     "route",
+    "runs_on_worker",
     "uses_pair_gather",
 ]
 
@@ -163,10 +164,12 @@ def _carrier(device: torch.device, info: GroupInfo | None) -> tuple[str, bool, s
 def hierarchical(group: dist.ProcessGroup | None, bits: int) -> bool:
     """Whether an entry point that may reduce hierarchically (the DDP hook with
     ``mesh="auto"``, the ``cgx`` backend) quantizes between nodes only: ``bits`` below 32, the
-    launcher says the job spans several nodes (``LOCAL_WORLD_SIZE`` below ``WORLD_SIZE``),
-    and ``group`` (None: the default) is the whole world."""
+    launcher says the job spans several nodes (``LOCAL_WORLD_SIZE`` below ``WORLD_SIZE``) of
+    more than one rank each, and ``group`` (None: the default) is the whole world. With one
+    rank a node the flat allreduce already is the one between nodes: the node's steps would
+    only copy the tensor through groups of one."""
     launch = config.launch()
-    if bits == UNCOMPRESSED_BITS or not launch.spans_nodes:
+    if bits == UNCOMPRESSED_BITS or not launch.spans_nodes or launch.local_world_size < 2:
         return False
     return (group.size() if group is not None else dist.get_world_size()) == launch.world_size
 
@@ -323,6 +326,15 @@ def uses_pair_gather(world: int, where: str) -> bool:
     collective path rather than its point-to-point one, which was the slower outside NVLink
     and the faster over it (BENCHMARKS.md, "Two ranks swap by all-gather")."""
     return world == 2 and where != "nvlink" and config.tuning().pair_gather
+
+
+def runs_on_worker(t: torch.Tensor, group: dist.ProcessGroup) -> bool:
+    """Whether an entry point that returns a future (DDP's hooks) runs the collectives of
+    ``t`` over ``group`` on the group's worker thread (:func:`cgx2.comm.worker.submit`): where
+    they would hold the calling thread until the bytes have crossed (gloo's, for CPU tensors
+    and for CUDA tensors staged through host memory) and ``CGX2_COMM_WORKER`` allows it.
+    NCCL's are enqueued on a stream and return at once."""
+    return config.tuning().comm_worker and not (t.is_cuda and group_info(group).cuda_on_nccl)
 
 
 def route(t: torch.Tensor, group: dist.ProcessGroup, bits: int, bucket_size: int,

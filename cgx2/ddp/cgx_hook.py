@@ -20,7 +20,7 @@ from ..collectives import policy
 from ..collectives.adaptive import check_options, check_replan_every, layer_errors, plan_widths
 from ..collectives.fusion import allreduce_fused_, padded_numel, ring_bytes_sent
 from ..collectives.hierarchical import hierarchical_allreduce_fused_, node_mesh
-from ..comm import allreduce_plain_
+from ..comm import allreduce_plain_, worker
 from ..config import CGXConfig
 from .error_feedback import ErrorFeedback
 
@@ -256,16 +256,41 @@ def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[t
             "(ddp_model.register_comm_hook(state, cgx_hook)); it was called with a "
             f"{type(bucket).__name__} instead of a GradBucket (FSDP's hooks get tensors)"
         )
+    group = state.process_group if state.process_group is not None else dist.group.WORLD
     buffer = bucket.buffer()
+    # What the bucket says is read here, on DDP's thread; the reduction may run elsewhere.
+    plan = state.plan(bucket)
+    keys = None
+    if state.errors is not None and plan.compressed:
+        # Keyed by parameter, not by bucket position: DDP rebuilds its buckets after the
+        # first iteration.
+        params = bucket.parameters()
+        keys = state.errors.keys(params[i] for i in plan.layers)
+    warm = state.iteration >= state.start_iter
+    if bucket.is_last():
+        state.iteration += 1
+    index = bucket.index()
+
+    def reduce() -> torch.Tensor:
+        _reduce_bucket_(state, group, buffer, plan, keys, warm, index)
+        return buffer
+
+    if policy.runs_on_worker(buffer, group):
+        # gloo would hold autograd's thread until each collective has crossed the wire.
+        return worker.submit(group, reduce, [buffer])
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future(
+        devices=[buffer.device] if buffer.is_cuda else None
+    )
     if not buffer.is_cuda:
-        return _reduce_bucket(state, bucket, buffer)
-    # On GPUs the coding and its waits on the collectives run on a side stream, so that the
+        future.set_result(reduce())
+        return future
+    # On NCCL the coding and its waits on the collectives run on a side stream, so that the
     # backward pass goes on computing; the future's CUDA event (recorded on the side stream)
     # is what DDP's reducer waits for.
     side = state.stream(buffer.device)
     side.wait_stream(torch.cuda.current_stream(buffer.device))
     with torch.cuda.stream(side):
-        future = _reduce_bucket(state, bucket, buffer)
+        future.set_result(reduce())
     buffer.record_stream(side)
     return future
 
@@ -293,25 +318,25 @@ def _allreduce_layers_(state: CGXState, layers: list[torch.Tensor], bits: int,
     return sent
 
 
-def _reduce_bucket(
-    state: CGXState, bucket: dist.GradBucket, buffer: torch.Tensor
-) -> torch.futures.Future[torch.Tensor]:
-    group = state.process_group if state.process_group is not None else dist.group.WORLD
-    plan = state.plan(bucket)
+def _reduce_bucket_(
+    state: CGXState,
+    group: dist.ProcessGroup,
+    buffer: torch.Tensor,
+    plan: _Plan,
+    keys: list[int] | None,
+    warm: bool,
+    index: int,
+) -> None:
+    """Average the bucket ``buffer`` in place by ``plan``: its compressed layers quantized
+    (with ``keys``' residuals added first, when error feedback is on) once ``warm``, its exact
+    layers plain."""
     world = dist.get_world_size(group)
     padded = sum(padded_numel(n, state.bucket_size) for _, n in plan.compressed)
     state.bytes_uncompressed += ring_bytes_sent(buffer.numel() * buffer.element_size(), world)
-    keys = None
-    if state.errors is not None and plan.compressed:
-        # Keyed by parameter, not by bucket position: DDP rebuilds its buckets after the
-        # first iteration. Residuals go in before anything reads the layers.
-        params = bucket.parameters()
-        keys = state.errors.keys(params[i] for i in plan.layers)
+    if keys is not None:
+        # Residuals go in before anything reads the layers.
         layers = [buffer[offset : offset + numel] for offset, numel in plan.compressed]
         state.errors.add_many_(keys, layers)
-    warm = state.iteration >= state.start_iter
-    if bucket.is_last():
-        state.iteration += 1
     if (
         warm
         and plan.compressed
@@ -323,7 +348,7 @@ def _reduce_bucket(
                 layers, state.bits, state.bucket_size, state.mesh, "avg", state.intra_broadcast
             )
         elif state.adaptive_bits is not None:
-            widths = state.layer_bits(bucket.index(), layers, group)
+            widths = state.layer_bits(index, layers, group)
             for bits in sorted(set(widths)):
                 chosen = [i for i, b in enumerate(widths) if b == bits]
                 state.bytes_sent += _allreduce_layers_(
@@ -347,8 +372,3 @@ def _reduce_bucket(
             state.errors.discard_(key)
         state.bytes_sent += ring_bytes_sent(buffer.numel() * buffer.element_size(), world)
         allreduce_plain_(buffer, group, "avg")
-    future: torch.futures.Future[torch.Tensor] = torch.futures.Future(
-        devices=[buffer.device] if buffer.is_cuda else None
-    )
-    future.set_result(buffer)
-    return future

@@ -20,8 +20,9 @@ from .. import seeding
 from ..codecs import global_norm
 from ..codecs.exponential import exponential_codec, exponential_codes, exponential_values
 from ..codecs.global_norm import level_dtype
+from ..collectives import policy
 from ..collectives.fusion import ring_bytes_sent
-from ..comm import all_gather_single
+from ..comm import all_gather_single, worker
 from ..seeding import derive_key, next_seed
 from .error_feedback import ErrorFeedback
 from .lgreco import PowerSGDState, powerSGD_hook
@@ -123,16 +124,6 @@ def _group(state: GlobalQSGDState) -> dist.ProcessGroup:
 def _rounding_key(group: dist.ProcessGroup) -> int:
     """The key of this rank's stochastic rounding, from cgx2's seed stream and the rank."""
     return derive_key(next_seed(), dist.get_rank(group))
-
-
-def _done(bucket: dist.GradBucket, values: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    buffer = bucket.buffer()
-    buffer.copy_(values)
-    future: torch.futures.Future[torch.Tensor] = torch.futures.Future(
-        devices=[buffer.device] if buffer.is_cuda else None
-    )
-    future.set_result(buffer)
-    return future
 
 
 def _global_norm(g: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -237,22 +228,38 @@ def exponential_dithering(g: torch.Tensor, state: GlobalQSGDState, *,
     return codec.decode_sum(gathered.view(world, -1), norm / world)
 
 
-def _with_feedback(bucket: dist.GradBucket, state: GlobalQSGDState,
-                   reduce: Callable[..., torch.Tensor]) -> torch.Tensor:  # fmt: skip
-    """``reduce(buffer, state)``, with the state's error feedback around it when it is on."""
+def _reduce_bucket(
+    bucket: dist.GradBucket, state: GlobalQSGDState, reduce: Callable[..., torch.Tensor]
+) -> torch.futures.Future[torch.Tensor]:
+    """A future of the bucket averaged by ``reduce(buffer, state)``, with the state's error
+    feedback around it when it is on; on the group's worker thread where the collectives
+    would hold DDP's (:func:`cgx2.collectives.policy.runs_on_worker`)."""
     g = bucket.buffer()
-    if state.errors is None:
-        return reduce(g, state)
-    # Keyed by parameter, not by bucket position: DDP rebuilds its buckets after the first
-    # iteration. Each gradient is a view into the buffer; its offset says where.
-    keys = state.errors.keys(bucket.parameters())
-    base = g.storage_offset()
-    spans = [(grad.storage_offset() - base, grad.numel()) for grad in bucket.gradients()]
-    state.errors.add_many_(keys, [g[start : start + n] for start, n in spans])
-    residual = torch.empty_like(g)
-    out = reduce(g, state, residual=residual)
-    state.errors.store_many_(keys, [residual[start : start + n] for start, n in spans])
-    return out
+    keys = spans = None
+    if state.errors is not None:
+        # Keyed by parameter, not by bucket position: DDP rebuilds its buckets after the first
+        # iteration. Each gradient is a view into the buffer; its offset says where.
+        keys = state.errors.keys(bucket.parameters())
+        base = g.storage_offset()
+        spans = [(grad.storage_offset() - base, grad.numel()) for grad in bucket.gradients()]
+
+    def run() -> torch.Tensor:
+        if keys is None:
+            return g.copy_(reduce(g, state))
+        state.errors.add_many_(keys, [g[start : start + n] for start, n in spans])
+        residual = torch.empty_like(g)
+        out = reduce(g, state, residual=residual)
+        state.errors.store_many_(keys, [residual[start : start + n] for start, n in spans])
+        return g.copy_(out)
+
+    group = _group(state)
+    if policy.runs_on_worker(g, group):
+        return worker.submit(group, run, [g])
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future(
+        devices=[g.device] if g.is_cuda else None
+    )
+    future.set_result(run())
+    return future
 
 
 def default_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -266,7 +273,7 @@ def standard_dithering_hook(
     """Global-QSGD's standard dithering: ``g / max|g|`` over all ranks (one small allreduce),
     stochastically rounded to integer levels that one integer allreduce sums exactly.
     Unbiased."""
-    return _done(bucket, _with_feedback(bucket, _state(state), standard_dithering))
+    return _reduce_bucket(bucket, _state(state), standard_dithering)
 
 
 def levels_4bit(g: torch.Tensor, state: GlobalQSGDState,
@@ -307,20 +314,20 @@ def standard_dithering_4bit_hook(
     3, 1 for 4 to 7), so that no nibble sum carries; decoded as (sum - W L) max / (L W).
     Unbiased: stochastic rounding gives E[level] = g L / max, so E[decoded] is the average.
     More than 7 ranks raise ``ValueError``. ``bits`` of the state is not read."""
-    return _done(bucket, _with_feedback(bucket, _state(state), standard_dithering_4bit))
+    return _reduce_bucket(bucket, _state(state), standard_dithering_4bit)
 
 
 def thc_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """THC (uniform, global norm), summed as a parameter server does: the levels are reduced
     to the group's first rank and broadcast back. Unbiased; the levels of standard
     dithering, another communication pattern."""
-    return _done(bucket, _with_feedback(bucket, _state(state), thc))
+    return _reduce_bucket(bucket, _state(state), thc)
 
 
 def qsgd_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """QSGD with each rank's own norm: int8 levels and the norms are all-gathered, and every
     rank decodes all of them and sums. Unbiased; sends W times what an allreduce would."""
-    return _done(bucket, _with_feedback(bucket, _state(state), qsgd))
+    return _reduce_bucket(bucket, _state(state), qsgd)
 
 
 def exponential_dithering_hook(
@@ -329,4 +336,4 @@ def exponential_dithering_hook(
     """Global-QSGD's exponential dithering: ``g / max|g|`` over all ranks on power-of-two
     levels with stochastic rounding (unbiased). The codes do not add as integers, so they
     are all-gathered and every rank decodes and sums them in the same order."""
-    return _done(bucket, _with_feedback(bucket, _state(state), exponential_dithering))
+    return _reduce_bucket(bucket, _state(state), exponential_dithering)

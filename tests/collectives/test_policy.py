@@ -81,6 +81,17 @@ def test_cuda_tensors_on_gloo_cross_host_sockets(clean_env):
     assert detect_regime(torch.device("cpu"), "gloo", False) == "cpu"
 
 
+def test_gloos_collectives_run_on_the_groups_worker_unless_turned_off(clean_env):
+    group = dist.ProcessGroup(0, 2)
+    comm.process_group._INFO[id(group)] = comm.GroupInfo("gloo", 2, 0, False, False)
+    try:
+        assert policy.runs_on_worker(torch.zeros(4), group)
+        with config.tuned(comm_worker=False):
+            assert not policy.runs_on_worker(torch.zeros(4), group)
+    finally:
+        del comm.process_group._INFO[id(group)]
+
+
 def test_a_launcher_variable_that_is_not_a_count_is_named(clean_env):
     clean_env.setenv("WORLD_SIZE", "4")
     clean_env.setenv("LOCAL_WORLD_SIZE", "two")
@@ -342,6 +353,8 @@ def test_hierarchical_only_for_the_whole_world_of_several_nodes(clean_env):
     assert not policy.hierarchical(world, 32)  # nothing to quantize
     assert not policy.hierarchical(node, 4)  # a group inside one node
     clean_env.setenv("LOCAL_WORLD_SIZE", "8")
+    assert not policy.hierarchical(world, 4)
+    clean_env.setenv("LOCAL_WORLD_SIZE", "1")  # one rank a node: the flat allreduce is inter
     assert not policy.hierarchical(world, 4)
 
 

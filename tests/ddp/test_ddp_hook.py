@@ -2,6 +2,8 @@
 every rank, training close to uncompressed DDP; CGXState's arguments and errors."""
 
 import os
+import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -9,6 +11,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from cgx2 import config, seeding
+from cgx2.comm import worker
 from cgx2.ddp import CGXState, cgx_hook
 
 
@@ -33,14 +37,15 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, (x.mean(dim=(1, 2, 3)) > 0).long() + 2 * (x[:, 0, 0, 0] > 0).long()
 
 
-def _train(bits: int | None, steps: int, params: dict | None = None) -> dict:
+def _train(bits: int | None, steps: int, params: dict | None = None,
+           error_feedback: bool = False) -> dict:  # fmt: skip
     """Train Net under DDP (several buckets) with cgx_hook at ``bits`` (None: DDP's own)."""
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = DDP(Net(), bucket_cap_mb=0.02)
     if bits is not None:
         state = CGXState(None, 1024, {"bits": bits, "bucket_size": 128, **(params or {})},
-                         start_iter=0)  # fmt: skip
+                         start_iter=0, error_feedback=error_feedback)  # fmt: skip
         model.register_comm_hook(state, cgx_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.5)
     losses, first_grads = [], None
@@ -72,6 +77,49 @@ def test_gradients_identical_on_ranks_small_layers_exact(dist2):
             assert 0 < rel < 0.2, rel
         else:
             assert torch.equal(grad, reference), name
+
+
+def _train_with_worker(on: bool) -> dict:
+    seeding.manual_seed(0)  # the pool's processes have drawn seeds for earlier tests
+    counted = mock.patch.object(worker, "submit", wraps=worker.submit)
+    with config.tuned(comm_worker=on), counted as submit:
+        result = _train(4, 3, error_feedback=True)
+    result["submitted"] = submit.call_count
+    return result
+
+
+def test_the_worker_thread_gives_the_same_bits_as_autograds(dist2):
+    """On gloo the hook's collectives run on the group's worker thread (the backward pass goes
+    on meanwhile); the buckets reduce in the same order, so training is bit for bit what it is
+    with CGX2_COMM_WORKER=0, error feedback's residuals included."""
+    on, off = dist2.run(_train_with_worker, True), dist2.run(_train_with_worker, False)
+    assert on[0]["submitted"] > 3 and off[0]["submitted"] == 0  # 3 steps, buckets each
+    for rank in range(2):
+        assert on[rank]["losses"] == off[rank]["losses"]
+        for name, p in on[rank]["params"].items():
+            assert torch.equal(p, off[rank]["params"][name]), name
+
+
+def _backward_raising_in_the_hook() -> str:
+    torch.manual_seed(0)
+    model = DDP(Net(), bucket_cap_mb=0.02)
+    model.register_comm_hook(CGXState(None, 1024, {"bits": 4}, start_iter=0), cgx_hook)
+
+    def fail(*args):
+        raise ValueError("the bucket could not be reduced")
+
+    x, y = _batch(dist.get_rank(), 0)
+    with mock.patch.object(sys.modules["cgx2.ddp.cgx_hook"], "_reduce_bucket_", fail):
+        try:
+            nn.functional.cross_entropy(model(x), y).backward()
+        except Exception as e:  # DDP's reducer wraps it
+            return str(e)
+    return "no error"
+
+
+def test_an_error_on_the_worker_raises_in_backward(dist2):
+    assert all("the bucket could not be reduced" in e
+               for e in dist2.run(_backward_raising_in_the_hook))  # fmt: skip
 
 
 def test_eight_bits_is_close_and_thirty_two_is_exact(dist2):

@@ -1,6 +1,8 @@
 """Global-QSGD's hooks on gloo: integer levels summed exactly, no overflow at the edge,
 unbiased, identical on every rank, DDP training with each hook, and clear errors."""
 
+from unittest import mock
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -9,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import cgx2
 from cgx2.codecs import global_norm
+from cgx2.comm import worker
 from cgx2.ddp import global_qsgd as gq
 from cgx2.ddp.global_qsgd import GlobalQSGDState, level_dtype
 
@@ -146,6 +149,26 @@ def test_ddp_training_with_each_hook(dist2, hook):
     for ga, gb in zip(a["grads"], b["grads"], strict=True):
         assert torch.equal(ga, gb)  # identical on every rank
     assert sum(a["losses"][-4:]) < 0.7 * sum(a["losses"][:4]), a["losses"]
+
+
+def _train_with_worker(on: bool, hook_name: str) -> dict:
+    cgx2.seeding.manual_seed(0)
+    counted = mock.patch.object(worker, "submit", wraps=worker.submit)
+    with cgx2.config.tuned(comm_worker=on), counted as submit:
+        result = _train(hook_name, 3)
+    result["submitted"] = submit.call_count
+    return result
+
+
+@pytest.mark.parametrize("hook", ["standard_dithering_4bit_hook", "qsgd_hook"])
+def test_the_worker_thread_gives_the_same_bits_as_autograds(dist2, hook):
+    """On gloo the hooks' collectives run on the group's worker thread; in the same order, so
+    the gradients are bit for bit those of CGX2_COMM_WORKER=0."""
+    on, off = dist2.run(_train_with_worker, True, hook), dist2.run(_train_with_worker, False, hook)
+    assert on[0]["submitted"] == 3 and off[0]["submitted"] == 0  # one bucket a step
+    for rank in range(2):
+        for a, b in zip(on[rank]["grads"], off[rank]["grads"], strict=True):
+            assert torch.equal(a, b)
 
 
 def test_bad_state():

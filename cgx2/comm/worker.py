@@ -1,0 +1,102 @@
+"""One first-in-first-out worker thread per process group, for entry points that return a future
+(DDP's hooks): where a transport's collectives block the calling thread, they block this one.
+
+Gloo's collectives hold the thread that waits on them until the bytes have crossed the wire.
+Called from a DDP hook, that thread is autograd's: the backward pass stops at every bucket.
+Run on the worker, the bucket's collectives travel while the backward pass computes the next
+bucket's gradients. One thread per group keeps the collectives in the order they were
+submitted, which DDP makes the same on every rank.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["submit"]
+
+
+class _Worker:
+    """A group's thread, and the side stream of each device it codes on."""
+
+    def __init__(self) -> None:
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cgx2-comm")
+        self.streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def stream(self, device: torch.device) -> torch.cuda.Stream:
+        if device not in self.streams:
+            self.streams[device] = torch.cuda.Stream(device)
+        return self.streams[device]
+
+
+_WORKERS: dict[int, _Worker] = {}
+_LOCK = threading.Lock()
+
+
+def _worker(group: dist.ProcessGroup) -> _Worker:
+    worker = _WORKERS.get(id(group))
+    if worker is None:
+        with _LOCK:
+            worker = _WORKERS.get(id(group))
+            if worker is None:
+                worker = _WORKERS[id(group)] = _Worker()
+                # Dropped with the group, before its id can be reused; an idle thread exits.
+                weakref.finalize(group, _retire, id(group))
+    return worker
+
+
+def _retire(key: int) -> None:
+    worker = _WORKERS.pop(key, None)
+    if worker is not None:
+        worker.executor.shutdown(wait=False)
+
+
+def submit(group: dist.ProcessGroup, fn: Callable[[], torch.Tensor],
+           tensors: Sequence[torch.Tensor]) -> torch.futures.Future[torch.Tensor]:  # fmt: skip
+    """Run ``fn()`` on ``group``'s worker after everything submitted before it, and return a
+    future of its result (or of its exception).
+
+    ``tensors`` are those ``fn`` reads and writes; they must outlive its run (DDP's bucket
+    buffers do). On CUDA, ``fn`` runs on the worker's side stream of their device, which first
+    waits for the caller's current stream: the kernels enqueued so far, which produced them.
+    The future's CUDA event, recorded on that stream when ``fn`` returns, is what a waiter's
+    stream then waits for.
+    """
+    device = tensors[0].device
+    worker = _worker(group)
+    if device.type != "cuda":
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+
+        def run() -> None:
+            try:
+                result = fn()
+            except BaseException as e:  # the waiter raises it, on its own thread
+                future.set_exception(e)
+                return
+            future.set_result(result)
+
+        worker.executor.submit(run)
+        return future
+    side = worker.stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    for t in tensors:
+        t.record_stream(side)
+    future = torch.futures.Future(devices=[device])
+
+    def run_on_stream() -> None:
+        # The current device and stream are the thread's own: set both here.
+        with torch.cuda.device(device), torch.cuda.stream(side):
+            try:
+                result = fn()
+            except BaseException as e:
+                future.set_exception(e)
+                return
+            future.set_result(result)
+
+    worker.executor.submit(run_on_stream)
+    return future

@@ -1,0 +1,77 @@
+"""The group's worker thread: results and errors through the future, first in first out, one
+thread a group, gone with its group."""
+
+import gc
+import threading
+import time
+
+import pytest
+import torch
+
+from cgx2.comm import worker
+
+
+class Group:
+    """Stands for a process group: the worker needs only its identity and a weak reference."""
+
+
+def test_returns_before_the_work_is_done_and_delivers_its_result():
+    group, go = Group(), threading.Event()
+    x = torch.zeros(3)
+
+    def work() -> torch.Tensor:
+        go.wait(10)
+        return x.add_(1)
+
+    future = worker.submit(group, work, [x])
+    assert not future.done()
+    go.set()
+    assert future.wait() is x
+    assert torch.equal(x, torch.ones(3))
+
+
+def test_runs_first_in_first_out_on_one_thread_per_group():
+    a, b = Group(), Group()
+    order, threads = [], {}
+    x = torch.zeros(1)
+
+    def work(name: str, group: str, pause: float):
+        def run() -> torch.Tensor:
+            time.sleep(pause)  # a later submission must still wait for this one
+            order.append(name)
+            threads.setdefault(group, set()).add(threading.get_ident())
+            return x
+
+        return run
+
+    futures = [worker.submit(a, work(f"a{i}", "a", 0.02 * (3 - i)), [x]) for i in range(3)]
+    futures.append(worker.submit(b, work("b0", "b", 0), [x]))
+    for f in futures:
+        f.wait()
+    assert [n for n in order if n.startswith("a")] == ["a0", "a1", "a2"]
+    assert len(threads["a"]) == len(threads["b"]) == 1
+    assert threads["a"] != threads["b"]
+    assert threading.get_ident() not in threads["a"]
+
+
+def test_an_error_reaches_the_waiter_and_the_worker_goes_on():
+    group = Group()
+    x = torch.zeros(1)
+
+    def fail() -> torch.Tensor:
+        raise ValueError("the bucket's plan is wrong")
+
+    with pytest.raises(ValueError, match="the bucket's plan is wrong"):
+        worker.submit(group, fail, [x]).wait()
+    assert worker.submit(group, lambda: x + 1, [x]).wait().item() == 1
+
+
+def test_the_worker_goes_with_its_group():
+    group = Group()
+    x = torch.zeros(1)
+    worker.submit(group, lambda: x, [x]).wait()
+    key = id(group)
+    assert key in worker._WORKERS
+    del group
+    gc.collect()
+    assert key not in worker._WORKERS
