@@ -16,6 +16,7 @@ import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -36,9 +37,24 @@ _SOURCE = Path(__file__).with_name("maxmin_native.c")
 _FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math"]
 
 
+_COMPILE_TIMEOUT_S = 30  # the file builds in about a second; a compiler that hangs is given up
+
+
+class _Unsafe(Exception):
+    """A cached library or its folder that someone else could have written."""
+
+
 def _compiler() -> str | None:
-    for name in (tuning().c_compiler, "cc", "gcc", "clang"):
-        if name and shutil.which(name):
+    """The C compiler: ``CC`` where it is set (an error where it names no executable: the
+    user chose it), else the first of cc, gcc, clang on the ``PATH``."""
+    chosen = tuning().c_compiler
+    if chosen:
+        found = shutil.which(chosen)
+        if found is None:
+            raise FileNotFoundError(f"CC={chosen!r} is not an executable on the PATH")
+        return found
+    for name in ("cc", "gcc", "clang"):
+        if shutil.which(name):
             return shutil.which(name)
     return None
 
@@ -47,21 +63,46 @@ def _cache_dir() -> Path:
     return Path(tuning().cache_dir)
 
 
-def _build(compiler: str) -> Path:
-    """The built library: from the cache, or compiled into it (atomically, so that ranks
-    building at once each load a whole file)."""
+def _check_private(path: Path, kind: str) -> None:
+    """Raise :class:`_Unsafe` unless ``path`` is a ``kind`` ("file" or "folder", not a
+    symbolic link) owned by this user and writable by no one else: only then can no other
+    user have put code in it."""
+    info = os.lstat(path)
+    is_kind = stat.S_ISREG(info.st_mode) if kind == "file" else stat.S_ISDIR(info.st_mode)
+    if not is_kind:
+        raise _Unsafe(f"{path} is not a {kind} (a symbolic link?)")
+    if hasattr(os, "geteuid") and info.st_uid != os.geteuid():
+        raise _Unsafe(f"{path} is owned by uid {info.st_uid}, not by this user ({os.geteuid()})")
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise _Unsafe(f"{path} is writable by its group or by others "
+                      f"(mode {stat.filemode(info.st_mode)})")  # fmt: skip
+
+
+def _library_path(compiler: str) -> Path:
+    """Where the library built by ``compiler`` from this source is cached."""
     tag = hashlib.sha256(
         _SOURCE.read_bytes() + " ".join([compiler, *_FLAGS, platform.machine()]).encode()
     ).hexdigest()[:16]
-    target = _cache_dir() / f"maxmin_native_{tag}.so"
-    if target.exists():
+    return _cache_dir() / f"maxmin_native_{tag}.so"
+
+
+def _build(compiler: str) -> Path:
+    """The built library: from the cache, or compiled into it (atomically, so that ranks
+    building at once each load a whole file). The cache folder is made private (0700); a
+    folder or file in it that another user could have written raises :class:`_Unsafe`."""
+    target = _library_path(compiler)
+    folder = target.parent
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _check_private(folder, "folder")
+    if os.path.lexists(target):
+        _check_private(target, "file")
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
     os.close(fd)
     try:
         subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], check=True,
-                       capture_output=True, text=True, timeout=120)  # fmt: skip
+                       capture_output=True, text=True, timeout=_COMPILE_TIMEOUT_S)  # fmt: skip
+        os.chmod(tmp, 0o700)  # the compiler's umask may have left it writable by the group
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -79,26 +120,36 @@ def library() -> ctypes.CDLL | None:
 @functools.cache
 def _built_library() -> ctypes.CDLL | None:
     """The library built (once a process) with the compiler and cache of the configuration
-    at the first call; ``_built_library.cache_clear()`` builds again."""
-    compiler = _compiler()
-    if compiler is None:
-        log.info("cgx2: no C compiler; the CPU codec runs in torch")
-        return None
+    at the first call; ``_built_library.cache_clear()`` builds again. Any failure (no
+    compiler, a build that fails or hangs, a cached file someone else could have written, a
+    library without the codec's functions) logs why and leaves the torch code to run."""
     try:
+        compiler = _compiler()
+        if compiler is None:
+            log.info("cgx2: no C compiler; the CPU codec runs in torch")
+            return None
         path = _build(compiler)
         lib = ctypes.CDLL(str(path))
-    except (OSError, subprocess.SubprocessError) as e:
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        lib.cgx2_maxmin_encode.argtypes = [ptr, i64, i64, i64, ctypes.c_int, ctypes.c_uint64,
+                                           ctypes.c_uint64, i64, ptr, ptr, i64]  # fmt: skip
+        lib.cgx2_maxmin_encode.restype = None
+        lib.cgx2_maxmin_decode.argtypes = [ptr, ptr, i64, i64, i64, i64, ctypes.c_int, i64,
+                                           ptr, ptr, ctypes.c_int]  # fmt: skip
+        lib.cgx2_maxmin_decode.restype = None
+    except _Unsafe as e:
+        log.warning("cgx2: not loading the CPU codec's C loops: %s; using torch (remove it, "
+                    "or set CGX2_CACHE_DIR to a folder of your own)", e)  # fmt: skip
+        return None
+    except subprocess.TimeoutExpired:
+        log.warning("cgx2: the C compiler took over %d s; the CPU codec runs in torch",
+                    _COMPILE_TIMEOUT_S)  # fmt: skip
+        return None
+    except (OSError, subprocess.SubprocessError, AttributeError) as e:
         detail = getattr(e, "stderr", "") or e
-        log.warning("cgx2: the CPU codec's C loops did not build (%s); using torch", detail)
+        log.warning("cgx2: the CPU codec's C loops are unusable (%s); using torch", detail)
         return None
     log.info("cgx2: the CPU codec's C loops: %s", path)
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.cgx2_maxmin_encode.argtypes = [ptr, i64, i64, i64, ctypes.c_int, ctypes.c_uint64,
-                                       ctypes.c_uint64, i64, ptr, ptr, i64]  # fmt: skip
-    lib.cgx2_maxmin_encode.restype = None
-    lib.cgx2_maxmin_decode.argtypes = [ptr, ptr, i64, i64, i64, i64, ctypes.c_int, i64, ptr,
-                                       ptr, ctypes.c_int]  # fmt: skip
-    lib.cgx2_maxmin_decode.restype = None
     return lib
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 import torch
+import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["ErrorFeedback"]
@@ -125,15 +126,23 @@ class ErrorFeedback:
         self._residuals.pop(key, None)
 
     def state_dict(self) -> dict[str, object]:
-        """The residuals by key (copies, on their devices) and their parameters' shapes."""
+        """The residuals by key (copies, on their devices), their parameters' shapes and the
+        rank they belong to (:meth:`load_state_dict` refuses them on another)."""
         residuals = {k: r.detach().clone() for k, r in self._residuals.items()}
         shapes = {k: list(self._shapes[k]) for k in residuals if k in self._shapes}
-        return {"residuals": residuals, "shapes": shapes}
+        return {"residuals": residuals, "shapes": shapes, "rank": _rank()}
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:
         """Replace the residuals with :meth:`state_dict`'s; each moves to its layer's device
         and dtype when first added. Parameters already keyed keep their keys (the same model
         going on); a fresh ``ErrorFeedback`` keys a new model's parameters as it meets them."""
+        saved_rank, rank = state.get("rank"), _rank()
+        if saved_rank is not None and rank is not None and saved_rank != rank:
+            raise ValueError(
+                f"error feedback: these residuals are rank {saved_rank}'s, loaded on rank "
+                f"{rank}; they differ from rank to rank: save each rank's state_dict and load "
+                "it on the same rank"
+            )
         residuals = state["residuals"]
         if not isinstance(residuals, Mapping) or not all(
             isinstance(r, torch.Tensor) for r in residuals.values()
@@ -148,3 +157,9 @@ class ErrorFeedback:
                 )
         self._shapes.update(shapes)
         self._residuals = {int(k): r.reshape(-1) for k, r in residuals.items()}
+
+
+def _rank() -> int | None:
+    """This process's rank in the default group (None outside torch.distributed): residuals
+    are one rank's own."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else None

@@ -9,8 +9,6 @@ would add host time to every call). The group is named as in the functional coll
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 
@@ -41,14 +39,6 @@ def _check(t: torch.Tensor, bits: int, bucket_size: int, reduce_op: object,
     return check_reduce_op(reduce_op, op_name)
 
 
-def _no_grad_for(t: torch.Tensor) -> contextlib.AbstractContextManager:
-    """``torch.no_grad()`` where autograd would see the eager call (it does not see the op's
-    body), a free null context elsewhere: entering no_grad costs host time."""
-    if t.requires_grad and torch.is_grad_enabled():
-        return torch.no_grad()
-    return contextlib.nullcontext()
-
-
 @torch.library.custom_op("cgx::quantized_allreduce", mutates_args=(), tags=SEEDED_OP_TAGS)
 def _quantized_allreduce_op(
     input: torch.Tensor,
@@ -69,6 +59,24 @@ def _(input, bits, bucket_size=512, group_name="", reduce_op="sum", seed=-1,
       skip_incomplete=False):  # fmt: skip
     _check(input, bits, bucket_size, reduce_op)
     return torch.empty_like(input, memory_format=torch.contiguous_format)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    _, bits, bucket_size, group_name, reduce_op, _, skip_incomplete = inputs
+    ctx.allreduce_args = (bits, bucket_size, group_name, reduce_op)
+    ctx.skip_incomplete = skip_incomplete
+
+
+def _backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    # Every rank's input reaches every rank's output once (a W-th of it when averaging), so
+    # the gradient is the same allreduce of the outputs' gradients: quantized alike, unbiased.
+    grad_input = torch.ops.cgx.quantized_allreduce(
+        grad.contiguous(), *ctx.allreduce_args, -1, ctx.skip_incomplete
+    )
+    return grad_input, None, None, None, None, None, None
+
+
+_quantized_allreduce_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 @torch.library.custom_op("cgx::quantized_allreduce_", mutates_args=("input",), tags=SEEDED_OP_TAGS)
@@ -107,7 +115,8 @@ def quantized_allreduce(
     Returns a new tensor of the same shape and dtype, bit-identical on every rank; ``tensor``
     is not modified. ``bits=32``, and a tensor the routing policy does not compress
     (:mod:`cgx2.collectives.policy`), take the plain allreduce. Under ``torch.compile`` this
-    is the op ``torch.ops.cgx.quantized_allreduce``.
+    is the op ``torch.ops.cgx.quantized_allreduce``. Differentiable: the gradient of the
+    input is the same quantized allreduce of the output's gradient.
     """
     if torch.compiler.is_compiling():
         return torch.ops.cgx.quantized_allreduce(
@@ -115,10 +124,14 @@ def quantized_allreduce(
             check_reduce_op(op, "op"), -1 if seed is None else seed, skip_incomplete,
         )  # fmt: skip
     reduce_op = _check(tensor, bits, bucket_size, op, "op")
-    with _no_grad_for(tensor):
-        return collectives.allreduce(tensor, bits, bucket_size,
-                                     dist.group.WORLD if group is None else group, reduce_op,
-                                     seed, skip_incomplete)  # fmt: skip
+    if tensor.requires_grad and torch.is_grad_enabled():  # through the op, for its backward
+        return torch.ops.cgx.quantized_allreduce(
+            tensor, bits, bucket_size, "" if group is None else group.group_name, reduce_op,
+            -1 if seed is None else seed, skip_incomplete,
+        )  # fmt: skip
+    return collectives.allreduce(tensor, bits, bucket_size,
+                                 dist.group.WORLD if group is None else group, reduce_op, seed,
+                                 skip_incomplete)  # fmt: skip
 
 
 def quantized_allreduce_(
@@ -142,7 +155,11 @@ def quantized_allreduce_(
         )  # fmt: skip
         return tensor
     reduce_op = _check(tensor, bits, bucket_size, op, "op")
-    with _no_grad_for(tensor):
-        return collectives.allreduce_(tensor, bits, bucket_size,
-                                      dist.group.WORLD if group is None else group, reduce_op,
-                                      seed, skip_incomplete)  # fmt: skip
+    if tensor.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError(
+            "quantized_allreduce_ writes into a tensor that requires grad, and has no gradient: "
+            "use quantized_allreduce (differentiable), or call it under torch.no_grad()"
+        )
+    return collectives.allreduce_(tensor, bits, bucket_size,
+                                  dist.group.WORLD if group is None else group, reduce_op, seed,
+                                  skip_incomplete)  # fmt: skip

@@ -3,7 +3,9 @@ and the torch code where they cannot be built."""
 
 import itertools
 import logging
+import os
 import shutil
+import subprocess
 
 import pytest
 import torch
@@ -110,11 +112,92 @@ def test_turned_off_or_unbuildable_means_torch(tmp_path, caplog):
         with cgx2.config.tuned(cache_dir=str(tmp_path), c_compiler="false"):
             with caplog.at_level(logging.WARNING, logger="cgx2"):
                 assert native.library() is None
-            assert "did not build" in caplog.text
+            assert "unusable" in caplog.text
             assert not list(tmp_path.iterdir())  # no half-written library left behind
             x = torch.randn(1000)
             assert not native.encode_rows(x.view(-1, 8), 4, 1, 0, 1000, x[:2], x[:2].byte())
             assert maxmin.decode(maxmin.encode(x, 4, 8, key=1), 1000, 4, 8).shape == (1000,)
+    finally:
+        native._built_library.cache_clear()
+
+
+def _planted_library(path, marker) -> None:
+    """A library whose constructor writes ``marker``: what a hostile user would plant."""
+    source = path.with_suffix(".c")
+    source.write_text(
+        "#include <stdio.h>\n"
+        f'__attribute__((constructor)) static void planted(void) {{ fopen("{marker}", "w"); }}\n'
+    )
+    subprocess.run([native._compiler(), "-shared", "-fPIC", str(source), "-o", str(path)],
+                   check=True)  # fmt: skip
+    source.unlink()
+
+
+@pytest.mark.parametrize("where", ["shared folder", "file writable by others", "other owner"])
+def test_a_library_someone_else_could_have_written_is_never_loaded(tmp_path, caplog, where):
+    """A cached library in a folder others may write, writable by others itself, or owned by
+    another user: not loaded (its constructor never runs), a warning says why, torch codes."""
+    if where == "other owner" and os.geteuid() != 0:
+        pytest.skip("only root can give a file to another user")
+    cache, marker = tmp_path / "cache", tmp_path / "ran"
+    cache.mkdir(mode=0o700)
+    try:
+        native._built_library.cache_clear()
+        with cgx2.config.tuned(cache_dir=str(cache)):
+            target = native._library_path(native._compiler())
+            _planted_library(target, marker)
+            os.chmod(target, 0o700)
+            if where == "shared folder":
+                os.chmod(cache, 0o1777)
+            elif where == "file writable by others":
+                os.chmod(target, 0o777)
+            else:
+                os.chown(target, 12345, 12345)
+            with caplog.at_level(logging.WARNING, logger="cgx2"):
+                assert native.library() is None
+            x = torch.randn(1000)
+            assert maxmin.decode(maxmin.encode(x, 4, 8, key=1), 1000, 4, 8).shape == (1000,)
+        assert not marker.exists()
+        expected = {"shared folder": "writable by its group or by others",
+                    "file writable by others": "writable by its group or by others",
+                    "other owner": "owned by uid 12345"}[where]  # fmt: skip
+        assert expected in caplog.text and "not loading" in caplog.text
+    finally:
+        native._built_library.cache_clear()
+
+
+def test_a_cached_library_without_the_codec_falls_back_to_torch(tmp_path, caplog):
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    try:
+        native._built_library.cache_clear()
+        with cgx2.config.tuned(cache_dir=str(cache)):
+            target = native._library_path(native._compiler())
+            _planted_library(target, tmp_path / "ran")  # ours, private, but not the codec
+            os.chmod(target, 0o700)
+            with caplog.at_level(logging.WARNING, logger="cgx2"):
+                assert native.library() is None
+            assert "unusable" in caplog.text and "cgx2_maxmin_encode" in caplog.text
+            x = torch.randn(1000)
+            assert maxmin.decode(maxmin.encode(x, 4, 8, key=1), 1000, 4, 8).shape == (1000,)
+    finally:
+        native._built_library.cache_clear()
+
+
+def test_a_missing_or_hanging_compiler_is_named(tmp_path, caplog, monkeypatch):
+    hanging = tmp_path / "hanging-cc"
+    hanging.write_text("#!/bin/sh\nsleep 30\n")
+    hanging.chmod(0o700)
+    monkeypatch.setattr(native, "_COMPILE_TIMEOUT_S", 1)
+    try:
+        for compiler, message in (("/nonexistent/cc", "CC='/nonexistent/cc' is not an executable"),
+                                  (str(hanging), "took over 1 s")):  # fmt: skip
+            native._built_library.cache_clear()
+            caplog.clear()
+            with cgx2.config.tuned(cache_dir=str(tmp_path / "cache"), c_compiler=compiler):
+                with caplog.at_level(logging.WARNING, logger="cgx2"):
+                    assert native.library() is None
+            assert message in caplog.text
     finally:
         native._built_library.cache_clear()
 

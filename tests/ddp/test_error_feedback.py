@@ -435,3 +435,21 @@ def test_error_feedback_with_adaptive_widths_or_raw_tails(dist2, options, env):
     for n in a["kept"]:
         assert max(float(a["kept"][n].abs().max()), float(b["kept"][n].abs().max())) > 0, n
     assert bool(a["plans"]) == ("adaptive_bits" in options)
+
+
+def _load_the_other_ranks_residuals() -> str:
+    state = ErrorFeedback().state_dict()
+    assert state["rank"] == dist.get_rank()
+    state["rank"] = 1 - dist.get_rank()  # as if every rank loaded rank 0's file
+    try:
+        ErrorFeedback().load_state_dict(state)
+    except ValueError as e:
+        return str(e)
+    return "loaded"
+
+
+def test_residuals_are_refused_on_another_rank(dist2):
+    """Residuals differ from rank to rank: resuming every rank from one rank's file would
+    quietly feed the wrong errors back, so loading them on another rank is an error."""
+    for rank, message in enumerate(dist2.run(_load_the_other_ranks_residuals)):
+        assert f"rank {1 - rank}'s, loaded on rank {rank}" in message
