@@ -66,6 +66,14 @@ def _bool(env: Mapping[str, str], var: str, default: bool) -> bool:
     raise ValueError(f"{var}={raw!r} is invalid: expected 0/1, true/false, yes/no or on/off")
 
 
+def _auto_bool(env: Mapping[str, str], var: str) -> bool | None:
+    """:func:`_bool`, or None where the variable is unset or ``auto``."""
+    raw = env.get(var)
+    if raw is None or raw.strip().lower() in ("", "auto"):
+        return None
+    return _bool(env, var, False)
+
+
 def _choice(env: Mapping[str, str], var: str, default: str, allowed: tuple[str, ...]) -> str:
     raw = env.get(var)
     if raw is None or raw.strip() == "":
@@ -215,6 +223,11 @@ class TuningConfig:
       None takes the regime's (:mod:`cgx2.collectives.policy`).
     - ``pair_gather`` (``CGX2_PAIR_GATHER``, 1): two ranks swap their chunks by all-gather
       rather than all-to-all, outside NVLink.
+    - ``check_agreement`` (``CGX2_CHECK_AGREEMENT``, ``auto``): before each call of
+      ``quantized_allreduce`` and of the ``cgx`` backend's allreduce, the ranks share its
+      size, dtype and arguments and raise if they differ (:mod:`cgx2.collectives.agreement`);
+      None (``auto``) checks except for CUDA tensors on NCCL, where reading the answer would
+      stall the GPU's queue.
     - ``comm_worker`` (``CGX2_COMM_WORKER``, 1): DDP's hooks run collectives that would block
       autograd's thread (gloo's) on a worker thread per group (:mod:`cgx2.comm.worker`); 0
       runs them in the hook, as torch's own hooks do.
@@ -231,6 +244,7 @@ class TuningConfig:
     cuda_graphs: bool = False
     pipeline_bytes: int | None = None
     pair_gather: bool = True
+    check_agreement: bool | None = None
     comm_worker: bool = True
     calibration_file: str = ""
     direct_launch: bool = True
@@ -266,6 +280,7 @@ class TuningConfig:
             cuda_graphs=_bool(env, "CGX2_CUDA_GRAPHS", False),
             pipeline_bytes=pipeline_bytes,
             pair_gather=_bool(env, "CGX2_PAIR_GATHER", True),
+            check_agreement=_auto_bool(env, "CGX2_CHECK_AGREEMENT"),
             comm_worker=_bool(env, "CGX2_COMM_WORKER", True),
             calibration_file=env.get("CGX2_CALIBRATION_FILE", "").strip(),
             direct_launch=_bool(env, "CGX2_DIRECT_LAUNCH", True),

@@ -19,7 +19,7 @@ from torch.distributed import PrefixStore
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..checks import UNCOMPRESSED_BITS
-from ..collectives import policy
+from ..collectives import agreement, policy
 from ..collectives.fusion import allreduce_fused_, fusion_batches, padded_numel, ring_bytes_sent
 from ..collectives.hierarchical import hierarchical_allreduce_fused_, node_mesh
 from ..comm import CompletedWork
@@ -126,12 +126,19 @@ class CGXProcessGroup(dist.ProcessGroup):
         opts = dist.AllreduceOptions() if opts is None else opts
         op = _reduce_op_name(opts.reduceOp)
         bits, bucket_size = compression_from_env()
-        if len(tensors) == 1 and self._compressible(tensors[0], op, bits):
-            t = tensors[0]
-            if policy.compresses(t, self, bits, bucket_size, padded_numel(t.numel(), bucket_size)):
-                with self._side_stream(tensors):
-                    self._compress(tensors, bits, bucket_size, op)
-                    return CompletedWork(tensors)
+        if len(tensors) != 1:
+            return self._delegate(tensors, opts.reduceOp)
+        t = tensors[0]
+        route = policy.route(t, self, bits, bucket_size, padded_numel(t.numel(), bucket_size))
+        compress = self._compressible(t, op, bits) and route.compress
+        if route.check:  # before either path: ranks that disagree would take different ones
+            fields = {"reduce_op": op, "bits": bits, "bucket_size": bucket_size,
+                      "minimal_size": self.config.minimal_size, "compressed": compress}  # fmt: skip
+            agreement.check(self, "all_reduce on the cgx backend", t, fields)
+        if compress:
+            with self._side_stream(tensors):
+                self._compress(tensors, bits, bucket_size, op)
+                return CompletedWork(tensors)
         return self._delegate(tensors, opts.reduceOp)
 
     def allreduce_coalesced(

@@ -100,6 +100,7 @@ class Route:
     - ``graphs``: replay the pipeline as a CUDA graph (NCCL groups, CUDA tensors, Triton).
     - ``gather_in_place``: encode each reduced chunk straight into its slot of the gather's
       output (NCCL gathers in place: one allocation and copy fewer).
+    - ``check``: first make sure every rank called it alike (:mod:`.agreement`).
     - ``transport``: what moves the bytes (a :class:`cgx2.comm.Transport`): today the
       process group's collectives.
     """
@@ -110,6 +111,7 @@ class Route:
     piece_numel: int
     graphs: bool
     gather_in_place: bool
+    check: bool = False
     transport: ModuleType = process_group
 
 
@@ -381,7 +383,10 @@ def _routes(t: torch.Tensor, group: dist.ProcessGroup, bucket_size: int) -> _Rou
     pair = uses_pair_gather(info.size, where)
     pieces = piece_numel(t.element_size(), info.size, bucket_size, where, pair)
     nccl_cuda = t.is_cuda and info.cuda_on_nccl
-    compressed = Route(True, where, pair, pieces, False, nccl_cuda)
+    check = config.tuning().check_agreement
+    if check is None:  # reading the ranks' answer would stall NCCL's queue on the GPU
+        check = not nccl_cuda
+    compressed = Route(True, where, pair, pieces, False, nccl_cuda, check and info.size > 1)
     return _Routes(
         plain=dataclasses.replace(compressed, compress=False),
         compressed=compressed,

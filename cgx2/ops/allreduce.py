@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from .. import collectives
 from ..checks import check_bits, check_bucket_size, check_float_tensor, check_reduce_op
+from ..collectives import agreement, policy
 from ..seeding import SEEDED_OP_TAGS
 
 __all__ = ["quantized_allreduce", "quantized_allreduce_", "resolve_group"]
@@ -39,6 +40,18 @@ def _check(t: torch.Tensor, bits: int, bucket_size: int, reduce_op: object,
     return check_reduce_op(reduce_op, op_name)
 
 
+def _agree(t: torch.Tensor, bits: int, bucket_size: int, group: dist.ProcessGroup,
+           reduce_op: str, skip_incomplete: bool) -> None:  # fmt: skip
+    """Where the policy says so, make sure every rank called alike (:mod:`cgx2.collectives.
+    agreement`): once per user call, here at the entry. DDP's and FSDP's hooks call the
+    collectives directly: their wrappers make every rank's buckets alike."""
+    route = policy.route(t, group, bits, bucket_size)
+    if route.check:
+        fields = {"bits": bits, "bucket_size": bucket_size, "reduce_op": reduce_op,
+                  "skip_incomplete": skip_incomplete, "compressed": route.compress}  # fmt: skip
+        agreement.check(group, "quantized_allreduce", t, fields)
+
+
 @torch.library.custom_op("cgx::quantized_allreduce", mutates_args=(), tags=SEEDED_OP_TAGS)
 def _quantized_allreduce_op(
     input: torch.Tensor,
@@ -50,7 +63,9 @@ def _quantized_allreduce_op(
     skip_incomplete: bool = False,
 ) -> torch.Tensor:
     reduce_op = _check(input, bits, bucket_size, reduce_op)
-    return collectives.allreduce(input, bits, bucket_size, resolve_group(group_name), reduce_op,
+    group = resolve_group(group_name)
+    _agree(input, bits, bucket_size, group, reduce_op, skip_incomplete)
+    return collectives.allreduce(input, bits, bucket_size, group, reduce_op,
                                  None if seed < 0 else seed, skip_incomplete)  # fmt: skip
 
 
@@ -90,7 +105,9 @@ def _quantized_allreduce_inplace_op(
     skip_incomplete: bool = False,
 ) -> None:
     reduce_op = _check(input, bits, bucket_size, reduce_op)
-    collectives.allreduce_(input, bits, bucket_size, resolve_group(group_name), reduce_op,
+    group = resolve_group(group_name)
+    _agree(input, bits, bucket_size, group, reduce_op, skip_incomplete)
+    collectives.allreduce_(input, bits, bucket_size, group, reduce_op,
                            None if seed < 0 else seed, skip_incomplete)  # fmt: skip
 
 
@@ -129,8 +146,9 @@ def quantized_allreduce(
             tensor, bits, bucket_size, "" if group is None else group.group_name, reduce_op,
             -1 if seed is None else seed, skip_incomplete,
         )  # fmt: skip
-    return collectives.allreduce(tensor, bits, bucket_size,
-                                 dist.group.WORLD if group is None else group, reduce_op, seed,
+    group = dist.group.WORLD if group is None else group
+    _agree(tensor, bits, bucket_size, group, reduce_op, skip_incomplete)
+    return collectives.allreduce(tensor, bits, bucket_size, group, reduce_op, seed,
                                  skip_incomplete)  # fmt: skip
 
 
@@ -160,6 +178,7 @@ def quantized_allreduce_(
             "quantized_allreduce_ writes into a tensor that requires grad, and has no gradient: "
             "use quantized_allreduce (differentiable), or call it under torch.no_grad()"
         )
-    return collectives.allreduce_(tensor, bits, bucket_size,
-                                  dist.group.WORLD if group is None else group, reduce_op, seed,
+    group = dist.group.WORLD if group is None else group
+    _agree(tensor, bits, bucket_size, group, reduce_op, skip_incomplete)
+    return collectives.allreduce_(tensor, bits, bucket_size, group, reduce_op, seed,
                                   skip_incomplete)  # fmt: skip

@@ -1,0 +1,92 @@
+"""Ranks that call a collective differently get a clear error on every rank, naming what
+differs, instead of wrong values or a hang."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import cgx2
+from cgx2.collectives.agreement import DisagreementError
+
+
+def _disagree(kind: str) -> str:
+    rank = dist.get_rank()
+    numel, bits, dtype, op = 1024, 4, torch.float32, "sum"
+    if kind == "numel":  # 2 buckets of 512 either way: payloads of equal size
+        numel = 1024 if rank == 0 else 1000
+    elif kind == "bits":  # the plain allreduce on one rank, the quantized one on the other
+        bits = 4 if rank == 0 else 32
+    elif kind == "dtype":
+        dtype = torch.float32 if rank == 0 else torch.bfloat16
+    elif kind == "op":
+        op = "sum" if rank == 0 else "avg"
+    x = torch.ones(numel, dtype=dtype)
+    try:
+        cgx2.quantized_allreduce(x, bits, op=op)
+    except DisagreementError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    ("kind", "expected"),
+    [
+        ("numel", "numel=[rank 0: 1024, rank 1: 1000]"),
+        ("bits", "bits=[rank 0: 4, rank 1: 32]"),
+        ("dtype", "dtype=[rank 0: float32, rank 1: bfloat16]"),
+        ("op", "reduce_op=[rank 0: sum, rank 1: avg]"),
+    ],
+)
+def test_ranks_that_disagree_all_raise_naming_the_difference(dist2, kind, expected):
+    messages = dist2.run(_disagree, kind)
+    for rank, message in enumerate(messages):
+        assert expected in message, message
+        assert f"(this rank {rank}:" in message
+
+
+def test_agreeing_ranks_go_on_after_a_disagreement(dist2):
+    """The failed call left nothing half-sent: the next call works."""
+    dist2.run(_disagree, "numel")
+    results = dist2.run(_agree)
+    assert torch.equal(results[0], results[1])
+
+
+def _agree() -> torch.Tensor:
+    return cgx2.quantized_allreduce(torch.arange(2048, dtype=torch.float32), 4)
+
+
+def _backend_minimal_size_differs() -> str:
+    rank = dist.get_rank()
+    os.environ["CGX_COMPRESSION_QUANTIZATION_BITS"] = "4"
+    os.environ["CGX_COMPRESSION_MINIMAL_SIZE"] = "16" if rank == 0 else "100000"
+    group = dist.new_group(backend="cgx")  # reads the variables
+    try:
+        dist.all_reduce(torch.ones(4096), group=group)
+    except DisagreementError as e:
+        return str(e)
+    finally:
+        del os.environ["CGX_COMPRESSION_QUANTIZATION_BITS"]
+        del os.environ["CGX_COMPRESSION_MINIMAL_SIZE"]
+        dist.destroy_process_group(group)
+    return "no error"
+
+
+def test_the_cgx_backend_names_a_minimal_size_that_differs(dist2):
+    for message in dist2.run(_backend_minimal_size_differs):
+        assert "minimal_size=[rank 0: 16, rank 1: 100000]" in message, message
+
+
+def test_turned_off_nothing_is_checked(dist2):
+    assert dist2.run(_unchecked) == [0, 0]
+
+
+def _unchecked() -> int:
+    from unittest import mock
+
+    from cgx2.collectives import agreement
+
+    with cgx2.config.tuned(check_agreement=False), mock.patch.object(agreement, "check") as check:
+        cgx2.quantized_allreduce(torch.ones(4096), 4)
+    return check.call_count
