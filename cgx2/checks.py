@@ -30,12 +30,21 @@ def check_bits(bits: object, name: str = "bits") -> int:
     return bits
 
 
+MAX_BUCKET_SIZE = 1 << 20
+"""The largest quantization bucket: tensors are padded to whole buckets, so memory follows the
+bucket size; past a million values a bucket saves no metadata worth having."""
+
+
 def check_bucket_size(bucket_size: object, name: str = "bucket_size") -> int:
-    """Return ``bucket_size`` if it is an int in 1..2**31-1, else raise naming it."""
+    """Return ``bucket_size`` if it is an int in 1..:data:`MAX_BUCKET_SIZE`, else raise naming
+    it."""
     if isinstance(bucket_size, bool) or not isinstance(bucket_size, int):
         raise TypeError(f"{name} must be a positive int, got {type(bucket_size).__name__}")
-    if not 0 < bucket_size < 2**31:
-        raise ValueError(f"{name} must be in 1..2**31-1, got {bucket_size}")
+    if not 0 < bucket_size <= MAX_BUCKET_SIZE:
+        raise ValueError(
+            f"{name} must be in 1..{MAX_BUCKET_SIZE} (values a bucket; tensors are padded to "
+            f"whole buckets), got {bucket_size}"
+        )
     return bucket_size
 
 

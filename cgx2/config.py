@@ -13,7 +13,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checks import UNCOMPRESSED_BITS, check_bits, check_bucket_size
+from .checks import MAX_BUCKET_SIZE, UNCOMPRESSED_BITS, check_bits, check_bucket_size
 
 __all__ = [
     "CGXConfig",
@@ -166,7 +166,7 @@ def compression_from_env(environ: Mapping[str, str] | None = None) -> tuple[int,
         raise ValueError(
             f"CGX_COMPRESSION_QUANTIZATION_BITS={raw!r} is out of range: expected {bits_allowed}"
         )
-    return bits, _int(env, "CGX_COMPRESSION_BUCKET_SIZE", 512, 1, 2**31 - 1)
+    return bits, _int(env, "CGX_COMPRESSION_BUCKET_SIZE", 512, 1, MAX_BUCKET_SIZE)
 
 
 def env_quantization_bits(default: int, environ: Mapping[str, str] | None = None) -> int:

@@ -332,6 +332,7 @@ def test_compile_fullgraph_matches_eager(dist2):
         ({"bits": 9}, ValueError, "bits"),
         ({"bits": 33}, ValueError, "bits"),
         ({"bucket_size": 0}, ValueError, "bucket_size"),
+        ({"bucket_size": 2**31 - 1}, ValueError, r"bucket_size must be in 1\.\.1048576"),
         ({"op": dist.ReduceOp.MAX}, ValueError, "op"),
         ({"op": "product"}, ValueError, "op"),
     ],
