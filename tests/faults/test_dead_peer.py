@@ -1,0 +1,94 @@
+"""A peer that dies or stops in the middle of a collective: the survivor raises, within the
+group's timeout, in the op, in DDP's backward (the hook's worker thread included) and in the
+``cgx`` backend; it never hangs."""
+
+import datetime
+import os
+import signal
+import socket
+import time
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+TIMEOUT_S = 5  # the group's
+SCENARIOS = ["op", "hook", "backend"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _collective(scenario: str) -> None:
+    """One call of ``scenario``'s entry point, as a user makes it."""
+    import cgx2
+    from cgx2.ddp import CGXState, cgx_hook
+
+    if scenario == "op":
+        cgx2.quantized_allreduce(torch.randn(1 << 16), 4)
+    elif scenario == "hook":
+        torch.manual_seed(0)
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(256, 256))
+        model.register_comm_hook(CGXState(None, 16, {"bits": 4}, start_iter=0), cgx_hook)
+        model(torch.randn(8, 256)).sum().backward()
+    else:
+        os.environ["CGX_COMPRESSION_QUANTIZATION_BITS"] = "4"
+        group = dist.new_group(backend="cgx", timeout=datetime.timedelta(seconds=TIMEOUT_S))
+        dist.all_reduce(torch.randn(1 << 16), group=group)
+
+
+def _rank(rank: int, port: int, scenario: str, fault: str, results) -> None:
+    torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=TIMEOUT_S)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timeout)  # fmt: skip
+    from cgx2.comm import process_group
+
+    _collective(scenario)  # both alive: it works
+    dist.barrier()
+    if rank == 1:
+        # Die (or stop) inside the collective: after its first exchange, before the next.
+        original = process_group.wait
+
+        def wait_then_fail(work):
+            original(work)
+            os.kill(os.getpid(), signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
+
+        with mock.patch.object(process_group, "wait", wait_then_fail):
+            _collective(scenario)
+        return
+    start = time.monotonic()
+    try:
+        _collective(scenario)
+        outcome = "no error"
+    except Exception as e:  # what a user's script would see
+        outcome = f"{type(e).__name__}: {e}"
+    results.put((outcome, time.monotonic() - start))
+    results.close()
+    results.join_thread()  # delivered before the exit below
+    os._exit(0)  # the peer is gone: do not wait on it at exit
+
+
+@pytest.mark.parametrize("fault", ["killed", "stopped"])
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_the_survivor_raises_within_the_timeout(scenario, fault):
+    ctx = mp.get_context("spawn")
+    results, port = ctx.Queue(), _free_port()
+    procs = [ctx.Process(target=_rank, args=(r, port, scenario, fault, results))
+             for r in range(2)]  # fmt: skip
+    for p in procs:
+        p.start()
+    try:
+        outcome, seconds = results.get(timeout=TIMEOUT_S + 90)  # startup included
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(30)
+    assert outcome != "no error"
+    assert seconds < TIMEOUT_S + 15, (outcome, seconds)
