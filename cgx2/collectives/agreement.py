@@ -40,7 +40,13 @@ def check(group: dist.ProcessGroup, operation: str, t: torch.Tensor,
     device = t.device if t.is_cuda and dist.get_backend(group) == "nccl" else torch.device("cpu")
     world = dist.get_world_size(group)
     gathered = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
-    all_gather_single(gathered, mine.to(device), group=group)
+    try:
+        all_gather_single(gathered, mine.to(device), group=group)
+    except RuntimeError as e:  # a peer died or stalled before the call
+        raise RuntimeError(
+            f"cgx2: the ranks of {operation} could not compare their arguments (this is rank "
+            f"{dist.get_rank(group)}): {e}"
+        ) from e
     rows = gathered.view(world, -1).tolist()
     if all(row == rows[0] for row in rows):
         return

@@ -145,13 +145,23 @@ def _pipeline(run: _Run, flat: torch.Tensor, out: torch.Tensor,
             for piece, s in zip(pieces, starts, strict=True):
                 piece.error = _part(error, s, step)
     # A two-deep software pipeline: scatter piece i, reduce piece i-1, finish piece i-2.
-    for i in range(len(pieces) + 2):
-        if i < len(pieces):
-            pieces[i].scatter()
-        if 0 <= i - 1 < len(pieces):
-            pieces[i - 1].reduce()
-        if 0 <= i - 2 < len(pieces):
-            pieces[i - 2].finish()
+    stage = "sending its chunks"
+    try:
+        for i in range(len(pieces) + 2):
+            if i < len(pieces):
+                stage = "sending its chunks"
+                pieces[i].scatter()
+            if 0 <= i - 1 < len(pieces):
+                stage = "receiving the chunks it owns"  # reduce() waits for them first
+                pieces[i - 1].reduce()
+            if 0 <= i - 2 < len(pieces):
+                stage = "gathering the reduced chunks"
+                pieces[i - 2].finish()
+    except RuntimeError as e:  # a transport's error (a peer died or stalled): say where
+        raise RuntimeError(
+            f"cgx2: the quantized allreduce of {flat.numel()} values over {run.world} ranks "
+            f"(this is rank {run.rank}) failed {stage}: {e}"
+        ) from e
 
 
 def _part(t: torch.Tensor, start: int, length: int) -> torch.Tensor:

@@ -92,3 +92,5 @@ def test_the_survivor_raises_within_the_timeout(scenario, fault):
             p.join(30)
     assert outcome != "no error"
     assert seconds < TIMEOUT_S + 15, (outcome, seconds)
+    # The collective says what failed: the quantized allreduce, its size, this rank.
+    assert "cgx2: the quantized allreduce of" in outcome and "this is rank 0" in outcome, outcome
