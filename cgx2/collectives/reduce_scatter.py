@@ -124,8 +124,14 @@ def reduce_scatter(
         # On the caller's stream: nothing runs beside the exchange, so an asynchronous one
         # would only add NCCL's stream switch and events (tens of microseconds a call).
         transport = route.transport
-        transport.wait(exchange(recv, send, group, world, rank, route.pair_gather, False,
-                                transport))  # fmt: skip
+        try:
+            transport.wait(exchange(recv, send, group, world, rank, route.pair_gather, False,
+                                    transport))  # fmt: skip
+        except RuntimeError as e:  # a transport's error (a peer died or stalled): say where
+            raise RuntimeError(
+                f"cgx2: the quantized reduce-scatter of {input.numel()} values over {world} "
+                f"ranks (this is rank {rank}) failed exchanging its chunks: {e}"
+            ) from e
         reduced, col = [], 0
         for (b, _), width, part, layout in zip(groups, plan.widths, parts, layouts, strict=True):
             payloads = recv[:, col : col + layout.payload_nbytes]
