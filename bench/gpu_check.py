@@ -113,7 +113,7 @@ class Case:
     bucket: int
     skip: bool = False
     ops: tuple[str, ...] = FULL_OPS
-    data: str = "randn"  # or "edge": constant, +-inf, NaN, +-3e38, subnormal, zero, 1e34 buckets
+    data: str = "randn"  # or "edge": constant, +-inf, NaN, +-3e38, subnormal, 1e-38, zero, 1e34
     key: int = KEY
 
     @property
@@ -199,6 +199,7 @@ def make_input(
         lambda s: s.__setitem__(0, float("-inf")),
         lambda s: s.copy_(torch.where(s > 0, 3e38, -3e38)),  # span overflows to inf
         lambda s: s.mul_(1e-40),  # subnormal
+        lambda s: s.mul_(1e-38),  # normal, too narrow a span for an fp32 scale at 8 bits
         lambda s: s.copy_(torch.where(s > 0, 0.0, -0.0)),
         lambda s: s.mul_(1e-3).add_(1e4),  # tiny span, large magnitude
         lambda s: s.mul_(1e34),  # finite span near fp32's top (step > 2**104)

@@ -3,7 +3,9 @@
 
 Per bucket of B values (computed in fp32): ``min``, ``max``, ``step = (max - min) / L`` with
 ``L = 2**bits - 1``, and ``scale = L / (max - min)`` rounded toward zero (0 when max == min),
-so that ``a = (v - min) * scale`` never exceeds L and needs no clamp. A value v gets level
+so that ``a = (v - min) * scale`` never exceeds L and needs no clamp (where L / (max - min)
+overflows fp32, ``a = ((v - min) * 2**64) * scale`` with ``scale = L / ((max - min) * 2**64)``:
+the power of two is exact, and the levels stay unbiased). A value v gets level
 ``floor(a + h * 2**-F)``, exactly (the sum is not rounded), where h is a 16-bit random
 integer from :mod:`.philox` and F = 16 (15 for 8 bits, h's top 15 bits: fp32 holds a < 256
 to 2**-15 only); it decodes to ``min + step * level``. Each operation is one IEEE fp32
@@ -91,8 +93,12 @@ def encode(
     lmax_t = torch.full_like(span, lmax)
     step = torch.where(finite, span / lmax_t, _NAN)
     lo = torch.where(finite, lo, _NAN)
-    scale = torch.where(finite & (span > 0), scale_toward_zero(lmax_t, span), 0.0)
-    a = torch.where(finite[:, None], (rows - lo[:, None]) * scale[:, None], 0.0)
+    # A span so small that lmax / span overflows fp32: the differences are scaled by 2**64
+    # first (exactly), else the scale would clamp at FLT_MAX and the levels lean to the min.
+    positive = finite & (span > 0)
+    pre = torch.where(positive & torch.isinf(lmax_t / span), 2.0**64, 1.0)
+    scale = torch.where(positive, scale_toward_zero(lmax_t, span * pre), 0.0)
+    a = torch.where(finite[:, None], ((rows - lo[:, None]) * pre[:, None]) * scale[:, None], 0.0)
     # a * 2**F < 2**23 is exact in fp32, and so are its floor and the integer sum.
     frac = random_fraction_bits(bits)
     h = bucket_halves(key, nq, bucket_size, stream, v.device) >> (16 - frac)

@@ -56,11 +56,11 @@ static float scale_toward_zero(float lmax, float span) {
 /* Value j of a group whose Philox words are c, in a finite bucket: its level,
  * floor((x - lo) * scale + h * 2**-frac) with h its 16-bit half (value 8g + 4i + 2k + h takes
  * half h of word 2k + i); a = (x - lo) * scale >= 0, so truncation is the floor. */
-static inline uint64_t level_of(const uint32_t c[4], int j, float x, float lo, float scale,
-                                int frac) {
+static inline uint64_t level_of(const uint32_t c[4], int j, float x, float lo, float pre,
+                                float scale, int frac) {
     uint32_t word = c[2 * ((j >> 1) & 1) + ((j >> 2) & 1)];
     int64_t h = (int64_t)((j & 1) ? word >> 16 : word & 0xFFFFu) >> (16 - frac);
-    float a = (x - lo) * scale;
+    float a = ((x - lo) * pre) * scale;
     return (uint64_t)(((int64_t)(a * (float)(1 << frac)) + h) >> frac);
 }
 
@@ -96,7 +96,9 @@ void cgx2_maxmin_encode(const float *rows, int64_t q_begin, int64_t q_end, int64
         hi = hi + 0.0f;
         float span = hi - lo;
         int finite = span < INFINITY;
-        float scale = finite && span > 0.0f ? scale_toward_zero(lmax, span) : 0.0f;
+        /* A span so small that lmax / span overflows: differences scaled by 2**64 first. */
+        float pre = finite && span > 0.0f && isinf(lmax / span) ? 0x1p64f : 1.0f;
+        float scale = finite && span > 0.0f ? scale_toward_zero(lmax, span * pre) : 0.0f;
         put_f32(meta + 8 * q, finite ? lo : nan_bits());
         put_f32(meta + 8 * q + 4, finite ? span / lmax : nan_bits());
         uint32_t w[4][GROUPS_AT_ONCE];
@@ -112,10 +114,10 @@ void cgx2_maxmin_encode(const float *rows, int64_t q_begin, int64_t q_end, int64
             const float *x = v + 8 * g;
             if (finite && 8 * g + 8 <= B && q * B + 8 * g + 8 <= covered) {
                 for (int j = 0; j < 8; j++) /* a whole group: no checks, unrolled */
-                    field |= level_of(c, j, x[j], lo, scale, frac) << (bits * j);
+                    field |= level_of(c, j, x[j], lo, pre, scale, frac) << (bits * j);
             } else if (finite) {
                 for (int j = 0; j < 8 && 8 * g + j < B && q * B + 8 * g + j < covered; j++)
-                    field |= level_of(c, j, x[j], lo, scale, frac) << (bits * j);
+                    field |= level_of(c, j, x[j], lo, pre, scale, frac) << (bits * j);
             }
             int64_t at = q * stride + g * bits;
             for (int b = 0; b < bits && at + b < levels_nbytes; b++)

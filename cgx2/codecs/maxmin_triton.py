@@ -359,8 +359,12 @@ def _params(lo, hi, BITS: tl.constexpr):
     span = hi - lo
     finite = span < float("inf")  # False for NaN, +-Inf, and a range beyond fp32
     step = tl.where(finite, tl.math.div_rn(span, lmax), nan)
-    scale = tl.where(finite & (span > 0), _div_toward_zero(lmax, span), 0.0)
-    return tl.where(finite, lo, nan), step, scale, finite
+    # A span so small that lmax / span overflows: differences are scaled by 2**64 first
+    # (exactly), else the scale would clamp and bias the levels (maxmin.encode).
+    tiny = finite & (span > 0) & (tl.math.div_rn(lmax, span) == float("inf"))
+    pre = tl.where(tiny, 18446744073709551616.0, 1.0)
+    scale = tl.where(finite & (span > 0), _div_toward_zero(lmax, span * pre), 0.0)
+    return tl.where(finite, lo, nan), step, scale, finite, pre
 
 
 @triton.jit
@@ -375,11 +379,11 @@ def _div_toward_zero(lmax, span):
 
 
 @triton.jit
-def _levels(v, valid, h, lo, scale, BITS: tl.constexpr):
+def _levels(v, valid, h, lo, scale, pre, BITS: tl.constexpr):
     """One half's levels (zero outside the data). The scale is rounded toward zero, so that
     no level needs a clamp; a non-finite bucket's are garbage, zeroed when packed."""
     lmax: tl.constexpr = (1 << BITS) - 1
-    a = (v - lo[:, None, None]) * scale[:, None, None]
+    a = ((v - lo[:, None, None]) * pre[:, None, None]) * scale[:, None, None]
     return tl.where(valid, _round_level(a, h, BITS) & lmax, 0)
 
 
@@ -392,6 +396,7 @@ def _quantize_store(
     valid1,
     lo,
     scale,
+    pre,
     finite,
     q,
     qmask,
@@ -407,8 +412,8 @@ def _quantize_store(
     FULL: tl.constexpr,
 ):
     h0, h1 = _random_halves(k0, k1, q, stream, c, BUCKETS, BLOCK)
-    l0 = _levels(v0, valid0, h0, lo, scale, BITS)
-    l1 = _levels(v1, valid1, h1, lo, scale, BITS)
+    l0 = _levels(v0, valid0, h0, lo, scale, pre, BITS)
+    l1 = _levels(v1, valid1, h1, lo, scale, pre, BITS)
     # A non-finite bucket's levels are zeroed a group at a time.
     _pack_store(ptr, l0, l1, finite, q, qmask, quant, c, BITS, B, BLOCK, FULL)
 
@@ -451,9 +456,9 @@ def _encode_loaded(
     """Encode buckets q (B <= BLOCK) from their loaded values."""
     qmask = q < nq
     lo, hi = _stats(v0, v1, valid0, valid1)
-    lo, step, scale, finite = _params(lo, hi, BITS)
+    lo, step, scale, finite, pre = _params(lo, hi, BITS)
     _quantize_store(
-        lev_ptr, v0, v1, valid0, valid1, lo, scale, finite, q, qmask, quant, 0, stream,
+        lev_ptr, v0, v1, valid0, valid1, lo, scale, pre, finite, q, qmask, quant, 0, stream,
         key0, key1, BITS, B, BUCKETS, BLOCK, FULL,
     )  # fmt: skip
     _store_meta(meta_ptr, q, qmask, lo, step)
@@ -486,11 +491,11 @@ def _encode_wide(
         t_lo, t_hi = _stats(v0, v1, valid0, valid1)
         lo = _min_with_nan(lo, t_lo)
         hi = tl.maximum(hi, t_hi)
-    lo, step, scale, finite = _params(lo, hi, BITS)
+    lo, step, scale, finite, pre = _params(lo, hi, BITS)
     for t in range(NUM_TILES):
         v0, v1, valid0, valid1 = _load_tile(x_ptr, q, qmask, quant, t * BLOCK, B, BLOCK, FULL)
         _quantize_store(
-            lev_ptr, v0, v1, valid0, valid1, lo, scale, finite, q, qmask, quant, t * BLOCK,
+            lev_ptr, v0, v1, valid0, valid1, lo, scale, pre, finite, q, qmask, quant, t * BLOCK,
             stream, key0, key1, BITS, B, BUCKETS, BLOCK, FULL,
         )  # fmt: skip
     _store_meta(meta_ptr, q, qmask, lo, step)
@@ -773,7 +778,7 @@ def _decode_sum_encode_wide(
         t_lo, t_hi = _stats(v0, v1, valid0, valid1)
         lo = _min_with_nan(lo, t_lo)
         hi = tl.maximum(hi, t_hi)
-    lo, step, scale_q, finite = _params(lo, hi, BITS)
+    lo, step, scale_q, finite, pre = _params(lo, hi, BITS)
     for t in range(NUM_TILES):
         own0, own1, fields, los, steps = _load_sum_inputs(
             in_u8, own_ptr, row_nbytes, own_index, q, qmask, quant, levels_at,
@@ -782,7 +787,8 @@ def _decode_sum_encode_wide(
         v0, v1 = _sum_loaded(own0, own1, fields, los, steps, scale, ROWS, BITS, HAS_SCALE)
         _, valid0, valid1 = _tile(q, qmask, quant, t * BLOCK, B, BLOCK, FULL)
         _quantize_store(
-            lev_ptr, v0, v1, valid0, valid1, lo, scale_q, finite, q, qmask, quant, t * BLOCK,
+            lev_ptr, v0, v1, valid0, valid1, lo, scale_q, pre, finite, q, qmask, quant,
+            t * BLOCK,
             stream, key0, key1, BITS, B, BUCKETS, BLOCK, FULL,
         )  # fmt: skip
     _store_meta(meta_ptr, q, qmask, lo, step)

@@ -136,6 +136,23 @@ def test_stochastic_rounding_is_unbiased(bits):
     assert abs(err.sum().item()) <= 6 * (sigma**2).sum().sqrt().item()
 
 
+@pytest.mark.parametrize(("bits", "top"), [(4, 5e-40), (8, 5e-37), (8, 1e-39), (2, 3e-38)])
+def test_a_bucket_too_narrow_for_an_fp32_scale_stays_unbiased(bits, top):
+    """Where (2**bits - 1) / range overflows fp32 (subnormal and tiny normal ranges), the
+    levels still average to the input: the differences are scaled by 2**64 first."""
+    n, copies = 512, 2048
+    x = torch.linspace(0, top, n)
+    y = maxmin.decode(maxmin.encode(x.repeat(copies), bits, n, key=3), n * copies, bits, n)
+    mean = y.view(copies, n).double().mean(0)
+    # What rounding a subnormal step costs: half fp32's smallest subnormal, times the level.
+    rounding = 2**bits * 1.5e-45
+    assert (y >= 0).all() and (y <= x.max() + rounding).all()
+    # Each mean is within a few of its standard errors (step / 2 / sqrt(copies)).
+    step = x.max().double() / (2**bits - 1)
+    slack = 6 * step / 2 / copies**0.5 + rounding
+    assert ((mean - x.double()).abs() <= slack).all(), (mean - x.double()).abs().max()
+
+
 @pytest.mark.parametrize("lmax", [1.0, 15.0, 255.0])
 def test_scale_is_the_largest_fp32_whose_product_with_the_span_stays_within_lmax(lmax):
     """So no level needs a clamp: (v - min) * scale <= span * scale <= lmax, rounding

@@ -86,7 +86,8 @@ def test_non_finite_buckets_match_reference(bad):
 def _edge(bucket: int, dtype: torch.dtype) -> torch.Tensor:
     """One bucket of each kind the kernels' shortcuts must get right, then ordinary ones: a
     constant, +-inf, NaN (in the second tile of a wide bucket too), a span that overflows, a
-    subnormal span (infinite scale: 0 * inf is NaN), signed zeros, a tiny span far from 0, a
+    subnormal span (infinite scale: 0 * inf is NaN), a normal one too narrow for an fp32
+    scale at 8 bits, signed zeros, a tiny span far from 0, a
     finite span near fp32's top."""
     specials = [
         lambda s: s.fill_(1.5),
@@ -95,6 +96,7 @@ def _edge(bucket: int, dtype: torch.dtype) -> torch.Tensor:
         lambda s: s.__setitem__(0, float("-inf")),
         lambda s: s.copy_(torch.where(s > 0, 3e38, -3e38)),
         lambda s: s.mul_(1e-40),
+        lambda s: s.mul_(1e-38),  # normal values, a span whose lmax / span overflows at 8 bits
         lambda s: s.copy_(torch.where(s > 0, 0.0, -0.0)),
         lambda s: s.mul_(1e-3).add_(1e4),
         lambda s: s.mul_(1e34),
