@@ -62,7 +62,7 @@ def test_mpirun_launch_needs_no_setup(tmp_path):
 @pytest.mark.parametrize("mode", ["backend", "hook"])
 def test_two_node_torchrun_on_one_machine(tmp_path, mode):
     """`torchrun --nnodes 2` started twice (c10d rendezvous on 127.0.0.1): the example trains
-    compressed across the two "nodes", one process each (the hook goes hierarchical)."""
+    compressed across the two "nodes", one process each (the flat allreduce crosses them)."""
     import socket
 
     with socket.socket() as s:
