@@ -43,7 +43,8 @@ def test_edge_inputs_give_their_documented_outcome(dist2):
     huge, want = out0["huge, one sign"], torch.full((1024,), 1e38) + torch.arange(1024.0) * 1e33
     assert huge.isfinite().all() and (huge - want).abs().max() < 2 * 1023e33 / 15  # two steps
     tiny = out0["subnormal"]
-    assert tiny.isfinite().all() and tiny.min() >= 0 and tiny.max() <= 1e-40
+    # Within the range, but for the rounding of a subnormal step (guarantees.md).
+    assert tiny.isfinite().all() and tiny.min() >= 0 and tiny.max() <= 1e-40 + 2**4 * 1.5e-45
 
 
 def _process_footprint() -> tuple[int, int, int]:
