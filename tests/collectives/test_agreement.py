@@ -13,7 +13,7 @@ from cgx2.collectives.agreement import DisagreementError
 
 def _disagree(kind: str) -> str:
     rank = dist.get_rank()
-    numel, bits, dtype, op = 1024, 4, torch.float32, "sum"
+    numel, bits, dtype, op, bucket_size = 1024, 4, torch.float32, "sum", 512
     if kind == "numel":  # 2 buckets of 512 either way: payloads of equal size
         numel = 1024 if rank == 0 else 1000
     elif kind == "bits":  # the plain allreduce on one rank, the quantized one on the other
@@ -22,9 +22,11 @@ def _disagree(kind: str) -> str:
         dtype = torch.float32 if rank == 0 else torch.bfloat16
     elif kind == "op":
         op = "sum" if rank == 0 else "avg"
+    elif kind == "bucket_size":  # 2 buckets of 512 or 4 of 256
+        bucket_size = 512 if rank == 0 else 256
     x = torch.ones(numel, dtype=dtype)
     try:
-        cgx2.quantized_allreduce(x, bits, op=op)
+        cgx2.quantized_allreduce(x, bits, op=op, bucket_size=bucket_size)
     except DisagreementError as e:
         return str(e)
     return "no error"
@@ -37,6 +39,7 @@ def _disagree(kind: str) -> str:
         ("bits", "bits=[rank 0: 4, rank 1: 32]"),
         ("dtype", "dtype=[rank 0: float32, rank 1: bfloat16]"),
         ("op", "reduce_op=[rank 0: sum, rank 1: avg]"),
+        ("bucket_size", "bucket_size=[rank 0: 512, rank 1: 256]"),
     ],
 )
 def test_ranks_that_disagree_all_raise_naming_the_difference(dist2, kind, expected):
