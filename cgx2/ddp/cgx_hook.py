@@ -300,9 +300,10 @@ def _reduce_parameter_grad_(state: CGXState, grad: torch.Tensor) -> None:
     traceable by compiled autograd (custom op and functional collective only)."""
     group = state.process_group if state.process_group is not None else dist.group.WORLD
     if state.bits != UNCOMPRESSED_BITS and grad.dim() > 1 and grad.numel() >= state.layer_min_size:
-        torch.ops.cgx.quantized_allreduce_(
-            grad, state.bits, state.bucket_size, group.group_name, "avg", -1, state.skip_incomplete
-        )
+        torch.ops.cgx.quantized_allreduce_(  # DDP gives every rank the same parameters
+            grad, state.bits, state.bucket_size, group.group_name, "avg", -1,
+            state.skip_incomplete, False,
+        )  # fmt: skip
     else:
         grad.copy_(funcol.all_reduce(grad / dist.get_world_size(group), "sum", group))
 

@@ -103,17 +103,21 @@ def _quantized_allreduce_inplace_op(
     reduce_op: str = "sum",
     seed: int = -1,
     skip_incomplete: bool = False,
+    check_agreement: bool = True,
 ) -> None:
+    # check_agreement False: for callers whose ranks agree by construction (DDP's per-parameter
+    # reducer under compiled autograd), one round trip a parameter fewer.
     reduce_op = _check(input, bits, bucket_size, reduce_op)
     group = resolve_group(group_name)
-    _agree(input, bits, bucket_size, group, reduce_op, skip_incomplete)
+    if check_agreement:
+        _agree(input, bits, bucket_size, group, reduce_op, skip_incomplete)
     collectives.allreduce_(input, bits, bucket_size, group, reduce_op,
                            None if seed < 0 else seed, skip_incomplete)  # fmt: skip
 
 
 @_quantized_allreduce_inplace_op.register_fake
 def _(input, bits, bucket_size=512, group_name="", reduce_op="sum", seed=-1,
-      skip_incomplete=False):  # fmt: skip
+      skip_incomplete=False, check_agreement=True):  # fmt: skip
     _check(input, bits, bucket_size, reduce_op)
 
 
