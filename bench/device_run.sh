@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # One device call: check the kernels (max-min and exponential; max-min past 2**31 values too),
+# CUDA tensors on gloo (two ranks on GPU 0: the allreduce, the DDP hooks' worker thread),
 # the allreduce, the cgx backend (its hierarchical path too) and FSDP2 on the GPUs, time the
 # kernels, and, with several GPUs, benchmark the allreduce and a DDP training step in
 # DESIGN.md's three regimes (nvlink, shm, socket) and an FSDP2 step (socket). Raw results land
@@ -48,6 +49,10 @@ regime_vars() {
     socket) vars=(NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1) ;;
   esac
 }
+if [ -z "${SKIP_CHECKS:-}" ]; then  # two ranks on GPU 0 over gloo: CUDA tensors without NCCL
+  torchrun --nproc-per-node 2 bench/gpu_gloo_check.py 2>"$LOGS/gloo_check.err" | tail -n 12 \
+    || status=1
+fi
 if [ "$NGPU" -ge 2 ] && [ -z "${SKIP_CHECKS:-}" ]; then
   torchrun --nproc-per-node "$NGPU" bench/gpu_allreduce_check.py 2>"$LOGS/ar_check.err" \
     | tail -n 30 || status=1
