@@ -4,15 +4,17 @@
 Per bucket of B values (computed in fp32): ``min``, ``max``, ``step = (max - min) / L`` with
 ``L = 2**bits - 1``, and ``scale = L / (max - min)`` rounded toward zero (0 when max == min),
 so that ``a = (v - min) * scale`` never exceeds L and needs no clamp (where L / (max - min)
-overflows fp32, ``a = ((v - min) * 2**64) * scale`` with ``scale = L / ((max - min) * 2**64)``:
-the power of two is exact, and the levels stay unbiased). A value v gets level
-``floor(a + h * 2**-F)``, exactly (the sum is not rounded), where h is a 16-bit random
+overflows fp32, ``a = (v * 2**64 - min * 2**64) * scale`` with ``scale = L / (max * 2**64 -
+min * 2**64)``: products with a power of two are exact, and the levels stay unbiased). A value
+v gets level ``floor(a + h * 2**-F)``, exactly (the sum is not rounded), where h is a 16-bit random
 integer from :mod:`.philox` and F = 16 (15 for 8 bits, h's top 15 bits: fp32 holds a < 256
 to 2**-15 only); it decodes to ``min + step * level``. Each operation is one IEEE fp32
 operation (no fused multiply-add), so the Triton kernels reproduce the bytes exactly. A
 bucket holding NaN or +-Inf stores min = step = NaN (0x7FC00000) and decodes to NaN:
-non-finite input is never clipped into finite numbers (so does a bucket whose max - min
-overflows fp32). Zeros are stored as +0.0.
+non-finite input is never clipped into finite numbers. A bucket of finite values whose
+max - min overflows fp32 is coded at half scale: it stores min/2 and -(max/2 - min/2) / L, its
+levels come from ``a = (v/2 - min/2) * scale``, and it decodes to ``(min/2 + |step| * level)
+* 2``. Zeros are stored as +0.0.
 The byte layout is in :mod:`.layout`. Runs on any device; used on the CPU and in tests. On
 CPU tensors the per-bucket loops of encode and decode run as C (:mod:`.native`) where a
 compiler builds it; these torch lines stay the definition, which tests hold the C to.
@@ -88,24 +90,30 @@ def encode(
     lo = torch.where(torch.isnan(rows), -torch.inf, rows).amin(dim=1) + 0.0
     hi = rows.amax(dim=1) + 0.0
     span = hi - lo
-    finite = span < torch.inf
+    # Finite ends whose span overflows fp32 are coded at half scale, where it is finite; a
+    # negative step marks such a bucket. Any NaN or +-Inf value leaves the span non-finite.
+    halved = torch.isfinite(lo) & torch.isfinite(hi) & torch.isinf(span)
+    finite = (span < torch.inf) | halved
     # Tensor / tensor: CUDA divides by a Python scalar as a multiply by its reciprocal.
     lmax_t = torch.full_like(span, lmax)
-    step = torch.where(finite, span / lmax_t, _NAN)
-    lo = torch.where(finite, lo, _NAN)
     # A span so small that lmax / span overflows fp32: the differences are scaled by 2**64
     # first (exactly), else the scale would clamp at FLT_MAX and the levels lean to the min.
     positive = finite & (span > 0)
-    pre = torch.where(positive & torch.isinf(lmax_t / span), 2.0**64, 1.0)
-    scale = torch.where(positive, scale_toward_zero(lmax_t, span * pre), 0.0)
-    a = torch.where(finite[:, None], ((rows - lo[:, None]) * pre[:, None]) * scale[:, None], 0.0)
+    tiny = positive & ~halved & torch.isinf(lmax_t / span)
+    pre = torch.where(halved, 0.5, torch.where(tiny, 2.0**64, 1.0))
+    lo_p = lo * pre  # exact, as is every product with pre
+    span_p = hi * pre - lo_p
+    step = torch.where(halved, -(span_p / lmax_t), torch.where(finite, span / lmax_t, _NAN))
+    stored_lo = torch.where(halved, lo_p, torch.where(finite, lo, _NAN))
+    scale = torch.where(positive, scale_toward_zero(lmax_t, span_p), 0.0)
+    a = torch.where(finite[:, None], (rows * pre[:, None] - lo_p[:, None]) * scale[:, None], 0.0)
     # a * 2**F < 2**23 is exact in fp32, and so are its floor and the integer sum.
     frac = random_fraction_bits(bits)
     h = bucket_halves(key, nq, bucket_size, stream, v.device) >> (16 - frac)
     level = (torch.floor(a * 2.0**frac).to(torch.int64) + h) >> frac  # 0 where a is 0: h < 2**F
     if covered < nq * bucket_size:
         level.view(-1)[covered:] = 0
-    payload[: 8 * nq] = torch.stack([lo, step], dim=1).reshape(-1).view(torch.uint8)
+    payload[: 8 * nq] = torch.stack([stored_lo, step], dim=1).reshape(-1).view(torch.uint8)
     payload[levels_at : levels_at + nbytes] = pack_levels(level, bits).reshape(-1)[:nbytes]
     return payload
 
@@ -160,7 +168,9 @@ def _decode_values(
     packed = torch.zeros(nq * layout.bucket_stride, dtype=torch.uint8, device=payload.device)
     packed[: layout.levels_nbytes] = levels
     level = unpack_levels(packed.view(nq, -1), layout.bits, bsz).to(torch.float32)
-    values = meta[:, :1] + meta[:, 1:] * level
+    step = meta[:, 1:]
+    post = torch.where(step < 0, 2.0, 1.0)  # a half-scale bucket (see encode)
+    values = (meta[:, :1] + step.abs() * level) * post
     put(slice(None, covered), values.reshape(-1)[:covered])
     return out
 

@@ -56,11 +56,11 @@ static float scale_toward_zero(float lmax, float span) {
 /* Value j of a group whose Philox words are c, in a finite bucket: its level,
  * floor((x - lo) * scale + h * 2**-frac) with h its 16-bit half (value 8g + 4i + 2k + h takes
  * half h of word 2k + i); a = (x - lo) * scale >= 0, so truncation is the floor. */
-static inline uint64_t level_of(const uint32_t c[4], int j, float x, float lo, float pre,
+static inline uint64_t level_of(const uint32_t c[4], int j, float x, float lo_p, float pre,
                                 float scale, int frac) {
     uint32_t word = c[2 * ((j >> 1) & 1) + ((j >> 2) & 1)];
     int64_t h = (int64_t)((j & 1) ? word >> 16 : word & 0xFFFFu) >> (16 - frac);
-    float a = ((x - lo) * pre) * scale;
+    float a = (x * pre - lo_p) * scale;
     return (uint64_t)(((int64_t)(a * (float)(1 << frac)) + h) >> frac);
 }
 
@@ -95,12 +95,17 @@ void cgx2_maxmin_encode(const float *rows, int64_t q_begin, int64_t q_end, int64
         lo = lo + 0.0f; /* -0.0 becomes +0.0 */
         hi = hi + 0.0f;
         float span = hi - lo;
-        int finite = span < INFINITY;
+        /* Finite ends whose span overflows: half scale, flagged by a negative step. */
+        int halved = isfinite(lo) && isfinite(hi) && isinf(span);
+        int finite = span < INFINITY || halved;
+        int positive = finite && span > 0.0f;
         /* A span so small that lmax / span overflows: differences scaled by 2**64 first. */
-        float pre = finite && span > 0.0f && isinf(lmax / span) ? 0x1p64f : 1.0f;
-        float scale = finite && span > 0.0f ? scale_toward_zero(lmax, span * pre) : 0.0f;
-        put_f32(meta + 8 * q, finite ? lo : nan_bits());
-        put_f32(meta + 8 * q + 4, finite ? span / lmax : nan_bits());
+        int tiny = positive && !halved && isinf(lmax / span);
+        float pre = halved ? 0.5f : tiny ? 0x1p64f : 1.0f;
+        float lo_p = lo * pre, span_p = hi * pre - lo_p;
+        float scale = positive ? scale_toward_zero(lmax, span_p) : 0.0f;
+        put_f32(meta + 8 * q, halved ? lo_p : finite ? lo : nan_bits());
+        put_f32(meta + 8 * q + 4, halved ? -(span_p / lmax) : finite ? span / lmax : nan_bits());
         uint32_t w[4][GROUPS_AT_ONCE];
         for (int64_t g = 0; g < groups; g++) {
             int k = (int)(g % GROUPS_AT_ONCE);
@@ -114,10 +119,10 @@ void cgx2_maxmin_encode(const float *rows, int64_t q_begin, int64_t q_end, int64
             const float *x = v + 8 * g;
             if (finite && 8 * g + 8 <= B && q * B + 8 * g + 8 <= covered) {
                 for (int j = 0; j < 8; j++) /* a whole group: no checks, unrolled */
-                    field |= level_of(c, j, x[j], lo, pre, scale, frac) << (bits * j);
+                    field |= level_of(c, j, x[j], lo_p, pre, scale, frac) << (bits * j);
             } else if (finite) {
                 for (int j = 0; j < 8 && 8 * g + j < B && q * B + 8 * g + j < covered; j++)
-                    field |= level_of(c, j, x[j], lo, pre, scale, frac) << (bits * j);
+                    field |= level_of(c, j, x[j], lo_p, pre, scale, frac) << (bits * j);
             }
             int64_t at = q * stride + g * bits;
             for (int b = 0; b < bits && at + b < levels_nbytes; b++)
@@ -135,7 +140,8 @@ static uint16_t to_bf16(float x) {
 }
 
 /* Decode buckets [q_begin, q_end) (meta and levels as written above; bytes past
- * levels_nbytes read as zero) into out, values below covered: lo + step * level, in fp32,
+ * levels_nbytes read as zero) into out, values below covered: (lo + |step| * level) * post
+ * (post 2 where step < 0, a half-scale bucket, else 1), in fp32,
  * added to base[e] where base is not NULL (base == out accumulates: a row of a sum); with
  * out_bf16 (and no base), stored as bf16. */
 void cgx2_maxmin_decode(const float *meta, const uint8_t *levels, int64_t levels_nbytes,
@@ -146,7 +152,8 @@ void cgx2_maxmin_decode(const float *meta, const uint8_t *levels, int64_t levels
     const uint64_t mask = (1u << bits) - 1;
     const int64_t groups = (B + 7) / 8, stride = groups * bits;
     for (int64_t q = q_begin; q < q_end; q++) {
-        const float lo = meta[2 * q], step = meta[2 * q + 1];
+        const float lo = meta[2 * q], step = fabsf(meta[2 * q + 1]);
+        const float post = meta[2 * q + 1] < 0.0f ? 2.0f : 1.0f; /* a half-scale bucket */
         for (int64_t g = 0; g < groups; g++) {
             int64_t at = q * stride + g * bits;
             uint64_t field = 0;
@@ -156,7 +163,7 @@ void cgx2_maxmin_decode(const float *meta, const uint8_t *levels, int64_t levels
                 int64_t i = 8 * g + j, e = q * B + i;
                 if (i >= B || e >= covered) break;
                 float level = (float)((field >> (bits * j)) & mask);
-                float value = lo + step * level;
+                float value = (lo + step * level) * post;
                 if (out_bf16)
                     out16[e] = to_bf16(value);
                 else

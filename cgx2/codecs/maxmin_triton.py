@@ -357,14 +357,23 @@ def _params(lo, hi, BITS: tl.constexpr):
     lo = lo + 0.0  # signed zeros become +0.0, as in the reference
     hi = hi + 0.0
     span = hi - lo
-    finite = span < float("inf")  # False for NaN, +-Inf, and a range beyond fp32
-    step = tl.where(finite, tl.math.div_rn(span, lmax), nan)
+    inf = float("inf")
+    # Finite ends whose span overflows: half scale, flagged by a negative step; a NaN or
+    # +-Inf value leaves the span non-finite (maxmin.encode).
+    halved = (lo > -inf) & (lo < inf) & (hi > -inf) & (hi < inf) & (span == inf)
+    finite = (span < inf) | halved
+    positive = finite & (span > 0)
     # A span so small that lmax / span overflows: differences are scaled by 2**64 first
-    # (exactly), else the scale would clamp and bias the levels (maxmin.encode).
-    tiny = finite & (span > 0) & (tl.math.div_rn(lmax, span) == float("inf"))
-    pre = tl.where(tiny, 18446744073709551616.0, 1.0)
-    scale = tl.where(finite & (span > 0), _div_toward_zero(lmax, span * pre), 0.0)
-    return tl.where(finite, lo, nan), step, scale, finite, pre
+    # (exactly), else the scale would clamp and bias the levels.
+    tiny = positive & (tl.math.div_rn(lmax, span) == inf) & ~halved
+    pre = tl.where(halved, 0.5, tl.where(tiny, 18446744073709551616.0, 1.0))
+    lo_p = lo * pre
+    span_p = hi * pre - lo_p
+    step = tl.where(finite, tl.math.div_rn(span, lmax), nan)
+    step = tl.where(halved, -tl.math.div_rn(span_p, lmax), step)
+    scale = tl.where(positive, _div_toward_zero(lmax, span_p), 0.0)
+    stored_lo = tl.where(halved, lo_p, tl.where(finite, lo, nan))
+    return stored_lo, step, scale, finite, pre, lo_p
 
 
 @triton.jit
@@ -379,11 +388,11 @@ def _div_toward_zero(lmax, span):
 
 
 @triton.jit
-def _levels(v, valid, h, lo, scale, pre, BITS: tl.constexpr):
+def _levels(v, valid, h, lo_p, scale, pre, BITS: tl.constexpr):
     """One half's levels (zero outside the data). The scale is rounded toward zero, so that
     no level needs a clamp; a non-finite bucket's are garbage, zeroed when packed."""
     lmax: tl.constexpr = (1 << BITS) - 1
-    a = ((v - lo[:, None, None]) * pre[:, None, None]) * scale[:, None, None]
+    a = (v * pre[:, None, None] - lo_p[:, None, None]) * scale[:, None, None]
     return tl.where(valid, _round_level(a, h, BITS) & lmax, 0)
 
 
@@ -394,7 +403,7 @@ def _quantize_store(
     v1,
     valid0,
     valid1,
-    lo,
+    lo_p,
     scale,
     pre,
     finite,
@@ -412,8 +421,8 @@ def _quantize_store(
     FULL: tl.constexpr,
 ):
     h0, h1 = _random_halves(k0, k1, q, stream, c, BUCKETS, BLOCK)
-    l0 = _levels(v0, valid0, h0, lo, scale, pre, BITS)
-    l1 = _levels(v1, valid1, h1, lo, scale, pre, BITS)
+    l0 = _levels(v0, valid0, h0, lo_p, scale, pre, BITS)
+    l1 = _levels(v1, valid1, h1, lo_p, scale, pre, BITS)
     # A non-finite bucket's levels are zeroed a group at a time.
     _pack_store(ptr, l0, l1, finite, q, qmask, quant, c, BITS, B, BLOCK, FULL)
 
@@ -456,9 +465,9 @@ def _encode_loaded(
     """Encode buckets q (B <= BLOCK) from their loaded values."""
     qmask = q < nq
     lo, hi = _stats(v0, v1, valid0, valid1)
-    lo, step, scale, finite, pre = _params(lo, hi, BITS)
+    lo, step, scale, finite, pre, lo_p = _params(lo, hi, BITS)
     _quantize_store(
-        lev_ptr, v0, v1, valid0, valid1, lo, scale, pre, finite, q, qmask, quant, 0, stream,
+        lev_ptr, v0, v1, valid0, valid1, lo_p, scale, pre, finite, q, qmask, quant, 0, stream,
         key0, key1, BITS, B, BUCKETS, BLOCK, FULL,
     )  # fmt: skip
     _store_meta(meta_ptr, q, qmask, lo, step)
@@ -491,11 +500,12 @@ def _encode_wide(
         t_lo, t_hi = _stats(v0, v1, valid0, valid1)
         lo = _min_with_nan(lo, t_lo)
         hi = tl.maximum(hi, t_hi)
-    lo, step, scale, finite, pre = _params(lo, hi, BITS)
+    lo, step, scale, finite, pre, lo_p = _params(lo, hi, BITS)
     for t in range(NUM_TILES):
         v0, v1, valid0, valid1 = _load_tile(x_ptr, q, qmask, quant, t * BLOCK, B, BLOCK, FULL)
         _quantize_store(
-            lev_ptr, v0, v1, valid0, valid1, lo, scale, pre, finite, q, qmask, quant, t * BLOCK,
+            lev_ptr, v0, v1, valid0, valid1, lo_p, scale, pre, finite, q, qmask, quant,
+            t * BLOCK,
             stream, key0, key1, BITS, B, BUCKETS, BLOCK, FULL,
         )  # fmt: skip
     _store_meta(meta_ptr, q, qmask, lo, step)
@@ -590,15 +600,17 @@ def _decode_tiles(
 ):
     qmask = q < nq
     lo = tl.load(meta_ptr + 2 * q, mask=qmask, other=0.0)[:, None, None]
-    step = tl.load(meta_ptr + 2 * q + 1, mask=qmask, other=0.0)[:, None, None]
+    signed_step = tl.load(meta_ptr + 2 * q + 1, mask=qmask, other=0.0)[:, None, None]
+    step = tl.abs(signed_step)
+    post = tl.where(signed_step < 0, 2.0, 1.0)  # a half-scale bucket
     NUM_TILES: tl.constexpr = (B + BLOCK - 1) // BLOCK
     for t in tl.static_range(NUM_TILES):
         c = t * BLOCK
         fields = _load_fields(lev_ptr, q, qmask, quant, c, BITS, B, BLOCK, FULL, False)
         l0, l1 = _unpack(fields, BITS)
         e, valid0, valid1 = _tile(q, qmask, quant, c, B, BLOCK, FULL)
-        v0 = lo + step * l0
-        v1 = lo + step * l1
+        v0 = (lo + step * l0) * post
+        v1 = (lo + step * l1) * post
         if OUT_BF16:
             v0 = _to_bf16(v0)
             v1 = _to_bf16(v1)
@@ -726,9 +738,10 @@ def _sum_loaded(
     for r in tl.static_range(ROWS):
         l0, l1 = _unpack(fields[r], BITS)
         lo = los[r][:, None, None]
-        step = steps[r][:, None, None]
-        acc0 = acc0 + (lo + step * l0)
-        acc1 = acc1 + (lo + step * l1)
+        step = tl.abs(steps[r])[:, None, None]
+        post = tl.where(steps[r] < 0, 2.0, 1.0)[:, None, None]  # a half-scale bucket
+        acc0 = acc0 + (lo + step * l0) * post
+        acc1 = acc1 + (lo + step * l1) * post
     if HAS_SCALE:
         acc0 = acc0 * scale
         acc1 = acc1 * scale
@@ -778,7 +791,7 @@ def _decode_sum_encode_wide(
         t_lo, t_hi = _stats(v0, v1, valid0, valid1)
         lo = _min_with_nan(lo, t_lo)
         hi = tl.maximum(hi, t_hi)
-    lo, step, scale_q, finite, pre = _params(lo, hi, BITS)
+    lo, step, scale_q, finite, pre, lo_p = _params(lo, hi, BITS)
     for t in range(NUM_TILES):
         own0, own1, fields, los, steps = _load_sum_inputs(
             in_u8, own_ptr, row_nbytes, own_index, q, qmask, quant, levels_at,
@@ -787,7 +800,7 @@ def _decode_sum_encode_wide(
         v0, v1 = _sum_loaded(own0, own1, fields, los, steps, scale, ROWS, BITS, HAS_SCALE)
         _, valid0, valid1 = _tile(q, qmask, quant, t * BLOCK, B, BLOCK, FULL)
         _quantize_store(
-            lev_ptr, v0, v1, valid0, valid1, lo, scale_q, pre, finite, q, qmask, quant,
+            lev_ptr, v0, v1, valid0, valid1, lo_p, scale_q, pre, finite, q, qmask, quant,
             t * BLOCK,
             stream, key0, key1, BITS, B, BUCKETS, BLOCK, FULL,
         )  # fmt: skip

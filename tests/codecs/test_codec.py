@@ -214,6 +214,23 @@ def test_non_finite_value_makes_its_bucket_nan_and_leaves_others_alone(bad):
     assert torch.isfinite(y[:512]).all() and torch.isfinite(y[1024:]).all()
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_a_finite_bucket_whose_range_overflows_fp32_decodes_finite_and_unbiased(bits):
+    """max - min past FLT_MAX (values near both ends of fp32): coded at half scale, flagged by
+    a negative step; finite, within one (full-scale) step, and unbiased."""
+    flt_max = torch.finfo(torch.float32).max
+    n, copies = 512, 1024
+    x = torch.linspace(-1, 1, n) * flt_max
+    payload = maxmin.encode(x.repeat(copies), bits, n, key=9)
+    assert payload[:8].view(torch.float32)[1] < 0  # the flag
+    y = maxmin.decode(payload, n * copies, bits, n).view(copies, n)
+    assert torch.isfinite(y).all()
+    step = 2 * (flt_max / 2 - -flt_max / 2) / (2**bits - 1)  # in float64: no overflow
+    assert ((y.double() - x.double()).abs() <= step * (1 + 1e-6)).all()
+    mean = y.double().mean(0)
+    assert ((mean - x.double()).abs() <= 6 * step / 2 / copies**0.5).all()
+
+
 def test_negative_zero_minimum_is_stored_as_positive_zero():
     x = torch.tensor([0.0, -0.0, 1.0, 2.0] * 2)
     payload = maxmin.encode(x, 2, 8, key=0)
