@@ -59,7 +59,8 @@ def _retire(key: int) -> None:
 def submit(group: dist.ProcessGroup, fn: Callable[[], torch.Tensor],
            tensors: Sequence[torch.Tensor]) -> torch.futures.Future[torch.Tensor]:  # fmt: skip
     """Run ``fn()`` on ``group``'s worker after everything submitted before it, and return a
-    future of its result (or of its exception).
+    future of its result; if ``fn`` raises, waiting on the future raises a ``RuntimeError``
+    that quotes the exception and where it came from.
 
     ``tensors`` are those ``fn`` reads and writes; they must outlive its run (DDP's bucket
     buffers do). On CUDA, ``fn`` runs on the worker's side stream of their device, which first
@@ -81,7 +82,7 @@ def submit(group: dist.ProcessGroup, fn: Callable[[], torch.Tensor],
             future.set_result(result)
 
         worker.executor.submit(run)
-        return future
+        return future.then(_result)
     side = worker.stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     for t in tensors:
@@ -99,4 +100,11 @@ def submit(group: dist.ProcessGroup, fn: Callable[[], torch.Tensor],
             future.set_result(result)
 
     worker.executor.submit(run_on_stream)
-    return future
+    return future.then(_result)
+
+
+def _result(future: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+    """``future``'s value, or its exception raised: a callback's exception marks the future
+    ``then`` returns as failed in C++, which is how DDP's reducer reads an error (a Python
+    future holding an exception would reach it as a value it cannot cast to a tensor)."""
+    return future.value()
