@@ -77,7 +77,7 @@ def submit(group: dist.ProcessGroup, fn: Callable[[], torch.Tensor],
             try:
                 result = fn()
             except BaseException as e:  # the waiter raises it, on its own thread
-                future.set_exception(e)
+                future.set_exception(_as_exception(e))
                 return
             future.set_result(result)
 
@@ -95,7 +95,7 @@ def submit(group: dist.ProcessGroup, fn: Callable[[], torch.Tensor],
             try:
                 result = fn()
             except BaseException as e:
-                future.set_exception(e)
+                future.set_exception(_as_exception(e))
                 return
             future.set_result(result)
 
@@ -108,3 +108,9 @@ def _result(future: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
     ``then`` returns as failed in C++, which is how DDP's reducer reads an error (a Python
     future holding an exception would reach it as a value it cannot cast to a tensor)."""
     return future.value()
+
+
+def _as_exception(e: BaseException) -> Exception:
+    """``e``, or an ``Exception`` naming it (a future holds only those): never a future left
+    unset, on which DDP would wait forever."""
+    return e if isinstance(e, Exception) else RuntimeError(f"cgx2's worker thread: {e!r}")

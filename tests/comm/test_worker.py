@@ -76,3 +76,14 @@ def test_the_worker_goes_with_its_group():
     del group
     gc.collect()
     assert key not in worker._WORKERS
+
+
+def test_even_a_system_exit_on_the_worker_completes_the_future():
+    """A future left unset would leave DDP waiting forever."""
+    x = torch.zeros(1)
+
+    def leave() -> torch.Tensor:
+        raise SystemExit(3)
+
+    with pytest.raises(RuntimeError, match="SystemExit"):
+        worker.submit(Group(), leave, [x]).wait()
