@@ -16,7 +16,7 @@ import torch.distributed as dist
 from ..codecs import ChunkedLayout, maxmin_codec, triton_kernels
 from ..comm import Transport, group_info, process_group
 from ..seeding import derive_key, extend_key, next_seed
-from . import graphs, policy
+from . import agreement, graphs, policy
 
 __all__ = ["STAGE_GATHER", "STAGE_SCATTER", "allreduce", "allreduce_", "exchange"]
 
@@ -27,8 +27,8 @@ STAGE_GATHER = 2
 
 
 def allreduce(t: torch.Tensor, bits: int, bucket_size: int, group: dist.ProcessGroup,
-              reduce_op: str = "sum", seed: int | None = None,
-              skip_incomplete: bool = False) -> torch.Tensor:  # fmt: skip
+              reduce_op: str = "sum", seed: int | None = None, skip_incomplete: bool = False,
+              *, check_agreement: bool = False) -> torch.Tensor:  # fmt: skip
     """Allreduce (``"sum"``/``"avg"``) of ``t`` across ``group``, quantized to ``bits`` where
     :func:`.policy.route` says compression pays, else the plain allreduce, exactly. Returns a
     new tensor of ``t``'s shape and dtype, bit-identical on every rank; ``t`` is unchanged.
@@ -37,8 +37,14 @@ def allreduce(t: torch.Tensor, bits: int, bucket_size: int, group: dist.ProcessG
     (on the way to its owner, and once reduced); the owner's own contribution stays exact.
     ``seed`` None draws the next seed from :mod:`cgx2.seeding`. Tensors larger than a piece
     are cut into whole buckets per rank; while one piece is on the wire the next is coded.
+
+    ``check_agreement``: where the route says so, first make sure every rank called alike
+    (:mod:`.agreement`): for the entry points users call. DDP's and FSDP's hooks leave it
+    off: their wrappers make every rank's buckets alike.
     """
     route = policy.route(t, group, bits, bucket_size)
+    if check_agreement and route.check:
+        _check_agreement(route, t, bits, bucket_size, group, reduce_op, skip_incomplete)
     if not route.compress:
         return route.transport.allreduce_plain_(
             t.clone(memory_format=torch.contiguous_format), group, reduce_op
@@ -51,7 +57,8 @@ def allreduce(t: torch.Tensor, bits: int, bucket_size: int, group: dist.ProcessG
 
 def allreduce_(t: torch.Tensor, bits: int, bucket_size: int, group: dist.ProcessGroup,
                reduce_op: str = "sum", seed: int | None = None, skip_incomplete: bool = False,
-               *, error: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+               *, error: torch.Tensor | None = None,
+               check_agreement: bool = False) -> torch.Tensor:  # fmt: skip
     """:func:`allreduce` in place: the result (the same bytes) is written into ``t`` and ``t``
     is returned. No copy is made where ``t`` is contiguous, below the crossover either.
 
@@ -68,8 +75,11 @@ def allreduce_(t: torch.Tensor, bits: int, bucket_size: int, group: dist.Process
     if not t.is_contiguous():
         if error is not None:
             raise ValueError("tensor must be contiguous for an allreduce that returns its error")
-        return t.copy_(allreduce(t, bits, bucket_size, group, reduce_op, seed, skip_incomplete))
+        return t.copy_(allreduce(t, bits, bucket_size, group, reduce_op, seed, skip_incomplete,
+                                 check_agreement=check_agreement))  # fmt: skip
     route = policy.route(t, group, bits, bucket_size)
+    if check_agreement and route.check:
+        _check_agreement(route, t, bits, bucket_size, group, reduce_op, skip_incomplete)
     if not route.compress:
         if error is not None:
             error.zero_()
@@ -78,6 +88,14 @@ def allreduce_(t: torch.Tensor, bits: int, bucket_size: int, group: dist.Process
     _run_pieces(route, flat, flat, bits, bucket_size, group, reduce_op, seed, skip_incomplete,
                 None if error is None else error.view(-1))  # fmt: skip
     return t
+
+
+def _check_agreement(route: policy.Route, t: torch.Tensor, bits: int, bucket_size: int,
+                     group: dist.ProcessGroup, reduce_op: str,
+                     skip_incomplete: bool) -> None:  # fmt: skip
+    fields = {"bits": bits, "bucket_size": bucket_size, "reduce_op": reduce_op,
+              "skip_incomplete": skip_incomplete, "compressed": route.compress}  # fmt: skip
+    agreement.check(group, "quantized_allreduce", t, fields)
 
 
 def exchange(recv: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup, world: int,

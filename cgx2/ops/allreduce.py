@@ -14,7 +14,6 @@ import torch.distributed as dist
 
 from .. import collectives
 from ..checks import check_bits, check_bucket_size, check_float_tensor, check_reduce_op
-from ..collectives import agreement, policy
 from ..seeding import SEEDED_OP_TAGS
 
 __all__ = ["quantized_allreduce", "quantized_allreduce_", "resolve_group"]
@@ -40,18 +39,6 @@ def _check(t: torch.Tensor, bits: int, bucket_size: int, reduce_op: object,
     return check_reduce_op(reduce_op, op_name)
 
 
-def _agree(t: torch.Tensor, bits: int, bucket_size: int, group: dist.ProcessGroup,
-           reduce_op: str, skip_incomplete: bool) -> None:  # fmt: skip
-    """Where the policy says so, make sure every rank called alike (:mod:`cgx2.collectives.
-    agreement`): once per user call, here at the entry. DDP's and FSDP's hooks call the
-    collectives directly: their wrappers make every rank's buckets alike."""
-    route = policy.route(t, group, bits, bucket_size)
-    if route.check:
-        fields = {"bits": bits, "bucket_size": bucket_size, "reduce_op": reduce_op,
-                  "skip_incomplete": skip_incomplete, "compressed": route.compress}  # fmt: skip
-        agreement.check(group, "quantized_allreduce", t, fields)
-
-
 @torch.library.custom_op("cgx::quantized_allreduce", mutates_args=(), tags=SEEDED_OP_TAGS)
 def _quantized_allreduce_op(
     input: torch.Tensor,
@@ -63,10 +50,9 @@ def _quantized_allreduce_op(
     skip_incomplete: bool = False,
 ) -> torch.Tensor:
     reduce_op = _check(input, bits, bucket_size, reduce_op)
-    group = resolve_group(group_name)
-    _agree(input, bits, bucket_size, group, reduce_op, skip_incomplete)
-    return collectives.allreduce(input, bits, bucket_size, group, reduce_op,
-                                 None if seed < 0 else seed, skip_incomplete)  # fmt: skip
+    return collectives.allreduce(input, bits, bucket_size, resolve_group(group_name), reduce_op,
+                                 None if seed < 0 else seed, skip_incomplete,
+                                 check_agreement=True)  # fmt: skip
 
 
 @_quantized_allreduce_op.register_fake
@@ -108,11 +94,9 @@ def _quantized_allreduce_inplace_op(
     # check_agreement False: for callers whose ranks agree by construction (DDP's per-parameter
     # reducer under compiled autograd), one round trip a parameter fewer.
     reduce_op = _check(input, bits, bucket_size, reduce_op)
-    group = resolve_group(group_name)
-    if check_agreement:
-        _agree(input, bits, bucket_size, group, reduce_op, skip_incomplete)
-    collectives.allreduce_(input, bits, bucket_size, group, reduce_op,
-                           None if seed < 0 else seed, skip_incomplete)  # fmt: skip
+    collectives.allreduce_(input, bits, bucket_size, resolve_group(group_name), reduce_op,
+                           None if seed < 0 else seed, skip_incomplete,
+                           check_agreement=check_agreement)  # fmt: skip
 
 
 @_quantized_allreduce_inplace_op.register_fake
@@ -139,21 +123,16 @@ def quantized_allreduce(
     is the op ``torch.ops.cgx.quantized_allreduce``. Differentiable: the gradient of the
     input is the same quantized allreduce of the output's gradient.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or (tensor.requires_grad and torch.is_grad_enabled()):
+        # The op: traced when compiling; eagerly, its autograd formula gives the backward.
         return torch.ops.cgx.quantized_allreduce(
             tensor, bits, bucket_size, "" if group is None else group.group_name,
             check_reduce_op(op, "op"), -1 if seed is None else seed, skip_incomplete,
         )  # fmt: skip
     reduce_op = _check(tensor, bits, bucket_size, op, "op")
-    if tensor.requires_grad and torch.is_grad_enabled():  # through the op, for its backward
-        return torch.ops.cgx.quantized_allreduce(
-            tensor, bits, bucket_size, "" if group is None else group.group_name, reduce_op,
-            -1 if seed is None else seed, skip_incomplete,
-        )  # fmt: skip
-    group = dist.group.WORLD if group is None else group
-    _agree(tensor, bits, bucket_size, group, reduce_op, skip_incomplete)
-    return collectives.allreduce(tensor, bits, bucket_size, group, reduce_op, seed,
-                                 skip_incomplete)  # fmt: skip
+    return collectives.allreduce(tensor, bits, bucket_size,
+                                 dist.group.WORLD if group is None else group, reduce_op, seed,
+                                 skip_incomplete, check_agreement=True)  # fmt: skip
 
 
 def quantized_allreduce_(
@@ -182,7 +161,6 @@ def quantized_allreduce_(
             "quantized_allreduce_ writes into a tensor that requires grad, and has no gradient: "
             "use quantized_allreduce (differentiable), or call it under torch.no_grad()"
         )
-    group = dist.group.WORLD if group is None else group
-    _agree(tensor, bits, bucket_size, group, reduce_op, skip_incomplete)
-    return collectives.allreduce_(tensor, bits, bucket_size, group, reduce_op, seed,
-                                  skip_incomplete)  # fmt: skip
+    return collectives.allreduce_(tensor, bits, bucket_size,
+                                  dist.group.WORLD if group is None else group, reduce_op, seed,
+                                  skip_incomplete, check_agreement=True)  # fmt: skip
