@@ -235,9 +235,9 @@ class TuningConfig:
       crossovers measured on this machine by ``python -m cgx2.bench calibrate``.
     - ``direct_launch`` (``CGX2_DIRECT_LAUNCH``, 1): launch compiled Triton kernels without
       Triton's per-call dispatch (0: Triton's own path, to compare them).
-    - ``native_codec`` (``CGX2_NATIVE``, 1): the CPU codec's C loops (0: the torch code).
-    - ``cache_dir`` (``CGX2_CACHE_DIR``, ``~/.cache/cgx2``): where the C loops are built.
-    - ``c_compiler`` (``CC``, None: the first of cc, gcc, clang on the ``PATH``).
+    - ``native_codec`` (``CGX2_NATIVE``, 1): the CPU codec's compiled loops (``cgx2._C``;
+      0: the torch code).
+    - ``cache_dir`` (``CGX2_CACHE_DIR``, ``~/.cache/cgx2``): where the calibration file is.
     """
 
     crossover_bytes: int | None = None
@@ -250,7 +250,6 @@ class TuningConfig:
     direct_launch: bool = True
     native_codec: bool = True
     cache_dir: str = ""
-    c_compiler: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("crossover_bytes", "pipeline_bytes"):
@@ -267,7 +266,7 @@ class TuningConfig:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> TuningConfig:
-        """Read the ``CGX2_*`` variables (and ``CC``); ``ValueError`` naming a bad one."""
+        """Read the ``CGX2_*`` variables; ``ValueError`` naming a bad one."""
         env = os.environ if environ is None else environ
         pipeline_bytes = _bytes(env, "CGX2_PIPELINE_BYTES")
         if pipeline_bytes == 0:
@@ -286,7 +285,6 @@ class TuningConfig:
             direct_launch=_bool(env, "CGX2_DIRECT_LAUNCH", True),
             native_codec=_bool(env, "CGX2_NATIVE", True),
             cache_dir=env.get("CGX2_CACHE_DIR", "").strip(),
-            c_compiler=env.get("CC", "").strip() or None,
         )
 
 

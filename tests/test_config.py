@@ -89,12 +89,12 @@ def test_tuning_reads_every_cgx2_variable():
     found = TuningConfig.from_env({
         "CGX2_CROSSOVER_BYTES": "4M", "CGX2_CUDA_GRAPHS": "on", "CGX2_PIPELINE_BYTES": "64MiB",
         "CGX2_PAIR_GATHER": "0", "CGX2_CALIBRATION_FILE": "/x/c.json", "CGX2_DIRECT_LAUNCH": "no",
-        "CGX2_NATIVE": "false", "CGX2_CACHE_DIR": "/c", "CC": "clang", "CGX2_COMM_WORKER": "0",
+        "CGX2_NATIVE": "false", "CGX2_CACHE_DIR": "/c", "CGX2_COMM_WORKER": "0",
     })  # fmt: skip
     assert found == TuningConfig(
         crossover_bytes=4 << 20, cuda_graphs=True, pipeline_bytes=64 << 20, pair_gather=False,
         comm_worker=False, calibration_file="/x/c.json", direct_launch=False,
-        native_codec=False, cache_dir="/c", c_compiler="clang",
+        native_codec=False, cache_dir="/c",
     )  # fmt: skip
     default = TuningConfig.from_env({"CGX2_CACHE_DIR": "/c"})
     assert default.crossover_bytes is None and default.pipeline_bytes is None

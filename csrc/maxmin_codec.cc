@@ -1,10 +1,13 @@
-/* The max-min codec's per-bucket loops in C, for CPU tensors: the same bytes as the torch
- * reference (cgx2/codecs/maxmin.py), whose docstring defines them, in one pass over the data
- * rather than one tensor pass per operation. Built on first use by cgx2/codecs/native.py with
- * -ffp-contract=off: every operation is one IEEE fp32 operation, as in the reference. */
+/* The max-min codec's per-bucket loops for CPU tensors: the same bytes as the torch reference
+ * (cgx2/codecs/maxmin.py), whose docstring defines them, in one pass over the data rather than
+ * one tensor pass per operation. Built by setup.py with -ffp-contract=off: every operation is
+ * one IEEE fp32 operation, as in the reference. */
+#include "maxmin_codec.h"
+
 #include <math.h>
-#include <stdint.h>
 #include <string.h>
+
+namespace {
 
 /* An fp32 at any byte address (a payload's pairs need not be 4-byte aligned). */
 static void put_f32(uint8_t *at, float x) { memcpy(at, &x, sizeof x); }
@@ -64,6 +67,10 @@ static inline uint64_t level_of(const uint32_t c[4], int j, float x, float lo_p,
     return (uint64_t)(((int64_t)(a * (float)(1 << frac)) + h) >> frac);
 }
 
+}  // namespace
+
+namespace cgx2 {
+
 /* Encode buckets [q_begin, q_end) of complete buckets of B fp32 values (rows, contiguous):
  * their (lo, step) pairs into meta and their packed levels, bucket q's at
  * q * ceil(B / 8) * bits, into levels (cgx2/codecs/packing.py's format, pack_levels: eight
@@ -71,7 +78,7 @@ static inline uint64_t level_of(const uint32_t c[4], int j, float x, float lo_p,
  * holds these bytes to it), of which only the first levels_nbytes bytes are written.
  * Levels of values at or past covered (a padded last bucket) are zero. Random halves: key,
  * bucket q of stream, as philox.py. Ranges of buckets may run in threads. */
-void cgx2_maxmin_encode(const float *rows, int64_t q_begin, int64_t q_end, int64_t B, int bits,
+void maxmin_encode(const float *rows, int64_t q_begin, int64_t q_end, int64_t B, int bits,
                         uint64_t key, uint64_t stream, int64_t covered, uint8_t *meta,
                         uint8_t *levels, int64_t levels_nbytes) {
     const float lmax = (float)((1 << bits) - 1);
@@ -131,6 +138,8 @@ void cgx2_maxmin_encode(const float *rows, int64_t q_begin, int64_t q_end, int64
     }
 }
 
+namespace {
+
 /* fp32 -> bf16 rounding to nearest even, NaN -> 0x7FC0: maxmin._cast. */
 static uint16_t to_bf16(float x) {
     uint32_t u;
@@ -139,12 +148,14 @@ static uint16_t to_bf16(float x) {
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
+}  // namespace
+
 /* Decode buckets [q_begin, q_end) (meta and levels as written above; bytes past
  * levels_nbytes read as zero) into out, values below covered: (lo + |step| * level) * post
  * (post 2 where step < 0, a half-scale bucket, else 1), in fp32,
  * added to base[e] where base is not NULL (base == out accumulates: a row of a sum); with
  * out_bf16 (and no base), stored as bf16. */
-void cgx2_maxmin_decode(const float *meta, const uint8_t *levels, int64_t levels_nbytes,
+void maxmin_decode(const float *meta, const uint8_t *levels, int64_t levels_nbytes,
                         int64_t q_begin, int64_t q_end, int64_t B, int bits, int64_t covered,
                         const float *base, void *out, int out_bf16) {
     float *out32 = (float *)out;
@@ -172,3 +183,5 @@ void cgx2_maxmin_decode(const float *meta, const uint8_t *levels, int64_t levels
         }
     }
 }
+
+}  // namespace cgx2

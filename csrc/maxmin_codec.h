@@ -1,0 +1,16 @@
+// The max-min codec's CPU loops (maxmin_codec.cc): the bytes of cgx2/codecs/maxmin.py.
+#pragma once
+
+#include <stdint.h>
+
+namespace cgx2 {
+
+void maxmin_encode(const float *rows, int64_t q_begin, int64_t q_end, int64_t B, int bits,
+                   uint64_t key, uint64_t stream, int64_t covered, uint8_t *meta,
+                   uint8_t *levels, int64_t levels_nbytes);
+
+void maxmin_decode(const float *meta, const uint8_t *levels, int64_t levels_nbytes,
+                   int64_t q_begin, int64_t q_end, int64_t B, int bits, int64_t covered,
+                   const float *base, void *out, int out_bf16);
+
+}  // namespace cgx2

@@ -1,0 +1,81 @@
+// cgx2._C: the codec's CPU loops and the shared-memory transport's primitives, for Python
+// (cgx2/extension.py loads it; cgx2/codecs/native.py and cgx2/comm/shm.py use it).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <system_error>
+
+#include "maxmin_codec.h"
+#include "shm.h"
+
+namespace py = pybind11;
+
+namespace {
+
+template <typename T>
+T *at(uintptr_t address) {
+  return reinterpret_cast<T *>(address);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "cgx2's compiled parts: the max-min codec's CPU loops and shared-memory transport";
+  m.attr("ABI_VERSION") = 1;
+
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const std::system_error &e) {
+      py::object error = py::module_::import("builtins").attr("OSError")(e.code().value(),
+                                                                           e.what());
+      PyErr_SetObject(PyExc_OSError, error.ptr());
+    }
+  });
+
+  // The codec: addresses of contiguous CPU tensors' data; the GIL is released, so that ranges
+  // of buckets run in threads.
+  m.def(
+      "maxmin_encode",
+      [](uintptr_t rows, int64_t q_begin, int64_t q_end, int64_t bucket, int bits, uint64_t key,
+         uint64_t stream, int64_t covered, uintptr_t meta, uintptr_t levels,
+         int64_t levels_nbytes) {
+        cgx2::maxmin_encode(at<const float>(rows), q_begin, q_end, bucket, bits, key, stream,
+                            covered, at<uint8_t>(meta), at<uint8_t>(levels), levels_nbytes);
+      },
+      py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "maxmin_decode",
+      [](uintptr_t meta, uintptr_t levels, int64_t levels_nbytes, int64_t q_begin, int64_t q_end,
+         int64_t bucket, int bits, int64_t covered, uintptr_t base, uintptr_t out, bool bf16) {
+        cgx2::maxmin_decode(at<const float>(meta), at<const uint8_t>(levels), levels_nbytes,
+                            q_begin, q_end, bucket, bits, covered,
+                            base == 0 ? nullptr : at<const float>(base), at<void>(out),
+                            bf16 ? 1 : 0);
+      },
+      py::call_guard<py::gil_scoped_release>());
+
+  py::class_<cgx2::Segment>(m, "Segment", "A POSIX shared-memory segment mapped here.")
+      .def_static("create", &cgx2::Segment::create, py::arg("name"), py::arg("nbytes"),
+                  py::return_value_policy::take_ownership)
+      .def_static("open", &cgx2::Segment::open, py::arg("name"), py::arg("nbytes"),
+                  py::return_value_policy::take_ownership)
+      .def_static("unlink", &cgx2::Segment::unlink, py::arg("name"))
+      .def_property_readonly("address", &cgx2::Segment::address)
+      .def_property_readonly("nbytes", &cgx2::Segment::nbytes)
+      .def(
+          "memoryview",
+          [](cgx2::Segment &s) {
+            return py::memoryview::from_memory(at<void>(s.address()),
+                                               static_cast<py::ssize_t>(s.nbytes()), false);
+          },
+          py::keep_alive<0, 1>());
+
+  m.def("signal_flag", &cgx2::signal_flag, py::arg("address"), py::arg("value"));
+  m.def("load_flag", &cgx2::load_flag, py::arg("address"));
+  m.def("wait_flags", &cgx2::wait_flags, py::arg("addresses"), py::arg("target"),
+        py::arg("timeout_s"), py::arg("pids"), py::arg("starts"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("process_start_time", &cgx2::process_start_time, py::arg("pid"));
+  m.def("process_alive", &cgx2::process_alive, py::arg("pid"), py::arg("start"));
+}
