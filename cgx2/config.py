@@ -16,6 +16,7 @@ from pathlib import Path
 from .checks import MAX_BUCKET_SIZE, UNCOMPRESSED_BITS, check_bits, check_bucket_size
 
 __all__ = [
+    "TRANSPORTS",
     "CGXConfig",
     "LaunchConfig",
     "TuningConfig",
@@ -35,6 +36,8 @@ MIN_COMPRESSION_SIZE = 16
 
 _INNER_COMMUNICATORS = ("SHM", "MPI", "NCCL")
 _CROSS_COMMUNICATORS = ("MPI", "NCCL")
+TRANSPORTS = ("auto", "shm", "process_group")
+"""The values of ``CGX2_TRANSPORT`` (:class:`TuningConfig`'s ``transport``)."""
 
 
 def _int(
@@ -74,11 +77,12 @@ def _auto_bool(env: Mapping[str, str], var: str) -> bool | None:
     return _bool(env, var, False)
 
 
-def _choice(env: Mapping[str, str], var: str, default: str, allowed: tuple[str, ...]) -> str:
+def _choice(env: Mapping[str, str], var: str, default: str, allowed: tuple[str, ...],
+            upper: bool = True) -> str:  # fmt: skip
     raw = env.get(var)
     if raw is None or raw.strip() == "":
         return default
-    value = raw.strip().upper()
+    value = raw.strip().upper() if upper else raw.strip().lower()
     if value not in allowed:
         raise ValueError(f"{var}={raw!r} is invalid: expected one of {', '.join(allowed)}")
     return value
@@ -235,6 +239,11 @@ class TuningConfig:
       crossovers measured on this machine by ``python -m cgx2.bench calibrate``.
     - ``direct_launch`` (``CGX2_DIRECT_LAUNCH``, 1): launch compiled Triton kernels without
       Triton's per-call dispatch (0: Triton's own path, to compare them).
+    - ``transport`` (``CGX2_TRANSPORT``, ``auto``): what moves the collectives' bytes: ``shm``
+      (shared memory between the ranks of one host, :mod:`cgx2.comm.shm`), ``process_group``
+      (``torch.distributed``'s), or ``auto``: shared memory where ``CGX_INNER_COMMUNICATOR_TYPE``
+      is SHM and the process group would itself cross host memory (CPU tensors; CUDA tensors
+      on gloo), else the process group (docs/transports.md).
     - ``native_codec`` (``CGX2_NATIVE``, 1): the CPU codec's compiled loops (``cgx2._C``;
       0: the torch code).
     - ``cache_dir`` (``CGX2_CACHE_DIR``, ``~/.cache/cgx2``): where the calibration file is.
@@ -246,6 +255,7 @@ class TuningConfig:
     pair_gather: bool = True
     check_agreement: bool | None = None
     comm_worker: bool = True
+    transport: str = "auto"
     calibration_file: str = ""
     direct_launch: bool = True
     native_codec: bool = True
@@ -258,6 +268,8 @@ class TuningConfig:
                 raise ValueError(f"{name} must be None or bytes >= 0, got {value!r}")
         if self.pipeline_bytes == 0:
             raise ValueError("pipeline_bytes must be positive (None: the regime's)")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if not self.cache_dir:
             object.__setattr__(self, "cache_dir", _default_cache_dir())
         if not self.calibration_file:
@@ -281,6 +293,7 @@ class TuningConfig:
             pair_gather=_bool(env, "CGX2_PAIR_GATHER", True),
             check_agreement=_auto_bool(env, "CGX2_CHECK_AGREEMENT"),
             comm_worker=_bool(env, "CGX2_COMM_WORKER", True),
+            transport=_choice(env, "CGX2_TRANSPORT", "auto", TRANSPORTS, upper=False),
             calibration_file=env.get("CGX2_CALIBRATION_FILE", "").strip(),
             direct_launch=_bool(env, "CGX2_DIRECT_LAUNCH", True),
             native_codec=_bool(env, "CGX2_NATIVE", True),

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from .. import config
 from ..checks import UNCOMPRESSED_BITS
-from ..comm import GroupInfo, group_info, process_group
+from ..comm import GroupInfo, group_info, process_group, shm
 from . import graphs
 
 __all__ = [
@@ -44,6 +44,7 @@ __all__ = [
     "regime",
     "route",
     "runs_on_worker",
+    "transport",
     "uses_pair_gather",
 ]
 
@@ -101,8 +102,7 @@ class Route:
     - ``gather_in_place``: encode each reduced chunk straight into its slot of the gather's
       output (NCCL gathers in place: one allocation and copy fewer).
     - ``check``: first make sure every rank called it alike (:mod:`.agreement`).
-    - ``transport``: what moves the bytes (a :class:`cgx2.comm.Transport`): today the
-      process group's collectives.
+    - ``transport``: what moves the bytes (a :class:`cgx2.comm.Transport`): :func:`transport`.
     """
 
     compress: bool
@@ -330,6 +330,25 @@ def uses_pair_gather(world: int, where: str) -> bool:
     return world == 2 and where != "nvlink" and config.tuning().pair_gather
 
 
+def transport(device: torch.device, group: dist.ProcessGroup) -> ModuleType:
+    """What moves the bytes of ``device``'s tensors over ``group`` (docs/transports.md):
+    ``CGX2_TRANSPORT`` where it names one; else (``auto``) shared memory
+    (:mod:`cgx2.comm.shm`, which itself falls back to the process group for a group that spans
+    hosts) where ``CGX_INNER_COMMUNICATOR_TYPE`` is SHM and the process group would cross host
+    memory anyway: CPU tensors, and CUDA tensors on a group whose CUDA collectives are not
+    NCCL's. NCCL keeps CUDA tensors: its transfers are queued on the GPU, the shared-memory
+    ones wait on the host. Without the compiled extension, the process group."""
+    chosen = config.tuning().transport
+    if chosen == "process_group" or not shm.available():
+        return process_group
+    if chosen == "shm":
+        return shm
+    if config.CGXConfig.from_env().inner_communicator != "SHM":
+        return process_group
+    cuda_on_nccl = device.type == "cuda" and group_info(group).cuda_on_nccl
+    return process_group if cuda_on_nccl else shm
+
+
 def runs_on_worker(t: torch.Tensor, group: dist.ProcessGroup) -> bool:
     """Whether an entry point that returns a future (DDP's hooks) runs the collectives of
     ``t`` over ``group`` on the group's worker thread (:func:`cgx2.comm.worker.submit`): where
@@ -386,11 +405,17 @@ def _routes(t: torch.Tensor, group: dist.ProcessGroup, bucket_size: int) -> _Rou
     check = config.tuning().check_agreement
     if check is None:  # reading the ranks' answer would stall NCCL's queue on the GPU
         check = not nccl_cuda
-    compressed = Route(True, where, pair, pieces, False, nccl_cuda, check and info.size > 1)
+    moves = transport(t.device, group)
+    compressed = Route(True, where, pair, pieces, False, nccl_cuda, check and info.size > 1,
+                       moves)  # fmt: skip
     return _Routes(
         plain=dataclasses.replace(compressed, compress=False),
         compressed=compressed,
-        graphs=dataclasses.replace(compressed, graphs=True) if nccl_cuda else None,
+        graphs=(
+            dataclasses.replace(compressed, graphs=True, transport=process_group)
+            if nccl_cuda
+            else None
+        ),  # fmt: skip
         size=info.size,
         measured=_measured(t.device, t.dtype, info, group, config.tuning().cuda_graphs),
     )

@@ -1,11 +1,11 @@
 """How bytes move between ranks: the transport interface the collectives use.
 
-:class:`Transport` is the interface. Today one transport implements it, the process group the
-user has (:mod:`cgx2.comm.process_group`: NCCL on GPUs, gloo on CPUs, or the ``cgx``
-backend's); the C++ transports plug in beside it.
+:class:`Transport` is the interface. Two transports implement it: the process group the user
+has (:mod:`cgx2.comm.process_group`: NCCL on GPUs, gloo on CPUs, or the ``cgx`` backend's),
+and shared memory between the ranks of one host (:mod:`cgx2.comm.shm`, in ``cgx2._C``).
 """
 
-from . import process_group
+from . import process_group, shm
 from .base import Transport
 from .process_group import (
     CompletedWork,
@@ -32,5 +32,6 @@ __all__ = [
     "group_size_and_rank",
     "process_group",
     "reduce_scatter_single",
+    "shm",
     "wait",
 ]

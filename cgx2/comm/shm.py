@@ -1,0 +1,471 @@
+"""The shared-memory transport: the ranks of a group on one host swap payloads through host
+memory that each maps (``cgx2._C``'s segments and flags); CUDA tensors stage through it pinned.
+
+Each rank owns one segment per group: a page of flags, then :data:`SLOTS` slots that calls use
+in turn. A call writes its payload into its slot of the caller's segment and raises the slot's
+``written`` flag to the call's epoch (its number in the group's sequence of calls); peers wait
+for that epoch, copy what is theirs, and raise their ``consumed`` flag, which the owner waits
+for before it writes that slot again. Waits watch each peer's process and honour the group's
+timeout: a peer that died or stalled is an error naming it, never a hang.
+
+Segments are created by their owner (mode 0600, names unique to the job, agreed through the
+c10d store), and unlinked as soon as every peer has mapped them: nothing stays in /dev/shm
+while the job runs, or after it is killed. Groups that span hosts, or whose segments cannot
+be made, use the process group (:mod:`.process_group`), decided alike on every rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import json
+import logging
+import os
+import secrets
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import extension
+from . import process_group
+from .process_group import group_info, group_size_and_rank
+
+__all__ = [
+    "SLOTS",
+    "ShmError",
+    "all_gather",
+    "all_to_all",
+    "allreduce_plain_",
+    "available",
+    "group_size_and_rank",
+    "serves",
+    "wait",
+]
+
+log = logging.getLogger("cgx2")
+
+SLOTS = 4
+"""Calls in flight per group before a rank waits for its peers to read its oldest: the
+allreduce's pipeline keeps three (a piece's all-to-all, the next one's, an all-gather)."""
+
+PLAIN_PIECE_BYTES = 16 << 20
+"""The uncompressed allreduce's piece: larger tensors are reduced a piece at a time, so that a
+segment's slots stay this size."""
+
+_LINE = 64  # one flag a cache line: each is written by one process only
+_WRITTEN, _REDUCED, _CONSUMED = 0, 1, 2
+_HEADER_BYTES = 4096  # the flags' page; slots start page-aligned, so any dtype views them
+_MIN_SLOT_BYTES = 64 << 10
+_EPOCH_MASK = 0xFFFFFFFF
+_GONE = 2  # cgx2._C's kPeerGone
+
+
+class ShmError(RuntimeError):
+    """A peer of the shared-memory transport died, stalled past the group's timeout, or
+    failed before: the group cannot go on."""
+
+
+class _Fallback(Exception):
+    """Every rank of the group agreed that its segments cannot be made: use the process
+    group from now on."""
+
+
+def available() -> bool:
+    """Whether the transport can run here at all (the extension is built)."""
+    return extension.load() is not None
+
+
+def _group_timeout(group: dist.ProcessGroup) -> float:
+    """The group's timeout in seconds (its backend's options; else torch's default)."""
+    for device in ("cpu", "cuda"):
+        try:
+            options = group._get_backend(torch.device(device)).options
+            return options._timeout.total_seconds()
+        except (AttributeError, RuntimeError):
+            continue
+    return dist.distributed_c10d.default_pg_timeout.total_seconds()
+
+
+def _host_identity() -> str:
+    """What ranks that can share segments have in common: the boot, the /dev/shm mount, and
+    the PID and network namespaces (a network namespace stands for a host: tests make hosts
+    of them, and a peer's liveness is read from /proc)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        shm = os.stat("/dev/shm")
+        pid_ns, net_ns = (os.stat(f"/proc/self/ns/{n}").st_ino for n in ("pid", "net"))
+    except OSError as e:
+        return f"unknown:{os.getpid()}:{e}"  # unique: never shares
+    return f"{boot}:{shm.st_dev}:{shm.st_ino}:{pid_ns}:{net_ns}"
+
+
+class _Channel:
+    """One group's segments, flags and sequence of calls."""
+
+    def __init__(self, group: dist.ProcessGroup, lib: Any, store: dist.Store, prefix: str,
+                 token: str, pids: list[int], starts: list[int]) -> None:  # fmt: skip
+        self.lib, self.store, self.prefix, self.token = lib, store, prefix, token
+        self.world, self.rank = group_size_and_rank(group)
+        self.name = group.group_name
+        self.timeout = _group_timeout(group)
+        self.pids, self.starts = pids, starts
+        self.peer_ranks = [r for r in range(self.world) if r != self.rank]
+        self.seq = 0
+        self.base_seq = 0  # the last call before this generation of segments
+        self.generation = 0
+        self.capacity = 0  # bytes a slot
+        self.segments: list[Any] = []  # every rank's, by rank
+        self.views: list[torch.Tensor] = []  # their bytes
+        self.registered: list[int] = []  # addresses registered with CUDA
+        self.broken: str | None = None
+        self.lock = threading.Lock()  # calls may come from the group's worker and the caller
+
+    # -- segments --------------------------------------------------------------------------
+
+    def _segment_name(self, rank: int, generation: int) -> str:
+        return f"/cgx2-{os.geteuid()}-{self.token}-{rank}-{generation}"
+
+    def _agree(self, step: str, mine: str) -> list[str]:
+        """Every rank's answer to ``step``: a rendezvous through the store."""
+        key = f"{self.prefix}/g{self.generation}/{step}/"
+        self.store.set(key + str(self.rank), mine)
+        keys = [key + str(r) for r in range(self.world)]
+        try:
+            self.store.wait(keys, datetime.timedelta(seconds=self.timeout))
+        except RuntimeError as e:
+            raise ShmError(
+                f"cgx2: the shared-memory transport of group {self.name!r} (rank {self.rank}): "
+                f"a peer did not reach the same call within the group's timeout ({step}): {e}"
+            ) from e
+        return [self.store.get(k).decode() for k in keys]
+
+    def grow(self, nbytes: int) -> None:
+        """Segments whose slots hold ``nbytes``: every rank makes its own at the same call
+        (their sizes agree), maps its peers', and unlinks its own once all have mapped it."""
+        capacity = max(_MIN_SLOT_BYTES, 1 << (nbytes - 1).bit_length())
+        self.generation += 1
+        total = _HEADER_BYTES + SLOTS * capacity
+        name = self._segment_name(self.rank, self.generation)
+        mine, status = None, "ok"
+        try:
+            mine = self.lib.Segment.create(name, total)
+        except OSError as e:
+            status = f"rank {self.rank}: {e}"
+        try:
+            statuses = self._agree("created", status)
+            failed = [s for s in statuses if s != "ok"]
+            segments, status = [], "ok"
+            if not failed:
+                try:
+                    for r in range(self.world):
+                        segments.append(mine if r == self.rank else self.lib.Segment.open(
+                            self._segment_name(r, self.generation), total))  # fmt: skip
+                except OSError as e:
+                    status = f"rank {self.rank}: {e}"
+                failed = [s for s in self._agree("mapped", status) if s != "ok"]
+        finally:
+            if mine is not None:
+                self.lib.Segment.unlink(name)
+        if failed:
+            raise _Fallback("; ".join(failed))
+        self._unregister()
+        self.segments = segments
+        self.views = [torch.frombuffer(s.memoryview(), dtype=torch.uint8) for s in segments]
+        self.capacity = capacity
+        self.base_seq = self.seq - 1
+
+    def register_cuda(self) -> None:
+        """Pin every segment (cudaHostRegister) so that CUDA copies to and from it are DMA."""
+        if self.registered or not self.segments:
+            return
+        cudart = torch.cuda.cudart()
+        for s in self.segments:
+            code = cudart.cudaHostRegister(s.address, s.nbytes, 0)
+            if int(code) != 0:
+                raise ShmError(f"cgx2: cudaHostRegister of a shared-memory segment failed: {code}")
+            self.registered.append(s.address)
+
+    def _unregister(self) -> None:
+        if self.registered:
+            cudart = torch.cuda.cudart()
+            for address in self.registered:
+                cudart.cudaHostUnregister(address)
+            self.registered = []
+
+    def close(self) -> None:
+        self._unregister()
+        self.views, self.segments = [], []
+
+    # -- calls -----------------------------------------------------------------------------
+
+    def begin(self, nbytes: int, operation: str) -> tuple[int, int, list[torch.Tensor]]:
+        """The next call's epoch, slot and every rank's segment (the ones it must use, even
+        after a later call grows them), once this rank may write the slot."""
+        if self.broken is not None:
+            raise ShmError(f"cgx2: the shared-memory transport of group {self.name!r} failed "
+                           f"earlier: {self.broken}")  # fmt: skip
+        self.seq += 1
+        if nbytes > self.capacity:
+            self.grow(nbytes)
+        slot = self.seq % SLOTS
+        if self.seq - SLOTS > self.base_seq:  # its last use must have been read by all
+            self.wait_peers(_CONSUMED, slot, self.seq - SLOTS, operation)
+        return self.seq, slot, self.views
+
+    def region(self, views: list[torch.Tensor], rank: int, slot: int, nbytes: int) -> torch.Tensor:
+        start = _HEADER_BYTES + slot * (views[0].numel() - _HEADER_BYTES) // SLOTS
+        return views[rank][start : start + nbytes]
+
+    def _flag(self, views: list[torch.Tensor], rank: int, kind: int, slot: int) -> int:
+        return views[rank].data_ptr() + (kind * SLOTS + slot) * _LINE
+
+    def signal(self, views: list[torch.Tensor], kind: int, slot: int, epoch: int) -> None:
+        self.lib.signal_flag(self._flag(views, self.rank, kind, slot), epoch & _EPOCH_MASK)
+
+    def wait_peers(self, kind: int, slot: int, epoch: int, operation: str,
+                   views: list[torch.Tensor] | None = None) -> None:  # fmt: skip
+        views = self.views if views is None else views
+        peers = self.peer_ranks
+        status, index = self.lib.wait_flags(
+            [self._flag(views, r, kind, slot) for r in peers], epoch & _EPOCH_MASK,
+            self.timeout, [self.pids[r] for r in peers], [self.starts[r] for r in peers],
+        )  # fmt: skip
+        if status == 0:
+            return
+        peer = peers[index]
+        why = (f"exited (pid {self.pids[peer]})" if status == _GONE else
+               f"did not arrive within the group's timeout ({self.timeout:g} s)")  # fmt: skip
+        self.broken = (f"rank {peer} of group {self.name!r} {why} during {operation} "
+                       f"(call {epoch}; this is rank {self.rank})")  # fmt: skip
+        raise ShmError(f"cgx2: the shared-memory transport: {self.broken}")
+
+
+_CHANNELS: dict[int, _Channel | None] = {}
+_OPENED: dict[str, int] = {}  # channels opened so far per group name: the same on every rank
+_OPEN_LOCK = threading.Lock()
+
+
+def _open(group: dist.ProcessGroup) -> _Channel | None:
+    """The group's channel, made collectively at its first call; None where the process group
+    serves instead (one rank, ranks on several hosts, no extension), decided alike on all."""
+    lib = extension.load()
+    world, rank = group_size_and_rank(group)
+    if lib is None or world < 2:
+        return None
+    store = dist.distributed_c10d._get_default_store()
+    count = _OPENED.get(group.group_name, 0)
+    _OPENED[group.group_name] = count + 1
+    prefix = f"cgx2/shm/{group.group_name}/{count}"
+    mine = {"host": _host_identity(), "pid": os.getpid(),
+            "start": lib.process_start_time(os.getpid()),
+            "token": secrets.token_hex(8) if rank == 0 else ""}  # fmt: skip
+    channel = _Channel(group, lib, store, prefix, "", [], [])
+    peers = [json.loads(a) for a in channel._agree("hello", json.dumps(mine))]
+    if len({p["host"] for p in peers}) > 1:
+        log.info("cgx2: group %r spans hosts: its collectives use the process group's "
+                 "transport, not shared memory", group.group_name)  # fmt: skip
+        return None
+    channel.token = peers[0]["token"]
+    channel.pids = [p["pid"] for p in peers]
+    channel.starts = [p["start"] for p in peers]
+    return channel
+
+
+def _channel(group: dist.ProcessGroup) -> _Channel | None:
+    key = id(group)
+    try:
+        return _CHANNELS[key]
+    except KeyError:
+        pass
+    with _OPEN_LOCK:
+        if key not in _CHANNELS:
+            channel = _open(group)
+            _CHANNELS[key] = channel
+            weakref.finalize(group, _drop, key)
+    return _CHANNELS[key]
+
+
+def _drop(key: int) -> None:
+    channel = _CHANNELS.pop(key, None)
+    if channel is not None:
+        channel.close()
+
+
+def serves(group: dist.ProcessGroup) -> bool:
+    """Whether ``group``'s calls ride shared memory (collective at the group's first call:
+    every rank must ask, or call a collective of this module)."""
+    return _channel(group) is not None
+
+
+def _fall_back(group: dist.ProcessGroup, channel: _Channel, why: str) -> None:
+    log.warning("cgx2: the shared-memory transport of group %r is unavailable (%s); its "
+                "collectives use the process group", channel.name, why)  # fmt: skip
+    channel.close()
+    _CHANNELS[id(group)] = None
+
+
+class _Work(dist.Work):
+    """A call whose payload is written; :meth:`wait` receives the peers' (once)."""
+
+    def __init__(self, finish: Callable[[], None]) -> None:
+        super().__init__()
+        self._finish: Callable[[], None] | None = finish
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
+        return True
+
+
+def wait(work: dist.Work | None) -> None:
+    """Wait for a call's Work, if it returned one (the process group's too)."""
+    if work is not None:
+        work.wait()
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _stage_in(region: torch.Tensor, source: torch.Tensor) -> None:
+    """Copy ``source`` into shared memory; on return the bytes are there for the peers."""
+    if source.is_cuda:
+        region.copy_(source, non_blocking=True)
+        torch.cuda.current_stream(source.device).synchronize()
+    else:
+        region.copy_(source)
+
+
+def _finish_reads(device: torch.device) -> None:
+    """Make copies out of shared memory complete before the slot is released to its owner."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+def _exchange(group: dist.ProcessGroup, send: torch.Tensor, operation: str,
+              receive: Callable[[_Channel, list[torch.Tensor], int, int], None],
+              fallback: Callable[[], dist.Work | None], async_op: bool) -> dist.Work | None:  # fmt: skip
+    """Write ``send`` into this rank's slot and return the Work that ``receive``s the peers'."""
+    channel = _channel(group)
+    if channel is None:
+        return fallback()
+    data = _bytes_of(send)
+    with channel.lock:
+        try:
+            epoch, slot, views = channel.begin(data.numel(), operation)
+        except _Fallback as e:
+            _fall_back(group, channel, str(e))
+            return fallback()
+        if send.is_cuda:
+            channel.register_cuda()
+        _stage_in(channel.region(views, channel.rank, slot, data.numel()), data)
+        channel.signal(views, _WRITTEN, slot, epoch)
+
+    def finish() -> None:
+        channel.wait_peers(_WRITTEN, slot, epoch, operation, views)
+        receive(channel, views, slot, data.numel())
+        _finish_reads(send.device)
+        channel.signal(views, _CONSUMED, slot, epoch)
+
+    work = _Work(finish)
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+def all_to_all(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
+               async_op: bool = True) -> dist.Work | None:  # fmt: skip
+    """Row j of ``send`` (``[world, P]``, contiguous) to rank j; rank j's row for us into row
+    j of ``out``: each rank reads its row from the others' slots."""
+
+    def receive(channel: _Channel, views: list[torch.Tensor], slot: int, nbytes: int) -> None:
+        rows, rank, row = out.view(channel.world, -1), channel.rank, nbytes // channel.world
+        for peer in channel.peer_ranks:
+            block = channel.region(views, peer, slot, nbytes)[rank * row : (rank + 1) * row]
+            rows[peer].view(torch.uint8).copy_(block, non_blocking=out.is_cuda)
+        rows[rank].copy_(send.view(channel.world, -1)[rank])
+
+    return _exchange(group, send, "all_to_all", receive,
+                     lambda: process_group.all_to_all(out, send, group, async_op), async_op)  # fmt: skip
+
+
+def all_gather(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
+               async_op: bool = True) -> dist.Work | None:  # fmt: skip
+    """Every rank's ``send`` (contiguous) into its slot of ``out``, in rank order."""
+
+    def receive(channel: _Channel, views: list[torch.Tensor], slot: int, nbytes: int) -> None:
+        rows = out.view(channel.world, -1)
+        for peer in channel.peer_ranks:
+            rows[peer].view(torch.uint8).copy_(channel.region(views, peer, slot, nbytes),
+                                               non_blocking=out.is_cuda)  # fmt: skip
+        rows[channel.rank].copy_(send.reshape(-1))
+
+    return _exchange(group, send, "all_gather", receive,
+                     lambda: process_group.all_gather(out, send, group, async_op), async_op)  # fmt: skip
+
+
+def allreduce_plain_(t: torch.Tensor, group: dist.ProcessGroup, reduce_op: str) -> torch.Tensor:
+    """The uncompressed allreduce (``"sum"``/``"avg"``) of contiguous ``t`` in place: each
+    rank writes ``t`` into its slot, sums one W-th of it from every slot (in rank order, so
+    the sum is the same bytes on every rank), publishes that, and copies the others' sums."""
+    channel = _channel(group) if group is not dist.GroupMember.NON_GROUP_MEMBER else None
+    if channel is None or not t.is_contiguous() or t.numel() == 0:
+        return process_group.allreduce_plain_(t, group, reduce_op)
+    flat = t.view(-1)
+    step = max(1, PLAIN_PIECE_BYTES // t.element_size())
+    with channel.lock:
+        for start in range(0, flat.numel(), step):
+            piece = flat[start : start + step]
+            try:
+                _reduce_piece(channel, piece, reduce_op)
+            except _Fallback as e:
+                _fall_back(group, channel, str(e))
+                process_group.allreduce_plain_(flat[start:], group, reduce_op)
+                break
+    return t
+
+
+def _reduce_piece(channel: _Channel, piece: torch.Tensor, reduce_op: str) -> None:
+    operation, world, rank = "allreduce", channel.world, channel.rank
+    nbytes = piece.numel() * piece.element_size()
+    epoch, slot, views = channel.begin(nbytes, operation)
+    if piece.is_cuda:
+        channel.register_cuda()
+    slots = [channel.region(views, r, slot, nbytes).view(piece.dtype) for r in range(world)]
+    _stage_in(slots[rank], piece)
+    channel.signal(views, _WRITTEN, slot, epoch)
+    bounds = [piece.numel() * r // world for r in range(world + 1)]
+    chunks = list(itertools.pairwise(bounds))
+    lo, hi = chunks[rank]
+    channel.wait_peers(_WRITTEN, slot, epoch, operation, views)
+    if hi > lo:
+        mine = piece[lo:hi]
+        if piece.is_cuda:
+            parts = [s[lo:hi].to(piece.device, non_blocking=True) for s in slots]
+        else:
+            parts = [s[lo:hi] for s in slots]
+        torch.add(parts[0], parts[1], out=mine)
+        for part in parts[2:]:
+            mine.add_(part)
+        if reduce_op == "avg":
+            mine.div_(world)
+        _stage_in(slots[rank][lo:hi], mine)
+    channel.signal(views, _REDUCED, slot, epoch)
+    channel.wait_peers(_REDUCED, slot, epoch, operation, views)
+    for peer in channel.peer_ranks:
+        a, b = chunks[peer]
+        if b > a:
+            piece[a:b].copy_(slots[peer][a:b], non_blocking=piece.is_cuda)
+    _finish_reads(piece.device)
+    channel.signal(views, _CONSUMED, slot, epoch)
+
+
+def _is_gloo_like(group: dist.ProcessGroup) -> bool:
+    return not group_info(group).cuda_on_nccl
