@@ -4,8 +4,9 @@ Level j of a row occupies bits ``[j*b, (j+1)*b)`` of a little-endian bit stream:
 eight levels l[0..7] forms w = sum(l[k] << (b*k)), stored as the b low bytes of w, least
 significant first, so every b in 1..8 packs with no waste. :func:`pack_levels` pads a row to
 whole groups (max-min buckets, see ``layout``); :func:`pack_stream` keeps only the bytes that
-hold levels (Global-QSGD's nibbles). The Triton kernels (``maxmin_triton._pack_store``) and the
-C++ loops (``csrc/maxmin_codec.cc``) write this format too; tests hold their bytes to these functions.
+hold levels (Global-QSGD's nibbles). The Triton kernels (``maxmin_triton._pack_store``) and
+the C++ loops (``csrc/maxmin_codec.cc``) write this format too; tests hold their bytes to these
+functions.
 """
 
 from __future__ import annotations

@@ -408,14 +408,12 @@ def _routes(t: torch.Tensor, group: dist.ProcessGroup, bucket_size: int) -> _Rou
     moves = transport(t.device, group)
     compressed = Route(True, where, pair, pieces, False, nccl_cuda, check and info.size > 1,
                        moves)  # fmt: skip
+    # A CUDA graph captures NCCL's kernels: its replay cannot wait on the host.
+    graphed = dataclasses.replace(compressed, graphs=True, transport=process_group)
     return _Routes(
         plain=dataclasses.replace(compressed, compress=False),
         compressed=compressed,
-        graphs=(
-            dataclasses.replace(compressed, graphs=True, transport=process_group)
-            if nccl_cuda
-            else None
-        ),  # fmt: skip
+        graphs=graphed if nccl_cuda else None,
         size=info.size,
         measured=_measured(t.device, t.dtype, info, group, config.tuning().cuda_graphs),
     )

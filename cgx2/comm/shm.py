@@ -350,7 +350,8 @@ def _finish_reads(device: torch.device) -> None:
 
 def _exchange(group: dist.ProcessGroup, send: torch.Tensor, operation: str,
               receive: Callable[[_Channel, list[torch.Tensor], int, int], None],
-              fallback: Callable[[], dist.Work | None], async_op: bool) -> dist.Work | None:  # fmt: skip
+              fallback: Callable[[], dist.Work | None],
+              async_op: bool) -> dist.Work | None:  # fmt: skip
     """Write ``send`` into this rank's slot and return the Work that ``receive``s the peers'."""
     channel = _channel(group)
     if channel is None:
@@ -392,8 +393,8 @@ def all_to_all(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
             rows[peer].view(torch.uint8).copy_(block, non_blocking=out.is_cuda)
         rows[rank].copy_(send.view(channel.world, -1)[rank])
 
-    return _exchange(group, send, "all_to_all", receive,
-                     lambda: process_group.all_to_all(out, send, group, async_op), async_op)  # fmt: skip
+    fallback = lambda: process_group.all_to_all(out, send, group, async_op)
+    return _exchange(group, send, "all_to_all", receive, fallback, async_op)
 
 
 def all_gather(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
@@ -407,8 +408,8 @@ def all_gather(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
                                                non_blocking=out.is_cuda)  # fmt: skip
         rows[channel.rank].copy_(send.reshape(-1))
 
-    return _exchange(group, send, "all_gather", receive,
-                     lambda: process_group.all_gather(out, send, group, async_op), async_op)  # fmt: skip
+    fallback = lambda: process_group.all_gather(out, send, group, async_op)
+    return _exchange(group, send, "all_gather", receive, fallback, async_op)
 
 
 def allreduce_plain_(t: torch.Tensor, group: dist.ProcessGroup, reduce_op: str) -> torch.Tensor:

@@ -45,15 +45,27 @@ def _run_pipelined(cases: list[tuple], piece_bytes: int, pair_gather: bool) -> l
 
 
 def _plain_equals_dist_all_reduce() -> list[bool]:
-    rank = dist.get_rank()
+    """Through the process group, bits 32 is ``dist.all_reduce``'s result; through shared
+    memory, the sum in rank order (each chunk summed by one rank, whose bytes all copy)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     results = []
     for dtype in DTYPES:
         x = _input(rank, 1000, dtype)
-        expected = x.clone()
-        dist.all_reduce(expected)
-        results.append(torch.equal(cgx2.quantized_allreduce(x, bits=32), expected))
-        results.append(torch.equal(cgx2.quantized_allreduce(x, 32, op=dist.ReduceOp.AVG),
-                                   expected / dist.get_world_size()))  # fmt: skip
+        with tuned(transport="process_group"):
+            expected = x.clone()
+            dist.all_reduce(expected)
+            results.append(torch.equal(cgx2.quantized_allreduce(x, bits=32), expected))
+            results.append(torch.equal(cgx2.quantized_allreduce(x, 32, op=dist.ReduceOp.AVG),
+                                       expected / world))  # fmt: skip
+        gathered = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(gathered, x)
+        in_order = gathered[0] + gathered[1]
+        for other in gathered[2:]:
+            in_order += other
+        with tuned(transport="shm"):
+            results.append(torch.equal(cgx2.quantized_allreduce(x, bits=32), in_order))
+            results.append(torch.equal(cgx2.quantized_allreduce(x, 32, op=dist.ReduceOp.AVG),
+                                       in_order / world))  # fmt: skip
     return results
 
 
@@ -230,6 +242,7 @@ def test_pipelined_pieces(dist2, dist4, world, pair_gather):
 
 
 def test_bits_32_is_the_plain_allreduce_exactly(dist2, dist4):
+    """No value is quantized: the transport's own sum, exactly."""
     assert all(all(r) for r in dist2.run(_plain_equals_dist_all_reduce))
     assert all(all(r) for r in dist4.run(_plain_equals_dist_all_reduce))
 

@@ -1,6 +1,6 @@
 """A peer that dies or stops in the middle of a collective: the survivor raises, within the
 group's timeout, in the op, in DDP's backward (the hook's worker thread included) and in the
-``cgx`` backend; it never hangs."""
+``cgx`` backend, over shared memory and over the process group; it never hangs."""
 
 import datetime
 import os
@@ -56,24 +56,26 @@ def _collective(scenario: str) -> None:
         dist.all_reduce(torch.randn(1 << 16), group=group)
 
 
-def _rank(rank: int, port: int, scenario: str, fault: str, results) -> None:
+def _rank(rank: int, port: int, scenario: str, fault: str, transport: str, results) -> None:
     torch.set_num_threads(1)
+    os.environ["CGX2_TRANSPORT"] = transport
     timeout = datetime.timedelta(seconds=TIMEOUT_S)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2, timeout=timeout)  # fmt: skip
-    from cgx2.comm import process_group
+    from cgx2.comm import process_group, shm
 
     _collective(scenario)  # both alive: it works
     dist.barrier()
     if rank == 1:
         # Die (or stop) inside the collective: after its first exchange, before the next.
-        original = process_group.wait
+        module = shm if transport == "shm" else process_group
+        original = module.wait
 
         def wait_then_fail(work):
             original(work)
             os.kill(os.getpid(), signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
 
-        with mock.patch.object(process_group, "wait", wait_then_fail):
+        with mock.patch.object(module, "wait", wait_then_fail):
             _collective(scenario)
         return
     start = time.monotonic()
@@ -88,12 +90,13 @@ def _rank(rank: int, port: int, scenario: str, fault: str, results) -> None:
     os._exit(0)  # the peer is gone: do not wait on it at exit
 
 
+@pytest.mark.parametrize("transport", ["shm", "process_group"])
 @pytest.mark.parametrize("fault", ["killed", "stopped"])
 @pytest.mark.parametrize("scenario", SCENARIOS)
-def test_the_survivor_raises_within_the_timeout(scenario, fault):
+def test_the_survivor_raises_within_the_timeout(scenario, fault, transport):
     ctx = mp.get_context("spawn")
     results, port = ctx.Queue(), _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, scenario, fault, results))
+    procs = [ctx.Process(target=_rank, args=(r, port, scenario, fault, transport, results))
              for r in range(2)]  # fmt: skip
     for p in procs:
         p.start()
@@ -110,3 +113,6 @@ def test_the_survivor_raises_within_the_timeout(scenario, fault):
         # The collective says what failed: the quantized allreduce, its size, this rank.
         assert "cgx2: the quantized allreduce of" in outcome, outcome
         assert "this is rank 0" in outcome, outcome
+    if transport == "shm" and scenario != "fsdp":  # the transport names the peer and why
+        why = "exited (pid" if fault == "killed" else "did not arrive within the group's timeout"
+        assert "rank 1 of group" in outcome and why in outcome, outcome

@@ -1,0 +1,263 @@
+"""The shared-memory transport: the reference's bytes through it, private segments that are
+gone once mapped, several groups at once, stale and hostile files, and the process group where
+the extension is absent or a group spans hosts."""
+
+import glob
+import logging
+import os
+import stat
+import uuid
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import cgx2
+from cgx2 import collectives, extension
+from cgx2.collectives import policy, reference_allreduce
+from cgx2.comm import process_group, shm
+from cgx2.config import tuned
+
+pytestmark = pytest.mark.skipif(not shm.available(), reason="cgx2._C was not built here")
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _input(rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + rank)
+    return (torch.randn(n, generator=g) * (rank + 1)).to(dtype)
+
+
+def _cgx2_files() -> list[str]:
+    return glob.glob(f"/dev/shm/cgx2-{os.geteuid()}-*")
+
+
+def _reference_bytes(cases) -> list[tuple[bool, bool, bool]]:
+    """Each case through shared memory: the reference's bytes, bit-identical on every rank
+    (compared by the caller), and the process group's bytes too."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD
+    found = []
+    for bits, dtype, n, op in cases:
+        x = _input(rank, n, dtype)
+        inputs = [_input(r, n, dtype) for r in range(world)]
+        with tuned(transport="shm", crossover_bytes=0):
+            assert policy.route(x, group, bits, 512).transport is shm
+            got = collectives.allreduce(x, bits, 512, group, op, seed=7)
+        with tuned(transport="process_group", crossover_bytes=0):
+            assert policy.route(x, group, bits, 512).transport is process_group
+            over_gloo = collectives.allreduce(x, bits, 512, group, op, seed=7)
+        want = reference_allreduce(inputs, bits, 512, seed=7, reduce_op=op)
+        found.append((torch.equal(got.view(torch.uint8), want.view(torch.uint8)),
+                      torch.equal(got.view(torch.uint8), over_gloo.view(torch.uint8)),
+                      shm.serves(group)))  # fmt: skip
+    return found
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_scatter_reduce_allgather_is_the_references_bytes(dist2, dist4, world):
+    pool = dist2 if world == 2 else dist4
+    cases = [(bits, dtype, n, op) for bits, dtype in ((4, torch.float32), (2, torch.bfloat16),
+                                                      (8, torch.float16), (3, torch.float64))
+             for n in (1, 513, 70_001) for op in ("sum", "avg")]  # fmt: skip
+    results = pool.run(_reference_bytes, cases)
+    for rank_results in results:
+        assert all(all(r) for r in rank_results), rank_results
+
+
+def _plain_sums(n: int) -> list[bool]:
+    """The uncompressed allreduce through shared memory: the sum in rank order (dtype by
+    dtype), pieces of a long tensor included."""
+    world = dist.get_world_size()
+    found = []
+    for dtype in DTYPES:
+        x = _input(dist.get_rank(), n, dtype)
+        gathered = [_input(r, n, dtype) for r in range(world)]
+        want = gathered[0] + gathered[1]
+        for other in gathered[2:]:
+            want += other
+        with mock.patch.object(shm, "PLAIN_PIECE_BYTES", 4096):  # several pieces
+            got = shm.allreduce_plain_(x.clone(), dist.group.WORLD, "sum")
+        found.append(torch.equal(got, want))
+    ints = torch.arange(10, dtype=torch.int64) * (dist.get_rank() + 1)
+    found.append(torch.equal(shm.allreduce_plain_(ints, dist.group.WORLD, "sum"),
+                             torch.arange(10) * sum(range(1, world + 1))))  # fmt: skip
+    return found
+
+
+def test_the_plain_allreduce_sums_in_rank_order(dist2, dist4):
+    for pool in (dist2, dist4):
+        assert all(all(r) for r in pool.run(_plain_sums, 10_007))
+
+
+def _segments_are_private_and_unlinked() -> tuple[list[str], list[int]]:
+    group = dist.new_group(list(range(dist.get_world_size())))
+    x = torch.randn(100_000)
+    with tuned(transport="shm"):
+        shm.allreduce_plain_(x, group, "sum")
+    left = _cgx2_files()
+    modes = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if "/dev/shm/cgx2-" in line:
+                assert line.rstrip().endswith("(deleted)"), line
+                span = line.split()[0]
+                modes.append(stat.S_IMODE(os.stat(f"/proc/self/map_files/{span}").st_mode))
+    dist.destroy_process_group(group)
+    return left, modes
+
+
+def test_segments_are_0600_and_unlinked_once_mapped(dist2):
+    if os.geteuid() != 0:
+        pytest.skip("/proc/self/map_files needs root")
+    for left, modes in dist2.run(_segments_are_private_and_unlinked):
+        assert left == []  # nothing in /dev/shm while the job runs
+        assert modes and all(m == 0o600 for m in modes), modes
+
+
+def test_a_segment_is_created_0600_whatever_the_umask():
+    lib = extension.load()
+    name = f"/cgx2-test-{uuid.uuid4().hex}"
+    old = os.umask(0)
+    try:
+        segment = lib.Segment.create(name, 8192)
+        assert stat.S_IMODE(os.stat(f"/dev/shm{name}").st_mode) == 0o600
+        with pytest.raises(FileExistsError):
+            lib.Segment.create(name, 8192)  # never takes over an existing one
+        view = torch.frombuffer(segment.memoryview(), dtype=torch.uint8)
+        view.fill_(7)
+        again = lib.Segment.open(name, 8192)
+        assert torch.frombuffer(again.memoryview(), dtype=torch.uint8).eq(7).all()
+    finally:
+        os.umask(old)
+        assert lib.Segment.unlink(name)
+    assert not lib.Segment.unlink(name)
+
+
+@pytest.mark.parametrize("mode, message", [(0o644, "open to other users"),
+                                           (0o660, "open to other users")])  # fmt: skip
+def test_a_segment_others_could_write_is_refused(mode, message):
+    lib = extension.load()
+    name = f"/cgx2-test-{uuid.uuid4().hex}"
+    fd = os.open(f"/dev/shm{name}", os.O_CREAT | os.O_RDWR, mode)
+    os.fchmod(fd, mode)
+    os.ftruncate(fd, 8192)
+    os.close(fd)
+    try:
+        with pytest.raises(PermissionError, match=message):
+            lib.Segment.open(name, 8192)
+        if os.geteuid() == 0:
+            os.chmod(f"/dev/shm{name}", 0o600)
+            os.chown(f"/dev/shm{name}", 12345, 12345)
+            with pytest.raises(PermissionError, match="owned by another user"):
+                lib.Segment.open(name, 8192)
+    finally:
+        os.unlink(f"/dev/shm{name}")
+
+
+def _two_groups() -> list[bool]:
+    """Two groups of the same ranks, their calls interleaved, and a pipeline's calls in flight
+    on each: every result is the process group's."""
+    world = dist.get_world_size()
+    other = dist.new_group(list(range(world)))
+    found = []
+    for i in range(6):
+        x = _input(dist.get_rank() + i, 50_000, torch.float32)
+        results = {}
+        for transport in ("shm", "process_group"):
+            with tuned(transport=transport, crossover_bytes=0, pipeline_bytes=4 * 512 * world):
+                a = collectives.allreduce(x, 4, 512, dist.group.WORLD, seed=i)
+                b = collectives.allreduce(x * 2, 4, 512, other, seed=i)
+                c = shm.allreduce_plain_(x.clone(), other, "avg") if transport == "shm" else None
+            results[transport] = (a, b, c)
+        found.append(torch.equal(results["shm"][0], results["process_group"][0]))
+        found.append(torch.equal(results["shm"][1], results["process_group"][1]))
+        exact = x.clone()
+        dist.all_reduce(exact)
+        found.append(torch.allclose(results["shm"][2], exact / world, rtol=1e-6, atol=1e-6))
+    found.append(shm.serves(other) and shm.serves(dist.group.WORLD))
+    dist.destroy_process_group(other)
+    return found
+
+
+def test_two_groups_at_once(dist2, dist4):
+    for pool in (dist2, dist4):
+        assert all(all(r) for r in pool.run(_two_groups))
+
+
+def _without_the_extension() -> tuple[bool, bool, str]:
+    """``cgx2._C`` missing: routes take the process group, results are unchanged, the
+    warning says so once."""
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("cgx2").addHandler(handler)
+    real_import = __import__("importlib").import_module
+
+    def no_extension(name, *args):
+        if name == "cgx2._C":
+            raise ImportError("No module named 'cgx2._C'")
+        return real_import(name, *args)
+
+    x = _input(dist.get_rank(), 10_000, torch.float32)
+    with tuned(crossover_bytes=0):
+        with_it = cgx2.quantized_allreduce(x, 4, seed=3)
+    try:
+        extension.load.cache_clear()
+        with mock.patch("importlib.import_module", no_extension), tuned(crossover_bytes=0):
+            route = policy.route(x, dist.group.WORLD, 4, 512)
+            without = cgx2.quantized_allreduce(x, 4, seed=3)
+            cgx2.quantized_allreduce(x, 4, seed=4)
+    finally:
+        logging.getLogger("cgx2").removeHandler(handler)
+        extension.load.cache_clear()
+        policy.clear_caches()
+    warnings = [r.getMessage() for r in records if "cgx2._C is missing" in r.getMessage()]
+    return route.transport is process_group, torch.equal(with_it, without), warnings
+
+
+def test_without_the_extension_the_process_group_carries_it(dist2):
+    for uses_process_group, same, warnings in dist2.run(_without_the_extension):
+        assert uses_process_group and same
+        assert len(warnings) == 1 and "shared-memory transport is off" in warnings[0]
+
+
+def _a_taken_name(token: str) -> tuple[bool, list[str]]:
+    """A file already at this job's segment name (a stale one planted with its token): every
+    rank agrees to use the process group; the call still returns the right sum."""
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("cgx2").addHandler(handler)
+    group = dist.new_group(list(range(dist.get_world_size())))
+    try:
+        with mock.patch.object(shm.secrets, "token_hex", lambda n: token):
+            x = torch.full((1000,), float(dist.get_rank() + 1))
+            got = shm.allreduce_plain_(x, group, "sum")
+    finally:
+        logging.getLogger("cgx2").removeHandler(handler)
+    served = shm.serves(group)
+    dist.destroy_process_group(group)
+    return (torch.equal(got, torch.full((1000,), 3.0)) and not served,
+            [r.getMessage() for r in records if "unavailable" in r.getMessage()])  # fmt: skip
+
+
+def test_a_stale_segment_does_not_stop_the_next_job(dist2):
+    token = uuid.uuid4().hex[:16]
+    stale = f"/dev/shm/cgx2-{os.geteuid()}-{token}-1-1"
+    with open(stale, "wb") as f:  # what a killed job could have left, with our very name
+        f.write(b"\0" * 4096)
+    os.chmod(stale, 0o600)
+    try:
+        for ok, warnings in dist2.run(_a_taken_name, token):
+            assert ok
+            assert len(warnings) == 1 and "File exists" in warnings[0], warnings
+    finally:
+        os.unlink(stale)
+
+
+def test_the_transport_is_a_transport():
+    from cgx2.comm import Transport
+
+    assert isinstance(shm, Transport)
