@@ -1,6 +1,8 @@
 """GPU check of CUDA tensors on a gloo group (ranks may share one GPU): the quantized allreduce
-equals the reference model bit for bit; ranks that disagree raise; the gradient flows; DDP's
-hooks give the same gradients on the group's worker thread as on autograd's (CUDA streams).
+equals the reference model bit for bit through both transports (shared memory: pinned, mapped
+segments; the process group); the plain one sums in rank order; ranks that disagree raise; the
+gradient flows; DDP's hooks give the same gradients on the group's worker thread as on
+autograd's (CUDA streams).
 
 Run: ``torchrun --nproc-per-node 2 bench/gpu_gloo_check.py``; exits 1 on any failure. Rank 0
 prints one line a check and writes gpu_gloo_check_<device>_<regime>_w<W>_<date>.json.
@@ -20,8 +22,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import cgx2
 from cgx2.bench import report
-from cgx2.collectives import reference_allreduce
+from cgx2.collectives import policy, reference_allreduce
 from cgx2.collectives.agreement import DisagreementError
+from cgx2.comm import shm
 from cgx2.ddp import CGXState, cgx_hook
 from cgx2.ddp import global_qsgd as gq
 from cgx2.seeding import call_seed
@@ -38,14 +41,34 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 def allreduce_checks(rank: int, world: int, dev: torch.device) -> dict[str, bool]:
     ok = {}
+    for transport in ("shm", "process_group"):
+        with cgx2.config.tuned(crossover_bytes=0, transport=transport):
+            for dtype in (torch.float32, torch.bfloat16):
+                for n in (1000, 3_000_017):
+                    cgx2.manual_seed(7)
+                    y = cgx2.quantized_allreduce(_input(rank, n, dtype).to(dev), 4)
+                    model = reference_allreduce([_input(r, n, dtype) for r in range(world)], 4,
+                                                512, call_seed(7, 0))  # fmt: skip
+                    ok[f"{transport}: allreduce {dtype} n={n} == model"] = torch.equal(
+                        _bits(y.cpu()), _bits(model))  # fmt: skip
+    group = dist.group.WORLD
+    ok["shm: the route's transport for these tensors"] = policy.route(
+        _input(rank, 8).to(dev), group, 4, 512
+    ).transport is shm and shm.serves(group)
+    channel = shm._channel(group)
+    ok["shm: segments pinned (cudaHostRegister)"] = dev.type != "cuda" or all(
+        v.is_pinned() for v in channel.views
+    )
+    for dtype in (torch.float32, torch.bfloat16):
+        n = 5_000_011  # pieces of PLAIN_PIECE_BYTES
+        parts = [_input(r, n, dtype) for r in range(world)]
+        want = parts[0] + parts[1]
+        for other in parts[2:]:
+            want += other
+        got = shm.allreduce_plain_(_input(rank, n, dtype).to(dev), group, "sum")
+        ok[f"shm: plain allreduce {dtype} == the rank-order sum"] = torch.equal(
+            _bits(got.cpu()), _bits(want))  # fmt: skip
     with cgx2.config.tuned(crossover_bytes=0):
-        for dtype in (torch.float32, torch.bfloat16):
-            for n in (1000, 3_000_017):
-                cgx2.manual_seed(7)
-                y = cgx2.quantized_allreduce(_input(rank, n, dtype).to(dev), 4)
-                model = reference_allreduce([_input(r, n, dtype) for r in range(world)], 4, 512,
-                                            call_seed(7, 0))  # fmt: skip
-                ok[f"allreduce {dtype} n={n} == model"] = torch.equal(_bits(y.cpu()), _bits(model))
         try:
             cgx2.quantized_allreduce(torch.ones(1024 if rank == 0 else 1000, device=dev), 4)
             ok["disagreeing numel raises"] = False

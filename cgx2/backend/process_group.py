@@ -22,7 +22,7 @@ from ..checks import UNCOMPRESSED_BITS
 from ..collectives import agreement, policy
 from ..collectives.fusion import allreduce_fused_, fusion_batches, padded_numel, ring_bytes_sent
 from ..collectives.hierarchical import hierarchical_allreduce_fused_, node_mesh
-from ..comm import CompletedWork
+from ..comm import CompletedWork, shm
 from ..config import CGXConfig, compression_from_env
 
 __all__ = ["BACKEND_NAME", "CGXProcessGroup", "register_backend"]
@@ -230,6 +230,16 @@ class CGXProcessGroup(dist.ProcessGroup):
                 list(tensors), bits, bucket_size, mesh, op, self.config.intra_broadcast
             )
 
+    def _rides_shared_memory(self, tensors: list[torch.Tensor], op: dist.ReduceOp,
+                             floats: bool) -> bool:  # fmt: skip
+        """Whether a plain allreduce goes through shared memory (the policy's transport for
+        the tensor, a group on one host): one contiguous tensor, summed or averaged (floats)."""
+        if len(tensors) != 1 or not tensors[0].is_contiguous():
+            return False
+        if op != dist.ReduceOp.SUM and not (op == dist.ReduceOp.AVG and floats):
+            return False
+        return policy.transport(tensors[0].device, self) is shm and shm.serves(self)
+
     def _delegate(self, tensors: list[torch.Tensor], op: dist.ReduceOp) -> dist.Work:
         """The backend's own allreduce, exact; AVG on gloo (which lacks it) sums and divides."""
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
@@ -237,6 +247,9 @@ class CGXProcessGroup(dist.ProcessGroup):
         self.bytes_sent += ring_bytes_sent(nbytes, self.size())
         backend = self.backend_for(tensors[0])
         floats = all(t.is_floating_point() for t in tensors)
+        if self._rides_shared_memory(tensors, op, floats):
+            shm.allreduce_plain_(tensors[0], self, "avg" if op == dist.ReduceOp.AVG else "sum")
+            return CompletedWork(tensors)
         if op == dist.ReduceOp.AVG and tensors[0].device.type == "cpu" and floats:
             backend.allreduce(tensors, dist.AllreduceOptions()).wait()  # SUM
             for t in tensors:

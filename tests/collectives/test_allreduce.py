@@ -10,7 +10,6 @@ from bounds import FP32_EPS, allreduce_bound
 
 import cgx2
 from cgx2.collectives import allreduce_, policy, reference_allreduce
-from cgx2.comm import process_group as transport
 from cgx2.config import tuned
 
 # The module, which the package's function of the same name hides.
@@ -416,10 +415,11 @@ def test_call_seed_stream_restarts_resumes_and_rejects_foreign_state():
         seeding.set_state(torch.Generator().get_state())
 
 
-def _collective_modes() -> list[list[bool]]:
-    """The async_op each pipeline collective got: one piece, one piece with error feedback,
-    three pieces; each call's result checked against the model."""
+def _collective_modes(name: str) -> list[list[bool]]:
+    """The async_op each pipeline collective of transport ``name`` got: one piece, one piece
+    with error feedback, three pieces; each call's result checked against the model."""
     seen: list[bool] = []
+    transport = importlib.import_module(f"cgx2.comm.{name}")
     all_to_all, all_gather = transport.all_to_all, transport.all_gather
 
     def record(fn):
@@ -435,7 +435,7 @@ def _collective_modes() -> list[list[bool]]:
     try:
         rank = dist.get_rank()
         for piece_bytes, with_error in ((None, False), (None, True), (4 * 1024 * 4, False)):
-            with tuned(pipeline_bytes=piece_bytes):
+            with tuned(pipeline_bytes=piece_bytes, transport=name):
                 seen.clear()
                 x = torch.randn(3 * 4096, generator=torch.Generator().manual_seed(rank))
                 error = torch.empty_like(x) if with_error else None
@@ -449,19 +449,22 @@ def _collective_modes() -> list[list[bool]]:
     return modes
 
 
-def test_collectives_overlap_only_where_there_is_something_to_overlap(dist2):
+@pytest.mark.parametrize("name", ["process_group", "shm"])
+def test_collectives_overlap_only_where_there_is_something_to_overlap(dist2, name):
     """One piece, nothing to overlap: its collectives run on the caller's stream (less host
     time on NCCL); with error feedback (decoded while the chunks travel) or several pieces,
     asynchronously. The bytes are the model's either way."""
-    for modes in dist2.run(_collective_modes):
+    for modes in dist2.run(_collective_modes, name):
         assert modes == [[False, False], [True, True], [True] * 6]
 
 
 def _gathered_in_place() -> list[bool]:
     """Each piece's all-gather with ``gather_in_place`` forced (what a group on NCCL gets):
     whether its input is its output's slot of this rank, the result checked against the
-    model (gloo gathers in place too)."""
+    model (gloo and shared memory gather in place too)."""
     slots: list[bool] = []
+    from cgx2.comm import process_group as transport
+
     all_gather, make_run = transport.all_gather, pipeline._make_run
 
     def record(out, send, group, async_op=True):
@@ -476,7 +479,7 @@ def _gathered_in_place() -> list[bool]:
 
     transport.all_gather, pipeline._make_run = record, in_place
     try:
-        with tuned(pipeline_bytes=4 * 1024 * 4, pair_gather=False):
+        with tuned(pipeline_bytes=4 * 1024 * 4, pair_gather=False, transport="process_group"):
             rank, n = dist.get_rank(), 3 * 4096 + 77
             inputs = [torch.randn(n, generator=torch.Generator().manual_seed(r))
                       for r in range(dist.get_world_size())]  # fmt: skip
