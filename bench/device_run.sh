@@ -15,14 +15,21 @@
 # ..." profiles those kernels with Nsight Compute (bench/kernel_profile.py: issue rate, stalls,
 # instructions per value); TIMELINE_REGIMES="shm ..." prints a 256 MiB allreduce's GPU timeline;
 # GLOO_DDP_RATES="10gbit 1gbit" times DDP steps of two hosts sharing GPU 0 over gloo (carry .iproute).
+# SKIP_TRANSPORTS=1 leaves out bench/transports.py (two ranks on GPU 0, CUDA and CPU tensors:
+# shared memory against gloo; TRANSPORT_ARGS for it). With several GPUs, cgx2.bench's table
+# has shared memory's columns (CGX2_TRANSPORT=shm for CUDA tensors on NCCL) beside NCCL's.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-bench/results}
 LOGS=$OUT/logs; mkdir -p "$LOGS"
+# cgx2._C (csrc/): built in place with the image's pybind11 and setuptools (nothing is fetched).
+python3 setup.py -q build_ext --inplace >"$LOGS/build_ext.log" 2>&1 \
+  || { echo "cgx2._C did not build:"; tail -n 20 "$LOGS/build_ext.log"; status_build=1; }
+python3 -c "import cgx2._C" || echo "FAIL cgx2._C does not import"
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
-status=0
+status=${status_build:-0}
 if [ -z "${SKIP_KERNELS:-}" ]; then
   python3 bench/gpu_check.py "$@" 2>"$LOGS/gpu_check.err" | tail -n 45 || status=1
   python3 bench/gpu_exponential_check.py 2>"$LOGS/exp_check.err" | tail -n 12 || status=1
@@ -52,6 +59,13 @@ regime_vars() {
 if [ -z "${SKIP_CHECKS:-}" ]; then  # two ranks on GPU 0 over gloo: CUDA tensors without NCCL
   torchrun --nproc-per-node 2 bench/gpu_gloo_check.py 2>"$LOGS/gloo_check.err" | tail -n 12 \
     || status=1
+fi
+if [ -z "${SKIP_TRANSPORTS:-}" ]; then  # two ranks on GPU 0: shared memory against gloo
+  torchrun --nproc-per-node 2 bench/transports.py --device cuda --out bench/results \
+    ${TRANSPORT_ARGS:-} 2>"$LOGS/transports_cuda.err" | tail -n 14 || status=1
+  torchrun --nproc-per-node 2 bench/transports.py --device cpu --out bench/results \
+    ${TRANSPORT_ARGS:-} 2>"$LOGS/transports_cpu.err" | tail -n 14 || status=1
+  save
 fi
 if [ "$NGPU" -ge 2 ] && [ -z "${SKIP_CHECKS:-}" ]; then
   torchrun --nproc-per-node "$NGPU" bench/gpu_allreduce_check.py 2>"$LOGS/ar_check.err" \

@@ -166,6 +166,12 @@ def _bench_size(
         def quantized(bits: int = bits) -> None:
             cgx2.quantized_allreduce(x, bits, op="avg", bucket_size=args.bucket_size)
 
+        shm_ms = shm_plain_ms = None
+        if args.shm:  # the same calls with shared memory moving the bytes
+            with config.tuned(crossover_bytes=0, transport="shm"):
+                shm_ms = timer(quantized)
+            op = "avg" if plain_op == dist.ReduceOp.AVG else "sum"
+            shm_plain_ms = timer(lambda op=op: comm.shm.allreduce_plain_(buf, dist.group.WORLD, op))
         sol_ms = timer(speed_of_light)
         sol_a2a_ms = timer(lambda: speed_of_light(pair=False)) if pair_gather else sol_ms
         with config.tuned(crossover_bytes=0):  # always quantize: what the codec and pipeline cost
@@ -205,6 +211,8 @@ def _bench_size(
             "speedup_vs_plain": plain_ms / cgx_ms,
             "fraction_of_sol": sol_ms / cgx_ms,
             "cast_speedup_vs_plain": None if cast_ms is None else plain_ms / cast_ms,
+            "cgx2_shm_ms": shm_ms, "shm_plain_ms": shm_plain_ms,
+            "shm_plain_speedup": None if shm_plain_ms is None else plain_ms / shm_plain_ms,
             "cgx2_graphs_ms": graphs_ms,
             "graphs_speedup_vs_plain": None if graphs_ms is None else plain_ms / graphs_ms,
             "graphs_fraction_of_sol": None if graphs_ms is None else sol_ms / graphs_ms,
@@ -237,6 +245,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     timer = Timer(device, args.warmup, args.iters, args.calls)
+    # Shared memory's columns where the ranks share a host (every rank asks: collective).
+    args.shm = comm.shm.available() and comm.shm.serves(dist.group.WORLD)
     progress = Progress()
     rows = [
         row
@@ -248,9 +258,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {"env": environment(device, dist.get_world_size()), "args": vars(args), "rows": rows}
 
 
-def columns(backend: str, cuda_graphs: bool = False) -> list[tuple[str, str, str, str]]:
+def columns(backend: str, cuda_graphs: bool = False,
+            shm: bool = False) -> list[tuple[str, str, str, str]]:  # fmt: skip
     """The table's columns, ``(row key, header, format spec, meaning)``, named after the
-    process group's ``backend`` (as the table prints it: NCCL, gloo...)."""
+    process group's ``backend`` (as the table prints it: NCCL, gloo...); ``shm``: the
+    shared-memory transport's too."""
     cols = [
         ("dtype", "dtype", "", "the tensor's element type"),
         ("size", "size", "", "the tensor's size in bytes (K, M, G: KiB, MiB, GiB)"),
@@ -284,6 +296,15 @@ def columns(backend: str, cuda_graphs: bool = False) -> list[tuple[str, str, str
         ("auto_vs_plain", "auto speedup", ".2f",
          f"{backend}'s allreduce time / auto's, the two timed in turn"),
     ]  # fmt: skip
+    if shm:
+        cols += [
+            ("cgx2_shm_ms", "cgx2 shm ms", ".3f",
+             "cgx2 ms with shared memory moving the bytes (CGX2_TRANSPORT=shm; "
+             "docs/transports.md)"),
+            ("shm_plain_ms", "shm plain ms", ".3f",
+             "the uncompressed allreduce through shared memory"),
+            ("shm_plain_speedup", "shm plain speedup", ".2f", f"{backend} ms / shm plain ms"),
+        ]  # fmt: skip
     if cuda_graphs:
         cols += [
             ("cgx2_graphs_ms", "graphs ms", ".3f",
@@ -388,7 +409,7 @@ def _main(args: argparse.Namespace) -> int:
         report = run(args)
         if dist.get_rank() == 0:
             name = dist.get_backend()
-            cols = columns(BACKEND_NAMES.get(name, name), args.cuda_graphs)
+            cols = columns(BACKEND_NAMES.get(name, name), args.cuda_graphs, args.shm)
             print(format_table(report["rows"], [c[:3] for c in cols]))
             print("\nColumns:")
             print(format_legend([(c[1], c[3]) for c in cols]))
