@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .. import config
 from ..checks import check_bits, check_bucket_size, check_float_tensor, check_reduce_op
-from ..comm import all_gather_single, reduce_scatter_single
+from . import policy
 from .allreduce import allreduce
 from .fusion import quantized_bytes_sent, reduce_fused_, ring_bytes_sent
 
@@ -74,9 +74,10 @@ def hierarchical_allreduce(
         staged = torch.zeros(padded, dtype=t.dtype, device=t.device)
         staged[: flat.numel()] = flat
         shard = torch.empty(padded // local, dtype=t.dtype, device=t.device)
-        reduce_scatter_single(shard, staged, group=intra)
+        inside = policy.transport(t.device, intra)  # shared memory, where the node's is
+        inside.reduce_scatter_plain(shard, staged, intra)
         shard = allreduce(shard, bits, bucket_size, inter, "sum", seed)
-        all_gather_single(staged, shard, group=intra)
+        inside.wait(inside.all_gather(staged, shard, intra, async_op=False))
         out = staged[: flat.numel()]
     if reduce_op == "avg":
         out = out / mesh.size()

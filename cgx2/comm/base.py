@@ -40,6 +40,12 @@ class Transport(Protocol):
         """The uncompressed allreduce (``"sum"``/``"avg"``) of contiguous ``t``, in place."""
         ...
 
+    def reduce_scatter_plain(self, out: torch.Tensor, inp: torch.Tensor,
+                             group: dist.ProcessGroup) -> None:  # fmt: skip
+        """The uncompressed reduce-scatter (sum) of ``inp`` (``world`` equal chunks) into
+        ``out`` (this rank's chunk)."""
+        ...
+
     def group_size_and_rank(self, group: dist.ProcessGroup) -> tuple[int, int]:
         """The group's size and this process's rank in it."""
         ...

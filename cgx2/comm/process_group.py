@@ -22,6 +22,7 @@ __all__ = [
     "allreduce_plain_",
     "group_info",
     "group_size_and_rank",
+    "reduce_scatter_plain",
     "reduce_scatter_single",
     "wait",
 ]
@@ -149,6 +150,12 @@ def allreduce_plain_(t: torch.Tensor, group: dist.ProcessGroup, reduce_op: str) 
     if reduce_op == "avg" and not native_avg:
         t.div_(info.size)
     return t
+
+
+def reduce_scatter_plain(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """The uncompressed reduce-scatter (sum) of ``inp`` (``world`` equal chunks) into ``out``
+    (this rank's chunk)."""
+    reduce_scatter_single(out, inp, group=group)
 
 
 class CompletedWork(dist.Work):

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from .. import extension
 from . import process_group
-from .process_group import group_info, group_size_and_rank
+from .process_group import group_size_and_rank
 
 __all__ = [
     "SLOTS",
@@ -42,6 +42,7 @@ __all__ = [
     "allreduce_plain_",
     "available",
     "group_size_and_rank",
+    "reduce_scatter_plain",
     "serves",
     "wait",
 ]
@@ -468,5 +469,37 @@ def _reduce_piece(channel: _Channel, piece: torch.Tensor, reduce_op: str) -> Non
     channel.signal(views, _CONSUMED, slot, epoch)
 
 
-def _is_gloo_like(group: dist.ProcessGroup) -> bool:
-    return not group_info(group).cuda_on_nccl
+def reduce_scatter_plain(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """The uncompressed reduce-scatter (sum) of contiguous ``inp`` (``world`` equal chunks)
+    into ``out`` (one chunk): each rank writes ``inp`` into its slot and sums its own chunk
+    from every slot, in rank order."""
+    channel = _channel(group)
+    if channel is None or not inp.is_contiguous() or inp.numel() == 0:
+        process_group.reduce_scatter_plain(out, inp, group)
+        return
+    nbytes, m = inp.numel() * inp.element_size(), out.numel()
+    with channel.lock:
+        try:
+            epoch, slot, views = channel.begin(nbytes, "reduce_scatter")
+        except _Fallback as e:
+            _fall_back(group, channel, str(e))
+            process_group.reduce_scatter_plain(out, inp, group)
+            return
+        if inp.is_cuda:
+            channel.register_cuda()
+        slots = [
+            channel.region(views, r, slot, nbytes).view(inp.dtype) for r in range(channel.world)
+        ]
+        _stage_in(slots[channel.rank], inp.reshape(-1))
+        channel.signal(views, _WRITTEN, slot, epoch)
+        channel.wait_peers(_WRITTEN, slot, epoch, "reduce_scatter", views)
+        lo = channel.rank * m
+        parts = [s[lo : lo + m] for s in slots]
+        if inp.is_cuda:
+            parts = [part.to(inp.device, non_blocking=True) for part in parts]
+        flat = out.view(-1)
+        torch.add(parts[0], parts[1], out=flat)
+        for part in parts[2:]:
+            flat.add_(part)
+        _finish_reads(inp.device)
+        channel.signal(views, _CONSUMED, slot, epoch)

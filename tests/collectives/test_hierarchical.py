@@ -17,16 +17,23 @@ def _input(rank: int, n: int) -> torch.Tensor:
 
 
 def _run(n: int, intra_broadcast: bool, op: str) -> dict:
+    from unittest import mock
+
+    from cgx2.comm import shm
+
     os.environ["LOCAL_WORLD_SIZE"] = "2"
     try:
         mesh = node_mesh("cpu")
     finally:
         del os.environ["LOCAL_WORLD_SIZE"]
     x = _input(dist.get_rank(), n)
-    out = hierarchical_allreduce(x, 4, mesh, op=op, bucket_size=128,
-                                 intra_broadcast=intra_broadcast, seed=5)  # fmt: skip
+    inside = mock.Mock(wraps=shm.reduce_scatter_plain)
+    with mock.patch.object(shm, "reduce_scatter_plain", inside):
+        out = hierarchical_allreduce(x, 4, mesh, op=op, bucket_size=128,
+                                     intra_broadcast=intra_broadcast, seed=5)  # fmt: skip
     groups = tuple(dist.get_process_group_ranks(mesh.get_group(d)) for d in ("inter", "intra"))
-    return {"x": x, "out": out, "groups": groups}
+    inside_shm = inside.call_count == 1 and shm.serves(mesh.get_group("intra"))
+    return {"x": x, "out": out, "groups": groups, "inside_shm": inside_shm}
 
 
 def _model(xs: list[torch.Tensor], intra_broadcast: bool, op: str, seed: int = 5) -> torch.Tensor:
@@ -54,6 +61,8 @@ def test_hierarchical_allreduce_matches_model(dist4, intra_broadcast, n, op):
     exact = sum(r["x"] for r in results) / (4 if op == "avg" else 1)
     for r in results:
         assert torch.equal(r["out"], model)
+        # The node's reduce-scatter rides shared memory (where the variant has one).
+        assert r["inside_shm"] or intra_broadcast
     assert not torch.equal(model, exact)
     assert (model - exact).abs().max() < 0.3 * exact.abs().max()
 
