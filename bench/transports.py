@@ -19,31 +19,33 @@ import cgx2
 from cgx2 import collectives
 from cgx2.bench import report
 
-SETTINGS = [  # (column, transport, compressed)
-    ("gloo_plain", "process_group", False),
-    ("shm_plain", "shm", False),
-    ("gloo_q", "process_group", True),
-    ("shm_q", "shm", True),
+SETTINGS = [  # (column, transport, compressed, algorithm)
+    ("gloo_plain", "process_group", False, "sra"),
+    ("shm_plain", "shm", False, "sra"),
+    ("gloo_q", "process_group", True, "sra"),
+    ("shm_q", "shm", True, "sra"),
 ]
+RING_SETTINGS = [("gloo_ring", "process_group", True, "ring"), ("shm_ring", "shm", True, "ring")]
+"""With three ranks or more: the quantized ring (CGX2_ALGORITHM=ring) through each transport."""
 
 
-def _call(x: torch.Tensor, transport: str, compressed: bool, bits: int) -> None:
-    with cgx2.config.tuned(transport=transport, crossover_bytes=0):
+def _call(x: torch.Tensor, transport: str, compressed: bool, algorithm: str, bits: int) -> None:
+    with cgx2.config.tuned(transport=transport, crossover_bytes=0, algorithm=algorithm):
         collectives.allreduce_(x, bits if compressed else 32, 512, dist.group.WORLD, "sum")
 
 
-def timed(x: torch.Tensor, iters: int, bits: int) -> dict[str, list[float]]:
+def timed(x: torch.Tensor, iters: int, bits: int, settings: list) -> dict[str, list[float]]:
     """Milliseconds of each call per setting, the settings in a rotating order (none always
     follows another), the ranks lined up by a barrier before each call."""
-    calls: dict[str, list[float]] = {name: [] for name, _, _ in SETTINGS}
+    calls: dict[str, list[float]] = {name: [] for name, *_ in settings}
     for i in range(iters):
-        order = SETTINGS[i % len(SETTINGS) :] + SETTINGS[: i % len(SETTINGS)]
-        for name, transport, compressed in order:
+        order = settings[i % len(settings) :] + settings[: i % len(settings)]
+        for name, transport, compressed, algorithm in order:
             dist.barrier()
             if x.is_cuda:
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            _call(x, transport, compressed, bits)
+            _call(x, transport, compressed, algorithm, bits)
             if x.is_cuda:
                 torch.cuda.synchronize()
             calls[name].append((time.perf_counter() - start) * 1e3)
@@ -66,12 +68,14 @@ def main() -> None:
         device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
         torch.cuda.set_device(device)
     rows = []
+    ring = dist.get_world_size() > 2
+    settings = SETTINGS + (RING_SETTINGS if ring else [])
     for nbytes in report.parse_sizes(args.sizes):
         x = torch.randn(nbytes // 4, device=device)
-        timed(x, 2, args.bits)  # warm-up: segments grown, pools started
-        calls = timed(x, args.iters, args.bits)
+        timed(x, 2, args.bits, settings)  # warm-up: segments grown, pools started
+        calls = timed(x, args.iters, args.bits, settings)
         row = {"size": report.size_name(nbytes), "bytes": nbytes}
-        for name, _, _ in SETTINGS:
+        for name, *_ in settings:
             row[f"{name}_ms"] = statistics.median(calls[name])
         row["plain_x"] = row["gloo_plain_ms"] / row["shm_plain_ms"]
         row["q_x"] = row["gloo_q_ms"] / row["shm_q_ms"]
@@ -84,12 +88,17 @@ def main() -> None:
                    ("gloo_q_ms", f"{args.bits}-bit gloo ms", ".2f"),
                    ("shm_q_ms", f"{args.bits}-bit shm ms", ".2f"),
                    ("q_x", f"{args.bits}-bit shm x", ".2f")]  # fmt: skip
+        if ring:
+            columns += [("gloo_ring_ms", "ring gloo ms", ".2f"),
+                        ("shm_ring_ms", "ring shm ms", ".2f")]  # fmt: skip
         print(report.format_table(rows, columns))
         print(report.format_legend([
             ("gloo ms / shm ms", "median of the plain allreduce through gloo / shared memory"),
             (f"{args.bits}-bit ...", "the quantized allreduce, its bytes through gloo / shared "
              "memory"),
             ("x", "gloo's time / shared memory's (above 1: shared memory is faster)"),
+            *([("ring ...", f"the {args.bits}-bit ring allreduce (CGX2_ALGORITHM=ring)")]
+              if ring else []),
         ]))  # fmt: skip
         env = report.environment(device, dist.get_world_size())
         env["bits"] = args.bits

@@ -16,6 +16,7 @@ from pathlib import Path
 from .checks import MAX_BUCKET_SIZE, UNCOMPRESSED_BITS, check_bits, check_bucket_size
 
 __all__ = [
+    "ALGORITHMS",
     "TRANSPORTS",
     "CGXConfig",
     "LaunchConfig",
@@ -37,6 +38,8 @@ MIN_COMPRESSION_SIZE = 16
 _INNER_COMMUNICATORS = ("SHM", "MPI", "NCCL")
 _CROSS_COMMUNICATORS = ("MPI", "NCCL")
 TRANSPORTS = ("auto", "shm", "process_group")
+ALGORITHMS = ("auto", "sra", "ring")
+"""The values of ``CGX2_ALGORITHM`` (:class:`TuningConfig`'s ``algorithm``)."""
 """The values of ``CGX2_TRANSPORT`` (:class:`TuningConfig`'s ``transport``)."""
 
 
@@ -244,6 +247,9 @@ class TuningConfig:
       (``torch.distributed``'s), or ``auto``: shared memory where ``CGX_INNER_COMMUNICATOR_TYPE``
       is SHM and the process group would itself cross host memory (CPU tensors; CUDA tensors
       on gloo), else the process group (docs/transports.md).
+    - ``algorithm`` (``CGX2_ALGORITHM``, ``auto``): the quantized allreduce's algorithm: ``sra``
+      (scatter-reduce-allgather: every value quantized twice), ``ring`` (a pipelined ring:
+      quantized at every hop, W times), or ``auto`` (``sra``; docs/transports.md says why).
     - ``native_codec`` (``CGX2_NATIVE``, 1): the CPU codec's compiled loops (``cgx2._C``;
       0: the torch code).
     - ``cache_dir`` (``CGX2_CACHE_DIR``, ``~/.cache/cgx2``): where the calibration file is.
@@ -256,6 +262,7 @@ class TuningConfig:
     check_agreement: bool | None = None
     comm_worker: bool = True
     transport: str = "auto"
+    algorithm: str = "auto"
     calibration_file: str = ""
     direct_launch: bool = True
     native_codec: bool = True
@@ -268,6 +275,8 @@ class TuningConfig:
                 raise ValueError(f"{name} must be None or bytes >= 0, got {value!r}")
         if self.pipeline_bytes == 0:
             raise ValueError("pipeline_bytes must be positive (None: the regime's)")
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if not self.cache_dir:
@@ -294,6 +303,7 @@ class TuningConfig:
             check_agreement=_auto_bool(env, "CGX2_CHECK_AGREEMENT"),
             comm_worker=_bool(env, "CGX2_COMM_WORKER", True),
             transport=_choice(env, "CGX2_TRANSPORT", "auto", TRANSPORTS, upper=False),
+            algorithm=_choice(env, "CGX2_ALGORITHM", "auto", ALGORITHMS, upper=False),
             calibration_file=env.get("CGX2_CALIBRATION_FILE", "").strip(),
             direct_launch=_bool(env, "CGX2_DIRECT_LAUNCH", True),
             native_codec=_bool(env, "CGX2_NATIVE", True),

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from ..codecs import ChunkedLayout, maxmin_codec, triton_kernels
 from ..comm import Transport, group_info, process_group
 from ..seeding import derive_key, extend_key, next_seed
-from . import agreement, graphs, policy
+from . import agreement, graphs, policy, ring
 
 __all__ = ["STAGE_GATHER", "STAGE_SCATTER", "allreduce", "allreduce_", "exchange"]
 
@@ -117,6 +117,10 @@ def _run_pieces(route: policy.Route, flat: torch.Tensor, out: torch.Tensor, bits
     ``flat``: a piece is written only after its last read); ``error`` as in
     :func:`allreduce_`. Where the route says so, a CUDA graph's replay."""
     seed = next_seed() if seed is None else seed
+    if route.ring and error is None:  # the ring's error is not one rank's to feed back
+        ring.ring_allreduce(route, flat, out, bits, bucket_size, group, reduce_op, seed,
+                            skip_incomplete)  # fmt: skip
+        return
     if not route.graphs:
         _pipeline(_make_run(route, flat, bits, bucket_size, group, reduce_op, skip_incomplete,
                             seed), flat, out, error)  # fmt: skip

@@ -103,6 +103,9 @@ class Route:
       output (NCCL gathers in place: one allocation and copy fewer).
     - ``check``: first make sure every rank called it alike (:mod:`.agreement`).
     - ``transport``: what moves the bytes (a :class:`cgx2.comm.Transport`): :func:`transport`.
+    - ``ring``: the pipelined ring (:mod:`.ring`) instead of the scatter-reduce-allgather:
+      ``CGX2_ALGORITHM=ring`` only. Its error grows with the world size, and where it was
+      measured it was no faster (BENCHMARKS.md, "Transports").
     """
 
     compress: bool
@@ -113,6 +116,7 @@ class Route:
     gather_in_place: bool
     check: bool = False
     transport: ModuleType = process_group
+    ring: bool = False
 
 
 def detect_regime(device: torch.device, backend: str = "nccl", cuda_on_nccl: bool = True) -> str:
@@ -406,14 +410,15 @@ def _routes(t: torch.Tensor, group: dist.ProcessGroup, bucket_size: int) -> _Rou
     if check is None:  # reading the ranks' answer would stall NCCL's queue on the GPU
         check = not nccl_cuda
     moves = transport(t.device, group)
-    compressed = Route(True, where, pair, pieces, False, nccl_cuda, check and info.size > 1,
-                       moves)  # fmt: skip
+    ring = config.tuning().algorithm == "ring" and info.size > 2
+    compressed = Route(True, where, pair and not ring, pieces, False, nccl_cuda and not ring,
+                       check and info.size > 1, moves, ring)  # fmt: skip
     # A CUDA graph captures NCCL's kernels: its replay cannot wait on the host.
-    graphed = dataclasses.replace(compressed, graphs=True, transport=process_group)
+    graphed = dataclasses.replace(compressed, graphs=True, transport=process_group, ring=False)
     return _Routes(
         plain=dataclasses.replace(compressed, compress=False),
         compressed=compressed,
-        graphs=graphed if nccl_cuda else None,
+        graphs=graphed if nccl_cuda and not ring else None,
         size=info.size,
         measured=_measured(t.device, t.dtype, info, group, config.tuning().cuda_graphs),
     )

@@ -31,6 +31,11 @@ class Transport(Protocol):
         """Every rank's ``send`` into its slot of ``out``, in rank order."""
         ...
 
+    def shift(self, out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
+              async_op: bool = True) -> dist.Work | None:  # fmt: skip
+        """``send`` to the next rank of the ring (rank + 1); the previous rank's into ``out``."""
+        ...
+
     def wait(self, work: dist.Work | None) -> None:
         """Wait for a call's Work, if it returned one."""
         ...

@@ -24,6 +24,7 @@ __all__ = [
     "group_size_and_rank",
     "reduce_scatter_plain",
     "reduce_scatter_single",
+    "shift",
     "wait",
 ]
 
@@ -150,6 +151,35 @@ def allreduce_plain_(t: torch.Tensor, group: dist.ProcessGroup, reduce_op: str) 
     if reduce_op == "avg" and not native_avg:
         t.div_(info.size)
     return t
+
+
+def shift(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
+          async_op: bool = True) -> dist.Work | None:  # fmt: skip
+    """Send ``send`` to the next rank of the ring (rank + 1) while the previous one's lands in
+    ``out``: one grouped send/receive (``dist.batch_isend_irecv``)."""
+    world, rank = group_size_and_rank(group)
+    following = dist.get_global_rank(group, (rank + 1) % world)
+    preceding = dist.get_global_rank(group, (rank - 1) % world)
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, following, group),
+                                    dist.P2POp(dist.irecv, out, preceding, group)])  # fmt: skip
+    work = _AllWorks(works)
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+class _AllWorks(dist.Work):
+    """Several Works as one: :meth:`wait` waits for each."""
+
+    def __init__(self, works: list[dist.Work]) -> None:
+        super().__init__()
+        self._works = works
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        for work in self._works:
+            work.wait()
+        return True
 
 
 def reduce_scatter_plain(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup) -> None:

@@ -44,6 +44,7 @@ __all__ = [
     "group_size_and_rank",
     "reduce_scatter_plain",
     "serves",
+    "shift",
     "wait",
 ]
 
@@ -411,6 +412,20 @@ def all_gather(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
 
     fallback = lambda: process_group.all_gather(out, send, group, async_op)
     return _exchange(group, send, "all_gather", receive, fallback, async_op)
+
+
+def shift(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
+          async_op: bool = True) -> dist.Work | None:  # fmt: skip
+    """Send ``send`` (contiguous) to the next rank of the ring (rank + 1) while the previous
+    one's lands in ``out``: each rank reads its predecessor's slot."""
+
+    def receive(channel: _Channel, views: list[torch.Tensor], slot: int, nbytes: int) -> None:
+        preceding = (channel.rank - 1) % channel.world
+        out.reshape(-1).view(torch.uint8).copy_(channel.region(views, preceding, slot, nbytes),
+                                                non_blocking=out.is_cuda)  # fmt: skip
+
+    fallback = lambda: process_group.shift(out, send, group, async_op)
+    return _exchange(group, send, "shift", receive, fallback, async_op)
 
 
 def allreduce_plain_(t: torch.Tensor, group: dist.ProcessGroup, reduce_op: str) -> torch.Tensor:

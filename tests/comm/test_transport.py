@@ -16,7 +16,7 @@ def _parameters(fn) -> list[tuple[str, object]]:
 def test_the_process_group_transport_is_a_transport():
     assert isinstance(process_group, Transport)
     wanted = [n for n, v in vars(Transport).items() if callable(v) and not n.startswith("_")]
-    assert len(wanted) == 6
+    assert len(wanted) == 7
     for name in wanted:
         assert _parameters(getattr(process_group, name)) == _parameters(getattr(Transport, name))
 
