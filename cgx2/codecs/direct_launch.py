@@ -76,7 +76,8 @@ class Launcher:
         # _spec's key, built inline: a function call per argument cost a large share of the
         # launch. Tensors go to Triton's launcher as their addresses, which it takes as they
         # are, where a tensor costs a data_ptr() call and a driver query of the pointer.
-        key = [torch.cuda.current_device(), *constexprs.items()]
+        # torch.cuda.current_device() checks lazy initialization first, at every call.
+        key = [torch._C._cuda_getDevice(), *constexprs.items()]
         values = list(args)
         for i, arg in enumerate(args):
             if type(arg) is int:

@@ -983,7 +983,7 @@ def encode_chunks(
     a one-element int64 tensor on the device that holds it (:func:`_key_args`)."""
     flat = x if x.dim() == 1 else x.reshape(-1)  # reshape costs host time even then
     shape = (layout.num_chunks, layout.payload_nbytes)
-    rows = torch.zeros(shape, dtype=torch.uint8, device=x.device) if out is None else out
+    rows = x.new_zeros(shape, dtype=torch.uint8) if out is None else out
     if rows.numel() == 0:
         return rows
     launch = _launch("encode", layout.bucket_size, x.dtype)
@@ -1026,7 +1026,7 @@ def decode_chunks(
     """Inverse of :func:`encode_chunks`: the flat tensor of ``layout.numel`` values (written
     into ``out``, a contiguous tensor of that size and ``dtype``, when given)."""
     if out is None:
-        out = torch.empty(layout.numel, dtype=dtype, device=payloads.device)
+        out = payloads.new_empty(layout.numel, dtype=dtype)
     if layout.numel == 0:
         return out
     launch = _launch("decode", layout.bucket_size, dtype)
@@ -1066,7 +1066,7 @@ def encode(
 ) -> torch.Tensor:
     """Same contract as :func:`cgx2.codecs.maxmin.encode`."""
     n = x.numel()
-    layout = ChunkedLayout(n, 1, n, bits, bucket_size, skip_incomplete)
+    layout = ChunkedLayout.split(n, 1, bits, bucket_size, skip_incomplete)
     rows = encode_chunks(x, layout, key, stream0=stream)
     payload = rows.view(-1)
     if out is None:
@@ -1084,7 +1084,7 @@ def decode(
     skip_incomplete: bool = False,
 ) -> torch.Tensor:
     """Same contract as :func:`cgx2.codecs.maxmin.decode`."""
-    layout = ChunkedLayout(numel, 1, numel, bits, bucket_size, skip_incomplete)
+    layout = ChunkedLayout.split(numel, 1, bits, bucket_size, skip_incomplete)
     nbytes = layout.payload_nbytes
     return decode_chunks(payload[:nbytes].view(1, nbytes), layout, dtype)
 

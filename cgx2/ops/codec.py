@@ -1,4 +1,11 @@
-"""``cgx::quantize`` and ``cgx::dequantize``: the max-min codec as custom ops."""
+"""``cgx::quantize`` and ``cgx::dequantize``: the max-min codec as custom ops, and the public
+functions that call them.
+
+The ops are defined with ``torch.library.Library`` and one kernel for every device (the
+dispatcher calls it with a fraction of ``torch.library.custom_op``'s per-call host time: the
+codec's kernels are short, so that time counted). Eagerly the public functions call the kernel
+themselves; compiled, the op.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +18,14 @@ from ..seeding import SEEDED_OP_TAGS, derive_key, next_seed
 __all__ = ["dequantize", "quantize"]
 
 
+def _layout(numel: int, bits: int, bucket_size: int, skip_incomplete: bool) -> MaxMinLayout:
+    """The payload's layout: the shared one for concrete sizes; symbolic ones (a fake
+    implementation under dynamic shapes) cannot key a cache."""
+    if type(numel) is int and type(bits) is int and type(bucket_size) is int:
+        return MaxMinLayout.of(numel, bits, bucket_size, skip_incomplete)
+    return MaxMinLayout(numel, bits, bucket_size, skip_incomplete)
+
+
 def _check_codec_args(bits: int, bucket_size: int) -> None:
     check_bits(bits)
     if bits > 8:
@@ -18,8 +33,20 @@ def _check_codec_args(bits: int, bucket_size: int) -> None:
     check_bucket_size(bucket_size)
 
 
-@torch.library.custom_op("cgx::quantize", mutates_args=(), tags=SEEDED_OP_TAGS)
-def quantize(
+_LIB = torch.library.Library("cgx", "FRAGMENT")
+_LIB.define(
+    "quantize(Tensor x, SymInt bits, SymInt bucket_size=512, SymInt seed=-1, "
+    "bool skip_incomplete=False) -> Tensor",
+    tags=(*SEEDED_OP_TAGS, torch.Tag.pt2_compliant_tag),
+)
+_LIB.define(
+    "dequantize(Tensor payload, SymInt numel, SymInt bits, SymInt bucket_size=512, "
+    "ScalarType dtype=6, bool skip_incomplete=False) -> Tensor",
+    tags=(torch.Tag.pt2_compliant_tag,),
+)
+
+
+def _quantize(
     x: torch.Tensor,
     bits: int,
     bucket_size: int = 512,
@@ -39,11 +66,11 @@ def quantize(
     return codec.encode(x, bits, bucket_size, derive_key(seed), 0, skip_incomplete)
 
 
-@quantize.register_fake
+@torch.library.register_fake("cgx::quantize")
 def _(x, bits, bucket_size=512, seed=-1, skip_incomplete=False):
     check_float_tensor(x, "x")
     _check_codec_args(bits, bucket_size)
-    nbytes = MaxMinLayout(x.numel(), bits, bucket_size, skip_incomplete).nbytes
+    nbytes = _layout(x.numel(), bits, bucket_size, skip_incomplete).nbytes
     return x.new_empty(nbytes, dtype=torch.uint8)
 
 
@@ -56,7 +83,7 @@ def _check_payload(payload: torch.Tensor, numel: int, bits: int, bucket_size: in
     if numel < 0:
         raise ValueError(f"numel must be >= 0, got {numel}")
     _check_codec_args(bits, bucket_size)
-    nbytes = MaxMinLayout(numel, bits, bucket_size, skip_incomplete).nbytes
+    nbytes = _layout(numel, bits, bucket_size, skip_incomplete).nbytes
     if payload.numel() < nbytes:
         raise ValueError(
             f"payload has {payload.numel()} bytes; {numel} values at {bits} bits with "
@@ -65,8 +92,7 @@ def _check_payload(payload: torch.Tensor, numel: int, bits: int, bucket_size: in
     return nbytes
 
 
-@torch.library.custom_op("cgx::dequantize", mutates_args=())
-def dequantize(
+def _dequantize(
     payload: torch.Tensor,
     numel: int,
     bits: int,
@@ -80,7 +106,30 @@ def dequantize(
     return codec.decode(payload.contiguous(), numel, bits, bucket_size, dtype, skip_incomplete)
 
 
-@dequantize.register_fake
+@torch.library.register_fake("cgx::dequantize")
 def _(payload, numel, bits, bucket_size=512, dtype=torch.float32, skip_incomplete=False):
     _check_payload(payload, numel, bits, bucket_size, skip_incomplete)
     return payload.new_empty(numel, dtype=dtype)
+
+
+_LIB.impl("quantize", _quantize, "CompositeExplicitAutograd")
+_LIB.impl("dequantize", _dequantize, "CompositeExplicitAutograd")
+
+
+def quantize(x: torch.Tensor, bits: int, bucket_size: int = 512, seed: int = -1,
+             skip_incomplete: bool = False) -> torch.Tensor:  # fmt: skip
+    """Max-min quantize the values of ``x`` (flattened) into a uint8 payload: the op
+    ``torch.ops.cgx.quantize`` (:func:`_quantize` documents it), called directly when eager."""
+    if torch.compiler.is_compiling():
+        return torch.ops.cgx.quantize(x, bits, bucket_size, seed, skip_incomplete)
+    return _quantize(x, bits, bucket_size, seed, skip_incomplete)
+
+
+def dequantize(payload: torch.Tensor, numel: int, bits: int, bucket_size: int = 512,
+               dtype: torch.dtype = torch.float32,
+               skip_incomplete: bool = False) -> torch.Tensor:  # fmt: skip
+    """Decode a payload made by :func:`quantize` into a flat tensor of ``numel`` values: the
+    op ``torch.ops.cgx.dequantize``, called directly when eager."""
+    if torch.compiler.is_compiling():
+        return torch.ops.cgx.dequantize(payload, numel, bits, bucket_size, dtype, skip_incomplete)
+    return _dequantize(payload, numel, bits, bucket_size, dtype, skip_incomplete)

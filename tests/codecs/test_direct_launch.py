@@ -50,7 +50,7 @@ class _Kernel:
 def launcher(monkeypatch):
     monkeypatch.setattr(direct_launch, "_TESTED", True)
     monkeypatch.setattr(triton.knobs.runtime, "interpret", False)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
     launch = direct_launch.Launcher(_kernel)
     launch.kernel = _Kernel()
