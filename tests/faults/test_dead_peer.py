@@ -3,6 +3,7 @@ group's timeout, in the op, in DDP's backward (the hook's worker thread included
 ``cgx`` backend, over shared memory and over the process group; it never hangs."""
 
 import datetime
+import glob
 import os
 import signal
 import socket
@@ -109,6 +110,8 @@ def test_the_survivor_raises_within_the_timeout(scenario, fault, transport):
             p.join(30)
     assert outcome != "no error"
     assert seconds < TIMEOUT_S + 15, (outcome, seconds)
+    # Segments are unlinked once mapped: a killed job leaves nothing in /dev/shm.
+    assert not glob.glob(f"/dev/shm/cgx2-{os.geteuid()}-*")
     if scenario != "fsdp":  # FSDP's own collectives may be the ones that fail there
         # The collective says what failed: the quantized allreduce, its size, this rank.
         assert "cgx2: the quantized allreduce of" in outcome, outcome
