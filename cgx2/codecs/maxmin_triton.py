@@ -511,6 +511,24 @@ def _encode_wide(
     _store_meta(meta_ptr, q, qmask, lo, step)
 
 
+@triton.jit
+def _zero_gaps(row_ptr, start, numel, chunk_numel, nq, quant, levels_at, BITS: tl.constexpr,
+               B: tl.constexpr, SKIP_INCOMPLETE: tl.constexpr):  # fmt: skip
+    """Zero a payload row's gaps: after the (lo, step) pairs and raw tail up to the levels,
+    and after the levels up to the payload's end (each under 16 bytes: layout.ALIGN)."""
+    offs = tl.arange(0, 16)
+    zeros = tl.zeros([16], dtype=tl.uint8)
+    size = tl.minimum(tl.maximum(numel - start, 0), chunk_numel)
+    raw = size - quant if SKIP_INCOMPLETE else size * 0
+    meta_end = 8 * nq + 4 * raw
+    tl.store(row_ptr + meta_end + offs, zeros, mask=meta_end + offs < levels_at)
+    stride: tl.constexpr = (B + 7) // 8 * BITS
+    last = quant - (nq - 1) * B  # values in the last bucket
+    levels_end = levels_at + tl.where(nq > 0, (nq - 1) * stride + (last + 7) // 8 * BITS, 0)
+    end = (levels_end + 15) // 16 * 16
+    tl.store(row_ptr + levels_end + offs, zeros, mask=levels_end + offs < end)
+
+
 @triton.jit(do_not_specialize=["numel", "chunk_numel", "k0", "k1", "stream0", "skip_chunk"])
 def _encode_kernel(
     x_ptr,
@@ -530,10 +548,13 @@ def _encode_kernel(
     KEYS_IN_MEMORY: tl.constexpr,
     BUCKETS: tl.constexpr,
     BLOCK: tl.constexpr,
+    ZERO_GAPS: tl.constexpr = False,
 ):
     """Program i encodes tiles i, i + P, ... of chunk program_id(1) (P programs per chunk).
     Buckets that fit a tile are loaded one tile ahead, so that the next tile's loads are in
-    flight while this one is coded."""
+    flight while this one is coded. ``ZERO_GAPS``: program 0 of each chunk also zeroes the
+    alignment gaps before and after the levels (a payload allocated uninitialized: one
+    memset launch fewer)."""
     j = tl.program_id(1)
     start, nq, quant, levels_at = _geometry(j, numel, chunk_numel, B, SKIP_INCOMPLETE, ALIGN)
     nq = tl.where(j == skip_chunk, 0, nq)
@@ -541,6 +562,10 @@ def _encode_kernel(
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     row = j.to(tl.int64) * row_nbytes
+    if ZERO_GAPS:
+        if pid == 0:
+            _zero_gaps(out_u8 + row, start, numel, chunk_numel, nq, quant, levels_at, BITS, B,
+                       SKIP_INCOMPLETE)  # fmt: skip
     x_ptr += start
     lev_ptr = out_u8 + row + levels_at
     meta_ptr = _meta_ptr(out_u8 + row)
@@ -982,8 +1007,14 @@ def encode_chunks(
     padding between a row's regions, which no decoder reads, are not touched. ``key`` may be
     a one-element int64 tensor on the device that holds it (:func:`_key_args`)."""
     flat = x if x.dim() == 1 else x.reshape(-1)  # reshape costs host time even then
-    shape = (layout.num_chunks, layout.payload_nbytes)
-    rows = x.new_zeros(shape, dtype=torch.uint8) if out is None else out
+    # One row whose every byte the kernel writes (gaps too): no memset first.
+    zero_gaps = out is None and layout.num_chunks == 1
+    if out is not None:
+        rows = out
+    elif zero_gaps:
+        rows = x.new_empty((1, layout.payload_nbytes), dtype=torch.uint8)
+    else:
+        rows = x.new_zeros((layout.num_chunks, layout.payload_nbytes), dtype=torch.uint8)
     if rows.numel() == 0:
         return rows
     launch = _launch("encode", layout.bucket_size, x.dtype)
@@ -1007,6 +1038,7 @@ def encode_chunks(
         SKIP_INCOMPLETE=layout.skip_incomplete,
         ALIGN=math.gcd(layout.chunk_numel, 16),
         KEYS_IN_MEMORY=in_memory,
+        ZERO_GAPS=zero_gaps,
         **launch,
     )
     for j in range(layout.num_chunks if layout.skip_incomplete else 0):

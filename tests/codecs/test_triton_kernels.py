@@ -226,3 +226,21 @@ def test_key_tensor_must_be_one_int64_on_the_device():
     for bad in (torch.tensor([1, 2], device=DEVICE), torch.tensor([1.0], device=DEVICE)):
         with pytest.raises(ValueError, match="one int64"):
             tri.encode_chunks(x, layout, key=bad)
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_a_payload_allocated_uninitialized_gets_the_references_bytes(monkeypatch, skip):
+    """``encode`` allocates its one row uninitialized and its kernel zeroes the alignment
+    gaps itself (no memset): with the allocation poisoned, every byte is still the
+    reference's."""
+    new_empty = torch.Tensor.new_empty
+
+    def poisoned(self, *args, **kwargs):
+        t = new_empty(self, *args, **kwargs)
+        return t.fill_(0xAB) if t.dtype == torch.uint8 else t
+
+    monkeypatch.setattr(torch.Tensor, "new_empty", poisoned)
+    for n, bits, bucket in ((1, 3, 8), (511, 4, 100), (1000, 1, 512), (4099, 8, 100)):
+        x = _x(n, torch.float32, seed=n)
+        want = ref.encode(x, bits, bucket, 12345, 0, skip)
+        assert _same(tri.encode(x, bits, bucket, 12345, 0, skip), want), (n, bits, bucket)
