@@ -13,12 +13,12 @@ if sys.platform.startswith("linux"):  # futexes, /proc and POSIX shared memory
     extensions.append(
         Pybind11Extension(
             "cgx2._C",
-            sorted(["csrc/module.cc", "csrc/maxmin_codec.cc", "csrc/shm.cc"]),
+            sorted(["csrc/module.cc", "csrc/maxmin_codec.cc", "csrc/nccl.cc", "csrc/shm.cc"]),
             cxx_std=17,
             # No fused multiply-adds and no fast math: the codec's loops round each operation
             # as IEEE fp32, as the torch reference does, so their bytes are the reference's.
             extra_compile_args=["-O3", "-ffp-contract=off", "-fno-fast-math"],
-            libraries=["rt"],
+            libraries=["rt", "dl"],
             optional=True,
         )
     )

@@ -60,6 +60,10 @@ if [ -z "${SKIP_CHECKS:-}" ]; then  # two ranks on GPU 0 over gloo: CUDA tensors
   torchrun --nproc-per-node 2 bench/gpu_gloo_check.py 2>"$LOGS/gloo_check.err" | tail -n 12 \
     || status=1
 fi
+if [ -z "${SKIP_CHECKS:-}" ]; then  # cgx2's NCCL transport: on one GPU, its plumbing only
+  torchrun --nproc-per-node "$NGPU" bench/gpu_nccl_transport_check.py \
+    2>"$LOGS/nccl_transport_check.err" | tail -n 10 || status=1
+fi
 if [ -z "${SKIP_TRANSPORTS:-}" ]; then  # two ranks on GPU 0: shared memory against gloo
   torchrun --nproc-per-node 2 bench/transports.py --device cuda --out bench/results \
     ${TRANSPORT_ARGS:-} 2>"$LOGS/transports_cuda.err" | tail -n 14 || status=1

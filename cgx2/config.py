@@ -37,7 +37,7 @@ MIN_COMPRESSION_SIZE = 16
 
 _INNER_COMMUNICATORS = ("SHM", "MPI", "NCCL")
 _CROSS_COMMUNICATORS = ("MPI", "NCCL")
-TRANSPORTS = ("auto", "shm", "process_group")
+TRANSPORTS = ("auto", "shm", "nccl", "process_group")
 ALGORITHMS = ("auto", "sra", "ring")
 """The values of ``CGX2_ALGORITHM`` (:class:`TuningConfig`'s ``algorithm``)."""
 """The values of ``CGX2_TRANSPORT`` (:class:`TuningConfig`'s ``transport``)."""
@@ -243,7 +243,8 @@ class TuningConfig:
     - ``direct_launch`` (``CGX2_DIRECT_LAUNCH``, 1): launch compiled Triton kernels without
       Triton's per-call dispatch (0: Triton's own path, to compare them).
     - ``transport`` (``CGX2_TRANSPORT``, ``auto``): what moves the collectives' bytes: ``shm``
-      (shared memory between the ranks of one host, :mod:`cgx2.comm.shm`), ``process_group``
+      (shared memory between the ranks of one host, :mod:`cgx2.comm.shm`), ``nccl`` (grouped
+      send/receive on the NCCL group's communicator, :mod:`cgx2.comm.nccl`), ``process_group``
       (``torch.distributed``'s), or ``auto``: shared memory where ``CGX_INNER_COMMUNICATOR_TYPE``
       is SHM and the process group would itself cross host memory (CPU tensors; CUDA tensors
       on gloo), else the process group (docs/transports.md).

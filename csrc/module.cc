@@ -1,11 +1,13 @@
-// cgx2._C: the codec's CPU loops and the shared-memory transport's primitives, for Python
-// (cgx2/extension.py loads it; cgx2/codecs/native.py and cgx2/comm/shm.py use it).
+// cgx2._C: the codec's CPU loops, the shared-memory transport's primitives and NCCL
+// point-to-point transfers, for Python (cgx2/extension.py loads it; cgx2/codecs/native.py,
+// cgx2/comm/shm.py and cgx2/comm/nccl.py use it).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <system_error>
 
 #include "maxmin_codec.h"
+#include "nccl.h"
 #include "shm.h"
 
 namespace py = pybind11;
@@ -78,4 +80,15 @@ PYBIND11_MODULE(_C, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("process_start_time", &cgx2::process_start_time, py::arg("pid"));
   m.def("process_alive", &cgx2::process_alive, py::arg("pid"), py::arg("start"));
+
+  m.def("nccl_available", []() {
+    std::string why;
+    bool ok = cgx2::nccl_available(&why);
+    return std::make_pair(ok, why);
+  });
+  m.def("nccl_version", &cgx2::nccl_version);
+  m.def("nccl_transfers", &cgx2::nccl_transfers, py::arg("comm"), py::arg("stream"),
+        py::arg("send_addresses"), py::arg("send_bytes"), py::arg("send_peers"),
+        py::arg("recv_addresses"), py::arg("recv_bytes"), py::arg("recv_peers"),
+        py::call_guard<py::gil_scoped_release>());
 }

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from .. import config
 from ..checks import UNCOMPRESSED_BITS
-from ..comm import GroupInfo, group_info, process_group, shm
+from ..comm import GroupInfo, group_info, nccl, process_group, shm
 from . import graphs
 
 __all__ = [
@@ -336,13 +336,16 @@ def uses_pair_gather(world: int, where: str) -> bool:
 
 def transport(device: torch.device, group: dist.ProcessGroup) -> ModuleType:
     """What moves the bytes of ``device``'s tensors over ``group`` (docs/transports.md):
-    ``CGX2_TRANSPORT`` where it names one; else (``auto``) shared memory
+    ``CGX2_TRANSPORT`` where it names one (``nccl``: cgx2's grouped send/receive on the NCCL
+    group's communicator, opt-in until measured on several GPUs); else (``auto``) shared memory
     (:mod:`cgx2.comm.shm`, which itself falls back to the process group for a group that spans
     hosts) where ``CGX_INNER_COMMUNICATOR_TYPE`` is SHM and the process group would cross host
     memory anyway: CPU tensors, and CUDA tensors on a group whose CUDA collectives are not
     NCCL's. NCCL keeps CUDA tensors: its transfers are queued on the GPU, the shared-memory
     ones wait on the host. Without the compiled extension, the process group."""
     chosen = config.tuning().transport
+    if chosen == "nccl":  # CUDA tensors on NCCL groups; anything else falls to the group's
+        return nccl if nccl.available() else process_group
     if chosen == "process_group" or not shm.available():
         return process_group
     if chosen == "shm":

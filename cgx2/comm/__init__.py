@@ -1,11 +1,12 @@
 """How bytes move between ranks: the transport interface the collectives use.
 
-:class:`Transport` is the interface. Two transports implement it: the process group the user
+:class:`Transport` is the interface. Three transports implement it: the process group the user
 has (:mod:`cgx2.comm.process_group`: NCCL on GPUs, gloo on CPUs, or the ``cgx`` backend's),
-and shared memory between the ranks of one host (:mod:`cgx2.comm.shm`, in ``cgx2._C``).
+shared memory between the ranks of one host (:mod:`cgx2.comm.shm`), and grouped NCCL
+send/receive on the group's communicator (:mod:`cgx2.comm.nccl`), the last two in ``cgx2._C``.
 """
 
-from . import process_group, shm
+from . import nccl, process_group, shm
 from .base import Transport
 from .process_group import (
     CompletedWork,
@@ -30,6 +31,7 @@ __all__ = [
     "allreduce_plain_",
     "group_info",
     "group_size_and_rank",
+    "nccl",
     "process_group",
     "reduce_scatter_single",
     "shm",

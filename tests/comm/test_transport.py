@@ -1,9 +1,13 @@
 """The process-group transport satisfies the Transport protocol the collectives call, name for
 name and parameter for parameter."""
 
+import importlib
 import inspect
 
+import pytest
+
 from cgx2.comm import Transport, process_group
+from cgx2.config import tuned
 
 
 def _parameters(fn) -> list[tuple[str, object]]:
@@ -19,6 +23,28 @@ def test_the_process_group_transport_is_a_transport():
     assert len(wanted) == 7
     for name in wanted:
         assert _parameters(getattr(process_group, name)) == _parameters(getattr(Transport, name))
+
+
+@pytest.mark.parametrize("name", ["shm", "nccl"])
+def test_cgx2s_transports_are_transports(name):
+    module = importlib.import_module(f"cgx2.comm.{name}")
+    assert isinstance(module, Transport)
+    for call in [n for n, v in vars(Transport).items() if callable(v) and not n.startswith("_")]:
+        assert _parameters(getattr(module, call)) == _parameters(getattr(Transport, call)), call
+
+
+def test_the_nccl_transport_without_nccl_falls_back():
+    """On a machine without NCCL (CI), choosing it routes through the process group."""
+    import torch
+
+    from cgx2.collectives import policy
+    from cgx2.comm import nccl
+
+    if torch.cuda.is_available():
+        pytest.skip("NCCL is loaded on a GPU machine")
+    assert not nccl.available()
+    with tuned(transport="nccl"):
+        assert policy.transport(torch.device("cpu"), None) is process_group
 
 
 def test_a_module_lacking_a_call_is_not_a_transport():

@@ -1,0 +1,146 @@
+"""The NCCL transport: grouped ``ncclSend``/``ncclRecv`` on the communicator of the user's NCCL
+process group (``cgx2._C``, calling the NCCL library torch loaded), queued on the caller's stream.
+
+Chosen by ``CGX2_TRANSPORT=nccl`` (docs/transports.md). Calls on CPU tensors, or on a group
+whose CUDA collectives are not NCCL's, take the process group's transport instead. The
+transfers are queued on the current CUDA stream, as NCCL's synchronous collectives are, so
+no call returns a Work. Like torch's own collectives on the group, they must be issued in the
+same order on every rank.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from .. import extension
+from . import process_group
+from .process_group import group_info, group_size_and_rank
+
+__all__ = [
+    "all_gather",
+    "all_to_all",
+    "allreduce_plain_",
+    "available",
+    "group_size_and_rank",
+    "reduce_scatter_plain",
+    "shift",
+    "wait",
+]
+
+log = logging.getLogger("cgx2")
+
+
+@functools.cache
+def available() -> bool:
+    """Whether NCCL transfers can run here: the extension is built and torch loaded NCCL
+    (logged once where not)."""
+    lib = extension.load()
+    if lib is None or not hasattr(lib, "nccl_available"):
+        return False
+    ok, why = lib.nccl_available()
+    if not ok:
+        log.info("cgx2: the NCCL transport is unavailable: %s", why)
+    return bool(ok)
+
+
+_COMMS: dict[int, int] = {}
+
+
+def _comm(group: dist.ProcessGroup) -> int:
+    """The address of ``group``'s NCCL communicator, made by its first collective where torch
+    has not made it yet (every rank reaches this call alike: it is collective)."""
+    found = _COMMS.get(id(group))
+    if found:
+        return found
+    backend = group._get_backend(torch.device("cuda"))
+    address = backend._comm_ptr()
+    if not address:  # torch makes communicators lazily, at a group's first collective
+        dist.all_reduce(torch.zeros(1, device="cuda"), group=group)
+        address = backend._comm_ptr()
+    if not address:
+        raise RuntimeError(f"cgx2: group {group.group_name!r} has no NCCL communicator")
+    _COMMS[id(group)] = address
+    weakref.finalize(group, _COMMS.pop, id(group), None)
+    return address
+
+
+def _serves(t: torch.Tensor, group: dist.ProcessGroup) -> bool:
+    return t.is_cuda and group_info(group).cuda_on_nccl and available()
+
+
+def _transfers(group: dist.ProcessGroup, sends: list[tuple[torch.Tensor, int]],
+               receives: list[tuple[torch.Tensor, int]], operation: str) -> None:  # fmt: skip
+    """One grouped set of transfers: each (tensor, peer) sent or received whole, as bytes."""
+    lib = extension.load()
+    comm = _comm(group)
+    stream = torch.cuda.current_stream().cuda_stream
+    try:
+        lib.nccl_transfers(
+            comm, stream,
+            [t.data_ptr() for t, _ in sends], [t.numel() * t.element_size() for t, _ in sends],
+            [p for _, p in sends],
+            [t.data_ptr() for t, _ in receives],
+            [t.numel() * t.element_size() for t, _ in receives], [p for _, p in receives],
+        )  # fmt: skip
+    except RuntimeError as e:
+        raise RuntimeError(f"cgx2: the NCCL transport's {operation} on group "
+                           f"{group.group_name!r}: {e}") from e  # fmt: skip
+
+
+def all_to_all(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
+               async_op: bool = True) -> dist.Work | None:  # fmt: skip
+    """Row j of ``send`` (``[world, P]``, contiguous) to rank j; rank j's row for us into row
+    j of ``out``."""
+    if not _serves(send, group):
+        return process_group.all_to_all(out, send, group, async_op)
+    world, rank = group_size_and_rank(group)
+    rows, sent = out.view(world, -1), send.view(world, -1)
+    peers = [p for p in range(world) if p != rank]
+    _transfers(group, [(sent[p], p) for p in peers], [(rows[p], p) for p in peers], "all_to_all")
+    rows[rank].copy_(sent[rank])
+    return None
+
+
+def all_gather(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
+               async_op: bool = True) -> dist.Work | None:  # fmt: skip
+    """Every rank's ``send`` (contiguous) into its slot of ``out``, in rank order."""
+    if not _serves(send, group):
+        return process_group.all_gather(out, send, group, async_op)
+    world, rank = group_size_and_rank(group)
+    rows = out.view(world, -1)
+    peers = [p for p in range(world) if p != rank]
+    _transfers(group, [(send, p) for p in peers], [(rows[p], p) for p in peers], "all_gather")
+    if rows[rank].data_ptr() != send.data_ptr():
+        rows[rank].copy_(send.reshape(-1))
+    return None
+
+
+def shift(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
+          async_op: bool = True) -> dist.Work | None:  # fmt: skip
+    """``send`` to the next rank of the ring (rank + 1); the previous rank's into ``out``."""
+    if not _serves(send, group):
+        return process_group.shift(out, send, group, async_op)
+    world, rank = group_size_and_rank(group)
+    _transfers(group, [(send, (rank + 1) % world)], [(out, (rank - 1) % world)], "shift")
+    return None
+
+
+def wait(work: dist.Work | None) -> None:
+    """Wait for a call's Work, if it returned one (only the process group's fallback does)."""
+    if work is not None:
+        work.wait()
+
+
+def allreduce_plain_(t: torch.Tensor, group: dist.ProcessGroup, reduce_op: str) -> torch.Tensor:
+    """The uncompressed allreduce: NCCL's own, through the process group."""
+    return process_group.allreduce_plain_(t, group, reduce_op)
+
+
+def reduce_scatter_plain(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """The uncompressed reduce-scatter: NCCL's own, through the process group."""
+    process_group.reduce_scatter_plain(out, inp, group)
