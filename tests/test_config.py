@@ -109,7 +109,7 @@ def test_tuning_reads_every_cgx2_variable():
     ("var", "value"),
     [("CGX2_PIPELINE_BYTES", "0"), ("CGX2_CROSSOVER_BYTES", "-1"), ("CGX2_CROSSOVER_BYTES", "4 TB"),
      ("CGX2_PAIR_GATHER", "maybe"), ("CGX2_NATIVE", "2"), ("CGX2_COMM_WORKER", "x"),
-     ("CGX2_TRANSPORT", "nccl"), ("CGX2_ALGORITHM", "tree")],
+     ("CGX2_TRANSPORT", "tcp"), ("CGX2_ALGORITHM", "tree")],
 )  # fmt: skip
 def test_a_bad_cgx2_variable_is_named(var, value):
     from cgx2.config import TuningConfig

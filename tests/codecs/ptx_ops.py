@@ -29,9 +29,9 @@ def main() -> None:
          "chunk_numel": "i64", "row_nbytes": "i64", "k0": "i64", "k1": "i64", "keys_ptr": "*i64",
          "stream0": "i64", "skip_chunk": "i64", "BITS": "constexpr", "B": "constexpr",
          "SKIP_INCOMPLETE": "constexpr", "ALIGN": "constexpr", "KEYS_IN_MEMORY": "constexpr",
-         "BUCKETS": "constexpr", "BLOCK": "constexpr"},
+         "BUCKETS": "constexpr", "BLOCK": "constexpr", "ZERO_GAPS": "constexpr"},
         {"BITS": 4, "B": 512, "SKIP_INCOMPLETE": False, "ALIGN": 16, "KEYS_IN_MEMORY": False,
-         **tiles},
+         "ZERO_GAPS": False, **tiles},
         2,
     )  # fmt: skip
     dse = ptx(
