@@ -24,7 +24,7 @@ from ..config import tuning
 if TYPE_CHECKING:
     import triton
 
-__all__ = ["Launcher"]
+__all__ = ["Bound", "Launcher"]
 
 # The launcher's calling convention (grid, stream, function, metadata, hooks, then every
 # parameter, constexprs included) is Triton 3.6's, checked there; other versions dispatch.
@@ -69,10 +69,27 @@ class Launcher:
         self.names: list[str] = []  # the parameters, at the first variant (the interpreter's
         self.defaults: dict[str, Any] = {}  # functions have no .params)
 
-    def __call__(self, grid: Sequence[int], *args: Any, **constexprs: Any) -> None:
-        if not (_TESTED and tuning().direct_launch) or self.runtime.interpret:
-            self.kernel[grid](*args, **constexprs)
-            return
+    def direct(self) -> bool:
+        """Whether launches may bypass Triton's dispatch now (a tested Triton, not turned off,
+        not interpreting, no launch hooks)."""
+        enter, leave = self.runtime.launch_enter_hook, self.runtime.launch_exit_hook
+        return (bool(_TESTED) and tuning().direct_launch and not self.runtime.interpret
+                and not enter.calls and not leave.calls)  # fmt: skip
+
+    def bound(self, grid: Sequence[int], *args: Any, **constexprs: Any) -> Bound | None:
+        """The compiled variant that these arguments launch, bound to ``grid`` and the
+        constexprs, once a launch of them compiled it (None before, or where launches take
+        Triton's path): for a caller that launches it again with arguments Triton would
+        specialize alike (tensors of the same dtypes and 16-byte alignment; equal values of
+        the integers the kernel specializes on)."""
+        if not self.direct():
+            return None
+        found = self.variants.get(self._key(args, constexprs)[0])
+        return None if found is None else Bound(found[0], grid, found[1])
+
+    @staticmethod
+    def _key(args: Sequence[Any], constexprs: dict[str, Any]) -> tuple[tuple, list]:
+        """The variant's key, and the arguments as Triton's launcher takes them."""
         # _spec's key, built inline: a function call per argument cost a large share of the
         # launch. Tensors go to Triton's launcher as their addresses, which it takes as they
         # are, where a tensor costs a data_ptr() call and a driver query of the pointer.
@@ -88,7 +105,13 @@ class Launcher:
                 values[i] = address
             else:
                 key.append(_spec(arg))
-        key = tuple(key)
+        return tuple(key), values
+
+    def __call__(self, grid: Sequence[int], *args: Any, **constexprs: Any) -> None:
+        if not (_TESTED and tuning().direct_launch) or self.runtime.interpret:
+            self.kernel[grid](*args, **constexprs)
+            return
+        key, values = self._key(args, constexprs)
         found = self.variants.get(key)
         enter, leave = self.runtime.launch_enter_hook, self.runtime.launch_exit_hook
         if found is None or enter.calls or leave.calls:
@@ -109,3 +132,19 @@ class Launcher:
         grid_2 = grid[2] if len(grid) > 2 else 1
         compiled.run(grid[0], grid_1, grid_2, stream, compiled.function, compiled.packed_metadata,
                      None, None, None, *values, *tail)  # fmt: skip
+
+
+class Bound:
+    """A compiled kernel variant bound to its grid and constexprs (:meth:`Launcher.bound`):
+    :meth:`run` launches it with the positional arguments alone, tensors as addresses."""
+
+    __slots__ = ("compiled", "grid", "tail")
+
+    def __init__(self, compiled: Any, grid: Sequence[int], tail: list) -> None:
+        self.compiled, self.tail = compiled, tail
+        self.grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+
+    def run(self, stream: int, *values: Any) -> None:
+        compiled = self.compiled
+        compiled.run(*self.grid, stream, compiled.function, compiled.packed_metadata, None, None,
+                     None, *values, *self.tail)  # fmt: skip
