@@ -1095,7 +1095,7 @@ def encode(
         device = x.get_device()
         found = _BOUND_ENCODE.get((x.numel(), x.dtype, bits, bucket_size, device))
         if (found is not None and x.is_contiguous() and x.data_ptr() % 16 == 0
-                and _launch_encode.direct()):  # fmt: skip
+                and device == torch._C._cuda_getDevice() and _launch_encode.direct()):  # fmt: skip
             bound, n, nbytes = found
             payload = x.new_empty(nbytes, dtype=torch.uint8)
             k0, k1 = _key(key)
@@ -1144,7 +1144,7 @@ def decode(
         device = payload.get_device()
         found = _BOUND_DECODE.get((numel, dtype, bits, bucket_size, device))
         if (found is not None and payload.is_contiguous() and payload.data_ptr() % 16 == 0
-                and _launch_decode.direct()):  # fmt: skip
+                and device == torch._C._cuda_getDevice() and _launch_decode.direct()):  # fmt: skip
             bound, nbytes = found
             out = payload.new_empty(numel, dtype=dtype)
             bound.run(torch._C._cuda_getCurrentRawStream(device), payload.data_ptr(),
