@@ -113,3 +113,22 @@ def test_disabled_hooked_or_interpreted_launches_dispatch(launcher, monkeypatch)
     launcher((1,), x, 100, 0.5, B=512)
     assert len(launcher.kernel.dispatched) == 4
     assert not launcher.kernel.compiled[0].runs
+
+
+def test_a_bound_variant_runs_as_the_launcher_would(launcher):
+    """None before the first launch of a key (or while launches dispatch); after it, the
+    variant bound to its grid and constexprs, run with the positional arguments alone."""
+    x = torch.zeros(64)
+    assert launcher.bound((3, 2), x, 100, 0.5, B=512, num_warps=1) is None
+    launcher((3, 2), x, 100, 0.5, B=512, num_warps=1)
+    bound = launcher.bound((3, 2), x, 100, 0.5, B=512, num_warps=1)
+    assert bound is not None
+    assert launcher.bound((3, 2), x, 100, 0.5, B=256, num_warps=1) is None  # another key
+    bound.run(1234, x.data_ptr(), 100, 0.25)
+    launcher((3, 2), x, 100, 0.25, B=512, num_warps=1)
+    runs = launcher.kernel.compiled[0].runs
+    assert runs[0] == runs[1] == (3, 2, 1, 1234, "fn", "meta", None, None, None, x.data_ptr(),
+                                  100, 0.25, 512, 7)  # fmt: skip
+    with config.tuned(direct_launch=False):
+        assert launcher.bound((3, 2), x, 100, 0.5, B=512, num_warps=1) is None
+        assert not launcher.direct()
