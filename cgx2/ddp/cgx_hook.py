@@ -20,7 +20,7 @@ from ..collectives import policy
 from ..collectives.adaptive import check_options, check_replan_every, layer_errors, plan_widths
 from ..collectives.fusion import allreduce_fused_, padded_numel, ring_bytes_sent
 from ..collectives.hierarchical import hierarchical_allreduce_fused_, node_mesh
-from ..comm import allreduce_plain_, worker
+from ..comm import worker
 from ..config import CGXConfig
 from .error_feedback import ErrorFeedback
 
@@ -363,7 +363,7 @@ def _reduce_bucket_(
             state.bytes_sent += ring_bytes_sent(exact_bytes, world)
             # torch.cat already copies: reduce that copy in place.
             segments = [buffer[o : o + n] for o, n in plan.exact]
-            reduced = allreduce_plain_(torch.cat(segments), group, "avg")
+            reduced = _plain_(torch.cat(segments), group)
             at = 0
             for segment in segments:
                 segment.copy_(reduced[at : at + segment.numel()])
@@ -372,4 +372,10 @@ def _reduce_bucket_(
         for key in keys or ():  # the residuals were delivered exactly: nothing more is owed
             state.errors.discard_(key)
         state.bytes_sent += ring_bytes_sent(buffer.numel() * buffer.element_size(), world)
-        allreduce_plain_(buffer, group, "avg")
+        _plain_(buffer, group)
+
+
+def _plain_(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The exact average of ``t`` in place, through the transport the policy gives ``t``'s
+    collectives (shared memory on one host, where the quantized ones ride it too)."""
+    return policy.transport(t.device, group).allreduce_plain_(t, group, "avg")
