@@ -74,7 +74,9 @@ def _rank(rank: int, port: int, scenario: str, fault: str, transport: str, resul
 
         def wait_then_fail(work):
             original(work)
-            os.kill(os.getpid(), signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
+            while True:  # under load a self-sent SIGSTOP was seen pending, not yet acted on:
+                os.kill(os.getpid(), signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
+                time.sleep(0.01)  # this thread's next trip through the kernel acts on it
 
         with mock.patch.object(module, "wait", wait_then_fail):
             _collective(scenario)
