@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ..checks import check_bits
 from ..codecs import ChunkedLayout, maxmin_codec
-from ..comm import group_size_and_rank, reduce_scatter_single
+from ..comm import group_size_and_rank
 from ..seeding import derive_key, next_seed
 from . import policy
 from .allreduce import exchange
@@ -144,7 +144,7 @@ def reduce_scatter(
     if exact:
         part = rows.index_select(1, plan.exact)
         reduced = torch.empty(part.shape[1], dtype=output.dtype, device=output.device)
-        reduce_scatter_single(reduced, part.reshape(-1), group=group)
+        route.transport.reduce_scatter_plain(reduced, part.reshape(-1), group)
         if scale is not None:
             reduced.mul_(scale)
         output.index_copy_(0, plan.exact, reduced)
