@@ -249,7 +249,8 @@ class _Channel:
 
 _CHANNELS: dict[int, _Channel | None] = {}
 _OPENED: dict[str, int] = {}  # channels opened so far per group name: the same on every rank
-_OPEN_LOCK = threading.Lock()
+_OPEN_LOCK = threading.Lock()  # guards _OPEN_LOCKS and _OPENED
+_OPEN_LOCKS: dict[int, threading.Lock] = {}  # one a group: opening one waits on its peers
 
 
 def _open(group: dist.ProcessGroup) -> _Channel | None:
@@ -260,8 +261,9 @@ def _open(group: dist.ProcessGroup) -> _Channel | None:
     if lib is None or world < 2:
         return None
     store = dist.distributed_c10d._get_default_store()
-    count = _OPENED.get(group.group_name, 0)
-    _OPENED[group.group_name] = count + 1
+    with _OPEN_LOCK:
+        count = _OPENED.get(group.group_name, 0)
+        _OPENED[group.group_name] = count + 1
     prefix = f"cgx2/shm/{group.group_name}/{count}"
     mine = {"host": _host_identity(), "pid": os.getpid(),
             "start": lib.process_start_time(os.getpid()),
@@ -284,7 +286,11 @@ def _channel(group: dist.ProcessGroup) -> _Channel | None:
         return _CHANNELS[key]
     except KeyError:
         pass
+    # A lock a group, not one for all: two threads opening two groups (a hook's worker and
+    # the caller) in different orders on different ranks must not wait on each other.
     with _OPEN_LOCK:
+        lock = _OPEN_LOCKS.setdefault(key, threading.Lock())
+    with lock:
         if key not in _CHANNELS:
             channel = _open(group)
             _CHANNELS[key] = channel
@@ -293,6 +299,7 @@ def _channel(group: dist.ProcessGroup) -> _Channel | None:
 
 
 def _drop(key: int) -> None:
+    _OPEN_LOCKS.pop(key, None)
     channel = _CHANNELS.pop(key, None)
     if channel is not None:
         channel.close()
