@@ -1,9 +1,11 @@
 """What the ranks' agreement check (cgx2.collectives.agreement) costs a quantized allreduce:
-the public op (checked) and the collective it calls (unchecked), call by call, under torchrun.
+the public op checked at once, checked deferred (CUDA tensors), and the collective it calls
+(unchecked), call by call in rotating order, under torchrun.
 
 Usage: torchrun --nproc-per-node 2 bench/agreement_cost.py [--sizes 64K,1M,16M] [--iters 20]
-[--device cpu|cuda] [--out DIR]; in bench/hosts.sh's namespaces for a real link. Rank 0 prints a
-table and writes agreement_cost_<device>_<regime>_w<W>_<date>.json.
+[--device cpu|cuda] [--backend gloo|nccl] [--out DIR]; in bench/hosts.sh's namespaces for a real
+link; ranks may share one GPU on gloo. Rank 0 prints a table and writes
+agreement_cost_<device>_<regime>_w<W>_<date>.json.
 """
 
 from __future__ import annotations
@@ -20,22 +22,28 @@ from cgx2 import collectives
 from cgx2.bench import report
 
 
-def timed(x: torch.Tensor, iters: int) -> tuple[list[float], list[float]]:
-    """Milliseconds of each call, checked (the public op) and unchecked (the collective it
-    calls), in ABBA order, the ranks lined up by a barrier before each."""
-    group, calls = dist.group.WORLD, ([], [])
-    run = (lambda: cgx2.quantized_allreduce(x, 4),
-           lambda: collectives.allreduce(x, 4, 512, group, "sum"))  # fmt: skip
-    for i in range(2 * iters):
-        which = (i + i // 2) % 2  # checked, unchecked, unchecked, checked, ...: neither always
-        dist.barrier()  # follows the other (the allocator's pages, the caches)
+def timed(x: torch.Tensor, iters: int, modes: list[str]) -> dict[str, list[float]]:
+    """Milliseconds of each call in each mode (``off``: the collective the op calls, which does
+    not check), in rotating order, the ranks lined up by a barrier before each."""
+    group, calls = dist.group.WORLD, {mode: [] for mode in modes}
+
+    def run(mode: str) -> None:
+        if mode == "off":
+            collectives.allreduce(x, 4, 512, group, "sum")
+            return
+        with cgx2.config.tuned(check_agreement=mode):
+            cgx2.quantized_allreduce(x, 4)
+
+    for i in range(len(modes) * iters):
+        mode = modes[(i + i // len(modes)) % len(modes)]  # no mode always follows another
+        dist.barrier()
         if x.is_cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
-        run[which]()
+        run(mode)
         if x.is_cuda:
             torch.cuda.synchronize()
-        calls[which].append((time.perf_counter() - start) * 1e3)
+        calls[mode].append((time.perf_counter() - start) * 1e3)
     return calls
 
 
@@ -44,39 +52,48 @@ def main() -> None:
     p.add_argument("--sizes", default="64K,1M,16M", help="input bytes (K, M, G: KiB, MiB, GiB)")
     p.add_argument("--iters", type=int, default=20, help="timed calls per size and setting")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--backend", choices=("gloo", "nccl"), default=None,
+                   help="default: nccl for cuda (one GPU a rank), gloo for cpu")  # fmt: skip
     report.add_out_argument(p)
     args = p.parse_args()
     if report.refused_single_process("agreement_cost.py"):
         return
-    backend = "nccl" if args.device == "cuda" else "gloo"
+    backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")
     dist.init_process_group(backend)
     device = torch.device(args.device)
     if device.type == "cuda":
         device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
         torch.cuda.set_device(device)
+    modes = ["off", "on", "deferred"] if device.type == "cuda" else ["off", "on"]
     rows = []
-    # Forced compression; the check as configured (CGX2_CHECK_AGREEMENT: on off NCCL).
-    with cgx2.config.tuned(crossover_bytes=0):
+    with cgx2.config.tuned(crossover_bytes=0):  # forced compression
         for nbytes in report.parse_sizes(args.sizes):
             x = torch.randn(nbytes // 4, device=device)
-            timed(x, 2)  # warm-up
-            on, off = timed(x, args.iters)
+            timed(x, 2, modes)  # warm-up
+            calls = timed(x, args.iters, modes)
             row = {"size": report.size_name(nbytes), "bytes": nbytes}
-            row["checked_ms"], row["unchecked_ms"] = statistics.median(on), statistics.median(off)
-            row["cost_ms"] = row["checked_ms"] - row["unchecked_ms"]
-            row["cost_pct"] = 100 * row["cost_ms"] / row["unchecked_ms"]
+            for mode in modes:
+                row[f"{mode}_ms"] = statistics.median(calls[mode])
+            for mode in modes[1:]:
+                row[f"{mode}_pct"] = 100 * (row[f"{mode}_ms"] / row["off_ms"] - 1)
             rows.append(row)
     if dist.get_rank() == 0:
-        columns = [("size", "size", ""), ("unchecked_ms", "unchecked ms", ".3f"),
-                   ("checked_ms", "checked ms", ".3f"), ("cost_ms", "cost ms", ".3f"),
-                   ("cost_pct", "cost %", ".1f")]  # fmt: skip
+        columns = [("size", "size", ""), ("off_ms", "unchecked ms", ".3f"),
+                   ("on_ms", "checked ms", ".3f"), ("on_pct", "cost %", ".1f")]  # fmt: skip
+        if "deferred" in modes:
+            columns += [("deferred_ms", "deferred ms", ".3f"),
+                        ("deferred_pct", "deferred cost %", ".1f")]  # fmt: skip
         print(report.format_table(rows, columns))
-        print(report.format_legend([
+        legend = [
             ("unchecked ms", "median of cgx2.collectives.allreduce, which does not check"),
-            ("checked ms", "median of cgx2.quantized_allreduce (the check, then the same call),"
-             " alternating with the unchecked calls"),
-            ("cost %", "(checked - unchecked) / unchecked"),
-        ]))  # fmt: skip
+            ("checked ms", "median of cgx2.quantized_allreduce, CGX2_CHECK_AGREEMENT=on: the"
+             " check read at once, then the same call"),
+            ("deferred ms", "the same, CGX2_CHECK_AGREEMENT=deferred: compared on the GPU, the"
+             " result masked"),
+            ("cost %", "checked / unchecked - 1"),
+        ]  # fmt: skip
+        print(report.format_legend([item for item in legend if "deferred" in modes
+                                    or item[0] != "deferred ms"]))  # fmt: skip
         env = report.environment(device, dist.get_world_size())
         path = report.write_json("agreement_cost", {"env": env, "rows": rows}, args.out)
         print(f"-> {path}")

@@ -74,12 +74,35 @@ def allreduce_checks(rank: int, world: int, dev: torch.device) -> dict[str, bool
             ok["disagreeing numel raises"] = False
         except DisagreementError as e:
             ok["disagreeing numel raises"] = "numel=[rank 0: 1024, rank 1: 1000]" in str(e)
+        ok.update(_deferred_checks(rank, dev))
         x = _input(rank, 4096).to(dev).requires_grad_()
         (cgx2.quantized_allreduce(x, 32, op="avg") * (rank + 1)).sum().backward()
         want = sum(r + 1 for r in range(world)) / world
         ok["gradient == allreduce of the output's gradient"] = bool(
             torch.allclose(x.grad, torch.full_like(x, want))
         )
+    return ok
+
+
+def _deferred_checks(rank: int, dev: torch.device) -> dict[str, bool]:
+    """The check as CUDA tensors on NCCL get it (CGX2_CHECK_AGREEMENT=deferred): compared on
+    the GPU, the result poisoned, the error raised once the answer reaches the host."""
+    ok = {}
+    with cgx2.config.tuned(check_agreement="deferred"):
+        x = _input(rank, 4096).to(dev)
+        checked = cgx2.quantized_allreduce(x, 4, seed=5)
+        with cgx2.config.tuned(check_agreement="off"):
+            unchecked = cgx2.quantized_allreduce(x, 4, seed=5)
+        ok["deferred: agreeing ranks get the unchecked result"] = torch.equal(checked, unchecked)
+        y = torch.ones(1024 if rank == 0 else 1000, device=dev)
+        message = ""
+        try:  # raised by the call itself, or by the next one where the answer came late
+            cgx2.quantized_allreduce_(y, 4)
+            cgx2.quantized_allreduce(x, 4)
+        except DisagreementError as e:
+            message = str(e)
+        ok["deferred: disagreeing numel raises"] = "numel=[rank 0: 1024, rank 1: 1000]" in message
+        ok["deferred: disagreeing ranks' results are NaN"] = bool(y.isnan().all())
     return ok
 
 

@@ -38,9 +38,11 @@ MIN_COMPRESSION_SIZE = 16
 _INNER_COMMUNICATORS = ("SHM", "MPI", "NCCL")
 _CROSS_COMMUNICATORS = ("MPI", "NCCL")
 TRANSPORTS = ("auto", "shm", "nccl", "process_group")
+"""The values of ``CGX2_TRANSPORT`` (:class:`TuningConfig`'s ``transport``)."""
 ALGORITHMS = ("auto", "sra", "ring")
 """The values of ``CGX2_ALGORITHM`` (:class:`TuningConfig`'s ``algorithm``)."""
-"""The values of ``CGX2_TRANSPORT`` (:class:`TuningConfig`'s ``transport``)."""
+CHECK_MODES = ("auto", "on", "off", "deferred")
+"""The values of ``CGX2_CHECK_AGREEMENT`` (:class:`TuningConfig`'s ``check_agreement``)."""
 
 
 def _int(
@@ -72,12 +74,20 @@ def _bool(env: Mapping[str, str], var: str, default: bool) -> bool:
     raise ValueError(f"{var}={raw!r} is invalid: expected 0/1, true/false, yes/no or on/off")
 
 
-def _auto_bool(env: Mapping[str, str], var: str) -> bool | None:
-    """:func:`_bool`, or None where the variable is unset or ``auto``."""
+def _check_mode(env: Mapping[str, str], var: str) -> str:
+    """One of :data:`CHECK_MODES`; the words :func:`_bool` takes name ``on`` and ``off``."""
     raw = env.get(var)
-    if raw is None or raw.strip().lower() in ("", "auto"):
-        return None
-    return _bool(env, var, False)
+    if raw is None or raw.strip() == "":
+        return "auto"
+    value = raw.strip().lower()
+    if value in CHECK_MODES:
+        return value
+    try:
+        return "on" if _bool(env, var, False) else "off"
+    except ValueError:
+        raise ValueError(
+            f"{var}={raw!r} is invalid: expected auto, on, off, deferred, 0/1, true/false or yes/no"
+        ) from None
 
 
 def _choice(env: Mapping[str, str], var: str, default: str, allowed: tuple[str, ...],
@@ -232,9 +242,12 @@ class TuningConfig:
       rather than all-to-all, outside NVLink.
     - ``check_agreement`` (``CGX2_CHECK_AGREEMENT``, ``auto``): before each call of
       ``quantized_allreduce`` and of the ``cgx`` backend's allreduce, the ranks share its
-      size, dtype and arguments and raise if they differ (:mod:`cgx2.collectives.agreement`);
-      None (``auto``) checks except for CUDA tensors on NCCL, where reading the answer would
-      stall the GPU's queue.
+      size, dtype and arguments and raise if they differ (:mod:`cgx2.collectives.agreement`).
+      ``on`` (or 1) compares them before the call, ``deferred`` compares them on the device
+      in stream order (a disagreement turns the result into NaN on every rank and raises at
+      the next call on the group, or sooner), ``off`` (or 0) not at all; ``auto`` is
+      ``deferred`` for CUDA tensors on NCCL, where reading the answer at once would stall the
+      GPU's queue, else ``on``.
     - ``comm_worker`` (``CGX2_COMM_WORKER``, 1): DDP's hooks run collectives that would block
       autograd's thread (gloo's) on a worker thread per group (:mod:`cgx2.comm.worker`); 0
       runs them in the hook, as torch's own hooks do.
@@ -260,7 +273,7 @@ class TuningConfig:
     cuda_graphs: bool = False
     pipeline_bytes: int | None = None
     pair_gather: bool = True
-    check_agreement: bool | None = None
+    check_agreement: str = "auto"
     comm_worker: bool = True
     transport: str = "auto"
     algorithm: str = "auto"
@@ -278,6 +291,10 @@ class TuningConfig:
             raise ValueError("pipeline_bytes must be positive (None: the regime's)")
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
+        if self.check_agreement not in CHECK_MODES:
+            raise ValueError(
+                f"check_agreement must be one of {CHECK_MODES}, got {self.check_agreement!r}"
+            )
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if not self.cache_dir:
@@ -301,7 +318,7 @@ class TuningConfig:
             cuda_graphs=_bool(env, "CGX2_CUDA_GRAPHS", False),
             pipeline_bytes=pipeline_bytes,
             pair_gather=_bool(env, "CGX2_PAIR_GATHER", True),
-            check_agreement=_auto_bool(env, "CGX2_CHECK_AGREEMENT"),
+            check_agreement=_check_mode(env, "CGX2_CHECK_AGREEMENT"),
             comm_worker=_bool(env, "CGX2_COMM_WORKER", True),
             transport=_choice(env, "CGX2_TRANSPORT", "auto", TRANSPORTS, upper=False),
             algorithm=_choice(env, "CGX2_ALGORITHM", "auto", ALGORITHMS, upper=False),

@@ -90,17 +90,20 @@ def test_tuning_reads_every_cgx2_variable():
         "CGX2_CROSSOVER_BYTES": "4M", "CGX2_CUDA_GRAPHS": "on", "CGX2_PIPELINE_BYTES": "64MiB",
         "CGX2_PAIR_GATHER": "0", "CGX2_CALIBRATION_FILE": "/x/c.json", "CGX2_DIRECT_LAUNCH": "no",
         "CGX2_NATIVE": "false", "CGX2_CACHE_DIR": "/c", "CGX2_COMM_WORKER": "0",
-        "CGX2_TRANSPORT": "SHM", "CGX2_ALGORITHM": "ring",
+        "CGX2_TRANSPORT": "SHM", "CGX2_ALGORITHM": "ring", "CGX2_CHECK_AGREEMENT": "Deferred",
     })  # fmt: skip
     assert found == TuningConfig(
         crossover_bytes=4 << 20, cuda_graphs=True, pipeline_bytes=64 << 20, pair_gather=False,
         comm_worker=False, calibration_file="/x/c.json", direct_launch=False,
         native_codec=False, cache_dir="/c", transport="shm", algorithm="ring",
+        check_agreement="deferred",
     )  # fmt: skip
     default = TuningConfig.from_env({"CGX2_CACHE_DIR": "/c"})
     assert default.crossover_bytes is None and default.pipeline_bytes is None
     assert default.comm_worker and default.pair_gather
-    assert default.transport == default.algorithm == "auto"
+    assert default.transport == default.algorithm == default.check_agreement == "auto"
+    for raw, mode in [("1", "on"), ("yes", "on"), ("0", "off"), ("false", "off"), ("auto", "auto")]:
+        assert TuningConfig.from_env({"CGX2_CHECK_AGREEMENT": raw}).check_agreement == mode
     assert default.calibration_file == "/c/calibration.json"  # beside the cache by default
     assert TuningConfig.from_env({"CGX2_CROSSOVER_BYTES": "auto"}).crossover_bytes is None
 
@@ -109,7 +112,7 @@ def test_tuning_reads_every_cgx2_variable():
     ("var", "value"),
     [("CGX2_PIPELINE_BYTES", "0"), ("CGX2_CROSSOVER_BYTES", "-1"), ("CGX2_CROSSOVER_BYTES", "4 TB"),
      ("CGX2_PAIR_GATHER", "maybe"), ("CGX2_NATIVE", "2"), ("CGX2_COMM_WORKER", "x"),
-     ("CGX2_TRANSPORT", "tcp"), ("CGX2_ALGORITHM", "tree")],
+     ("CGX2_TRANSPORT", "tcp"), ("CGX2_ALGORITHM", "tree"), ("CGX2_CHECK_AGREEMENT", "later")],
 )  # fmt: skip
 def test_a_bad_cgx2_variable_is_named(var, value):
     from cgx2.config import TuningConfig

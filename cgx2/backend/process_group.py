@@ -131,15 +131,23 @@ class CGXProcessGroup(dist.ProcessGroup):
         t = tensors[0]
         route = policy.route(t, self, bits, bucket_size, padded_numel(t.numel(), bucket_size))
         compress = self._compressible(t, op, bits) and route.compress
+        agreed = None
         if route.check:  # before either path: ranks that disagree would take different ones
             fields = {"reduce_op": op, "bits": bits, "bucket_size": bucket_size,
                       "minimal_size": self.config.minimal_size, "compressed": compress}  # fmt: skip
-            agreement.check(self, "all_reduce on the cgx backend", t, fields)
+            agreed = agreement.check(self, "all_reduce on the cgx backend", t, fields,
+                                     deferred=route.check == "deferred")  # fmt: skip
         if compress:
             with self._side_stream(tensors):
                 self._compress(tensors, bits, bucket_size, op)
+                agreement.settle(agreed, t, self)
                 return CompletedWork(tensors)
-        return self._delegate(tensors, opts.reduceOp)
+        work = self._delegate(tensors, opts.reduceOp)
+        if agreed is None:
+            return work
+        work.wait()  # NCCL's: the current stream waits, not the host
+        agreement.settle(agreed, t, self)
+        return CompletedWork(tensors)
 
     def allreduce_coalesced(
         self, tensors: list[torch.Tensor], opts: dist.AllreduceCoalescedOptions | None = None

@@ -4,22 +4,32 @@ shares a few integers (size, dtype, bits, bucket, op, route) and every rank rais
 Ranks that disagree would otherwise hang in different collectives until the group's timeout, or
 worse, exchange payloads of equal size and return wrong values without an error. The exchange is
 one all-gather of a few dozen bytes, the same whatever the arguments, so it cannot itself hang
-on a disagreement. Whether it runs is the policy's choice (:class:`.policy.Route`'s ``check``);
-the entry points users call run it (the ops, the ``cgx`` backend), not DDP's and FSDP's hooks,
-whose wrappers make every rank's buckets alike.
+on a disagreement. Whether it runs, and how, is the policy's choice (:class:`.policy.Route`'s
+``check``); the entry points users call run it (the ops, the ``cgx`` backend), not DDP's and
+FSDP's hooks, whose wrappers make every rank's buckets alike.
+
+Read at once (``check``), the answer costs the caller a wait for the GPU's queue where the
+all-gather runs on it (NCCL). Deferred (``check(..., deferred=True)``), the ranks' values are
+compared on the device in stream order: the caller gets a flag to poison its result with
+(:func:`settle`: NaN on every rank), and :class:`DisagreementError` is raised as soon as the
+answer reaches the host, at the latest by the next checked call on the group.
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 import zlib
+from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from ..comm import all_gather_single
 
-__all__ = ["DisagreementError", "check"]
+__all__ = ["DisagreementError", "check", "raise_pending", "settle"]
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
 _WORDS = {"sum": 0, "avg": 1}  # reduce ops: shown by name in the message
@@ -29,33 +39,103 @@ class DisagreementError(RuntimeError):
     """The ranks of one collective were called with different arguments."""
 
 
+@dataclass
+class _Pending:
+    """A deferred check whose answer is on its way to the host."""
+
+    rows: torch.Tensor  # [world, fields] int64 on the host (pinned where copied from a GPU)
+    ready: torch.cuda.Event  # recorded after the copy
+    names: list[str]
+    shown: dict[str, object]
+    operation: str
+    rank: int
+
+
+_PENDING: weakref.WeakKeyDictionary[dist.ProcessGroup, deque[_Pending]] = (
+    weakref.WeakKeyDictionary()
+)
+_PENDING_LOCK = threading.Lock()
+
+
 def check(group: dist.ProcessGroup, operation: str, t: torch.Tensor,
-          fields: dict[str, int | str | bool | float | Sequence | None]) -> None:  # fmt: skip
+          fields: dict[str, int | str | bool | float | Sequence | None],
+          *, deferred: bool = False) -> torch.Tensor | None:  # fmt: skip
     """Raise :class:`DisagreementError` on every rank of ``group`` unless all called
     ``operation`` with the same ``t.numel()``, ``t.dtype`` and ``fields`` (named values; the
-    message names those that differ, rank by rank)."""
+    message names those that differ, rank by rank).
+
+    ``deferred`` (CUDA float tensors; others are checked at once): don't wait for the answer.
+    Returns a 0-dim bool tensor on ``t``'s GPU, True where every rank agreed: pass it to
+    :func:`settle` with the call's result. The error is raised by :func:`raise_pending`
+    (``settle`` and every later check on the group call it) once the answer has reached the
+    host. Returns None when checked at once, or not at all (inside a CUDA graph's capture)."""
+    raise_pending(group)
+    if t.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None  # a captured graph replays its collectives without the host: none to compare
+    # Only an answer that lands on a GPU is worth not waiting for; only floats take NaN.
+    deferred = deferred and t.is_cuda and t.is_floating_point()
     names = ["numel", "dtype", *fields]
     values = [t.numel(), _DTYPES.get(t.dtype, 99), *(_code(v) for v in fields.values())]
-    mine = torch.tensor(values, dtype=torch.int64)
-    device = t.device if t.is_cuda and dist.get_backend(group) == "nccl" else torch.device("cpu")
-    world = dist.get_world_size(group)
-    gathered = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
+    on_gpu = t.is_cuda and (deferred or dist.get_backend(group) == "nccl")
+    device = t.device if on_gpu else torch.device("cpu")
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    gathered = torch.empty(world * len(values), dtype=torch.int64, device=device)
     try:
-        all_gather_single(gathered, mine.to(device), group=group)
+        all_gather_single(gathered, torch.tensor(values, device=device), group=group)
     except RuntimeError as e:  # a peer died or stalled before the call
         raise RuntimeError(
             f"cgx2: the ranks of {operation} could not compare their arguments (this is rank "
-            f"{dist.get_rank(group)}): {e}"
+            f"{rank}): {e}"
         ) from e
-    rows = gathered.view(world, -1).tolist()
+    shown = {"numel": t.numel(), "dtype": t.dtype, **fields}
+    rows = gathered.view(world, -1)
+    if not deferred:
+        _raise_if_different(rows.tolist(), names, shown, operation, rank)
+        return None
+    agreed = (rows == rows[0]).all()
+    rows = rows.to("cpu", non_blocking=True)  # the host's copy arrives in stream order
+    ready = torch.cuda.Event()
+    ready.record()
+    with _PENDING_LOCK:
+        _PENDING.setdefault(group, deque()).append(
+            _Pending(rows, ready, names, shown, operation, rank)
+        )
+    return agreed
+
+
+def settle(agreed: torch.Tensor | None, result: torch.Tensor,
+           group: dist.ProcessGroup) -> torch.Tensor:  # fmt: skip
+    """``result`` of a call checked with ``deferred=True`` (``agreed``, its answer), made NaN
+    in place where the ranks disagreed (on every rank alike: they all hold the same answer),
+    then :func:`raise_pending`. Returns ``result``; nothing to do where ``agreed`` is None."""
+    if agreed is None:
+        return result
+    result.masked_fill_(agreed.logical_not(), float("nan"))
+    raise_pending(group)
+    return result
+
+
+def raise_pending(group: dist.ProcessGroup) -> None:
+    """Raise :class:`DisagreementError` for the oldest deferred check on ``group`` whose answer
+    has reached the host and shows ranks that disagree; forget those that agreed. Never waits."""
+    with _PENDING_LOCK:
+        pending = _PENDING.get(group)
+        done = []
+        while pending and pending[0].ready.query():
+            done.append(pending.popleft())
+    for p in done:
+        _raise_if_different(p.rows.tolist(), p.names, p.shown, p.operation, p.rank)
+
+
+def _raise_if_different(rows: list[list[int]], names: list[str], shown: dict[str, object],
+                        operation: str, rank: int) -> None:  # fmt: skip
     if all(row == rows[0] for row in rows):
         return
     differing = [i for i, name in enumerate(names) if len({row[i] for row in rows}) > 1]
-    shown = {**{"numel": t.numel(), "dtype": t.dtype}, **fields}
     described = ", ".join(f"{names[i]}={_describe(names[i], rows, i)}" for i in differing)
     raise DisagreementError(
         f"cgx2: the ranks of {operation} disagree on {described} (this rank "
-        f"{dist.get_rank(group)}: " + ", ".join(f"{names[i]}={shown[names[i]]}" for i in differing)
+        f"{rank}: " + ", ".join(f"{names[i]}={shown[names[i]]}" for i in differing)
         + "); every rank must call it with the same tensor size, dtype and arguments"
     )  # fmt: skip
 

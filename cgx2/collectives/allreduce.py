@@ -43,16 +43,18 @@ def allreduce(t: torch.Tensor, bits: int, bucket_size: int, group: dist.ProcessG
     off: their wrappers make every rank's buckets alike.
     """
     route = policy.route(t, group, bits, bucket_size)
+    agreed = None
     if check_agreement and route.check:
-        _check_agreement(route, t, bits, bucket_size, group, reduce_op, skip_incomplete)
+        agreed = _check_agreement(route, t, bits, bucket_size, group, reduce_op, skip_incomplete)
     if not route.compress:
-        return route.transport.allreduce_plain_(
+        out = route.transport.allreduce_plain_(
             t.clone(memory_format=torch.contiguous_format), group, reduce_op
         )
+        return agreement.settle(agreed, out, group)
     out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
     _run_pieces(route, t.reshape(-1), out.view(-1), bits, bucket_size, group, reduce_op, seed,
                 skip_incomplete)  # fmt: skip
-    return out
+    return agreement.settle(agreed, out, group)
 
 
 def allreduce_(t: torch.Tensor, bits: int, bucket_size: int, group: dist.ProcessGroup,
@@ -78,24 +80,27 @@ def allreduce_(t: torch.Tensor, bits: int, bucket_size: int, group: dist.Process
         return t.copy_(allreduce(t, bits, bucket_size, group, reduce_op, seed, skip_incomplete,
                                  check_agreement=check_agreement))  # fmt: skip
     route = policy.route(t, group, bits, bucket_size)
+    agreed = None
     if check_agreement and route.check:
-        _check_agreement(route, t, bits, bucket_size, group, reduce_op, skip_incomplete)
+        agreed = _check_agreement(route, t, bits, bucket_size, group, reduce_op, skip_incomplete)
     if not route.compress:
         if error is not None:
             error.zero_()
-        return route.transport.allreduce_plain_(t, group, reduce_op)
+        return agreement.settle(agreed, route.transport.allreduce_plain_(t, group, reduce_op),
+                                group)  # fmt: skip
     flat = t.view(-1)
     _run_pieces(route, flat, flat, bits, bucket_size, group, reduce_op, seed, skip_incomplete,
                 None if error is None else error.view(-1))  # fmt: skip
-    return t
+    return agreement.settle(agreed, t, group)
 
 
 def _check_agreement(route: policy.Route, t: torch.Tensor, bits: int, bucket_size: int,
                      group: dist.ProcessGroup, reduce_op: str,
-                     skip_incomplete: bool) -> None:  # fmt: skip
+                     skip_incomplete: bool) -> torch.Tensor | None:  # fmt: skip
     fields = {"bits": bits, "bucket_size": bucket_size, "reduce_op": reduce_op,
               "skip_incomplete": skip_incomplete, "compressed": route.compress}  # fmt: skip
-    agreement.check(group, "quantized_allreduce", t, fields)
+    return agreement.check(group, "quantized_allreduce", t, fields,
+                           deferred=route.check == "deferred")  # fmt: skip
 
 
 def exchange(recv: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup, world: int,

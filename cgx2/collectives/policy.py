@@ -101,7 +101,9 @@ class Route:
     - ``graphs``: replay the pipeline as a CUDA graph (NCCL groups, CUDA tensors, Triton).
     - ``gather_in_place``: encode each reduced chunk straight into its slot of the gather's
       output (NCCL gathers in place: one allocation and copy fewer).
-    - ``check``: first make sure every rank called it alike (:mod:`.agreement`).
+    - ``check``: how to make sure every rank called it alike (:mod:`.agreement`): ``"now"``
+      (before the call), ``"deferred"`` (compared on the device in stream order; the result
+      is poisoned and the error raised later), or ``""`` (not at all).
     - ``transport``: what moves the bytes (a :class:`cgx2.comm.Transport`): :func:`transport`.
     - ``ring``: the pipelined ring (:mod:`.ring`) instead of the scatter-reduce-allgather:
       ``CGX2_ALGORITHM=ring`` only. Its error grows with the world size, and where it was
@@ -114,7 +116,7 @@ class Route:
     piece_numel: int
     graphs: bool
     gather_in_place: bool
-    check: bool = False
+    check: str = ""
     transport: ModuleType = process_group
     ring: bool = False
 
@@ -409,13 +411,14 @@ def _routes(t: torch.Tensor, group: dist.ProcessGroup, bucket_size: int) -> _Rou
     pair = uses_pair_gather(info.size, where)
     pieces = piece_numel(t.element_size(), info.size, bucket_size, where, pair)
     nccl_cuda = t.is_cuda and info.cuda_on_nccl
-    check = config.tuning().check_agreement
-    if check is None:  # reading the ranks' answer would stall NCCL's queue on the GPU
-        check = not nccl_cuda
+    check = {"on": "now", "off": "", "deferred": "deferred"}.get(
+        config.tuning().check_agreement,
+        "deferred" if nccl_cuda else "now",  # reading the answer at once would stall NCCL's queue
+    )
     moves = transport(t.device, group)
     ring = config.tuning().algorithm == "ring" and info.size > 2
     compressed = Route(True, where, pair and not ring, pieces, False, nccl_cuda and not ring,
-                       check and info.size > 1, moves, ring)  # fmt: skip
+                       check if info.size > 1 else "", moves, ring)  # fmt: skip
     # A CUDA graph captures NCCL's kernels: its replay cannot wait on the host.
     graphed = dataclasses.replace(compressed, graphs=True, transport=process_group, ring=False)
     return _Routes(

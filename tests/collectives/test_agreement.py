@@ -90,6 +90,60 @@ def _unchecked() -> int:
 
     from cgx2.collectives import agreement
 
-    with cgx2.config.tuned(check_agreement=False), mock.patch.object(agreement, "check") as check:
+    with cgx2.config.tuned(check_agreement="off"), mock.patch.object(agreement, "check") as check:
         cgx2.quantized_allreduce(torch.ones(4096), 4)
     return check.call_count
+
+
+def test_deferred_on_cpu_tensors_is_checked_at_once(dist2):
+    """Only an answer that lands on a GPU is worth not waiting for: ranks that disagree on the
+    route (bits 4 and 32) raise before their collectives could pass each other."""
+    messages = dist2.run(_disagree_deferred)
+    assert all("bits=[rank 0: 4, rank 1: 32]" in m for m in messages), messages
+
+
+def _disagree_deferred() -> str:
+    with cgx2.config.tuned(check_agreement="deferred"):
+        return _disagree("bits")
+
+
+def test_a_result_settled_after_a_disagreement_is_nan_everywhere():
+    from cgx2.collectives import agreement
+
+    group = _Group()
+    out = torch.arange(6, dtype=torch.float32)
+    assert agreement.settle(torch.tensor(False), out, group) is out
+    assert out.isnan().all()
+    agreed = torch.arange(6, dtype=torch.float32)
+    agreement.settle(torch.tensor(True), agreed, group)
+    assert torch.equal(agreed, torch.arange(6, dtype=torch.float32))
+
+
+class _Event:
+    """A CUDA event's stand-in: its answer arrives when the test says so."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+class _Group:
+    pass
+
+
+def test_a_deferred_answer_raises_once_it_arrives_and_never_waits():
+    from cgx2.collectives import agreement
+
+    group, event = _Group(), _Event()
+    rows = torch.tensor([[1024, 0, 4], [1000, 0, 4]])
+    pending = agreement._Pending(rows, event, ["numel", "dtype", "bits"],
+                                 {"numel": 1024, "dtype": torch.float32, "bits": 4},
+                                 "quantized_allreduce", 0)  # fmt: skip
+    agreement._PENDING[group] = __import__("collections").deque([pending])
+    agreement.raise_pending(group)  # not arrived: nothing raised, nothing waited for
+    event.done = True
+    with pytest.raises(DisagreementError, match=r"numel=\[rank 0: 1024, rank 1: 1000\]"):
+        agreement.raise_pending(group)
+    agreement.raise_pending(group)  # raised once, then forgotten
