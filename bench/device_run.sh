@@ -15,6 +15,8 @@
 # ..." profiles those kernels with Nsight Compute (bench/kernel_profile.py: issue rate, stalls,
 # instructions per value); TIMELINE_REGIMES="shm ..." prints a 256 MiB allreduce's GPU timeline;
 # GLOO_DDP_RATES="10gbit 1gbit" times DDP steps of two hosts sharing GPU 0 over gloo (carry .iproute).
+# SKIP_HOST_COST=1 leaves out bench/host_cost.py (the codec ops' host time, eager and compiled)
+# and bench/agreement_cost.py (two ranks on GPU 0 over gloo; with several GPUs, over NCCL too).
 # SKIP_TRANSPORTS=1 leaves out bench/transports.py (two ranks on GPU 0, CUDA and CPU tensors:
 # shared memory against gloo; TRANSPORT_ARGS for it). With several GPUs, cgx2.bench's table
 # has shared memory's columns (CGX2_TRANSPORT=shm for CUDA tensors on NCCL) beside NCCL's.
@@ -69,6 +71,18 @@ if [ -z "${SKIP_TRANSPORTS:-}" ]; then  # two ranks on GPU 0: shared memory agai
     ${TRANSPORT_ARGS:-} 2>"$LOGS/transports_cuda.err" | tail -n 14 || status=1
   torchrun --nproc-per-node 2 bench/transports.py --device cpu --out bench/results \
     ${TRANSPORT_ARGS:-} 2>"$LOGS/transports_cpu.err" | tail -n 14 || status=1
+  save
+fi
+if [ -z "${SKIP_HOST_COST:-}" ]; then  # host time of the codec ops; the agreement check's cost
+  python3 bench/host_cost.py --out bench/results 2>"$LOGS/host_cost.err" | tail -n 16 || status=1
+  torchrun --nproc-per-node 2 bench/agreement_cost.py --device cuda --backend gloo \
+    --sizes 64K,1M,16M,64M --out bench/results 2>"$LOGS/agreement_cost.err" | tail -n 14 \
+    || status=1
+  if [ "$NGPU" -ge 2 ]; then  # over NCCL, shm regime: the deferred check as users get it
+    env NCCL_P2P_DISABLE=1 torchrun --nproc-per-node "$NGPU" bench/agreement_cost.py \
+      --device cuda --sizes 64K,1M,16M,64M --out bench/results \
+      2>"$LOGS/agreement_cost_nccl.err" | tail -n 14 || status=1
+  fi
   save
 fi
 if [ "$NGPU" -ge 2 ] && [ -z "${SKIP_CHECKS:-}" ]; then

@@ -98,6 +98,35 @@ def _check_fallback(rank: int, world: int) -> int:
     return int(flag.item())
 
 
+def _check_deferred(rank: int, world: int) -> int:
+    """CUDA tensors on NCCL checked deferred (CGX2_CHECK_AGREEMENT=deferred): ranks that agree
+    get the unchecked bytes; ranks that disagree on numel (equal payloads) get NaN and a
+    DisagreementError naming it, from the call or the next one. 1 if not."""
+    from cgx2.collectives.agreement import DisagreementError
+
+    _tune(check_agreement="deferred")
+    x = _input(rank, 1 << 20, torch.float32).cuda()
+    checked = cgx2.quantized_allreduce(x, 4, seed=3)
+    unchecked = collectives.allreduce(x, 4, 512, dist.group.WORLD, "sum", 3)
+    ok = torch.equal(checked, unchecked)
+    y = torch.ones(1024 if rank == 0 else 1000, device="cuda")
+    message = ""
+    try:
+        cgx2.quantized_allreduce_(y, 4)
+        cgx2.quantized_allreduce(x, 4)
+    except DisagreementError as e:
+        message = str(e)
+    _settings.close()
+    torch.cuda.synchronize()
+    ok = ok and "numel=[rank 0: 1024, rank 1: 1000" in message and bool(y.isnan().all())
+    if rank == 0:
+        print(f"{'ok  ' if ok else 'FAIL'} deferred check on NCCL: agreeing ranks unchanged, "
+              f"disagreeing ranks NaN and raised ({message[:90]!r})", flush=True)  # fmt: skip
+    flag = torch.tensor([0 if ok else 1], device="cuda")
+    dist.all_reduce(flag)
+    return int(flag.item())
+
+
 GRAPH_CASES = [
     # bits, dtype, numel, op, pipeline piece bytes (None: the regime's), error feedback
     (4, torch.float32, 4_000_037, "avg", None, False),
@@ -203,7 +232,8 @@ def main() -> int:
     _settings.close()
     failures += _check_fallback(rank, world)
     failures += _check_graphs(rank, world)
-    total = len(CASES) + 1 + len(GRAPH_CASES)
+    failures += _check_deferred(rank, world)
+    total = len(CASES) + 2 + len(GRAPH_CASES)
     if rank == 0:
         print(f"allreduce check on {world} x {torch.cuda.get_device_name()}: "
               f"{total - failures} of {total} cases ok")  # fmt: skip

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import pstats
 import statistics
 import time
@@ -55,9 +56,13 @@ def main() -> None:
     def round_trip(t: torch.Tensor) -> torch.Tensor:
         return ops.dequantize(ops.quantize(t, bits, 512, 1), n, bits, 512)
 
+    def clone(t: torch.Tensor) -> torch.Tensor:
+        return t.clone()
+
     compiled = torch.compile(round_trip, fullgraph=True)
     settings = {
         "clone": lambda: x.clone(),
+        "clone_compiled": torch.compile(clone, fullgraph=True),
         "op_quantize": lambda: ops.quantize(x, bits, 512, 1),
         "op_dequantize": lambda: ops.dequantize(payload, n, bits, 512),
         "quantize": lambda: cgx2.quantize(x, bits, 512, 1),
@@ -65,6 +70,10 @@ def main() -> None:
         "round_trip_eager": lambda: round_trip(x),
         "round_trip_compiled": lambda: compiled(x),
     }
+    settings["clone_compiled"] = functools.partial(settings["clone_compiled"], x)
+    if device.type == "cuda":  # CUDA graphs: torch.compile's answer to per-call host time
+        graphed = torch.compile(round_trip, fullgraph=True, mode="reduce-overhead")
+        settings["round_trip_compiled_cudagraphs"] = lambda: graphed(x)
     for fn in settings.values():  # compiled, warmed, variants launched once
         for _ in range(20):
             fn()
@@ -82,7 +91,9 @@ def main() -> None:
         ("host µs", f"host time per call, {args.calls} calls back to back, median of "
                     f"{args.rounds} rounds; {n} fp32 values, {bits} bits"),
         ("op_*", "torch.ops.cgx.*; quantize/dequantize: cgx2.quantize/dequantize (eager)"),
-        ("round_trip_*", "quantize then dequantize, eager and torch.compile(fullgraph=True)"),
+        ("round_trip_*", "quantize then dequantize, eager and torch.compile(fullgraph=True)"
+                         "; _cudagraphs: mode='reduce-overhead'"),
+        ("clone_compiled", "torch.compile(fullgraph=True) of a clone: its fixed cost a call"),
     ]))  # fmt: skip
     if args.profile:
         for name in ("op_quantize", "op_dequantize"):

@@ -243,11 +243,11 @@ class TuningConfig:
     - ``check_agreement`` (``CGX2_CHECK_AGREEMENT``, ``auto``): before each call of
       ``quantized_allreduce`` and of the ``cgx`` backend's allreduce, the ranks share its
       size, dtype and arguments and raise if they differ (:mod:`cgx2.collectives.agreement`).
-      ``on`` (or 1) compares them before the call, ``deferred`` compares them on the device
-      in stream order (a disagreement turns the result into NaN on every rank and raises at
-      the next call on the group, or sooner), ``off`` (or 0) not at all; ``auto`` is
-      ``deferred`` for CUDA tensors on NCCL, where reading the answer at once would stall the
-      GPU's queue, else ``on``.
+      ``on`` (or 1) compares them before the call, ``deferred`` compares them on the GPU in
+      stream order (CUDA tensors: a disagreement turns the result into NaN on every rank and
+      raises at the next call on the group, or sooner), ``off`` (or 0) not at all; ``auto``
+      is ``off`` for CUDA tensors on NCCL, where either check costs a fixed fraction of a
+      millisecond a call, else ``on``.
     - ``comm_worker`` (``CGX2_COMM_WORKER``, 1): DDP's hooks run collectives that would block
       autograd's thread (gloo's) on a worker thread per group (:mod:`cgx2.comm.worker`); 0
       runs them in the hook, as torch's own hooks do.

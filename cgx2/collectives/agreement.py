@@ -81,7 +81,7 @@ def check(group: dist.ProcessGroup, operation: str, t: torch.Tensor,
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     gathered = torch.empty(world * len(values), dtype=torch.int64, device=device)
     try:
-        all_gather_single(gathered, torch.tensor(values, device=device), group=group)
+        all_gather_single(gathered, _on(device, values), group=group)
     except RuntimeError as e:  # a peer died or stalled before the call
         raise RuntimeError(
             f"cgx2: the ranks of {operation} could not compare their arguments (this is rank "
@@ -125,6 +125,15 @@ def raise_pending(group: dist.ProcessGroup) -> None:
             done.append(pending.popleft())
     for p in done:
         _raise_if_different(p.rows.tolist(), p.names, p.shown, p.operation, p.rank)
+
+
+def _on(device: torch.device, values: list[int]) -> torch.Tensor:
+    """``values`` as int64 on ``device``; to a GPU through pinned memory, so that the host does
+    not wait for the GPU's queue (a copy from pageable memory would)."""
+    mine = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return mine
+    return mine.pin_memory().to(device, non_blocking=True)
 
 
 def _raise_if_different(rows: list[list[int]], names: list[str], shown: dict[str, object],
