@@ -12,7 +12,13 @@ from .backend import CGXProcessGroup, register_backend
 from .collectives import hierarchical_allreduce
 from .config import CGXConfig
 from .launch import setup_mpi_env
-from .ops import dequantize, quantize, quantized_allreduce, quantized_allreduce_
+from .ops import (
+    dequantize,
+    quantize,
+    quantized_allreduce,
+    quantized_allreduce_,
+    quantized_reduce_scatter,
+)
 from .seeding import manual_seed
 
 __all__ = [
@@ -25,6 +31,7 @@ __all__ = [
     "quantize",
     "quantized_allreduce",
     "quantized_allreduce_",
+    "quantized_reduce_scatter",
     "register_backend",
     "setup_mpi_env",
 ]

@@ -21,7 +21,7 @@ from ..checks import check_bits
 from ..codecs import ChunkedLayout, maxmin_codec
 from ..comm import group_size_and_rank
 from ..seeding import derive_key, next_seed
-from . import policy
+from . import agreement, policy
 from .allreduce import exchange
 from .fusion import fuse_padded, padded_numel
 
@@ -88,12 +88,17 @@ def reduce_scatter(
     segments: Sequence[Segment] | None = None,
     seed: int | None = None,
     widths: Sequence[int] | None = None,
+    *,
+    check_agreement: bool = False,
 ) -> int:
     """Reduce-scatter ``input`` (W rows of ``output.numel()``) into ``output``: the sum times
     ``scale`` (None: 1). ``widths`` gives one width (1..8) per compressed segment, in order
     (None: ``bits`` for all). Segments marked uncompressed, and everything when compression
     does not pay (:mod:`.policy`), go through the plain
-    reduce-scatter. Returns the bytes this rank sent."""
+    reduce-scatter. Returns the bytes this rank sent.
+
+    ``check_agreement``: where the route says so, first make sure every rank called alike
+    (:mod:`.agreement`): for the op users call; FSDP's hook leaves it off."""
     (world, rank), n = group_size_and_rank(group), output.numel()
     rows = input.view(world, n)
     compressed, exact = _split(segments, n)
@@ -102,6 +107,12 @@ def reduce_scatter(
     route = policy.route(input, group, bits, bucket_size, world * padded)
     if compressed and not route.compress:
         compressed, exact, groups = [], [(0, n, False)], ()
+    agreed = None
+    if check_agreement and route.check:
+        fields = {"bits": bits, "bucket_size": bucket_size, "scale": scale,
+                  "segments": segments, "widths": widths, "compressed": bool(compressed)}  # fmt: skip
+        agreed = agreement.check(group, "quantized_reduce_scatter", input, fields,
+                                 deferred=route.check == "deferred")  # fmt: skip
     sent = 0
     plan = _plan(n, world, tuple(s for _, s in groups), tuple(exact), bucket_size, input.device)
     if compressed:
@@ -149,6 +160,7 @@ def reduce_scatter(
             reduced.mul_(scale)
         output.index_copy_(0, plan.exact, reduced)
         sent += (world - 1) * part.shape[1] * part.element_size()
+    agreement.settle(agreed, output, group)
     return sent
 
 

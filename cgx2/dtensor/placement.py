@@ -1,0 +1,121 @@
+"""``QuantizedPartial``: a DTensor placement pending a reduction that cgx2 quantizes.
+
+``dt.redistribute(mesh, [Replicate()])`` from it runs cgx2's quantized allreduce over that mesh
+dimension, ``[Shard(d)]`` its quantized reduce-scatter; ``Replicate → QuantizedPartial``
+partitions as ``Partial`` does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Partial, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from ..checks import check_bits, check_bucket_size
+
+__all__ = ["QuantizedPartial"]
+
+
+class QuantizedPartial(Partial):
+    """Pending a sum (``reduce_op="sum"``) or average (``"avg"``) over a mesh dimension, to be
+    sent as ``bits``-bit max-min payloads in buckets of ``bucket_size`` values.
+
+    Redistributed to ``Replicate()``, every rank of the mesh dimension gets bit-identical
+    values (:func:`cgx2.quantized_allreduce`: each value quantized twice, unbiased); to
+    ``Shard(d)``, each rank gets its part (:func:`cgx2.quantized_reduce_scatter`: quantized
+    once). Uneven shards are padded as DTensor pads them. ``bits=32`` reduces exactly.
+
+    Two placements are equal, hash alike and print alike only when all three fields are
+    equal, so that a compiled graph never takes a 4-bit placement for an 8-bit one.
+
+    Example::
+
+        >>> from torch.distributed.tensor import DTensor, Replicate
+        >>> from cgx2.dtensor import QuantizedPartial
+        >>> dt = DTensor.from_local(grad, mesh, [QuantizedPartial(bits=4)])
+        >>> total = dt.redistribute(mesh, [Replicate()]).to_local()
+    """
+
+    bits: int
+    bucket_size: int
+
+    def __init__(self, bits: int = 4, bucket_size: int = 512, reduce_op: str = "sum") -> None:
+        check_bits(bits)
+        check_bucket_size(bucket_size)
+        if reduce_op not in ("sum", "avg"):
+            raise ValueError(f"QuantizedPartial reduces by 'sum' or 'avg', got {reduce_op!r}")
+        super().__init__(reduce_op)
+        # Frozen like every placement: fields are set once, here.
+        object.__setattr__(self, "bits", bits)
+        object.__setattr__(self, "bucket_size", bucket_size)
+
+    def _reduce_value(self, tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor:
+        name = funcol._resolve_group_name((mesh, mesh_dim))
+        return torch.ops.cgx.quantized_allreduce(
+            tensor.contiguous(), self.bits, self.bucket_size, name, self.reduce_op, -1, False
+        ).view(tensor.shape)
+
+    def _reduce_shard_value(self, tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: int,
+                            shard_spec: Placement) -> torch.Tensor:  # fmt: skip
+        if not isinstance(shard_spec, Shard):
+            raise NotImplementedError(f"QuantizedPartial reduces to Shard or Replicate, not "
+                                      f"{shard_spec}")  # fmt: skip
+        if mesh.get_coordinate() is None:  # not a rank of this mesh: nothing to reduce
+            return tensor
+        world = mesh.size(mesh_dim)
+        rank = mesh.get_local_rank(mesh_dim)
+        dim = shard_spec.dim % tensor.dim()
+        size = tensor.size(dim)
+        part = -(-size // world)  # torch.chunk's: the last parts may be shorter, or empty
+        rows = tensor.movedim(dim, 0)
+        if part * world != size:
+            rows = torch.cat([rows, rows.new_zeros(part * world - size, *rows.shape[1:])])
+        name = funcol._resolve_group_name((mesh, mesh_dim))
+        mine = torch.ops.cgx.quantized_reduce_scatter(
+            rows.contiguous(), self.bits, self.bucket_size, world, name, self.reduce_op, -1
+        )
+        mine = mine[: max(0, min(part, size - rank * part))]
+        return mine.movedim(0, dim).contiguous()
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            type(other) is QuantizedPartial
+            and self.reduce_op == other.reduce_op
+            and self.bits == other.bits
+            and self.bucket_size == other.bucket_size
+        )
+
+    def __hash__(self) -> int:
+        return hash(("QuantizedPartial", self.reduce_op, self.bits, self.bucket_size))
+
+    def __repr__(self) -> str:
+        return (f"QuantizedPartial(bits={self.bits}, bucket_size={self.bucket_size}, "
+                f"reduce_op={self.reduce_op!r})")  # fmt: skip
+
+    def __str__(self) -> str:
+        return f"QP({self.reduce_op}, {self.bits}b, {self.bucket_size})"
+
+    def __fx_repr__(self) -> tuple[str, dict[str, object]]:
+        # FX-evaluable, with the globals it needs: how a compiled graph spells the placement.
+        return repr(self), {"QuantizedPartial": QuantizedPartial}
+
+
+def _register_as_opaque() -> None:
+    """Let compiled code pass it to ops as torch's own placements are (torch versions that
+    register placements as opaque value types); elsewhere nothing is needed."""
+    try:
+        from torch._library.opaque_object import MemberType, register_opaque_type
+    except ImportError:
+        return
+    real = MemberType.USE_REAL
+    members = {name: real for name in ("is_shard", "is_partial", "is_replicate", "__eq__",
+                                       "reduce_op", "bits", "bucket_size")}  # fmt: skip
+    try:
+        register_opaque_type(QuantizedPartial, typ="value", members=members)
+    except TypeError:  # an older signature
+        register_opaque_type(QuantizedPartial, typ="value")
+
+
+_register_as_opaque()
