@@ -109,8 +109,8 @@ def reduce_scatter(
         compressed, exact, groups = [], [(0, n, False)], ()
     agreed = None
     if check_agreement and route.check:
-        fields = {"bits": bits, "bucket_size": bucket_size, "scale": scale,
-                  "segments": segments, "widths": widths, "compressed": bool(compressed)}  # fmt: skip
+        fields = {"bits": bits, "bucket_size": bucket_size, "scale": scale, "segments": segments,
+                  "widths": widths, "compressed": bool(compressed)}  # fmt: skip
         agreed = agreement.check(group, "quantized_reduce_scatter", input, fields,
                                  deferred=route.check == "deferred")  # fmt: skip
     sent = 0
