@@ -68,8 +68,13 @@ def encode(
     stream: int = 0,
     skip_incomplete: bool = False,
     out: torch.Tensor | None = None,
+    nearest: bool = False,
 ) -> torch.Tensor:
-    """Quantize flat ``x`` (any float dtype) into a uint8 payload (see :mod:`.layout`)."""
+    """Quantize flat ``x`` (any float dtype) into a uint8 payload (see :mod:`.layout`).
+
+    ``nearest``: round each level to the nearest (``h`` fixed at half of ``2**F``: ties up)
+    instead of stochastically; ``key`` and ``stream`` are then unused. Within half a step,
+    biased: for values read as they are (weights), not summed (gradients)."""
     v = x.reshape(-1).to(torch.float32)
     layout = MaxMinLayout(v.numel(), bits, bucket_size, skip_incomplete)
     payload = _new_payload(layout.nbytes, v.device, out)
@@ -81,8 +86,8 @@ def encode(
         return payload
     rows, covered = _bucket_rows(v, layout)
     nbytes = layout.levels_nbytes
-    if native.encode_rows(rows, bits, key, stream, covered, payload[: 8 * nq],
-                          payload[levels_at : levels_at + nbytes]):  # fmt: skip
+    if not nearest and native.encode_rows(rows, bits, key, stream, covered, payload[: 8 * nq],
+                                          payload[levels_at : levels_at + nbytes]):  # fmt: skip
         return payload
     lmax = float((1 << bits) - 1)
     # + 0.0 turns -0.0 into +0.0: which zero min/max pick differs between devices. A NaN
@@ -109,7 +114,10 @@ def encode(
     a = torch.where(finite[:, None], (rows * pre[:, None] - lo_p[:, None]) * scale[:, None], 0.0)
     # a * 2**F < 2**23 is exact in fp32, and so are its floor and the integer sum.
     frac = random_fraction_bits(bits)
-    h = bucket_halves(key, nq, bucket_size, stream, v.device) >> (16 - frac)
+    if nearest:
+        h = torch.tensor(1 << (frac - 1), dtype=torch.int64, device=v.device)
+    else:
+        h = bucket_halves(key, nq, bucket_size, stream, v.device) >> (16 - frac)
     level = (torch.floor(a * 2.0**frac).to(torch.int64) + h) >> frac  # 0 where a is 0: h < 2**F
     if covered < nq * bucket_size:
         level.view(-1)[covered:] = 0

@@ -1,5 +1,7 @@
-"""FSDP2 with quantized gradients: ``cgx2.fsdp.compress(model, bits=4)`` sets a quantized
-reduce-scatter on every ``fully_shard`` module, leaving small and 1-D parameters exact;
+"""FSDP2 with quantized gradients and parameters: ``cgx2.fsdp.compress(model, bits=4,
+param_bits=8)`` sets a quantized reduce-scatter (and, with ``param_bits``, a quantized
+parameter all-gather) on every ``fully_shard`` module, leaving small and 1-D parameters exact,
+and on a 2-D (replicate × shard) mesh quantizes the all-reduce across replicas (HSDP);
 ``adaptive_bits=`` lets each module choose its parameters' widths (L-GreCo,
 :mod:`cgx2.collectives.adaptive`).
 """
@@ -12,11 +14,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 from .. import seeding
 from ..checks import UNCOMPRESSED_BITS, check_bits, check_bucket_size
-from ..collectives import policy
+from ..collectives import allreduce_, policy
+from ..collectives.all_gather import all_gather as all_gather_quantized
 from ..collectives.adaptive import check_options, check_replan_every, layer_errors, plan_widths
 from ..collectives.fusion import padded_numel
 from ..collectives.reduce_scatter import Segment
@@ -25,7 +28,7 @@ from ..collectives.reference import reference_reduce_scatter
 from ..comm import CompletedWork
 from ..config import CGXConfig, env_quantization_bits
 
-__all__ = ["QuantizedReduceScatter", "compress", "compression_state_dict",
+__all__ = ["QuantizedAllGather", "QuantizedReduceScatter", "compress", "compression_state_dict",
            "load_compression_state_dict", "reduce_scatter_quantized",
            "reference_reduce_scatter"]  # fmt: skip
 
@@ -175,9 +178,79 @@ class QuantizedReduceScatter(ReduceScatter):
         return None
 
 
+class QuantizedAllGather(AllGather):
+    """FSDP2's parameter all-gather, quantized to ``bits`` with round-to-nearest (the protocol
+    of torch's ``_fsdp_api``; :func:`cgx2.collectives.all_gather.all_gather`).
+
+    ``row_params`` lists, in FSDP's order, each parameter's values per rank and whether it is
+    compressed, as :class:`QuantizedReduceScatter`'s; an all-gather whose rows do not match
+    it, or of mixed dtypes (FSDP then gathers bytes), runs exactly. Every rank decodes the
+    same bytes, so every rank computes with the same unsharded parameters; the sharded
+    parameters the optimizer updates are never quantized. ``bytes_sent`` counts this rank's.
+    """
+
+    def __init__(self, bits: int = 8, bucket_size: int = 512,
+                 row_params: list[tuple[int, bool]] | None = None) -> None:  # fmt: skip
+        self.bits = check_bits(bits)
+        self.bucket_size = check_bucket_size(bucket_size)
+        self.row_params = row_params or []
+        self.bytes_sent = 0
+
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:  # fmt: skip
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, async_op: bool = False) -> dist.Work | None:  # fmt: skip
+        segments = None
+        if self.bits != UNCOMPRESSED_BITS and sum(k for k, _ in self.row_params) == (
+            input_tensor.numel()
+        ):
+            segments, at = [], 0
+            for k, compressed in self.row_params:
+                segments.append((at, k, compressed))
+                at += k
+        else:
+            segments = [(0, input_tensor.numel(), False)]
+        self.bytes_sent += all_gather_quantized(output_tensor, input_tensor, group, self.bits,
+                                                self.bucket_size, segments)  # fmt: skip
+        return CompletedWork([output_tensor]) if async_op else None
+
+
+class QuantizedReplicaGroup(dist.ProcessGroup):
+    """The process group across HSDP's replicas, as FSDP2 uses it, with its float SUM/AVG
+    all-reduces quantized to ``bits`` (:func:`cgx2.collectives.allreduce_`, bit-identical on
+    every replica); everything else, and what does not pay, goes to ``inner`` as it is."""
+
+    def __init__(self, inner: dist.ProcessGroup, bits: int, bucket_size: int) -> None:
+        super().__init__(inner.rank(), inner.size())
+        self.inner, self.bits, self.bucket_size = inner, bits, bucket_size
+
+    @property
+    def group_name(self) -> str:  # the name its collectives resolve, and the policy's key
+        return self.inner.group_name
+
+    def getBackendName(self) -> str:  # the C++ method name, which the binding looks up
+        return self.inner._get_backend_name() if hasattr(self.inner, "_get_backend_name") \
+            else dist.get_backend(self.inner)  # fmt: skip
+
+    def allreduce(self, tensors: list[torch.Tensor],
+                  opts: dist.AllreduceOptions | None = None) -> dist.Work:  # fmt: skip
+        opts = dist.AllreduceOptions() if opts is None else opts
+        op = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg"}.get(opts.reduceOp)
+        if len(tensors) != 1 or op is None or not tensors[0].is_floating_point():
+            return self.inner.allreduce(tensors, opts)
+        allreduce_(tensors[0], self.bits, self.bucket_size, self.inner, op)
+        return CompletedWork(tensors)
+
+    def __getattr__(self, name: str) -> object:  # rank(), size(), the rest: the inner group's
+        return getattr(self.inner, name)
+
+
 def compress(model: nn.Module, bits: int | None = None, bucket_size: int | None = None,
              min_size: int = 1024, adaptive_bits: Sequence[int] | None = None,
-             replan_every: int = 100) -> list[QuantizedReduceScatter]:  # fmt: skip
+             replan_every: int = 100, param_bits: int | None = None,
+             replica_bits: int | None = None) -> list[QuantizedReduceScatter]:  # fmt: skip
     """Set a :class:`QuantizedReduceScatter` on every FSDP2 module of ``model`` (call it after
     ``fully_shard``). Parameters with one dimension or fewer than ``min_size`` values are
     reduced exactly, as CGX's ``layer_min_size``. ``bits``/``bucket_size`` default to
@@ -185,11 +258,19 @@ def compress(model: nn.Module, bits: int | None = None, bucket_size: int | None 
     compress)/``CGX_COMPRESSION_BUCKET_SIZE``. ``adaptive_bits`` (widths in 1..8 that include
     ``bits``) makes each module plan its compressed parameters' widths every ``replan_every``
     reductions, within the error of ``bits`` everywhere (:class:`QuantizedReduceScatter`).
+
+    ``param_bits`` (1..8; None: exact) also sets a :class:`QuantizedAllGather` of the
+    parameters, the same ones compressed. On a 2-D mesh (HSDP: replicate × shard), the
+    gradients' all-reduce across replicas is quantized to ``replica_bits`` (default ``bits``;
+    32: exact) by :class:`QuantizedReplicaGroup`.
     Returns the reduce-scatters set, whose ``bytes_sent`` add up to what this rank sent."""
     config = CGXConfig.from_env()
     if bits is None:
         bits = env_quantization_bits(default=4)
     bits = check_bits(bits)
+    if param_bits is not None:
+        param_bits = check_bits(param_bits, "param_bits")
+    replica_bits = bits if replica_bits is None else check_bits(replica_bits, "replica_bits")
     if adaptive_bits is not None:  # fail before touching the model
         adaptive_bits = check_options(adaptive_bits, bits)
     replan_every = check_replan_every(replan_every)
@@ -210,9 +291,28 @@ def compress(model: nn.Module, bits: int | None = None, bucket_size: int | None 
         comm = QuantizedReduceScatter(bits, bucket_size, row_params, adaptive_bits, replan_every)
         module.set_custom_reduce_scatter(comm)
         comms.append(comm)
+        if param_bits is not None:
+            if not hasattr(module, "set_custom_all_gather"):
+                raise RuntimeError("param_bits needs FSDPModule.set_custom_all_gather, which "
+                                   f"torch {torch.__version__} lacks")  # fmt: skip
+            module.set_custom_all_gather(QuantizedAllGather(param_bits, bucket_size, row_params))
+        _quantize_replicas(group, replica_bits, bucket_size)
     if not comms:
         raise ValueError("compress() found no fully_shard module with parameters in the model")
     return comms
+
+
+def _quantize_replicas(group: object, bits: int, bucket_size: int) -> None:
+    """On HSDP, FSDP2 all-reduces each reduce-scatter's output across replicas with
+    ``dist.all_reduce(..., group=mesh_info.replicate_process_group)``: that group becomes a
+    :class:`QuantizedReplicaGroup` of it."""
+    mesh_info = getattr(group, "mesh_info", None)
+    replicas = getattr(mesh_info, "replicate_process_group", None)
+    if replicas is None or bits == UNCOMPRESSED_BITS or dist.get_world_size(replicas) < 2:
+        return
+    if isinstance(replicas, QuantizedReplicaGroup):
+        replicas = replicas.inner
+    mesh_info.replicate_process_group = QuantizedReplicaGroup(replicas, bits, bucket_size)
 
 
 def _named_comms(model: nn.Module) -> Iterator[tuple[str, QuantizedReduceScatter]]:

@@ -339,3 +339,18 @@ def test_four_bit_stream_puts_the_even_level_in_the_low_nibble():
     assert pack_stream(torch.tensor([1, 2, 3]), 4).tolist() == [0x21, 0x03]
     with pytest.raises(ValueError, match=r"bits must be an int in 1\.\.8"):
         pack_levels(torch.zeros(1, 8, dtype=torch.int64), 9)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_nearest_rounding_is_within_half_a_step_and_needs_no_key(bits):
+    from cgx2.codecs import maxmin as reference
+
+    x = torch.randn(5000) * 3
+    payload = reference.encode(x, bits, 512, 7, nearest=True)
+    assert torch.equal(payload, reference.encode(x, bits, 512, 8, stream=3, nearest=True))
+    y = reference.decode(payload, 5000, bits, 512)
+    rows = torch.cat([x, x[4608:4609].expand(120)]).view(-1, 512)  # the last bucket's padding
+    step = ((rows.amax(1) - rows.amin(1)) / (2**bits - 1)).repeat_interleave(512)[:5000]
+    assert ((y - x).abs() <= 0.5 * step * (1 + 1e-5)).all()
+    stochastic = reference.decode(reference.encode(x, bits, 512, 7), 5000, bits, 512)
+    assert (y - x).abs().mean() < (stochastic - x).abs().mean()
