@@ -19,8 +19,8 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 from .. import seeding
 from ..checks import UNCOMPRESSED_BITS, check_bits, check_bucket_size
 from ..collectives import allreduce_, policy
-from ..collectives.all_gather import all_gather as all_gather_quantized
 from ..collectives.adaptive import check_options, check_replan_every, layer_errors, plan_widths
+from ..collectives.all_gather import all_gather as all_gather_quantized
 from ..collectives.fusion import padded_numel
 from ..collectives.reduce_scatter import Segment
 from ..collectives.reduce_scatter import reduce_scatter as reduce_scatter_quantized

@@ -159,7 +159,7 @@ def test_hsdp_compresses_the_all_reduce_across_replicas(dist4):
     assert plain[0]["replica_calls"] == 0
     # Ranks 0 and 2 (likewise 1 and 3) hold the same shard on two replicas: identical.
     for a, b in ((0, 2), (1, 3)):
-        assert all(torch.equal(x, y) for x, y in zip(hsdp[a]["shards"], hsdp[b]["shards"]))
+        assert all(torch.equal(x, y) for x, y in zip(hsdp[a]["shards"], hsdp[b]["shards"], strict=True))
     losses = hsdp[0]["losses"]
     assert losses != plain[0]["losses"]
     late = _late(plain[0]["losses"])
