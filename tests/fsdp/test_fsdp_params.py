@@ -159,7 +159,8 @@ def test_hsdp_compresses_the_all_reduce_across_replicas(dist4):
     assert plain[0]["replica_calls"] == 0
     # Ranks 0 and 2 (likewise 1 and 3) hold the same shard on two replicas: identical.
     for a, b in ((0, 2), (1, 3)):
-        assert all(torch.equal(x, y) for x, y in zip(hsdp[a]["shards"], hsdp[b]["shards"], strict=True))
+        pairs = zip(hsdp[a]["shards"], hsdp[b]["shards"], strict=True)
+        assert all(torch.equal(x, y) for x, y in pairs)
     losses = hsdp[0]["losses"]
     assert losses != plain[0]["losses"]
     late = _late(plain[0]["losses"])
