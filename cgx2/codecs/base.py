@@ -36,8 +36,9 @@ class Codec(Protocol):
 
     def encode(self, x: torch.Tensor, bits: int, bucket_size: int, key: int, stream: int = 0,
                skip_incomplete: bool = False, out: torch.Tensor | None = None,
-               ) -> torch.Tensor:  # fmt: skip
-        """Flat ``x`` (any float dtype) as one payload (written into ``out`` when given)."""
+               nearest: bool = False) -> torch.Tensor:  # fmt: skip
+        """Flat ``x`` (any float dtype) as one payload (written into ``out`` when given);
+        ``nearest``: levels rounded to the nearest, not stochastically (``key`` unused)."""
         ...
 
     def decode(self, payload: torch.Tensor, numel: int, bits: int, bucket_size: int,

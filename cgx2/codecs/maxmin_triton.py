@@ -419,8 +419,13 @@ def _quantize_store(
     BUCKETS: tl.constexpr,
     BLOCK: tl.constexpr,
     FULL: tl.constexpr,
+    NEAREST: tl.constexpr = False,
 ):
-    h0, h1 = _random_halves(k0, k1, q, stream, c, BUCKETS, BLOCK)
+    if NEAREST:  # half of every random half's range: the level rounded to nearest, ties up
+        h0 = tl.full((BUCKETS, BLOCK // 8, 4), 1 << 15, tl.uint32)
+        h1 = h0
+    else:
+        h0, h1 = _random_halves(k0, k1, q, stream, c, BUCKETS, BLOCK)
     l0 = _levels(v0, valid0, h0, lo_p, scale, pre, BITS)
     l1 = _levels(v1, valid1, h1, lo_p, scale, pre, BITS)
     # A non-finite bucket's levels are zeroed a group at a time.
@@ -461,6 +466,7 @@ def _encode_loaded(
     BUCKETS: tl.constexpr,
     BLOCK: tl.constexpr,
     FULL: tl.constexpr,
+    NEAREST: tl.constexpr = False,
 ):
     """Encode buckets q (B <= BLOCK) from their loaded values."""
     qmask = q < nq
@@ -468,7 +474,7 @@ def _encode_loaded(
     lo, step, scale, finite, pre, lo_p = _params(lo, hi, BITS)
     _quantize_store(
         lev_ptr, v0, v1, valid0, valid1, lo_p, scale, pre, finite, q, qmask, quant, 0, stream,
-        key0, key1, BITS, B, BUCKETS, BLOCK, FULL,
+        key0, key1, BITS, B, BUCKETS, BLOCK, FULL, NEAREST,
     )  # fmt: skip
     _store_meta(meta_ptr, q, qmask, lo, step)
 
@@ -489,6 +495,7 @@ def _encode_wide(
     BUCKETS: tl.constexpr,
     BLOCK: tl.constexpr,
     FULL: tl.constexpr,
+    NEAREST: tl.constexpr = False,
 ):
     """Encode buckets q wider than BLOCK, a tile at a time: statistics, then levels."""
     qmask = q < nq
@@ -506,7 +513,7 @@ def _encode_wide(
         _quantize_store(
             lev_ptr, v0, v1, valid0, valid1, lo_p, scale, pre, finite, q, qmask, quant,
             t * BLOCK,
-            stream, key0, key1, BITS, B, BUCKETS, BLOCK, FULL,
+            stream, key0, key1, BITS, B, BUCKETS, BLOCK, FULL, NEAREST,
         )  # fmt: skip
     _store_meta(meta_ptr, q, qmask, lo, step)
 
@@ -549,12 +556,13 @@ def _encode_kernel(
     BUCKETS: tl.constexpr,
     BLOCK: tl.constexpr,
     ZERO_GAPS: tl.constexpr = False,
+    NEAREST: tl.constexpr = False,
 ):
     """Program i encodes tiles i, i + P, ... of chunk program_id(1) (P programs per chunk).
     Buckets that fit a tile are loaded one tile ahead, so that the next tile's loads are in
     flight while this one is coded. ``ZERO_GAPS``: program 0 of each chunk also zeroes the
     alignment gaps before and after the levels (a payload allocated uninitialized: one
-    memset launch fewer)."""
+    memset launch fewer). ``NEAREST``: levels rounded to the nearest, not stochastically."""
     j = tl.program_id(1)
     start, nq, quant, levels_at = _geometry(j, numel, chunk_numel, B, SKIP_INCOMPLETE, ALIGN)
     nq = tl.where(j == skip_chunk, 0, nq)
@@ -589,23 +597,23 @@ def _encode_kernel(
                                           BLOCK, B % BLOCK == 0)  # fmt: skip
                 _encode_loaded(v0, v1, valid0, valid1, lev_ptr, meta_ptr, q, full_nq,
                                full_nq * B, stream, key0, key1, BITS, B, BUCKETS, BLOCK,
-                               B % BLOCK == 0)  # fmt: skip
+                               B % BLOCK == 0, NEAREST)  # fmt: skip
                 v0 = n0
                 v1 = n1
         if (full < tiles) & (pid == full % programs):
             q = full.to(tl.int64) * BUCKETS + lanes
             v0, v1, valid0, valid1 = _load_tile(x_ptr, q, q < nq, quant, 0, B, BLOCK, False)
             _encode_loaded(v0, v1, valid0, valid1, lev_ptr, meta_ptr, q, nq, quant, stream,
-                           key0, key1, BITS, B, BUCKETS, BLOCK, False)  # fmt: skip
+                           key0, key1, BITS, B, BUCKETS, BLOCK, False, NEAREST)  # fmt: skip
     else:
         for t in range(pid, tiles, programs):
             q = tl.cast(t, tl.int64) * BUCKETS + lanes
             if t < full:
                 _encode_wide(x_ptr, lev_ptr, meta_ptr, q, full_nq, full_nq * B, stream, key0,
-                             key1, BITS, B, BUCKETS, BLOCK, B % BLOCK == 0)  # fmt: skip
+                             key1, BITS, B, BUCKETS, BLOCK, B % BLOCK == 0, NEAREST)  # fmt: skip
             else:
                 _encode_wide(x_ptr, lev_ptr, meta_ptr, q, nq, quant, stream, key0, key1,
-                             BITS, B, BUCKETS, BLOCK, False)  # fmt: skip
+                             BITS, B, BUCKETS, BLOCK, False, NEAREST)  # fmt: skip
 
 
 @triton.jit
@@ -994,8 +1002,8 @@ def _row_pitch(rows: torch.Tensor) -> int:
 
 
 def _encode_call(flat: torch.Tensor, rows: torch.Tensor, layout: ChunkedLayout,
-                 key: int | torch.Tensor, stream0: int, skip_chunk: int,
-                 zero_gaps: bool) -> tuple[tuple[int, int], tuple, dict]:  # fmt: skip
+                 key: int | torch.Tensor, stream0: int, skip_chunk: int, zero_gaps: bool,
+                 nearest: bool = False) -> tuple[tuple[int, int], tuple, dict]:  # fmt: skip
     """The encode kernel's grid, positional arguments and constexprs."""
     launch = _launch("encode", layout.bucket_size, flat.dtype)
     max_nq = -(-layout.chunk_numel // layout.bucket_size)
@@ -1007,6 +1015,8 @@ def _encode_call(flat: torch.Tensor, rows: torch.Tensor, layout: ChunkedLayout,
                       SKIP_INCOMPLETE=layout.skip_incomplete,
                       ALIGN=math.gcd(layout.chunk_numel, 16), KEYS_IN_MEMORY=in_memory,
                       ZERO_GAPS=zero_gaps, **launch)  # fmt: skip
+    if nearest:  # absent otherwise: the variants compiled so far stay the ones launched
+        constexprs["NEAREST"] = True
     return grid, args, constexprs
 
 
@@ -1017,8 +1027,10 @@ def encode_chunks(
     skip_chunk: int = -1,
     stream0: int = 0,
     out: torch.Tensor | None = None,
+    nearest: bool = False,
 ) -> torch.Tensor:
-    """Encode each chunk j of flat ``x`` into row j of ``[K, P]`` with stream ``stream0 + j``;
+    """Encode each chunk j of flat ``x`` into row j of ``[K, P]`` with stream ``stream0 + j``
+    (``nearest``: rounded to the nearest level, as :func:`cgx2.codecs.maxmin.encode`);
     row ``skip_chunk`` is left zero. Given ``out`` (uint8 ``[K, P]``, for the collectives,
     which then need no memset), the rows are written there; row ``skip_chunk`` and the
     padding between a row's regions, which no decoder reads, are not touched. ``key`` may be
@@ -1034,7 +1046,8 @@ def encode_chunks(
         rows = x.new_zeros((layout.num_chunks, layout.payload_nbytes), dtype=torch.uint8)
     if rows.numel() == 0:
         return rows
-    grid, args, constexprs = _encode_call(flat, rows, layout, key, stream0, skip_chunk, zero_gaps)
+    grid, args, constexprs = _encode_call(flat, rows, layout, key, stream0, skip_chunk, zero_gaps,
+                                          nearest)  # fmt: skip
     _launch_encode(grid, *args, **constexprs)
     for j in range(layout.num_chunks if layout.skip_incomplete else 0):
         chunk = layout.chunk(j)
@@ -1088,9 +1101,10 @@ def encode(
     stream: int = 0,
     skip_incomplete: bool = False,
     out: torch.Tensor | None = None,
+    nearest: bool = False,
 ) -> torch.Tensor:
     """Same contract as :func:`cgx2.codecs.maxmin.encode`."""
-    fast = out is None and not skip_incomplete and type(key) is int and x.is_cuda
+    fast = out is None and not skip_incomplete and type(key) is int and x.is_cuda and not nearest
     if fast:  # the public op's case: once launched, the same variant again with no dispatch
         device = x.get_device()
         found = _BOUND_ENCODE.get((x.numel(), x.dtype, bits, bucket_size, device))
@@ -1105,7 +1119,7 @@ def encode(
             return payload
     n = x.numel()
     layout = ChunkedLayout.split(n, 1, bits, bucket_size, skip_incomplete)
-    rows = encode_chunks(x, layout, key, stream0=stream)
+    rows = encode_chunks(x, layout, key, stream0=stream, nearest=nearest)
     payload = rows.view(-1)
     if fast and n and x.is_contiguous() and x.data_ptr() % 16 == 0:
         flat = x.reshape(-1)

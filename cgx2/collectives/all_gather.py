@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..codecs import maxmin
+from ..codecs import maxmin_codec
 from ..codecs.layout import MaxMinLayout
 from ..comm import group_size_and_rank
 from . import policy
@@ -43,13 +43,16 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGro
         return (world - 1) * n * input.element_size()
     plan = _plan(n, tuple(compressed), tuple(exact), bucket_size, input.device)
     layout = MaxMinLayout(plan.fused, bits, bucket_size)
-    head = -(-layout.nbytes // 8) * 8  # the exact values start aligned for any dtype
+    # Every row and its exact values start 16-byte aligned, as the kernels' payloads do.
+    head = -(-layout.nbytes // 16) * 16
     exact_bytes = plan.exact.numel() * input.element_size()
-    send = torch.zeros(head + exact_bytes, dtype=torch.uint8, device=input.device)
-    maxmin.encode(flat_in.index_select(0, plan.gather), bits, bucket_size, 0,
-                  out=send[: layout.nbytes], nearest=True)  # fmt: skip
+    row_bytes = -(-(head + exact_bytes) // 16) * 16
+    send = torch.zeros(row_bytes, dtype=torch.uint8, device=input.device)
+    codec = maxmin_codec(input.device)
+    codec.encode(flat_in.index_select(0, plan.gather), bits, bucket_size, 0,
+                 out=send[: layout.nbytes], nearest=True)  # fmt: skip
     if exact_bytes:
-        send[head:] = flat_in.index_select(0, plan.exact).view(torch.uint8)
+        send[head : head + exact_bytes] = flat_in.index_select(0, plan.exact).view(torch.uint8)
     recv = torch.empty(world, send.numel(), dtype=torch.uint8, device=input.device)
     try:
         route.transport.wait(route.transport.all_gather(recv.view(-1), send, group, False))
@@ -59,11 +62,12 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGro
             f"rank {rank}) failed: {e}"
         ) from e
     for r in range(world):
-        values = maxmin.decode(recv[r, : layout.nbytes], plan.fused, bits, bucket_size,
-                               output.dtype)  # fmt: skip
+        values = codec.decode(recv[r, : layout.nbytes], plan.fused, bits, bucket_size,
+                              output.dtype)  # fmt: skip
         rows[r].index_copy_(0, plan.out, values.index_select(0, plan.src))
         if exact_bytes:
-            rows[r].index_copy_(0, plan.exact, recv[r, head:].view(output.dtype))
+            exact = recv[r, head : head + exact_bytes].view(output.dtype)
+            rows[r].index_copy_(0, plan.exact, exact)
     return (world - 1) * send.numel()
 
 

@@ -21,19 +21,25 @@ def ptx(fn, signature: dict, constexprs: dict, pointers: int) -> str:
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 
 
-def main() -> None:
-    tiles = {"BUCKETS": 1, "BLOCK": 512}
-    encode = ptx(
+def _encode(nearest: bool, tiles: dict) -> str:
+    return ptx(
         mt._encode_kernel,
         {"x_ptr": "*fp32", "out_u8": "*u8", "numel": "i64",
          "chunk_numel": "i64", "row_nbytes": "i64", "k0": "i64", "k1": "i64", "keys_ptr": "*i64",
          "stream0": "i64", "skip_chunk": "i64", "BITS": "constexpr", "B": "constexpr",
          "SKIP_INCOMPLETE": "constexpr", "ALIGN": "constexpr", "KEYS_IN_MEMORY": "constexpr",
-         "BUCKETS": "constexpr", "BLOCK": "constexpr", "ZERO_GAPS": "constexpr"},
+         "BUCKETS": "constexpr", "BLOCK": "constexpr", "ZERO_GAPS": "constexpr",
+         "NEAREST": "constexpr"},
         {"BITS": 4, "B": 512, "SKIP_INCOMPLETE": False, "ALIGN": 16, "KEYS_IN_MEMORY": False,
-         "ZERO_GAPS": False, **tiles},
+         "ZERO_GAPS": False, "NEAREST": nearest, **tiles},
         2,
     )  # fmt: skip
+
+
+def main() -> None:
+    tiles = {"BUCKETS": 1, "BLOCK": 512}
+    encode = _encode(False, tiles)
+    nearest = _encode(True, tiles)  # the parameter all-gather's variant: it builds, no Philox
     dse = ptx(
         mt._decode_sum_encode_kernel,
         {"in_u8": "*u8", "own_ptr": "*fp32", "out_u8": "*u8", "numel": "i64",
@@ -55,6 +61,9 @@ def main() -> None:
     # are butterflies).
     for name, text in (("encode", encode), ("dse", dse)):
         print(f"{name}:shfl.sync.idx", text.count("shfl.sync.idx"))
+    # Philox's 32x32->64-bit multiplies (mul.wide.u32) are the stochastic variant's alone.
+    for name, text in (("encode", encode), ("nearest", nearest)):
+        print(f"{name}:mul.wide.u32", text.count("mul.wide.u32"))
 
 
 if __name__ == "__main__":

@@ -39,3 +39,11 @@ def test_packed_fields_meet_the_tile_without_shuffles():
     ops = _float_ops()
     assert ops["encode:shfl.sync.idx"] == 0
     assert ops["dse:shfl.sync.idx"] == 0
+
+
+def test_the_nearest_encoder_builds_without_the_random_stream():
+    """The parameter all-gather's encoder (``NEAREST``) compiles for the GPU and draws no
+    random numbers: Philox's multiplies are gone from it."""
+    ops = _float_ops()
+    assert ops["encode:mul.wide.u32"] > 0
+    assert ops["nearest:mul.wide.u32"] == 0

@@ -244,3 +244,15 @@ def test_a_payload_allocated_uninitialized_gets_the_references_bytes(monkeypatch
         x = _x(n, torch.float32, seed=n)
         want = ref.encode(x, bits, bucket, 12345, 0, skip)
         assert _same(tri.encode(x, bits, bucket, 12345, 0, skip), want), (n, bits, bucket)
+
+
+@pytest.mark.parametrize(("bits", "dtype", "n", "bucket"), [
+    (8, torch.float32, 1000, 512), (4, torch.bfloat16, 4099, 128), (2, torch.float32, 5000, 2048),
+    (8, torch.bfloat16, 777, 100),
+])  # fmt: skip
+def test_nearest_rounding_matches_reference(bits, dtype, n, bucket):
+    x = _x(n, dtype, seed=bits)
+    expected = ref.encode(x, bits, bucket, key=0, nearest=True)
+    payload = tri.encode(x, bits, bucket, key=0, nearest=True)
+    assert _same(payload, expected)
+    assert not _same(payload, tri.encode(x, bits, bucket, key=0))  # not the stochastic bytes
