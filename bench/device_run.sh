@@ -15,6 +15,7 @@
 # ..." profiles those kernels with Nsight Compute (bench/kernel_profile.py: issue rate, stalls,
 # instructions per value); TIMELINE_REGIMES="shm ..." prints a 256 MiB allreduce's GPU timeline;
 # GLOO_DDP_RATES="10gbit 1gbit" times DDP steps of two hosts sharing GPU 0 over gloo (carry .iproute).
+# SKIP_COMPAT=1 leaves out the CPU tests of DTensor and FSDP2 under this image's torch.
 # SKIP_HOST_COST=1 leaves out bench/host_cost.py (the codec ops' host time, eager and compiled)
 # and bench/agreement_cost.py (two ranks on GPU 0 over gloo; with several GPUs, over NCCL too).
 # SKIP_TRANSPORTS=1 leaves out bench/transports.py (two ranks on GPU 0, CUDA and CPU tensors:
@@ -72,6 +73,11 @@ if [ -z "${SKIP_TRANSPORTS:-}" ]; then  # two ranks on GPU 0: shared memory agai
   torchrun --nproc-per-node 2 bench/transports.py --device cpu --out bench/results \
     ${TRANSPORT_ARGS:-} 2>"$LOGS/transports_cpu.err" | tail -n 14 || status=1
   save
+fi
+if [ -z "${SKIP_COMPAT:-}" ]; then  # this image's torch (2.11): the DTensor/FSDP2 CPU tests
+  CUDA_VISIBLE_DEVICES= timeout 400 python3 -m pytest -q -p no:cacheprovider tests/dtensor \
+    tests/ops/test_reduce_scatter_op.py tests/fsdp/test_fsdp_params.py \
+    tests/collectives/test_agreement.py 2>&1 | tail -n 15 || status=1
 fi
 if [ -z "${SKIP_HOST_COST:-}" ]; then  # host time of the codec ops; the agreement check's cost
   python3 bench/host_cost.py --out bench/results 2>"$LOGS/host_cost.err" | tail -n 16 || status=1
