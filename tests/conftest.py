@@ -28,3 +28,15 @@ def dist4():
     pool = DistPool(4)
     yield pool
     pool.close()
+
+
+@pytest.fixture(scope="session")
+def netlab():
+    """:mod:`cgx2.testing.netlab`, or a skip saying why it cannot run here (not root, no
+    iproute2): ``netlab.Lab(2, netlab.Link("1gbit"))``."""
+    from cgx2.testing import netlab as lab
+
+    reason = lab.unavailable()
+    if reason:
+        pytest.skip(f"cannot make network namespaces: {reason}")
+    return lab
