@@ -169,6 +169,20 @@ class Lab:
 
     # -- commands -----------------------------------------------------------------------------
 
+    def kill(self, host: int, sig: int = signal.SIGKILL) -> int:
+        """Send ``sig`` to every process in host ``host`` (a host that dies: torchrun's
+        workers too, which run in sessions of their own). Returns how many got it."""
+        pids = subprocess.run([self._ip, "netns", "pids", self.names[host]],
+                              env=self._tool_env, capture_output=True, text=True)  # fmt: skip
+        sent = 0
+        for pid in pids.stdout.split():
+            try:
+                os.kill(int(pid), sig)
+                sent += 1
+            except (ProcessLookupError, ValueError):
+                pass
+        return sent
+
     def popen(self, host: int, command: Sequence[str], env: Mapping[str, str] | None = None,
               **kwargs: object) -> subprocess.Popen:  # fmt: skip
         """Start ``command`` in host ``host`` with :meth:`environment` added to ``env`` (default:
