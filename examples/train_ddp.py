@@ -2,9 +2,9 @@
 
 The text is Python's own standard library source, so nothing is downloaded. CPU with gloo by
 default (2 processes), CUDA with NCCL when present; under torchrun it uses the launcher's
-processes. --mode hook registers cgx_hook; --mode backend runs plain DDP on the
-cgx backend (CGX's other way in). Logs loss, step time and the bytes sent against
-uncompressed DDP:
+processes. --mode hook registers cgx_hook (--hook picks a Global-QSGD hook instead);
+--mode backend runs plain DDP on the cgx backend (CGX's other way in); --compile compiles the
+model under DDP. Logs loss, step time and the bytes sent against uncompressed DDP:
 
     python examples/train_ddp.py --bits 4 --steps 200            # spawns 2 CPU processes
     torchrun --nproc-per-node 4 examples/train_ddp.py --bits 4     # one process per GPU
@@ -29,7 +29,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from cgx2 import config
 from cgx2.bench.report import HelpFormatter, Progress, environment
 from cgx2.collectives import graphs
-from cgx2.ddp import CGXState, cgx_hook
+from cgx2.collectives.fusion import ring_bytes_sent
+from cgx2.ddp import CGXState, GlobalQSGDState, cgx_hook
+from cgx2.ddp import global_qsgd as gq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from launch import launch
@@ -100,11 +102,15 @@ def train(args: argparse.Namespace) -> dict:
     log_group = dist.new_group(backend="gloo")
     group = dist.group.WORLD
     state = None
-    if args.mode == "hook" and args.bits != 32:
+    if args.mode == "hook" and args.bits != 32 and args.hook == "cgx":
         state = CGXState(
             None, args.layer_min_size, {"bits": args.bits, "bucket_size": args.bucket_size}
         )
         ddp.register_comm_hook(state, cgx_hook)
+    elif args.mode == "hook" and args.bits != 32:  # a Global-QSGD hook, by its name
+        state = GlobalQSGDState(group, bits=args.bits)
+        ddp.register_comm_hook(state, getattr(gq, f"{args.hook}_hook"))
+    forward = torch.compile(ddp) if args.compile else ddp
     opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
     text = load_text(args.text_bytes)
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own batches
@@ -116,7 +122,7 @@ def train(args: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         with torch.autocast(device.split(":")[0], torch.bfloat16, enabled=args.amp == "bf16"):
-            loss = nn.functional.cross_entropy(ddp(x).flatten(0, 1).float(), y.flatten())
+            loss = nn.functional.cross_entropy(forward(x).flatten(0, 1).float(), y.flatten())
         loss.backward()
         opt.step()
         if device != "cpu":
@@ -129,11 +135,14 @@ def train(args: argparse.Namespace) -> dict:
             line = f"step {step + 1}/{args.steps}  loss {losses[-1]:.4f}  {times[-1] * 1e3:.0f} ms"
             progress(line)
     progress.close()
-    sent = (state.bytes_sent, state.bytes_uncompressed) if state else (None, None)
+    sent = (None, None)
+    if state is not None:  # Global-QSGD's state counts what it sent; plain DDP's ring, this:
+        plain = args.steps * ring_bytes_sent(4 * sum(p.numel() for p in model.parameters()), world)
+        sent = (state.bytes_sent, getattr(state, "bytes_uncompressed", plain))
     if counted is not None:  # the cgx backend's own counters, over the training steps
         sent = (group.bytes_sent - counted[0], group.bytes_uncompressed - counted[1])
     # DDP's reducer must be gone, and every rank done, before the process group is destroyed.
-    del ddp, state, opt
+    del ddp, forward, state, opt
     gc.collect()
     dist.barrier()
     n = min(10, len(losses))
@@ -188,6 +197,10 @@ def report(result: dict, json_path: str | None) -> None:
         Path(json_path).write_text(json.dumps(result, indent=1))
 
 
+HOOKS = ("cgx", "standard_dithering", "standard_dithering_4bit", "thc", "qsgd",
+         "exponential_dithering")  # fmt: skip
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--bits", type=int, default=4, help="1-8, or 32 for plain DDP")
@@ -204,6 +217,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="hook",
         help="cgx_hook on DDP, or plain DDP on the cgx backend",
     )
+    p.add_argument("--hook", choices=HOOKS, default="cgx",
+                   help="hook mode's hook: CGX's, or a Global-QSGD hook")  # fmt: skip
+    p.add_argument("--compile", action="store_true", help="torch.compile the model under DDP")
     p.add_argument("--steps", type=int, default=200, help="training steps")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per rank and step")
     p.add_argument("--context", type=int, default=64, help="tokens (bytes) per sequence")

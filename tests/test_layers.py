@@ -19,9 +19,10 @@ LAYERS = {
 }  # fmt: skip
 """Lower layers know nothing of higher ones. Entry points (5) may not import each other."""
 
-CLIS = ("cgx2.bench", "cgx2.demo", "cgx2.launch")
+CLIS = ("cgx2.bench", "cgx2.demo", "cgx2.launch", "cgx2.testing")
 """What may touch the environment besides config: the command-line tools set it up for the
-processes they start, and launch fills torch's env:// variables from an MPI launcher's."""
+processes they start (netlab: each host's), and launch fills torch's env:// variables from an
+MPI launcher's."""
 
 
 def _modules() -> dict[str, ast.Module]:
