@@ -3,6 +3,7 @@ two ranks each: the quantized allreduce equals its model; the hierarchical allre
 by shared memory), the cgx backend, DDP with CGX's hook on a compiled model and with a
 Global-QSGD hook are identical on all four ranks; HSDP across the hosts keeps replicas equal."""
 
+import json
 import os
 import re
 import signal
@@ -82,3 +83,31 @@ def test_a_host_killed_mid_training_makes_the_other_raise_within_the_timeout(net
     assert survivor.returncode != 0, stderr[-2000:]
     assert elapsed < 60, elapsed
     assert "cgx2" in stderr or "Connection" in stderr or "timed out" in stderr, stderr[-3000:]
+
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_ddp.py"
+EXAMPLE_ARGS = ["--steps", "8", "--text-bytes", "100000", "--device", "cpu", "--dim", "64",
+                "--layers", "1", "--log-every", "100", "--hook", "standard_dithering",
+                "--compile"]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_the_training_example_across_hosts_trains_as_on_one_host(netlab, tmp_path):
+    """examples/train_ddp.py, compiled, with a Global-QSGD hook: torchrun across two hosts of
+    two ranks gives the losses of the same four ranks on one host (integer sums: exact)."""
+    across, alone = tmp_path / "across.json", tmp_path / "alone.json"
+    port = 29500 + (os.getpid() + 13) % 1000
+    with netlab.Lab(2, netlab.Link("1gbit")) as lab:
+        command = _command(EXAMPLE, port)
+        command[-1] += " " + " ".join([*EXAMPLE_ARGS, "--json", str(across)])
+        results = lab.run(command, env=ENV, timeout=300)
+    assert [r.returncode for r in results] == [0, 0], results[0].stderr[-3000:]
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+                           "--master-port", str(port + 1), str(EXAMPLE), *EXAMPLE_ARGS,
+                           "--json", str(alone)], env=ENV, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    a, b = (json.loads(path.read_text()) for path in (across, alone))
+    assert a["world_size"] == b["world_size"] == 4
+    assert a["losses"] == pytest.approx(b["losses"], rel=1e-5)
+    assert a["losses"][-1] < a["losses"][0]
