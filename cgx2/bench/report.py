@@ -175,6 +175,8 @@ def environment(device: torch.device, world_size: int = 1) -> dict[str, Any]:
         "command": _command(world_size),
         "launcher": "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "python",
     }
+    if "LINK_RATE" in os.environ:  # across cgx2.testing.netlab's hosts: their links
+        env["link"] = {"rate": os.environ["LINK_RATE"], "hosts": int(os.environ["NHOSTS"])}
     if device.type == "cuda":
         env["cuda"] = torch.version.cuda
         env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
@@ -192,7 +194,9 @@ def write_json(kind: str, report: dict[str, Any], out_dir: str | Path = DEFAULT_
     env = report["env"]
     device = re.sub(r"[^A-Za-z0-9]+", "-", env["device"]).strip("-").lower()
     stamp = env["date"].replace(":", "").replace("-", "")[:15]
-    name = f"{kind}_{device}_{env['regime']}_w{env['world_size']}_{stamp}.json"
+    link = env.get("link")
+    where = env["regime"] if not link else f"{env['regime']}-{link['rate']}-h{link['hosts']}"
+    name = f"{kind}_{device}_{where}_w{env['world_size']}_{stamp}.json"
     path = Path(out_dir) / name
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1) + "\n")

@@ -255,3 +255,18 @@ def test_allreduce_bench_under_torchrun(tmp_path: Path) -> None:
     assert (row["dtype"], row["bytes"], row["bits"]) == ("fp32", 64 * 1024, 4)
     assert row["plain_ms"] > 0 and row["cgx2_ms"] > 0 and row["sol_ms"] > 0
     assert row["speedup_vs_plain"] == pytest.approx(row["plain_ms"] / row["cgx2_ms"])
+
+
+def test_results_across_netlab_hosts_name_their_link(tmp_path: Path, monkeypatch) -> None:
+    import torch
+
+    from cgx2.bench import report
+
+    monkeypatch.setenv("LINK_RATE", "1gbit")
+    monkeypatch.setenv("NHOSTS", "2")
+    env = report.environment(torch.device("cpu"), 2)
+    assert env["link"] == {"rate": "1gbit", "hosts": 2}
+    path = report.write_json("allreduce", {"env": env, "rows": []}, tmp_path)
+    assert "_cpu-1gbit-h2_w2_" in path.name
+    monkeypatch.delenv("LINK_RATE")
+    assert "link" not in report.environment(torch.device("cpu"), 2)
