@@ -33,7 +33,8 @@ def main() -> int:
         return 2
     status, port = 0, 29700
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1)
-                                                     // args.nproc_per_node))}  # fmt: skip
+                                                     // args.nproc_per_node)),
+           "LINK_DRIVER": " ".join([sys.executable, *sys.argv])}  # fmt: skip
     for hosts in (int(h) for h in args.hosts.split(",")):
         for rate in args.rates.split(","):
             port += 1

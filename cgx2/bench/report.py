@@ -176,7 +176,11 @@ def environment(device: torch.device, world_size: int = 1) -> dict[str, Any]:
         "launcher": "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "python",
     }
     if "LINK_RATE" in os.environ:  # across cgx2.testing.netlab's hosts: their links
-        env["link"] = {"rate": os.environ["LINK_RATE"], "hosts": int(os.environ["NHOSTS"])}
+        env["link"] = {
+            "rate": os.environ["LINK_RATE"],
+            "hosts": int(os.environ["NHOSTS"]),
+            "driver": os.environ.get("LINK_DRIVER", ""),
+        }  # the command around it
     if device.type == "cuda":
         env["cuda"] = torch.version.cuda
         env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
