@@ -8,9 +8,7 @@ stochastic rounding, and the bias it leaves is not accumulated over ranks (docs/
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -20,7 +18,7 @@ from ..codecs.layout import MaxMinLayout
 from ..comm import group_size_and_rank
 from . import policy
 from .fusion import padded_numel
-from .reduce_scatter import Segment, _split
+from .reduce_scatter import Segment, _plan, _split
 
 __all__ = ["all_gather"]
 
@@ -41,8 +39,10 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGro
     if not (compressed and route.compress and input.is_floating_point()):
         route.transport.wait(route.transport.all_gather(output.view(-1), flat_in, group, False))
         return (world - 1) * n * input.element_size()
-    plan = _plan(n, tuple(compressed), tuple(exact), bucket_size, input.device)
-    layout = MaxMinLayout(plan.fused, bits, bucket_size)
+    # The reduce-scatter's index plan for one row: the segments padded, fused and put back.
+    plan = _plan(n, 1, (tuple(compressed),), tuple(exact), bucket_size, input.device)
+    fused = plan.widths[0]
+    layout = MaxMinLayout(fused, bits, bucket_size)
     # Every row and its exact values start 16-byte aligned, as the kernels' payloads do.
     head = -(-layout.nbytes // 16) * 16
     exact_bytes = plan.exact.numel() * input.element_size()
@@ -62,40 +62,10 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGro
             f"rank {rank}) failed: {e}"
         ) from e
     for r in range(world):
-        values = codec.decode(recv[r, : layout.nbytes], plan.fused, bits, bucket_size,
+        values = codec.decode(recv[r, : layout.nbytes], fused, bits, bucket_size,
                               output.dtype)  # fmt: skip
         rows[r].index_copy_(0, plan.out, values.index_select(0, plan.src))
         if exact_bytes:
             exact = recv[r, head : head + exact_bytes].view(output.dtype)
             rows[r].index_copy_(0, plan.exact, exact)
     return (world - 1) * send.numel()
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """Index tensors of one row's segments, made once per shape: ``gather`` builds the fused
-    compressed values (each segment padded to whole buckets with its last value), ``src`` and
-    ``out`` put them back, ``exact`` lists the uncompressed positions."""
-
-    fused: int
-    gather: torch.Tensor
-    src: torch.Tensor
-    out: torch.Tensor
-    exact: torch.Tensor
-
-
-@functools.lru_cache(maxsize=256)
-def _plan(n: int, compressed: tuple[Segment, ...], exact: tuple[Segment, ...],
-          bucket_size: int, device: torch.device) -> _Plan:  # fmt: skip
-    empty = torch.empty(0, dtype=torch.int64)
-    gather, src, out, at = [], [], [], 0
-    for o, k, _ in compressed:
-        pad = -k % bucket_size
-        gather.append(torch.cat([torch.arange(o, o + k), torch.full((pad,), o + k - 1)]))
-        src.append(torch.arange(at, at + k))
-        out.append(torch.arange(o, o + k))
-        at += k + pad
-    cat = lambda parts: torch.cat(parts) if parts else empty
-    exact_index = cat([torch.arange(o, o + k) for o, k, _ in exact])
-    return _Plan(at, cat(gather).to(device), cat(src).to(device), cat(out).to(device),
-                 exact_index.to(device))  # fmt: skip

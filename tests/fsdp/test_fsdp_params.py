@@ -7,6 +7,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
+from test_fsdp import _MLP  # the small model FSDP2's other tests train
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -67,19 +68,6 @@ def test_all_gather_is_the_nearest_rounding_model_on_every_rank(dist2, dist4, dt
             rounding = torch.finfo(dtype).eps * x.abs() if dtype != torch.float32 else 0
             assert ((row.float() - x).abs() - rounding).max() <= 0.5 * span / 255 * (1 + 1e-5)
         assert results[0]["sent"] < (world - 1) * 1000 * 4 * 0.4
-
-
-class _MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(
-            [nn.Linear(32, 128), nn.Linear(128, 128), nn.LayerNorm(128), nn.Linear(128, 4)]
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers[:-1]:
-            x = torch.relu(layer(x))
-        return self.layers[-1](x)
 
 
 def _train(options: dict | None, steps: int, hsdp: bool = False, bf16: bool = False,
