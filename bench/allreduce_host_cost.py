@@ -2,17 +2,24 @@
 allreduce and a clone of the same tensor, timed in the same run: what a call costs the host.
 
 Usage: torchrun --nproc-per-node N bench/allreduce_host_cost.py [--numel 65536] [--calls 500]
-[--rounds 5] [--label NAME] [--out DIR]. Each setting is ``--calls`` calls back to back (the
-GPUs, faster than the host at this size, never hold them up), in rounds that rotate the
-settings' order; the median round is kept. Compression is forced (``CGX2_CROSSOVER_BYTES=0``).
-Run it with ``PYTHONPATH`` at another cgx2 tree and another ``--label`` to compare two trees.
-Rank 0 prints a table and writes allreduce_host_cost_<device>_..._<date>.json.
+[--rounds 5] [--label NAME] [--profile CALLS] [--device cuda|cpu] [--out DIR]. Each setting
+makes ``--calls`` calls, each from an idle device (its host time: what the call costs the
+host), then as many back to back (where the device is the slower, its time shows instead), in
+rounds that rotate the settings' order; the median round is kept. Compression is forced
+(``CGX2_CROSSOVER_BYTES=0``). ``--profile`` then runs that many calls of the collective under
+cProfile on rank 0 and keeps the functions that took the most host time. Run it with
+``PYTHONPATH`` at another cgx2 tree and another ``--label`` to compare two trees. Rank 0 prints
+a table and writes allreduce_host_cost_<device>_..._<date>.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
+import io
 import os
+import pstats
 import statistics
 import time
 from collections.abc import Callable
@@ -25,15 +32,59 @@ from cgx2 import collectives
 from cgx2.bench import report
 
 
-def _per_call_us(fn: Callable[[], object], calls: int) -> float:
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _per_call_us(setting: tuple[Callable[[], object], Callable], calls: int,
+                 device: torch.device) -> dict[str, float]:  # fmt: skip
+    """Microseconds a call: ``idle``, the host's time in a call that starts with the device
+    idle (what the call costs the host); ``back_to_back``, the host's in calls made back to
+    back, which is the device's time instead wherever the device is the slower (launches then
+    wait for room in the device's queue); ``wall``, back to back until the device is done."""
+    fn, context = setting
+    with context():
+        dist.barrier()
+        _sync(device)
+        idle = 0.0
+        for _ in range(calls):
+            start = time.perf_counter()
+            fn()
+            idle += time.perf_counter() - start
+            _sync(device)
+        dist.barrier()
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        back_to_back = time.perf_counter() - start
+        _sync(device)
+        wall = time.perf_counter() - start
+    return {name: value / calls * 1e6 for name, value in
+            (("idle", idle), ("back_to_back", back_to_back), ("wall", wall))}  # fmt: skip
+
+
+def _profile(fn: Callable[[], object], calls: int, device: torch.device, top: int = 30) -> str:
+    """The functions that took the most host time over ``calls`` calls of ``fn``, each from
+    an idle device (rank 0's; every rank makes the calls)."""
+    profiler = cProfile.Profile() if dist.get_rank() == 0 else None
     dist.barrier()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
     for _ in range(calls):
+        _sync(device)
+        if profiler is not None:
+            profiler.enable()
         fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
+        if profiler is not None:
+            profiler.disable()
+    _sync(device)
+    if profiler is None:
+        return ""
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
+    return text.getvalue()
 
 
 def main() -> None:
@@ -43,50 +94,92 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--label", default="tree", help="names this cgx2 tree in the JSON")
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="CALLS",
+        help="then profile this many calls of the collective on rank 0",
+    )
+    p.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cpu: CPU tensors on gloo (the script's own check, on any machine)",
+    )
     report.add_out_argument(p)
     args = p.parse_args()
     if report.refused_single_process("allreduce_host_cost.py"):
         return
     os.environ["CGX2_CROSSOVER_BYTES"] = "0"
-    dist.init_process_group("nccl")
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    torch.cuda.set_device(device)
+    if args.device == "cuda":
+        dist.init_process_group("nccl")
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        dist.init_process_group("gloo")
+        device = torch.device("cpu")
     group, bits = dist.group.WORLD, args.bits
     x = torch.randn(args.numel, device=device)
     buffer = x.clone()
+    plain = contextlib.nullcontext
+
+    def collective() -> torch.Tensor:
+        return collectives.allreduce(x, bits, 512, group, "sum")
+
     settings = {
-        "clone": lambda: x.clone(),
-        "nccl_all_reduce": lambda: dist.all_reduce(buffer),
-        "quantized_allreduce": lambda: cgx2.quantized_allreduce(x, bits),
-        "collectives.allreduce": lambda: collectives.allreduce(x, bits, 512, group, "sum"),
+        "clone": (lambda: x.clone(), plain),
+        "plain_all_reduce": (lambda: dist.all_reduce(buffer), plain),
+        "quantized_allreduce": (lambda: cgx2.quantized_allreduce(x, bits), plain),
+        "collectives.allreduce": (collective, plain),
     }
-    for fn in settings.values():  # kernels compiled, variants bound, groups' state made
-        for _ in range(20):
-            fn()
+    if device.type == "cuda" and hasattr(cgx2.config, "tuned"):
+        # The same collective replayed as a CUDA graph (CGX2_CUDA_GRAPHS=1), and through
+        # cgx2's own NCCL transport (CGX2_TRANSPORT=nccl).
+        settings["collectives.allreduce, CUDA graphs"] = (
+            collective, lambda: cgx2.config.tuned(cuda_graphs=True))  # fmt: skip
+        settings["collectives.allreduce, nccl transport"] = (
+            collective, lambda: cgx2.config.tuned(transport="nccl"))  # fmt: skip
+    for fn, context in settings.values():  # kernels compiled, variants bound, state made
+        with context():
+            for _ in range(20):
+                fn()
     names = list(settings)
-    rounds: dict[str, list[float]] = {name: [] for name in names}
+    rounds: dict[str, list[dict[str, float]]] = {name: [] for name in names}
     for r in range(args.rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
-            rounds[name].append(_per_call_us(settings[name], args.calls))
-    us = {name: statistics.median(v) for name, v in rounds.items()}
-    rows = [{"call": name, "host_us": us[name], "x_clone": us[name] / us["clone"],
-             "x_nccl": us[name] / us["nccl_all_reduce"]} for name in names]  # fmt: skip
+            rounds[name].append(_per_call_us(settings[name], args.calls, device))
+    us = {name: {k: statistics.median(t[k] for t in v) for k in v[0]} for name, v in rounds.items()}
+    clone, plain_us = us["clone"]["idle"], us["plain_all_reduce"]["idle"]
+    rows = [{"call": name, "host_us": us[name]["idle"], "x_clone": us[name]["idle"] / clone,
+             "x_plain": us[name]["idle"] / plain_us, "back_to_back_us": us[name]["back_to_back"],
+             "wall_us": us[name]["wall"]} for name in names]  # fmt: skip
+    profile = _profile(collective, args.profile, device) if args.profile else ""
     if dist.get_rank() == 0:
         print(report.format_table(rows, [("call", "call", ""), ("host_us", "host µs", ".1f"),
                                          ("x_clone", "× clone", ".2f"),
-                                         ("x_nccl", "× NCCL", ".2f")]))  # fmt: skip
+                                         ("x_plain", "× plain", ".2f"),
+                                         ("back_to_back_us", "back to back µs", ".1f"),
+                                         ("wall_us", "wall µs", ".1f")]))  # fmt: skip
         print(report.format_legend([
-            ("host µs", f"host time per call, {args.calls} calls back to back, median of "
-                        f"{args.rounds} rounds; {args.numel} fp32 values, {bits} bits, "
-                        f"{dist.get_world_size()} ranks, tree {args.label!r}"),
+            ("host µs", f"host time a call made with the device idle, mean of {args.calls} "
+                        f"calls, median of {args.rounds} rounds; {args.numel} fp32 values, "
+                        f"{bits} bits, {dist.get_world_size()} ranks, tree {args.label!r}"),
+            ("back to back µs", "host time a call, the calls back to back: the device's time "
+                                "a call instead where it is the slower"),
+            ("wall µs", "the calls back to back until the device is done, a call"),
             ("quantized_allreduce", "the public function, as users call it (the agreement "
                                     "check included)"),
             ("collectives.allreduce", "the collective it calls, unchecked (DDP's hook's path)"),
+            ("plain_all_reduce", f"{dist.get_backend()}'s own allreduce of the same tensor"),
         ]))  # fmt: skip
+        if profile:
+            print(profile)
         env = report.environment(device, dist.get_world_size())
         env.update(numel=args.numel, bits=bits, calls=args.calls, rounds=args.rounds,
                    tree=args.label, cgx2_file=cgx2.__file__)  # fmt: skip
-        path = report.write_json("allreduce_host_cost", {"env": env, "rows": rows}, args.out)
+        result = {"env": env, "rows": rows, "profile": profile}
+        path = report.write_json("allreduce_host_cost", result, args.out)
         print(f"-> {path}")
     dist.destroy_process_group()
 

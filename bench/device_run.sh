@@ -8,7 +8,8 @@
 # Usage (repo root): bash bench/device_run.sh [gpu_check args]; BENCH_ARGS for cgx2.bench,
 # TRAIN_ARGS for examples/train_ddp.py, TRAIN_REGIMES ("socket shm nvlink") and TRAIN_RUNS
 # ("32 hook,4 hook,4 backend"; "4 hook graphs" sets CGX2_CUDA_GRAPHS=1) to pick runs,
-# FSDP_ARGS/FSDP_REGIMES ("socket") for examples/train_fsdp.py; SKIP_KERNELS, SKIP_CHECKS,
+# FSDP_ARGS, FSDP_REGIMES ("socket") and FSDP_RUNS ("32,4,4 8": gradient bits, then parameter
+# bits) for examples/train_fsdp.py; SKIP_KERNELS, SKIP_CHECKS,
 # SKIP_BENCH, SKIP_TRAIN, SKIP_FSDP_TRAIN=1 leave a stage out (a call is limited to 10 minutes
 # on our machines). Tuning stages, off unless asked: AB_VERSIONS="name=path ..." times those
 # copies of maxmin_triton.py against the tree's (bench/kernel_ab.py); PROFILE_KERNELS="dse:fp32:4
@@ -16,8 +17,9 @@
 # instructions per value); TIMELINE_REGIMES="shm ..." prints a 256 MiB allreduce's GPU timeline;
 # GLOO_DDP_RATES="10gbit 1gbit" times DDP steps of two hosts sharing GPU 0 over gloo (carry .iproute).
 # SKIP_COMPAT=1 leaves out the CPU tests of DTensor and FSDP2 under this image's torch.
-# SKIP_HOST_COST=1 leaves out bench/host_cost.py (the codec ops' host time, eager and compiled)
-# and bench/agreement_cost.py (two ranks on GPU 0 over gloo; with several GPUs, over NCCL too).
+# SKIP_HOST_COST=1 leaves out bench/host_cost.py (the codec ops' host time, eager and compiled),
+# bench/allreduce_host_cost.py (2 GPUs: the allreduce's, profiled) and bench/agreement_cost.py
+# (two ranks on GPU 0 over gloo; with several GPUs, over NCCL too).
 # SKIP_TRANSPORTS=1 leaves out bench/transports.py (two ranks on GPU 0, CUDA and CPU tensors:
 # shared memory against gloo; TRANSPORT_ARGS for it). With several GPUs, cgx2.bench's table
 # has shared memory's columns (CGX2_TRANSPORT=shm for CUDA tensors on NCCL) beside NCCL's.
@@ -84,6 +86,10 @@ if [ -z "${SKIP_HOST_COST:-}" ]; then  # host time of the codec ops; the agreeme
   torchrun --nproc-per-node 2 bench/agreement_cost.py --device cuda --backend gloo \
     --sizes 64K,1M,16M,64M --out bench/results 2>"$LOGS/agreement_cost.err" | tail -n 14 \
     || status=1
+  if [ "$NGPU" -ge 2 ]; then  # the allreduce's host time a call, and where it goes
+    torchrun --nproc-per-node 2 bench/allreduce_host_cost.py --profile 300 --out bench/results \
+      2>"$LOGS/allreduce_host_cost.err" | head -n 60 || status=1
+  fi
   if [ "$NGPU" -ge 2 ]; then  # over NCCL, shm regime: the deferred check as users get it
     env NCCL_P2P_DISABLE=1 torchrun --nproc-per-node "$NGPU" bench/agreement_cost.py \
       --device cuda --sizes 64K,1M,16M,64M --out bench/results \
@@ -138,11 +144,14 @@ fi
 if [ "$NGPU" -ge 2 ] && [ -z "${SKIP_FSDP_TRAIN:-}" ]; then
   for regime in ${FSDP_REGIMES:-socket}; do
     regime_vars $regime
-    for bits in 32 4; do
-      echo "== FSDP2 step, $NGPU GPUs, regime $regime, $bits bits"
-      env "${vars[@]}" torchrun --nproc-per-node "$NGPU" examples/train_fsdp.py --bits "$bits" \
-        ${FSDP_ARGS:-} --log-every 1000 \
-        --json "bench/results/train_fsdp_${GPU}_${regime}_w${NGPU}_b${bits}_$(date -u +%Y%m%dT%H%M).json" \
+    IFS=, read -ra RUNS <<< "${FSDP_RUNS:-32,4,4 8}"
+    for run in "${RUNS[@]}"; do
+      set -- $run  # gradient bits and, optionally, parameter bits (the all-gather)
+      tag=b$1${2:+_p$2}
+      echo "== FSDP2 step, $NGPU GPUs, regime $regime, $1 bits${2:+, $2-bit parameters}"
+      env "${vars[@]}" torchrun --nproc-per-node "$NGPU" examples/train_fsdp.py --bits "$1" \
+        ${2:+--param-bits "$2"} ${FSDP_ARGS:-} --log-every 1000 \
+        --json "bench/results/train_fsdp_${GPU}_${regime}_w${NGPU}_${tag}_$(date -u +%Y%m%dT%H%M).json" \
         2>>"$LOGS/fsdp_$regime.err" | tail -n 1 || status=1
       save
     done

@@ -1,9 +1,12 @@
 """Train a GPT-2-small-class byte-level transformer with FSDP2, compiled, with cgx2's quantized
-reduce-scatter (cgx2.fsdp.compress) or FSDP2's own. Logs tokens/s, loss and the bytes the
+reduce-scatter (cgx2.fsdp.compress; optionally its parameter all-gather, and HSDP's all-reduce
+across replicas) or FSDP2's own. Logs tokens/s, loss and the bytes the
 reduce-scatters sent against uncompressed FSDP2:
 
     torchrun --nproc-per-node 4 examples/train_fsdp.py --bits 4      # one process per GPU
     torchrun --nproc-per-node 4 examples/train_fsdp.py --bits 32     # FSDP2's own
+    torchrun --nproc-per-node 4 examples/train_fsdp.py --bits 4 --param-bits 8  # + all-gather
+    torchrun --nproc-per-node 4 examples/train_fsdp.py --bits 4 --replicas 2    # HSDP, 2 x 2
     python examples/train_fsdp.py --bits 4 --dim 64 --layers 2 --steps 5 --no-compile  # 2 CPUs
 
 The model (12 blocks, 768 wide, 12 heads: 85M parameters) is defined in train_ddp.py; the text
@@ -37,7 +40,13 @@ def train(args: argparse.Namespace) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     cuda = args.device == "cuda"
     device = f"cuda:{torch.cuda.current_device()}" if cuda else "cpu"
-    mesh = init_device_mesh("cuda" if cuda else "cpu", (world,))
+    if world % args.replicas:
+        raise SystemExit(f"--replicas {args.replicas} does not divide {world} ranks")
+    if args.replicas > 1:  # HSDP: each replica shards over world / replicas ranks
+        mesh = init_device_mesh("cuda" if cuda else "cpu", (args.replicas, world // args.replicas),
+                                mesh_dim_names=("replicate", "shard"))  # fmt: skip
+    else:
+        mesh = init_device_mesh("cuda" if cuda else "cpu", (world,))
     torch.manual_seed(args.seed)
     model = CharTransformer(args.context, args.dim, args.layers, args.heads).to(device)
     params = sum(p.numel() for p in model.parameters())
@@ -48,7 +57,8 @@ def train(args: argparse.Namespace) -> dict:
     fully_shard(model, mesh=mesh, mp_policy=policy)
     comms = []
     if args.bits != 32:
-        comms = cgx2.fsdp.compress(model, args.bits, args.bucket_size, args.min_size)
+        comms = cgx2.fsdp.compress(model, args.bits, args.bucket_size, args.min_size,
+                                   param_bits=args.param_bits)  # fmt: skip
     if args.compile:
         for block in model.blocks:
             block.compile()
@@ -79,7 +89,7 @@ def train(args: argparse.Namespace) -> dict:
     del model, opt
     gc.collect()
     dist.barrier()
-    n = min(10, len(losses))
+    n, shards = min(10, len(losses)), world // args.replicas
     step_s = sorted(times[1:] or times)[len(times[1:] or times) // 2]  # step 1 compiles
     return {
         "env": environment(torch.device(device), world),
@@ -92,8 +102,8 @@ def train(args: argparse.Namespace) -> dict:
         "final_loss": sum(losses[-n:]) / n,
         "step_ms": 1e3 * step_s,
         "tokens_per_s": args.batch_size * args.context * world / step_s,
-        # An uncompressed reduce-scatter sends (W-1)/W of its fp32 input, every step.
-        "bytes_uncompressed": args.steps * (world - 1) * params * 4 // world,
+        # An uncompressed reduce-scatter over S shards sends (S-1)/S of its fp32 input a step.
+        "bytes_uncompressed": args.steps * (shards - 1) * params * 4 // shards,
         "bytes_sent": sent,
         "losses": losses,
     }
@@ -103,7 +113,9 @@ def report(result: dict, json_path: str | None) -> None:
     sent, plain = result["bytes_sent"], result["bytes_uncompressed"]
     saved = f", sent {sent / 1e6:.1f} MB vs {plain / 1e6:.1f} MB uncompressed " \
             f"({plain / max(sent, 1):.2f}x less)" if sent else ""  # fmt: skip
-    print(f"{result['bits']}-bit FSDP2, {result['world_size']} x {result['device']}, "
+    params = result["args"].get("param_bits")
+    print(f"{result['bits']}-bit FSDP2{f' ({params}-bit parameters)' if params else ''}, "
+          f"{result['world_size']} x {result['device']}, "
           f"{result['params'] / 1e6:.1f}M params: loss {result['first_loss']:.3f} -> "
           f"{result['final_loss']:.3f}, {result['step_ms']:.0f} ms/step, "
           f"{result['tokens_per_s']:.0f} tokens/s{saved}")  # fmt: skip
@@ -114,6 +126,8 @@ def report(result: dict, json_path: str | None) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--bits", type=int, default=4, help="1-8, or 32 for FSDP2's own")
+    p.add_argument("--param-bits", type=int, help="1-8: also all-gather parameters quantized")
+    p.add_argument("--replicas", type=int, default=1, help="HSDP: replicas (mesh rows)")
     p.add_argument("--bucket-size", type=int, default=512, help="values sharing one scale")
     p.add_argument("--min-size", type=int, default=1024, help="smaller or 1-D params: exact")
     p.add_argument("--steps", type=int, default=30, help="training steps")
@@ -143,6 +157,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if not (1 <= args.bits <= 8 or args.bits == 32):
         p.error("--bits must be in 1..8, or 32")
+    if args.param_bits is not None and not (1 <= args.param_bits <= 8 and args.bits != 32):
+        p.error("--param-bits must be in 1..8, with --bits in 1..8")
+    if args.replicas < 1:
+        p.error("--replicas must be at least 1")
     return args
 
 

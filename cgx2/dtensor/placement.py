@@ -103,19 +103,20 @@ class QuantizedPartial(Partial):
 
 
 def _register_as_opaque() -> None:
-    """Let compiled code pass it to ops as torch's own placements are (torch versions that
-    register placements as opaque value types); elsewhere nothing is needed."""
+    """Let compiled code pass it to ops as torch's own placements are, on torch versions that
+    register ``Partial`` as an opaque value type (2.13); where torch does not (2.11), its
+    placements reach compiled code as constants, and so does this one."""
     try:
-        from torch._library.opaque_object import MemberType, register_opaque_type
+        from torch._library import opaque_object
     except ImportError:
         return
-    real = MemberType.USE_REAL
+    is_opaque = getattr(opaque_object, "is_opaque_type", None)
+    if is_opaque is None or not is_opaque(Partial):
+        return
+    real = opaque_object.MemberType.USE_REAL
     members = {name: real for name in ("is_shard", "is_partial", "is_replicate", "__eq__",
                                        "reduce_op", "bits", "bucket_size")}  # fmt: skip
-    try:
-        register_opaque_type(QuantizedPartial, typ="value", members=members)
-    except TypeError:  # an older signature
-        register_opaque_type(QuantizedPartial, typ="value")
+    opaque_object.register_opaque_type(QuantizedPartial, typ="value", members=members)
 
 
 _register_as_opaque()

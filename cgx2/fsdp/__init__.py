@@ -237,7 +237,10 @@ class QuantizedReplicaGroup(dist.ProcessGroup):
     def allreduce(self, tensors: list[torch.Tensor],
                   opts: dist.AllreduceOptions | None = None) -> dist.Work:  # fmt: skip
         opts = dist.AllreduceOptions() if opts is None else opts
-        op = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg"}.get(opts.reduceOp)
+        # Compared, not looked up: the options' ReduceOp hashes as its RedOpType but a dict
+        # lookup never matches the two.
+        red = opts.reduceOp
+        op = "sum" if red == dist.ReduceOp.SUM else "avg" if red == dist.ReduceOp.AVG else None
         if len(tensors) != 1 or op is None or not tensors[0].is_floating_point():
             return self.inner.allreduce(tensors, opts)
         allreduce_(tensors[0], self.bits, self.bucket_size, self.inner, op)

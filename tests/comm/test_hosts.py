@@ -86,14 +86,14 @@ def test_a_host_killed_mid_training_makes_the_other_raise_within_the_timeout(net
 
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_ddp.py"
-EXAMPLE_ARGS = ["--steps", "8", "--text-bytes", "100000", "--device", "cpu", "--dim", "64",
-                "--layers", "1", "--log-every", "100", "--hook", "standard_dithering",
-                "--compile"]  # fmt: skip
+# Eager: compiled DDP across the hosts is test_four_ranks_on_two_hosts_agree's.
+EXAMPLE_ARGS = ["--steps", "5", "--text-bytes", "100000", "--device", "cpu", "--dim", "64",
+                "--layers", "1", "--log-every", "100", "--hook", "standard_dithering"]  # fmt: skip
 
 
 @pytest.mark.slow
 def test_the_training_example_across_hosts_trains_as_on_one_host(netlab, tmp_path):
-    """examples/train_ddp.py, compiled, with a Global-QSGD hook: torchrun across two hosts of
+    """examples/train_ddp.py with a Global-QSGD hook: torchrun across two hosts of
     two ranks gives the losses of the same four ranks on one host (integer sums: exact)."""
     across, alone = tmp_path / "across.json", tmp_path / "alone.json"
     port = 29500 + (os.getpid() + 13) % 1000
