@@ -58,6 +58,17 @@ def check_float_tensor(t: object, name: str = "tensor") -> torch.Tensor:
     return t
 
 
+def reduce_op_name(op: object) -> str | None:
+    """``"sum"``/``"avg"`` for the ``dist.ReduceOp`` a quantized allreduce computes, else None
+    (compared, not looked up: an options object's ReduceOp hashes as its type's but a dict
+    lookup never matches the two)."""
+    if op == dist.ReduceOp.SUM:
+        return "sum"
+    if op == dist.ReduceOp.AVG:
+        return "avg"
+    return None
+
+
 def check_reduce_op(reduce_op: object, name: str = "reduce_op") -> str:
     """Normalise ``reduce_op`` ("sum"/"avg", any case, or ``dist.ReduceOp.SUM``/``AVG``)."""
     if reduce_op is dist.ReduceOp.SUM:  # the common case, without pybind's slow comparisons

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..checks import UNCOMPRESSED_BITS
+from ..checks import UNCOMPRESSED_BITS, reduce_op_name
 from ..collectives import agreement, policy
 from ..collectives.fusion import allreduce_fused_, fusion_batches, padded_numel, ring_bytes_sent
 from ..collectives.hierarchical import hierarchical_allreduce_fused_, node_mesh
@@ -49,15 +49,6 @@ class _Works(dist.Work):
     def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
         futures = [work.get_future() for work in self._works]
         return torch.futures.collect_all(futures).then(lambda _: self._outputs)
-
-
-def _reduce_op_name(op: dist.ReduceOp) -> str | None:
-    """ "sum"/"avg" for the ops a quantized allreduce computes, else None."""
-    if op == dist.ReduceOp.SUM:
-        return "sum"
-    if op == dist.ReduceOp.AVG:
-        return "avg"
-    return None
 
 
 class CGXProcessGroup(dist.ProcessGroup):
@@ -124,7 +115,7 @@ class CGXProcessGroup(dist.ProcessGroup):
         self, tensors: list[torch.Tensor], opts: dist.AllreduceOptions | None = None
     ) -> dist.Work:
         opts = dist.AllreduceOptions() if opts is None else opts
-        op = _reduce_op_name(opts.reduceOp)
+        op = reduce_op_name(opts.reduceOp)
         bits, bucket_size = compression_from_env()
         if len(tensors) != 1:
             return self._delegate(tensors, opts.reduceOp)
@@ -159,7 +150,7 @@ class CGXProcessGroup(dist.ProcessGroup):
     def _allreduce_coalesced(
         self, tensors: list[torch.Tensor], opts: dist.AllreduceCoalescedOptions
     ) -> dist.Work:
-        op = _reduce_op_name(opts.reduceOp)
+        op = reduce_op_name(opts.reduceOp)
         bits, bucket_size = compression_from_env()
         fused = [t for t in tensors if self._compressible(t, op, bits)]
         for t in tensors:

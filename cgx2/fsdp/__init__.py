@@ -17,7 +17,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 from .. import seeding
-from ..checks import UNCOMPRESSED_BITS, check_bits, check_bucket_size
+from ..checks import UNCOMPRESSED_BITS, check_bits, check_bucket_size, reduce_op_name
 from ..collectives import allreduce_, policy
 from ..collectives.adaptive import check_options, check_replan_every, layer_errors, plan_widths
 from ..collectives.all_gather import all_gather as all_gather_quantized
@@ -237,10 +237,7 @@ class QuantizedReplicaGroup(dist.ProcessGroup):
     def allreduce(self, tensors: list[torch.Tensor],
                   opts: dist.AllreduceOptions | None = None) -> dist.Work:  # fmt: skip
         opts = dist.AllreduceOptions() if opts is None else opts
-        # Compared, not looked up: the options' ReduceOp hashes as its RedOpType but a dict
-        # lookup never matches the two.
-        red = opts.reduceOp
-        op = "sum" if red == dist.ReduceOp.SUM else "avg" if red == dist.ReduceOp.AVG else None
+        op = reduce_op_name(opts.reduceOp)
         if len(tensors) != 1 or op is None or not tensors[0].is_floating_point():
             return self.inner.allreduce(tensors, opts)
         allreduce_(tensors[0], self.bits, self.bucket_size, self.inner, op)
