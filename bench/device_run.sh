@@ -9,7 +9,7 @@
 # TRAIN_ARGS for examples/train_ddp.py, TRAIN_REGIMES ("socket shm nvlink") and TRAIN_RUNS
 # ("32 hook,4 hook,4 backend"; "4 hook graphs" sets CGX2_CUDA_GRAPHS=1) to pick runs,
 # FSDP_ARGS, FSDP_REGIMES ("socket") and FSDP_RUNS ("32,4,4 8": gradient bits, then parameter
-# bits) for examples/train_fsdp.py; SKIP_KERNELS, SKIP_CHECKS,
+# bits; "32 - hsdp,4 8 hsdp" adds HSDP's 2 replicas) for examples/train_fsdp.py; SKIP_KERNELS, SKIP_CHECKS,
 # SKIP_BENCH, SKIP_TRAIN, SKIP_FSDP_TRAIN=1 leave a stage out (a call is limited to 10 minutes
 # on our machines). Tuning stages, off unless asked: AB_VERSIONS="name=path ..." times those
 # copies of maxmin_triton.py against the tree's (bench/kernel_ab.py); PROFILE_KERNELS="dse:fp32:4
@@ -146,11 +146,13 @@ if [ "$NGPU" -ge 2 ] && [ -z "${SKIP_FSDP_TRAIN:-}" ]; then
     regime_vars $regime
     IFS=, read -ra RUNS <<< "${FSDP_RUNS:-32,4,4 8}"
     for run in "${RUNS[@]}"; do
-      set -- $run  # gradient bits and, optionally, parameter bits (the all-gather)
-      tag=b$1${2:+_p$2}
-      echo "== FSDP2 step, $NGPU GPUs, regime $regime, $1 bits${2:+, $2-bit parameters}"
+      set -- $run  # gradient bits, optionally parameter bits (the all-gather), then "hsdp"
+      pbits=${2:-}; [ "$pbits" = - ] && pbits=""
+      hsdp=""; [ "${3:-}" = hsdp ] && hsdp="--replicas 2"
+      tag=b$1${pbits:+_p$pbits}${3:+_$3}
+      echo "== FSDP2 step, $NGPU GPUs, regime $regime, $1 bits${pbits:+, $pbits-bit parameters}${3:+, $3}"
       env "${vars[@]}" torchrun --nproc-per-node "$NGPU" examples/train_fsdp.py --bits "$1" \
-        ${2:+--param-bits "$2"} ${FSDP_ARGS:-} --log-every 1000 \
+        ${pbits:+--param-bits "$pbits"} $hsdp ${FSDP_ARGS:-} --log-every 1000 \
         --json "bench/results/train_fsdp_${GPU}_${regime}_w${NGPU}_${tag}_$(date -u +%Y%m%dT%H%M).json" \
         2>>"$LOGS/fsdp_$regime.err" | tail -n 1 || status=1
       save
