@@ -1,6 +1,7 @@
 """CPU demo of cgx2: plain vs quantized allreduce over gloo, with bytes sent, error and timing.
 
-Run ``python -m cgx2.demo --help``; it starts ``--world-size`` processes on this host.
+Run ``python -m cgx2.demo --help``; it starts ``--world-size`` processes on this host, or, with
+``--hosts N`` (root), one in each of N hosts joined by shaped links (:mod:`cgx2.testing.netlab`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import shlex
 import socket
 import statistics
 import sys
+import tempfile
 import textwrap
 import time
 from dataclasses import asdict, dataclass
@@ -158,8 +160,9 @@ def _measure(rank: int, world: int, args: argparse.Namespace) -> list[Row]:
     return rows
 
 
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results: Any) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results: Any,
+            address: str = "127.0.0.1") -> None:  # fmt: skip
+    os.environ["MASTER_ADDR"] = address
     os.environ["MASTER_PORT"] = str(port)
     # Share the cores between the ranks instead of oversubscribing them.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -174,6 +177,65 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results:
             results.put({"rows": [asdict(r) for r in rows], "native_codec": _native_codec()})
     finally:
         dist.destroy_process_group()
+
+
+class _ResultFile:
+    """Where the rank 0 of ``--hosts`` puts its results: a file its parent reads."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def put(self, found: dict[str, Any]) -> None:
+        Path(self.path).write_text(json.dumps(found))
+
+
+def _in_host(args: argparse.Namespace) -> int:
+    """One rank of a ``--hosts`` run, inside its host (the lab's variables name it)."""
+    _worker(int(os.environ["HOST"]), int(os.environ["NHOSTS"]), int(os.environ["MASTER_PORT"]),
+            args, _ResultFile(args.in_host), os.environ["MASTER_ADDR"])  # fmt: skip
+    return 0
+
+
+def _across_hosts(args: argparse.Namespace) -> dict[str, Any] | None:
+    """Rank 0's results of one rank in each of ``args.hosts`` hosts joined by ``args.link``
+    links; None (said why) where it cannot run or a rank failed."""
+    from cgx2.testing import netlab
+
+    reason = netlab.unavailable()
+    if reason:
+        print(f"cgx2 demo: --hosts makes hosts of Linux network namespaces joined by links "
+              f"shaped with tc, which needs root and iproute2 (ip, tc); here: {reason}. "
+              "Without --hosts the demo runs on this host.", file=sys.stderr)  # fmt: skip
+        return None
+    sizes = ",".join(str(n) for n in args.sizes)
+    bits = ",".join(str(b) for b in args.bits)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rank0.json")
+        command = [sys.executable, "-m", "cgx2.demo", "--in-host", out, "--sizes", sizes,
+                   "--bits", bits, "--dtype", args.dtype, "--iters", str(args.iters)]  # fmt: skip
+        env = {**os.environ, "MASTER_PORT": str(free_port())}
+        with netlab.Lab(args.hosts, netlab.Link(args.link)) as lab:
+            done = lab.run(command, env=env, timeout=3600)
+        failed = [(i, r) for i, r in enumerate(done) if r.returncode != 0]
+        if failed or not os.path.exists(out):
+            host, result = failed[0] if failed else (0, done[0])
+            print(f"cgx2 demo: host {host} failed (exit {result.returncode}):\n"
+                  f"{result.stderr[-3000:]}", file=sys.stderr)  # fmt: skip
+            return None
+        return json.loads(Path(out).read_text())
+
+
+def format_link_note(rows: list[dict[str, Any]], hosts: int, link: str) -> str:
+    """What the link saved: each size and width, gloo's time against cgx2's."""
+    lines = [f"{hosts} hosts (network namespaces on this machine), one rank each, each host's "
+             f"link shaped to {link} each way; the ranks share this machine's cores for the "
+             "coding. Time saved over the link:"]  # fmt: skip
+    for r in rows:
+        saved = r["plain_ms"] - r["cgx2_ms"]
+        lines.append(f"  {r['size']:>5} at {r['bits']} bits: gloo {r['plain_ms']:.1f} ms, cgx2 "
+                     f"{r['cgx2_ms']:.1f} ms: {saved:.1f} ms {'saved' if saved >= 0 else 'lost'} "
+                     f"({r['plain_ms'] / r['cgx2_ms']:.2f}x)")  # fmt: skip
+    return "\n".join(lines)
 
 
 def _native_codec() -> bool:
@@ -238,6 +300,7 @@ torchrun is needed:
 
   python -m cgx2.demo
   python -m cgx2.demo --sizes 64M --bits 4 --world-size 4
+  python -m cgx2.demo --hosts 2 --link 1gbit   (root: two hosts joined by 1 Gbit/s links)
 """
 
 
@@ -264,6 +327,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="directory for the JSON results, created if missing; '' writes none",
     )
     p.add_argument("--json", metavar="FILE", help="write the JSON results to this file instead")
+    p.add_argument("--hosts", type=int, default=0,
+                   help="run one rank in each of this many hosts (network namespaces) joined "
+                        "by --link links instead (root, iproute2)")  # fmt: skip
+    p.add_argument("--link", default="1gbit", help="with --hosts: each link's rate (tc's units)")
+    p.add_argument("--in-host", help=argparse.SUPPRESS)  # a --hosts rank: where to put results
     return p
 
 
@@ -279,6 +347,73 @@ def main(argv: list[str] | None = None) -> int:
         if nbytes % itemsize:
             parser.error(f"--sizes: {nbytes} bytes is not a whole number of {args.dtype} values")
 
+    if args.in_host:
+        return _in_host(args)
+    if args.hosts:
+        if args.hosts < 2:
+            parser.error("--hosts must be at least 2")
+        print(f"cgx2 demo: {args.hosts} hosts joined by {args.link} links, one rank each, "
+              f"gloo, {args.dtype}, {args.iters} timed iters after 1 warm-up", file=sys.stderr,
+              flush=True)  # fmt: skip
+        found = _across_hosts(args)
+        if found is None:
+            return 2
+        world = args.hosts
+    else:
+        found = _on_this_host(args)
+        if found is None:
+            return 1
+        world = args.world_size
+    rows = found["rows"]
+
+    where = f"{world} hosts joined by {args.link} links" if args.hosts else f"{world} ranks"
+    print(
+        f"cgx2 quantized allreduce vs plain allreduce: {where}, gloo, {args.dtype}, bucket "
+        f"{BUCKET_SIZE}, median of {args.iters}\n"
+    )
+    print(format_table(rows))
+    print("\nColumns:")
+    print(format_legend(COLUMNS))
+    print()
+    if args.hosts:
+        print(format_link_note(rows, args.hosts, args.link))
+    else:
+        print(format_note(rows, found["native_codec"]))
+
+    if args.json or args.out:
+        report = {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "torch": torch.__version__,
+            "cgx2": cgx2.__version__,
+            "world_size": world,
+            "hosts": args.hosts or None,
+            "link": args.link if args.hosts else None,
+            "dtype": args.dtype,
+            "bucket_size": BUCKET_SIZE,
+            "iters": args.iters,
+            "native_codec": found["native_codec"],
+            "command": shlex.join(getattr(sys, "orig_argv", [sys.executable, *sys.argv])),
+            "rows": rows,
+        }
+        if args.json:
+            path = Path(args.json)
+        else:
+            stamp = report["date"].replace(":", "").replace("-", "")[:15]
+            tag = f"h{args.hosts}_{args.link}" if args.hosts else f"w{world}"
+            path = Path(args.out) / f"demo_cpu_{tag}_{stamp}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"\nresults: {path}")
+
+    if not all(r["identical"] for r in rows):
+        print("cgx2 demo: results were NOT identical on all ranks", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _on_this_host(args: argparse.Namespace) -> dict[str, Any] | None:
+    """Rank 0's results of ``args.world_size`` processes on this host; None (said why) if a
+    worker failed."""
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     print(
@@ -300,49 +435,11 @@ def main(argv: list[str] | None = None) -> int:
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
         # join() has already terminated the other workers.
         print(f"cgx2 demo: a worker failed: {e}", file=sys.stderr)
-        return 1
+        return None
     if results.empty():
         print("cgx2 demo: rank 0 returned no results", file=sys.stderr)
-        return 1
-    found = results.get()
-    rows = found["rows"]
-
-    print(
-        f"cgx2 quantized allreduce vs plain allreduce: {args.world_size} ranks, gloo, "
-        f"{args.dtype}, bucket {BUCKET_SIZE}, median of {args.iters}\n"
-    )
-    print(format_table(rows))
-    print("\nColumns:")
-    print(format_legend(COLUMNS))
-    print()
-    print(format_note(rows, found["native_codec"]))
-
-    if args.json or args.out:
-        report = {
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "torch": torch.__version__,
-            "cgx2": cgx2.__version__,
-            "world_size": args.world_size,
-            "dtype": args.dtype,
-            "bucket_size": BUCKET_SIZE,
-            "iters": args.iters,
-            "native_codec": found["native_codec"],
-            "command": shlex.join(getattr(sys, "orig_argv", [sys.executable, *sys.argv])),
-            "rows": rows,
-        }
-        if args.json:
-            path = Path(args.json)
-        else:
-            stamp = report["date"].replace(":", "").replace("-", "")[:15]
-            path = Path(args.out) / f"demo_cpu_w{args.world_size}_{stamp}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"\nresults: {path}")
-
-    if not all(r["identical"] for r in rows):
-        print("cgx2 demo: results were NOT identical on all ranks", file=sys.stderr)
-        return 1
-    return 0
+        return None
+    return results.get()
 
 
 if __name__ == "__main__":
