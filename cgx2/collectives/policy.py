@@ -297,6 +297,15 @@ def _measured(device: torch.device, dtype: torch.dtype, info: GroupInfo | None,
         table = CROSSOVER_BYTES_GRAPHS if with_graphs else CROSSOVER_BYTES
         full, half = table[where]
         chosen, source = (full if dtype.itemsize >= 4 else half), "the built-in table"
+    if measured == "absent" and where == "cpu" and config.launch().spans_nodes:
+        # The CPU codec's cost against the link's saving depends on both: only measured
+        # crossovers know them (BENCHMARKS.md, "CPU hosts over Ethernet").
+        logger.warning(
+            "cgx2: CPU tensors across nodes with no measured crossover: every size is "
+            "compressed, which loses time on links the CPU codec cannot keep up with (10 "
+            "Gbit/s on few cores). Measure once with `torchrun ... -m cgx2.bench calibrate "
+            "--device cpu` on these nodes (docs/hosts.md)."
+        )
     logger.info(
         "cgx2: %s regime, %s on %s%s: quantized from %s (%s; CGX2_CROSSOVER_BYTES=0 always "
         "compresses)", where, dtype, backend, ", CUDA graphs" if with_graphs else "",

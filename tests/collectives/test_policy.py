@@ -173,6 +173,30 @@ def test_a_calibration_file_sets_the_crossovers_it_measured(clean_env, tmp_path)
     assert crossover_bytes(CUDA, torch.float32) == 256 * MiB  # another file: tables again
 
 
+def test_cpu_tensors_across_nodes_without_a_measured_crossover_say_so(clean_env, tmp_path,
+                                                                     caplog):  # fmt: skip
+    """Across nodes the CPU codec may cost more than the link saves: with no calibration the
+    route compresses every size and warns; a measured crossover is used, silently."""
+    cpu = torch.device("cpu")
+    clean_env.setenv("WORLD_SIZE", "4")
+    clean_env.setenv("LOCAL_WORLD_SIZE", "2")
+    config.reload()
+    with config.tuned(calibration_file=str(tmp_path / "none.json")):
+        assert crossover_bytes(cpu, torch.float32) == 0
+    assert "CPU tensors across nodes with no measured crossover" in caplog.text
+    assert "cgx2.bench calibrate" in caplog.text
+    caplog.clear()
+    path = _calibration_file(tmp_path / "c.json", {"cpu/gloo/fp32": None})
+    with config.tuned(calibration_file=path):
+        assert crossover_bytes(cpu, torch.float32) is None
+    assert "no measured crossover" not in caplog.text
+    clean_env.setenv("LOCAL_WORLD_SIZE", "4")  # one node: nothing to say
+    config.reload()
+    with config.tuned(calibration_file=str(tmp_path / "none.json")):
+        assert crossover_bytes(cpu, torch.float32) == 0
+    assert "no measured crossover" not in caplog.text
+
+
 @pytest.mark.parametrize(
     "content",
     [
