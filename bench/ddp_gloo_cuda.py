@@ -2,7 +2,7 @@
 NCCL feels (CUDA tensors on gloo), or, with ``--device cpu``, the same on the CPU.
 
 Run one process per host under ``torchrun --nnodes 2 --nproc-per-node 1 --node-rank $HOST
---master-addr $MASTER_ADDR``, e.g. in bench/hosts.sh's namespaces (bench/gloo_cuda_ddp.sh runs
+--master-addr $MASTER_ADDR``, e.g. in cgx2.testing.netlab's hosts (bench/gloo_cuda_ddp.sh runs
 every hook). The model is a decoder-only transformer, about 134M parameters by default; the
 tokens are synthetic but learnable (each is a fixed function of the one before). Rank 0 writes
 a JSON file into ``--out`` and prints one line.
@@ -190,8 +190,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="profile one more step on rank 0 and print where its time went",
     )
-    p.add_argument("--rate", default=os.environ.get("HOSTS_RATE"),
-                   help="the link's rate, for the record (bench/hosts.sh exports it)")  # fmt: skip
+    p.add_argument("--rate", default=os.environ.get("LINK_RATE"),
+                   help="the link's rate, for the record (netlab exports it)")  # fmt: skip
     p.add_argument("--name", default=None,
                    help="run name for the file and table (default: the hook)")  # fmt: skip
     p.add_argument("--out", default="cgx2-results", help="folder for the JSON result")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# A DDP step over gloo between two hosts on one machine (bench/hosts.sh: network namespaces
-# joined by a shaped veth link), both ranks on one GPU, per communication hook: plain DDP,
+# A DDP step over gloo between two hosts on one machine (cgx2.testing.netlab: network
+# namespaces joined through a bridge by shaped links), both ranks on one GPU, per communication hook: plain DDP,
 # cgx_hook at 4 bits as the policy routes it, cgx_hook with compression forced
 # (CGX2_CROSSOVER_BYTES=0), and torch's bf16_compress_hook; then a table of the step times.
 # cgx-inline (not run unless named in RUNS): cgx_hook on autograd's thread (CGX2_COMM_WORKER=0).
@@ -46,10 +46,8 @@ for run in $RUNS; do
   echo "run $n/$total: $run (hook $hook, ${vars[*]}) at $RATE on $DEVICE"
   start=$(date +%s)
   # $HOST and $MASTER_ADDR are each namespace's own: expanded there, by the inner bash.
-  HOSTS_COMMAND="bash bench/hosts.sh --rate $RATE -- env ${vars[*]} $PYTHON -m \
-torch.distributed.run --nnodes 2 --nproc-per-node 1 --node-rank \$HOST --master-addr \
-\$MASTER_ADDR --master-port 29500 ${args[*]}" \
-    bash bench/hosts.sh --rate "$RATE" --timeout "$TIMEOUT" -- env "${vars[@]}" \
+  "$PYTHON" -m cgx2.testing.netlab --hosts 2 --rate "$RATE" --timeout "$TIMEOUT" \
+    ${IPROUTE_ROOT:+--iproute-root "$IPROUTE_ROOT"} -- env "${vars[@]}" \
     bash -c 'exec "$0" -m torch.distributed.run --nnodes 2 --nproc-per-node 1 \
       --node-rank "$HOST" --master-addr "$MASTER_ADDR" --master-port 29500 "$@"' \
     "$PYTHON" "${args[@]}" >"$DIR/$run.log" 2>&1
