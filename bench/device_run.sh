@@ -15,7 +15,9 @@
 # copies of maxmin_triton.py against the tree's (bench/kernel_ab.py); PROFILE_KERNELS="dse:fp32:4
 # ..." profiles those kernels with Nsight Compute (bench/kernel_profile.py: issue rate, stalls,
 # instructions per value); TIMELINE_REGIMES="shm ..." prints a 256 MiB allreduce's GPU timeline;
-# GLOO_DDP_RATES="10gbit 1gbit" times DDP steps of two hosts sharing GPU 0 over gloo (carry .iproute).
+# GLOO_DDP_RATES="10gbit 1gbit" times DDP steps of two hosts sharing GPU 0 over gloo, and
+# LINK_RATES="1gbit 10gbit 25gbit" the allreduce between them (LINK_ARGS for cgx2.bench; carry
+# .iproute, Debian's iproute2 .debs: bench/gloo_cuda_ddp.sh's header says how to fetch them).
 # SKIP_COMPAT=1 leaves out the CPU tests of DTensor and FSDP2 under this image's torch.
 # SKIP_HOST_COST=1 leaves out bench/host_cost.py (the codec ops' host time, eager and compiled),
 # bench/allreduce_host_cost.py (2 GPUs: the allreduce's, profiled) and bench/agreement_cost.py
@@ -159,10 +161,21 @@ if [ "$NGPU" -ge 2 ] && [ -z "${SKIP_FSDP_TRAIN:-}" ]; then
     done
   done
 fi
+if [ -n "${GLOO_DDP_RATES:-}${LINK_RATES:-}" ]; then  # carry .iproute: Debian's iproute2 .debs
+  mkdir -p /tmp/iproute && for deb in .iproute/*.deb; do dpkg -x "$deb" /tmp/iproute; done
+fi
+if [ -n "${LINK_RATES:-}" ]; then
+  # The allreduce across two hosts (network namespaces) sharing GPU 0, gloo, CUDA tensors:
+  # gloo's own against cgx2's at each rate (BENCHMARKS.md, "GPU hosts over Ethernet").
+  python3 bench/links.py --hosts 2 --rates "${LINK_RATES// /,}" --iproute-root /tmp/iproute \
+    --timeout 500 --out bench/results -- --backend gloo ${LINK_ARGS:---sizes 16M,64M,256M \
+    --bits 4 --dtypes fp32 --iters 5 --warmup 1} 2>>"$LOGS/links.err" \
+    | grep -E "^ *(fp32|bf16)|^==|results:" || status=1
+  save
+fi
 if [ -n "${GLOO_DDP_RATES:-}" ]; then
   # Two hosts (network namespaces) sharing GPU 0 over a shaped link, gloo, CUDA tensors
-  # (BENCHMARKS.md, "CUDA tensors on gloo"); carry .iproute (Debian's iproute2 .debs).
-  mkdir -p /tmp/iproute && for deb in .iproute/*.deb; do dpkg -x "$deb" /tmp/iproute; done
+  # (BENCHMARKS.md, "CUDA tensors on gloo").
   for rate in $GLOO_DDP_RATES; do
     echo "== DDP step over gloo, 2 hosts on GPU 0, $rate"
     IPROUTE_ROOT=/tmp/iproute RATE=$rate RESULTS_DIR=bench/results bash bench/gloo_cuda_ddp.sh \

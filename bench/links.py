@@ -3,8 +3,9 @@ host count and link rate, torchrun across the hosts runs the benchmark (gloo aga
 each width, and the speed of light), and its JSON lands in --out, named by rate and hosts.
 
 Usage (root): python bench/links.py [--hosts 2,4] [--rates 1gbit,3gbit,10gbit]
-[--nproc-per-node 1] [--timeout 1800] [--out bench/results] -- [cgx2.bench args, e.g.
---sizes 1M,4M,16M,64M,256M --bits 2,4,8 --dtypes fp32]. Prints each run's table as it comes.
+[--nproc-per-node 1] [--timeout 1800] [--iproute-root DIR] [--out bench/results] -- [cgx2.bench
+args, e.g. --sizes 1M,4M,16M,64M,256M --bits 2,4,8 --dtypes fp32; on one GPU, --backend gloo:
+the hosts' ranks share it]. Prints each run's table as it comes.
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ def main() -> int:
     p.add_argument("--nproc-per-node", type=int, default=1, help="ranks a host")
     p.add_argument("--timeout", type=float, default=1800, help="seconds a run may take")
     p.add_argument("--out", default="bench/results")
+    p.add_argument("--iproute-root", help="where dpkg -x unpacked iproute2 (an image without it)")
     p.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- cgx2.bench's arguments")
     args = p.parse_args()
     bench_args = args.bench_args[1:] if args.bench_args[:1] == ["--"] else args.bench_args
-    reason = netlab.unavailable()
+    reason = netlab.unavailable(args.iproute_root)
     if reason:
         print(f"links.py: cannot make hosts here: {reason}", file=sys.stderr)
         return 2
@@ -46,7 +48,7 @@ def main() -> int:
                        f"--rdzv-conf is_host=$((HOST == 0)) --local-addr $HOST_ADDR "
                        f"-m cgx2.bench --out {os.path.abspath(args.out)} "
                        + " ".join(bench_args)]  # fmt: skip
-            with netlab.Lab(hosts, netlab.Link(rate)) as lab:
+            with netlab.Lab(hosts, netlab.Link(rate), args.iproute_root) as lab:
                 results = lab.run(command, env=env, timeout=args.timeout)
             print(results[0].stdout, flush=True)
             failed = [r for r in results if r.returncode != 0]

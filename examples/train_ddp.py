@@ -104,7 +104,10 @@ def train(args: argparse.Namespace) -> dict:
     state = None
     if args.mode == "hook" and args.bits != 32 and args.hook == "cgx":
         state = CGXState(
-            None, args.layer_min_size, {"bits": args.bits, "bucket_size": args.bucket_size}
+            None,
+            args.layer_min_size,
+            {"bits": args.bits, "bucket_size": args.bucket_size},
+            mesh=None if args.flat else "auto",
         )
         ddp.register_comm_hook(state, cgx_hook)
     elif args.mode == "hook" and args.bits != 32:  # a Global-QSGD hook, by its name
@@ -220,6 +223,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hook", choices=HOOKS, default="cgx",
                    help="hook mode's hook: CGX's, or a Global-QSGD hook")  # fmt: skip
     p.add_argument("--compile", action="store_true", help="torch.compile the model under DDP")
+    p.add_argument("--flat", action="store_true",
+                   help="cgx hook across nodes: the flat allreduce, not the node mesh")  # fmt: skip
     p.add_argument("--steps", type=int, default=200, help="training steps")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per rank and step")
     p.add_argument("--context", type=int, default=64, help="tokens (bytes) per sequence")

@@ -130,7 +130,7 @@ def _bench_size(
     x = torch.randn(n, device=device, dtype=torch.float32).to(dtype)
     buf = x.clone()
     # NCCL averages natively; gloo only sums (values then grow, which does not change speed).
-    plain_op = dist.ReduceOp.AVG if device.type == "cuda" else dist.ReduceOp.SUM
+    plain_op = dist.ReduceOp.AVG if dist.get_backend() == "nccl" else dist.ReduceOp.SUM
     plain_ms = timer(lambda: dist.all_reduce(buf, op=plain_op))
 
     def cast() -> None:
@@ -361,8 +361,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="also time cgx2 replaying CUDA graphs (GPUs only)",
     )
+    p.add_argument(
+        "--backend",
+        choices=("auto", "nccl", "gloo"),
+        default="auto",
+        help="the process group's: auto is NCCL where there are GPUs, else gloo; gloo on GPUs "
+        "allreduces CUDA tensors over gloo (ranks sharing a GPU, hosts without NCCL)",
+    )
     add_out_argument(p)
     args = p.parse_args(argv)
+    if args.backend == "nccl" and not torch.cuda.is_available():
+        p.error("--backend nccl needs CUDA GPUs")
     args.dtypes = args.dtypes.split(",")
     try:
         args.bits = [int(b) for b in args.bits.split(",")]
@@ -372,6 +381,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--bits: {args.bits} must each be in 1..8")
     if args.calls < 1 or args.iters < 1:
         p.error("--calls and --iters must be at least 1")
+    if args.cuda_graphs and args.backend == "gloo":
+        p.error("--cuda-graphs replays NCCL's collectives: not with --backend gloo")
     if args.cuda_graphs and not torch.cuda.is_available():
         p.error("--cuda-graphs needs CUDA GPUs")
     for d in args.dtypes:
@@ -392,12 +403,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
-    if torch.cuda.is_available():
+    cuda = torch.cuda.is_available()
+    if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        backend = "nccl"
-    else:
-        backend = "gloo"
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
+    backend = args.backend if args.backend != "auto" else "nccl" if cuda else "gloo"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else None
     args.pipeline_bytes = config.tuning().pipeline_bytes  # None: the regime's PIECE_NUMEL
     dist.init_process_group(backend)
     if args.pipeline_bytes is None:  # values a piece (of any dtype), as the pipeline cuts them
