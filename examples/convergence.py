@@ -1,0 +1,352 @@
+"""Convergence at length: one byte-level transformer trained from the same initialization on the
+same data order once per compressor, its loss measured on held-out text that no step sees.
+Writes one JSON per run as it ends (a rerun skips finished runs), then a table, a summary JSON
+and two plots (held-out loss against the step, and against the bytes a rank sent):
+
+    python examples/convergence.py --steps 300 --compressors plain,cgx4     # 2 CPU processes
+    torchrun --nproc-per-node 4 examples/convergence.py --device cuda --backend gloo \\
+        --dim 384 --layers 6 --heads 6 --steps 2000 --seeds 3       # 4 ranks sharing one GPU
+
+The text is the Python standard library's source as shipped (its .py files, documentation in
+docstrings and pydoc's topics included): every tenth file, in sorted order, is held out. The
+learning rate warms up linearly, then follows a cosine to a tenth of its peak. ``--seeds N``
+repeats plain DDP and CGX 4-bit with N seeds (their spread is the noise floor); the other
+compressors run with the first seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from launch import launch
+from train_ddp import CharTransformer, batch
+
+import cgx2
+import cgx2.fsdp
+from cgx2.bench.report import HelpFormatter, Progress, environment
+from cgx2.collectives.fusion import ring_bytes_sent
+from cgx2.ddp import CGXState, GlobalQSGDState, LGreCoState, PowerSGDState, cgx_hook, lgreco_hook
+from cgx2.ddp import global_qsgd as gq
+
+
+def _cgx(bits: int, error_feedback: bool = False) -> tuple[Callable, Callable]:
+    params = {"bits": bits, "bucket_size": 512}
+    return cgx_hook, lambda g: CGXState(g, 1024, params, error_feedback=error_feedback)
+
+
+# name: (what it is, DDP hook, state factory given the process group); "fsdp4" is FSDP2's
+COMPRESSORS: dict[str, tuple[str, Callable | None, Callable | None]] = {
+    "plain": ("plain DDP", gq.default_hook, lambda g: None),
+    "cgx2": ("CGX 2-bit", *_cgx(2)),
+    "cgx4": ("CGX 4-bit", *_cgx(4)),
+    "cgx8": ("CGX 8-bit", *_cgx(8)),
+    "cgx4-ef": ("CGX 4-bit, error feedback", *_cgx(4, True)),
+    "sd8": ("standard dithering (int8)", gq.standard_dithering_hook, GlobalQSGDState),
+    "sd4": ("standard dithering 4-bit", gq.standard_dithering_4bit_hook, GlobalQSGDState),
+    "thc": ("THC", gq.thc_hook, GlobalQSGDState),
+    "qsgd": ("QSGD", gq.qsgd_hook, GlobalQSGDState),
+    "exp": ("exponential dithering", gq.exponential_dithering_hook, GlobalQSGDState),
+    "powersgd": ("PowerSGD rank 4", gq.powerSGD_hook,
+                 lambda g: PowerSGDState(g, 4, start_powerSGD_iter=10)),
+    "lgreco": ("L-GreCo PowerSGD", lgreco_hook,
+               lambda g: LGreCoState(g, 4, start_powerSGD_iter=10, replan_every=50)),
+    "fsdp4": ("FSDP2, 4-bit reduce-scatter", None, None),
+}  # fmt: skip
+SEEDED = ("plain", "cgx4")  # the ones --seeds repeats
+
+
+def load_split(train_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The standard library's .py files as uint8 text: (train, held out), every tenth file
+    (sorted by path) held out; at most ``train_bytes`` of training text."""
+    root = Path(os.__file__).parent
+    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
+    train, held = bytearray(), bytearray()
+    for i, path in enumerate(files):
+        if i % 10 == 0:
+            held += path.read_bytes()
+        elif len(train) < train_bytes:
+            train += path.read_bytes()
+    train = train[:train_bytes]
+    return torch.frombuffer(train, dtype=torch.uint8), torch.frombuffer(held, dtype=torch.uint8)
+
+
+def schedule(step: int, steps: int, warmup: int) -> float:
+    """The learning rate's factor: linear warm-up, then a cosine to 0.1."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def fingerprint(args: argparse.Namespace) -> str:
+    """What makes two runs of one compressor and seed the same run."""
+    keys = ("dim", "layers", "heads", "context", "batch_size", "steps", "warmup", "lr",
+            "train_bytes", "eval_every", "eval_batches")  # fmt: skip
+    what = {k: getattr(args, k) for k in keys} | {"world": dist.get_world_size()}
+    return hashlib.sha1(json.dumps(what, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _build(name: str, args: argparse.Namespace, device: str) -> tuple[nn.Module, object]:
+    torch.manual_seed(args.seed)  # the same initialization for every compressor
+    model = CharTransformer(args.context, args.dim, args.layers, args.heads).to(device)
+    if name == "fsdp4":
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        return model, cgx2.fsdp.compress(model, bits=4)
+    _, hook, make_state = COMPRESSORS[name]
+    ddp = DDP(model)
+    state = make_state(dist.group.WORLD)
+    ddp.register_comm_hook(state, hook)
+    return ddp, state
+
+
+def _bytes_sent(name: str, state: object, plain: int) -> int | None:
+    if name == "plain":
+        return plain
+    if name == "fsdp4":
+        return sum(c.bytes_sent for c in state)
+    return getattr(state, "bytes_sent", None)  # None: not counted (PowerSGD)
+
+
+@torch.no_grad()
+def held_out_loss(model: nn.Module, held: torch.Tensor, args: argparse.Namespace,
+                  device: str) -> float:  # fmt: skip
+    """Mean loss on ``--eval-batches`` fixed batches of held-out text (every rank the same)."""
+    model.eval()
+    gen = torch.Generator().manual_seed(12345)
+    total = 0.0
+    for _ in range(args.eval_batches):
+        x, y = batch(held, args.batch_size, args.context, gen, device)
+        total += nn.functional.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()).item()
+    model.train()
+    return total / args.eval_batches
+
+
+def run_one(name: str, seed: int, args: argparse.Namespace, device: str,
+            data: tuple[torch.Tensor, torch.Tensor]) -> dict:  # fmt: skip
+    rank, world = dist.get_rank(), dist.get_world_size()
+    train, held = data
+    args.seed = seed
+    cgx2.manual_seed(seed)
+    model, state = _build(name, args, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: schedule(s, args.steps, args.warmup))
+    gen = torch.Generator().manual_seed(seed * 1000 + rank)  # one data order per seed
+    params = sum(p.numel() for p in model.parameters())
+    plain_step = ring_bytes_sent(4 * params, world)
+    losses, evals, times = [], [], []
+    progress = Progress() if rank == 0 else None
+    for step in range(args.steps):
+        x, y = batch(train, args.batch_size, args.context, gen, device)
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = nn.functional.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+        loss.backward()
+        opt.step()
+        sched.step()
+        if device != "cpu":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        mean = loss.detach().cpu()
+        dist.all_reduce(mean, group=args.log_group)
+        losses.append(mean.item() / world)
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            sent = _bytes_sent(name, state, plain_step * (step + 1))
+            evals.append({"step": step + 1, "loss": held_out_loss(model, held, args, device),
+                          "bytes_sent": sent})  # fmt: skip
+            if progress is not None:
+                progress(f"{name} seed {seed}: step {step + 1}/{args.steps}  train "
+                         f"{losses[-1]:.4f}  held out {evals[-1]['loss']:.4f}")  # fmt: skip
+    if progress is not None:
+        progress.close()
+    final = evals[-1]["loss"]
+    return {
+        "compressor": name, "what": COMPRESSORS[name][0], "seed": seed, "params": params,
+        "fingerprint": fingerprint(args), "train_losses": losses, "evals": evals,
+        "final_held_out_loss": final, "final_held_out_ppl": math.exp(final),
+        "bytes_per_step": None if evals[-1]["bytes_sent"] is None
+        else evals[-1]["bytes_sent"] / args.steps,
+        "plain_bytes_per_step": plain_step, "step_ms": 1e3 * sorted(times)[len(times) // 2],
+    }  # fmt: skip
+
+
+def _run_path(out: Path, name: str, seed: int) -> Path:
+    return out / f"run_{name}_seed{seed}.json"
+
+
+def run_all(args: argparse.Namespace) -> dict:
+    device = f"cuda:{torch.cuda.current_device()}" if args.device == "cuda" else "cpu"
+    out = Path(args.out)
+    args.log_group = dist.new_group(backend="gloo")
+    todo = [(name, seed) for name in args.compressors
+            for seed in (range(args.seeds) if name in SEEDED else [0])]  # fmt: skip
+    pending = [None]
+    if dist.get_rank() == 0:  # one decision for every rank: what is done, and done alike
+        out.mkdir(parents=True, exist_ok=True)
+        print_ = fingerprint(args)
+        pending[0] = []
+        for name, seed in todo:
+            path = _run_path(out, name, seed)
+            if path.exists():
+                done = json.loads(path.read_text())
+                if done.get("fingerprint") != print_:
+                    raise SystemExit(f"{path} is a run of other settings: use another --out")
+                continue
+            pending[0].append((name, seed))
+    dist.broadcast_object_list(pending, src=0)
+    data = load_split(args.train_bytes)
+    for i, (name, seed) in enumerate(pending[0]):
+        if dist.get_rank() == 0:
+            print(f"[{i + 1}/{len(pending[0])}] {name}, seed {seed}", file=sys.stderr, flush=True)
+        result = run_one(name, seed, args, device, data)
+        if dist.get_rank() == 0:
+            result["env"] = environment(torch.device(device), dist.get_world_size())
+            _run_path(out, name, seed).write_text(json.dumps(result, indent=1))
+    del args.log_group
+    return {"env": environment(torch.device(device), dist.get_world_size()), "args": vars(args)}
+
+
+def summarize(out: Path) -> dict:
+    """Every finished run in ``out`` of these settings, and each compressor's final held-out
+    loss against plain DDP's (mean over seeds) and plain's seed spread."""
+    runs = [json.loads(p.read_text()) for p in sorted(out.glob("run_*.json"))]
+    by: dict[str, list[dict]] = {}
+    for r in runs:
+        by.setdefault(r["compressor"], []).append(r)
+
+    def mean(rs: list[dict]) -> float:
+        return sum(r["final_held_out_loss"] for r in rs) / len(rs)
+
+    plain = by.get("plain")
+    base = mean(plain) if plain else None
+    spread = (max(r["final_held_out_loss"] for r in plain) - min(r["final_held_out_loss"]
+              for r in plain)) if plain else None  # fmt: skip
+    rows = []
+    for name in [n for n in COMPRESSORS if n in by]:
+        rs = by[name]
+        loss = mean(rs)
+        sent = [r["bytes_per_step"] for r in rs if r["bytes_per_step"] is not None]
+        rows.append({
+            "compressor": name, "what": COMPRESSORS[name][0], "seeds": len(rs),
+            "held_out_loss": loss, "ppl": math.exp(loss),
+            "vs_plain": None if base is None else (loss - base) / base,
+            "mb_per_step": sent[0] / 1e6 if sent else None,
+            "step_ms": sum(r["step_ms"] for r in rs) / len(rs),
+        })  # fmt: skip
+    return {"rows": rows, "plain_spread": spread, "runs": runs}
+
+
+def table(summary: dict) -> str:
+    spread = summary["plain_spread"]
+    lines = ["| compressor | seeds | held-out loss | perplexity | vs plain | MB/step a rank | "
+             "step ms |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    for r in summary["rows"]:
+        vs = "-" if r["vs_plain"] is None else f"{100 * r['vs_plain']:+.2f}%"
+        mb = "-" if r["mb_per_step"] is None else f"{r['mb_per_step']:.2f}"
+        lines.append(f"| {r['what']} | {r['seeds']} | {r['held_out_loss']:.4f} | "
+                     f"{r['ppl']:.3f} | {vs} | {mb} | {r['step_ms']:.1f} |")  # fmt: skip
+    if spread is not None:
+        lines.append(f"\nplain DDP's seed spread (max - min held-out loss): {spread:.4f}")
+    return "\n".join(lines)
+
+
+def plot(summary: dict, out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for x_key, label, name in (("step", "step", "loss_by_step.png"),
+                               ("bytes_sent", "MB a rank sent", "loss_by_bytes.png")):  # fmt: skip
+        fig, ax = plt.subplots(figsize=(8, 5))
+        for r in summary["runs"]:
+            points = [(e[x_key], e["loss"]) for e in r["evals"] if e[x_key] is not None]
+            if not points:
+                continue
+            xs = [p[0] / (1e6 if x_key == "bytes_sent" else 1) for p in points]
+            ax.plot(xs, [p[1] for p in points], linewidth=1,
+                    label=f"{r['what']} (seed {r['seed']})")  # fmt: skip
+        if x_key == "bytes_sent":
+            ax.set_xscale("log")
+        ax.set(xlabel=label, ylabel="held-out loss")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=120)
+        plt.close(fig)
+        paths.append(out / name)
+    return paths
+
+
+def init_group(args: argparse.Namespace, **kwargs: int) -> None:
+    """NCCL for --device cuda unless --backend gloo (ranks sharing one GPU); gloo on CPUs."""
+    dist.init_process_group("nccl" if args.device == "cuda" and args.backend == "nccl"
+                            else "gloo", **kwargs)  # fmt: skip
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--compressors", default=",".join(COMPRESSORS),
+                   help=f"comma-separated, of: {', '.join(COMPRESSORS)}")  # fmt: skip
+    p.add_argument("--seeds", type=int, default=1, help="seeds of plain DDP and CGX 4-bit")
+    p.add_argument("--steps", type=int, default=2000, help="training steps a run")
+    p.add_argument("--warmup", type=int, default=100, help="steps of linear warm-up")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW's peak learning rate")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences a rank and step")
+    p.add_argument("--context", type=int, default=256, help="tokens (bytes) a sequence")
+    p.add_argument("--dim", type=int, default=384, help="model width")
+    p.add_argument("--layers", type=int, default=6, help="transformer blocks")
+    p.add_argument("--heads", type=int, default=6, help="attention heads")
+    p.add_argument("--train-bytes", type=int, default=20_000_000, help="bytes of training text")
+    p.add_argument("--eval-every", type=int, default=100, help="steps between held-out losses")
+    p.add_argument("--eval-batches", type=int, default=8, help="held-out batches an evaluation")
+    p.add_argument("--world-size", type=int, default=2, help="processes to spawn without torchrun")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: cuda if available")  # fmt: skip
+    p.add_argument("--backend", choices=("nccl", "gloo"), default="nccl",
+                   help="for --device cuda: gloo lets ranks share one GPU")  # fmt: skip
+    p.add_argument("--out", default="cgx2-results/convergence",
+                   help="the runs' folder: finished runs there are skipped")  # fmt: skip
+    args = p.parse_args(argv)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    args.compressors = args.compressors.split(",")
+    unknown = [c for c in args.compressors if c not in COMPRESSORS]
+    if unknown:
+        p.error(f"--compressors: unknown {unknown}; choose from {', '.join(COMPRESSORS)}")
+    if args.seeds < 1 or args.steps < 1 or args.eval_every < 1 or args.warmup < 0:
+        p.error("--seeds, --steps and --eval-every must be at least 1, --warmup at least 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if launch(run_all, args, init_group) is None:
+        return
+    out = Path(args.out)
+    summary = summarize(out)
+    print(table(summary))
+    kept = {k: v for k, v in summary.items() if k != "runs"} | {"args": vars(args)}
+    (out / "summary.json").write_text(json.dumps(kept, indent=1))
+    plots = plot(summary, out)
+    print(f"runs and summary: {out}/; plots: {', '.join(str(p) for p in plots)}")
+
+
+if __name__ == "__main__":
+    main()
