@@ -7,9 +7,10 @@ makes ``--calls`` calls, each from an idle device (its host time: what the call 
 host), then as many back to back (where the device is the slower, its time shows instead), in
 rounds that rotate the settings' order; the median round is kept. Compression is forced
 (``CGX2_CROSSOVER_BYTES=0``). ``--profile`` then runs that many calls of the collective under
-cProfile on rank 0 and keeps the functions that took the most host time. Run it with
-``PYTHONPATH`` at another cgx2 tree and another ``--label`` to compare two trees. Rank 0 prints
-a table and writes allreduce_host_cost_<device>_..._<date>.json.
+cProfile on rank 0 and keeps the functions that took the most host time, then as many under
+torch.profiler and keeps the operators (the C++ side: NCCL's enqueue, launches, allocations).
+Run it with ``PYTHONPATH`` at another cgx2 tree and another ``--label`` to compare two trees.
+Rank 0 prints a table and writes allreduce_host_cost_<device>_..._<date>.json.
 """
 
 from __future__ import annotations
@@ -63,6 +64,24 @@ def _per_call_us(setting: tuple[Callable[[], object], Callable], calls: int,
         wall = time.perf_counter() - start
     return {name: value / calls * 1e6 for name, value in
             (("idle", idle), ("back_to_back", back_to_back), ("wall", wall))}  # fmt: skip
+
+
+def _trace(fn: Callable[[], object], calls: int, device: torch.device, top: int = 30) -> str:
+    """torch.profiler's operators by their host (self CPU) time over ``calls`` calls of
+    ``fn``, each from an idle device: the C++ side that cProfile cannot split (rank 0's)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
+                                           else [])  # fmt: skip
+    dist.barrier()
+    with profile(activities=activities) as prof:
+        for _ in range(calls):
+            _sync(device)
+            fn()
+        _sync(device)
+    if dist.get_rank() != 0:
+        return ""
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
 
 
 def _profile(fn: Callable[[], object], calls: int, device: torch.device, top: int = 30) -> str:
@@ -155,6 +174,8 @@ def main() -> None:
              "x_plain": us[name]["idle"] / plain_us, "back_to_back_us": us[name]["back_to_back"],
              "wall_us": us[name]["wall"]} for name in names]  # fmt: skip
     profile = _profile(collective, args.profile, device) if args.profile else ""
+    if args.profile:
+        profile += "\n" + _trace(collective, args.profile, device)
     if dist.get_rank() == 0:
         print(report.format_table(rows, [("call", "call", ""), ("host_us", "host µs", ".1f"),
                                          ("x_clone", "× clone", ".2f"),
