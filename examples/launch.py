@@ -24,8 +24,8 @@ def launch(run: Callable[[argparse.Namespace], dict], args: argparse.Namespace,
            init: Callable[..., None] = init_default) -> dict | None:  # fmt: skip
     """Call ``run(args)`` on every rank; return rank 0's result there (None elsewhere)."""
     if "RANK" in os.environ:
-        if args.device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        if args.device == "cuda":  # more ranks than GPUs share them (a gloo group only)
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
         init(args)
         try:
             result = run(args)
