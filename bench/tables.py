@@ -230,6 +230,12 @@ def summary_table(paths: list[Path]) -> str:
 
 
 def main(argv: list[str]) -> None:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return
+    missing = [n for n in argv if not n.startswith("--") and not Path(n).is_file()]
+    if missing:
+        sys.exit(f"tables.py: no such result file: {', '.join(missing)}")
     if argv and argv[0] in ("--sweep", "--summary"):
         table = sweep_table if argv[0] == "--sweep" else summary_table
         print(table([Path(n) for n in argv[1:]]), end="\n\n")

@@ -176,6 +176,10 @@ def _bench_size(
         sol_a2a_ms = timer(lambda: speed_of_light(pair=False)) if pair_gather else sol_ms
         with config.tuned(crossover_bytes=0):  # always quantize: what the codec and pipeline cost
             cgx_ms = timer(quantized)
+            hier_ms = None
+            if args.hierarchical:
+                hier_ms = timer(lambda bits=bits: cgx2.hierarchical_allreduce(
+                    x, bits, args.mesh, op="sum", bucket_size=args.bucket_size))  # fmt: skip
             graphs_ms = None
             if args.cuda_graphs:
                 with _graphs_on():
@@ -213,6 +217,7 @@ def _bench_size(
             "cast_speedup_vs_plain": None if cast_ms is None else plain_ms / cast_ms,
             "cgx2_shm_ms": shm_ms, "shm_plain_ms": shm_plain_ms,
             "shm_plain_speedup": None if shm_plain_ms is None else plain_ms / shm_plain_ms,
+            "hier_ms": hier_ms, "hier_vs_flat": None if hier_ms is None else cgx_ms / hier_ms,
             "cgx2_graphs_ms": graphs_ms,
             "graphs_speedup_vs_plain": None if graphs_ms is None else plain_ms / graphs_ms,
             "graphs_fraction_of_sol": None if graphs_ms is None else sol_ms / graphs_ms,
@@ -247,6 +252,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     timer = Timer(device, args.warmup, args.iters, args.calls)
     # Shared memory's columns where the ranks share a host (every rank asks: collective).
     args.shm = comm.shm.available() and comm.shm.serves(dist.group.WORLD)
+    # The node mesh's allreduce beside the flat one, where the job spans hosts of several ranks.
+    launch = config.launch()
+    args.hierarchical = launch.spans_nodes and launch.local_world_size >= 2
+    args.mesh = collectives.node_mesh(device.type) if args.hierarchical else None
     progress = Progress()
     rows = [
         row
@@ -255,14 +264,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for row in _bench_size(timer, nbytes, dtype_name, args, device, progress)
     ]
     progress.close()
+    args.mesh = None  # not for the JSON
     return {"env": environment(device, dist.get_world_size()), "args": vars(args), "rows": rows}
 
 
-def columns(backend: str, cuda_graphs: bool = False,
-            shm: bool = False) -> list[tuple[str, str, str, str]]:  # fmt: skip
+def columns(backend: str, cuda_graphs: bool = False, shm: bool = False,
+            hierarchical: bool = False) -> list[tuple[str, str, str, str]]:  # fmt: skip
     """The table's columns, ``(row key, header, format spec, meaning)``, named after the
     process group's ``backend`` (as the table prints it: NCCL, gloo...); ``shm``: the
-    shared-memory transport's too."""
+    shared-memory transport's too; ``hierarchical``: the node mesh's allreduce's."""
     cols = [
         ("dtype", "dtype", "", "the tensor's element type"),
         ("size", "size", "", "the tensor's size in bytes (K, M, G: KiB, MiB, GiB)"),
@@ -304,6 +314,13 @@ def columns(backend: str, cuda_graphs: bool = False,
             ("shm_plain_ms", "shm plain ms", ".3f",
              "the uncompressed allreduce through shared memory"),
             ("shm_plain_speedup", "shm plain speedup", ".2f", f"{backend} ms / shm plain ms"),
+        ]  # fmt: skip
+    if hierarchical:
+        cols += [
+            ("hier_ms", "hier ms", ".3f",
+             "cgx2.hierarchical_allreduce: plain inside each host, quantized between hosts "
+             "(the node mesh the DDP hook and the cgx backend use across nodes)"),
+            ("hier_vs_flat", "hier vs flat", ".2f", "cgx2 ms / hier ms: above 1, the mesh wins"),
         ]  # fmt: skip
     if cuda_graphs:
         cols += [
@@ -419,7 +436,8 @@ def _main(args: argparse.Namespace) -> int:
         report = run(args)
         if dist.get_rank() == 0:
             name = dist.get_backend()
-            cols = columns(BACKEND_NAMES.get(name, name), args.cuda_graphs, args.shm)
+            cols = columns(BACKEND_NAMES.get(name, name), args.cuda_graphs, args.shm,
+                           args.hierarchical)  # fmt: skip
             print(format_table(report["rows"], [c[:3] for c in cols]))
             print("\nColumns:")
             print(format_legend([(c[1], c[3]) for c in cols]))

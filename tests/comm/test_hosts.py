@@ -18,7 +18,7 @@ SCRIPT = Path(__file__).resolve().parent / "scripts" / "hosts_checks.py"
 TRAIN = Path(__file__).resolve().parent / "scripts" / "hosts_train.py"
 
 
-def _command(script: Path, port: int) -> list[str]:
+def _command(script: Path | str, port: int) -> list[str]:
     # Both hosts share the machine's hostname (which resolves to localhost), so torchrun is
     # told which host serves the rendezvous (is_host) and each host's address (--local-addr),
     # as on servers whose names do not resolve to their addresses.
@@ -111,3 +111,20 @@ def test_the_training_example_across_hosts_trains_as_on_one_host(netlab, tmp_pat
     assert a["world_size"] == b["world_size"] == 4
     assert a["losses"] == pytest.approx(b["losses"], rel=1e-5)
     assert a["losses"][-1] < a["losses"][0]
+
+
+@pytest.mark.slow
+def test_the_benchmark_across_hosts_times_the_node_mesh_beside_the_flat_allreduce(netlab, tmp_path):
+    """python -m cgx2.bench across two hosts of two ranks: gloo, the flat quantized allreduce
+    and the node mesh's (plain inside a host, quantized between), in one table and JSON."""
+    port = 29500 + (os.getpid() + 29) % 1000
+    bench = f"-m cgx2.bench --sizes 1M --bits 4 --dtypes fp32 --iters 2 --warmup 1 --out {tmp_path}"
+    command = _command(bench, port)
+    with netlab.Lab(2, netlab.Link("10gbit")) as lab:
+        results = lab.run(command, env=ENV, timeout=240)
+    assert [r.returncode for r in results] == [0, 0], results[0].stderr[-3000:]
+    assert "hier vs flat" in results[0].stdout
+    (path,) = tmp_path.glob("allreduce_*.json")
+    (row,) = json.loads(path.read_text())["rows"]
+    assert row["hier_ms"] > 0 and row["cgx2_ms"] > 0
+    assert row["hier_vs_flat"] == pytest.approx(row["cgx2_ms"] / row["hier_ms"])
