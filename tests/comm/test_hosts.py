@@ -1,7 +1,8 @@
 """torchrun across two hosts for real (network namespaces, a shaped link: cgx2.testing.netlab),
 two ranks each: the quantized allreduce equals its model; the hierarchical allreduce (the node
 by shared memory), the cgx backend, DDP with CGX's hook on a compiled model and with a
-Global-QSGD hook are identical on all four ranks; HSDP across the hosts keeps replicas equal."""
+Global-QSGD hook are identical on all four ranks; HSDP across the hosts, its blocks compiled,
+keeps replicas equal; cgx2.bench times the node mesh beside the flat allreduce."""
 
 import json
 import os
