@@ -34,13 +34,17 @@ def main() -> int:
     ok: dict[str, bool] = {"the NCCL transport is available": nccl.available()}
     g = torch.Generator(device=dev).manual_seed(rank)
     send = torch.randint(0, 256, (world, 4099), dtype=torch.uint8, device=dev, generator=g)
-    for name in ("all_to_all", "all_gather", "shift"):
+    for name in ("all_to_all", "all_gather", "all_gather in place", "shift"):
         got, want = torch.empty_like(send), torch.empty_like(send)
         if name == "all_to_all":
             nccl.all_to_all(got, send, group)
             process_group.wait(process_group.all_to_all(want, send, group, False))
         elif name == "all_gather":
             nccl.all_gather(got.view(-1), send[0], group)
+            process_group.wait(process_group.all_gather(want.view(-1), send[0], group, False))
+        elif name == "all_gather in place":  # our slot of the output is the input
+            got[rank].copy_(send[0])
+            nccl.all_gather(got.view(-1), got[rank], group)
             process_group.wait(process_group.all_gather(want.view(-1), send[0], group, False))
         else:
             nccl.shift(got[0], send[0], group)

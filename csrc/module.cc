@@ -91,4 +91,8 @@ PYBIND11_MODULE(_C, m) {
         py::arg("send_addresses"), py::arg("send_bytes"), py::arg("send_peers"),
         py::arg("recv_addresses"), py::arg("recv_bytes"), py::arg("recv_peers"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("nccl_has_all_gather", &cgx2::nccl_has_all_gather);
+  m.def("nccl_all_gather", &cgx2::nccl_all_gather, py::arg("comm"), py::arg("stream"),
+        py::arg("send"), py::arg("recv"), py::arg("bytes"),
+        py::call_guard<py::gil_scoped_release>());
 }

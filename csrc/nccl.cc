@@ -14,6 +14,9 @@ using Result = int;  // ncclResult_t: 0 is ncclSuccess
 constexpr int kUint8 = 1;  // ncclUint8
 using GroupFn = Result (*)();
 using TransferFn = Result (*)(void *, size_t, int, int, void *, void *);
+// ncclAllGather(const void* send, void* recv, size_t count, ncclDataType_t, ncclComm_t,
+// cudaStream_t)
+using AllGatherFn = Result (*)(const void *, void *, size_t, int, void *, void *);
 using ErrorStringFn = const char *(*)(Result);
 using LastErrorFn = const char *(*)(void *);
 using VersionFn = Result (*)(int *);
@@ -21,6 +24,7 @@ using VersionFn = Result (*)(int *);
 struct Nccl {
   GroupFn group_start = nullptr, group_end = nullptr;
   TransferFn send = nullptr, recv = nullptr;
+  AllGatherFn all_gather = nullptr;  // optional: callers fall back to transfers without it
   ErrorStringFn error_string = nullptr;
   LastErrorFn last_error = nullptr;
   VersionFn version = nullptr;
@@ -42,6 +46,7 @@ const Nccl &nccl() {
     // ncclSend(const void*, size_t, ncclDataType_t, int peer, ncclComm_t, cudaStream_t)
     found.send = reinterpret_cast<TransferFn>(dlsym(handle, "ncclSend"));
     found.recv = reinterpret_cast<TransferFn>(dlsym(handle, "ncclRecv"));
+    found.all_gather = reinterpret_cast<AllGatherFn>(dlsym(handle, "ncclAllGather"));
     found.error_string = reinterpret_cast<ErrorStringFn>(dlsym(handle, "ncclGetErrorString"));
     found.last_error = reinterpret_cast<LastErrorFn>(dlsym(handle, "ncclGetLastError"));
     found.version = reinterpret_cast<VersionFn>(dlsym(handle, "ncclGetVersion"));
@@ -105,6 +110,24 @@ void nccl_transfers(uintptr_t comm, uintptr_t stream,
   Result ended = lib.group_end();  // always closed, even after a failed call inside
   check(lib, result, "ncclSend/ncclRecv");
   check(lib, ended, "ncclGroupEnd");
+}
+
+bool nccl_has_all_gather() {
+  const Nccl &lib = nccl();
+  return lib.missing.empty() && lib.all_gather != nullptr;
+}
+
+void nccl_all_gather(uintptr_t comm, uintptr_t stream, uintptr_t send, uintptr_t recv,
+                     size_t bytes) {
+  const Nccl &lib = nccl();
+  if (!lib.missing.empty()) throw std::runtime_error("cgx2: " + lib.missing);
+  if (lib.all_gather == nullptr) throw std::runtime_error("cgx2: NCCL lacks ncclAllGather");
+  if (comm == 0) throw std::runtime_error("cgx2: the NCCL communicator is not made yet");
+  check(lib,
+        lib.all_gather(reinterpret_cast<const void *>(send), reinterpret_cast<void *>(recv),
+                       bytes, kUint8, reinterpret_cast<void *>(comm),
+                       reinterpret_cast<void *>(stream)),
+        "ncclAllGather");
 }
 
 }  // namespace cgx2

@@ -25,4 +25,12 @@ void nccl_transfers(uintptr_t comm, uintptr_t stream,
                     const std::vector<uintptr_t> &recv_addresses,
                     const std::vector<size_t> &recv_bytes, const std::vector<int> &recv_peers);
 
+// Whether the loaded NCCL has ncclAllGather (every NCCL torch ships does).
+bool nccl_has_all_gather();
+
+// ncclAllGather of `bytes` bytes from every rank's `send` into `recv` (rank r's at offset
+// r * bytes; in place where `send` is this rank's slot), queued on `stream`.
+void nccl_all_gather(uintptr_t comm, uintptr_t stream, uintptr_t send, uintptr_t recv,
+                     size_t bytes);
+
 }  // namespace cgx2

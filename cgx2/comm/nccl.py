@@ -73,19 +73,14 @@ def _serves(t: torch.Tensor, group: dist.ProcessGroup) -> bool:
     return t.is_cuda and group_info(group).cuda_on_nccl and available()
 
 
-def _transfers(group: dist.ProcessGroup, sends: list[tuple[torch.Tensor, int]],
-               receives: list[tuple[torch.Tensor, int]], operation: str) -> None:  # fmt: skip
-    """One grouped set of transfers: each (tensor, peer) sent or received whole, as bytes."""
-    lib = extension.load()
-    comm = _comm(group)
-    stream = torch.cuda.current_stream().cuda_stream
+def _transfers(group: dist.ProcessGroup, sends: list[tuple[int, int, int]],
+               receives: list[tuple[int, int, int]], operation: str) -> None:  # fmt: skip
+    """One grouped set of transfers, each (address, bytes, peer) sent or received."""
     try:
-        lib.nccl_transfers(
-            comm, stream,
-            [t.data_ptr() for t, _ in sends], [t.numel() * t.element_size() for t, _ in sends],
-            [p for _, p in sends],
-            [t.data_ptr() for t, _ in receives],
-            [t.numel() * t.element_size() for t, _ in receives], [p for _, p in receives],
+        extension.load().nccl_transfers(
+            _comm(group), torch.cuda.current_stream().cuda_stream,
+            [a for a, _, _ in sends], [n for _, n, _ in sends], [p for _, _, p in sends],
+            [a for a, _, _ in receives], [n for _, n, _ in receives], [p for _, _, p in receives],
         )  # fmt: skip
     except RuntimeError as e:
         raise RuntimeError(f"cgx2: the NCCL transport's {operation} on group "
@@ -99,10 +94,13 @@ def all_to_all(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
     if not _serves(send, group):
         return process_group.all_to_all(out, send, group, async_op)
     world, rank = group_size_and_rank(group)
-    rows, sent = out.view(world, -1), send.view(world, -1)
+    # Rows by address, not as tensor views: each view costs microseconds of host time.
+    row = send.numel() * send.element_size() // world
+    sent, got = send.data_ptr(), out.data_ptr()
     peers = [p for p in range(world) if p != rank]
-    _transfers(group, [(sent[p], p) for p in peers], [(rows[p], p) for p in peers], "all_to_all")
-    rows[rank].copy_(sent[rank])
+    _transfers(group, [(sent + p * row, row, p) for p in peers],
+               [(got + p * row, row, p) for p in peers], "all_to_all")  # fmt: skip
+    out.view(world, -1)[rank].copy_(send.view(world, -1)[rank])
     return None
 
 
@@ -112,11 +110,22 @@ def all_gather(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
     if not _serves(send, group):
         return process_group.all_gather(out, send, group, async_op)
     world, rank = group_size_and_rank(group)
-    rows = out.view(world, -1)
+    nbytes = send.numel() * send.element_size()
+    lib = extension.load()
+    if lib.nccl_has_all_gather():  # one collective: less host time than grouped transfers
+        try:
+            lib.nccl_all_gather(_comm(group), torch.cuda.current_stream().cuda_stream,
+                                send.data_ptr(), out.data_ptr(), nbytes)  # fmt: skip
+        except RuntimeError as e:
+            raise RuntimeError(f"cgx2: the NCCL transport's all_gather on group "
+                               f"{group.group_name!r}: {e}") from e  # fmt: skip
+        return None
+    got = out.data_ptr()
     peers = [p for p in range(world) if p != rank]
-    _transfers(group, [(send, p) for p in peers], [(rows[p], p) for p in peers], "all_gather")
-    if rows[rank].data_ptr() != send.data_ptr():
-        rows[rank].copy_(send.reshape(-1))
+    _transfers(group, [(send.data_ptr(), nbytes, p) for p in peers],
+               [(got + p * nbytes, nbytes, p) for p in peers], "all_gather")  # fmt: skip
+    if got + rank * nbytes != send.data_ptr():
+        out.view(world, -1)[rank].copy_(send.reshape(-1))
     return None
 
 
@@ -126,7 +135,9 @@ def shift(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
     if not _serves(send, group):
         return process_group.shift(out, send, group, async_op)
     world, rank = group_size_and_rank(group)
-    _transfers(group, [(send, (rank + 1) % world)], [(out, (rank - 1) % world)], "shift")
+    _transfers(group, [(send.data_ptr(), send.numel() * send.element_size(), (rank + 1) % world)],
+               [(out.data_ptr(), out.numel() * out.element_size(), (rank - 1) % world)],
+               "shift")  # fmt: skip
     return None
 
 
