@@ -93,11 +93,11 @@ def schedule(step: int, steps: int, warmup: int) -> float:
     return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def fingerprint(args: argparse.Namespace) -> str:
+def fingerprint(args: argparse.Namespace, world: int) -> str:
     """What makes two runs of one compressor and seed the same run."""
     keys = ("dim", "layers", "heads", "context", "batch_size", "steps", "warmup", "lr",
             "train_bytes", "eval_every", "eval_batches")  # fmt: skip
-    what = {k: getattr(args, k) for k in keys} | {"world": dist.get_world_size()}
+    what = {k: getattr(args, k) for k in keys} | {"world": world}
     return hashlib.sha1(json.dumps(what, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -178,7 +178,7 @@ def run_one(name: str, seed: int, args: argparse.Namespace, device: str,
     final = evals[-1]["loss"]
     return {
         "compressor": name, "what": COMPRESSORS[name][0], "seed": seed, "params": params,
-        "fingerprint": fingerprint(args), "train_losses": losses, "evals": evals,
+        "fingerprint": fingerprint(args, world), "train_losses": losses, "evals": evals,
         "final_held_out_loss": final, "final_held_out_ppl": math.exp(final),
         "bytes_per_step": None if evals[-1]["bytes_sent"] is None
         else evals[-1]["bytes_sent"] / args.steps,
@@ -190,25 +190,30 @@ def _run_path(out: Path, name: str, seed: int) -> Path:
     return out / f"run_{name}_seed{seed}.json"
 
 
+def pending_runs(args: argparse.Namespace, world: int) -> list[tuple[str, int]]:
+    """The (compressor, seed) runs not yet in ``--out``; SystemExit if a run there is of
+    other settings."""
+    out, done_as = Path(args.out), fingerprint(args, world)
+    todo = [(name, seed) for name in args.compressors
+            for seed in (range(args.seeds) if name in SEEDED else [0])]  # fmt: skip
+    pending = []
+    for name, seed in todo:
+        path = _run_path(out, name, seed)
+        if not path.exists():
+            pending.append((name, seed))
+        elif json.loads(path.read_text()).get("fingerprint") != done_as:
+            raise SystemExit(f"{path} is a run of other settings: use another --out")
+    return pending
+
+
 def run_all(args: argparse.Namespace) -> dict:
     device = f"cuda:{torch.cuda.current_device()}" if args.device == "cuda" else "cpu"
     out = Path(args.out)
     args.log_group = dist.new_group(backend="gloo")
-    todo = [(name, seed) for name in args.compressors
-            for seed in (range(args.seeds) if name in SEEDED else [0])]  # fmt: skip
     pending = [None]
-    if dist.get_rank() == 0:  # one decision for every rank: what is done, and done alike
+    if dist.get_rank() == 0:  # one decision for every rank
         out.mkdir(parents=True, exist_ok=True)
-        print_ = fingerprint(args)
-        pending[0] = []
-        for name, seed in todo:
-            path = _run_path(out, name, seed)
-            if path.exists():
-                done = json.loads(path.read_text())
-                if done.get("fingerprint") != print_:
-                    raise SystemExit(f"{path} is a run of other settings: use another --out")
-                continue
-            pending[0].append((name, seed))
+        pending[0] = pending_runs(args, dist.get_world_size())
     dist.broadcast_object_list(pending, src=0)
     data = load_split(args.train_bytes)
     for i, (name, seed) in enumerate(pending[0]):
@@ -337,7 +342,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if launch(run_all, args, init_group) is None:
+    world = int(os.environ.get("WORLD_SIZE", args.world_size))
+    # Nothing left to train (or a folder of other settings): no processes to start.
+    if pending_runs(args, world):
+        if launch(run_all, args, init_group) is None:
+            return  # not rank 0
+    elif int(os.environ.get("RANK", 0)) != 0:
         return
     out = Path(args.out)
     summary = summarize(out)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_ddp.py"
-RUNS = 2  # a mode; each run is a fresh torchrun of two processes
+RUNS = 1  # a mode; each run is a fresh torchrun of two processes
 
 
 @pytest.mark.slow
