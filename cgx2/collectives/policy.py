@@ -303,9 +303,9 @@ def _measured(device: torch.device, dtype: torch.dtype, info: GroupInfo | None,
         # crossovers know them (BENCHMARKS.md, "CPU hosts over Ethernet").
         logger.warning(
             "cgx2: CPU tensors across nodes with no measured crossover: every size is "
-            "compressed, which loses time on links the CPU codec cannot keep up with (10 "
-            "Gbit/s on few cores). Measure once with `torchrun ... -m cgx2.bench calibrate "
-            "--device cpu` on these nodes (docs/hosts.md)."
+            "compressed, which loses time on links faster than the CPU codec. Measure once "
+            "with `torchrun ... -m cgx2.bench calibrate --device cpu` on these nodes "
+            "(docs/hosts.md)."
         )
     logger.info(
         "cgx2: %s regime, %s on %s%s: quantized from %s (%s; CGX2_CROSSOVER_BYTES=0 always "
