@@ -53,8 +53,28 @@ class _MLP(nn.Module):
         return self.layers[-1](x)
 
 
-def _train_fsdp(bits: int | None, steps: int, mp: bool = False, divide: float | None = None):
+def train_mlp(model: nn.Module, steps: int) -> list[float]:
+    """``steps`` AdamW steps of ``model`` (an :class:`_MLP`, sharded or not) on each rank's
+    own batches, cgx2's seed stream from 1; the loss of each step, averaged over the ranks."""
     rank = dist.get_rank()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    cgx2.manual_seed(1)
+    losses = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(10 * (step % 5) + rank)
+        x = torch.randn(64, 32, generator=g)
+        y = (x[:, :4].argmax(dim=1) + (x[:, 5] > 0).long()) % 4
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        mean = loss.detach().float().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / dist.get_world_size())
+    return losses
+
+
+def _train_fsdp(bits: int | None, steps: int, mp: bool = False, divide: float | None = None):
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(0)
     model = _MLP()
@@ -73,22 +93,9 @@ def _train_fsdp(bits: int | None, steps: int, mp: bool = False, divide: float | 
         seen.add((args[2], input.dtype))
         return real(output, input, group, *args)
 
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    cgx2.manual_seed(1)
-    losses = []
     # Patched for this run only: the pool's worker goes on to run other tests, also after a failure.
     with mock.patch.object(cgx2.fsdp, "reduce_scatter_quantized", recording):
-        for step in range(steps):
-            g = torch.Generator().manual_seed(10 * (step % 5) + rank)
-            x = torch.randn(64, 32, generator=g)
-            y = (x[:, :4].argmax(dim=1) + (x[:, 5] > 0).long()) % 4
-            opt.zero_grad()
-            loss = nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-            mean = loss.detach().clone()
-            dist.all_reduce(mean)
-            losses.append(mean.item() / dist.get_world_size())
+        losses = train_mlp(model, steps)
     return {"losses": losses, "sent": sum(c.bytes_sent for c in comms), "comms": len(comms),
             "seen": seen}  # fmt: skip
 

@@ -7,8 +7,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
-from test_fsdp import _MLP  # the small model FSDP2's other tests train
-from torch import nn
+from test_fsdp import _MLP, train_mlp  # the small model FSDP2's other tests train
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -72,7 +71,7 @@ def test_all_gather_is_the_nearest_rounding_model_on_every_rank(dist2, dist4, dt
 
 def _train(options: dict | None, steps: int, hsdp: bool = False, bf16: bool = False,
            compile_blocks: bool = False) -> dict:  # fmt: skip
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     if hsdp:
         mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
     else:
@@ -94,21 +93,8 @@ def _train(options: dict | None, steps: int, hsdp: bool = False, bf16: bool = Fa
         replica_calls.append(t.numel())
         return real(t, bits, bucket_size, group, *args, **kwargs)
 
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    cgx2.manual_seed(1)
-    losses = []
     with mock.patch.object(cgx2.fsdp, "allreduce_", counting):
-        for step in range(steps):
-            g = torch.Generator().manual_seed(10 * (step % 5) + rank)
-            x = torch.randn(64, 32, generator=g)
-            y = (x[:, :4].argmax(dim=1) + (x[:, 5] > 0).long()) % 4
-            opt.zero_grad()
-            loss = nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-            mean = loss.detach().float().clone()
-            dist.all_reduce(mean)
-            losses.append(mean.item() / world)
+        losses = train_mlp(model, steps)
     shards = [p.to_local().detach().clone() for p in model.parameters()]
     return {"losses": losses, "shards": shards, "replica_calls": len(replica_calls),
             "gathered": sum(getattr(g, "bytes_sent", 0) for g in gathers),
