@@ -12,17 +12,15 @@ import argparse
 import datetime
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from launch import launch
-from train_ddp import CharTransformer, batch, load_text
+from train_ddp import CharTransformer, batch, load_text, train_step
 
 import cgx2
 from cgx2.bench.report import HelpFormatter, environment
@@ -61,17 +59,9 @@ def run_one(name: str, args: argparse.Namespace, device: str, text: torch.Tensor
     losses, times = [], []
     for _ in range(args.steps):
         x, y = batch(text, args.batch_size, args.context, gen, device)
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        loss.backward()
-        opt.step()
-        if device != "cpu":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        mean = loss.detach().cpu()
-        dist.all_reduce(mean, group=args.log_group)
-        losses.append(mean.item() / world)
+        seconds, loss = train_step(model, opt, x, y, args.log_group)
+        times.append(seconds)
+        losses.append(loss)
     n = min(10, len(losses))
     params = sum(p.numel() for p in model.parameters())
     # plain DDP: a ring allreduce of every fp32 gradient, every step

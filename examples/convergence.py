@@ -22,7 +22,6 @@ import json
 import math
 import os
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from launch import launch
-from train_ddp import CharTransformer, batch
+from train_ddp import CharTransformer, batch, train_step
 
 import cgx2
 import cgx2.fsdp
@@ -154,18 +153,10 @@ def run_one(name: str, seed: int, args: argparse.Namespace, device: str,
     progress = Progress() if rank == 0 else None
     for step in range(args.steps):
         x, y = batch(train, args.batch_size, args.context, gen, device)
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        loss = nn.functional.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
-        loss.backward()
-        opt.step()
+        seconds, loss = train_step(model, opt, x, y, args.log_group)
         sched.step()
-        if device != "cpu":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        mean = loss.detach().cpu()
-        dist.all_reduce(mean, group=args.log_group)
-        losses.append(mean.item() / world)
+        times.append(seconds)
+        losses.append(loss)
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             sent = _bytes_sent(name, state, plain_step * (step + 1))
             evals.append({"step": step + 1, "loss": held_out_loss(model, held, args, device),

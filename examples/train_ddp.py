@@ -92,6 +92,24 @@ def batch(
     return seq[:, :-1], seq[:, 1:]
 
 
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+               log_group: dist.ProcessGroup) -> tuple[float, float]:  # fmt: skip
+    """One optimizer step of ``model`` on ``(x, y)``: its seconds (the GPU's work included) and
+    its loss averaged over the ranks (through ``log_group``, apart from the gradients'
+    collectives, after the step's timing)."""
+    t0 = time.perf_counter()
+    opt.zero_grad(set_to_none=True)
+    loss = nn.functional.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+    loss.backward()
+    opt.step()
+    if x.is_cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    mean = loss.detach().cpu()
+    dist.all_reduce(mean, group=log_group)
+    return seconds, mean.item() / dist.get_world_size()
+
+
 def train(args: argparse.Namespace) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = f"cuda:{torch.cuda.current_device()}" if args.device == "cuda" else "cpu"

@@ -19,18 +19,16 @@ import argparse
 import gc
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from launch import launch
-from train_ddp import CharTransformer, batch, load_text
+from train_ddp import CharTransformer, batch, load_text, train_step
 
 import cgx2.fsdp
 from cgx2.bench.report import HelpFormatter, Progress, environment
@@ -70,17 +68,9 @@ def train(args: argparse.Namespace) -> dict:
     progress = Progress()  # rank 0 reports; a line rewritten in place only on a terminal
     for step in range(args.steps):
         x, y = batch(text, args.batch_size, args.context, gen, device)
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        loss = nn.functional.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
-        loss.backward()
-        opt.step()
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        mean_loss = loss.detach().cpu()
-        dist.all_reduce(mean_loss, group=log_group)
-        losses.append(mean_loss.item() / world)
+        seconds, loss = train_step(model, opt, x, y, log_group)
+        times.append(seconds)
+        losses.append(loss)
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             line = f"step {step + 1}/{args.steps}  loss {losses[-1]:.4f}  {times[-1] * 1e3:.0f} ms"
             progress(line)
