@@ -2,11 +2,13 @@
 allreduce and a clone of the same tensor, timed in the same run: what a call costs the host.
 
 Usage: torchrun --nproc-per-node N bench/allreduce_host_cost.py [--numel 65536] [--calls 500]
-[--rounds 5] [--label NAME] [--profile CALLS] [--device cuda|cpu] [--out DIR]. Each setting
+[--rounds 5] [--label NAME] [--profile CALLS] [--profile-setting NAME] [--device cuda|cpu]
+[--out DIR]. Each setting
 makes ``--calls`` calls, each from an idle device (its host time: what the call costs the
 host), then as many back to back (where the device is the slower, its time shows instead), in
 rounds that rotate the settings' order; the median round is kept. Compression is forced
-(``CGX2_CROSSOVER_BYTES=0``). ``--profile`` then runs that many calls of the collective under
+(``CGX2_CROSSOVER_BYTES=0``). ``--profile`` then runs that many calls of a setting (the
+collective unless ``--profile-setting`` names another) under
 cProfile on rank 0 and keeps the functions that took the most host time, then as many under
 torch.profiler and keeps the operators (the C++ side: NCCL's enqueue, launches, allocations).
 Run it with ``PYTHONPATH`` at another cgx2 tree and another ``--label`` to compare two trees.
@@ -121,6 +123,12 @@ def main() -> None:
         help="then profile this many calls of the collective on rank 0",
     )
     p.add_argument(
+        "--profile-setting",
+        default="collectives.allreduce",
+        metavar="NAME",
+        help="the setting --profile profiles (a row of the table)",
+    )
+    p.add_argument(
         "--device",
         choices=("cuda", "cpu"),
         default="cuda",
@@ -152,13 +160,15 @@ def main() -> None:
         "quantized_allreduce": (lambda: cgx2.quantized_allreduce(x, bits), plain),
         "collectives.allreduce": (collective, plain),
     }
-    if device.type == "cuda" and hasattr(cgx2.config, "tuned"):
-        # The same collective replayed as a CUDA graph (CGX2_CUDA_GRAPHS=1), and through
-        # cgx2's own NCCL transport (CGX2_TRANSPORT=nccl).
-        settings["collectives.allreduce, CUDA graphs"] = (
-            collective, lambda: cgx2.config.tuned(cuda_graphs=True))  # fmt: skip
+    if device.type == "cuda":
+        # The same collective launched eagerly (CGX2_CUDA_GRAPHS=0; by default, a call of this
+        # size replays a CUDA graph), and through cgx2's own NCCL transport (eagerly too).
+        settings["collectives.allreduce, eager"] = (
+            collective, lambda: cgx2.config.tuned(cuda_graphs=False))  # fmt: skip
         settings["collectives.allreduce, nccl transport"] = (
             collective, lambda: cgx2.config.tuned(transport="nccl"))  # fmt: skip
+    if args.profile and args.profile_setting not in settings:
+        raise SystemExit(f"--profile-setting: one of {', '.join(settings)}")
     for fn, context in settings.values():  # kernels compiled, variants bound, state made
         with context():
             for _ in range(20):
@@ -173,9 +183,12 @@ def main() -> None:
     rows = [{"call": name, "host_us": us[name]["idle"], "x_clone": us[name]["idle"] / clone,
              "x_plain": us[name]["idle"] / plain_us, "back_to_back_us": us[name]["back_to_back"],
              "wall_us": us[name]["wall"]} for name in names]  # fmt: skip
-    profile = _profile(collective, args.profile, device) if args.profile else ""
+    profile = ""
     if args.profile:
-        profile += "\n" + _trace(collective, args.profile, device)
+        fn, context = settings[args.profile_setting]
+        with context():
+            profile = f"profiled: {args.profile_setting}\n"
+            profile += _profile(fn, args.profile, device) + "\n" + _trace(fn, args.profile, device)
     if dist.get_rank() == 0:
         print(report.format_table(rows, [("call", "call", ""), ("host_us", "host µs", ".1f"),
                                          ("x_clone", "× clone", ".2f"),
@@ -191,7 +204,8 @@ def main() -> None:
             ("wall µs", "the calls back to back until the device is done, a call"),
             ("quantized_allreduce", "the public function, as users call it (the agreement "
                                     "check included)"),
-            ("collectives.allreduce", "the collective it calls, unchecked (DDP's hook's path)"),
+            ("collectives.allreduce", "the collective it calls, unchecked (DDP's hook's path); "
+                                      "on GPUs, a CUDA graph's replay at this size by default"),
             ("plain_all_reduce", f"{dist.get_backend()}'s own allreduce of the same tensor"),
         ]))  # fmt: skip
         if profile:

@@ -7,7 +7,7 @@
 # in bench/results/ (and as one tarball in $OUT).
 # Usage (repo root): bash bench/device_run.sh [gpu_check args]; BENCH_ARGS for cgx2.bench,
 # TRAIN_ARGS for examples/train_ddp.py, TRAIN_REGIMES ("socket shm nvlink") and TRAIN_RUNS
-# ("32 hook,4 hook,4 backend"; "4 hook graphs" sets CGX2_CUDA_GRAPHS=1) to pick runs,
+# ("32 hook,4 hook,4 backend"; "4 hook graphs" sets CGX2_CUDA_GRAPHS=1, "4 hook eager" 0) to pick runs,
 # FSDP_ARGS, FSDP_REGIMES ("socket") and FSDP_RUNS ("32,4,4 8": gradient bits, then parameter
 # bits; "32 - hsdp,4 8 hsdp" adds HSDP's 2 replicas) for examples/train_fsdp.py; SKIP_KERNELS, SKIP_CHECKS,
 # SKIP_BENCH, SKIP_TRAIN, SKIP_FSDP_TRAIN=1 leave a stage out (a call is limited to 10 minutes
@@ -133,9 +133,10 @@ if [ "$NGPU" -ge 2 ] && [ -z "${SKIP_TRAIN:-}" ]; then
   for regime in ${TRAIN_REGIMES:-socket shm nvlink}; do
     regime_vars $regime
     for run in "${RUNS[@]}"; do
-      set -- $run  # bits, mode and, optionally, "graphs" (CGX2_CUDA_GRAPHS=1)
-      graphs=0; tag=""
+      set -- $run  # bits, mode and, optionally, "graphs" or "eager" (CGX2_CUDA_GRAPHS=1 or 0)
+      graphs=auto; tag=""
       if [ "${3:-}" = graphs ]; then graphs=1; tag=_graphs; fi
+      if [ "${3:-}" = eager ]; then graphs=0; tag=_eager; fi
       echo "== DDP step, $NGPU GPUs, regime $regime, $1 bits, $2${3:+, $3}"
       env "${vars[@]}" CGX2_CUDA_GRAPHS=$graphs torchrun --nproc-per-node "$NGPU" \
         examples/train_ddp.py --bits "$1" --mode "$2" $TRAIN_ARGS --log-every 1000 \

@@ -50,6 +50,8 @@ def main() -> int:
             nccl.shift(got[0], send[0], group)
             process_group.wait(process_group.shift(want[0], send[0], group, False))
             got, want = got[0], want[0]
+        if name == "all_to_all":  # our own row is left undefined
+            got[rank], want[rank] = 0, 0
         ok[f"{name} == the process group's"] = torch.equal(got, want)
     x = torch.randn(3_000_017, device=dev, generator=g)
     algorithms = ("auto", "ring") if world > 2 else ("auto",)

@@ -74,6 +74,18 @@ def _bool(env: Mapping[str, str], var: str, default: bool) -> bool:
     raise ValueError(f"{var}={raw!r} is invalid: expected 0/1, true/false, yes/no or on/off")
 
 
+def _bool_or_auto(env: Mapping[str, str], var: str) -> bool | None:
+    """:func:`_bool`, or None for ``auto`` (or unset): the library decides."""
+    raw = env.get(var)
+    if raw is None or raw.strip().lower() in ("", "auto"):
+        return None
+    try:
+        return _bool(env, var, False)
+    except ValueError:
+        raise ValueError(f"{var}={raw!r} is invalid: expected auto, 0/1, true/false, yes/no or "
+                         "on/off") from None  # fmt: skip
+
+
 def _check_mode(env: Mapping[str, str], var: str) -> str:
     """One of :data:`CHECK_MODES`; the words :func:`_bool` takes name ``on`` and ``off``."""
     raw = env.get(var)
@@ -235,7 +247,9 @@ class TuningConfig:
       quantized allreduce runs the plain one; None lets the policy decide (calibration file,
       else the built-in tables: :mod:`cgx2.collectives.policy`); 0 always compresses. The
       variable is also read at every call (:func:`crossover_override`), as CGX reads its bits.
-    - ``cuda_graphs`` (``CGX2_CUDA_GRAPHS``, 0): replay GPU allreduces on NCCL as CUDA graphs.
+    - ``cuda_graphs`` (``CGX2_CUDA_GRAPHS``, ``auto``): replay GPU allreduces on NCCL as CUDA
+      graphs: True (1) for every compressed one, False (0) for none, None (``auto``) for those
+      of at most :data:`cgx2.collectives.policy.GRAPHS_AUTO_MAX_BYTES`.
     - ``pipeline_bytes`` (``CGX2_PIPELINE_BYTES``, ``auto``): input bytes per pipeline piece;
       None takes the regime's (:mod:`cgx2.collectives.policy`).
     - ``pair_gather`` (``CGX2_PAIR_GATHER``, 1): two ranks swap their chunks by all-gather
@@ -270,7 +284,7 @@ class TuningConfig:
     """
 
     crossover_bytes: int | None = None
-    cuda_graphs: bool = False
+    cuda_graphs: bool | None = None
     pipeline_bytes: int | None = None
     pair_gather: bool = True
     check_agreement: str = "auto"
@@ -315,7 +329,7 @@ class TuningConfig:
             )
         return cls(
             crossover_bytes=_bytes(env, "CGX2_CROSSOVER_BYTES"),
-            cuda_graphs=_bool(env, "CGX2_CUDA_GRAPHS", False),
+            cuda_graphs=_bool_or_auto(env, "CGX2_CUDA_GRAPHS"),
             pipeline_bytes=pipeline_bytes,
             pair_gather=_bool(env, "CGX2_PAIR_GATHER", True),
             check_agreement=_check_mode(env, "CGX2_CHECK_AGREEMENT"),

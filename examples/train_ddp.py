@@ -26,7 +26,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from cgx2 import config
 from cgx2.bench.report import HelpFormatter, Progress, environment
 from cgx2.collectives import graphs
 from cgx2.collectives.fusion import ring_bytes_sent
@@ -167,6 +166,7 @@ def train(args: argparse.Namespace) -> dict:
     gc.collect()
     dist.barrier()
     n = min(10, len(losses))
+    graphs_used = graphs.stats()
     return {
         "env": environment(torch.device(device), world),
         "args": vars(args),
@@ -182,8 +182,8 @@ def train(args: argparse.Namespace) -> dict:
         "bytes_sent": sent[0],
         "bytes_uncompressed": sent[1],
         "losses": losses,
-        # What replayed CUDA graphs (CGX2_CUDA_GRAPHS=1) did on this rank, over the whole run.
-        "cuda_graphs": graphs.stats() if config.tuning().cuda_graphs else None,
+        # What replayed CUDA graphs (CGX2_CUDA_GRAPHS) did on this rank, over the whole run.
+        "cuda_graphs": graphs_used if any(graphs_used.values()) else None,
     }
 
 

@@ -174,16 +174,17 @@ def _bench_size(
             shm_plain_ms = timer(lambda op=op: comm.shm.allreduce_plain_(buf, dist.group.WORLD, op))
         sol_ms = timer(speed_of_light)
         sol_a2a_ms = timer(lambda: speed_of_light(pair=False)) if pair_gather else sol_ms
-        with config.tuned(crossover_bytes=0):  # always quantize: what the codec and pipeline cost
+        # Always quantize, launching eagerly: what the codec and pipeline cost.
+        with config.tuned(crossover_bytes=0, cuda_graphs=False):
             cgx_ms = timer(quantized)
             hier_ms = None
             if args.hierarchical:
                 hier_ms = timer(lambda bits=bits: cgx2.hierarchical_allreduce(
                     x, bits, args.mesh, op="sum", bucket_size=args.bucket_size))  # fmt: skip
             graphs_ms = None
-            if args.cuda_graphs:
-                with _graphs_on():
-                    graphs_ms = timer(quantized)
+        if args.cuda_graphs:
+            with config.tuned(crossover_bytes=0), _graphs_on():
+                graphs_ms = timer(quantized)
         auto_buf = x.clone()
 
         def auto(bits: int = bits, buf: torch.Tensor = auto_buf) -> None:
@@ -199,6 +200,7 @@ def _bench_size(
         # In place, as the hook and backend use it (plain below the crossover): timed in turn
         # with the backend's average, since below the crossover the two differ by microseconds.
         plain_paired_ms, auto_ms = timer.interleaved(plain_avg, auto)
+        graphs.clear()  # those auto replayed (CGX2_CUDA_GRAPHS=auto), before the next size
         auto_path = "quantized" if _compresses(x, bits, args) else "plain"
         graphs_auto = None
         if args.cuda_graphs:  # in place with graphs, plain below the graphs' crossover
@@ -286,7 +288,8 @@ def columns(backend: str, cuda_graphs: bool = False, shm: bool = False,
         ("plain_busbw", f"{backend} GB/s", ".2f",
          "its bus bandwidth as nccl-tests counts it: size / time * 2(W-1)/W for W ranks"),
         ("cgx2_ms", "cgx2 ms", ".3f",
-         "cgx2.quantized_allreduce of the tensor, compressing at every size"),
+         "cgx2.quantized_allreduce of the tensor, compressing at every size, launched eagerly "
+         "(CGX2_CUDA_GRAPHS=0)"),
         ("cgx2_busbw", "cgx2 GB/s", ".2f",
          "its bus bandwidth, counted on the uncompressed size as above"),
         ("cast_bf16_ms", "bf16 cast ms", ".3f",
@@ -305,8 +308,9 @@ def columns(backend: str, cuda_graphs: bool = False, shm: bool = False,
          "SoL ms / cgx2 ms: how close cgx2 comes to its speed of light"),
         ("auto_path", "auto", "",
          "the path cgx2.quantized_allreduce_ (in place, as the DDP hook and the cgx backend "
-         "call it) chose at this size: quantized, or plain below the crossover where "
-         "compression does not pay"),
+         "call it) chose at this size: quantized (replaying a CUDA graph up to "
+         f"{policy.GRAPHS_AUTO_MAX_BYTES >> 20} MiB on NCCL), or plain below the crossover "
+         "where compression does not pay"),
         ("auto_vs_plain", "auto speedup", ".2f",
          f"{backend}'s average (its allreduce, then a division where it has no AVG, as DDP's "
          "hook does) / auto's time, the two timed in turn"),

@@ -2,8 +2,9 @@
 launch of its kernels and collectives, with fresh random keys, instead of a dozen from Python.
 
 Where the GPU outruns the host (NVLink), the allreduce waits on its host's launches; a replay
-costs two: a fill of the call's seed, and the graph's. Opt-in, by ``CGX2_CUDA_GRAPHS=1`` or
-``cgx2.config.tuned(cuda_graphs=True)``; needs Triton. Each of at most :data:`MAX_GRAPHS`
+costs two: a fill of the call's seed, and the graph's. ``CGX2_CUDA_GRAPHS`` (auto: calls of at
+most :data:`.policy.GRAPHS_AUTO_MAX_BYTES`) and :func:`.policy.route` decide which calls;
+needs Triton. Each of at most :data:`MAX_GRAPHS`
 graphs keeps its buffers: about half an fp32 tensor's bytes at 4 bits (as many bytes as a bf16
 one), plus an fp32 copy with error feedback.
 """
@@ -66,10 +67,12 @@ def stats() -> dict[str, int]:
 
 
 def usable(t: torch.Tensor) -> bool:
-    """Whether an allreduce of ``t`` may replay a graph: enabled, a CUDA tensor, Triton (whose
-    kernels read keys from memory), not under ``torch.compile`` or inside a capture of the
-    caller's own. The caller checks that its group is NCCL's."""
-    if not (t.is_cuda and config.tuning().cuda_graphs) or _failed or torch.compiler.is_compiling():
+    """Whether an allreduce of ``t`` may replay a graph: not turned off, a CUDA tensor, Triton
+    (whose kernels read keys from memory), not under ``torch.compile`` or inside a capture of
+    the caller's own. The caller checks that its group is NCCL's, and the size."""
+    if not t.is_cuda or config.tuning().cuda_graphs is False or _failed:
+        return False
+    if torch.compiler.is_compiling():
         return False
     if triton_kernels("keys_triton") is None:
         return False

@@ -72,6 +72,14 @@ CROSSOVER_BYTES_GRAPHS: dict[str, tuple[int | None, int | None]] = {
 """:data:`CROSSOVER_BYTES` with CUDA-graph replay, whose host time is a fraction of the
 launches': smaller where the host bounded the eager call."""
 
+GRAPHS_AUTO_MAX_BYTES = 64 << 20
+"""With ``CGX2_CUDA_GRAPHS=auto`` (the default), compressed GPU allreduces on NCCL of at most
+this many bytes replay CUDA graphs: there the host's launches are a large share of a call
+(BENCHMARKS.md, "Host time"), and each graph's buffers (about half the input's bytes at 4
+bits) stay small beside the GPU's memory. Larger ones launch eagerly; the crossovers stay the
+eager ones' (:data:`CROSSOVER_BYTES`): graphs make a compressed call cheaper, not more calls
+compressed."""
+
 PIECE_NUMEL = {"nvlink": 64 << 20, "shm": 32 << 20, "socket": 16 << 20, "cpu": 64 << 20}
 """Values per pipeline piece in each regime: values, not bytes, since both the coding and the
 bytes on the wire grow with the values whatever the input dtype. Each piece has a fixed host
@@ -277,7 +285,7 @@ def crossover_bytes(device: torch.device, dtype: torch.dtype,
     if override is not None:
         return override
     info = None if group is None else group_info(group)
-    return _measured(device, dtype, info, group, _fresh().cuda_graphs)
+    return _measured(device, dtype, info, group, _fresh().cuda_graphs is True)
 
 
 def _measured(device: torch.device, dtype: torch.dtype, info: GroupInfo | None,
@@ -396,9 +404,15 @@ def route(t: torch.Tensor, group: dist.ProcessGroup, bits: int, bucket_size: int
         threshold = routes.measured
     if numel == 0 or threshold is None or numel * t.element_size() < threshold:
         return routes.plain
-    if routes.graphs is not None and graphs.usable(t):  # NCCL's CUDA tensors
-        return routes.graphs
+    if routes.graphs is not None and _graphed(numel * t.element_size()) and graphs.usable(t):
+        return routes.graphs  # NCCL's CUDA tensors
     return routes.compressed
+
+
+def _graphed(nbytes: int) -> bool:
+    """Whether ``CGX2_CUDA_GRAPHS`` asks a compressed call of ``nbytes`` to replay a graph."""
+    chosen = config.tuning().cuda_graphs
+    return chosen is True or (chosen is None and nbytes <= GRAPHS_AUTO_MAX_BYTES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -430,12 +444,13 @@ def _routes(t: torch.Tensor, group: dist.ProcessGroup, bucket_size: int) -> _Rou
     ring = config.tuning().algorithm == "ring" and info.size > 2
     compressed = Route(True, where, pair and not ring, pieces, False, nccl_cuda and not ring,
                        check if info.size > 1 else "", moves, ring)  # fmt: skip
-    # A CUDA graph captures NCCL's kernels: its replay cannot wait on the host.
-    graphed = dataclasses.replace(compressed, graphs=True, transport=process_group, ring=False)
+    # A CUDA graph captures the process group's NCCL kernels: a transport named instead (whose
+    # waits may be on the host) keeps its calls eager.
+    graphed = dataclasses.replace(compressed, graphs=True)
     return _Routes(
         plain=dataclasses.replace(compressed, compress=False),
         compressed=compressed,
-        graphs=graphed if nccl_cuda and not ring else None,
+        graphs=graphed if nccl_cuda and not ring and moves is process_group else None,
         size=info.size,
-        measured=_measured(t.device, t.dtype, info, group, config.tuning().cuda_graphs),
+        measured=_measured(t.device, t.dtype, info, group, config.tuning().cuda_graphs is True),
     )

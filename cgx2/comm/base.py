@@ -23,7 +23,7 @@ class Transport(Protocol):
     def all_to_all(self, out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
                    async_op: bool = True) -> dist.Work | None:  # fmt: skip
         """Row j of ``send`` (``[world, P]``) to rank j; rank j's row for us into row j of
-        ``out``."""
+        ``out``. Our own row of ``out`` is undefined afterwards (nobody reads it)."""
         ...
 
     def all_gather(self, out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,

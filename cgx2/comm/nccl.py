@@ -69,6 +69,11 @@ def _comm(group: dist.ProcessGroup) -> int:
     return address
 
 
+def _stream() -> int:
+    """The current CUDA stream's handle (torch.cuda.current_stream() cost microseconds)."""
+    return torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
+
+
 def _serves(t: torch.Tensor, group: dist.ProcessGroup) -> bool:
     return t.is_cuda and group_info(group).cuda_on_nccl and available()
 
@@ -78,7 +83,7 @@ def _transfers(group: dist.ProcessGroup, sends: list[tuple[int, int, int]],
     """One grouped set of transfers, each (address, bytes, peer) sent or received."""
     try:
         extension.load().nccl_transfers(
-            _comm(group), torch.cuda.current_stream().cuda_stream,
+            _comm(group), _stream(),
             [a for a, _, _ in sends], [n for _, n, _ in sends], [p for _, _, p in sends],
             [a for a, _, _ in receives], [n for _, n, _ in receives], [p for _, _, p in receives],
         )  # fmt: skip
@@ -90,7 +95,7 @@ def _transfers(group: dist.ProcessGroup, sends: list[tuple[int, int, int]],
 def all_to_all(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
                async_op: bool = True) -> dist.Work | None:  # fmt: skip
     """Row j of ``send`` (``[world, P]``, contiguous) to rank j; rank j's row for us into row
-    j of ``out``."""
+    j of ``out``, but for our own (left as it was: nobody reads it)."""
     if not _serves(send, group):
         return process_group.all_to_all(out, send, group, async_op)
     world, rank = group_size_and_rank(group)
@@ -100,7 +105,6 @@ def all_to_all(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
     peers = [p for p in range(world) if p != rank]
     _transfers(group, [(sent + p * row, row, p) for p in peers],
                [(got + p * row, row, p) for p in peers], "all_to_all")  # fmt: skip
-    out.view(world, -1)[rank].copy_(send.view(world, -1)[rank])
     return None
 
 
@@ -114,7 +118,7 @@ def all_gather(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
     lib = extension.load()
     if lib.nccl_has_all_gather():  # one collective: less host time than grouped transfers
         try:
-            lib.nccl_all_gather(_comm(group), torch.cuda.current_stream().cuda_stream,
+            lib.nccl_all_gather(_comm(group), _stream(),
                                 send.data_ptr(), out.data_ptr(), nbytes)  # fmt: skip
         except RuntimeError as e:
             raise RuntimeError(f"cgx2: the NCCL transport's all_gather on group "

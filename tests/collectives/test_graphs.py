@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cgx2 import config
-from cgx2.collectives import graphs
+from cgx2.collectives import graphs, policy
 from cgx2.seeding import derive_key
 
 keys_triton = pytest.importorskip("cgx2.codecs.keys_triton", reason="Triton is not installed")
@@ -136,8 +136,8 @@ def test_failed_capture_runs_eagerly_and_stops_capturing(fake_capture, monkeypat
     assert "launching eagerly" in caplog.text
 
 
-@pytest.mark.parametrize(("raw", "expected"), [("", False), ("0", False), ("1", True),
-                                               ("on", True)])  # fmt: skip
+@pytest.mark.parametrize(("raw", "expected"), [("", None), ("auto", None), ("0", False),
+                                               ("1", True), ("on", True)])  # fmt: skip
 def test_environment_variable(raw, expected):
     assert config.TuningConfig.from_env({"CGX2_CUDA_GRAPHS": raw}).cuda_graphs is expected
 
@@ -145,6 +145,28 @@ def test_environment_variable(raw, expected):
 def test_environment_variable_rejects_junk():
     with pytest.raises(ValueError, match="CGX2_CUDA_GRAPHS"):
         config.TuningConfig.from_env({"CGX2_CUDA_GRAPHS": "maybe"})
+
+
+@pytest.mark.parametrize(
+    ("setting", "nbytes", "expected"),
+    [
+        (None, policy.GRAPHS_AUTO_MAX_BYTES, True),
+        (None, policy.GRAPHS_AUTO_MAX_BYTES + 1, False),
+        (True, 1 << 34, True),
+        (False, 1024, False),
+    ],
+)
+def test_which_compressed_calls_replay_graphs(setting, nbytes, expected):
+    """auto (the default): calls up to the policy's bound; 1: all; 0: none."""
+    with config.tuned(cuda_graphs=setting):
+        assert policy._graphed(nbytes) is expected
+
+
+def test_turned_off_graphs_are_unusable_and_cpu_tensors_never_usable():
+    with config.tuned(cuda_graphs=False):
+        assert not graphs.usable(torch.empty(4, device=DEVICE))
+    with config.tuned(cuda_graphs=True):
+        assert not graphs.usable(torch.empty(4))
 
 
 def test_destroying_a_group_drops_its_graphs_first(fake_capture, monkeypatch):
