@@ -18,8 +18,8 @@
 # GLOO_DDP_RATES="10gbit 1gbit" times DDP steps of two hosts sharing GPU 0 over gloo, and
 # LINK_RATES="1gbit 10gbit 25gbit" the allreduce between them (LINK_ARGS for cgx2.bench; carry
 # .iproute, Debian's iproute2 .debs: bench/gloo_cuda_ddp.sh's header says how to fetch them).
-# CONVERGENCE=1 runs examples/convergence.py's study (CONVERGENCE_ARGS, CONVERGENCE_TIMEOUT 540 s),
-# resuming from bench/results/convergence_<gpu>/.
+# CONVERGENCE=1 runs the convergence study (bench/convergence_study.sh; CONVERGENCE_TIMEOUT 540 s),
+# resuming from bench/results/convergence_<gpu>/ (returned as convergence.tgz in $OUT).
 # SKIP_COMPAT=1 leaves out the CPU tests of DTensor and FSDP2 under this image's torch.
 # SKIP_HOST_COST=1 leaves out bench/host_cost.py (the codec ops' host time, eager and compiled),
 # bench/allreduce_host_cost.py (2 GPUs: the allreduce's, profiled) and bench/agreement_cost.py
@@ -164,16 +164,9 @@ if [ "$NGPU" -ge 2 ] && [ -z "${SKIP_FSDP_TRAIN:-}" ]; then
     done
   done
 fi
-if [ -n "${CONVERGENCE:-}" ]; then
-  # examples/convergence.py, 4 ranks sharing GPU 0 over gloo (BENCHMARKS.md, "Convergence"):
-  # finished runs land in $dir one by one and are skipped by the next call, so a study longer
-  # than a call runs over several: commit $dir (convergence.tgz in $OUT) between them.
+if [ -n "${CONVERGENCE:-}" ]; then  # bench/convergence_study.sh: a lane a GPU
   dir=bench/results/convergence_$GPU
-  # shellcheck disable=SC2086  # CONVERGENCE_ARGS: one flag a word
-  timeout "${CONVERGENCE_TIMEOUT:-540}" torchrun --nproc-per-node 4 examples/convergence.py \
-    --device cuda --backend gloo ${CONVERGENCE_ARGS:---dim 512 --layers 6 --heads 8 \
-    --context 256 --batch-size 16 --steps 2000 --seeds 3} --out "$dir" \
-    2>>"$LOGS/convergence.err" | tail -n 25
+  DIR=$dir TIMEOUT=${CONVERGENCE_TIMEOUT:-540} bash bench/convergence_study.sh
   tar czf "$OUT/convergence.tgz" "$dir" 2>/dev/null
 fi
 if [ -n "${GLOO_DDP_RATES:-}${LINK_RATES:-}" ]; then  # carry .iproute: Debian's iproute2 .debs
