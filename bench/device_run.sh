@@ -92,7 +92,8 @@ if [ -z "${SKIP_HOST_COST:-}" ]; then  # host time of the codec ops; the agreeme
     || status=1
   if [ "$NGPU" -ge 2 ]; then  # the allreduce's host time a call, and where it goes
     torchrun --nproc-per-node 2 bench/allreduce_host_cost.py --profile 300 --out bench/results \
-      2>"$LOGS/allreduce_host_cost.err" | head -n 60 || status=1
+      >"$LOGS/allreduce_host_cost.out" 2>"$LOGS/allreduce_host_cost.err" || status=1
+    head -n 60 "$LOGS/allreduce_host_cost.out"  # (a pipe into head cut rank 0 off before its JSON)
   fi
   if [ "$NGPU" -ge 2 ]; then  # over NCCL, shm regime: the deferred check as users get it
     env NCCL_P2P_DISABLE=1 torchrun --nproc-per-node "$NGPU" bench/agreement_cost.py \
@@ -123,7 +124,8 @@ if [ "$NGPU" -ge 2 ]; then
     regime_vars $regime
     echo "== timeline, $NGPU GPUs, regime $regime"
     env "${vars[@]}" torchrun --nproc-per-node "$NGPU" bench/allreduce_timeline.py --mib 256 \
-      2>>"$LOGS/timeline_$regime.err" | tee "$LOGS/timeline_$regime.out" | head -n 40 || status=1
+      >"$LOGS/timeline_$regime.out" 2>>"$LOGS/timeline_$regime.err" || status=1
+    head -n 40 "$LOGS/timeline_$regime.out"
   done
 fi
 GPU=$(python3 -c "import torch; print(torch.cuda.get_device_name().lower().replace(' ', '-'))")
