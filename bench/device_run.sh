@@ -19,7 +19,7 @@
 # LINK_RATES="1gbit 10gbit 25gbit" the allreduce between them (LINK_ARGS for cgx2.bench; carry
 # .iproute, Debian's iproute2 .debs: bench/gloo_cuda_ddp.sh's header says how to fetch them).
 # CONVERGENCE=1 runs the convergence study (bench/convergence_study.sh; CONVERGENCE_TIMEOUT 540 s),
-# resuming from bench/results/convergence_<gpu>/ (returned as convergence.tgz in $OUT).
+# resuming from bench/results/convergence/ (returned as convergence.tgz in $OUT).
 # SKIP_COMPAT=1 leaves out the CPU tests of DTensor and FSDP2 under this image's torch.
 # SKIP_HOST_COST=1 leaves out bench/host_cost.py (the codec ops' host time, eager and compiled),
 # bench/allreduce_host_cost.py (2 GPUs: the allreduce's, profiled) and bench/agreement_cost.py
@@ -167,9 +167,11 @@ if [ "$NGPU" -ge 2 ] && [ -z "${SKIP_FSDP_TRAIN:-}" ]; then
   done
 fi
 if [ -n "${CONVERGENCE:-}" ]; then  # bench/convergence_study.sh: a lane a GPU
-  dir=bench/results/convergence_$GPU
-  DIR=$dir TIMEOUT=${CONVERGENCE_TIMEOUT:-540} bash bench/convergence_study.sh
-  tar czf "$OUT/convergence.tgz" "$dir" 2>/dev/null
+  # Resumed from the runs committed in bench/results/convergence/; every finished run comes back
+  # in $OUT/convergence.tgz (unpack it there and commit before the next call).
+  mkdir -p /tmp/convergence && cp bench/results/convergence/run_*.json /tmp/convergence/ 2>/dev/null
+  DIR=/tmp/convergence TIMEOUT=${CONVERGENCE_TIMEOUT:-540} bash bench/convergence_study.sh
+  tar czf "$OUT/convergence.tgz" -C /tmp convergence
 fi
 if [ -n "${GLOO_DDP_RATES:-}${LINK_RATES:-}" ]; then  # carry .iproute: Debian's iproute2 .debs
   mkdir -p /tmp/iproute && for deb in .iproute/*.deb; do dpkg -x "$deb" /tmp/iproute; done

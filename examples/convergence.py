@@ -231,8 +231,8 @@ def summarize(out: Path) -> dict:
 
     plain = by.get("plain")
     base = mean(plain) if plain else None
-    spread = (max(r["final_held_out_loss"] for r in plain) - min(r["final_held_out_loss"]
-              for r in plain)) if plain else None  # fmt: skip
+    finals = [r["final_held_out_loss"] for r in plain or []]
+    spread = max(finals) - min(finals) if len(finals) > 1 else None  # one seed: no spread
     rows = []
     for name in [n for n in COMPRESSORS if n in by]:
         rs = by[name]
