@@ -10,9 +10,11 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 DIR=${DIR:?the runs\' folder}
 ARGS=${ARGS:---dim 512 --layers 6 --heads 8 --context 256 --batch-size 16 --steps 2000}
-RUNS=${RUNS:-plain:1 cgx4:1 cgx2 cgx8 cgx4-ef fsdp4 plain:2 cgx4:2 plain:3 cgx4:3 sd8 sd4 thc qsgd exp powersgd lgreco}
+RUNS=${RUNS:-plain:1 cgx4:1 cgx2 cgx8 cgx4-ef fsdp4 plain:2 cgx4:2 plain:3 cgx4:3 cgx2-ef sd8 sd4
+  thc qsgd exp powersgd lgreco}
 NGPU=${NGPU:-$(python3 -c "import torch; print(torch.cuda.device_count())")}
-read -ra specs <<< "$RUNS"
+# shellcheck disable=SC2206  # RUNS: one spec a word, over lines
+specs=($RUNS)
 mkdir -p "$DIR"
 deadline=$(($(date +%s) + ${TIMEOUT:-540}))
 lane() {  # lane $1 on GPU $1: specs $1, $1 + NGPU, ...
@@ -20,6 +22,7 @@ lane() {  # lane $1 on GPU $1: specs $1, $1 + NGPU, ...
   for ((i = $1; i < ${#specs[@]}; i += NGPU)); do
     spec=${specs[i]}; name=${spec%%:*}; seeds=1
     [[ $spec == *:* ]] && seeds=${spec#*:}
+    [ -e "$DIR/run_${name}_seed$((seeds - 1)).json" ] && continue  # finished: start nothing
     left=$((deadline - $(date +%s)))
     ((left > 30)) || return 0
     # shellcheck disable=SC2086  # ARGS: one flag a word

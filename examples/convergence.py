@@ -55,6 +55,7 @@ COMPRESSORS: dict[str, tuple[str, Callable | None, Callable | None]] = {
     "cgx4": ("CGX 4-bit", *_cgx(4)),
     "cgx8": ("CGX 8-bit", *_cgx(8)),
     "cgx4-ef": ("CGX 4-bit, error feedback", *_cgx(4, True)),
+    "cgx2-ef": ("CGX 2-bit, error feedback", *_cgx(2, True)),
     "sd8": ("standard dithering (int8)", gq.standard_dithering_hook, GlobalQSGDState),
     "sd4": ("standard dithering 4-bit", gq.standard_dithering_4bit_hook, GlobalQSGDState),
     "thc": ("THC", gq.thc_hook, GlobalQSGDState),
