@@ -14,9 +14,7 @@ import datetime
 import json
 import logging
 import os
-import statistics
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,6 +25,7 @@ import torch.distributed as dist
 import cgx2
 from cgx2 import config
 from cgx2.collectives import policy
+from cgx2.collectives.measure import BITS, BUCKET_SIZE, crossover, timed_in_turn
 
 from .report import (
     SIZES_HELP,
@@ -42,8 +41,6 @@ from .report import (
 __all__ = ["calibrate", "crossover", "crossovers", "default_sizes", "main",
            "write_calibration"]  # fmt: skip
 
-BITS = 4
-BUCKET_SIZE = 512
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_CLASS = {"fp32": "fp32", "bf16": "16bit", "fp16": "16bit"}
 """The file's crossovers are per element width: the policy reads one for fp32, one for 16-bit."""
@@ -76,20 +73,6 @@ def default_sizes(device_type: str) -> list[int]:
     return sizes
 
 
-def crossover(measurements: Sequence[dict[str, Any]]) -> int | None:
-    """The smallest measured size at which compressed was faster than plain there and at every
-    larger measured size (every measurement of a size must agree); None if at none."""
-    faster: dict[int, bool] = {}
-    for m in measurements:
-        faster[m["bytes"]] = faster.get(m["bytes"], True) and m["compressed_s"] < m["plain_s"]
-    found = None
-    for size in sorted(faster, reverse=True):
-        if not faster[size]:
-            break
-        found = size
-    return found
-
-
 def crossovers(
     measurements: Sequence[dict[str, Any]], device_type: str, backend: str
 ) -> dict[str, int | None]:
@@ -102,29 +85,6 @@ def crossovers(
         )
         for width in widths
     }
-
-
-def _timed_in_turn(
-    fns: Sequence[Callable[[], Any]], warmup: int, iters: int, device: torch.device,
-    control: dist.ProcessGroup | None,
-) -> list[float]:  # fmt: skip
-    """Each function's median time in seconds over ``iters`` calls after ``warmup``, the calls
-    taken in turn (so that drift favours none), each started together on all ranks; each call's
-    time is the slowest rank's, so every rank returns the same medians."""
-    times = torch.zeros(len(fns), iters, dtype=torch.float64)
-    for i in range(-warmup, iters):
-        for j, fn in enumerate(fns):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            dist.barrier(group=control)
-            start = time.perf_counter()
-            fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if i >= 0:
-                times[j, i] = time.perf_counter() - start
-    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=control)
-    return [statistics.median(row) for row in times.tolist()]
 
 
 def calibrate(
@@ -163,7 +123,7 @@ def calibrate(
                 def compressed(x: torch.Tensor = x) -> None:
                     cgx2.quantized_allreduce(x, BITS, bucket_size=BUCKET_SIZE, group=group)
 
-                plain_s, compressed_s = _timed_in_turn(
+                plain_s, compressed_s = timed_in_turn(
                     (plain, compressed), warmup, iters, device, control
                 )
                 measurements.append({"dtype": dtype_name, "bytes": nbytes,

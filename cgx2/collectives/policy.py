@@ -302,19 +302,15 @@ def _measured(device: torch.device, dtype: torch.dtype, info: GroupInfo | None,
     measured = next((found[k] for k in keys if k in found), "absent")
     if measured != "absent":
         chosen, source = measured, "the calibration file"
+    elif (where == "cpu" and backend == "gloo" and group is not None
+          and config.launch().spans_nodes and config.crossover_override() is None):  # fmt: skip
+        # The CPU codec's cost against the link's saving depends on both: only measuring
+        # knows them (BENCHMARKS.md, "CPU hosts over Ethernet").
+        chosen, source = _measure_now(dtype, group, key), "measured on this job's link"
     else:
         table = CROSSOVER_BYTES_GRAPHS if with_graphs else CROSSOVER_BYTES
         full, half = table[where]
         chosen, source = (full if dtype.itemsize >= 4 else half), "the built-in table"
-    if measured == "absent" and where == "cpu" and config.launch().spans_nodes:
-        # The CPU codec's cost against the link's saving depends on both: only measured
-        # crossovers know them (BENCHMARKS.md, "CPU hosts over Ethernet").
-        logger.warning(
-            "cgx2: CPU tensors across nodes with no measured crossover: every size is "
-            "compressed, which loses time on links faster than the CPU codec. Measure once "
-            "with `torchrun ... -m cgx2.bench calibrate --device cpu` on these nodes "
-            "(docs/hosts.md)."
-        )
     logger.info(
         "cgx2: %s regime, %s on %s%s: quantized from %s (%s; CGX2_CROSSOVER_BYTES=0 always "
         "compresses)", where, dtype, backend, ", CUDA graphs" if with_graphs else "",
@@ -324,6 +320,28 @@ def _measured(device: torch.device, dtype: torch.dtype, info: GroupInfo | None,
     if group is not None:
         weakref.finalize(group, _MEASURED.pop, key, None)
     return chosen
+
+
+def _measure_now(dtype: torch.dtype, group: dist.ProcessGroup, key: tuple) -> int | None:
+    """The crossover measured on ``group``'s link now (:func:`.measure.crossover_on_link`),
+    at the first compressible call of ``dtype``, which every rank makes alike."""
+    from . import measure
+
+    _MEASURED[key] = 0  # the measurement's own calls compress (and must not measure again)
+    try:
+        return measure.crossover_on_link(dtype, group)
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"cgx2: measuring where compression pays on group {group.group_name!r} (at the "
+            f"first compressible call of {dtype} CPU tensors, which every rank makes alike) "
+            "failed: do the ranks make the same calls? A calibration file "
+            f"(`python -m cgx2.bench calibrate --device cpu`) spares this measurement: {e}"
+        ) from e
+    finally:
+        del _MEASURED[key]
+        # The measurement's routes were decided under the stand-in crossover: decide anew.
+        for stale in [k for k in _ROUTES if k[0] == id(group) and k[2] == dtype]:
+            del _ROUTES[stale]
 
 
 def compresses(t: torch.Tensor, group: dist.ProcessGroup, bits: int, bucket_size: int,

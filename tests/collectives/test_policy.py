@@ -4,6 +4,7 @@ file (rank 0's copy) or the tables; the plain result below the crossover, in eve
 
 import gc
 import json
+import logging
 import os
 
 import pytest
@@ -173,28 +174,61 @@ def test_a_calibration_file_sets_the_crossovers_it_measured(clean_env, tmp_path)
     assert crossover_bytes(CUDA, torch.float32) == 256 * MiB  # another file: tables again
 
 
-def test_cpu_tensors_across_nodes_without_a_measured_crossover_say_so(clean_env, tmp_path,
-                                                                     caplog):  # fmt: skip
-    """Across nodes the CPU codec may cost more than the link saves: with no calibration the
-    route compresses every size and warns; a measured crossover is used, silently."""
+def test_cpu_tensors_across_nodes_take_a_calibration_file_over_measuring(clean_env, tmp_path):
+    """A calibration file's crossover is used as it is; without a group (no link to measure)
+    the table's."""
     cpu = torch.device("cpu")
     clean_env.setenv("WORLD_SIZE", "4")
     clean_env.setenv("LOCAL_WORLD_SIZE", "2")
     config.reload()
-    with config.tuned(calibration_file=str(tmp_path / "none.json")):
-        assert crossover_bytes(cpu, torch.float32) == 0
-    assert "CPU tensors across nodes with no measured crossover" in caplog.text
-    assert "cgx2.bench calibrate" in caplog.text
-    caplog.clear()
     path = _calibration_file(tmp_path / "c.json", {"cpu/gloo/fp32": None})
     with config.tuned(calibration_file=path):
         assert crossover_bytes(cpu, torch.float32) is None
-    assert "no measured crossover" not in caplog.text
-    clean_env.setenv("LOCAL_WORLD_SIZE", "4")  # one node: nothing to say
-    config.reload()
     with config.tuned(calibration_file=str(tmp_path / "none.json")):
         assert crossover_bytes(cpu, torch.float32) == 0
-    assert "no measured crossover" not in caplog.text
+
+
+def _measured_at_first_use(calibration: str) -> list:
+    """Each rank a node of its own (LOCAL_WORLD_SIZE 1), CPU tensors, no calibration file."""
+    saved = {k: os.environ.get(k) for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+    os.environ.update(WORLD_SIZE=str(dist.get_world_size()), LOCAL_WORLD_SIZE="1")
+    config.reload()
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("cgx2").addHandler(handler)
+    logging.getLogger("cgx2").setLevel(logging.INFO)
+    try:
+        with config.tuned(calibration_file=calibration):
+            group = dist.new_group()
+            x = torch.randn(1 << 20, generator=torch.Generator().manual_seed(dist.get_rank()))
+            got = cgx2.quantized_allreduce(x, 4, group=group, seed=3)
+            found = policy.crossover_bytes(torch.device("cpu"), torch.float32, group)
+            again = cgx2.quantized_allreduce(x, 4, group=group, seed=3)
+            dist.destroy_process_group(group)
+    finally:
+        logging.getLogger("cgx2").removeHandler(handler)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        config.reload()
+        policy.clear_caches()
+    measured = [m for m in said if "measured on this job's link (group" in m]
+    return [found, len(measured), got, torch.equal(got, again)]
+
+
+def test_cpu_tensors_across_nodes_measure_where_compression_pays_once(dist2, tmp_path):
+    """The first compressible call measures plain against quantized on the group itself; every
+    rank routes by the slowest rank's times, and never measures again."""
+    r0, r1 = dist2.run(_measured_at_first_use, str(tmp_path / "none.json"))
+    assert r0[0] == r1[0] and r0[0] in (None, 1 << 20, 4 << 20, 16 << 20)
+    assert r0[1] == r1[1] == 1
+    assert torch.equal(r0[2], r1[2]) and r0[3] and r1[3]
+    path = _calibration_file(tmp_path / "c.json", {"cpu/gloo/fp32": 8192})
+    r0, r1 = dist2.run(_measured_at_first_use, path)
+    assert r0[:2] == r1[:2] == [8192, 0]  # a file spares the measurement
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,92 @@
+"""Where compression pays, measured: the plain allreduce against the 4-bit one, timed in turn on
+every rank. ``python -m cgx2.bench calibrate`` writes what it finds to a file; the policy
+measures CPU tensors across nodes itself, at first use, where no file says.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["BITS", "BUCKET_SIZE", "crossover", "crossover_on_link", "timed_in_turn"]
+
+logger = logging.getLogger("cgx2")
+
+BITS = 4
+BUCKET_SIZE = 512
+
+FIRST_USE_SIZES = (1 << 20, 4 << 20, 16 << 20)
+"""The sizes measured at first use: where, over Ethernet, the crossover lay when calibrated
+(BENCHMARKS.md, "CPU hosts over Ethernet"); at larger sizes the largest one's answer holds."""
+
+
+def crossover(measurements: Sequence[dict[str, Any]]) -> int | None:
+    """The smallest measured size at which compressed was faster than plain there and at every
+    larger measured size (every measurement of a size must agree); None if at none."""
+    faster: dict[int, bool] = {}
+    for m in measurements:
+        faster[m["bytes"]] = faster.get(m["bytes"], True) and m["compressed_s"] < m["plain_s"]
+    found = None
+    for size in sorted(faster, reverse=True):
+        if not faster[size]:
+            break
+        found = size
+    return found
+
+
+def timed_in_turn(fns: Sequence[Callable[[], Any]], warmup: int, iters: int,
+                  device: torch.device,
+                  control: dist.ProcessGroup | None) -> list[float]:  # fmt: skip
+    """Each function's median time in seconds over ``iters`` calls after ``warmup``, the calls
+    taken in turn (so that drift favours none), each started together on all ranks; each call's
+    time is the slowest rank's, so every rank returns the same medians."""
+    times = torch.zeros(len(fns), iters, dtype=torch.float64)
+    for i in range(-warmup, iters):
+        for j, fn in enumerate(fns):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            dist.barrier(group=control)
+            start = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i >= 0:
+                times[j, i] = time.perf_counter() - start
+    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=control)
+    return [statistics.median(row) for row in times.tolist()]
+
+
+def crossover_on_link(dtype: torch.dtype, group: dist.ProcessGroup,
+                      sizes: Sequence[int] = FIRST_USE_SIZES, warmup: int = 1,
+                      iters: int = 3) -> int | None:  # fmt: skip
+    """The crossover of CPU tensors of ``dtype`` over ``group`` (a gloo group; every rank calls
+    this, alike), measured now: a few seconds at most, once per group and dtype. The caller
+    (:mod:`.policy`) makes the quantized calls compress meanwhile."""
+    from .allreduce import allreduce  # (the allreduce routes by the policy, which calls this)
+
+    measurements = []
+    for nbytes in sizes:  # the caller routes these calls through compression
+        x = torch.randn(nbytes // dtype.itemsize).to(dtype)
+        buf = x.clone()
+        plain_s, compressed_s = timed_in_turn(
+            (lambda buf=buf: dist.all_reduce(buf, group=group),
+             lambda x=x: allreduce(x, BITS, BUCKET_SIZE, group)),
+            warmup, iters, x.device, group,
+        )  # fmt: skip
+        measurements.append({"bytes": nbytes, "plain_s": plain_s,
+                             "compressed_s": compressed_s})  # fmt: skip
+    found = crossover(measurements)
+    logger.info(
+        "cgx2: measured on this job's link (group %r, %s, %d-bit): %s; quantized from %s",
+        group.group_name, dtype, BITS,
+        ", ".join(f"{m['bytes'] >> 20} MiB plain {1e3 * m['plain_s']:.1f} ms, quantized "
+                  f"{1e3 * m['compressed_s']:.1f} ms" for m in measurements),
+        "never" if found is None else f"{found} bytes",
+    )  # fmt: skip
+    return found
