@@ -80,9 +80,9 @@ def test_the_command_line_runs_a_command_in_each_host_and_cleans_up_on_a_signal(
     done = subprocess.run([*cli, "--", "bash", "-c", "exit $HOST"], capture_output=True, timeout=60)
     assert done.returncode == 1  # host 1's status
     running = subprocess.Popen([*cli, "--", "sleep", "60"])
-    for _ in range(100):  # until its namespaces exist
+    for _ in range(100):  # until its hosts exist (not its probe, made and deleted before them)
         listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        if f"-{running.pid}" in listed:
+        if f"{netlab.PREFIX}1-{running.pid}" in listed:
             break
         time.sleep(0.1)
     running.send_signal(signal.SIGTERM)
