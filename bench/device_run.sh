@@ -18,8 +18,9 @@
 # GLOO_DDP_RATES="10gbit 1gbit" times DDP steps of two hosts sharing GPU 0 over gloo, and
 # LINK_RATES="1gbit 10gbit 25gbit" the allreduce between them (LINK_ARGS for cgx2.bench; carry
 # .iproute, Debian's iproute2 .debs: bench/gloo_cuda_ddp.sh's header says how to fetch them).
-# CONVERGENCE=1 runs the convergence study (bench/convergence_study.sh; CONVERGENCE_TIMEOUT 540 s),
-# resuming from bench/results/convergence/ (returned as convergence.tgz in $OUT).
+# CONVERGENCE=1 runs the convergence study (bench/convergence_study.sh; CONVERGENCE_TIMEOUT 540 s,
+# CONVERGENCE_LANES), resuming from bench/results/convergence/ (returned as convergence.tgz in
+# $OUT); ERROR_BY_LAYER=1 runs examples/error_by_layer.py on the study's model.
 # SKIP_COMPAT=1 leaves out the CPU tests of DTensor and FSDP2 under this image's torch.
 # SKIP_HOST_COST=1 leaves out bench/host_cost.py (the codec ops' host time, eager and compiled),
 # bench/allreduce_host_cost.py (2 GPUs: the allreduce's, profiled) and bench/agreement_cost.py
@@ -170,8 +171,14 @@ if [ -n "${CONVERGENCE:-}" ]; then  # bench/convergence_study.sh: a lane a GPU
   # Resumed from the runs committed in bench/results/convergence/; every finished run comes back
   # in $OUT/convergence.tgz (unpack it there and commit before the next call).
   mkdir -p /tmp/convergence && cp bench/results/convergence/run_*.json /tmp/convergence/ 2>/dev/null
-  DIR=/tmp/convergence TIMEOUT=${CONVERGENCE_TIMEOUT:-540} bash bench/convergence_study.sh
+  DIR=/tmp/convergence TIMEOUT=${CONVERGENCE_TIMEOUT:-540} LANES=${CONVERGENCE_LANES:-} \
+    bash bench/convergence_study.sh
   tar czf "$OUT/convergence.tgz" -C /tmp convergence
+fi
+if [ -n "${ERROR_BY_LAYER:-}" ]; then  # where the study's quantization error lies, layer by layer
+  python3 examples/error_by_layer.py --device cuda --dim 512 --layers 6 --heads 8 --steps 2000 \
+    --at 500,2000 --out bench/results 2>"$LOGS/error_by_layer.err" | tail -n 70 || status=1
+  save
 fi
 if [ -n "${GLOO_DDP_RATES:-}${LINK_RATES:-}" ]; then  # carry .iproute: Debian's iproute2 .debs
   mkdir -p /tmp/iproute && for deb in .iproute/*.deb; do dpkg -x "$deb" /tmp/iproute; done

@@ -187,7 +187,8 @@ def pending_runs(args: argparse.Namespace, world: int) -> list[tuple[str, int]]:
     other settings."""
     out, done_as = Path(args.out), fingerprint(args, world)
     todo = [(name, seed) for name in args.compressors
-            for seed in (range(args.seeds) if name in SEEDED else [0])]  # fmt: skip
+            for seed in (range(args.seeds) if name in SEEDED else [0])
+            if args.only_seed is None or seed == args.only_seed]  # fmt: skip
     pending = []
     for name, seed in todo:
         path = _run_path(out, name, seed)
@@ -302,6 +303,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compressors", default=",".join(COMPRESSORS),
                    help=f"comma-separated, of: {', '.join(COMPRESSORS)}")  # fmt: skip
     p.add_argument("--seeds", type=int, default=1, help="seeds of plain DDP and CGX 4-bit")
+    p.add_argument("--only-seed", type=int, metavar="K",
+                   help="run only seed K of those (several processes sharing a study)")  # fmt: skip
     p.add_argument("--steps", type=int, default=2000, help="training steps a run")
     p.add_argument("--warmup", type=int, default=100, help="steps of linear warm-up")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW's peak learning rate")
