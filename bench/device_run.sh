@@ -66,6 +66,10 @@ regime_vars() {
     socket) vars=(NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1) ;;
   esac
 }
+if [ -z "${SKIP_CHECKS:-}" ]; then  # the codec op inside torch.compile's CUDA graphs
+  python3 -m pytest -q -p no:cacheprovider tests/ops/test_ops.py -k "reduce_overhead" 2>&1 \
+    | tail -n 3 || status=1
+fi
 if [ -z "${SKIP_CHECKS:-}" ]; then  # two ranks on GPU 0 over gloo: CUDA tensors without NCCL
   torchrun --nproc-per-node 2 bench/gpu_gloo_check.py 2>"$LOGS/gloo_check.err" | tail -n 12 \
     || status=1

@@ -53,8 +53,8 @@ def main() -> None:
     payload = torch.ops.cgx.quantize(x, bits, 512, 1)
     ops = torch.ops.cgx
 
-    def round_trip(t: torch.Tensor) -> torch.Tensor:
-        return ops.dequantize(ops.quantize(t, bits, 512, 1), n, bits, 512)
+    def round_trip(t: torch.Tensor, seed: int = 1) -> torch.Tensor:
+        return ops.dequantize(ops.quantize(t, bits, 512, seed), n, bits, 512)
 
     def clone(t: torch.Tensor) -> torch.Tensor:
         return t.clone()
@@ -74,6 +74,9 @@ def main() -> None:
     if device.type == "cuda":  # CUDA graphs: torch.compile's answer to per-call host time
         graphed = torch.compile(round_trip, fullgraph=True, mode="reduce-overhead")
         settings["round_trip_compiled_cudagraphs"] = lambda: graphed(x)
+        # Unseeded: captured too, its key drawn on the device at every replay.
+        settings["round_trip_compiled_cudagraphs_unseeded"] = lambda: graphed(x, -1)
+        settings["round_trip_eager_unseeded"] = lambda: round_trip(x, -1)
     for fn in settings.values():  # compiled, warmed, variants launched once
         for _ in range(20):
             fn()

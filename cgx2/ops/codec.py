@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from ..checks import check_bits, check_bucket_size, check_float_tensor
-from ..codecs import MaxMinLayout, maxmin_codec
-from ..seeding import SEEDED_OP_TAGS, derive_key, next_seed
+from ..codecs import MaxMinLayout, maxmin, maxmin_codec
+from ..seeding import derive_key, next_seed
 
 __all__ = ["dequantize", "quantize"]
 
@@ -34,10 +34,12 @@ def _check_codec_args(bits: int, bucket_size: int) -> None:
 
 
 _LIB = torch.library.Library("cgx", "FRAGMENT")
+# Not cudagraph_unsafe, unlike the other seeded ops: captured into a CUDA graph (torch.compile's
+# "reduce-overhead"), an unseeded call draws its key on the device at every replay (_quantize).
 _LIB.define(
     "quantize(Tensor x, SymInt bits, SymInt bucket_size=512, SymInt seed=-1, "
     "bool skip_incomplete=False) -> Tensor",
-    tags=(*SEEDED_OP_TAGS, torch.Tag.pt2_compliant_tag),
+    tags=(torch.Tag.nondeterministic_seeded, torch.Tag.pt2_compliant_tag),
 )
 _LIB.define(
     "dequantize(Tensor payload, SymInt numel, SymInt bits, SymInt bucket_size=512, "
@@ -58,11 +60,21 @@ def _quantize(
     The payload layout is documented in :mod:`cgx2.codecs.layout`; its size is
     ``MaxMinLayout(x.numel(), bits, bucket_size, skip_incomplete).nbytes``. ``seed`` < 0 draws
     the next seed from :mod:`cgx2.seeding`; the same seed gives the same bytes on any device.
+    Inside a CUDA graph's capture an unseeded call takes its key from torch's CUDA generator
+    instead, on the device, so that every replay rounds afresh.
     """
     check_float_tensor(x, "x")
     _check_codec_args(bits, bucket_size)
-    seed = next_seed() if seed < 0 else seed
     codec = maxmin_codec(x.device)
+    if seed < 0 and x.is_cuda and torch.cuda.is_current_stream_capturing():
+        if codec is maxmin:
+            raise RuntimeError(
+                "cgx2: an unseeded quantize inside a CUDA graph needs Triton (whose kernels "
+                "read their key from the device); pass a seed"
+            )
+        key = torch.randint(-(2**63), 2**63 - 1, (1,), dtype=torch.int64, device=x.device)
+        return codec.encode(x, bits, bucket_size, key, 0, skip_incomplete)
+    seed = next_seed() if seed < 0 else seed
     return codec.encode(x, bits, bucket_size, derive_key(seed), 0, skip_incomplete)
 
 

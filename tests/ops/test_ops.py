@@ -1,5 +1,7 @@
 """torch.ops.cgx.quantize / dequantize: validation, opcheck, torch.compile."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -86,8 +88,8 @@ def test_compiled_roundtrip_fullgraph_matches_eager():
     assert torch.equal(compiled(x), roundtrip(x))
 
 
-@pytest.mark.parametrize("op", ["quantize", "quantized_allreduce", "quantized_allreduce_"])
-def test_seeded_ops_stay_out_of_cuda_graphs(op):
+@pytest.mark.parametrize("op", ["quantized_allreduce", "quantized_allreduce_"])
+def test_seeded_collectives_stay_out_of_cuda_graphs(op):
     """Each call draws a fresh seed on the host: a CUDA graph of torch.compile's
     "reduce-overhead" would replay its capture's seed (the same rounding at every step), so the
     ops are tagged for Inductor to run them outside its graphs."""
@@ -95,3 +97,29 @@ def test_seeded_ops_stay_out_of_cuda_graphs(op):
     assert torch.Tag.nondeterministic_seeded in tags
     if hasattr(torch.Tag, "cudagraph_unsafe"):
         assert torch.Tag.cudagraph_unsafe in tags
+
+
+def test_quantize_may_be_captured():
+    """Unseeded, it draws its key on the device inside a capture (the next test): Inductor may
+    keep it in its CUDA graphs."""
+    tags = torch.ops.cgx.quantize.default.tags
+    assert torch.Tag.nondeterministic_seeded in tags
+    assert getattr(torch.Tag, "cudagraph_unsafe", None) not in tags
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_unseeded_quantize_rounds_afresh_at_every_replay_of_reduce_overhead():
+    x = torch.randn(65536, device="cuda")
+
+    def round_trip(t: torch.Tensor, seed: int) -> torch.Tensor:
+        return cgx2.dequantize(cgx2.quantize(t, 4, 512, seed), t.numel(), 4, 512)
+
+    graphed = torch.compile(round_trip, fullgraph=True, mode="reduce-overhead")
+    unseeded = [graphed(x, -1).clone() for _ in range(6)]  # warm-up, capture, then replays
+    for a, b in itertools.pairwise(unseeded):
+        assert not torch.equal(a, b)
+    step = (x.view(-1, 512).amax(1) - x.view(-1, 512).amin(1)) / 15
+    for y in unseeded:
+        assert ((y - x).view(-1, 512).abs() <= step[:, None] * 1.001 + 1e-6).all()
+    seeded = [graphed(x, 7).clone() for _ in range(4)]
+    assert all(torch.equal(y, round_trip(x, 7)) for y in seeded)  # a seed's bytes, replayed
