@@ -24,8 +24,10 @@ import torch.distributed as dist
 
 from .. import config
 from ..codecs import triton_kernels
+from ..comm import group_info
+from .replay_watch import ReplayWatch
 
-__all__ = ["MAX_GRAPHS", "STALE_CALLS", "clear", "run", "stats", "usable"]
+__all__ = ["MAX_GRAPHS", "STALE_CALLS", "WATCH", "clear", "run", "stats", "usable"]
 
 logger = logging.getLogger("cgx2")
 
@@ -79,7 +81,20 @@ def usable(t: torch.Tensor) -> bool:
     return not torch.cuda.is_current_stream_capturing()
 
 
-def _watch(group: dist.ProcessGroup) -> None:
+WATCH = ReplayWatch()
+"""The replays in flight: NCCL's kernels in a graph are out of the process group's watchdog's
+sight, so a peer that dies mid-replay would leave its stream waiting forever."""
+
+
+def _watch(group: dist.ProcessGroup, device: torch.device) -> None:
+    """Hand the replay just launched on ``group`` to :data:`WATCH`."""
+    if device.type == "cuda":  # (the tests' stand-ins are on the CPU)
+        done = torch.cuda.Event()
+        done.record()
+        WATCH.replayed(group, done, group_info(group).timeout_s)
+
+
+def _forget_with(group: dist.ProcessGroup) -> None:
     """Drop ``group``'s graphs when it is garbage collected, before its id can name another."""
     if id(group) not in _WATCHED:
         _WATCHED.add(id(group))
@@ -124,6 +139,7 @@ def run(group: dist.ProcessGroup, signature: tuple, seed: int, device: torch.dev
     """
     global _calls
     _calls += 1
+    WATCH.raise_if_aborted(group)
     signature = (id(group), *signature)
     entry = _GRAPHS.get(signature)
     if entry is not None:
@@ -131,6 +147,7 @@ def run(group: dist.ProcessGroup, signature: tuple, seed: int, device: torch.dev
         entry.used = _calls
         _write(entry.seed, seed)
         entry.graph.replay()
+        _watch(group, device)
         _COUNTS["replays"] += 1
         return
     device_seed = _PENDING.get(signature)
@@ -158,10 +175,11 @@ def run(group: dist.ProcessGroup, signature: tuple, seed: int, device: torch.dev
         _COUNTS["eager"] += 1
         return
     _guard_teardown()
-    _watch(group)
+    _forget_with(group)
     _GRAPHS[signature] = _Entry(device_seed, graph, _calls)
     _write(device_seed, seed)
     graph.replay()
+    _watch(group, device)
     _COUNTS["captures"] += 1
     _COUNTS["replays"] += 1
 

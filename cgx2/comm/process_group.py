@@ -43,6 +43,8 @@ class GroupInfo:
       ``cgx`` one with NCCL under it); otherwise CUDA tensors cross through host memory.
     - ``has_exact_allreduce``: whether the group has an uncompressed ``allreduce_exact`` (the
       ``cgx`` backend, whose ``all_reduce`` would quantize) for the plain path to call.
+    - ``timeout_s``: the group's timeout in seconds (its backend's options; else torch's
+      default), which every wait of cgx2's own on the group honours.
     """
 
     backend: str
@@ -50,6 +52,7 @@ class GroupInfo:
     rank: int
     cuda_on_nccl: bool
     has_exact_allreduce: bool
+    timeout_s: float
 
 
 _INFO: dict[int, GroupInfo] = {}
@@ -68,10 +71,20 @@ def group_info(group: dist.ProcessGroup) -> GroupInfo:
         size, rank = dist.get_world_size(group), dist.get_rank(group)
     nccl = backend == "nccl" or bool(getattr(group, "cuda_on_nccl", False))
     # Nothing of the group itself is kept: the entry must not keep the group alive.
-    info = GroupInfo(backend, size, rank, nccl, hasattr(group, "allreduce_exact"))
+    info = GroupInfo(backend, size, rank, nccl, hasattr(group, "allreduce_exact"),
+                     _timeout_s(group))  # fmt: skip
     _INFO[id(group)] = info
     weakref.finalize(group, _INFO.pop, id(group), None)
     return info
+
+
+def _timeout_s(group: dist.ProcessGroup) -> float:
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout.total_seconds()
+        except (AttributeError, RuntimeError):
+            continue
+    return dist.distributed_c10d.default_pg_timeout.total_seconds()
 
 
 def group_size_and_rank(group: dist.ProcessGroup) -> tuple[int, int]:

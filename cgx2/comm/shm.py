@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from .. import extension
 from . import process_group
-from .process_group import group_size_and_rank
+from .process_group import group_info, group_size_and_rank
 
 __all__ = [
     "SLOTS",
@@ -81,17 +81,6 @@ def available() -> bool:
     return extension.load() is not None
 
 
-def _group_timeout(group: dist.ProcessGroup) -> float:
-    """The group's timeout in seconds (its backend's options; else torch's default)."""
-    for device in ("cpu", "cuda"):
-        try:
-            options = group._get_backend(torch.device(device)).options
-            return options._timeout.total_seconds()
-        except (AttributeError, RuntimeError):
-            continue
-    return dist.distributed_c10d.default_pg_timeout.total_seconds()
-
-
 def _host_identity() -> str:
     """What ranks that can share segments have in common: the boot, the /dev/shm mount, and
     the PID and network namespaces (a network namespace stands for a host: tests make hosts
@@ -114,7 +103,7 @@ class _Channel:
         self.lib, self.store, self.prefix, self.token = lib, store, prefix, token
         self.world, self.rank = group_size_and_rank(group)
         self.name = group.group_name
-        self.timeout = _group_timeout(group)
+        self.timeout = group_info(group).timeout_s
         self.pids, self.starts = pids, starts
         self.peer_ranks = [r for r in range(self.world) if r != self.rank]
         self.seq = 0

@@ -84,7 +84,7 @@ def test_cuda_tensors_on_gloo_cross_host_sockets(clean_env):
 
 def test_gloos_collectives_run_on_the_groups_worker_unless_turned_off(clean_env):
     group = dist.ProcessGroup(0, 2)
-    comm.process_group._INFO[id(group)] = comm.GroupInfo("gloo", 2, 0, False, False)
+    comm.process_group._INFO[id(group)] = comm.GroupInfo("gloo", 2, 0, False, False, 1800.0)
     try:
         assert policy.runs_on_worker(torch.zeros(4), group)
         with config.tuned(comm_worker=False):
@@ -338,7 +338,7 @@ def test_fallback_calls_the_group_synchronously_and_accepts_no_work(monkeypatch)
             tensors[0].add_(1)
             return None
 
-    info = comm.GroupInfo("nccl", 2, 0, True, False)
+    info = comm.GroupInfo("nccl", 2, 0, True, False, 1800.0)
     monkeypatch.setattr(comm.process_group, "group_info", lambda group: info)
     t = torch.zeros(4)
     assert comm.allreduce_plain_(t, Group(), "sum") is t
