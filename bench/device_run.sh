@@ -114,6 +114,8 @@ if [ "$NGPU" -ge 2 ] && [ -z "${SKIP_CHECKS:-}" ]; then
     | tail -n 30 || status=1
   torchrun --nproc-per-node "$NGPU" bench/gpu_fsdp_check.py 2>"$LOGS/fsdp_check.err" \
     | tail -n 30 || status=1
+  timeout 300 torchrun --nproc-per-node 2 bench/gpu_fault_check.py 2>"$LOGS/fault_check.err" \
+    | tail -n 3 || status=1
 fi
 if [ "$NGPU" -ge 2 ] && [ -z "${SKIP_BENCH:-}" ]; then
   for regime in nvlink shm socket; do
