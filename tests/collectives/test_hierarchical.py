@@ -90,7 +90,8 @@ def _hook_on_two_nodes() -> dict:
     import cgx2
     from cgx2.ddp import CGXState, cgx_hook
 
-    os.environ.update(LOCAL_WORLD_SIZE="2", WORLD_SIZE="4")
+    # Compressing at every size: the path is tested here, not where compression pays.
+    os.environ.update(LOCAL_WORLD_SIZE="2", WORLD_SIZE="4", CGX2_CROSSOVER_BYTES="0")
     try:
         grads = {}
         for mesh in ("auto", None):
@@ -105,7 +106,8 @@ def _hook_on_two_nodes() -> dict:
             grads[f"{mesh}-mesh"] = shape
         return grads
     finally:
-        del os.environ["LOCAL_WORLD_SIZE"], os.environ["WORLD_SIZE"]
+        for k in ("LOCAL_WORLD_SIZE", "WORLD_SIZE", "CGX2_CROSSOVER_BYTES"):
+            del os.environ[k]
 
 
 def test_cgx_hook_goes_hierarchical_across_nodes(dist4):
@@ -128,6 +130,7 @@ def _backend_on_two_nodes(intra_broadcast: bool, op: str) -> dict:
         "CGX_COMPRESSION_QUANTIZATION_BITS": "4",
         "CGX_COMPRESSION_BUCKET_SIZE": "128",
         "CGX_INTRA_BROADCAST": str(int(intra_broadcast)),
+        "CGX2_CROSSOVER_BYTES": "0",  # the path is tested here, not where compression pays
     }
     os.environ.update(env)
     try:

@@ -111,7 +111,7 @@ def _replica_allreduce(op: str) -> dict:
     got = x.clone()
     with cgx2.config.tuned(crossover_bytes=0):
         cgx2.manual_seed(5)
-        QuantizedReplicaGroup(dist.group.WORLD, 4, 128).allreduce([got], opts)
+        QuantizedReplicaGroup(dist.group.WORLD, 4, 128).allreduce([got], opts).wait()
         cgx2.manual_seed(5)
         model = cgx2.collectives.allreduce(x, 4, 128, dist.group.WORLD, op) if op != "max" \
             else None  # fmt: skip
