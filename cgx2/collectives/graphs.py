@@ -4,9 +4,9 @@ launch of its kernels and collectives, with fresh random keys, instead of a doze
 Where the GPU outruns the host (NVLink), the allreduce waits on its host's launches; a replay
 costs two: a fill of the call's seed, and the graph's. ``CGX2_CUDA_GRAPHS`` (auto: calls of at
 most :data:`.policy.GRAPHS_AUTO_MAX_BYTES`) and :func:`.policy.route` decide which calls;
-needs Triton. Each of at most :data:`MAX_GRAPHS`
-graphs keeps its buffers: about half an fp32 tensor's bytes at 4 bits (as many bytes as a bf16
-one), plus an fp32 copy with error feedback.
+needs Triton. Each of at most :data:`MAX_GRAPHS` graphs keeps its buffers: about half an fp32
+tensor's bytes at 4 bits (as many bytes as a bf16 one), plus an fp32 copy with error feedback.
+:data:`WATCH` keeps an eye on replays, which the process group's watchdog cannot see.
 """
 
 from __future__ import annotations
