@@ -93,9 +93,14 @@ def _rank(rank: int, port: int, scenario: str, fault: str, transport: str, resul
     os._exit(0)  # the peer is gone: do not wait on it at exit
 
 
-@pytest.mark.parametrize("transport", ["shm", "process_group"])
-@pytest.mark.parametrize("fault", ["killed", "stopped"])
-@pytest.mark.parametrize("scenario", SCENARIOS)
+# Over the process group a killed peer is seen alike in every scenario (gloo's socket closes
+# at once): one scenario stands for them all. Stopped peers, and shared memory, each their own.
+CASES = [(scenario, fault, transport) for transport in ("shm", "process_group")
+         for fault in ("killed", "stopped") for scenario in SCENARIOS
+         if transport == "shm" or fault == "stopped" or scenario == "op"]  # fmt: skip
+
+
+@pytest.mark.parametrize(("scenario", "fault", "transport"), CASES)
 def test_the_survivor_raises_within_the_timeout(scenario, fault, transport):
     ctx = mp.get_context("spawn")
     results, port = ctx.Queue(), _free_port()
