@@ -5,7 +5,7 @@
 # of plain and cgx4; most wanted first), dealt round-robin to the lanes; each lands in DIR as it
 # ends, and a later call skips it, so a study longer than one call (TIMEOUT seconds, default
 # 540) runs over several: keep DIR between them.
-# Usage (repo root): DIR=bench/results/convergence_<gpu> bash bench/convergence_study.sh
+# Usage (repo root): DIR=bench/results/convergence bash bench/convergence_study.sh
 # (ARGS: the model and schedule flags; every call and lane must pass the same ones).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD

@@ -1,0 +1,44 @@
+"""bench/convergence_study.sh with a stand-in torchrun: runs dealt round-robin to the lanes,
+lane i on GPU i mod the GPUs, a seed a run, finished runs started never again."""
+
+import os
+import subprocess
+from pathlib import Path
+
+SCRIPT = Path(__file__).parents[2] / "bench" / "convergence_study.sh"
+
+
+def _launches(tmp_path: Path, lanes: int, runs: str, done: tuple[str, ...] = ()) -> list:
+    fake = tmp_path / "bin"
+    fake.mkdir(exist_ok=True)
+    log = tmp_path / "launches"
+    (fake / "torchrun").write_text(f'#!/bin/sh\necho "$CUDA_VISIBLE_DEVICES $*" >> {log}\n')
+    (fake / "torchrun").chmod(0o755)
+    study = tmp_path / "study"
+    study.mkdir(exist_ok=True)
+    for name in done:
+        (study / name).write_text("{}")
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "NGPU": "2",
+           "LANES": str(lanes), "DIR": str(study), "RUNS": runs, "TIMEOUT": "120"}  # fmt: skip
+    proc = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True,
+                          timeout=120, cwd=SCRIPT.parents[1])  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    found = []
+    for line in log.read_text().splitlines() if log.exists() else []:
+        words = line.split()
+        found.append((words[0], words[words.index("--compressors") + 1],
+                      words[words.index("--only-seed") + 1]))  # fmt: skip
+    return sorted(found)
+
+
+def test_runs_are_dealt_to_lanes_on_the_gpus_a_seed_each(tmp_path):
+    got = _launches(tmp_path, 4, "plain cgx4 plain@1 cgx4@1 sd8 thc")
+    # lane i: runs i and i + 4; on GPU i mod 2
+    assert got == sorted([("0", "plain", "0"), ("1", "cgx4", "0"), ("0", "plain", "1"),
+                          ("1", "cgx4", "1"), ("0", "sd8", "0"), ("1", "thc", "0")])  # fmt: skip
+
+
+def test_finished_runs_start_nothing(tmp_path):
+    got = _launches(tmp_path, 2, "plain cgx4 plain@1",
+                    done=("run_plain_seed0.json", "run_plain_seed1.json"))  # fmt: skip
+    assert got == [("1", "cgx4", "0")]
