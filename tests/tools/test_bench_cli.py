@@ -75,7 +75,8 @@ def test_kernels_interpreted_on_cpu(tmp_path: Path) -> None:
     if not _interpreter_walks_strided_loops(tmp_path):
         pytest.skip("this Triton's interpreter cannot run a loop from the program id")
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "cgx2.bench", "kernels", "--numel", "8192", "--bits", "4"]
+    cmd = [sys.executable, "-m", "cgx2.bench", "kernels", "--numel", "8192", "--bits", "4",
+           "--dtypes", "fp32"]  # fmt: skip
     proc = subprocess.run(
         [*cmd, "--out", str(out)],
         capture_output=True,
@@ -93,11 +94,10 @@ def test_kernels_interpreted_on_cpu(tmp_path: Path) -> None:
     assert report["env"]["world_size"] == 1 and report["env"]["triton"]
     assert report["args"]["numel"] == 8192 and report["args"]["bits"] == [4]
     rows = {(r["op"].split("(")[0], r["dtype"], r["bits"]): r for r in report["rows"]}
-    for dtype in ("fp32", "bf16"):
-        for op in ("encode", "decode", "dse"):
-            row = rows[(op, dtype, 4)]
-            assert row["ms"] > 0 and row["copy_ms"] > 0 and row["bucket"] == 512
-            assert row["bytes_moved"] == row["bytes_read"] + row["bytes_written"] > 0
+    for op in ("encode", "decode", "dse"):  # (bf16's kernels: tests/codecs; interpreted here,
+        row = rows[(op, "fp32", 4)]  # each would cost seconds)
+        assert row["ms"] > 0 and row["copy_ms"] > 0 and row["bucket"] == 512
+        assert row["bytes_moved"] == row["bytes_read"] + row["bytes_written"] > 0
     assert rows[("encode", "fp32", 4)]["numel"] == 8192
     assert rows[("dse", "fp32", 4)]["numel"] == 8192 // 4  # one of K = 4 chunks
     assert rows[("copy", "u8", 0)]["bytes_moved"] == 2 * 8192 * 4
