@@ -2,9 +2,11 @@
 # The convergence study (BENCHMARKS.md, "Convergence"): examples/convergence.py, 4 ranks sharing
 # one GPU over gloo, in LANES lanes (default: one a GPU; lane i on GPU i mod the GPUs), each
 # running its share of the runs. Runs are taken in RUNS' order ("name", or "name@K" for seed K
-# of plain and cgx4; most wanted first), dealt round-robin to the lanes; each lands in DIR as it
-# ends, and a later call skips it, so a study longer than one call (TIMEOUT seconds, default
-# 540) runs over several: keep DIR between them.
+# of plain and cgx4; most wanted first); the unfinished ones are dealt round-robin to the lanes;
+# each lands in DIR as it ends, and a later call skips it, so a study longer than one call
+# (TIMEOUT seconds, default 540) runs over several: keep DIR between them. A run is not started
+# with less than RUN_S seconds left (default 400 with two lanes on a GPU, 230 with one): a run
+# cut off is lost, and a lane that stops early ends the call sooner (device time saved).
 # Usage (repo root): DIR=bench/results/convergence bash bench/convergence_study.sh
 # (ARGS: the model and schedule flags; every call and lane must pass the same ones).
 set -uo pipefail
@@ -15,18 +17,26 @@ RUNS=${RUNS:-plain cgx4 cgx2 cgx8 cgx4-ef fsdp4 plain@1 cgx4@1 plain@2 cgx4@2 cg
   qsgd exp powersgd lgreco}
 NGPU=${NGPU:-$(python3 -c "import torch; print(torch.cuda.device_count())")}
 LANES=${LANES:-$NGPU}
-# shellcheck disable=SC2206  # RUNS: one spec a word, over lines
-specs=($RUNS)
+RUN_S=${RUN_S:-$((LANES > NGPU ? 400 : 230))}
 mkdir -p "$DIR"
+specs=()
+# shellcheck disable=SC2086  # RUNS: one spec a word, over lines
+for spec in $RUNS; do
+  name=${spec%%@*}; seed=0
+  [[ $spec == *@* ]] && seed=${spec#*@}
+  [ -e "$DIR/run_${name}_seed$seed.json" ] || specs+=("$spec")  # finished: start nothing
+done
 deadline=$(($(date +%s) + ${TIMEOUT:-540}))
-lane() {  # lane $1 on GPU $1 mod NGPU: specs $1, $1 + LANES, ...
+lane() {  # lane $1 on GPU $1 mod NGPU: unfinished specs $1, $1 + LANES, ...
   local i spec name seed left
   for ((i = $1; i < ${#specs[@]}; i += LANES)); do
     spec=${specs[i]}; name=${spec%%@*}; seed=0
     [[ $spec == *@* ]] && seed=${spec#*@}
-    [ -e "$DIR/run_${name}_seed$seed.json" ] && continue  # finished: start nothing
     left=$((deadline - $(date +%s)))
-    ((left > 30)) || return 0
+    if ((left < RUN_S)); then
+      echo "lane $1: $spec not started (${left} s left, a run takes ~$RUN_S)"
+      return 0
+    fi
     # shellcheck disable=SC2086  # ARGS: one flag a word
     CUDA_VISIBLE_DEVICES=$(($1 % NGPU)) timeout "$left" torchrun --nproc-per-node 4 \
       --master-port $((29600 + $1)) examples/convergence.py --device cuda --backend gloo \

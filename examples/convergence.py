@@ -222,7 +222,8 @@ def run_all(args: argparse.Namespace) -> dict:
 
 def summarize(out: Path) -> dict:
     """Every finished run in ``out`` of these settings, and each compressor's final held-out
-    loss against plain DDP's (mean over seeds) and plain's seed spread."""
+    loss against plain DDP's: against plain's mean over seeds, and paired with plain's run of
+    the same seed (same initialization and data order); and plain's seed spread."""
     runs = [json.loads(p.read_text()) for p in sorted(out.glob("run_*.json"))]
     by: dict[str, list[dict]] = {}
     for r in runs:
@@ -235,58 +236,80 @@ def summarize(out: Path) -> dict:
     base = mean(plain) if plain else None
     finals = [r["final_held_out_loss"] for r in plain or []]
     spread = max(finals) - min(finals) if len(finals) > 1 else None  # one seed: no spread
+    plain_by_seed = {r["seed"]: r["final_held_out_loss"] for r in plain or []}
     rows = []
     for name in [n for n in COMPRESSORS if n in by]:
         rs = by[name]
         loss = mean(rs)
         sent = [r["bytes_per_step"] for r in rs if r["bytes_per_step"] is not None]
+        paired = [(r["final_held_out_loss"] - plain_by_seed[r["seed"]]) / plain_by_seed[r["seed"]]
+                  for r in rs if r["seed"] in plain_by_seed]  # fmt: skip
         rows.append({
             "compressor": name, "what": COMPRESSORS[name][0], "seeds": len(rs),
             "held_out_loss": loss, "ppl": math.exp(loss),
             "vs_plain": None if base is None else (loss - base) / base,
+            "vs_plain_same_seed": sum(paired) / len(paired) if paired else None,
             "mb_per_step": sent[0] / 1e6 if sent else None,
             "step_ms": sum(r["step_ms"] for r in rs) / len(rs),
         })  # fmt: skip
-    return {"rows": rows, "plain_spread": spread, "runs": runs}
+    return {"rows": rows, "plain_spread": spread, "plain_mean": base, "runs": runs}
 
 
 def table(summary: dict) -> str:
     spread = summary["plain_spread"]
-    lines = ["| compressor | seeds | held-out loss | perplexity | vs plain | MB/step a rank | "
-             "step ms |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{100 * x:+.2f}%"
+
+    lines = ["| compressor | seeds | held-out loss | perplexity | vs plain | vs plain, same seed "
+             "| MB/step a rank | step ms |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
     for r in summary["rows"]:
-        vs = "-" if r["vs_plain"] is None else f"{100 * r['vs_plain']:+.2f}%"
         mb = "-" if r["mb_per_step"] is None else f"{r['mb_per_step']:.2f}"
         lines.append(f"| {r['what']} | {r['seeds']} | {r['held_out_loss']:.4f} | "
-                     f"{r['ppl']:.3f} | {vs} | {mb} | {r['step_ms']:.1f} |")  # fmt: skip
+                     f"{r['ppl']:.3f} | {pct(r['vs_plain'])} | "
+                     f"{pct(r.get('vs_plain_same_seed'))} | {mb} | {r['step_ms']:.1f} |")  # fmt: skip
     if spread is not None:
-        lines.append(f"\nplain DDP's seed spread (max - min held-out loss): {spread:.4f}")
+        lines.append(f"\nplain DDP's seed spread (max - min held-out loss): {spread:.4f} "
+                     f"({100 * spread / summary['plain_mean']:.2f}% of its mean)")  # fmt: skip
     return "\n".join(lines)
 
 
 def plot(summary: dict, out: Path) -> list[Path]:
+    """Held-out loss against step and against MB sent: a colour a compressor, a line style a
+    seed; the right panel zooms on the second half, where the runs part."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    names = [r["compressor"] for r in summary["rows"]]
+    colours = {n: plt.get_cmap("tab20")(i % 20) for i, n in enumerate(names)}
+    styles = ("-", "--", ":", "-.")
     paths = []
     for x_key, label, name in (("step", "step", "loss_by_step.png"),
                                ("bytes_sent", "MB a rank sent", "loss_by_bytes.png")):  # fmt: skip
-        fig, ax = plt.subplots(figsize=(8, 5))
-        for r in summary["runs"]:
-            points = [(e[x_key], e["loss"]) for e in r["evals"] if e[x_key] is not None]
+        fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+        for r in sorted(summary["runs"], key=lambda r: (names.index(r["compressor"]), r["seed"])):
+            points = [(e[x_key], e["loss"], e["step"]) for e in r["evals"]
+                      if e[x_key] is not None]  # fmt: skip
             if not points:
                 continue
             xs = [p[0] / (1e6 if x_key == "bytes_sent" else 1) for p in points]
-            ax.plot(xs, [p[1] for p in points], linewidth=1,
-                    label=f"{r['what']} (seed {r['seed']})")  # fmt: skip
-        if x_key == "bytes_sent":
-            ax.set_xscale("log")
-        ax.set(xlabel=label, ylabel="held-out loss")
-        ax.legend(fontsize=7)
+            late = len(points) // 2
+            for ax, first in ((axes[0], 0), (axes[1], late)):
+                ax.plot(xs[first:], [p[1] for p in points[first:]], linewidth=1.2,
+                        color=colours[r["compressor"]], linestyle=styles[r["seed"] % 4],
+                        label=f"{r['what']} (seed {r['seed']})")  # fmt: skip
+        for ax in axes:
+            if x_key == "bytes_sent":
+                ax.set_xscale("log")
+            ax.set(xlabel=label, ylabel="held-out loss")
+            ax.grid(alpha=0.3)
+        axes[0].set_title("whole run")
+        axes[1].set_title("second half")
+        axes[1].legend(fontsize=7)
         fig.tight_layout()
-        fig.savefig(out / name, dpi=120)
+        fig.savefig(out / name, dpi=110)
         plt.close(fig)
         paths.append(out / name)
     return paths

@@ -49,3 +49,31 @@ def test_a_small_study_writes_its_results_and_losses_fall(tmp_path):
 
     other = _run(out, "--lr", "1e-3")  # other settings into the same folder: refused
     assert other.returncode != 0 and "a run of other settings" in other.stderr
+
+
+def _load_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("convergence_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_summary_compares_with_plains_mean_and_with_plains_run_of_the_same_seed(tmp_path):
+    convergence = _load_script()
+    finals = {("plain", 0): 1.00, ("plain", 1): 1.10, ("cgx4", 0): 1.02, ("cgx4", 1): 1.10,
+              ("cgx2", 0): 1.21}  # fmt: skip
+    for (name, seed), loss in finals.items():
+        run = {"compressor": name, "seed": seed, "final_held_out_loss": loss, "evals": [],
+               "bytes_per_step": 100.0, "step_ms": 1.0}  # fmt: skip
+        (tmp_path / f"run_{name}_seed{seed}.json").write_text(json.dumps(run))
+    summary = convergence.summarize(tmp_path)
+    rows = {r["compressor"]: r for r in summary["rows"]}
+    assert summary["plain_spread"] == pytest.approx(0.10)
+    assert rows["cgx4"]["vs_plain"] == pytest.approx(1.06 / 1.05 - 1)
+    assert rows["cgx4"]["vs_plain_same_seed"] == pytest.approx(0.01)  # (+2% + 0%) / 2
+    assert rows["cgx2"]["vs_plain_same_seed"] == pytest.approx(0.21)  # seed 0's plain only
+    text = convergence.table(summary)
+    assert "| CGX 2-bit | 1 | 1.2100 |" in text and "+21.00% |" in text
+    assert "seed spread (max - min held-out loss): 0.1000 (9.52% of its mean)" in text
