@@ -257,6 +257,7 @@ def summarize(out: Path) -> dict:
 
 def table(summary: dict) -> str:
     spread = summary["plain_spread"]
+
     def pct(x: float | None) -> str:
         return "-" if x is None else f"{100 * x:+.2f}%"
 
@@ -265,9 +266,10 @@ def table(summary: dict) -> str:
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
     for r in summary["rows"]:
         mb = "-" if r["mb_per_step"] is None else f"{r['mb_per_step']:.2f}"
+        paired = pct(r.get("vs_plain_same_seed"))
         lines.append(f"| {r['what']} | {r['seeds']} | {r['held_out_loss']:.4f} | "
-                     f"{r['ppl']:.3f} | {pct(r['vs_plain'])} | "
-                     f"{pct(r.get('vs_plain_same_seed'))} | {mb} | {r['step_ms']:.1f} |")  # fmt: skip
+                     f"{r['ppl']:.3f} | {pct(r['vs_plain'])} | {paired} | {mb} | "
+                     f"{r['step_ms']:.1f} |")  # fmt: skip
     if spread is not None:
         lines.append(f"\nplain DDP's seed spread (max - min held-out loss): {spread:.4f} "
                      f"({100 * spread / summary['plain_mean']:.2f}% of its mean)")  # fmt: skip

@@ -8,8 +8,9 @@ from pathlib import Path
 SCRIPT = Path(__file__).parents[2] / "bench" / "convergence_study.sh"
 
 
-def _launches(tmp_path: Path, lanes: int, runs: str, done: tuple[str, ...] = (),
-              run_s: int = 1) -> tuple[list, str]:
+def _launches(
+    tmp_path: Path, lanes: int, runs: str, done: tuple[str, ...] = (), run_s: int = 1
+) -> tuple[list, str]:
     fake = tmp_path / "bin"
     fake.mkdir(exist_ok=True)
     log = tmp_path / "launches"
