@@ -1138,8 +1138,7 @@ def encode(
 
 
 # The one-payload encode and decode of each shape, bound to their compiled kernel variant:
-# the public ops' calls, whose host time is mostly launching (BENCHMARKS.md, "Host time of
-# the codec ops").
+# the public ops' calls, whose host time is mostly launching (BENCHMARKS.md, "Host time").
 _BOUND_ENCODE: dict[tuple, tuple] = {}
 _BOUND_DECODE: dict[tuple, tuple] = {}
 

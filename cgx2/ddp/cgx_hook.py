@@ -71,8 +71,8 @@ class CGXState:
     1, sends DDP's first iteration exact, as CGX did (it registered its layers then): DDP
     puts the whole model in one bucket in that iteration, and Adam's first update, about
     ±lr per weight whatever the gradient's size, turns quantization noise in small
-    gradients into full-size steps (BENCHMARKS.md, "Comparing the DDP hooks"). Compiled
-    autograd's per-parameter reducer sees no iterations: it compresses from the first.
+    gradients into full-size steps. Compiled autograd's per-parameter reducer sees no
+    iterations: it compresses from the first.
 
     With ``mesh="auto"`` on several nodes, ``adaptive_bits`` and ``error_feedback`` keep the
     flat allreduce (neither combines with the mesh yet); an explicit mesh with either is
