@@ -19,8 +19,9 @@
 # LINK_RATES="1gbit 10gbit 25gbit" the allreduce between them (LINK_ARGS for cgx2.bench; carry
 # .iproute, Debian's iproute2 .debs: bench/gloo_cuda_ddp.sh's header says how to fetch them).
 # CONVERGENCE=1 runs the convergence study (bench/convergence_study.sh; CONVERGENCE_TIMEOUT 540 s,
-# CONVERGENCE_LANES), resuming from bench/results/convergence/ (returned as convergence.tgz in
-# $OUT); ERROR_BY_LAYER=1 runs examples/error_by_layer.py on the study's model.
+# CONVERGENCE_LANES; its RUNS and RUN_S pass through), resuming from bench/results/convergence/
+# (returned as convergence.tgz in $OUT; on a machine kept warm, /tmp/convergence carries the
+# runs between calls too); ERROR_BY_LAYER=1 runs examples/error_by_layer.py on the study's model.
 # SKIP_COMPAT=1 leaves out the CPU tests of DTensor and FSDP2 under this image's torch.
 # SKIP_HOST_COST=1 leaves out bench/host_cost.py (the codec ops' host time, eager and compiled),
 # bench/allreduce_host_cost.py (2 GPUs: the allreduce's, profiled) and bench/agreement_cost.py

@@ -98,6 +98,8 @@ def fingerprint(args: argparse.Namespace, world: int) -> str:
     keys = ("dim", "layers", "heads", "context", "batch_size", "steps", "warmup", "lr",
             "train_bytes", "eval_every", "eval_batches")  # fmt: skip
     what = {k: getattr(args, k) for k in keys} | {"world": world}
+    if args.optimizer != "adamw":  # (runs from before the option: AdamW's, unmarked)
+        what["optimizer"] = args.optimizer
     return hashlib.sha1(json.dumps(what, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -145,7 +147,10 @@ def run_one(name: str, seed: int, args: argparse.Namespace, device: str,
     args.seed = seed
     cgx2.manual_seed(seed)
     model, state = _build(name, args, device)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    if args.optimizer == "sgd":  # no per-weight normalization: error feedback's usual setting
+        opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-4)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: schedule(s, args.steps, args.warmup))
     gen = torch.Generator().manual_seed(seed * 1000 + rank)  # one data order per seed
     params = sum(p.numel() for p in model.parameters())
@@ -332,7 +337,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="run only seed K of those (several processes sharing a study)")  # fmt: skip
     p.add_argument("--steps", type=int, default=2000, help="training steps a run")
     p.add_argument("--warmup", type=int, default=100, help="steps of linear warm-up")
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW's peak learning rate")
+    p.add_argument("--lr", type=float, default=1e-3, help="the peak learning rate")
+    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
+                   help="AdamW (weight decay 0.1) or SGD with momentum 0.9")  # fmt: skip
     p.add_argument("--batch-size", type=int, default=16, help="sequences a rank and step")
     p.add_argument("--context", type=int, default=256, help="tokens (bytes) a sequence")
     p.add_argument("--dim", type=int, default=384, help="model width")
