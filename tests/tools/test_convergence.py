@@ -2,6 +2,7 @@
 the plots are written, plain and 4-bit losses fall on training and held-out text, and a rerun
 skips the finished runs."""
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -77,3 +78,16 @@ def test_the_summary_compares_with_plains_mean_and_with_plains_run_of_the_same_s
     text = convergence.table(summary)
     assert "| CGX 2-bit | 1 | 1.2100 |" in text and "+21.00% |" in text
     assert "seed spread (max - min held-out loss): 0.1000 (9.52% of its mean)" in text
+
+
+def test_the_optimizer_marks_a_run_only_when_it_is_not_adamw():
+    convergence = _load_script()
+    adamw = convergence.parse_args(["--steps", "10"])
+    sgd = convergence.parse_args(["--steps", "10", "--optimizer", "sgd"])
+    # AdamW's runs keep the fingerprint they had before the option existed
+    keys = ("dim", "layers", "heads", "context", "batch_size", "steps", "warmup", "lr",
+            "train_bytes", "eval_every", "eval_batches")  # fmt: skip
+    legacy = {k: getattr(adamw, k) for k in keys} | {"world": 2}
+    want = hashlib.sha1(json.dumps(legacy, sort_keys=True).encode()).hexdigest()[:12]
+    assert convergence.fingerprint(adamw, 2) == want
+    assert convergence.fingerprint(sgd, 2) != want
