@@ -38,16 +38,16 @@ def launch(run: Callable[[argparse.Namespace], dict], args: argparse.Namespace,
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     queue = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_worker, (args.world_size, port, args, queue, run, init),
+    mp.start_processes(_worker, (args.world_size, port, args, queue, run, init, sys.orig_argv),
                        args.world_size, start_method="spawn")  # fmt: skip
-    result = queue.get()
-    result["env"]["command"] = " ".join(sys.orig_argv)  # the workers' own is spawn's
-    return result
+    return queue.get()
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: Any,
-            run: Callable[[argparse.Namespace], dict],
-            init: Callable[..., None]) -> None:  # fmt: skip
+            run: Callable[[argparse.Namespace], dict], init: Callable[..., None],
+            argv: list[str]) -> None:  # fmt: skip
+    # The command a result records (cgx2.bench.report.environment) is this one, not spawn's.
+    sys.orig_argv = argv
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     init(args, rank=rank, world_size=world)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))

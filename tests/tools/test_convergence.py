@@ -34,6 +34,7 @@ def test_a_small_study_writes_its_results_and_losses_fall(tmp_path):
     runs = {name: json.loads((out / f"run_{name}_seed0.json").read_text())
             for name in ("plain", "cgx4")}  # fmt: skip
     for r in runs.values():
+        assert "convergence.py" in r["env"]["command"]  # the study's command, not spawn's
         assert len(r["train_losses"]) == 60 and [e["step"] for e in r["evals"]] == [30, 60]
         assert r["train_losses"][-1] < 0.8 * r["train_losses"][0]
         assert r["evals"][-1]["loss"] < r["evals"][0]["loss"]
