@@ -18,19 +18,26 @@ def _timing(report: dict) -> str:
     return "one call per window" if calls == 1 else f"{calls} calls back to back per window"
 
 
+def _plain(report: dict) -> str:
+    """Whose allreduce "plain" is: gloo's for CPU tensors and ``--backend gloo``, else NCCL's."""
+    cpu = report["env"]["regime"].startswith("cpu")
+    return "gloo" if cpu or report["args"].get("backend") == "gloo" else "NCCL"
+
+
 def allreduce_table(path: Path, bits: int | None = None) -> str:
     report = json.loads(path.read_text())
     env = report["env"]
+    plain = _plain(report)
     auto = "auto_ms" in report["rows"][0]  # results since the automatic fallback
     a2a = "sol_all_to_all_ms" in report["rows"][0]  # since two ranks swap by all-gather
     lines = [
         f"`{path.name}` — {env['device']} ×{env['world_size']}, regime **{env['regime']}**, "
         f"torch {env['torch']}, NCCL {env.get('nccl', '-')}, {env['date']}, {_timing(report)}",
         "",
-        "| dtype | size | bits | NCCL ms | cgx2 ms | bf16-cast ms | speed of light ms "
+        f"| dtype | size | bits | {plain} ms | cgx2 ms | bf16-cast ms | speed of light ms "
         + ("| all_to_all light ms " if a2a else "")
-        + "| cgx2 vs NCCL | cgx2 / speed of light |"
-        + (" auto: path, ms | auto vs NCCL |" if auto else ""),
+        + f"| cgx2 vs {plain} | cgx2 / speed of light |"
+        + (f" auto: path, ms | auto vs {plain} |" if auto else ""),
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
         + (" ---: |" if a2a else "")
         + (" --- | ---: |" if auto else ""),
@@ -210,9 +217,9 @@ def sweep_table(paths: list[Path]) -> str:
 def summary_table(paths: list[Path]) -> str:
     """One row per (file, dtype, size): how it was timed, the ratios, and the file."""
     lines = [
-        "| regime | GPUs | timed | dtype | size | NCCL ms | cgx2 ms | cgx2 vs NCCL "
-        "| cgx2 / light | graphs vs NCCL | file |",
-        "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| regime | ranks | timed | dtype | size | plain | plain ms | cgx2 ms | cgx2 vs plain "
+        "| cgx2 / light | graphs vs plain | file |",
+        "| --- | ---: | --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for path in paths:
         rep = json.loads(path.read_text())
@@ -222,7 +229,7 @@ def summary_table(paths: list[Path]) -> str:
             graphs = r.get("graphs_speedup_vs_plain")
             lines.append(
                 f"| {rep['env']['regime']} | {rep['env']['world_size']} | {timed} | {r['dtype']} "
-                f"| {r['size']} | {r['plain_ms']:.3f} | {r['cgx2_ms']:.3f} "
+                f"| {r['size']} | {_plain(rep)} | {r['plain_ms']:.3f} | {r['cgx2_ms']:.3f} "
                 f"| **{r['speedup_vs_plain']:.2f}×** | {r['fraction_of_sol']:.0%} "
                 f"| {'-' if graphs is None else f'{graphs:.2f}×'} | `{path.stem}` |"
             )
