@@ -6,6 +6,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from stand_ins import CudaEvent
 
 import cgx2
 from cgx2.collectives.agreement import DisagreementError
@@ -119,16 +120,6 @@ def test_a_result_settled_after_a_disagreement_is_nan_everywhere():
     assert torch.equal(agreed, torch.arange(6, dtype=torch.float32))
 
 
-class _Event:
-    """A CUDA event's stand-in: its answer arrives when the test says so."""
-
-    def __init__(self) -> None:
-        self.done = False
-
-    def query(self) -> bool:
-        return self.done
-
-
 class _Group:
     pass
 
@@ -136,7 +127,7 @@ class _Group:
 def test_a_deferred_answer_raises_once_it_arrives_and_never_waits():
     from cgx2.collectives import agreement
 
-    group, event = _Group(), _Event()
+    group, event = _Group(), CudaEvent()
     rows = torch.tensor([[1024, 0, 4], [1000, 0, 4]])
     pending = agreement._Pending(rows, event, ["numel", "dtype", "bits"],
                                  {"numel": 1024, "dtype": torch.float32, "bits": 4},

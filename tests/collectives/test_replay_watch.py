@@ -6,16 +6,9 @@ import gc
 import time
 
 import pytest
+from stand_ins import CudaEvent
 
 from cgx2.collectives.replay_watch import ReplayWatch
-
-
-class _Event:
-    def __init__(self) -> None:
-        self.done = False
-
-    def query(self) -> bool:
-        return self.done
 
 
 class _Group:
@@ -37,7 +30,7 @@ class _Clock:
 def test_finished_replays_are_forgotten_and_abort_nothing():
     clock, group = _Clock(), _Group("g")
     watch = ReplayWatch(clock=clock, thread=False)
-    events = [_Event() for _ in range(3)]
+    events = [CudaEvent() for _ in range(3)]
     for e in events:
         watch.replayed(group, e, timeout_s=10)
     for e in events:
@@ -51,10 +44,10 @@ def test_finished_replays_are_forgotten_and_abort_nothing():
 def test_an_overdue_replay_aborts_its_group_whose_next_replay_raises():
     clock, stuck, other = _Clock(), _Group("stuck"), _Group("other")
     watch = ReplayWatch(clock=clock, thread=False)
-    late, fine = _Event(), _Event()
+    late, fine = CudaEvent(), CudaEvent()
     watch.replayed(stuck, late, timeout_s=30)
     watch.replayed(other, fine, timeout_s=30)
-    watch.replayed(stuck, _Event(), timeout_s=30)
+    watch.replayed(stuck, CudaEvent(), timeout_s=30)
     clock.now = 29
     watch.check()
     assert stuck.aborted == 0  # not yet overdue
@@ -73,7 +66,7 @@ def test_an_overdue_replay_aborts_its_group_whose_next_replay_raises():
 def test_a_group_gone_is_forgotten_not_aborted():
     clock, group = _Clock(), _Group("gone")
     watch = ReplayWatch(clock=clock, thread=False)
-    watch.replayed(group, _Event(), timeout_s=1)
+    watch.replayed(group, CudaEvent(), timeout_s=1)
     del group
     gc.collect()
     clock.now = 10
@@ -84,7 +77,7 @@ def test_a_group_gone_is_forgotten_not_aborted():
 def test_its_thread_aborts_an_overdue_replay_unasked():
     group = _Group("g")
     watch = ReplayWatch(poll_s=0.01)
-    watch.replayed(group, _Event(), timeout_s=0.05)
+    watch.replayed(group, CudaEvent(), timeout_s=0.05)
     for _ in range(500):
         if group.aborted:
             break
