@@ -4,9 +4,11 @@
 # running its share of the runs. Runs are taken in RUNS' order ("name", or "name@K" for seed K
 # of plain and cgx4; most wanted first); the unfinished ones are dealt round-robin to the lanes;
 # each lands in DIR as it ends, and a later call skips it, so a study longer than one call
-# (TIMEOUT seconds, default 540) runs over several: keep DIR between them. A run is not started
-# with less than RUN_S seconds left (default 400 with two lanes on a GPU, 230 with one): a run
-# cut off is lost, and a lane that stops early ends the call sooner (device time saved).
+# (TIMEOUT seconds, default 540) runs over several: keep DIR between them. A run still going at
+# the deadline stops at a held-out evaluation and leaves a checkpoint in DIR/checkpoints, from
+# which the next call resumes it (convergence.py --time-limit). A fresh run is not started with
+# less than RUN_S seconds left (default 400 with two lanes on a GPU, 230 with one): a lane that
+# stops early ends the call sooner (device time saved).
 # Usage (repo root): DIR=bench/results/convergence bash bench/convergence_study.sh
 # (ARGS: the model and schedule flags; every call and lane must pass the same ones).
 set -uo pipefail
@@ -33,14 +35,16 @@ lane() {  # lane $1 on GPU $1 mod NGPU: unfinished specs $1, $1 + LANES, ...
     spec=${specs[i]}; name=${spec%%@*}; seed=0
     [[ $spec == *@* ]] && seed=${spec#*@}
     left=$((deadline - $(date +%s)))
-    if ((left < RUN_S)); then
+    if ((left < RUN_S)) && [ ! -e "$DIR/checkpoints/${name}_seed${seed}_rank0.pt" ]; then
       echo "lane $1: $spec not started (${left} s left, a run takes ~$RUN_S)"
       return 0
     fi
+    ((left > 60)) || return 0
     # shellcheck disable=SC2086  # ARGS: one flag a word
     CUDA_VISIBLE_DEVICES=$(($1 % NGPU)) timeout "$left" torchrun --nproc-per-node 4 \
       --master-port $((29600 + $1)) examples/convergence.py --device cuda --backend gloo \
       $ARGS --compressors "$name" --seeds $((seed + 1)) --only-seed "$seed" --out "$DIR" \
+      --time-limit $((left - 45)) \
       >/dev/null \
       2>>"$DIR/lane$1.err" || echo "lane $1: $spec failed or was cut off (see $DIR/lane$1.err)"
   done

@@ -21,7 +21,8 @@
 # CONVERGENCE=1 runs the convergence study (bench/convergence_study.sh; CONVERGENCE_TIMEOUT 540 s,
 # CONVERGENCE_LANES; its RUNS and RUN_S pass through), resuming from bench/results/convergence/
 # (returned as convergence.tgz in $OUT; on a machine kept warm, /tmp/convergence carries the
-# runs between calls too); ERROR_BY_LAYER=1 runs examples/error_by_layer.py on the study's model.
+# runs between calls too, and the checkpoints of runs stopped at the deadline, which the next
+# call resumes); ERROR_BY_LAYER=1 runs examples/error_by_layer.py on the study's model.
 # SKIP_COMPAT=1 leaves out the CPU tests of DTensor and FSDP2 under this image's torch.
 # SKIP_HOST_COST=1 leaves out bench/host_cost.py (the codec ops' host time, eager and compiled),
 # bench/allreduce_host_cost.py (2 GPUs: the allreduce's, profiled) and bench/agreement_cost.py
@@ -180,7 +181,7 @@ if [ -n "${CONVERGENCE:-}" ]; then  # bench/convergence_study.sh: a lane a GPU
   mkdir -p /tmp/convergence && cp bench/results/convergence/run_*.json /tmp/convergence/ 2>/dev/null
   DIR=/tmp/convergence TIMEOUT=${CONVERGENCE_TIMEOUT:-540} LANES=${CONVERGENCE_LANES:-} \
     bash bench/convergence_study.sh
-  tar czf "$OUT/convergence.tgz" -C /tmp convergence
+  tar czf "$OUT/convergence.tgz" -C /tmp --exclude=checkpoints convergence  # (GBs: they stay)
 fi
 if [ -n "${ERROR_BY_LAYER:-}" ]; then  # where the study's quantization error lies, layer by layer
   python3 examples/error_by_layer.py --device cuda --dim 512 --layers 6 --heads 8 --steps 2000 \

@@ -1,7 +1,11 @@
 """Convergence at length: one byte-level transformer trained from the same initialization on the
 same data order once per compressor, its loss measured on held-out text that no step sees.
 Writes one JSON per run as it ends (a rerun skips finished runs), then a table, a summary JSON
-and two plots (held-out loss against the step, and against the bytes a rank sent):
+and two plots (held-out loss against the step, and against the bytes a rank sent). With
+``--time-limit``, a run that would not finish in time stops at a held-out evaluation and leaves
+a checkpoint (each rank's model, optimizer, schedule, data order, compressor and seed state),
+from which a rerun resumes it: as if never stopped, but for the DDP hooks' rounding after the
+resume (DDP lays out its buckets afresh, and the hooks draw their random bits by bucket):
 
     python examples/convergence.py --steps 300 --compressors plain,cgx4     # 2 CPU processes
     torchrun --nproc-per-node 4 examples/convergence.py --device cuda --backend gloo \\
@@ -22,6 +26,7 @@ import json
 import math
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -141,7 +146,9 @@ def held_out_loss(model: nn.Module, held: torch.Tensor, args: argparse.Namespace
 
 
 def run_one(name: str, seed: int, args: argparse.Namespace, device: str,
-            data: tuple[torch.Tensor, torch.Tensor]) -> dict:  # fmt: skip
+            data: tuple[torch.Tensor, torch.Tensor]) -> dict | None:  # fmt: skip
+    """Train ``name`` with ``seed`` (from its checkpoint, where one is left): its result, or
+    None where ``--time-limit`` stopped it (its checkpoint saved)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     train, held = data
     args.seed = seed
@@ -156,8 +163,21 @@ def run_one(name: str, seed: int, args: argparse.Namespace, device: str,
     params = sum(p.numel() for p in model.parameters())
     plain_step = ring_bytes_sent(4 * params, world)
     losses, evals, times = [], [], []
+    start, ckpt = 0, checkpoint_path(Path(args.out), name, seed, rank)
+    if ckpt.exists():
+        saved = torch.load(ckpt, map_location=device, weights_only=False)
+        if saved["fingerprint"] != fingerprint(args, world):
+            raise SystemExit(f"{ckpt} is a checkpoint of other settings: use another --out")
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+        sched.load_state_dict(saved["schedule"])
+        gen.set_state(saved["data_order"])
+        _load_compression_state(name, model, state, saved["compression"])
+        cgx2.seeding.set_state(saved["seed_state"])
+        start, losses, evals, times = saved["step"], saved["losses"], saved["evals"], saved["times"]
     progress = Progress() if rank == 0 else None
-    for step in range(args.steps):
+    interval_start = time.time()
+    for step in range(start, args.steps):
         x, y = batch(train, args.batch_size, args.context, gen, device)
         seconds, loss = train_step(model, opt, x, y, args.log_group)
         sched.step()
@@ -170,8 +190,24 @@ def run_one(name: str, seed: int, args: argparse.Namespace, device: str,
             if progress is not None:
                 progress(f"{name} seed {seed}: step {step + 1}/{args.steps}  train "
                          f"{losses[-1]:.4f}  held out {evals[-1]['loss']:.4f}")  # fmt: skip
+            now = time.time()
+            interval_s, interval_start = now - interval_start, now
+            if step + 1 < args.steps and _out_of_time(args, interval_s):
+                ckpt.parent.mkdir(parents=True, exist_ok=True)
+                torch.save({
+                    "fingerprint": fingerprint(args, world), "step": step + 1,
+                    "model": model.state_dict(), "optimizer": opt.state_dict(),
+                    "schedule": sched.state_dict(), "data_order": gen.get_state(),
+                    "compression": _compression_state(name, model, state),
+                    "seed_state": cgx2.seeding.get_state(),
+                    "losses": losses, "evals": evals, "times": times,
+                }, ckpt)  # fmt: skip
+                if progress is not None:
+                    progress.close()
+                return None
     if progress is not None:
         progress.close()
+    ckpt.unlink(missing_ok=True)
     final = evals[-1]["loss"]
     return {
         "compressor": name, "what": COMPRESSORS[name][0], "seed": seed, "params": params,
@@ -185,6 +221,34 @@ def run_one(name: str, seed: int, args: argparse.Namespace, device: str,
 
 def _run_path(out: Path, name: str, seed: int) -> Path:
     return out / f"run_{name}_seed{seed}.json"
+
+
+def checkpoint_path(out: Path, name: str, seed: int, rank: int) -> Path:
+    """Where rank ``rank`` keeps an unfinished run's state (removed when the run ends)."""
+    return out / "checkpoints" / f"{name}_seed{seed}_rank{rank}.pt"
+
+
+def _compression_state(name: str, model: nn.Module, state: object) -> object:
+    if name == "fsdp4":
+        return cgx2.fsdp.compression_state_dict(model)
+    return None if state is None else state.state_dict()
+
+
+def _load_compression_state(name: str, model: nn.Module, state: object, saved: object) -> None:
+    if name == "fsdp4":
+        cgx2.fsdp.load_compression_state_dict(model, saved)
+    elif state is not None:
+        state.load_state_dict(saved)
+
+
+def _out_of_time(args: argparse.Namespace, interval_s: float) -> bool:
+    """Whether another ``interval_s`` of training (and a checkpoint) would pass
+    ``--time-limit``: rank 0's answer, so that every rank stops at the same step."""
+    if not args.time_limit:
+        return False
+    late = torch.tensor([time.time() - args.started + 1.5 * interval_s > args.time_limit])
+    dist.broadcast(late, 0, group=args.log_group)
+    return bool(late.item())
 
 
 def pending_runs(args: argparse.Namespace, world: int) -> list[tuple[str, int]]:
@@ -218,6 +282,11 @@ def run_all(args: argparse.Namespace) -> dict:
         if dist.get_rank() == 0:
             print(f"[{i + 1}/{len(pending[0])}] {name}, seed {seed}", file=sys.stderr, flush=True)
         result = run_one(name, seed, args, device, data)
+        if result is None:  # out of time: checkpointed, to be resumed by a rerun
+            if dist.get_rank() == 0:
+                print(f"{name}, seed {seed}: stopped for --time-limit, its checkpoint in "
+                      f"{checkpoint_path(out, name, seed, 0).parent}", file=sys.stderr)  # fmt: skip
+            break
         if dist.get_rank() == 0:
             result["env"] = environment(torch.device(device), dist.get_world_size())
             _run_path(out, name, seed).write_text(json.dumps(result, indent=1))
@@ -349,6 +418,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=100, help="steps between held-out losses")
     p.add_argument("--eval-batches", type=int, default=8, help="held-out batches an evaluation")
     p.add_argument("--world-size", type=int, default=2, help="processes to spawn without torchrun")
+    p.add_argument("--time-limit", type=float, default=0, metavar="SECONDS",
+                   help="stop a run that would not finish within this many seconds of the "
+                        "start at a held-out evaluation, checkpointed; a rerun resumes it "
+                        "(0: no limit)")  # fmt: skip
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: cuda if available")  # fmt: skip
     p.add_argument("--backend", choices=("nccl", "gloo"), default="nccl",
@@ -359,6 +432,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     args.compressors = args.compressors.split(",")
+    args.started = time.time()  # --time-limit counts from here (rank 0's, under torchrun)
     unknown = [c for c in args.compressors if c not in COMPRESSORS]
     if unknown:
         p.error(f"--compressors: unknown {unknown}; choose from {', '.join(COMPRESSORS)}")

@@ -1,6 +1,7 @@
 """examples/convergence.py, tiny, on 2 CPU processes: the runs' JSON, the table, the summary and
-the plots are written, plain and 4-bit losses fall on training and held-out text, and a rerun
-skips the finished runs."""
+the plots are written, plain and 4-bit losses fall on training and held-out text, a run stopped
+for its time limit resumes from its checkpoint as if never stopped, and a rerun skips the
+finished runs."""
 
 import hashlib
 import json
@@ -25,8 +26,16 @@ def _run(out: Path, *extra: str) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_a_small_study_writes_its_results_and_losses_fall(tmp_path):
     out = tmp_path / "study"
-    done = _run(out)
+    # Out of time at the first evaluation: plain stops there, checkpointed; cgx4 never starts.
+    stopped = _run(out, "--time-limit", "0.001")
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    assert "plain, seed 0: stopped for --time-limit" in stopped.stderr
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "plain_seed0_rank0.pt", "plain_seed0_rank1.pt"]  # fmt: skip
+    assert not list(out.glob("run_*.json"))
+    done = _run(out)  # plain resumed from step 30, then cgx4
     assert done.returncode == 0, done.stderr[-3000:]
+    assert not list((out / "checkpoints").iterdir())
     assert "| CGX 4-bit | 1 |" in done.stdout and "| plain DDP | 1 |" in done.stdout
     for name in ("run_plain_seed0.json", "run_cgx4_seed0.json", "summary.json",
                  "loss_by_step.png", "loss_by_bytes.png"):  # fmt: skip
@@ -43,6 +52,12 @@ def test_a_small_study_writes_its_results_and_losses_fall(tmp_path):
     assert runs["cgx4"]["bytes_per_step"] < runs["plain"]["bytes_per_step"] / 5
     summary = json.loads((out / "summary.json").read_text())
     assert {r["compressor"] for r in summary["rows"]} == {"plain", "cgx4"}
+    # the resumed run is the uninterrupted one, step for step
+    whole = _run(tmp_path / "whole", "--compressors", "plain")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    uninterrupted = json.loads((tmp_path / "whole" / "run_plain_seed0.json").read_text())
+    assert runs["plain"]["train_losses"] == uninterrupted["train_losses"]
+    assert runs["plain"]["evals"] == uninterrupted["evals"]
 
     before = (out / "run_cgx4_seed0.json").read_text()
     again = _run(out)  # every run is done: nothing trains again

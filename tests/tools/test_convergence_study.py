@@ -19,6 +19,7 @@ def _launches(
     study = tmp_path / "study"
     study.mkdir(exist_ok=True)
     for name in done:
+        (study / name).parent.mkdir(parents=True, exist_ok=True)
         (study / name).write_text("{}")
     env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "NGPU": "2",
            "LANES": str(lanes), "DIR": str(study), "RUNS": runs, "TIMEOUT": "120",
@@ -52,3 +53,9 @@ def test_a_run_that_cannot_finish_in_the_time_left_is_not_started(tmp_path):
     got, out = _launches(tmp_path, 2, "plain cgx4", run_s=121)
     assert got == []
     assert "plain not started" in out and "cgx4 not started" in out
+
+
+def test_a_run_left_checkpointed_resumes_even_with_little_time_left(tmp_path):
+    got, out = _launches(tmp_path, 2, "plain cgx4", done=("checkpoints/cgx4_seed0_rank0.pt",),
+                         run_s=121)  # fmt: skip
+    assert got == [("1", "cgx4", "0")] and "plain not started" in out
