@@ -366,8 +366,7 @@ def plot(summary: dict, out: Path) -> list[Path]:
                                ("bytes_sent", "MB a rank sent", "loss_by_bytes.png")):  # fmt: skip
         fig, axes = plt.subplots(1, 2, figsize=(13, 5))
         for r in sorted(summary["runs"], key=lambda r: (names.index(r["compressor"]), r["seed"])):
-            points = [(e[x_key], e["loss"], e["step"]) for e in r["evals"]
-                      if e[x_key] is not None]  # fmt: skip
+            points = [(e[x_key], e["loss"]) for e in r["evals"] if e[x_key] is not None]
             if not points:
                 continue
             xs = [p[0] / (1e6 if x_key == "bytes_sent" else 1) for p in points]
