@@ -17,15 +17,21 @@ TINY = ["--dim", "32", "--layers", "1", "--heads", "2", "--context", "32", "--ba
         "--eval-batches", "2", "--train-bytes", "300000", "--device", "cpu"]  # fmt: skip
 
 
+def _command(out: Path, *extra: str) -> list[str]:
+    return [sys.executable, str(SCRIPT), *TINY, "--compressors", "plain,cgx4", "--out", str(out),
+            *extra]  # fmt: skip
+
+
 def _run(out: Path, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(SCRIPT), *TINY, "--compressors", "plain,cgx4", "--out", str(out),
-           *extra]  # fmt: skip
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    return subprocess.run(_command(out, *extra), capture_output=True, text=True, timeout=600)
 
 
 @pytest.mark.slow
 def test_a_small_study_writes_its_results_and_losses_fall(tmp_path, capsys):
     out = tmp_path / "study"
+    # plain uninterrupted, beside (most of a run is starting processes: they overlap)
+    whole = subprocess.Popen(_command(tmp_path / "whole", "--compressors", "plain"),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     # Out of time at the first evaluation: plain stops there, checkpointed; cgx4 never starts.
     stopped = _run(out, "--time-limit", "0.001")
     assert stopped.returncode == 0, stopped.stderr[-3000:]
@@ -53,8 +59,8 @@ def test_a_small_study_writes_its_results_and_losses_fall(tmp_path, capsys):
     summary = json.loads((out / "summary.json").read_text())
     assert {r["compressor"] for r in summary["rows"]} == {"plain", "cgx4"}
     # the resumed run is the uninterrupted one, step for step
-    whole = _run(tmp_path / "whole", "--compressors", "plain")
-    assert whole.returncode == 0, whole.stderr[-3000:]
+    _, whole_err = whole.communicate(timeout=600)
+    assert whole.returncode == 0, whole_err[-3000:]
     uninterrupted = json.loads((tmp_path / "whole" / "run_plain_seed0.json").read_text())
     assert runs["plain"]["train_losses"] == uninterrupted["train_losses"]
     assert runs["plain"]["evals"] == uninterrupted["evals"]
