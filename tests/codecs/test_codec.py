@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from bounds import quantize_bound
+from bounds import FP32_EPS, bucket_absmax, quantize_bound
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -345,12 +345,14 @@ def test_four_bit_stream_puts_the_even_level_in_the_low_nibble():
 def test_nearest_rounding_is_within_half_a_step_and_needs_no_key(bits):
     from cgx2.codecs import maxmin as reference
 
-    x = torch.randn(5000) * 3
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(bits)) * 3
     payload = reference.encode(x, bits, 512, 7, nearest=True)
     assert torch.equal(payload, reference.encode(x, bits, 512, 8, stream=3, nearest=True))
     y = reference.decode(payload, 5000, bits, 512)
     rows = torch.cat([x, x[4608:4609].expand(120)]).view(-1, 512)  # the last bucket's padding
     step = ((rows.amax(1) - rows.amin(1)) / (2**bits - 1)).repeat_interleave(512)[:5000]
-    assert ((y - x).abs() <= 0.5 * step * (1 + 1e-5)).all()
+    # fp32 rounding in decoding: a few ulps of the bucket's largest value (tells at 8 bits)
+    slack = 8 * FP32_EPS * bucket_absmax(x, 512)
+    assert ((y - x).abs().double() <= 0.5 * step.double() * (1 + 1e-5) + slack).all()
     stochastic = reference.decode(reference.encode(x, bits, 512, 7), 5000, bits, 512)
     assert (y - x).abs().mean() < (stochastic - x).abs().mean()
