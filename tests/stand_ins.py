@@ -1,13 +1,27 @@
-"""Stand-ins for what the CPU suite cannot make: a CUDA event whose answer the test gives."""
+"""Stand-ins for what the CPU suite cannot make: a CUDA event whose answer the test gives, and
+the stream it records on."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 
 class CudaEvent:
-    """A CUDA event's stand-in: ``query()`` is True once the test sets ``done``."""
+    """A CUDA event's stand-in: ``query()`` is True once the test sets ``done``; recording it
+    again makes it pending."""
 
     def __init__(self) -> None:
-        self.done = False
+        self.done, self.records = False, 0
+
+    def record(self, stream: CudaStream | None = None) -> None:
+        self.done, self.records = False, self.records + 1
 
     def query(self) -> bool:
         return self.done
+
+
+@dataclass(frozen=True)
+class CudaStream:
+    """A CUDA stream's stand-in: its handle."""
+
+    cuda_stream: int = 7

@@ -22,31 +22,60 @@ logger = logging.getLogger("cgx2")
 
 
 @dataclass(slots=True)
-class _Replay:
-    done: Any  # a CUDA event recorded after the replay (anything with query())
+class _Watch:
+    """The replays of one group on one stream since ``done`` was last recorded on it."""
+
+    key: tuple[int, int]  # (id(group), the stream's handle)
+    stream: Any
+    done: Any  # an event recorded on ``stream`` after a replay (anything with query())
     deadline: float
     group: weakref.ref
     name: str
     timeout_s: float
+    more: bool = False  # replays launched after ``done`` was recorded
+
+
+def _cuda_event() -> Any:
+    import torch
+
+    return torch.cuda.Event()
 
 
 class ReplayWatch:
-    """Replays in flight, oldest first; :meth:`check` (a daemon thread's, every ``poll_s``)
-    forgets the finished ones and aborts the group of one overdue."""
+    """Replays in flight, by group and stream, oldest deadline first; :meth:`check` (a daemon
+    thread's, every ``poll_s``) forgets the finished ones and aborts the group of one overdue.
+
+    A replay costs its caller a lookup: while a (group, stream) has an event pending, later
+    replays there only mark it, and :meth:`check`, finding that event done, records it again
+    behind them (an event records everything enqueued on its stream before it).
+    """
 
     def __init__(self, poll_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
-                 thread: bool = True) -> None:  # fmt: skip
-        self.poll_s, self.clock, self.thread = poll_s, clock, thread
-        self._replays: deque[_Replay] = deque()
+                 thread: bool = True,
+                 new_event: Callable[[], Any] = _cuda_event) -> None:  # fmt: skip
+        self.poll_s, self.clock, self.thread, self.new_event = poll_s, clock, thread, new_event
+        self._replays: deque[_Watch] = deque()
+        self._open: dict[tuple[int, int], _Watch] = {}
         self._aborted: dict[int, str] = {}  # id(group) -> why
         self._lock = threading.Lock()
         self._started = False
 
-    def replayed(self, group: dist.ProcessGroup, done: Any, timeout_s: float) -> None:
-        """Watch a replay on ``group`` whose end ``done`` (an event recorded after it) marks."""
+    def replayed(self, group: dist.ProcessGroup, stream: Any, timeout_s: float) -> None:
+        """Watch a replay just launched on ``group`` on ``stream`` (a CUDA stream: anything with
+        ``cuda_stream``, which :attr:`new_event`'s events can record on)."""
+        key = (id(group), stream.cuda_stream)
         with self._lock:
-            self._replays.append(_Replay(done, self.clock() + timeout_s, weakref.ref(group),
-                                         group.group_name, timeout_s))  # fmt: skip
+            watch = self._open.get(key)
+            if watch is not None:
+                watch.more = True
+                return
+        done = self.new_event()
+        done.record(stream)
+        watch = _Watch(key, stream, done, self.clock() + timeout_s, weakref.ref(group),
+                       group.group_name, timeout_s)  # fmt: skip
+        with self._lock:
+            self._open[key] = watch
+            self._replays.append(watch)
             if self.thread and not self._started:
                 self._started = True
                 threading.Thread(target=self._loop, name="cgx2-replay-watch", daemon=True).start()
@@ -62,12 +91,20 @@ class ReplayWatch:
         with self._lock:
             while self._replays and (self._replays[0].group() is None
                                      or self._replays[0].done.query()):  # fmt: skip
-                self._replays.popleft()
+                watch = self._replays.popleft()
+                if watch.more and watch.group() is not None:  # re-armed behind the later ones
+                    watch.more = False
+                    watch.done.record(watch.stream)
+                    watch.deadline = self.clock() + watch.timeout_s
+                    self._replays.append(watch)
+                elif self._open.get(watch.key) is watch:
+                    del self._open[watch.key]
             if not self._replays or self.clock() < self._replays[0].deadline:
                 return
             late = self._replays.popleft()
             group = late.group()
-            self._replays = deque(r for r in self._replays if r.group() is not group)
+            self._replays = deque(w for w in self._replays if w.group() is not group)
+            self._open = {w.key: w for w in self._replays}
         if group is None:
             return
         why = (f"cgx2: a quantized allreduce replayed as a CUDA graph on group {late.name!r} did "
