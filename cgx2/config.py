@@ -429,10 +429,16 @@ def crossover_override() -> int | None:
     runs before every allreduce). ``ValueError`` naming the variable if it is invalid."""
     if "crossover_bytes" in _overrides:
         return _overrides["crossover_bytes"]  # type: ignore[return-value]
+    global _crossover_parsed
     raw = _getenv("CGX2_CROSSOVER_BYTES")
     if not raw:
         return None
-    return _bytes({"CGX2_CROSSOVER_BYTES": raw}, "CGX2_CROSSOVER_BYTES")
+    if raw != _crossover_parsed[0]:  # parsed once a value
+        _crossover_parsed = (raw, _bytes({"CGX2_CROSSOVER_BYTES": raw}, "CGX2_CROSSOVER_BYTES"))
+    return _crossover_parsed[1]
+
+
+_crossover_parsed: tuple[str, int | None] = ("", None)
 
 
 def _getenv(name: str) -> str:

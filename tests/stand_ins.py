@@ -22,6 +22,6 @@ class CudaEvent:
 
 @dataclass(frozen=True)
 class CudaStream:
-    """A CUDA stream's stand-in: its handle."""
+    """A CUDA stream's stand-in: its device's index."""
 
-    cuda_stream: int = 7
+    device_index: int = 0

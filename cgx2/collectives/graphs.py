@@ -89,7 +89,8 @@ sight, so a peer that dies mid-replay would leave its stream waiting forever."""
 def _watch(group: dist.ProcessGroup, device: torch.device) -> None:
     """Hand the replay just launched on ``group`` to :data:`WATCH`."""
     if device.type == "cuda":  # (the tests' stand-ins are on the CPU)
-        WATCH.replayed(group, torch.cuda.current_stream(device), group_info(group).timeout_s)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        WATCH.replayed(group, index, group_info(group).timeout_s)
 
 
 def _forget_with(group: dist.ProcessGroup) -> None:

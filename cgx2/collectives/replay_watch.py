@@ -25,7 +25,7 @@ logger = logging.getLogger("cgx2")
 class _Watch:
     """The replays of one group on one stream since ``done`` was last recorded on it."""
 
-    key: tuple[int, int]  # (id(group), the stream's handle)
+    key: tuple[int, int]  # (id(group), the stream's raw handle)
     stream: Any
     done: Any  # an event recorded on ``stream`` after a replay (anything with query())
     deadline: float
@@ -41,6 +41,18 @@ def _cuda_event() -> Any:
     return torch.cuda.Event()
 
 
+def _raw_stream(device_index: int) -> int:
+    import torch
+
+    return torch._C._cuda_getCurrentRawStream(device_index)  # no Stream object made
+
+
+def _cuda_stream(device_index: int) -> Any:
+    import torch
+
+    return torch.cuda.current_stream(device_index)
+
+
 class ReplayWatch:
     """Replays in flight, by group and stream, oldest deadline first; :meth:`check` (a daemon
     thread's, every ``poll_s``) forgets the finished ones and aborts the group of one overdue.
@@ -51,24 +63,26 @@ class ReplayWatch:
     """
 
     def __init__(self, poll_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
-                 thread: bool = True,
-                 new_event: Callable[[], Any] = _cuda_event) -> None:  # fmt: skip
-        self.poll_s, self.clock, self.thread, self.new_event = poll_s, clock, thread, new_event
+                 thread: bool = True, new_event: Callable[[], Any] = _cuda_event,
+                 raw_stream: Callable[[int], int] = _raw_stream,
+                 stream: Callable[[int], Any] = _cuda_stream) -> None:  # fmt: skip
+        self.poll_s, self.clock, self.thread = poll_s, clock, thread
+        self.new_event, self.raw_stream, self.stream = new_event, raw_stream, stream
         self._replays: deque[_Watch] = deque()
         self._open: dict[tuple[int, int], _Watch] = {}
         self._aborted: dict[int, str] = {}  # id(group) -> why
         self._lock = threading.Lock()
         self._started = False
 
-    def replayed(self, group: dist.ProcessGroup, stream: Any, timeout_s: float) -> None:
-        """Watch a replay just launched on ``group`` on ``stream`` (a CUDA stream: anything with
-        ``cuda_stream``, which :attr:`new_event`'s events can record on)."""
-        key = (id(group), stream.cuda_stream)
+    def replayed(self, group: dist.ProcessGroup, device_index: int, timeout_s: float) -> None:
+        """Watch a replay just launched on ``group`` on the current stream of the device."""
+        key = (id(group), self.raw_stream(device_index))
         with self._lock:
             watch = self._open.get(key)
             if watch is not None:
                 watch.more = True
                 return
+        stream = self.stream(device_index)
         done = self.new_event()
         done.record(stream)
         watch = _Watch(key, stream, done, self.clock() + timeout_s, weakref.ref(group),

@@ -10,7 +10,7 @@ from stand_ins import CudaEvent, CudaStream
 
 from cgx2.collectives.replay_watch import ReplayWatch
 
-STREAM = CudaStream()
+STREAM = 0  # the device's index: its current stream's handle is 100 + it
 
 
 class _Group:
@@ -37,7 +37,8 @@ def _watch(**kwargs) -> tuple[ReplayWatch, list[CudaEvent]]:
         events.append(CudaEvent())
         return events[-1]
 
-    return ReplayWatch(new_event=new_event, **kwargs), events
+    return ReplayWatch(new_event=new_event, raw_stream=lambda index: 100 + index,
+                       stream=CudaStream, **kwargs), events  # fmt: skip
 
 
 def test_replays_behind_a_pending_one_record_nothing_and_are_forgotten_once_done():
@@ -82,7 +83,7 @@ def test_an_overdue_replay_aborts_its_group_whose_next_replay_raises():
     watch, events = _watch(clock=clock, thread=False)
     watch.replayed(stuck, STREAM, timeout_s=30)
     watch.replayed(other, STREAM, timeout_s=30)
-    watch.replayed(stuck, CudaStream(8), timeout_s=30)  # another stream: watched apart
+    watch.replayed(stuck, 1, timeout_s=30)  # another stream: watched apart
     assert len(events) == 3
     clock.now = 29
     watch.check()
@@ -94,7 +95,7 @@ def test_an_overdue_replay_aborts_its_group_whose_next_replay_raises():
         watch.raise_if_aborted(stuck)
     watch.raise_if_aborted(other)
     assert [w.name for w in watch._replays] == ["other"]  # the stuck group's others dropped
-    assert list(watch._open) == [(id(other), STREAM.cuda_stream)]
+    assert list(watch._open) == [(id(other), 100)]
     events[1].done = True
     watch.check()
     assert other.aborted == 0 and not watch._replays and not watch._open
