@@ -76,7 +76,7 @@ def encode(
     instead of stochastically; ``key`` and ``stream`` are then unused. Within half a step,
     biased: for values read as they are (weights), not summed (gradients)."""
     v = x.reshape(-1).to(torch.float32)
-    layout = MaxMinLayout(v.numel(), bits, bucket_size, skip_incomplete)
+    layout = MaxMinLayout.of(v.numel(), bits, bucket_size, skip_incomplete)
     payload = _new_payload(layout.nbytes, v.device, out)
     nq, levels_at = layout.num_buckets, layout.levels_offset
     if layout.raw_numel:
@@ -192,7 +192,7 @@ def decode(
     skip_incomplete: bool = False,
 ) -> torch.Tensor:
     """Inverse of :func:`encode`: a flat tensor of ``numel`` values in ``dtype``."""
-    layout = MaxMinLayout(numel, bits, bucket_size, skip_incomplete)
+    layout = MaxMinLayout.of(numel, bits, bucket_size, skip_incomplete)
     return _decode_values(payload, layout, torch.empty(numel, dtype=dtype, device=payload.device))
 
 
@@ -252,7 +252,7 @@ def decode_sum(
     ``payloads`` is ``[K, P]``; row ``own_index`` is not decoded (``own`` stands for it in full
     precision). ``scale`` None means 1 (SUM); AVG passes fp32(1/W).
     """
-    layout = MaxMinLayout(numel, bits, bucket_size, skip_incomplete)
+    layout = MaxMinLayout.of(numel, bits, bucket_size, skip_incomplete)
     return sum_rows(payloads, numel, own, own_index, scale,
                     lambda out, base, row: _decode_values(row, layout, out, base))  # fmt: skip
 
