@@ -134,13 +134,52 @@ def all_to_all(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
     return dist.all_to_all_single(out, send, group=group, async_op=async_op)
 
 
+GLOO_SPLIT_BYTES = 1 << 20
+"""gloo's all-gathers of more than this many bytes a rank run as up to
+:data:`GLOO_SPLITS` concurrent ones: one alone left a shaped link a third idle
+(BENCHMARKS.md, "GPU hosts over Ethernet")."""
+GLOO_SPLITS = 4
+
+
 def all_gather(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
                async_op: bool = True) -> dist.Work | None:  # fmt: skip
     """Start the all-gather of every rank's ``send`` into ``out``; its Work as
     :func:`all_to_all`'s."""
     if _direct(group):
+        splits = _gloo_splits(send, group)
+        if splits > 1 and not _overlap(out, send):
+            return _split_all_gather(out, send, group, splits)
         return group._allgather_base(out, send, _ALL_GATHER_OPTIONS[async_op])
     return all_gather_single(out, send, group=group, async_op=async_op)
+
+
+def _gloo_splits(send: torch.Tensor, group: dist.ProcessGroup) -> int:
+    info = group_info(group)
+    if info.backend != "gloo" or info.size < 2:
+        return 1
+    return min(GLOO_SPLITS, send.numel() * send.element_size() // GLOO_SPLIT_BYTES)
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a_start, b_start = a.data_ptr(), b.data_ptr()
+    a_end = a_start + a.numel() * a.element_size()
+    return a_start < b_start + b.numel() * b.element_size() and b_start < a_end
+
+
+def _split_all_gather(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
+                      splits: int) -> dist.Work:  # fmt: skip
+    """The all-gather as ``splits`` concurrent ones over consecutive parts of ``send``, each
+    landing in its part of every rank's slot of ``out`` (gloo's list form takes the slots as
+    views). gloo always returns Works, to be waited on even where the caller asked for none."""
+    world, numel = group_info(group).size, send.numel()
+    slots = out.view(world, numel)
+    step = -(-numel // splits)
+    works = []
+    for start in range(0, numel, step):
+        parts = [slot[start : start + step] for slot in slots]
+        works.append(group.allgather([parts], [send[start : start + step]],
+                                     _ALL_GATHER_OPTIONS[True]))  # fmt: skip
+    return _AllWorks(works)
 
 
 def allreduce_plain_(t: torch.Tensor, group: dist.ProcessGroup, reduce_op: str) -> torch.Tensor:

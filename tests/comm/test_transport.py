@@ -3,6 +3,7 @@ name and parameter for parameter."""
 
 import importlib
 import inspect
+from unittest import mock
 
 import pytest
 
@@ -53,3 +54,36 @@ def test_a_module_lacking_a_call_is_not_a_transport():
     partial = types.SimpleNamespace(**{n: getattr(process_group, n)
                                        for n in ("all_to_all", "all_gather", "wait")})  # fmt: skip
     assert not isinstance(partial, Transport)
+
+
+def _split_all_gathers(n: int) -> list[bool]:
+    """gloo's all-gather of more than GLOO_SPLIT_BYTES, run as several concurrent ones: every
+    rank's bytes land in its slot, whatever the dtype and however the parts divide; an input
+    inside the output (in place) is gathered whole."""
+    import torch
+    import torch.distributed as dist
+
+    group, world, rank = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
+    found = []
+    for dtype in (torch.uint8, torch.float32):
+        send = (torch.arange(n) * (rank + 1) % 251).to(dtype)
+        want = torch.cat([(torch.arange(n) * (r + 1) % 251).to(dtype) for r in range(world)])
+        out = torch.full((world * n,), 255, dtype=dtype)
+        spy = mock.patch.object(process_group, "_split_all_gather",
+                                wraps=process_group._split_all_gather)  # fmt: skip
+        with mock.patch.object(process_group, "GLOO_SPLIT_BYTES", 1024), spy as split:
+            process_group.wait(process_group.all_gather(out, send, group, async_op=False))
+            found += [torch.equal(out, want), split.call_args.args[3] == 4]
+            in_place = want.clone()
+            in_place.view(world, n)[rank].zero_()
+            own = in_place.view(world, n)[rank]
+            own.copy_(send)
+            process_group.wait(process_group.all_gather(in_place, own, group, async_op=False))
+            found += [torch.equal(in_place, want), split.call_count == 1]
+    return found
+
+
+def test_gloo_all_gathers_split_into_concurrent_parts(dist2, dist4):
+    for pool in (dist2, dist4):
+        for rank_found in pool.run(_split_all_gathers, 10_001):
+            assert all(rank_found), rank_found
