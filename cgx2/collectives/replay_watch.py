@@ -79,7 +79,7 @@ class ReplayWatch:
         key = (id(group), self.raw_stream(device_index))
         with self._lock:
             watch = self._open.get(key)
-            if watch is not None:
+            if watch is not None and watch.group() is group:  # (not a dead group's, same id)
                 watch.more = True
                 return
         stream = self.stream(device_index)
