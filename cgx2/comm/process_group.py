@@ -134,9 +134,9 @@ def all_to_all(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
     return dist.all_to_all_single(out, send, group=group, async_op=async_op)
 
 
-GLOO_SPLIT_BYTES = 1 << 20
-"""gloo's all-gathers of more than this many bytes a rank run as up to
-:data:`GLOO_SPLITS` concurrent ones: one alone left a shaped link a third idle
+GLOO_SPLIT_BYTES = 4 << 20
+"""gloo's all-gathers of at least this many bytes a rank run as :data:`GLOO_SPLITS` concurrent
+ones: one alone left a shaped link a third idle; smaller ones gained nothing or lost
 (BENCHMARKS.md, "GPU hosts over Ethernet")."""
 GLOO_SPLITS = 4
 
@@ -157,7 +157,7 @@ def _gloo_splits(send: torch.Tensor, group: dist.ProcessGroup) -> int:
     info = group_info(group)
     if info.backend != "gloo" or info.size < 2:
         return 1
-    return min(GLOO_SPLITS, send.numel() * send.element_size() // GLOO_SPLIT_BYTES)
+    return GLOO_SPLITS if send.numel() * send.element_size() >= GLOO_SPLIT_BYTES else 1
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
