@@ -44,8 +44,8 @@ def allreduce_checks(rank: int, world: int, dev: torch.device) -> dict[str, bool
     for transport in ("shm", "process_group"):
         with cgx2.config.tuned(crossover_bytes=0, transport=transport):
             for dtype in (torch.float32, torch.bfloat16):
-                # 12M fp32 values: payload halves of 3 MiB, which gloo gathers in parts.
-                for n in (1000, 3_000_017) + ((12_000_029,) if dtype == torch.float32 else ()):
+                # 20M fp32 values: payload halves of 5 MiB, which gloo gathers in parts.
+                for n in (1000, 3_000_017) + ((20_000_033,) if dtype == torch.float32 else ()):
                     cgx2.manual_seed(7)
                     y = cgx2.quantized_allreduce(_input(rank, n, dtype).to(dev), 4)
                     model = reference_allreduce([_input(r, n, dtype) for r in range(world)], 4,
