@@ -27,7 +27,7 @@ def gather(out: torch.Tensor, send: torch.Tensor, splits: int) -> None:
     if splits == 1:
         group._allgather_base(out, send).wait()
     else:
-        process_group._split_all_gather(out, send, group, splits).wait()
+        process_group.all_gather_in_parts(out, send, group, splits).wait()
 
 
 def main() -> None:

@@ -17,6 +17,7 @@ __all__ = [
     "CompletedWork",
     "GroupInfo",
     "all_gather",
+    "all_gather_in_parts",
     "all_gather_single",
     "all_to_all",
     "allreduce_plain_",
@@ -148,7 +149,7 @@ def all_gather(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
     if _direct(group):
         splits = _gloo_splits(send, group)
         if splits > 1 and not _overlap(out, send):
-            return _split_all_gather(out, send, group, splits)
+            return all_gather_in_parts(out, send, group, splits)
         return group._allgather_base(out, send, _ALL_GATHER_OPTIONS[async_op])
     return all_gather_single(out, send, group=group, async_op=async_op)
 
@@ -166,11 +167,12 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a_start < b_start + b.numel() * b.element_size() and b_start < a_end
 
 
-def _split_all_gather(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
-                      splits: int) -> dist.Work:  # fmt: skip
-    """The all-gather as ``splits`` concurrent ones over consecutive parts of ``send``, each
-    landing in its part of every rank's slot of ``out`` (gloo's list form takes the slots as
-    views). gloo always returns Works, to be waited on even where the caller asked for none."""
+def all_gather_in_parts(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
+                        splits: int) -> dist.Work:  # fmt: skip
+    """The all-gather of a 1-D ``send`` into ``out`` (``world`` slots of its size, none of them
+    ``send``'s memory) as ``splits`` concurrent ones over consecutive parts of ``send``, each
+    landing in its part of every rank's slot (gloo's list form takes the slots as views). The
+    returned Work waits for them all."""
     world, numel = group_info(group).size, send.numel()
     slots = out.view(world, numel)
     step = -(-numel // splits)

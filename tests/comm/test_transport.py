@@ -56,7 +56,7 @@ def test_a_module_lacking_a_call_is_not_a_transport():
     assert not isinstance(partial, Transport)
 
 
-def _split_all_gathers(n: int) -> list[bool]:
+def _gathers_in_parts(n: int) -> list[bool]:
     """gloo's all-gather of more than GLOO_SPLIT_BYTES, run as several concurrent ones: every
     rank's bytes land in its slot, whatever the dtype and however the parts divide; an input
     inside the output (in place) is gathered whole."""
@@ -69,8 +69,8 @@ def _split_all_gathers(n: int) -> list[bool]:
         send = (torch.arange(n) * (rank + 1) % 251).to(dtype)
         want = torch.cat([(torch.arange(n) * (r + 1) % 251).to(dtype) for r in range(world)])
         out = torch.full((world * n,), 255, dtype=dtype)
-        spy = mock.patch.object(process_group, "_split_all_gather",
-                                wraps=process_group._split_all_gather)  # fmt: skip
+        spy = mock.patch.object(process_group, "all_gather_in_parts",
+                                wraps=process_group.all_gather_in_parts)  # fmt: skip
         with mock.patch.object(process_group, "GLOO_SPLIT_BYTES", 1024), spy as split:
             process_group.wait(process_group.all_gather(out, send, group, async_op=False))
             found += [torch.equal(out, want), split.call_args.args[3] == 4]
@@ -85,5 +85,5 @@ def _split_all_gathers(n: int) -> list[bool]:
 
 def test_gloo_all_gathers_split_into_concurrent_parts(dist2, dist4):
     for pool in (dist2, dist4):
-        for rank_found in pool.run(_split_all_gathers, 10_001):
+        for rank_found in pool.run(_gathers_in_parts, 10_001):
             assert all(rank_found), rank_found
