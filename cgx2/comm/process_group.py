@@ -137,7 +137,7 @@ def all_to_all(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
 
 GLOO_SPLIT_BYTES = 4 << 20
 """gloo's all-gathers of at least this many bytes a rank run as :data:`GLOO_SPLITS` concurrent
-ones: one alone left a shaped link a third idle; smaller ones gained nothing or lost
+ones: one alone left a shaped link partly idle; smaller ones gained nothing or lost
 (BENCHMARKS.md, "GPU hosts over Ethernet")."""
 GLOO_SPLITS = 4
 
