@@ -6,7 +6,7 @@ import gc
 import time
 
 import pytest
-from stand_ins import CudaEvent, CudaStream
+from stand_ins import CudaEvent
 
 from cgx2.collectives.replay_watch import ReplayWatch
 
@@ -38,7 +38,7 @@ def _watch(**kwargs) -> tuple[ReplayWatch, list[CudaEvent]]:
         return events[-1]
 
     return ReplayWatch(new_event=new_event, raw_stream=lambda index: 100 + index,
-                       stream=CudaStream, **kwargs), events  # fmt: skip
+                       stream=lambda index: f"stream {index}", **kwargs), events  # fmt: skip
 
 
 def test_replays_behind_a_pending_one_record_nothing_and_are_forgotten_once_done():
