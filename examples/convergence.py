@@ -123,12 +123,12 @@ def _build(name: str, args: argparse.Namespace, device: str) -> tuple[nn.Module,
     return ddp, state
 
 
-def _bytes_sent(name: str, state: object, plain: int) -> int | None:
+def _bytes_sent(name: str, state: object, plain: int) -> int:
     if name == "plain":
         return plain
     if name == "fsdp4":
         return sum(c.bytes_sent for c in state)
-    return getattr(state, "bytes_sent", None)  # None: not counted (PowerSGD)
+    return state.bytes_sent  # every hook's state counts what its rank sent
 
 
 @torch.no_grad()
