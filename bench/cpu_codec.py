@@ -1,5 +1,6 @@
-"""The max-min codec on CPU tensors: its C loops (:mod:`cgx2.codecs.native`) against the torch
-code they replace and a memory copy, timed in one process in interleaved rounds.
+"""The max-min codec on CPU tensors: its C loops (:mod:`cgx2.codecs.native`; vector and scalar
+where the CPU has AVX2) against the torch code they replace and a memory copy, timed in one
+process in interleaved rounds.
 ``python bench/cpu_codec.py [--numel 4M] [--threads 1,2]``; table on stdout, JSON under
 bench/results/."""
 
@@ -64,6 +65,8 @@ def main() -> None:
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     base = torch.randn(numel)
     library = native.library
+    simd = library().maxmin_simd()
+    impls = ("C", "C-scalar", "torch") if simd else ("C", "torch")
     times: dict[tuple, list[float]] = {}
     moved: dict[tuple, int] = {}
     for r in range(args.rounds):
@@ -76,24 +79,28 @@ def main() -> None:
             moved[key] = 2 * base.numel() * 4
             for d in args.dtypes.split(","):
                 x = base.to(dtypes[d])
-                for impl in ("C", "torch"):
-                    native.library = library if impl == "C" else lambda: None
+                for impl in impls:
+                    native.library = library if impl.startswith("C") else lambda: None
+                    library().maxmin_simd(impl == "C" and simd)
                     for name, (fn, nbytes) in workloads(x, args.bits).items():
                         key = (name, d, threads, impl)
                         times.setdefault(key, []).append(seconds(fn, args.repeats))
                         moved[key] = nbytes
                 native.library = library
+                library().maxmin_simd(simd)
     rows = []
     for (name, d, threads, impl), ts in times.items():
         s = statistics.median(ts)
-        torch_key = (name, d, threads, "torch")
+        def speedup(over: str, s: float = s) -> float | None:
+            other = times.get((name, d, threads, over))
+            return statistics.median(other) / s if other else None
+
         rows.append({"kernel": name, "dtype": d, "threads": threads, "impl": impl, "ms": 1e3 * s,
                      "gbps": moved[name, d, threads, impl] / s / 1e9,
-                     "x_torch": statistics.median(times[torch_key]) / s
-                     if torch_key in times else None})  # fmt: skip
+                     "x_torch": speedup("torch"), "x_scalar": speedup("C-scalar")})  # fmt: skip
     columns = [("kernel", "stage", ""), ("dtype", "dtype", ""), ("threads", "threads", "d"),
                ("impl", "impl", ""), ("ms", "ms", ".2f"), ("gbps", "GB/s moved", ".2f"),
-               ("x_torch", "x torch", ".2f")]  # fmt: skip
+               ("x_torch", "x torch", ".2f"), ("x_scalar", "x C-scalar", ".2f")]  # fmt: skip
     print(format_table(rows, columns))
     print(f"{numel} values, {args.bits} bits, bucket {BUCKET}; the stages of a 2-rank allreduce "
           f"(dse: decode-sum-encode of one chunk); median of {args.rounds} rounds")  # fmt: skip

@@ -56,6 +56,9 @@ PYBIND11_MODULE(_C, m) {
                             bf16 ? 1 : 0);
       },
       py::call_guard<py::gil_scoped_release>());
+  m.def("maxmin_simd", &cgx2::maxmin_simd, py::arg("enable") = -1,
+        "Whether the codec's vector loops (AVX2) run; 0 or 1 turns them off or back on where "
+        "the CPU has them. The bytes are the same either way.");
 
   py::class_<cgx2::Segment>(m, "Segment", "A POSIX shared-memory segment mapped here.")
       .def_static("create", &cgx2::Segment::create, py::arg("name"), py::arg("nbytes"),

@@ -36,6 +36,25 @@ def _built():
     assert native.library() is not None, "a C++ compiler is here, but cgx2._C was not built"
 
 
+@pytest.fixture(params=["vector", "scalar"])
+def loops(request):
+    """The C loops as the CPU runs them (AVX2's vector loops where it has them), then the
+    scalar loops alone: the same bytes either way."""
+    lib = native.library()
+    had = lib.maxmin_simd()
+    if request.param == "vector" and not had:
+        pytest.skip("this CPU has no AVX2: the scalar loops run")
+    lib.maxmin_simd(request.param == "vector")
+    yield request.param
+    lib.maxmin_simd(had)
+
+
+def test_the_vector_loops_run_where_the_cpu_has_avx2():
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    avx2 = sys.platform.startswith("linux") and " avx2" in flags and os.uname().machine == "x86_64"
+    assert bool(native.library().maxmin_simd()) == avx2
+
+
 def _awkward(n: int, bits: int, bucket: int, seed: int) -> torch.Tensor:
     """Gaussian values with a non-finite one, a bucket whose minimum is -0.0, a constant
     bucket and a subnormal."""
@@ -50,7 +69,7 @@ def _awkward(n: int, bits: int, bucket: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("bits", range(1, 9))
-def test_encode_and_decode_write_the_references_bytes(bits, torch_only):
+def test_encode_and_decode_write_the_references_bytes(bits, torch_only, loops):
     cases = itertools.product([8, 13, 100, 512], [1, 7, 1000, 4099], [False, True])
     for bucket, n, skip in cases:
         x = _awkward(n, bits, bucket, seed=bits)
@@ -65,7 +84,7 @@ def test_encode_and_decode_write_the_references_bytes(bits, torch_only):
             assert torch.equal(got.view(-1).view(torch.uint8), want.view(-1).view(torch.uint8))
 
 
-def test_threads_split_the_buckets_without_changing_a_byte(monkeypatch, torch_only):
+def test_threads_split_the_buckets_without_changing_a_byte(monkeypatch, torch_only, loops):
     monkeypatch.setattr(native, "_MIN_BUCKETS_PER_THREAD", 1)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
     calls = []
@@ -85,7 +104,7 @@ def test_threads_split_the_buckets_without_changing_a_byte(monkeypatch, torch_on
     assert torch.equal(decoded.view(torch.int32), want.view(torch.int32))
 
 
-def test_decode_sum_encode_and_chunks_match_the_reference(torch_only):
+def test_decode_sum_encode_and_chunks_match_the_reference(torch_only, loops):
     x = _awkward(4 * 1000 + 17, 4, 128, seed=3)
     layout = ChunkedLayout.split(x.numel(), 4, 4, 128, False)
     rows = maxmin.encode_chunks(x, layout, key=5)
@@ -144,7 +163,7 @@ def test_nothing_is_compiled_or_loaded_from_a_cache_at_run_time(tmp_path):
     assert not (tmp_path / "cache").exists()
 
 
-def test_spans_from_subnormal_to_huge_scale_as_the_reference(torch_only):
+def test_spans_from_subnormal_to_huge_scale_as_the_reference(torch_only, loops):
     """Buckets [0, span, ...] over every exponent: the scale rounded toward zero (FLT_MAX where
     the quotient overflows) gives the reference's levels."""
     g = torch.Generator().manual_seed(0)
