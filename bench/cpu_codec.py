@@ -49,6 +49,11 @@ def workloads(x: torch.Tensor, bits: int) -> dict[str, tuple]:
     }
 
 
+def _speedup(times: dict[tuple, list[float]], over: tuple, s: float) -> float | None:
+    """How many times faster ``s`` seconds are than the median of ``over``, where it ran."""
+    return statistics.median(times[over]) / s if over in times else None
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--numel", default="4M", help="values, e.g. 4M")
@@ -91,13 +96,10 @@ def main() -> None:
     rows = []
     for (name, d, threads, impl), ts in times.items():
         s = statistics.median(ts)
-        def speedup(over: str, s: float = s) -> float | None:
-            other = times.get((name, d, threads, over))
-            return statistics.median(other) / s if other else None
-
         rows.append({"kernel": name, "dtype": d, "threads": threads, "impl": impl, "ms": 1e3 * s,
                      "gbps": moved[name, d, threads, impl] / s / 1e9,
-                     "x_torch": speedup("torch"), "x_scalar": speedup("C-scalar")})  # fmt: skip
+                     "x_torch": _speedup(times, (name, d, threads, "torch"), s),
+                     "x_scalar": _speedup(times, (name, d, threads, "C-scalar"), s)})  # fmt: skip
     columns = [("kernel", "stage", ""), ("dtype", "dtype", ""), ("threads", "threads", "d"),
                ("impl", "impl", ""), ("ms", "ms", ".2f"), ("gbps", "GB/s moved", ".2f"),
                ("x_torch", "x torch", ".2f"), ("x_scalar", "x C-scalar", ".2f")]  # fmt: skip
