@@ -2,11 +2,14 @@
 shares a few integers (size, dtype, bits, bucket, op, route) and every rank raises if any differ.
 
 Ranks that disagree would otherwise hang in different collectives until the group's timeout, or
-worse, exchange payloads of equal size and return wrong values without an error. The exchange is
-one all-gather of a few dozen bytes, the same whatever the arguments, so it cannot itself hang
-on a disagreement. Whether it runs, and how, is the policy's choice (:class:`.policy.Route`'s
-``check``); the entry points users call run it (the ops, the ``cgx`` backend), not DDP's and
-FSDP's hooks, whose wrappers make every rank's buckets alike.
+worse, exchange payloads of equal size and return wrong values without an error. The exchange
+cannot itself hang on a disagreement: values compared on the host go through the group's c10d
+store (a key a rank, each call's keys its own, so it is a few store round trips rather than one
+more collective of the group's backend; BENCHMARKS.md, "The agreement check"), values compared
+on a GPU by an all-gather of a few dozen bytes, the same whatever the arguments. Whether it
+runs, and how, is the policy's choice (:class:`.policy.Route`'s ``check``); the entry points
+users call run it (the ops, the ``cgx`` backend), not DDP's and FSDP's hooks, whose wrappers
+make every rank's buckets alike.
 
 Read at once (``check``), the answer costs the caller a wait for the GPU's queue where the
 all-gather runs on it (NCCL). Deferred (``check(..., deferred=True)``), the ranks' values are
@@ -17,6 +20,9 @@ answer reaches the host, at the latest by the next checked call on the group.
 
 from __future__ import annotations
 
+import datetime
+import itertools
+import struct
 import threading
 import weakref
 import zlib
@@ -27,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..comm import all_gather_single
+from ..comm import all_gather_single, group_info, group_store
 
 __all__ = ["DisagreementError", "check", "raise_pending", "settle"]
 
@@ -79,15 +85,23 @@ def check(group: dist.ProcessGroup, operation: str, t: torch.Tensor,
     on_gpu = t.is_cuda and (deferred or dist.get_backend(group) == "nccl")
     device = t.device if on_gpu else torch.device("cpu")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    gathered = torch.empty(world * len(values), dtype=torch.int64, device=device)
+    shown = {"numel": t.numel(), "dtype": t.dtype, **fields}
+    store = None if on_gpu or world > STORE_MAX_RANKS else group_store(group)
+    exchanged = None
     try:
-        all_gather_single(gathered, _on(device, values), group=group)
+        if store is not None:
+            exchanged = _exchange_through_store(store, group, operation, values, world, rank)
+        else:
+            gathered = torch.empty(world * len(values), dtype=torch.int64, device=device)
+            all_gather_single(gathered, _on(device, values), group=group)
     except RuntimeError as e:  # a peer died or stalled before the call
         raise RuntimeError(
             f"cgx2: the ranks of {operation} could not compare their arguments (this is rank "
             f"{rank}): {e}"
         ) from e
-    shown = {"numel": t.numel(), "dtype": t.dtype, **fields}
+    if exchanged is not None:
+        _raise_if_different(exchanged, names, shown, operation, rank)
+        return None
     rows = gathered.view(world, -1)
     if not deferred:
         _raise_if_different(rows.tolist(), names, shown, operation, rank)
@@ -136,10 +150,50 @@ def _on(device: torch.device, values: list[int]) -> torch.Tensor:
     return mine.pin_memory().to(device, non_blocking=True)
 
 
-def _raise_if_different(rows: list[list[int]], names: list[str], shown: dict[str, object],
-                        operation: str, rank: int) -> None:  # fmt: skip
+STORE_MAX_RANKS = 16
+"""Groups up to this size compare on the host through the store; its load grows as the square
+of the ranks (each reads every rank's key), so larger groups all-gather instead."""
+
+_CALLS: weakref.WeakKeyDictionary[dist.ProcessGroup, itertools.count] = weakref.WeakKeyDictionary()
+
+
+def _exchange_through_store(store: dist.Store, group: dist.ProcessGroup, operation: str,
+                            values: list[int], world: int,
+                            rank: int) -> list[tuple[str, list[int]]]:  # fmt: skip
+    """Every rank's ``(operation, values)`` of this call on ``group``, by rank, through the
+    group's store: each rank sets its key of call n, then reads all ranks' keys of call n,
+    waiting up to the group's timeout. Before that it deletes its key of call n - 2: every
+    peer has read it, since each has set its key of call n - 1, read at call n - 1 here."""
+    with _PENDING_LOCK:
+        n = next(_CALLS.setdefault(group, itertools.count()))
+    if n >= 2:
+        store.delete_key(f"cgx2/agree/{n - 2}/{rank}")
+    store.set(f"cgx2/agree/{n}/{rank}",
+              operation.encode() + b"\0" + struct.pack(f"<{len(values)}q", *values))  # fmt: skip
+    keys = [f"cgx2/agree/{n}/{r}" for r in range(world)]
+    timeout = group_info(group).timeout_s
+    if abs(store.timeout.total_seconds() - timeout) > 1:  # multi_get waits the store's timeout
+        store.wait(keys, datetime.timedelta(seconds=timeout))
+    exchanged = []
+    for raw in store.multi_get(keys):
+        name, _, packed = raw.partition(b"\0")
+        exchanged.append((name.decode(), list(struct.unpack(f"<{len(packed) // 8}q", packed))))
+    return exchanged
+
+
+def _raise_if_different(rows: list[list[int]] | list[tuple[str, list[int]]], names: list[str],
+                        shown: dict[str, object], operation: str, rank: int) -> None:  # fmt: skip
     if all(row == rows[0] for row in rows):
         return
+    if isinstance(rows[0], tuple):  # through the store: which collective each rank called
+        called = [name for name, _ in rows]
+        if len(set(called)) > 1 or len({len(row) for _, row in rows}) > 1:
+            ranks = ", ".join(f"rank {r}: {name}" for r, name in enumerate(called))
+            raise DisagreementError(
+                f"cgx2: the ranks of group call different collectives ({ranks}; this rank "
+                f"{rank}: {operation}); every rank must make the same calls in the same order"
+            )
+        rows = [row for _, row in rows]
     differing = [i for i, name in enumerate(names) if len({row[i] for row in rows}) > 1]
     described = ", ".join(f"{names[i]}={_describe(names[i], rows, i)}" for i in differing)
     raise DisagreementError(

@@ -17,6 +17,7 @@ from .process_group import (
     allreduce_plain_,
     group_info,
     group_size_and_rank,
+    group_store,
     reduce_scatter_single,
     wait,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "allreduce_plain_",
     "group_info",
     "group_size_and_rank",
+    "group_store",
     "nccl",
     "process_group",
     "reduce_scatter_single",

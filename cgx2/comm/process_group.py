@@ -23,6 +23,7 @@ __all__ = [
     "allreduce_plain_",
     "group_info",
     "group_size_and_rank",
+    "group_store",
     "reduce_scatter_plain",
     "reduce_scatter_single",
     "shift",
@@ -86,6 +87,13 @@ def _timeout_s(group: dist.ProcessGroup) -> float:
         except (AttributeError, RuntimeError):
             continue
     return dist.distributed_c10d.default_pg_timeout.total_seconds()
+
+
+def group_store(group: dist.ProcessGroup) -> dist.Store | None:
+    """The c10d store ``group`` was made with (torch gives each group a prefix of its own), or
+    None where torch does not know the group."""
+    entry = dist.distributed_c10d._world.pg_map.get(group)
+    return None if entry is None else entry[1]
 
 
 def group_size_and_rank(group: dist.ProcessGroup) -> tuple[int, int]:

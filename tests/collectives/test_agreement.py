@@ -57,6 +57,45 @@ def test_agreeing_ranks_go_on_after_a_disagreement(dist2):
     assert torch.equal(results[0], results[1])
 
 
+def _different_collectives() -> str:
+    x = torch.ones(2048)
+    try:
+        if dist.get_rank() == 0:
+            cgx2.quantized_allreduce(x, 4)
+        else:
+            cgx2.quantized_reduce_scatter(x, 4)
+    except DisagreementError as e:
+        return str(e)
+    return "no error"
+
+
+def test_ranks_that_call_different_collectives_all_raise_naming_them(dist2):
+    """Through the store each rank sees which collective the others called (their arguments
+    differ in number, so an all-gather of them could not even be made)."""
+    for rank, message in enumerate(dist2.run(_different_collectives)):
+        assert "rank 0: quantized_allreduce, rank 1: quantized_reduce_scatter" in message
+        assert f"this rank {rank}:" in message, message
+    results = dist2.run(_agree)  # and the group goes on
+    assert torch.equal(results[0], results[1])
+
+
+def _store_keys_left() -> list[bool]:
+    from cgx2.collectives import agreement
+    from cgx2.comm import group_store
+
+    store, rank = group_store(dist.group.WORLD), dist.get_rank()
+    for _ in range(5):
+        _agree()
+    n = next(agreement._CALLS[dist.group.WORLD])  # the next call's number (taken: keep alike)
+    dist.barrier()
+    return [store.check([f"cgx2/agree/{k}/{rank}"]) for k in range(n)]
+
+
+def test_each_rank_keeps_only_its_last_two_keys_in_the_store(dist2):
+    for present in dist2.run(_store_keys_left):
+        assert present[-2:] == [True, True] and not any(present[:-2]), present
+
+
 def _agree() -> torch.Tensor:
     return cgx2.quantized_allreduce(torch.arange(2048, dtype=torch.float32), 4)
 

@@ -130,3 +130,46 @@ def test_the_survivor_raises_within_the_timeout(scenario, fault, transport):
     if transport == "shm" and scenario != "fsdp":  # the transport names the peer and why
         why = "exited (pid" if fault == "killed" else "did not arrive within the group's timeout"
         assert "rank 1 of group" in outcome and why in outcome, outcome
+
+
+def _rank_that_stops_before_the_call(rank: int, port: int, results) -> None:
+    torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=TIMEOUT_S)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timeout)  # fmt: skip
+    import cgx2
+
+    cgx2.quantized_allreduce(torch.randn(1 << 16), 4)  # both alive: it works
+    dist.barrier()
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return
+    start = time.monotonic()
+    try:
+        cgx2.quantized_allreduce(torch.randn(1 << 16), 4)
+        outcome = "no error"
+    except Exception as e:
+        outcome = f"{type(e).__name__}: {e}"
+    results.put((outcome, time.monotonic() - start))
+    results.close()
+    results.join_thread()
+    os._exit(0)
+
+
+def test_a_peer_that_never_arrives_fails_the_argument_check_within_the_timeout():
+    """The agreement check (through the group's store) waits the group's timeout, no longer."""
+    ctx = mp.get_context("spawn")
+    results, port = ctx.Queue(), _free_port()
+    procs = [ctx.Process(target=_rank_that_stops_before_the_call, args=(r, port, results))
+             for r in range(2)]  # fmt: skip
+    for p in procs:
+        p.start()
+    try:
+        outcome, seconds = results.get(timeout=TIMEOUT_S + 90)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(30)
+    assert "could not compare their arguments (this is rank 0)" in outcome, outcome
+    assert TIMEOUT_S - 1 < seconds < TIMEOUT_S + 15, (outcome, seconds)
