@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 import torch
 
+from .. import scratch
 from . import native
 from .layout import ChunkedLayout, MaxMinLayout
 from .packing import pack_levels, unpack_levels
@@ -224,9 +225,9 @@ def sum_rows(
     the row decoded into ``out`` (``base`` may be ``out``)."""
     rows = [w for w in range(payloads.shape[0]) if w != own_index]
     if own is None:
-        acc = torch.zeros(numel, dtype=torch.float32, device=payloads.device)
+        acc = scratch.take(numel, torch.float32, payloads.device).zero_()
     elif rows:  # own + the first row straight into acc: no copy of own first
-        acc = torch.empty(numel, dtype=torch.float32, device=payloads.device)
+        acc = scratch.take(numel, torch.float32, payloads.device)
         add_row(acc, own.reshape(-1).to(torch.float32), payloads[rows.pop(0)])
     else:
         acc = own.reshape(-1).to(torch.float32).clone()
@@ -272,7 +273,9 @@ def decode_sum_encode(
 ) -> torch.Tensor:
     """Encode :func:`decode_sum` of the rows once more (the reduced chunk of the allreduce)."""
     acc = decode_sum(payloads, numel, own, own_index, scale, bits, bucket_size, skip_incomplete)
-    return encode(acc, bits, bucket_size, key, stream, skip_incomplete, out)
+    encoded = encode(acc, bits, bucket_size, key, stream, skip_incomplete, out)
+    scratch.give(acc)  # encoded: this sum is done with
+    return encoded
 
 
 def chunked_layout(numel: int, num_chunks: int, bits: int, bucket_size: int,

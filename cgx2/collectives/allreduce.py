@@ -13,6 +13,7 @@ from types import ModuleType
 import torch
 import torch.distributed as dist
 
+from .. import scratch
 from ..codecs import ChunkedLayout, maxmin_codec, triton_kernels
 from ..comm import Transport, group_info, process_group
 from ..seeding import derive_key, extend_key, next_seed
@@ -237,6 +238,8 @@ class _Piece:
         self.layout = ChunkedLayout.split(x.numel(), run.world, run.bits, run.bucket_size,
                                           run.skip_incomplete)  # fmt: skip
         self.error: torch.Tensor | None = None
+        # Buffers of the CPU path's scratch (:mod:`cgx2.scratch`), given back once done with.
+        self.send = self.recv = self.reduced = self.gathered = None
         # Collectives on NCCL's stream, beside the coding of other pieces; with nothing to
         # overlap (one piece, no error to decode meanwhile), on the caller's: less host time.
         self.overlap = True
@@ -244,11 +247,12 @@ class _Piece:
     def scatter(self) -> None:
         """Encode the chunks other ranks own; start sending chunk j to rank j."""
         run, layout = self.run, self.layout
-        send = torch.empty(layout.num_chunks, layout.payload_nbytes, dtype=torch.uint8,
-                           device=self.x.device)  # fmt: skip
+        nbytes = layout.num_chunks * layout.payload_nbytes
+        send = scratch.take(nbytes, torch.uint8, self.x.device).view(layout.num_chunks, -1)
         key = run.scatter_key_of(self.index)
         run.codec.encode_chunks(self.x, layout, key, skip_chunk=run.rank, out=send)
-        self.recv = torch.empty_like(send)
+        self.send = send
+        self.recv = scratch.take(nbytes, torch.uint8, self.x.device).view(send.shape)
         self.work = exchange(self.recv, send, run.group, run.world, run.rank, run.pair_gather,
                              self.overlap, run.transport)  # fmt: skip
         if self.error is not None:
@@ -265,21 +269,25 @@ class _Piece:
         more, and start gathering every rank's reduced chunk."""
         run, layout = self.run, self.layout
         run.transport.wait(self.work)
+        scratch.give(self.send)  # sent: the exchange is done with it
+        self.send = None
         start, size = layout.chunk_start(run.rank), layout.chunk_size(run.rank)
         nbytes = layout.payload_nbytes
-        self.gathered = torch.empty(run.world * nbytes, dtype=torch.uint8, device=self.x.device)
+        self.gathered = scratch.take(run.world * nbytes, torch.uint8, self.x.device)
         if run.gather_in_place:
             # NCCL gathers in place when our contribution already lies in our slot of the
             # output: one allocation and one copy of it fewer.
             reduced = self.gathered[run.rank * nbytes : (run.rank + 1) * nbytes]
         else:
-            reduced = torch.empty(nbytes, dtype=torch.uint8, device=self.x.device)
+            reduced = scratch.take(nbytes, torch.uint8, self.x.device)
         run.codec.decode_sum_encode(
             self.recv, size, self.x.narrow(0, start, size), run.rank, run.scale, run.bits,
             run.bucket_size, run.gather_key_of(self.index), run.rank,
             layout.skip_incomplete, out=reduced,
         )  # fmt: skip
+        scratch.give(self.recv)
         self.recv = None
+        self.reduced = None if run.gather_in_place else reduced
         self.work = run.transport.all_gather(self.gathered, reduced, run.group, self.overlap)
 
     def finish(self) -> None:
@@ -287,4 +295,5 @@ class _Piece:
         self.run.transport.wait(self.work)
         rows = self.gathered.view(self.run.world, self.layout.payload_nbytes)
         self.run.codec.decode_chunks(rows, self.layout, self.out.dtype, out=self.out)
-        self.gathered = None
+        scratch.give(self.gathered, self.reduced)
+        self.gathered = self.reduced = None
