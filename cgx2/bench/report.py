@@ -181,6 +181,9 @@ def environment(device: torch.device, world_size: int = 1) -> dict[str, Any]:
             "hosts": int(os.environ["NHOSTS"]),
             "driver": os.environ.get("LINK_DRIVER", ""),
         }  # the command around it
+    if device.type == "cpu":  # what a CPU run's codec had to work with
+        env["cpus"] = os.cpu_count()
+        env["threads"] = torch.get_num_threads()
     if device.type == "cuda":
         env["cuda"] = torch.version.cuda
         env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
