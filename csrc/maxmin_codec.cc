@@ -9,6 +9,8 @@
 #include <math.h>
 #include <string.h>
 
+#include <atomic>
+
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define CGX2_AVX2 1
@@ -259,13 +261,18 @@ AVX2 static void decode_group_avx2(uint64_t field, int bits, float lo, float ste
 
 #endif  // CGX2_AVX2
 
-/* Whether the vector loops run: present and not turned off (maxmin_simd). */
-static int simd_state = -1;
+/* Whether the vector loops run: present and not turned off (maxmin_simd); -1 until asked.
+ * Atomic: threads coding ranges of buckets may ask first at once. */
+static std::atomic<int> simd_state{-1};
 
 static int use_simd(void) {
 #ifdef CGX2_AVX2
-    if (simd_state < 0) simd_state = avx2_present();
-    return simd_state;
+    int state = simd_state.load(std::memory_order_relaxed);
+    if (state < 0) {
+        state = avx2_present();
+        simd_state.store(state, std::memory_order_relaxed);
+    }
+    return state;
 #else
     return 0;
 #endif
@@ -277,7 +284,7 @@ namespace cgx2 {
 
 int maxmin_simd(int enable) {
 #ifdef CGX2_AVX2
-    if (enable >= 0) simd_state = enable ? avx2_present() : 0;
+    if (enable >= 0) simd_state.store(enable ? avx2_present() : 0, std::memory_order_relaxed);
 #else
     (void)enable;
 #endif

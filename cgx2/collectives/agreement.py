@@ -190,8 +190,9 @@ def _raise_if_different(rows: list[list[int]] | list[tuple[str, list[int]]], nam
         if len(set(called)) > 1 or len({len(row) for _, row in rows}) > 1:
             ranks = ", ".join(f"rank {r}: {name}" for r, name in enumerate(called))
             raise DisagreementError(
-                f"cgx2: the ranks of group call different collectives ({ranks}; this rank "
-                f"{rank}: {operation}); every rank must make the same calls in the same order"
+                f"cgx2: the ranks call different collectives on one group ({ranks}; this "
+                f"rank {rank}: {operation}); every rank must make the same calls in the same "
+                "order"
             )
         rows = [row for _, row in rows]
     differing = [i for i, name in enumerate(names) if len({row[i] for row in rows}) > 1]
