@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# examples/train_ddp.py on CPU tensors across two cgx2.testing.netlab hosts of two ranks, torchrun
+# across them: plain DDP, cgx_hook 4-bit over the node mesh, and the same flat. Needs root.
+# Usage: bash bench/train_links.sh [RATE] [OUT]   (RATE 1gbit, OUT bench/results)
+# THREADS (1) is each rank's OMP_NUM_THREADS; IPROUTE_ROOT where dpkg -x unpacked iproute2 on an
+# image without it; MODEL overrides the model and run arguments below.
+set -euo pipefail
+rate=${1:-1gbit}
+out=${2:-bench/results}
+threads=${THREADS:-1}
+model=${MODEL:---dim 512 --layers 2 --heads 8 --batch-size 2 --context 32 --steps 30}
+iproute=()
+[ -n "${IPROUTE_ROOT:-}" ] && iproute=(--iproute-root "$IPROUTE_ROOT")
+device=$(python3 -c 'import platform; print(platform.processor() or "cpu")' | tr -c 'A-Za-z0-9\n' '-')
+stamp=$(date -u +%Y%m%dT%H%M)
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+mkdir -p "$out"
+for run in "b32_hook:--bits 32" "b4_hook:--bits 4" "b4_hook_flat:--bits 4 --flat"; do
+  name=${run%%:*}
+  flags=${run#*:}
+  echo "== $name at $rate" >&2
+  python3 -m cgx2.testing.netlab "${iproute[@]}" --hosts 2 --rate "$rate" -- bash -c "
+    OMP_NUM_THREADS=$threads torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d \
+      --rdzv-endpoint \$MASTER_ADDR:29711 --rdzv-conf is_host=\$((HOST == 0)) \
+      --local-addr \$HOST_ADDR examples/train_ddp.py $flags --device cpu --log-every 100 \
+      $model --json $work/$name.json"
+  cp "$work/$name.json" "$out/train_ddp_${device}_cpu-${rate}-h2_w4_${name}_${stamp}.json"
+done
+python3 - "$out" "$device" "$rate" "$stamp" <<'EOF'
+import json, sys
+out, device, rate, stamp = sys.argv[1:]
+runs = {}
+for name in ("b32_hook", "b4_hook", "b4_hook_flat"):
+    with open(f"{out}/train_ddp_{device}_cpu-{rate}-h2_w4_{name}_{stamp}.json") as f:
+        runs[name] = json.load(f)
+plain = runs["b32_hook"]["step_ms"]
+for name, r in runs.items():
+    print(f"{name:13s} {r['step_ms']:8.1f} ms/step  {plain / r['step_ms']:5.2f}x plain  "
+          f"loss {r['final_loss']:.4f}  {(r['bytes_sent'] or 0) / 1e6:8.1f} MB sent")
+EOF
