@@ -183,8 +183,9 @@ def hierarchical(group: dist.ProcessGroup | None, bits: int) -> bool:
     launcher says the job spans several nodes (``LOCAL_WORLD_SIZE`` below ``WORLD_SIZE``) of
     more than one rank each, and ``group`` (None: the default) is the whole world. With one
     rank a node the flat allreduce already is the one between nodes: the node's steps would
-    only copy the tensor through groups of one. Measured, the mesh beat or tied the flat
-    allreduce across hosts (BENCHMARKS.md, "Flat against the node mesh")."""
+    only copy the tensor through groups of one. Measured across hosts, the mesh wins over
+    slow links and loses to the flat allreduce over fast ones at larger sizes (BENCHMARKS.md,
+    "Flat against the node mesh"); this rule does not look at the link yet."""
     launch = config.launch()
     if bits == UNCOMPRESSED_BITS or not launch.spans_nodes or launch.local_world_size < 2:
         return False
