@@ -352,7 +352,7 @@ void maxmin_encode(const float *rows, int64_t q_begin, int64_t q_end, int64_t B,
                 encode_8_groups_avx2(v, g, bits, frac, b, q, stream, k0, k1, out + g * bits);
         }
 #endif
-        if (g == 0 && b && !simd) { /* the scalar loop: Philox words of 64 groups at once */
+        if (b && !simd) { /* the scalar loop: Philox words of 64 groups at once */
             uint32_t w[4][GROUPS_AT_ONCE];
             for (; g < groups; g++) {
                 int k = (int)(g % GROUPS_AT_ONCE);
