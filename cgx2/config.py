@@ -262,6 +262,12 @@ class TuningConfig:
       raises at the next call on the group, or sooner), ``off`` (or 0) not at all; ``auto``
       is ``off`` for CUDA tensors on NCCL, where either check costs a fixed fraction of a
       millisecond a call, else ``on``.
+    - ``node_mesh`` (``CGX2_NODE_MESH``, ``auto``): where a job spans nodes of several ranks,
+      whether the ``cgx`` backend and the DDP hook with ``mesh="auto"`` reduce over the node
+      mesh (plain inside a node, quantized between): True (1) for every compressed call, False
+      (0) for none (the flat allreduce), None (``auto``) lets the policy decide
+      (:func:`cgx2.collectives.policy.by_node_mesh`: CPU tensors on gloo by timing both at first
+      use, others by the mesh).
     - ``comm_worker`` (``CGX2_COMM_WORKER``, 1): DDP's hooks run collectives that would block
       autograd's thread (gloo's) on a worker thread per group (:mod:`cgx2.comm.worker`); 0
       runs them in the hook, as torch's own hooks do.
@@ -288,6 +294,7 @@ class TuningConfig:
     pipeline_bytes: int | None = None
     pair_gather: bool = True
     check_agreement: str = "auto"
+    node_mesh: bool | None = None
     comm_worker: bool = True
     transport: str = "auto"
     algorithm: str = "auto"
@@ -333,6 +340,7 @@ class TuningConfig:
             pipeline_bytes=pipeline_bytes,
             pair_gather=_bool(env, "CGX2_PAIR_GATHER", True),
             check_agreement=_check_mode(env, "CGX2_CHECK_AGREEMENT"),
+            node_mesh=_bool_or_auto(env, "CGX2_NODE_MESH"),
             comm_worker=_bool(env, "CGX2_COMM_WORKER", True),
             transport=_choice(env, "CGX2_TRANSPORT", "auto", TRANSPORTS, upper=False),
             algorithm=_choice(env, "CGX2_ALGORITHM", "auto", ALGORITHMS, upper=False),

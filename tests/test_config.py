@@ -91,16 +91,18 @@ def test_tuning_reads_every_cgx2_variable():
         "CGX2_PAIR_GATHER": "0", "CGX2_CALIBRATION_FILE": "/x/c.json", "CGX2_DIRECT_LAUNCH": "no",
         "CGX2_NATIVE": "false", "CGX2_CACHE_DIR": "/c", "CGX2_COMM_WORKER": "0",
         "CGX2_TRANSPORT": "SHM", "CGX2_ALGORITHM": "ring", "CGX2_CHECK_AGREEMENT": "Deferred",
+        "CGX2_NODE_MESH": "0",
     })  # fmt: skip
     assert found == TuningConfig(
         crossover_bytes=4 << 20, cuda_graphs=True, pipeline_bytes=64 << 20, pair_gather=False,
         comm_worker=False, calibration_file="/x/c.json", direct_launch=False,
         native_codec=False, cache_dir="/c", transport="shm", algorithm="ring",
-        check_agreement="deferred",
+        check_agreement="deferred", node_mesh=False,
     )  # fmt: skip
     default = TuningConfig.from_env({"CGX2_CACHE_DIR": "/c"})
     assert default.crossover_bytes is None and default.pipeline_bytes is None
-    assert default.comm_worker and default.pair_gather
+    assert default.comm_worker and default.pair_gather and default.node_mesh is None
+    assert TuningConfig.from_env({"CGX2_NODE_MESH": "on"}).node_mesh is True
     assert default.transport == default.algorithm == default.check_agreement == "auto"
     for raw, mode in [("1", "on"), ("yes", "on"), ("0", "off"), ("false", "off"), ("auto", "auto")]:
         assert TuningConfig.from_env({"CGX2_CHECK_AGREEMENT": raw}).check_agreement == mode
@@ -112,7 +114,8 @@ def test_tuning_reads_every_cgx2_variable():
     ("var", "value"),
     [("CGX2_PIPELINE_BYTES", "0"), ("CGX2_CROSSOVER_BYTES", "-1"), ("CGX2_CROSSOVER_BYTES", "4 TB"),
      ("CGX2_PAIR_GATHER", "maybe"), ("CGX2_NATIVE", "2"), ("CGX2_COMM_WORKER", "x"),
-     ("CGX2_TRANSPORT", "tcp"), ("CGX2_ALGORITHM", "tree"), ("CGX2_CHECK_AGREEMENT", "later")],
+     ("CGX2_TRANSPORT", "tcp"), ("CGX2_ALGORITHM", "tree"), ("CGX2_CHECK_AGREEMENT", "later"),
+     ("CGX2_NODE_MESH", "flat")],
 )  # fmt: skip
 def test_a_bad_cgx2_variable_is_named(var, value):
     from cgx2.config import TuningConfig

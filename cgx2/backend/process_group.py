@@ -219,14 +219,16 @@ class CGXProcessGroup(dist.ProcessGroup):
 
     def _compress(self, tensors: Sequence[torch.Tensor], bits: int, bucket_size: int,
                   op: str) -> None:  # fmt: skip
-        nbytes = sum(t.numel() for t in tensors) * tensors[0].element_size()
-        self.bytes_uncompressed += ring_bytes_sent(nbytes, self.size())
+        numel = sum(t.numel() for t in tensors)
+        self.bytes_uncompressed += ring_bytes_sent(numel * tensors[0].element_size(), self.size())
         mesh = self.node_mesh(tensors[0].device.type, bits)
-        if mesh is None:
+        intra_broadcast = self.config.intra_broadcast
+        if mesh is None or not policy.by_node_mesh(tensors[0], self, mesh, bits, bucket_size,
+                                                   intra_broadcast, numel):  # fmt: skip
             self.bytes_sent += allreduce_fused_(tensors, bits, bucket_size, self, op)
         else:
             self.bytes_sent += hierarchical_allreduce_fused_(
-                list(tensors), bits, bucket_size, mesh, op, self.config.intra_broadcast
+                list(tensors), bits, bucket_size, mesh, op, intra_broadcast
             )
 
     def _rides_shared_memory(self, tensors: list[torch.Tensor], op: dist.ReduceOp,

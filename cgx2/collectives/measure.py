@@ -1,6 +1,6 @@
-"""Where compression pays, measured: the plain allreduce against the 4-bit one, timed in turn on
-every rank. ``python -m cgx2.bench calibrate`` writes what it finds to a file; the policy
-measures CPU tensors across nodes itself, at first use, where no file says.
+"""What pays on this job's link, measured: the plain allreduce against the 4-bit one (``python -m
+cgx2.bench calibrate`` writes what it finds to a file; the policy measures CPU tensors across
+nodes itself, at first use, where no file says), and the node mesh against the flat allreduce.
 """
 
 from __future__ import annotations
@@ -13,8 +13,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["BITS", "BUCKET_SIZE", "crossover", "crossover_on_link", "timed_in_turn"]
+__all__ = [
+    "BITS", "BUCKET_SIZE", "crossover", "crossover_on_link", "mesh_against_flat", "timed_in_turn",
+]  # fmt: skip
 
 logger = logging.getLogger("cgx2")
 
@@ -24,6 +27,10 @@ BUCKET_SIZE = 512
 FIRST_USE_SIZES = (1 << 20, 4 << 20, 16 << 20)
 """The sizes measured at first use: where, over Ethernet, the crossover lay when calibrated
 (BENCHMARKS.md, "CPU hosts over Ethernet"); at larger sizes the largest one's answer holds."""
+
+MESH_SIZES = FIRST_USE_SIZES
+"""The sizes at which the node mesh is timed against the flat allreduce at first use: they span
+DDP's buckets (its first of 1 MiB, the others of 25 MiB by default)."""
 
 
 def crossover(measurements: Sequence[dict[str, Any]]) -> int | None:
@@ -90,3 +97,32 @@ def crossover_on_link(dtype: torch.dtype, group: dist.ProcessGroup,
         "never" if found is None else f"{found} bytes",
     )  # fmt: skip
     return found
+
+
+def mesh_against_flat(dtype: torch.dtype, group: dist.ProcessGroup, mesh: DeviceMesh, bits: int,
+                      bucket_size: int, intra_broadcast: bool,
+                      sizes: Sequence[int] | None = None, warmup: int = 1,
+                      iters: int = 3) -> dict[int, bool]:  # fmt: skip
+    """For each of ``sizes`` (bytes; None: :data:`MESH_SIZES`), whether the node ``mesh``'s allreduce
+    (:func:`.hierarchical.hierarchical_allreduce`) of CPU tensors of ``dtype`` was faster than
+    the flat one over ``group``, timed now in turn on every rank (so all get the same answer):
+    a few seconds at most, once per group and settings. Every rank calls this, alike."""
+    from .allreduce import allreduce
+    from .hierarchical import hierarchical_allreduce
+
+    faster, shown = {}, []
+    for nbytes in MESH_SIZES if sizes is None else sizes:
+        x = torch.randn(nbytes // dtype.itemsize).to(dtype)
+        flat_s, mesh_s = timed_in_turn(
+            (lambda x=x: allreduce(x, bits, bucket_size, group),
+             lambda x=x: hierarchical_allreduce(x, bits, mesh, "sum", bucket_size,
+                                                intra_broadcast)),
+            warmup, iters, x.device, group,
+        )  # fmt: skip
+        faster[nbytes] = mesh_s < flat_s
+        shown.append(f"{nbytes >> 20} MiB flat {1e3 * flat_s:.1f} ms, mesh {1e3 * mesh_s:.1f} ms")
+    won = ", ".join(f"{n >> 20} MiB" for n, mesh_won in faster.items() if mesh_won)
+    logger.info("cgx2: the node mesh against the flat allreduce on this job's link (group %r, "
+                "%s, %d-bit): %s; the mesh at %s", group.group_name, dtype, bits,
+                ", ".join(shown), won or "no size")  # fmt: skip
+    return faster

@@ -13,12 +13,14 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 import weakref
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from .. import config
 from ..checks import UNCOMPRESSED_BITS
@@ -32,6 +34,7 @@ __all__ = [
     "PIECE_NUMEL",
     "PIECE_NUMEL_PAIR",
     "Route",
+    "by_node_mesh",
     "calibration",
     "calibration_key",
     "clear_caches",
@@ -179,17 +182,59 @@ def _carrier(device: torch.device, info: GroupInfo | None) -> tuple[str, bool, s
 
 def hierarchical(group: dist.ProcessGroup | None, bits: int) -> bool:
     """Whether an entry point that may reduce hierarchically (the DDP hook with
-    ``mesh="auto"``, the ``cgx`` backend) quantizes between nodes only: ``bits`` below 32, the
-    launcher says the job spans several nodes (``LOCAL_WORLD_SIZE`` below ``WORLD_SIZE``) of
-    more than one rank each, and ``group`` (None: the default) is the whole world. With one
-    rank a node the flat allreduce already is the one between nodes: the node's steps would
-    only copy the tensor through groups of one. Measured across hosts, the mesh wins over
-    slow links and loses to the flat allreduce over fast ones at larger sizes (BENCHMARKS.md,
-    "Flat against the node mesh"); this rule does not look at the link yet."""
+    ``mesh="auto"``, the ``cgx`` backend) builds the node mesh: ``bits`` below 32, the launcher
+    says the job spans several nodes (``LOCAL_WORLD_SIZE`` below ``WORLD_SIZE``) of more than
+    one rank each, ``group`` (None: the default) is the whole world, and ``CGX2_NODE_MESH`` is
+    not 0. With one rank a node the flat allreduce already is the one between nodes: the
+    node's steps would only copy the tensor through groups of one. Which calls then go over
+    the mesh is :func:`by_node_mesh`'s choice."""
     launch = config.launch()
     if bits == UNCOMPRESSED_BITS or not launch.spans_nodes or launch.local_world_size < 2:
         return False
+    if config.tuning().node_mesh is False:
+        return False
     return (group.size() if group is not None else dist.get_world_size()) == launch.world_size
+
+
+def by_node_mesh(t: torch.Tensor, group: dist.ProcessGroup, mesh: DeviceMesh, bits: int,
+                 bucket_size: int, intra_broadcast: bool,
+                 numel: int | None = None) -> bool:  # fmt: skip
+    """Whether a compressed allreduce of ``t`` (or of ``numel`` of its values) over ``group``,
+    for which :func:`hierarchical` built the node ``mesh``, goes over the mesh rather than
+    flat. ``CGX2_NODE_MESH`` decides where set. Otherwise GPU tensors take the mesh: between
+    nodes the link is far slower than the GPU's codec. CPU tensors take what was faster on
+    this job's link at the measured size nearest theirs (:func:`.measure.mesh_against_flat`,
+    at the first such call, which every rank makes alike): the mesh sends half the bytes
+    between hosts but fewer ranks code them, so it wins where the link bounds the call and
+    loses where the CPU codec does (BENCHMARKS.md, "Flat against the node mesh")."""
+    forced = _fresh().node_mesh
+    if forced is not None:
+        return forced
+    if _carrier(t.device, group_info(group))[2] != "cpu":
+        return True
+    key = (id(group), t.dtype, bits, bucket_size, intra_broadcast)
+    faster = _MESH_FASTER.get(key)
+    if faster is None:
+        faster = _MESH_FASTER[key] = _time_mesh(t.dtype, group, mesh, bits, bucket_size,
+                                                intra_broadcast)  # fmt: skip
+        weakref.finalize(group, _MESH_FASTER.pop, key, None)
+    nbytes = max(1, (t.numel() if numel is None else numel) * t.element_size())
+    return faster[min(faster, key=lambda size: abs(math.log(size / nbytes)))]
+
+
+def _time_mesh(dtype: torch.dtype, group: dist.ProcessGroup, mesh: DeviceMesh, bits: int,
+               bucket_size: int, intra_broadcast: bool) -> dict[int, bool]:  # fmt: skip
+    from . import measure
+
+    try:
+        return measure.mesh_against_flat(dtype, group, mesh, bits, bucket_size, intra_broadcast)
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"cgx2: timing the node mesh against the flat allreduce on group "
+            f"{group.group_name!r} (at the first compressed call of {dtype} CPU tensors, which "
+            "every rank makes alike) failed: do the ranks make the same calls? "
+            f"CGX2_NODE_MESH=0 or 1 spares this measurement: {e}"
+        ) from e
 
 
 def calibration_key(device_type: str, backend: str, dtype: torch.dtype) -> str:
@@ -222,6 +267,7 @@ def _read_calibration(path: str) -> dict[str, int | None]:
 
 _CALIBRATIONS: dict[int, dict[str, int | None]] = {}
 _MEASURED: dict[tuple, int | None] = {}
+_MESH_FASTER: dict[tuple, dict[int, bool]] = {}
 _cached_for: list[config.TuningConfig | None] = [None]
 
 
@@ -241,6 +287,7 @@ def clear_caches() -> None:
     regime.cache_clear()
     _CALIBRATIONS.clear()
     _MEASURED.clear()
+    _MESH_FASTER.clear()
     _ROUTES.clear()
 
 

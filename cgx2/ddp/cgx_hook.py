@@ -55,8 +55,10 @@ class CGXState:
     ``mesh`` (cgx2's addition): a ("inter", "intra") ``DeviceMesh`` makes the compressed
     layers go through :func:`cgx2.hierarchical_allreduce` (plain inside a node, quantized
     between nodes; ``CGX_INTRA_BROADCAST`` picks the variant). ``"auto"`` builds one from
-    ``LOCAL_WORLD_SIZE`` when the job spans several nodes and the group is the world; None
-    never does.
+    ``LOCAL_WORLD_SIZE`` when the job spans several nodes and the group is the world, and
+    sends each bucket over it or flat as the policy chooses
+    (:func:`cgx2.collectives.policy.by_node_mesh`: CPU tensors by what was faster on the job's
+    link, timed at the first compressed bucket); None never does.
 
     ``error_feedback`` (cgx2's addition, CGX had it in its kernels): each compressed layer
     keeps a residual, added to its gradient at the next step: what this rank put in minus
@@ -113,6 +115,7 @@ class CGXState:
         self.layer_min_size = max(layer_min_size, config.minimal_size)
         self.skip_incomplete = config.skip_incomplete_buckets
         self.intra_broadcast = config.intra_broadcast
+        self._mesh_by_policy = mesh == "auto"
         if mesh == "auto":
             several = policy.hierarchical(process_group, self.bits)
             if several and (adaptive_bits is not None or error_feedback):
@@ -187,6 +190,16 @@ class CGXState:
             self.errors.load_state_dict(residuals)
         elif self.errors is not None:  # a checkpoint without residuals: none are owed
             self.errors.clear()
+
+    def over_mesh(self, t: torch.Tensor, group: dist.ProcessGroup, numel: int) -> bool:
+        """Whether a compressed allreduce of ``numel`` values like ``t`` over ``group`` goes over
+        :attr:`mesh`: always for a mesh the caller passed, by the policy's choice for
+        ``mesh="auto"``'s."""
+        if self.mesh is None:
+            return False
+        return not self._mesh_by_policy or policy.by_node_mesh(
+            t, group, self.mesh, self.bits, self.bucket_size, self.intra_broadcast, numel
+        )
 
     def layer_bits(self, index: int, layers: Sequence[torch.Tensor],
                    group: dist.ProcessGroup) -> tuple[int, ...]:  # fmt: skip
@@ -344,7 +357,7 @@ def _reduce_bucket_(
         and policy.compresses(buffer, group, state.bits, state.bucket_size, padded)
     ):
         layers = [buffer[offset : offset + numel] for offset, numel in plan.compressed]
-        if state.mesh is not None:
+        if state.over_mesh(buffer, group, padded):
             state.bytes_sent += hierarchical_allreduce_fused_(
                 layers, state.bits, state.bucket_size, state.mesh, "avg", state.intra_broadcast
             )

@@ -90,21 +90,23 @@ def _hook_on_two_nodes() -> dict:
     import cgx2
     from cgx2.ddp import CGXState, cgx_hook
 
-    # Compressing at every size: the path is tested here, not where compression pays.
+    # Compressing at every size, over the mesh: the path is tested here, not where it pays.
     os.environ.update(LOCAL_WORLD_SIZE="2", WORLD_SIZE="4", CGX2_CROSSOVER_BYTES="0")
     try:
-        grads = {}
-        for mesh in ("auto", None):
-            torch.manual_seed(0)
-            model = DDP(nn.Linear(128, 64))
-            state = CGXState(None, 1024, {"bits": 4, "bucket_size": 128}, mesh=mesh, start_iter=0)
-            model.register_comm_hook(state, cgx_hook)
-            cgx2.manual_seed(1)
-            model(_input(dist.get_rank(), 8 * 128).view(8, 128)).square().sum().backward()
-            grads[str(mesh)] = model.module.weight.grad.clone()
-            shape = None if state.mesh is None else tuple(state.mesh.shape)
-            grads[f"{mesh}-mesh"] = shape
-        return grads
+        with cgx2.config.tuned(node_mesh=True):
+            grads = {}
+            for mesh in ("auto", None):
+                torch.manual_seed(0)
+                model = DDP(nn.Linear(128, 64))
+                params = {"bits": 4, "bucket_size": 128}
+                state = CGXState(None, 1024, params, mesh=mesh, start_iter=0)
+                model.register_comm_hook(state, cgx_hook)
+                cgx2.manual_seed(1)
+                model(_input(dist.get_rank(), 8 * 128).view(8, 128)).square().sum().backward()
+                grads[str(mesh)] = model.module.weight.grad.clone()
+                shape = None if state.mesh is None else tuple(state.mesh.shape)
+                grads[f"{mesh}-mesh"] = shape
+            return grads
     finally:
         for k in ("LOCAL_WORLD_SIZE", "WORLD_SIZE", "CGX2_CROSSOVER_BYTES"):
             del os.environ[k]
@@ -118,6 +120,62 @@ def test_cgx_hook_goes_hierarchical_across_nodes(dist4):
         assert not torch.equal(r["auto"], r["None"])  # another path than the flat allreduce
         scale = r["None"].abs().max()
         assert (r["auto"] - r["None"]).abs().max() < 0.2 * scale
+
+
+def _mesh_timed_at_first_use() -> dict:
+    """4 ranks, LOCAL_WORLD_SIZE=2, CGX2_NODE_MESH=auto: the hook's first compressed bucket
+    times the mesh against the flat allreduce (at two small sizes here), once."""
+    import importlib
+    from unittest import mock
+
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import cgx2
+    from cgx2.collectives import measure
+    from cgx2.ddp import CGXState, cgx_hook
+
+    hook_module = importlib.import_module("cgx2.ddp.cgx_hook")  # (the package's name: the hook)
+
+    answers = []
+
+    def recorded(*args, **kwargs):
+        answers.append(real(*args, **kwargs))
+        return answers[-1]
+
+    real = measure.mesh_against_flat
+    over_mesh = mock.Mock(wraps=hook_module.hierarchical_allreduce_fused_)
+    os.environ.update(LOCAL_WORLD_SIZE="2", WORLD_SIZE="4", CGX2_CROSSOVER_BYTES="0")
+    try:
+        with (
+            cgx2.config.tuned(node_mesh=None),
+            mock.patch.object(measure, "MESH_SIZES", (1 << 12, 1 << 16)),
+            mock.patch.object(measure, "mesh_against_flat", recorded),
+            mock.patch.object(hook_module, "hierarchical_allreduce_fused_", over_mesh),
+        ):
+            torch.manual_seed(0)
+            model = DDP(nn.Linear(128, 64))
+            state = CGXState(None, 1024, {"bits": 4, "bucket_size": 128}, start_iter=0)
+            model.register_comm_hook(state, cgx_hook)
+            for _ in range(2):
+                model(_input(dist.get_rank(), 8 * 128).view(8, 128)).square().sum().backward()
+        return {"answers": answers, "over_mesh": over_mesh.call_count,
+                "grad": model.module.weight.grad.clone()}  # fmt: skip
+    finally:
+        for k in ("LOCAL_WORLD_SIZE", "WORLD_SIZE", "CGX2_CROSSOVER_BYTES"):
+            del os.environ[k]
+
+
+def test_the_hook_times_the_node_mesh_against_the_flat_allreduce_at_first_use(dist4):
+    """mesh="auto" across nodes, CPU tensors: timed once, every rank the same answer, and the
+    bucket (33 kB: nearest the 64 KiB size) goes the way that won there, alike everywhere."""
+    results = dist4.run(_mesh_timed_at_first_use)
+    (answer,) = results[0]["answers"]
+    assert sorted(answer) == [1 << 12, 1 << 16]
+    for r in results:
+        assert r["answers"] == [answer]
+        assert r["over_mesh"] == (2 if answer[1 << 16] else 0)
+        assert torch.equal(r["grad"], results[0]["grad"])
 
 
 def _backend_on_two_nodes(intra_broadcast: bool, op: str) -> dict:
@@ -134,16 +192,17 @@ def _backend_on_two_nodes(intra_broadcast: bool, op: str) -> dict:
     }
     os.environ.update(env)
     try:
-        group = dist.new_group(backend="cgx")
-        x = _input(dist.get_rank(), 5001)
-        y = x.clone()
-        cgx2.manual_seed(7)
-        dist.all_reduce(y, op=dist.ReduceOp.AVG if op == "avg" else dist.ReduceOp.SUM,
-                        group=group)  # fmt: skip
-        mesh = group.node_mesh("cpu")
-        out = {"x": x, "y": y, "mesh": tuple(mesh.shape), "sent": group.bytes_sent}
-        dist.destroy_process_group(group)
-        return out
+        with cgx2.config.tuned(node_mesh=True):  # the mesh's path, wherever it pays
+            group = dist.new_group(backend="cgx")
+            x = _input(dist.get_rank(), 5001)
+            y = x.clone()
+            cgx2.manual_seed(7)
+            dist.all_reduce(y, op=dist.ReduceOp.AVG if op == "avg" else dist.ReduceOp.SUM,
+                            group=group)  # fmt: skip
+            mesh = group.node_mesh("cpu")
+            out = {"x": x, "y": y, "mesh": tuple(mesh.shape), "sent": group.bytes_sent}
+            dist.destroy_process_group(group)
+            return out
     finally:
         for k in env:
             del os.environ[k]

@@ -410,10 +410,52 @@ def test_hierarchical_only_for_the_whole_world_of_several_nodes(clean_env):
     assert policy.hierarchical(world, 4)
     assert not policy.hierarchical(world, 32)  # nothing to quantize
     assert not policy.hierarchical(node, 4)  # a group inside one node
+    with config.tuned(node_mesh=False):  # CGX2_NODE_MESH=0: never
+        assert not policy.hierarchical(world, 4)
     clean_env.setenv("LOCAL_WORLD_SIZE", "8")
     assert not policy.hierarchical(world, 4)
     clean_env.setenv("LOCAL_WORLD_SIZE", "1")  # one rank a node: the flat allreduce is inter
     assert not policy.hierarchical(world, 4)
+
+
+def test_the_node_mesh_carries_the_calls_whose_nearest_measured_size_it_won(clean_env,
+                                                                            monkeypatch):  # fmt: skip
+    """CPU tensors go over the mesh where timing at first use found it faster at the measured
+    size nearest (in ratio) the call's; timed once per group and settings; CGX2_NODE_MESH
+    overrides; GPU regimes take the mesh untimed."""
+
+    class Group(dist.ProcessGroup):
+        pass
+
+    group = Group(0, 4)
+    monkeypatch.setattr(policy, "group_info", lambda g: None)
+    monkeypatch.setattr(policy, "_carrier", lambda device, info: ("gloo", False, "cpu"))
+    timings = []
+
+    def timed(dtype, g, mesh, bits, bucket_size, intra_broadcast):
+        timings.append((dtype, g, mesh, bits, bucket_size, intra_broadcast))
+        return {1 * MiB: True, 4 * MiB: False, 16 * MiB: True}
+
+    monkeypatch.setattr(policy, "_time_mesh", timed)
+    x = torch.zeros(1)
+
+    def over(nbytes: int, bits: int = 4) -> bool:
+        return policy.by_node_mesh(x, group, "mesh", bits, 512, False, nbytes // 4)
+
+    assert over(256 << 10) and over(0)  # below the smallest size: its answer
+    assert over(1 * MiB) and over(int(1.9 * MiB))
+    assert not over(int(2.1 * MiB)) and not over(4 * MiB) and not over(7 * MiB)
+    assert over(9 * MiB) and over(1 << 30)  # above the largest: its answer
+    assert timings == [(torch.float32, group, "mesh", 4, 512, False)]  # once
+    assert not over(4 * MiB, bits=2)
+    assert len(timings) == 2  # other settings: timed anew
+    with config.tuned(node_mesh=False):
+        assert not over(1 * MiB)
+    with config.tuned(node_mesh=True):
+        assert over(4 * MiB)
+    monkeypatch.setattr(policy, "_carrier", lambda device, info: ("nccl", True, "socket"))
+    assert over(4 * MiB)  # GPU tensors: the mesh, untimed
+    assert len(timings) == 2
 
 
 def test_a_rank_waiting_for_rank_0s_calibration_fails_clearly(monkeypatch):

@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import cgx2
-from cgx2.collectives import hierarchical, reference_allreduce
+from cgx2.collectives import hierarchical, policy, reference_allreduce
 from cgx2.comm import shm
 
 
@@ -50,6 +50,10 @@ def main() -> None:
         dist.all_reduce(t, group=group)
         say("backend_digest_same", digest(t))
         say("backend_close", bool((t - sum(inputs(r) for r in range(world))).abs().max() < 20))
+        # The node mesh against the flat allreduce, timed on this link at the backend's first
+        # compressed call: the same answer on every rank.
+        (timed,) = policy._MESH_FASTER.values()
+        say("mesh_choice_same", zlib.crc32(repr(sorted(timed.items())).encode()))
         del os.environ["CGX_COMPRESSION_QUANTIZATION_BITS"]
     # DDP with CGX's hook on a compiled model: the replicas stay identical.
     from cgx2.ddp import CGXState, cgx_hook
