@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # examples/train_ddp.py on CPU tensors across two cgx2.testing.netlab hosts of two ranks, torchrun
-# across them: plain DDP, cgx_hook 4-bit over the node mesh, and the same flat. Needs root.
+# across them: plain DDP, cgx_hook 4-bit as the policy routes it (mesh="auto"), over the node mesh
+# (CGX2_NODE_MESH=1) and flat (--flat). Needs root.
 # Usage: bash bench/train_links.sh [RATE] [OUT]   (RATE 1gbit, OUT bench/results)
 # THREADS (1) is each rank's OMP_NUM_THREADS; IPROUTE_ROOT where dpkg -x unpacked iproute2 on an
 # image without it; MODEL overrides the model and run arguments below.
@@ -16,12 +17,16 @@ stamp=$(date -u +%Y%m%dT%H%M)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 mkdir -p "$out"
-for run in "b32_hook:--bits 32" "b4_hook:--bits 4" "b4_hook_flat:--bits 4 --flat"; do
+runs=("b32_hook::--bits 32" "b4_hook::--bits 4" "b4_hook_mesh:CGX2_NODE_MESH=1:--bits 4"
+      "b4_hook_flat::--bits 4 --flat")
+for run in "${runs[@]}"; do
   name=${run%%:*}
-  flags=${run#*:}
+  rest=${run#*:}
+  env=${rest%%:*}
+  flags=${rest#*:}
   echo "== $name at $rate" >&2
   python3 -m cgx2.testing.netlab "${iproute[@]}" --hosts 2 --rate "$rate" -- bash -c "
-    OMP_NUM_THREADS=$threads torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d \
+    OMP_NUM_THREADS=$threads $env torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d \
       --rdzv-endpoint \$MASTER_ADDR:29711 --rdzv-conf is_host=\$((HOST == 0)) \
       --local-addr \$HOST_ADDR examples/train_ddp.py $flags --device cpu --log-every 100 \
       $model --json $work/$name.json"
@@ -31,7 +36,7 @@ python3 - "$out" "$device" "$rate" "$stamp" <<'EOF'
 import json, sys
 out, device, rate, stamp = sys.argv[1:]
 runs = {}
-for name in ("b32_hook", "b4_hook", "b4_hook_flat"):
+for name in ("b32_hook", "b4_hook", "b4_hook_mesh", "b4_hook_flat"):
     with open(f"{out}/train_ddp_{device}_cpu-{rate}-h2_w4_{name}_{stamp}.json") as f:
         runs[name] = json.load(f)
 plain = runs["b32_hook"]["step_ms"]
