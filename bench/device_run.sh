@@ -18,6 +18,9 @@
 # GLOO_DDP_RATES="10gbit 1gbit" times DDP steps of two hosts sharing GPU 0 over gloo, and
 # LINK_RATES="1gbit 10gbit 25gbit" the allreduce between them (LINK_ARGS for cgx2.bench; carry
 # .iproute, Debian's iproute2 .debs: bench/gloo_cuda_ddp.sh's header says how to fetch them).
+# CPU_LINK_RATES="1gbit 10gbit" runs the CPU hosts on this machine's own cores (no GPU): the
+# allreduce of two hosts and of two hosts of two ranks (the node mesh beside the flat allreduce;
+# CPU_LINK_ARGS for cgx2.bench), and DDP training across them (bench/train_links.sh).
 # CONVERGENCE=1 runs the convergence study (bench/convergence_study.sh; CONVERGENCE_TIMEOUT 540 s,
 # CONVERGENCE_LANES; its RUNS and RUN_S pass through), resuming from bench/results/convergence/
 # (returned as convergence.tgz in $OUT; on a machine kept warm, /tmp/convergence carries the
@@ -188,7 +191,7 @@ if [ -n "${ERROR_BY_LAYER:-}" ]; then  # where the study's quantization error li
     --at 500,2000 --out bench/results 2>"$LOGS/error_by_layer.err" | tail -n 70 || status=1
   save
 fi
-if [ -n "${GLOO_DDP_RATES:-}${LINK_RATES:-}" ]; then  # carry .iproute: Debian's iproute2 .debs
+if [ -n "${GLOO_DDP_RATES:-}${LINK_RATES:-}${CPU_LINK_RATES:-}" ]; then  # carry .iproute: Debian's iproute2 .debs
   mkdir -p /tmp/iproute && for deb in .iproute/*.deb; do dpkg -x "$deb" /tmp/iproute; done
 fi
 if [ -n "${LINK_RATES:-}" ]; then
@@ -199,6 +202,26 @@ if [ -n "${LINK_RATES:-}" ]; then
     --bits 4 --dtypes fp32 --iters 5 --warmup 1} 2>>"$LOGS/links.err" \
     | grep -E "^ *(fp32|bf16)|^==|results:" || status=1
   save
+fi
+if [ -n "${CPU_LINK_RATES:-}" ]; then
+  # CPU tensors between hosts with cores of their own (BENCHMARKS.md, "Hosts with cores of
+  # their own"): 8 threads a rank with one rank a host, 4 with two.
+  cpu_args=${CPU_LINK_ARGS:---sizes 1M,4M,16M,64M,256M --bits 4 --dtypes fp32 --iters 5 --warmup 1}
+  for layout in "1 8" "2 4"; do
+    read -r ranks threads <<<"$layout"
+    # shellcheck disable=SC2086  # cgx2.bench's arguments, one word each
+    CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=$threads python3 bench/links.py --hosts 2 \
+      --nproc-per-node "$ranks" --rates "${CPU_LINK_RATES// /,}" --iproute-root /tmp/iproute \
+      --timeout 500 --out bench/results -- $cpu_args 2>>"$LOGS/cpu_links.err" \
+      | grep -E "^ *(fp32|bf16)|^==|results:" || status=1
+    save
+  done
+  for rate in $CPU_LINK_RATES; do
+    echo "== DDP training, 2 CPU hosts of 2 ranks, $rate"
+    CUDA_VISIBLE_DEVICES= THREADS=4 IPROUTE_ROOT=/tmp/iproute bash bench/train_links.sh "$rate" \
+      2>>"$LOGS/train_links.err" | tail -n 4 || status=1
+    save
+  done
 fi
 if [ -n "${GLOO_DDP_RATES:-}" ]; then
   # Two hosts (network namespaces) sharing GPU 0 over a shaped link, gloo, CUDA tensors

@@ -4,12 +4,12 @@ shares a few integers (size, dtype, bits, bucket, op, route) and every rank rais
 Ranks that disagree would otherwise hang in different collectives until the group's timeout, or
 worse, exchange payloads of equal size and return wrong values without an error. The exchange
 cannot itself hang on a disagreement: values compared on the host go through the group's c10d
-store (a key a rank, each call's keys its own, so it is a few store round trips rather than one
-more collective of the group's backend; BENCHMARKS.md, "The agreement check"), values compared
-on a GPU by an all-gather of a few dozen bytes, the same whatever the arguments. Whether it
-runs, and how, is the policy's choice (:class:`.policy.Route`'s ``check``); the entry points
-users call run it (the ops, the ``cgx`` backend), not DDP's and FSDP's hooks, whose wrappers
-make every rank's buckets alike.
+store (each rank's values pushed to its peers' queues, or in larger groups a key a rank and
+call: a few store round trips rather than one more collective of the group's backend;
+BENCHMARKS.md, "The agreement check"), values compared on a GPU by an all-gather of a few dozen
+bytes, the same whatever the arguments. Whether it runs, and how, is the policy's choice
+(:class:`.policy.Route`'s ``check``); the entry points users call run it (the ops, the ``cgx``
+backend), not DDP's and FSDP's hooks, whose wrappers make every rank's buckets alike.
 
 Read at once (``check``), the answer costs the caller a wait for the GPU's queue where the
 all-gather runs on it (NCCL). Deferred (``check(..., deferred=True)``), the ranks' values are
@@ -94,6 +94,8 @@ def check(group: dist.ProcessGroup, operation: str, t: torch.Tensor,
         else:
             gathered = torch.empty(world * len(values), dtype=torch.int64, device=device)
             all_gather_single(gathered, _on(device, values), group=group)
+    except DisagreementError:
+        raise
     except RuntimeError as e:  # a peer died or stalled before the call
         raise RuntimeError(
             f"cgx2: the ranks of {operation} could not compare their arguments (this is rank "
@@ -152,7 +154,11 @@ def _on(device: torch.device, values: list[int]) -> torch.Tensor:
 
 STORE_MAX_RANKS = 16
 """Groups up to this size compare on the host through the store; its load grows as the square
-of the ranks (each reads every rank's key), so larger groups all-gather instead."""
+of the ranks (each reads every rank's values), so larger groups all-gather instead."""
+
+QUEUE_MAX_RANKS = 4
+"""Groups up to this size exchange through the store's queues, one pop a peer; larger ones
+through keys, whose three round trips (delete, wait, read) do not grow with the ranks."""
 
 _CALLS: weakref.WeakKeyDictionary[dist.ProcessGroup, itertools.count] = weakref.WeakKeyDictionary()
 
@@ -161,24 +167,65 @@ def _exchange_through_store(store: dist.Store, group: dist.ProcessGroup, operati
                             values: list[int], world: int,
                             rank: int) -> list[tuple[str, list[int]]]:  # fmt: skip
     """Every rank's ``(operation, values)`` of this call on ``group``, by rank, through the
-    group's store: each rank sets its key of call n, then reads all ranks' keys of call n,
-    waiting up to the group's timeout. Before that it deletes its key of call n - 2: every
-    peer has read it, since each has set its key of call n - 1, read at call n - 1 here."""
+    group's store, waiting up to the group's timeout."""
     with _PENDING_LOCK:
         n = next(_CALLS.setdefault(group, itertools.count()))
-    if n >= 2:
-        store.delete_key(f"cgx2/agree/{n - 2}/{rank}")
-    store.set(f"cgx2/agree/{n}/{rank}",
-              operation.encode() + b"\0" + struct.pack(f"<{len(values)}q", *values))  # fmt: skip
-    keys = [f"cgx2/agree/{n}/{r}" for r in range(world)]
+    mine = operation.encode() + b"\0" + struct.pack(f"<{len(values)}q", *values)
     timeout = group_info(group).timeout_s
-    if abs(store.timeout.total_seconds() - timeout) > 1:  # multi_get waits the store's timeout
-        store.wait(keys, datetime.timedelta(seconds=timeout))
+    # The store's own waits (multi_get's, a blocking pop's) last the store's timeout.
+    wait = abs(store.timeout.total_seconds() - timeout) > 1
+    if world <= QUEUE_MAX_RANKS and hasattr(store, "queue_push"):
+        found = _through_queues(store, n, mine, world, rank, timeout if wait else None)
+    else:
+        found = _through_keys(store, n, mine, world, rank, timeout if wait else None)
     exchanged = []
-    for raw in store.multi_get(keys):
+    for raw in found:
         name, _, packed = raw.partition(b"\0")
         exchanged.append((name.decode(), list(struct.unpack(f"<{len(packed) // 8}q", packed))))
     return exchanged
+
+
+def _through_queues(store: dist.Store, n: int, mine: bytes, world: int, rank: int,
+                    wait_s: float | None) -> list[bytes]:  # fmt: skip
+    """Each rank pushes ``mine`` (with its rank and call number) to every peer's queue and pops
+    one entry a peer from its own: a round trip a peer, and nothing left behind. No peer can
+    be a call ahead: its collective n needs this rank, which pops first."""
+    for peer in range(world):
+        if peer != rank:
+            store.queue_push(f"cgx2/agree/to/{peer}", struct.pack("<qq", n, rank) + mine)
+    key = f"cgx2/agree/to/{rank}"
+    found: list[bytes] = [b""] * world
+    found[rank] = mine
+    behind = []
+    for _ in range(world - 1):
+        if wait_s is not None:
+            store.wait([key], datetime.timedelta(seconds=wait_s))
+        raw = store.queue_pop(key)
+        their_n, peer = struct.unpack_from("<qq", raw)
+        found[peer] = raw[16:]
+        if their_n != n:
+            behind.append(f"rank {peer} at call {their_n}")
+    if behind:
+        raise DisagreementError(
+            f"cgx2: the ranks have made different numbers of checked collectives on one group "
+            f"({', '.join(behind)}; this rank {rank} at call {n}); every rank must make the "
+            "same calls in the same order"
+        )
+    return found
+
+
+def _through_keys(store: dist.Store, n: int, mine: bytes, world: int, rank: int,
+                  wait_s: float | None) -> list[bytes]:  # fmt: skip
+    """Each rank sets its key of call n, then reads all ranks' keys of call n. Before that it
+    deletes its key of call n - 2: every peer has read it, since each has set its key of call
+    n - 1, read at call n - 1 here."""
+    if n >= 2:
+        store.delete_key(f"cgx2/agree/{n - 2}/{rank}")
+    store.set(f"cgx2/agree/{n}/{rank}", mine)
+    keys = [f"cgx2/agree/{n}/{r}" for r in range(world)]
+    if wait_s is not None:
+        store.wait(keys, datetime.timedelta(seconds=wait_s))
+    return store.multi_get(keys)
 
 
 def _raise_if_different(rows: list[list[int]] | list[tuple[str, list[int]]], names: list[str],

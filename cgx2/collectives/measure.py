@@ -103,10 +103,11 @@ def mesh_against_flat(dtype: torch.dtype, group: dist.ProcessGroup, mesh: Device
                       bucket_size: int, intra_broadcast: bool,
                       sizes: Sequence[int] | None = None, warmup: int = 1,
                       iters: int = 3) -> dict[int, bool]:  # fmt: skip
-    """For each of ``sizes`` (bytes; None: :data:`MESH_SIZES`), whether the node ``mesh``'s allreduce
-    (:func:`.hierarchical.hierarchical_allreduce`) of CPU tensors of ``dtype`` was faster than
-    the flat one over ``group``, timed now in turn on every rank (so all get the same answer):
-    a few seconds at most, once per group and settings. Every rank calls this, alike."""
+    """For each of ``sizes`` (bytes; None: :data:`MESH_SIZES`), whether the node ``mesh``'s
+    allreduce (:func:`.hierarchical.hierarchical_allreduce`) of CPU tensors of ``dtype`` was
+    faster than the flat one over ``group``, timed now in turn on every rank (so all get the
+    same answer): a few seconds at most, once per group and settings. Every rank calls this,
+    alike."""
     from .allreduce import allreduce
     from .hierarchical import hierarchical_allreduce
 

@@ -80,12 +80,15 @@ def test_ranks_that_call_different_collectives_all_raise_naming_them(dist2):
 
 
 def _store_keys_left() -> list[bool]:
+    from unittest import mock
+
     from cgx2.collectives import agreement
     from cgx2.comm import group_store
 
     store, rank = group_store(dist.group.WORLD), dist.get_rank()
-    for _ in range(5):
-        _agree()
+    with mock.patch.object(agreement, "QUEUE_MAX_RANKS", 0):  # larger groups' keys
+        for _ in range(5):
+            _agree()
     n = next(agreement._CALLS[dist.group.WORLD])  # the next call's number (taken: keep alike)
     dist.barrier()
     return [store.check([f"cgx2/agree/{k}/{rank}"]) for k in range(n)]
@@ -94,6 +97,54 @@ def _store_keys_left() -> list[bool]:
 def test_each_rank_keeps_only_its_last_two_keys_in_the_store(dist2):
     for present in dist2.run(_store_keys_left):
         assert present[-2:] == [True, True] and not any(present[:-2]), present
+
+
+def _queue_left() -> tuple[int, bool]:
+    from cgx2.comm import group_store
+
+    store, rank = group_store(dist.group.WORLD), dist.get_rank()
+    for _ in range(3):
+        _agree()
+    _disagree("numel")
+    _agree()
+    dist.barrier()
+    keyed = any(store.check([f"cgx2/agree/{k}/{rank}"]) for k in range(8))
+    return store.queue_len(f"cgx2/agree/to/{rank}"), keyed
+
+
+def test_small_groups_exchange_through_queues_and_leave_nothing_behind(dist4):
+    """Four ranks push to each other's queues and pop them empty, a disagreement included; no
+    key is set."""
+    for left, keyed in dist4.run(_queue_left):
+        assert left == 0 and not keyed
+
+
+def test_ranks_at_different_calls_all_raise_naming_them():
+    """A rank whose count of checked calls differs (a check skipped by its settings) makes
+    every rank raise at once, naming the calls, instead of pairing wrong entries."""
+    import datetime
+    import threading
+
+    from cgx2.collectives import agreement
+
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=30))
+    errors = {}
+
+    def rank(r: int, n: int) -> None:
+        store = dist.TCPStore("127.0.0.1", server.port, 1, False,
+                              timeout=datetime.timedelta(seconds=30))  # fmt: skip
+        try:
+            agreement._through_queues(store, n, b"x", 2, r, None)
+        except DisagreementError as e:
+            errors[r] = str(e)
+
+    threads = [threading.Thread(target=rank, args=(r, n)) for r, n in ((0, 7), (1, 6))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert "(rank 1 at call 6; this rank 0 at call 7)" in errors[0], errors
+    assert "(rank 0 at call 7; this rank 1 at call 6)" in errors[1], errors
 
 
 def _agree() -> torch.Tensor:

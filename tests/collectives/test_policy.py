@@ -418,8 +418,7 @@ def test_hierarchical_only_for_the_whole_world_of_several_nodes(clean_env):
     assert not policy.hierarchical(world, 4)
 
 
-def test_the_node_mesh_carries_the_calls_whose_nearest_measured_size_it_won(clean_env,
-                                                                            monkeypatch):  # fmt: skip
+def test_the_node_mesh_carries_calls_whose_nearest_measured_size_it_won(clean_env, monkeypatch):
     """CPU tensors go over the mesh where timing at first use found it faster at the measured
     size nearest (in ratio) the call's; timed once per group and settings; CGX2_NODE_MESH
     overrides; GPU regimes take the mesh untimed."""
