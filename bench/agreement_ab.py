@@ -1,6 +1,6 @@
 """The agreement check alone (cgx2.collectives.agreement.check) on CPU tensors: through the
-group's c10d store (the default up to STORE_MAX_RANKS) against the all-gather it replaced, in
-alternating rounds of one run.
+group's c10d store, by its queues (the default up to QUEUE_MAX_RANKS) and by keys (the default
+up to STORE_MAX_RANKS), against the all-gather (larger groups), in alternating rounds of one run.
 
 Usage: torchrun --nproc-per-node 2 bench/agreement_ab.py [--rounds 40] [--calls 10] [--out DIR];
 across cgx2.testing.netlab's hosts for a real link. Rank 0 prints a table and writes
@@ -23,7 +23,11 @@ import torch.distributed as dist
 from cgx2.bench import report
 from cgx2.collectives import agreement
 
-MODES = {"store": agreement.STORE_MAX_RANKS, "all-gather": 0}  # STORE_MAX_RANKS in each
+MODES = {  # (STORE_MAX_RANKS, QUEUE_MAX_RANKS) in each
+    "queues": (agreement.STORE_MAX_RANKS, agreement.QUEUE_MAX_RANKS),
+    "keys": (agreement.STORE_MAX_RANKS, 0),
+    "all-gather": (0, 0),
+}
 
 
 def main() -> None:
@@ -39,8 +43,8 @@ def main() -> None:
     for r in range(args.rounds):
         if rank == 0 and r % 10 == 0:
             print(f"round {r + 1} of {args.rounds}", file=sys.stderr)
-        for mode, max_ranks in MODES.items():
-            agreement.STORE_MAX_RANKS = max_ranks
+        for mode, (store_ranks, queue_ranks) in MODES.items():
+            agreement.STORE_MAX_RANKS, agreement.QUEUE_MAX_RANKS = store_ranks, queue_ranks
             calls = []
             dist.barrier()
             for _ in range(args.calls + 2):  # the first two warm the mode up
@@ -52,7 +56,7 @@ def main() -> None:
         rows = [{"exchange": mode, "ms": 1e3 * statistics.median(ts),
                  "p10_ms": 1e3 * statistics.quantiles(ts, n=10)[0]}
                 for mode, ts in rounds.items()]  # fmt: skip
-        base = rows[1]["ms"]
+        base = next(row["ms"] for row in rows if row["exchange"] == "all-gather")
         for row in rows:
             row["vs_all_gather"] = row["ms"] / base
         print(report.format_table(rows, [("exchange", "exchange", ""), ("ms", "ms", ".3f"),
