@@ -28,7 +28,7 @@ for run in "${runs[@]}"; do
   python3 -m cgx2.testing.netlab "${iproute[@]}" --hosts 2 --rate "$rate" -- bash -c "
     OMP_NUM_THREADS=$threads $env torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d \
       --rdzv-endpoint \$MASTER_ADDR:29711 --rdzv-conf is_host=\$((HOST == 0)) \
-      --local-addr \$HOST_ADDR examples/train_ddp.py $flags --device cpu --log-every 100 \
+      --local-addr \$HOST_ADDR examples/train_ddp.py $flags --device cpu --log-every 100 --verbose \
       $model --json $work/$name.json"
   cp "$work/$name.json" "$out/train_ddp_${device}_cpu-${rate}-h2_w4_${name}_${stamp}.json"
 done

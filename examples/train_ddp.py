@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import os
 import sys
 import time
@@ -111,6 +112,9 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y:
 
 def train(args: argparse.Namespace) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
+    if args.verbose and rank == 0:  # what cgx2 measures and decides at first use
+        logging.basicConfig(format="%(message)s")
+        logging.getLogger("cgx2").setLevel(logging.INFO)
     device = f"cuda:{torch.cuda.current_device()}" if args.device == "cuda" else "cpu"
     torch.manual_seed(args.seed)  # same initial weights everywhere (DDP broadcasts them too)
     model = CharTransformer(args.context, args.dim, args.layers, args.heads).to(device)
@@ -260,6 +264,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="bf16 autocast (fp32 weights and gradients): a lighter step, as in "
                    "most training today, where communication weighs more")  # fmt: skip
     p.add_argument("--log-every", type=int, default=10, help="steps between progress lines")
+    p.add_argument("--verbose", action="store_true",
+                   help="log on rank 0 what cgx2 times and chooses at first use")  # fmt: skip
     p.add_argument("--json", help="write the result (losses, bytes, timing) here")
     args = p.parse_args(argv)
     if args.device == "auto":
