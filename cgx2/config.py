@@ -360,12 +360,15 @@ class LaunchConfig:
       ranks in the job and on this node; None where no launcher set them.
     - ``nccl_p2p_disabled`` (``NCCL_P2P_DISABLE``) and ``nccl_shm_disabled``
       (``NCCL_SHM_DISABLE``): NCCL told to avoid peer-to-peer and shared memory.
+    - ``omp_wait_policy`` (``OMP_WAIT_POLICY``, lower case; "" unset): how OpenMP's idle
+      threads wait, read by OpenMP when torch loads it (:mod:`cgx2.cpu_threads`).
     """
 
     world_size: int | None = None
     local_world_size: int | None = None
     nccl_p2p_disabled: bool = False
     nccl_shm_disabled: bool = False
+    omp_wait_policy: str = ""
 
     @property
     def spans_nodes(self) -> bool:
@@ -388,7 +391,8 @@ class LaunchConfig:
             return env.get(var, "").strip() not in ("", "0")
 
         return cls(size("WORLD_SIZE"), size("LOCAL_WORLD_SIZE"),
-                   flag("NCCL_P2P_DISABLE"), flag("NCCL_SHM_DISABLE"))  # fmt: skip
+                   flag("NCCL_P2P_DISABLE"), flag("NCCL_SHM_DISABLE"),
+                   env.get("OMP_WAIT_POLICY", "").strip().lower())  # fmt: skip
 
 
 _tuning: TuningConfig | None = None

@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "cgx2"
 
 LAYERS = {
     "cgx2.checks": 0, "cgx2.config": 0, "cgx2.seeding": 0, "cgx2.launch": 0, "cgx2.extension": 0,
-    "cgx2.scratch": 0,
+    "cgx2.scratch": 0, "cgx2.cpu_threads": 0,
     "cgx2.codecs": 1,
     "cgx2.comm": 2,
     "cgx2.collectives": 3,

@@ -19,6 +19,7 @@ import torch
 
 from .. import extension
 from ..config import tuning
+from ..cpu_threads import codec_threads
 
 __all__ = ["decode_rows", "encode_rows", "library"]
 
@@ -45,8 +46,9 @@ os.register_at_fork(after_in_child=_pool.cache_clear)
 
 def _over_threads(fn: Callable[[int, int], None], nq: int) -> None:
     """``fn(begin, end)`` over ranges of the ``nq`` buckets, in as many threads as torch
-    uses (the extension releases the GIL for the call)."""
-    parts = max(1, min(torch.get_num_threads(), nq // _MIN_BUCKETS_PER_THREAD))
+    uses (:func:`cgx2.cpu_threads.codec_threads`; the extension releases the GIL for the
+    call)."""
+    parts = max(1, min(codec_threads(), nq // _MIN_BUCKETS_PER_THREAD))
     if parts == 1:
         fn(0, nq)
         return

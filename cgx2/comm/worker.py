@@ -18,6 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
+from .. import cpu_threads
+
 __all__ = ["submit"]
 
 
@@ -25,7 +27,10 @@ class _Worker:
     """A group's thread, and the side stream of each device it codes on."""
 
     def __init__(self) -> None:
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cgx2-comm")
+        # Made on the caller's thread: its intra-op count is the one the codec gets.
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cgx2-comm",
+                                           initializer=cpu_threads.lend,
+                                           initargs=(torch.get_num_threads(),))  # fmt: skip
         self.streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def stream(self, device: torch.device) -> torch.cuda.Stream:
@@ -71,6 +76,7 @@ def submit(group: dist.ProcessGroup, fn: Callable[[], torch.Tensor],
     device = tensors[0].device
     worker = _worker(group)
     if device.type != "cuda":
+        cpu_threads.warn_if_spinning()
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
 
         def run() -> None:

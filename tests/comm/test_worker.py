@@ -87,3 +87,48 @@ def test_even_a_system_exit_on_the_worker_completes_the_future():
 
     with pytest.raises(RuntimeError, match="SystemExit"):
         worker.submit(Group(), leave, [x]).wait()
+
+
+def test_runs_torch_on_itself_alone_and_lends_the_callers_threads_to_the_codec():
+    """The worker's torch ops start no OpenMP team of its own (whose idle threads would spin
+    beside the backward pass); the codec still gets the caller's count, and threads started
+    afterwards keep the process's."""
+    from cgx2 import cpu_threads
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        seen = {}
+
+        def work() -> torch.Tensor:
+            seen["torch"], seen["codec"] = torch.get_num_threads(), cpu_threads.codec_threads()
+            return x
+
+        x = torch.zeros(1)
+        worker.submit(Group(), work, [x]).wait()
+        later = []
+        thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+        thread.start()
+        thread.join()
+        assert seen == {"torch": 1, "codec": 2}
+        assert torch.get_num_threads() == 2 and later == [2]
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_warns_once_where_openmp_threads_spin(monkeypatch, caplog):
+    from cgx2 import cpu_threads
+
+    monkeypatch.setattr(cpu_threads, "_warned", threading.Event())
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    x = torch.zeros(1)
+    with caplog.at_level("WARNING", logger="cgx2"):
+        for _ in range(2):
+            worker.submit(Group(), lambda: x, [x]).wait()
+    assert [r.getMessage().count("OMP_WAIT_POLICY=PASSIVE") for r in caplog.records] == [1]
+    monkeypatch.setattr(cpu_threads, "_warned", threading.Event())
+    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="cgx2"):
+        worker.submit(Group(), lambda: x, [x]).wait()
+    assert not caplog.records
