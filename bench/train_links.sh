@@ -3,12 +3,19 @@
 # across them: plain DDP, cgx_hook 4-bit as the policy routes it (mesh="auto"), over the node mesh
 # (CGX2_NODE_MESH=1) and flat (--flat). Needs root.
 # Usage: bash bench/train_links.sh [RATE] [OUT]   (RATE 1gbit, OUT bench/results)
-# THREADS (1) is each rank's OMP_NUM_THREADS; IPROUTE_ROOT where dpkg -x unpacked iproute2 on an
-# image without it; MODEL overrides the model and run arguments below.
+# THREADS (1) is each rank's OMP_NUM_THREADS; WAIT_POLICY each rank's OMP_WAIT_POLICY (unset:
+# OpenMP's default; the files' names end in _passive for PASSIVE); IPROUTE_ROOT where dpkg -x
+# unpacked iproute2 on an image without it; MODEL overrides the model and run arguments below.
 set -euo pipefail
 rate=${1:-1gbit}
 out=${2:-bench/results}
 threads=${THREADS:-1}
+wait_env=""
+tag=""
+if [ -n "${WAIT_POLICY:-}" ]; then
+  wait_env="OMP_WAIT_POLICY=$WAIT_POLICY"
+  tag="_$(echo "$WAIT_POLICY" | tr 'A-Z' 'a-z')"
+fi
 model=${MODEL:---dim 512 --layers 2 --heads 8 --batch-size 2 --context 32 --steps 30}
 iproute=()
 [ -n "${IPROUTE_ROOT:-}" ] && iproute=(--iproute-root "$IPROUTE_ROOT")
@@ -26,18 +33,18 @@ for run in "${runs[@]}"; do
   flags=${rest#*:}
   echo "== $name at $rate" >&2
   python3 -m cgx2.testing.netlab "${iproute[@]}" --hosts 2 --rate "$rate" -- bash -c "
-    OMP_NUM_THREADS=$threads $env torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d \
+    OMP_NUM_THREADS=$threads $wait_env $env torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d \
       --rdzv-endpoint \$MASTER_ADDR:29711 --rdzv-conf is_host=\$((HOST == 0)) \
       --local-addr \$HOST_ADDR examples/train_ddp.py $flags --device cpu --log-every 100 --verbose \
       $model --json $work/$name.json"
-  cp "$work/$name.json" "$out/train_ddp_${device}_cpu-${rate}-h2_w4_${name}_${stamp}.json"
+  cp "$work/$name.json" "$out/train_ddp_${device}_cpu-${rate}-h2_w4_${name}${tag}_${stamp}.json"
 done
-python3 - "$out" "$device" "$rate" "$stamp" <<'EOF'
+python3 - "$out" "$device" "$rate" "$stamp" "$tag" <<'EOF'
 import json, sys
-out, device, rate, stamp = sys.argv[1:]
+out, device, rate, stamp, tag = sys.argv[1:]
 runs = {}
 for name in ("b32_hook", "b4_hook", "b4_hook_mesh", "b4_hook_flat"):
-    with open(f"{out}/train_ddp_{device}_cpu-{rate}-h2_w4_{name}_{stamp}.json") as f:
+    with open(f"{out}/train_ddp_{device}_cpu-{rate}-h2_w4_{name}{tag}_{stamp}.json") as f:
         runs[name] = json.load(f)
 plain = runs["b32_hook"]["step_ms"]
 for name, r in runs.items():

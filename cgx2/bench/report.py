@@ -184,6 +184,7 @@ def environment(device: torch.device, world_size: int = 1) -> dict[str, Any]:
     if device.type == "cpu":  # what a CPU run's codec had to work with
         env["cpus"] = os.cpu_count()
         env["threads"] = torch.get_num_threads()
+        env["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY", "")
     if device.type == "cuda":
         env["cuda"] = torch.version.cuda
         env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
