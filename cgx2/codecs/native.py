@@ -7,19 +7,14 @@ the loops off.
 
 from __future__ import annotations
 
-import functools
-import itertools
-import os
 import sys
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
 
 import torch
 
 from .. import extension
 from ..config import tuning
-from ..cpu_threads import codec_threads
+from ..cpu_threads import split
 
 __all__ = ["decode_rows", "encode_rows", "library"]
 
@@ -33,29 +28,6 @@ def library() -> ModuleType | None:
 
 # Buckets per thread at least: below, a thread's start costs more than it saves.
 _MIN_BUCKETS_PER_THREAD = 256
-
-
-@functools.cache
-def _pool(workers: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(workers, thread_name_prefix="cgx2-codec")
-
-
-# A forked child has none of its parent's threads: it starts pools of its own.
-os.register_at_fork(after_in_child=_pool.cache_clear)
-
-
-def _over_threads(fn: Callable[[int, int], None], nq: int) -> None:
-    """``fn(begin, end)`` over ranges of the ``nq`` buckets, in as many threads as torch
-    uses (:func:`cgx2.cpu_threads.codec_threads`; the extension releases the GIL for the
-    call)."""
-    parts = max(1, min(codec_threads(), nq // _MIN_BUCKETS_PER_THREAD))
-    if parts == 1:
-        fn(0, nq)
-        return
-    bounds = [nq * i // parts for i in range(parts + 1)]
-    futures = [_pool(parts).submit(fn, a, b) for a, b in itertools.pairwise(bounds)]
-    for future in futures:
-        future.result()
 
 
 def _usable(*tensors: torch.Tensor) -> bool:
@@ -76,7 +48,7 @@ def encode_rows(rows: torch.Tensor, bits: int, key: int, stream: int, covered: i
     nq, bucket = rows.shape
     args = (bucket, bits, key & (2**64 - 1), stream & (2**64 - 1), covered, meta.data_ptr(),
             levels.data_ptr(), levels.numel())  # fmt: skip
-    _over_threads(lambda a, b: lib.maxmin_encode(rows.data_ptr(), a, b, *args), nq)
+    split(lambda a, b: lib.maxmin_encode(rows.data_ptr(), a, b, *args), nq, _MIN_BUCKETS_PER_THREAD)
     return True
 
 
@@ -97,5 +69,5 @@ def decode_rows(meta: torch.Tensor, levels: torch.Tensor, nq: int, bucket: int, 
     head = (meta.data_ptr(), levels.data_ptr(), levels.numel())
     tail = (bucket, bits, out.numel(), 0 if base is None else base.data_ptr(), out.data_ptr(),
             out.dtype == torch.bfloat16)  # fmt: skip
-    _over_threads(lambda a, b: lib.maxmin_decode(*head, a, b, *tail), nq)
+    split(lambda a, b: lib.maxmin_decode(*head, a, b, *tail), nq, _MIN_BUCKETS_PER_THREAD)
     return True

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .. import config
+from .. import config, cpu_threads
 from ..checks import check_bits, check_bucket_size, check_float_tensor, check_reduce_op
 from . import policy
 from .allreduce import allreduce
@@ -71,8 +71,9 @@ def hierarchical_allreduce(
         out = node_sum
     else:
         padded = -(-flat.numel() // local) * local
-        staged = torch.zeros(padded, dtype=t.dtype, device=t.device)
-        staged[: flat.numel()] = flat
+        staged = torch.empty(padded, dtype=t.dtype, device=t.device)
+        staged[flat.numel() :].zero_()
+        cpu_threads.copy_(staged[: flat.numel()], flat)
         shard = torch.empty(padded // local, dtype=t.dtype, device=t.device)
         inside = policy.transport(t.device, intra)  # shared memory, where the node's is
         inside.reduce_scatter_plain(shard, staged, intra)
@@ -80,7 +81,7 @@ def hierarchical_allreduce(
         inside.wait(inside.all_gather(staged, shard, intra, async_op=False))
         out = staged[: flat.numel()]
     if reduce_op == "avg":
-        out = out / mesh.size()
+        out = cpu_threads.div_(out, mesh.size())  # out is this call's own: in place
     return out.view(t.shape)
 
 

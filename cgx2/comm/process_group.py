@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .. import cpu_threads
+
 __all__ = [
     "CompletedWork",
     "GroupInfo",
@@ -211,7 +213,7 @@ def allreduce_plain_(t: torch.Tensor, group: dist.ProcessGroup, reduce_op: str) 
         # and logging: below the crossover this is the whole call, so its host time counts.
         wait(group.allreduce([t], _AVG_OPTIONS if native_avg else _SUM_OPTIONS))
     if reduce_op == "avg" and not native_avg:
-        t.div_(info.size)
+        cpu_threads.div_(t, info.size)
     return t
 
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import extension
+from .. import cpu_threads, extension
 from . import process_group
 from .process_group import group_info, group_size_and_rank
 
@@ -337,7 +337,16 @@ def _stage_in(region: torch.Tensor, source: torch.Tensor) -> None:
         region.copy_(source, non_blocking=True)
         torch.cuda.current_stream(source.device).synchronize()
     else:
-        region.copy_(source)
+        cpu_threads.copy_(region, source)
+
+
+def _copy_out(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy out of shared memory (or from this rank's own input); on a GPU queued, on the host
+    split over cgx2's threads."""
+    if dst.is_cuda:
+        dst.copy_(src, non_blocking=True)
+    else:
+        cpu_threads.copy_(dst, src)
 
 
 def _finish_reads(device: torch.device) -> None:
@@ -388,8 +397,8 @@ def all_to_all(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
         rows, rank, row = out.view(channel.world, -1), channel.rank, nbytes // channel.world
         for peer in channel.peer_ranks:
             block = channel.region(views, peer, slot, nbytes)[rank * row : (rank + 1) * row]
-            rows[peer].view(torch.uint8).copy_(block, non_blocking=out.is_cuda)
-        rows[rank].copy_(send.view(channel.world, -1)[rank])
+            _copy_out(rows[peer].view(torch.uint8), block)
+        _copy_out(rows[rank], send.view(channel.world, -1)[rank])
 
     fallback = lambda: process_group.all_to_all(out, send, group, async_op)
     return _exchange(group, send, "all_to_all", receive, fallback, async_op)
@@ -402,9 +411,8 @@ def all_gather(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
     def receive(channel: _Channel, views: list[torch.Tensor], slot: int, nbytes: int) -> None:
         rows = out.view(channel.world, -1)
         for peer in channel.peer_ranks:
-            rows[peer].view(torch.uint8).copy_(channel.region(views, peer, slot, nbytes),
-                                               non_blocking=out.is_cuda)  # fmt: skip
-        rows[channel.rank].copy_(send.reshape(-1))
+            _copy_out(rows[peer].view(torch.uint8), channel.region(views, peer, slot, nbytes))
+        _copy_out(rows[channel.rank], send.reshape(-1))
 
     fallback = lambda: process_group.all_gather(out, send, group, async_op)
     return _exchange(group, send, "all_gather", receive, fallback, async_op)
@@ -464,18 +472,19 @@ def _reduce_piece(channel: _Channel, piece: torch.Tensor, reduce_op: str) -> Non
             parts = [s[lo:hi].to(piece.device, non_blocking=True) for s in slots]
         else:
             parts = [s[lo:hi] for s in slots]
-        torch.add(parts[0], parts[1], out=mine)
-        for part in parts[2:]:
-            mine.add_(part)
+        cpu_threads.add_(mine, parts)
         if reduce_op == "avg":
-            mine.div_(world)
+            cpu_threads.div_(mine, world)
         _stage_in(slots[rank][lo:hi], mine)
     channel.signal(views, _REDUCED, slot, epoch)
     channel.wait_peers(_REDUCED, slot, epoch, operation, views)
     for peer in channel.peer_ranks:
         a, b = chunks[peer]
         if b > a:
-            piece[a:b].copy_(slots[peer][a:b], non_blocking=piece.is_cuda)
+            if piece.is_cuda:
+                piece[a:b].copy_(slots[peer][a:b], non_blocking=True)
+            else:
+                cpu_threads.copy_(piece[a:b], slots[peer][a:b])
     _finish_reads(piece.device)
     channel.signal(views, _CONSUMED, slot, epoch)
 
@@ -508,9 +517,6 @@ def reduce_scatter_plain(out: torch.Tensor, inp: torch.Tensor, group: dist.Proce
         parts = [s[lo : lo + m] for s in slots]
         if inp.is_cuda:
             parts = [part.to(inp.device, non_blocking=True) for part in parts]
-        flat = out.view(-1)
-        torch.add(parts[0], parts[1], out=flat)
-        for part in parts[2:]:
-            flat.add_(part)
+        cpu_threads.add_(out.view(-1), parts)
         _finish_reads(inp.device)
         channel.signal(views, _CONSUMED, slot, epoch)

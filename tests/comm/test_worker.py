@@ -101,7 +101,7 @@ def test_runs_torch_on_itself_alone_and_lends_the_callers_threads_to_the_codec()
         seen = {}
 
         def work() -> torch.Tensor:
-            seen["torch"], seen["codec"] = torch.get_num_threads(), cpu_threads.codec_threads()
+            seen["torch"], seen["codec"] = torch.get_num_threads(), cpu_threads.count()
             return x
 
         x = torch.zeros(1)
