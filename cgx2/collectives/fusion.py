@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from .. import cpu_threads
 from ..checks import UNCOMPRESSED_BITS
 from ..codecs import ChunkedLayout
 from ..comm import group_size_and_rank
@@ -30,16 +31,18 @@ __all__ = [
 def fuse_padded(layers: Sequence[torch.Tensor], bucket_size: int) -> tuple[torch.Tensor, list[int]]:
     """Concatenate the flattened ``layers``, each padded to whole buckets; return the buffer
     and where each layer starts in it."""
-    parts, starts, at = [], [], 0
+    total = sum(padded_numel(layer.numel(), bucket_size) for layer in layers)
+    fused = torch.empty(total, dtype=layers[0].dtype, device=layers[0].device)
+    starts, at = [], 0
     for layer in layers:
         flat = layer.reshape(-1)
+        cpu_threads.copy_(fused[at : at + flat.numel()], flat)
         pad = -flat.numel() % bucket_size
-        parts.append(flat)
         if pad:
-            parts.append(flat[-1:].expand(pad))
+            fused[at + flat.numel() : at + flat.numel() + pad] = flat[-1]
         starts.append(at)
         at += flat.numel() + pad
-    return torch.cat(parts), starts
+    return fused, starts
 
 
 def padded_numel(numel: int, bucket_size: int) -> int:
@@ -86,12 +89,12 @@ def reduce_fused_(layers: Sequence[torch.Tensor], bucket_size: int,
     if len(layers) == 1 and first.is_contiguous() and first.numel() % bucket_size == 0:
         reduced = reduce(first)
         if reduced.data_ptr() != first.data_ptr():
-            first.copy_(reduced.view(first.shape))
+            cpu_threads.copy_(first, reduced.view(first.shape))
         return first
     fused, starts = fuse_padded(layers, bucket_size)
     reduced = reduce(fused)
     for layer, at in zip(layers, starts, strict=True):
-        layer.copy_(reduced[at : at + layer.numel()].view(layer.shape))
+        cpu_threads.copy_(layer, reduced[at : at + layer.numel()].view(layer.shape))
     return fused
 
 
