@@ -16,7 +16,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
-    "BITS", "BUCKET_SIZE", "crossover", "crossover_on_link", "mesh_against_flat", "timed_in_turn",
+    "BITS", "BUCKET_SIZE", "CPU_MARGIN", "crossover", "crossover_on_link", "mesh_against_flat",
+    "timed_in_turn",
 ]  # fmt: skip
 
 logger = logging.getLogger("cgx2")
@@ -33,12 +34,20 @@ MESH_SIZES = FIRST_USE_SIZES
 DDP's buckets (its first of 1 MiB, the others of 25 MiB by default)."""
 
 
-def crossover(measurements: Sequence[dict[str, Any]]) -> int | None:
-    """The smallest measured size at which compressed was faster than plain there and at every
-    larger measured size (every measurement of a size must agree); None if at none."""
+CPU_MARGIN = 1.5
+"""How much faster than plain a measured compressed allreduce of CPU tensors must be to be
+chosen: in training its codec takes cores from the step's own computation, which timing the
+collective alone does not see (BENCHMARKS.md, "Training across the hosts")."""
+
+
+def crossover(measurements: Sequence[dict[str, Any]], margin: float = 1.0) -> int | None:
+    """The smallest measured size at which compressed was faster than plain (by ``margin``
+    times) there and at every larger measured size (every measurement of a size must agree);
+    None if at none."""
     faster: dict[int, bool] = {}
     for m in measurements:
-        faster[m["bytes"]] = faster.get(m["bytes"], True) and m["compressed_s"] < m["plain_s"]
+        wins = m["compressed_s"] * margin < m["plain_s"]
+        faster[m["bytes"]] = faster.get(m["bytes"], True) and wins
     found = None
     for size in sorted(faster, reverse=True):
         if not faster[size]:
@@ -88,7 +97,7 @@ def crossover_on_link(dtype: torch.dtype, group: dist.ProcessGroup,
         )  # fmt: skip
         measurements.append({"bytes": nbytes, "plain_s": plain_s,
                              "compressed_s": compressed_s})  # fmt: skip
-    found = crossover(measurements)
+    found = crossover(measurements, CPU_MARGIN)
     logger.info(
         "cgx2: measured on this job's link (group %r, %s, %d-bit): %s; quantized from %s",
         group.group_name, dtype, BITS,

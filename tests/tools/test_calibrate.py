@@ -32,6 +32,16 @@ def test_crossover_is_where_compression_wins_from_then_on() -> None:
     assert crossover([_m(M, 1, 1)]) is None  # a tie is no win
     # The order of the measurements does not matter.
     assert crossover([_m(4 * M, 4, 1), _m(64 * K, 1, 2), _m(M, 2, 1)]) == M
+    # With a margin, compressed must be that many times faster.
+    assert crossover([_m(M, 1.4, 1), _m(4 * M, 1.6, 1)], margin=1.5) == 4 * M
+    assert crossover([_m(M, 1.6, 1), _m(4 * M, 1.4, 1)], margin=1.5) is None
+
+
+def test_cpu_crossovers_keep_the_cpu_margin() -> None:
+    """On CPUs the codec shares the cores with training: a 1.2x win is not taken there."""
+    rows = [_m(M, 1.2, 1), _m(4 * M, 3, 1)]
+    assert crossovers(rows, "cpu", "gloo") == {"cpu/gloo/fp32": 4 * M}
+    assert crossovers(rows, "cuda", "gloo") == {"cuda/gloo/fp32": M}
 
 
 def test_crossovers_are_per_element_width() -> None:
