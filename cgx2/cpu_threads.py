@@ -21,7 +21,7 @@ import torch
 
 from . import config
 
-__all__ = ["add_", "copy_", "count", "div_", "lend", "split", "warn_if_spinning"]
+__all__ = ["add_", "beside_compute", "copy_", "count", "div_", "lend", "split", "warn_if_spinning"]
 
 logger = logging.getLogger("cgx2")
 
@@ -47,6 +47,12 @@ def _torch_on_this_thread_alone(process_threads: int) -> None:
     restore = threading.Thread(target=torch.set_num_threads, args=(process_threads,))
     restore.start()
     restore.join()
+
+
+def beside_compute() -> bool:
+    """Whether the calling thread is a worker beside the training loop (:func:`lend`): the
+    training step's computation competes with its CPU work for the cores."""
+    return getattr(_local, "threads", None) is not None
 
 
 def lend(threads: int) -> None:

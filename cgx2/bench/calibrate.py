@@ -25,7 +25,7 @@ import torch.distributed as dist
 import cgx2
 from cgx2 import config
 from cgx2.collectives import policy
-from cgx2.collectives.measure import BITS, BUCKET_SIZE, CPU_MARGIN, crossover, timed_in_turn
+from cgx2.collectives.measure import BITS, BUCKET_SIZE, crossover, timed_in_turn
 
 from .report import (
     SIZES_HELP,
@@ -81,8 +81,7 @@ def crossovers(
     widths = dict.fromkeys(DTYPE_CLASS[m["dtype"]] for m in measurements)
     return {
         f"{device_type}/{backend}/{width}": crossover(
-            [m for m in measurements if DTYPE_CLASS[m["dtype"]] == width],
-            CPU_MARGIN if device_type == "cpu" else 1.0,
+            [m for m in measurements if DTYPE_CLASS[m["dtype"]] == width]
         )
         for width in widths
     }

@@ -36,8 +36,9 @@ DDP's buckets (its first of 1 MiB, the others of 25 MiB by default)."""
 
 CPU_MARGIN = 1.5
 """How much faster than plain a measured compressed allreduce of CPU tensors must be to be
-chosen: in training its codec takes cores from the step's own computation, which timing the
-collective alone does not see (BENCHMARKS.md, "Training across the hosts")."""
+chosen for calls beside the training step (DDP's hooks on their worker thread): there its
+codec takes cores from the step's own computation, which timing the collective alone does not
+see (BENCHMARKS.md, "Training across the hosts")."""
 
 
 def crossover(measurements: Sequence[dict[str, Any]], margin: float = 1.0) -> int | None:
@@ -80,10 +81,12 @@ def timed_in_turn(fns: Sequence[Callable[[], Any]], warmup: int, iters: int,
 
 def crossover_on_link(dtype: torch.dtype, group: dist.ProcessGroup,
                       sizes: Sequence[int] = FIRST_USE_SIZES, warmup: int = 1,
-                      iters: int = 3) -> int | None:  # fmt: skip
-    """The crossover of CPU tensors of ``dtype`` over ``group`` (a gloo group; every rank calls
-    this, alike), measured now: a few seconds at most, once per group and dtype. The caller
-    (:mod:`.policy`) makes the quantized calls compress meanwhile."""
+                      iters: int = 3) -> tuple[int | None, int | None]:  # fmt: skip
+    """The crossovers of CPU tensors of ``dtype`` over ``group`` (a gloo group; every rank
+    calls this, alike), measured now: a few seconds at most, once per group and dtype. The
+    first for calls alone, the second for calls beside the training step's computation, which
+    must win by :data:`CPU_MARGIN`. The caller (:mod:`.policy`) makes the quantized calls
+    compress meanwhile."""
     from .allreduce import allreduce  # (the allreduce routes by the policy, which calls this)
 
     measurements = []
@@ -97,15 +100,15 @@ def crossover_on_link(dtype: torch.dtype, group: dist.ProcessGroup,
         )  # fmt: skip
         measurements.append({"bytes": nbytes, "plain_s": plain_s,
                              "compressed_s": compressed_s})  # fmt: skip
-    found = crossover(measurements, CPU_MARGIN)
+    alone, beside = crossover(measurements), crossover(measurements, CPU_MARGIN)
+    said = ["never" if n is None else f"{n} bytes" for n in (alone, beside)]
     logger.info(
-        "cgx2: measured on this job's link (group %r, %s, %d-bit): %s; quantized from %s",
-        group.group_name, dtype, BITS,
+        "cgx2: measured on this job's link (group %r, %s, %d-bit): %s; quantized from %s "
+        "(beside the training step: from %s)", group.group_name, dtype, BITS,
         ", ".join(f"{m['bytes'] >> 20} MiB plain {1e3 * m['plain_s']:.1f} ms, quantized "
-                  f"{1e3 * m['compressed_s']:.1f} ms" for m in measurements),
-        "never" if found is None else f"{found} bytes",
+                  f"{1e3 * m['compressed_s']:.1f} ms" for m in measurements), *said,
     )  # fmt: skip
-    return found
+    return alone, beside
 
 
 def mesh_against_flat(dtype: torch.dtype, group: dist.ProcessGroup, mesh: DeviceMesh, bits: int,

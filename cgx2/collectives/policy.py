@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .. import config
+from .. import config, cpu_threads
 from ..checks import UNCOMPRESSED_BITS
 from ..comm import GroupInfo, group_info, nccl, process_group, shm
 from . import graphs
@@ -266,7 +266,7 @@ def _read_calibration(path: str) -> dict[str, int | None]:
 
 
 _CALIBRATIONS: dict[int, dict[str, int | None]] = {}
-_MEASURED: dict[tuple, int | None] = {}
+_MEASURED: dict[tuple, tuple[int | None, int | None]] = {}
 _MESH_FASTER: dict[tuple, dict[int, bool]] = {}
 _cached_for: list[config.TuningConfig | None] = [None]
 
@@ -333,11 +333,21 @@ def crossover_bytes(device: torch.device, dtype: torch.dtype,
     if override is not None:
         return override
     info = None if group is None else group_info(group)
-    return _measured(device, dtype, info, group, _fresh().cuda_graphs is True)
+    return _pick(_measured(device, dtype, info, group, _fresh().cuda_graphs is True))
+
+
+def _pick(crossovers: tuple[int | None, int | None]) -> int | None:
+    """Of a pair of crossovers (for calls alone, for calls beside the training step), the one
+    for the calling thread: a worker beside the training loop takes the second."""
+    alone, beside = crossovers
+    return beside if cpu_threads.beside_compute() else alone
 
 
 def _measured(device: torch.device, dtype: torch.dtype, info: GroupInfo | None,
-              group: dist.ProcessGroup | None, with_graphs: bool) -> int | None:  # fmt: skip
+              group: dist.ProcessGroup | None,
+              with_graphs: bool) -> tuple[int | None, int | None]:  # fmt: skip
+    """The crossovers for calls alone and beside the training step (the same but where
+    measured at first use on CPUs)."""
     key = (device, dtype, id(group), with_graphs)
     if key in _MEASURED:
         return _MEASURED[key]
@@ -349,7 +359,7 @@ def _measured(device: torch.device, dtype: torch.dtype, info: GroupInfo | None,
     keys = [calibration_key(device.type, name, dtype) for name in dict.fromkeys((backend, carrier))]
     measured = next((found[k] for k in keys if k in found), "absent")
     if measured != "absent":
-        chosen, source = measured, "the calibration file"
+        chosen, source = (measured, measured), "the calibration file"
     elif (where == "cpu" and backend == "gloo" and group is not None
           and config.launch().spans_nodes and config.crossover_override() is None):  # fmt: skip
         # The CPU codec's cost against the link's saving depends on both: only measuring
@@ -358,11 +368,13 @@ def _measured(device: torch.device, dtype: torch.dtype, info: GroupInfo | None,
     else:
         table = CROSSOVER_BYTES_GRAPHS if with_graphs else CROSSOVER_BYTES
         full, half = table[where]
-        chosen, source = (full if dtype.itemsize >= 4 else half), "the built-in table"
+        entry = full if dtype.itemsize >= 4 else half
+        chosen, source = (entry, entry), "the built-in table"
+    said = ["never" if n is None else f"{n} bytes" for n in chosen]
     logger.info(
-        "cgx2: %s regime, %s on %s%s: quantized from %s (%s; CGX2_CROSSOVER_BYTES=0 always "
-        "compresses)", where, dtype, backend, ", CUDA graphs" if with_graphs else "",
-        "never" if chosen is None else f"{chosen} bytes", source,
+        "cgx2: %s regime, %s on %s%s: quantized from %s%s (%s; CGX2_CROSSOVER_BYTES=0 always "
+        "compresses)", where, dtype, backend, ", CUDA graphs" if with_graphs else "", said[0],
+        f", beside the training step from {said[1]}" if said[1] != said[0] else "", source,
     )  # fmt: skip
     _MEASURED[key] = chosen
     if group is not None:
@@ -370,12 +382,13 @@ def _measured(device: torch.device, dtype: torch.dtype, info: GroupInfo | None,
     return chosen
 
 
-def _measure_now(dtype: torch.dtype, group: dist.ProcessGroup, key: tuple) -> int | None:
-    """The crossover measured on ``group``'s link now (:func:`.measure.crossover_on_link`),
+def _measure_now(dtype: torch.dtype, group: dist.ProcessGroup,
+                 key: tuple) -> tuple[int | None, int | None]:  # fmt: skip
+    """The crossovers measured on ``group``'s link now (:func:`.measure.crossover_on_link`),
     at the first compressible call of ``dtype``, which every rank makes alike."""
     from . import measure
 
-    _MEASURED[key] = 0  # the measurement's own calls compress (and must not measure again)
+    _MEASURED[key] = (0, 0)  # the measurement's own calls compress (and must not measure again)
     try:
         return measure.crossover_on_link(dtype, group)
     except RuntimeError as e:
@@ -467,7 +480,7 @@ def route(t: torch.Tensor, group: dist.ProcessGroup, bits: int, bucket_size: int
     numel = t.numel() if numel is None else numel
     threshold = config.crossover_override()
     if threshold is None:
-        threshold = routes.measured
+        threshold = _pick(routes.measured)
     if numel == 0 or threshold is None or numel * t.element_size() < threshold:
         return routes.plain
     if routes.graphs is not None and _graphed(numel * t.element_size()) and graphs.usable(t):
@@ -489,7 +502,7 @@ class _Routes:
     compressed: Route
     graphs: Route | None  # the compressed route replayed as a CUDA graph, where it may be
     size: int  # the group's
-    measured: int | None  # the crossover of the calibration file or the tables
+    measured: tuple[int | None, int | None]  # the crossovers alone and beside the training step
 
 
 _ROUTES: dict[tuple, _Routes] = {}

@@ -231,6 +231,52 @@ def test_cpu_tensors_across_nodes_measure_where_compression_pays_once(dist2, tmp
     assert r0[:2] == r1[:2] == [8192, 0]  # a file spares the measurement
 
 
+def _beside_the_training_step() -> list:
+    """Crossovers measured at first use (stood in for): 1 MiB alone, never beside the step."""
+    import threading
+    from unittest import mock
+
+    from cgx2 import cpu_threads
+    from cgx2.collectives import measure
+
+    saved = {k: os.environ.get(k) for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+    os.environ.update(WORLD_SIZE=str(dist.get_world_size()), LOCAL_WORLD_SIZE="1")
+    config.reload()
+    x = torch.zeros(1 << 20)  # 4 MiB
+    seen = []
+    try:
+        with mock.patch.object(measure, "crossover_on_link", return_value=(1 << 20, None)):
+            group = dist.new_group()
+            seen.append(policy.route(x, group, 4, 512).compress)
+
+            def on_worker() -> None:
+                cpu_threads.lend(torch.get_num_threads())
+                seen.append(policy.route(x, group, 4, 512).compress)
+                seen.append(policy.crossover_bytes(x.device, x.dtype, group))
+
+            worker = threading.Thread(target=on_worker)
+            worker.start()
+            worker.join()
+            seen.append(policy.crossover_bytes(x.device, x.dtype, group))
+            dist.destroy_process_group(group)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        config.reload()
+        policy.clear_caches()
+    return seen
+
+
+def test_calls_beside_the_training_step_take_the_crossover_with_the_cpu_margin(dist2):
+    """DDP's hooks reduce on a worker beside the backward pass, whose computation takes the
+    cores the codec needs: there the crossover measured with the margin holds."""
+    for seen in dist2.run(_beside_the_training_step):
+        assert seen == [True, False, None, 1 << 20]
+
+
 @pytest.mark.parametrize(
     "content",
     [
