@@ -31,17 +31,22 @@ __all__ = [
 def fuse_padded(layers: Sequence[torch.Tensor], bucket_size: int) -> tuple[torch.Tensor, list[int]]:
     """Concatenate the flattened ``layers``, each padded to whole buckets; return the buffer
     and where each layer starts in it."""
-    total = sum(padded_numel(layer.numel(), bucket_size) for layer in layers)
-    fused = torch.empty(total, dtype=layers[0].dtype, device=layers[0].device)
-    starts, at = [], 0
+    parts, starts, at = [], [], 0
     for layer in layers:
         flat = layer.reshape(-1)
-        cpu_threads.copy_(fused[at : at + flat.numel()], flat)
         pad = -flat.numel() % bucket_size
+        parts.append(flat)
         if pad:
-            fused[at + flat.numel() : at + flat.numel() + pad] = flat[-1]
+            parts.append(flat[-1:].expand(pad))
         starts.append(at)
         at += flat.numel() + pad
+    if layers[0].device.type != "cpu":
+        return torch.cat(parts), starts  # one kernel
+    fused = torch.empty(at, dtype=layers[0].dtype)
+    at = 0
+    for part in parts:  # on cgx2's threads: torch.cat on a worker would run on it alone
+        cpu_threads.copy_(fused[at : at + part.numel()], part)
+        at += part.numel()
     return fused, starts
 
 

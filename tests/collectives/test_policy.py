@@ -2,6 +2,7 @@
 GPUs' peer access; crossovers per regime and dtype, from CGX2_CROSSOVER_BYTES, a calibration
 file (rank 0's copy) or the tables; the plain result below the crossover, in every entry."""
 
+import contextlib
 import gc
 import json
 import logging
@@ -188,18 +189,33 @@ def test_cpu_tensors_across_nodes_take_a_calibration_file_over_measuring(clean_e
         assert crossover_bytes(cpu, torch.float32) == 0
 
 
-def _measured_at_first_use(calibration: str) -> list:
-    """Each rank a node of its own (LOCAL_WORLD_SIZE 1), CPU tensors, no calibration file."""
+@contextlib.contextmanager
+def _each_rank_a_node():
+    """The launcher's variables for a job whose every rank is a node of its own."""
     saved = {k: os.environ.get(k) for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE")}
     os.environ.update(WORLD_SIZE=str(dist.get_world_size()), LOCAL_WORLD_SIZE="1")
     config.reload()
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        config.reload()
+        policy.clear_caches()
+
+
+def _measured_at_first_use(calibration: str) -> list:
+    """Each rank a node of its own (LOCAL_WORLD_SIZE 1), CPU tensors, no calibration file."""
     said = []
     handler = logging.Handler()
     handler.emit = lambda record: said.append(record.getMessage())
     logging.getLogger("cgx2").addHandler(handler)
     logging.getLogger("cgx2").setLevel(logging.INFO)
     try:
-        with config.tuned(calibration_file=calibration):
+        with _each_rank_a_node(), config.tuned(calibration_file=calibration):
             group = dist.new_group()
             x = torch.randn(1 << 20, generator=torch.Generator().manual_seed(dist.get_rank()))
             got = cgx2.quantized_allreduce(x, 4, group=group, seed=3)
@@ -208,13 +224,6 @@ def _measured_at_first_use(calibration: str) -> list:
             dist.destroy_process_group(group)
     finally:
         logging.getLogger("cgx2").removeHandler(handler)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        config.reload()
-        policy.clear_caches()
     measured = [m for m in said if "measured on this job's link (group" in m]
     return [found, len(measured), got, torch.equal(got, again)]
 
@@ -239,34 +248,25 @@ def _beside_the_training_step() -> list:
     from cgx2 import cpu_threads
     from cgx2.collectives import measure
 
-    saved = {k: os.environ.get(k) for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE")}
-    os.environ.update(WORLD_SIZE=str(dist.get_world_size()), LOCAL_WORLD_SIZE="1")
-    config.reload()
     x = torch.zeros(1 << 20)  # 4 MiB
     seen = []
-    try:
-        with mock.patch.object(measure, "crossover_on_link", return_value=(1 << 20, None)):
-            group = dist.new_group()
+    with (
+        _each_rank_a_node(),
+        mock.patch.object(measure, "crossover_on_link", return_value=(1 << 20, None)),
+    ):
+        group = dist.new_group()
+        seen.append(policy.route(x, group, 4, 512).compress)
+
+        def on_worker() -> None:
+            cpu_threads.lend(torch.get_num_threads())
             seen.append(policy.route(x, group, 4, 512).compress)
-
-            def on_worker() -> None:
-                cpu_threads.lend(torch.get_num_threads())
-                seen.append(policy.route(x, group, 4, 512).compress)
-                seen.append(policy.crossover_bytes(x.device, x.dtype, group))
-
-            worker = threading.Thread(target=on_worker)
-            worker.start()
-            worker.join()
             seen.append(policy.crossover_bytes(x.device, x.dtype, group))
-            dist.destroy_process_group(group)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        config.reload()
-        policy.clear_caches()
+
+        worker = threading.Thread(target=on_worker)
+        worker.start()
+        worker.join()
+        seen.append(policy.crossover_bytes(x.device, x.dtype, group))
+        dist.destroy_process_group(group)
     return seen
 
 
