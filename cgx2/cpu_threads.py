@@ -145,8 +145,11 @@ def div_(t: torch.Tensor, divisor: int) -> torch.Tensor:
 
 def warn_if_spinning() -> None:
     """Once a process: say that OpenMP's default wait policy (its threads spin between parallel
-    regions) slows CPU training that communicates beside the backward pass."""
+    regions) slows CPU training that communicates beside the backward pass; not where torch
+    runs one thread (no team to spin) or the policy is passive."""
     if _warned.is_set() or config.launch().omp_wait_policy == "passive":
+        return
+    if torch.get_num_threads() == 1:
         return
     _warned.set()
     logger.warning(

@@ -121,14 +121,24 @@ def test_warns_once_where_openmp_threads_spin(monkeypatch, caplog):
 
     monkeypatch.setattr(cpu_threads, "_warned", threading.Event())
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
     x = torch.zeros(1)
-    with caplog.at_level("WARNING", logger="cgx2"):
-        for _ in range(2):
-            worker.submit(Group(), lambda: x, [x]).wait()
-    assert [r.getMessage().count("OMP_WAIT_POLICY=PASSIVE") for r in caplog.records] == [1]
-    monkeypatch.setattr(cpu_threads, "_warned", threading.Event())
-    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="cgx2"):
-        worker.submit(Group(), lambda: x, [x]).wait()
-    assert not caplog.records
+    try:
+        with caplog.at_level("WARNING", logger="cgx2"):
+            for _ in range(2):
+                worker.submit(Group(), lambda: x, [x]).wait()
+        assert [r.getMessage().count("OMP_WAIT_POLICY=PASSIVE") for r in caplog.records] == [1]
+        for passive, threads in ((True, 2), (False, 1)):  # no team spins: nothing to say
+            monkeypatch.setattr(cpu_threads, "_warned", threading.Event())
+            if passive:
+                monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
+            else:
+                monkeypatch.delenv("OMP_WAIT_POLICY")
+            torch.set_num_threads(threads)
+            caplog.clear()
+            with caplog.at_level("WARNING", logger="cgx2"):
+                worker.submit(Group(), lambda: x, [x]).wait()
+            assert not caplog.records, (passive, threads)
+    finally:
+        torch.set_num_threads(before)
