@@ -56,3 +56,24 @@ def test_the_pool_runs_torch_on_each_thread_alone(four_threads):
     caller = threading.get_ident()
     assert counts.pop(caller) == 4 and set(counts.values()) == {1}
     assert torch.get_num_threads() == 4
+
+
+def test_a_pool_first_used_by_a_worker_leaves_later_threads_the_process_count(four_threads):
+    """A worker runs torch alone, but the pool it starts (and threads started after) keep the
+    process's count."""
+    from cgx2 import cpu_threads
+
+    cpu_threads._pool.cache_clear()
+    later = []
+
+    def worker() -> None:
+        cpu_threads.lend(4)
+        cpu_threads.split(lambda a, b: None, 4, 1)  # starts the pool from the worker
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    probe = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+    probe.start()
+    probe.join()
+    assert later == [4]
