@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from env_vars import setenv
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -25,23 +26,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @contextlib.contextmanager
-def _env(**values: str):
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-@contextlib.contextmanager
 def _cgx_group(**env: str):
     """A ``cgx`` group over the pool's ranks, made and used with ``env`` set."""
-    with _env(**env):
+    with setenv(**env):
         group = dist.new_group(backend="cgx")
         try:
             yield group
@@ -151,7 +138,7 @@ def _bits_read_at_every_call() -> list[int]:
     exact = []
     with _cgx_group() as g:
         for bits in ("32", "8", "32"):
-            with _env(CGX_COMPRESSION_QUANTIZATION_BITS=bits):
+            with setenv(CGX_COMPRESSION_QUANTIZATION_BITS=bits):
                 x = _input(rank, 4096)
                 got, expected = x.clone(), x.clone()
                 dist.all_reduce(got, group=g)

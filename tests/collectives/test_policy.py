@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from env_vars import setenv
 
 import cgx2
 from cgx2 import comm, config
@@ -192,17 +193,11 @@ def test_cpu_tensors_across_nodes_take_a_calibration_file_over_measuring(clean_e
 @contextlib.contextmanager
 def _each_rank_a_node():
     """The launcher's variables for a job whose every rank is a node of its own."""
-    saved = {k: os.environ.get(k) for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE")}
-    os.environ.update(WORLD_SIZE=str(dist.get_world_size()), LOCAL_WORLD_SIZE="1")
-    config.reload()
     try:
-        yield
+        with setenv(WORLD_SIZE=str(dist.get_world_size()), LOCAL_WORLD_SIZE="1"):
+            config.reload()
+            yield
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         config.reload()
         policy.clear_caches()
 
