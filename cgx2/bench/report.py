@@ -178,6 +178,7 @@ def environment(device: torch.device, world_size: int = 1) -> dict[str, Any]:
     if "LINK_RATE" in os.environ:  # across cgx2.testing.netlab's hosts: their links
         env["link"] = {
             "rate": os.environ["LINK_RATE"],
+            "burst": os.environ.get("LINK_BURST", ""),
             "hosts": int(os.environ["NHOSTS"]),
             "driver": os.environ.get("LINK_DRIVER", ""),
         }  # the command around it

@@ -37,21 +37,25 @@ NETWORK = "10.78.0"
 IFNAME = "eth0"
 """Each host's interface, as on a server: ``GLOO_SOCKET_IFNAME`` names it."""
 _RATE = re.compile(r"^(\d+)(bit|kbit|mbit|gbit)$")
+_TIME = re.compile(r"^(\d+(?:\.\d+)?)(us|ms|s)$")
 
 
 @dataclass(frozen=True)
 class Link:
     """Each host's link to the bridge, shaped alike both ways.
 
-    - ``rate``: tc's rate (``1gbit``, ``500mbit``, ...): a token bucket (``tbf``) whose burst
-      is 2 ms of the rate (at least 64 KiB, one GSO packet), so that no payload passes
-      unshaped.
+    - ``rate``: tc's rate (``1gbit``, ``500mbit``, ...), kept by a token bucket (``tbf``).
+    - ``burst``: the bucket's size, as time at the rate (at least 64 KiB, one GSO packet). A
+      link idle that long sends its next bytes unshaped, which a wire does not: the smaller,
+      the truer a call that follows a pause is timed, as long as the host's timers keep the
+      rate.
     - ``delay``: netem's one-way delay (``"1ms"``), or None.
     - ``loss``: netem's loss in percent, or None.
     - ``mtu``: the interfaces' MTU.
     """
 
     rate: str = "10gbit"
+    burst: str = "100us"
     delay: str | None = None
     loss: float | None = None
     mtu: int = 1500
@@ -61,8 +65,15 @@ class Link:
             raise ValueError(f"rate {self.rate!r}: an integer with bit, kbit, mbit or gbit")
         if self.loss is not None and not 0 <= self.loss < 100:
             raise ValueError(f"loss {self.loss!r}: a percentage in [0, 100)")
-        if self.delay is not None and not re.match(r"^\d+(\.\d+)?(us|ms|s)$", self.delay):
-            raise ValueError(f"delay {self.delay!r}: like 500us, 1ms or 0.1s")
+        for name in ("delay", "burst"):
+            value = getattr(self, name)
+            if value is not None and not _TIME.match(value):
+                raise ValueError(f"{name} {value!r}: like 500us, 1ms or 0.1s")
+
+    def burst_bytes(self) -> int:
+        number, unit = _TIME.match(self.burst).groups()  # type: ignore[union-attr]
+        seconds = float(number) * {"us": 1e-6, "ms": 1e-3, "s": 1.0}[unit]
+        return max(round(self.bits_per_second() * seconds / 8), 65536)
 
     def bits_per_second(self) -> int:
         number, unit = _RATE.match(self.rate).groups()  # type: ignore[union-attr]
@@ -99,10 +110,10 @@ class Lab:
 
     def environment(self, host: int) -> dict[str, str]:
         """What a command in host ``host`` gets: HOST, NHOSTS, HOST_ADDR, MASTER_ADDR (host
-        0's), GLOO_SOCKET_IFNAME and LINK_RATE."""
+        0's), GLOO_SOCKET_IFNAME, LINK_RATE and LINK_BURST."""
         return {"HOST": str(host), "NHOSTS": str(self.hosts), "HOST_ADDR": self.address(host),
                 "MASTER_ADDR": self.address(0), "GLOO_SOCKET_IFNAME": IFNAME,
-                "LINK_RATE": self.link.rate}  # fmt: skip
+                "LINK_RATE": self.link.rate, "LINK_BURST": self.link.burst}  # fmt: skip
 
     # -- life ---------------------------------------------------------------------------------
 
@@ -139,8 +150,8 @@ class Lab:
             self._shape(self._switch, port)  # its receiving
 
     def _shape(self, namespace: str, device: str) -> None:
-        burst = max(self.link.bits_per_second() // 8 // 500, 65536)
-        tbf = ["tbf", "rate", self.link.rate, "burst", str(burst), "latency", "100ms"]
+        tbf = ["tbf", "rate", self.link.rate, "burst", str(self.link.burst_bytes()), "latency",
+               "100ms"]  # fmt: skip
         if self.link.delay is None and self.link.loss is None:
             self._run_tc("-n", namespace, "qdisc", "add", "dev", device, "root", *tbf)
             return
@@ -327,10 +338,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m cgx2.testing.netlab",
         description="Run a command in each of N hosts (network namespaces behind a bridge, "
         "links shaped with tc); it gets HOST, NHOSTS, HOST_ADDR, MASTER_ADDR, "
-        "GLOO_SOCKET_IFNAME and LINK_RATE. Needs root and iproute2.",
+        "GLOO_SOCKET_IFNAME, LINK_RATE and LINK_BURST. Needs root and iproute2.",
     )  # fmt: skip
     p.add_argument("--hosts", type=int, default=2)
     p.add_argument("--rate", default="10gbit", help="each link's rate, each way (tc's units)")
+    p.add_argument("--burst", default=Link.burst,
+                   help="the token bucket's size, as time at the rate")  # fmt: skip
     p.add_argument("--delay", default=None, help="one-way delay, e.g. 1ms")
     p.add_argument("--loss", type=float, default=None, help="packet loss, percent")
     p.add_argument("--mtu", type=int, default=1500)
@@ -348,7 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     # SIGTERM as Ctrl-C: the lab's cleanup runs either way.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    link = Link(args.rate, args.delay, args.loss, args.mtu)
+    link = Link(args.rate, args.burst, args.delay, args.loss, args.mtu)
     with Lab(args.hosts, link, args.iproute_root) as lab:
         procs = [lab.popen(i, command) for i in range(args.hosts)]
         deadline = None if args.timeout is None else time.monotonic() + args.timeout

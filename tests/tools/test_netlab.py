@@ -39,8 +39,8 @@ def _ours() -> list[str]:
     return [line.split()[0] for line in listed.splitlines() if f"-{os.getpid()}" in line]
 
 
-def _seconds(netlab, rate: str) -> float:
-    with netlab.Lab(2, netlab.Link(rate)) as lab:
+def _seconds(netlab, rate: str, **link: str) -> float:
+    with netlab.Lab(2, netlab.Link(rate, **link)) as lab:
         results = lab.run([sys.executable, "-c", TRANSFER], timeout=60)
     assert [r.returncode for r in results] == [0, 0], [r.stderr for r in results]
     return float(results[0].stdout.split()[1])
@@ -51,6 +51,16 @@ def test_hosts_reach_each_other_at_the_rate_of_their_link(netlab):
     assert slow >= 0.8 * 2_000_000 * 8 / 40e6  # 0.4 s at 40 Mbit/s: shaped
     assert fast < slow / 5
     assert _ours() == []
+
+
+def test_an_idle_link_sends_its_next_bytes_no_faster_than_its_rate(netlab):
+    # 2 MB at 1 Gbit/s is 16 ms on a wire; a token bucket holding 20 ms lets them all through
+    # unshaped after the connection's pause, the default (its 64 KiB floor) only that much.
+    wire = 2_000_000 * 8 / 1e9
+    assert _seconds(netlab, "1gbit") >= 0.85 * wire
+    assert _seconds(netlab, "1gbit", burst="20ms") < 0.5 * wire
+    assert netlab.Link("10gbit").burst_bytes() == 125_000  # 100 us at 10 Gbit/s
+    assert netlab.Link("1gbit").burst_bytes() == 65536
 
 
 def test_every_host_gets_its_address_and_the_lab_goes_away_on_an_error(netlab):
@@ -105,7 +115,12 @@ def test_a_delay_is_netems_or_a_clear_error(netlab):
 def test_bad_links_are_refused():
     from cgx2.testing.netlab import Lab, Link
 
-    for bad in ({"rate": "fast"}, {"rate": "1gbit", "loss": 120}, {"rate": "1gbit", "delay": "x"}):
+    for bad in (
+        {"rate": "fast"},
+        {"rate": "1gbit", "loss": 120},
+        {"rate": "1gbit", "delay": "x"},
+        {"rate": "1gbit", "burst": "5"},
+    ):
         with pytest.raises(ValueError):
             Link(**bad)
     with pytest.raises(ValueError, match="hosts"):
