@@ -4,7 +4,8 @@ torch's intra-op count (or, on a worker thread beside the training loop, the cou
 A thread that runs torch's CPU ops gets an OpenMP team of its own, whose threads by default
 spin for milliseconds after every parallel region, on the cores the backward pass computes on
 (BENCHMARKS.md, "Training across the hosts"). So cgx2's threads (a group's worker, this pool)
-run torch's ops on themselves alone, and large copies and sums are split over the pool.
+run torch's ops on themselves alone, and a worker's large copies and sums are split over the
+pool; other threads keep torch's own.
 """
 
 from __future__ import annotations
@@ -93,8 +94,10 @@ def split(fn: Callable[[int, int], None], n: int, min_per_thread: int) -> None:
 
 
 def _flat(*tensors: torch.Tensor) -> list[torch.Tensor] | None:
-    """The tensors as flat views where all are contiguous CPU tensors of one size, else None."""
-    if not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
+    """The tensors as flat views, to split over the pool, where the calling thread is a worker
+    beside the training loop and all are contiguous CPU tensors of one size, else None. Any
+    other thread has torch's own threads, which start sooner than the pool's."""
+    if not beside_compute() or not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
         return None
     flat = [t.view(-1) for t in tensors]
     return flat if len({t.numel() for t in flat}) == 1 else None
@@ -105,8 +108,8 @@ def _per_thread(t: torch.Tensor) -> int:
 
 
 def copy_(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-    """``dst.copy_(src)``, split over cgx2's threads where both are contiguous CPU tensors of
-    one size (the same bytes either way)."""
+    """``dst.copy_(src)``, split over cgx2's threads on a worker where both are contiguous CPU
+    tensors of one size (the same bytes either way)."""
     flat = _flat(dst, src)
     if flat is None:
         return dst.copy_(src)
@@ -118,7 +121,7 @@ def copy_(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
 def add_(out: torch.Tensor, parts: Sequence[torch.Tensor]) -> torch.Tensor:
     """``out = parts[0] + parts[1] + ...`` (two parts at least), added in that order, split
     over cgx2's threads where all are contiguous CPU tensors of one size: each value is summed
-    alike either way, so the bits are torch's."""
+    alike either way, so the bits are torch's. Split on a worker only, as :func:`copy_`."""
 
     def add(o: torch.Tensor, ps: Sequence[torch.Tensor]) -> None:
         torch.add(ps[0], ps[1], out=o)
@@ -135,7 +138,8 @@ def add_(out: torch.Tensor, parts: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def div_(t: torch.Tensor, divisor: int) -> torch.Tensor:
-    """``t.div_(divisor)``, split over cgx2's threads where ``t`` is a contiguous CPU tensor."""
+    """``t.div_(divisor)``, split over cgx2's threads on a worker where ``t`` is a contiguous CPU
+    tensor."""
     flat = _flat(t)
     if flat is None:
         return t.div_(divisor)

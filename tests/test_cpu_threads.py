@@ -33,7 +33,36 @@ def test_split_covers_every_range_once_on_several_threads(four_threads):
     assert seen == [(0, 150)]
 
 
-def test_split_copies_sums_and_divisions_are_torchs_bits(four_threads):
+def _on_a_worker(fn) -> None:
+    """``fn()`` on a thread lent four threads, as a group's worker is; its error re-raised."""
+    errors = []
+
+    def run() -> None:
+        cpu_threads.lend(4)
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test's thread
+            errors.append(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
+
+
+def test_a_workers_copies_sums_and_divisions_are_split_and_torchs_bits(four_threads, monkeypatch):
+    used = []
+    split = cpu_threads.split
+    monkeypatch.setattr(cpu_threads, "split", lambda *a: (used.append(a[1]), split(*a)))
+    _on_a_worker(_copies_sums_and_divisions)
+    assert used == [100_003] * 3  # the add, the division and the contiguous copy
+    used.clear()
+    _copies_sums_and_divisions()  # off a worker: torch's own threads, the same bits
+    assert used == []
+
+
+def _copies_sums_and_divisions() -> None:
     g = torch.Generator().manual_seed(0)
     parts = [torch.randn(100_003, generator=g) * 10**k for k in range(3)]
     out = torch.empty(100_003)
