@@ -1,6 +1,7 @@
-"""The agreement check alone (cgx2.collectives.agreement.check) on CPU tensors: through the
-group's c10d store, by its queues (the default up to QUEUE_MAX_RANKS) and by keys (the default
-up to STORE_MAX_RANKS), against the all-gather (larger groups), in alternating rounds of one run.
+"""The agreement check alone (cgx2.collectives.agreement.check) on CPU tensors: over the group's
+peer sockets (the default up to STORE_MAX_RANKS), through its c10d store by its queues (without
+sockets, up to QUEUE_MAX_RANKS) and by keys, against the all-gather (larger groups), in
+alternating rounds of one run.
 
 Usage: torchrun --nproc-per-node 2 bench/agreement_ab.py [--rounds 40] [--calls 10] [--out DIR];
 across cgx2.testing.netlab's hosts for a real link. Rank 0 prints a table and writes
@@ -22,11 +23,13 @@ import torch.distributed as dist
 
 from cgx2.bench import report
 from cgx2.collectives import agreement
+from cgx2.comm import peers
 
-MODES = {  # (STORE_MAX_RANKS, QUEUE_MAX_RANKS) in each
-    "queues": (agreement.STORE_MAX_RANKS, agreement.QUEUE_MAX_RANKS),
-    "keys": (agreement.STORE_MAX_RANKS, 0),
-    "all-gather": (0, 0),
+MODES = {  # (STORE_MAX_RANKS, QUEUE_MAX_RANKS, peer sockets) in each
+    "sockets": (agreement.STORE_MAX_RANKS, agreement.QUEUE_MAX_RANKS, True),
+    "queues": (agreement.STORE_MAX_RANKS, agreement.QUEUE_MAX_RANKS, False),
+    "keys": (agreement.STORE_MAX_RANKS, 0, False),
+    "all-gather": (0, 0, False),
 }
 
 
@@ -39,12 +42,14 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     x = torch.randn(1 << 14)
+    connected = peers.connected
     rounds: dict[str, list[float]] = {mode: [] for mode in MODES}
     for r in range(args.rounds):
         if rank == 0 and r % 10 == 0:
             print(f"round {r + 1} of {args.rounds}", file=sys.stderr)
-        for mode, (store_ranks, queue_ranks) in MODES.items():
+        for mode, (store_ranks, queue_ranks, sockets) in MODES.items():
             agreement.STORE_MAX_RANKS, agreement.QUEUE_MAX_RANKS = store_ranks, queue_ranks
+            peers.connected = connected if sockets else lambda group: None
             calls = []
             dist.barrier()
             for _ in range(args.calls + 2):  # the first two warm the mode up

@@ -2,14 +2,16 @@
 shares a few integers (size, dtype, bits, bucket, op, route) and every rank raises if any differ.
 
 Ranks that disagree would otherwise hang in different collectives until the group's timeout, or
-worse, exchange payloads of equal size and return wrong values without an error. The exchange
-cannot itself hang on a disagreement: values compared on the host go through the group's c10d
-store (each rank's values pushed to its peers' queues, or in larger groups a key a rank and
-call: a few store round trips rather than one more collective of the group's backend;
-BENCHMARKS.md, "The agreement check"), values compared on a GPU by an all-gather of a few dozen
-bytes, the same whatever the arguments. Whether it runs, and how, is the policy's choice
-(:class:`.policy.Route`'s ``check``); the entry points users call run it (the ops, the ``cgx``
-backend), not DDP's and FSDP's hooks, whose wrappers make every rank's buckets alike.
+worse, exchange payloads of equal size and return wrong values without an error (gloo aborts
+the process on payloads of different sizes). The exchange cannot itself hang on a
+disagreement: values compared on the host go to every peer over the group's peer sockets
+(:mod:`cgx2.comm.peers`: one message a peer), or where those cannot be made through the
+group's c10d store (each rank's values pushed to its peers' queues, or in larger groups a key a
+rank and call); values compared on a GPU by an all-gather of a few dozen bytes, the same
+whatever the arguments (BENCHMARKS.md, "The agreement check"). Whether it runs, and how, is the
+policy's choice (:class:`.policy.Route`'s ``check``); the entry points users call run it (the
+ops, the ``cgx`` backend), not DDP's and FSDP's hooks, whose wrappers make every rank's
+buckets alike.
 
 Read at once (``check``), the answer costs the caller a wait for the GPU's queue where the
 all-gather runs on it (NCCL). Deferred (``check(..., deferred=True)``), the ranks' values are
@@ -33,7 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..comm import all_gather_single, group_info, group_store
+from ..comm import all_gather_single, group_info, group_store, peers
 
 __all__ = ["DisagreementError", "check", "raise_pending", "settle"]
 
@@ -90,7 +92,7 @@ def check(group: dist.ProcessGroup, operation: str, t: torch.Tensor,
     exchanged = None
     try:
         if store is not None:
-            exchanged = _exchange_through_store(store, group, operation, values, world, rank)
+            exchanged = _exchange_on_host(store, group, operation, values, world, rank)
         else:
             gathered = torch.empty(world * len(values), dtype=torch.int64, device=device)
             all_gather_single(gathered, _on(device, values), group=group)
@@ -153,8 +155,9 @@ def _on(device: torch.device, values: list[int]) -> torch.Tensor:
 
 
 STORE_MAX_RANKS = 16
-"""Groups up to this size compare on the host through the store; its load grows as the square
-of the ranks (each reads every rank's values), so larger groups all-gather instead."""
+"""Groups up to this size compare on the host, over peer sockets (a connection between every two
+ranks) or through the store (whose load grows as the square of the ranks: each reads every
+rank's values); larger groups all-gather instead."""
 
 QUEUE_MAX_RANKS = 4
 """Groups up to this size exchange through the store's queues, one pop a peer; larger ones
@@ -163,18 +166,22 @@ through keys, whose three round trips (delete, wait, read) do not grow with the 
 _CALLS: weakref.WeakKeyDictionary[dist.ProcessGroup, itertools.count] = weakref.WeakKeyDictionary()
 
 
-def _exchange_through_store(store: dist.Store, group: dist.ProcessGroup, operation: str,
-                            values: list[int], world: int,
-                            rank: int) -> list[tuple[str, list[int]]]:  # fmt: skip
-    """Every rank's ``(operation, values)`` of this call on ``group``, by rank, through the
-    group's store, waiting up to the group's timeout."""
+def _exchange_on_host(store: dist.Store, group: dist.ProcessGroup, operation: str,
+                      values: list[int], world: int,
+                      rank: int) -> list[tuple[str, list[int]]]:  # fmt: skip
+    """Every rank's ``(operation, values)`` of this call on ``group``, by rank: through the
+    group's peer sockets where its ranks could make them, else its store; waiting up to the
+    group's timeout."""
     with _PENDING_LOCK:
         n = next(_CALLS.setdefault(group, itertools.count()))
     mine = operation.encode() + b"\0" + struct.pack(f"<{len(values)}q", *values)
     timeout = group_info(group).timeout_s
     # The store's own waits (multi_get's, a blocking pop's) last the store's timeout.
     wait = abs(store.timeout.total_seconds() - timeout) > 1
-    if world <= QUEUE_MAX_RANKS and hasattr(store, "queue_push"):
+    sockets = peers.connected(group)
+    if sockets is not None:
+        found = _numbered(sockets.exchange(_number(n, rank, mine)), n, rank)
+    elif world <= QUEUE_MAX_RANKS and hasattr(store, "queue_push"):
         found = _through_queues(store, n, mine, world, rank, timeout if wait else None)
     else:
         found = _through_keys(store, n, mine, world, rank, timeout if wait else None)
@@ -185,22 +192,16 @@ def _exchange_through_store(store: dist.Store, group: dist.ProcessGroup, operati
     return exchanged
 
 
-def _through_queues(store: dist.Store, n: int, mine: bytes, world: int, rank: int,
-                    wait_s: float | None) -> list[bytes]:  # fmt: skip
-    """Each rank pushes ``mine`` (with its rank and call number) to every peer's queue and pops
-    one entry a peer from its own: a round trip a peer, and nothing left behind. No peer can
-    be a call ahead: its collective n needs this rank, which pops first."""
-    for peer in range(world):
-        if peer != rank:
-            store.queue_push(f"cgx2/agree/to/{peer}", struct.pack("<qq", n, rank) + mine)
-    key = f"cgx2/agree/to/{rank}"
-    found: list[bytes] = [b""] * world
-    found[rank] = mine
+def _number(n: int, rank: int, mine: bytes) -> bytes:
+    return struct.pack("<qq", n, rank) + mine
+
+
+def _numbered(entries: list[bytes], n: int, rank: int) -> list[bytes]:
+    """The ranks' values from ``entries`` made by :func:`_number` (any order), by rank; every
+    rank raises where some peer's call number is not ``n``, as each sees the same entries."""
+    found: list[bytes] = [b""] * len(entries)
     behind = []
-    for _ in range(world - 1):
-        if wait_s is not None:
-            store.wait([key], datetime.timedelta(seconds=wait_s))
-        raw = store.queue_pop(key)
+    for raw in entries:
         their_n, peer = struct.unpack_from("<qq", raw)
         found[peer] = raw[16:]
         if their_n != n:
@@ -212,6 +213,24 @@ def _through_queues(store: dist.Store, n: int, mine: bytes, world: int, rank: in
             "same calls in the same order"
         )
     return found
+
+
+def _through_queues(store: dist.Store, n: int, mine: bytes, world: int, rank: int,
+                    wait_s: float | None) -> list[bytes]:  # fmt: skip
+    """Each rank pushes ``mine`` (with its rank and call number) to every peer's queue and pops
+    one entry a peer from its own: a round trip a peer, and nothing left behind. No peer can
+    be a call ahead: its collective n needs this rank, which pops first."""
+    entry = _number(n, rank, mine)
+    for peer in range(world):
+        if peer != rank:
+            store.queue_push(f"cgx2/agree/to/{peer}", entry)
+    key = f"cgx2/agree/to/{rank}"
+    entries = [entry]
+    for _ in range(world - 1):
+        if wait_s is not None:
+            store.wait([key], datetime.timedelta(seconds=wait_s))
+        entries.append(store.queue_pop(key))
+    return _numbered(entries, n, rank)
 
 
 def _through_keys(store: dist.Store, n: int, mine: bytes, world: int, rank: int,

@@ -86,7 +86,8 @@ def _store_keys_left() -> list[bool]:
     from cgx2.comm import group_store
 
     store, rank = group_store(dist.group.WORLD), dist.get_rank()
-    with mock.patch.object(agreement, "QUEUE_MAX_RANKS", 0):  # larger groups' keys
+    # Without peer sockets, as larger groups: keys.
+    with _without_peer_sockets(), mock.patch.object(agreement, "QUEUE_MAX_RANKS", 0):
         for _ in range(5):
             _agree()
     n = next(agreement._CALLS[dist.group.WORLD])  # the next call's number (taken: keep alike)
@@ -99,24 +100,112 @@ def test_each_rank_keeps_only_its_last_two_keys_in_the_store(dist2):
         assert present[-2:] == [True, True] and not any(present[:-2]), present
 
 
+def _without_peer_sockets():
+    from unittest import mock
+
+    from cgx2.comm import peers
+
+    return mock.patch.object(peers, "connected", lambda group: None)
+
+
 def _queue_left() -> tuple[int, bool]:
     from cgx2.comm import group_store
 
     store, rank = group_store(dist.group.WORLD), dist.get_rank()
-    for _ in range(3):
+    with _without_peer_sockets():
+        for _ in range(3):
+            _agree()
+        _disagree("numel")
         _agree()
-    _disagree("numel")
-    _agree()
     dist.barrier()
     keyed = any(store.check([f"cgx2/agree/{k}/{rank}"]) for k in range(8))
     return store.queue_len(f"cgx2/agree/to/{rank}"), keyed
 
 
-def test_small_groups_exchange_through_queues_and_leave_nothing_behind(dist4):
+def test_without_peer_sockets_small_groups_exchange_through_queues_leaving_nothing(dist4):
     """Four ranks push to each other's queues and pop them empty, a disagreement included; no
     key is set."""
     for left, keyed in dist4.run(_queue_left):
         assert left == 0 and not keyed
+
+
+def _through_peer_sockets() -> tuple[int, bool, bool]:
+    from cgx2.comm import group_store, peers
+
+    store, rank = group_store(dist.group.WORLD), dist.get_rank()
+    message = _disagree("numel")
+    _agree()
+    dist.barrier()
+    keyed = any(store.check([f"cgx2/agree/{k}/{rank}"]) for k in range(8))
+    queued = store.queue_len(f"cgx2/agree/to/{rank}") if hasattr(store, "queue_len") else 0
+    return message, peers.connected(dist.group.WORLD) is not None, keyed or queued > 0
+
+
+def test_ranks_compare_through_sockets_to_their_peers_not_the_store(dist4):
+    for message, connected, stored in dist4.run(_through_peer_sockets):
+        assert "numel=[rank 0: 1024, rank 1: 1000, rank 2: 1000, rank 3: 1000]" in message
+        assert connected and not stored
+
+
+def _one_rank_cannot_listen() -> tuple[bool, str]:
+    from unittest import mock
+
+    from cgx2.comm import peers
+
+    group = dist.new_group(backend="gloo")  # its peer sockets are made at its first check
+    broken = mock.patch.object(peers, "_listen_address", side_effect=OSError("no address"))
+    with broken if dist.get_rank() == 1 else mock.MagicMock():
+        found = peers.connected(group)
+    x = torch.ones(1000 if dist.get_rank() == 0 else 1024)
+    try:
+        cgx2.quantized_allreduce(x, 4, group=group)
+        message = "no error"
+    except DisagreementError as e:
+        message = str(e)
+    return found is None, message
+
+
+def test_where_a_rank_cannot_make_peer_sockets_every_rank_compares_through_the_store(dist2):
+    for without, message in dist2.run(_one_rank_cannot_listen):
+        assert without and "numel=[rank 0: 1000, rank 1: 1024]" in message, message
+
+
+def _socket_pair_ranks():
+    """Two :class:`PeerSockets` joined by a socket pair, as ranks 0 and 1 of a group."""
+    import socket
+
+    from cgx2.comm.peers import PeerSockets
+
+    a, b = socket.socketpair()
+    a.settimeout(30)
+    b.settimeout(30)
+    return PeerSockets([None, a], 0, 30), PeerSockets([b, None], 1, 30)
+
+
+def test_peer_sockets_name_ranks_at_different_calls_and_a_peer_that_ended():
+    import threading
+
+    from cgx2.collectives import agreement
+
+    zero, one = _socket_pair_ranks()
+    errors = {}
+
+    def call(r: int, sockets, n: int) -> None:
+        try:
+            agreement._numbered(sockets.exchange(agreement._number(n, r, b"x")), n, r)
+        except DisagreementError as e:
+            errors[r] = str(e)
+
+    threads = [threading.Thread(target=call, args=a) for a in ((0, zero, 7), (1, one, 6))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert "(rank 1 at call 6; this rank 0 at call 7)" in errors[0], errors
+    assert "(rank 0 at call 7; this rank 1 at call 6)" in errors[1], errors
+    one.close()
+    with pytest.raises(RuntimeError, match="rank 1"):
+        zero.exchange(b"x")
 
 
 def test_ranks_at_different_calls_all_raise_naming_them():
