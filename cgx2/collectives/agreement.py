@@ -86,7 +86,8 @@ def check(group: dist.ProcessGroup, operation: str, t: torch.Tensor,
     values = [t.numel(), _DTYPES.get(t.dtype, 99), *(_code(v) for v in fields.values())]
     on_gpu = t.is_cuda and (deferred or dist.get_backend(group) == "nccl")
     device = t.device if on_gpu else torch.device("cpu")
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    info = group_info(group)
+    world, rank = info.size, info.rank
     shown = {"numel": t.numel(), "dtype": t.dtype, **fields}
     store = None if on_gpu or world > STORE_MAX_RANKS else group_store(group)
     exchanged = None
@@ -175,16 +176,17 @@ def _exchange_on_host(store: dist.Store, group: dist.ProcessGroup, operation: st
     with _PENDING_LOCK:
         n = next(_CALLS.setdefault(group, itertools.count()))
     mine = operation.encode() + b"\0" + struct.pack(f"<{len(values)}q", *values)
-    timeout = group_info(group).timeout_s
-    # The store's own waits (multi_get's, a blocking pop's) last the store's timeout.
-    wait = abs(store.timeout.total_seconds() - timeout) > 1
     sockets = peers.connected(group)
     if sockets is not None:
         found = _numbered(sockets.exchange(_number(n, rank, mine)), n, rank)
-    elif world <= QUEUE_MAX_RANKS and hasattr(store, "queue_push"):
-        found = _through_queues(store, n, mine, world, rank, timeout if wait else None)
     else:
-        found = _through_keys(store, n, mine, world, rank, timeout if wait else None)
+        timeout = group_info(group).timeout_s
+        # The store's own waits (multi_get's, a blocking pop's) last the store's timeout.
+        wait_s = timeout if abs(store.timeout.total_seconds() - timeout) > 1 else None
+        if world <= QUEUE_MAX_RANKS and hasattr(store, "queue_push"):
+            found = _through_queues(store, n, mine, world, rank, wait_s)
+        else:
+            found = _through_keys(store, n, mine, world, rank, wait_s)
     exchanged = []
     for raw in found:
         name, _, packed = raw.partition(b"\0")

@@ -10,7 +10,6 @@ is told so and its caller keeps the store.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
 import logging
@@ -21,7 +20,6 @@ import struct
 import threading
 import time
 import weakref
-from collections.abc import Iterator
 
 import torch.distributed as dist
 
@@ -56,22 +54,16 @@ class PeerSockets:
         framed = _HEADER.pack(len(message)) + message
         found: list[bytes] = [b""] * len(self.sockets)
         found[self.rank] = message
-        with self.lock:
-            for peer, sock in enumerate(self.sockets):
-                if sock is not None:
-                    with self._talking_to(peer):
+        peer = -1
+        try:
+            with self.lock:
+                for peer, sock in enumerate(self.sockets):  # noqa: B007 - the error names it
+                    if sock is not None:
                         sock.sendall(framed)
-            for peer, sock in enumerate(self.sockets):
-                if sock is not None:
-                    with self._talking_to(peer):
+                for peer, sock in enumerate(self.sockets):
+                    if sock is not None:
                         (size,) = _HEADER.unpack(_read_exactly(sock, _HEADER.size))
                         found[peer] = _read_exactly(sock, size)
-        return found
-
-    @contextlib.contextmanager
-    def _talking_to(self, peer: int) -> Iterator[None]:
-        try:
-            yield
         except TimeoutError as e:
             raise RuntimeError(
                 f"cgx2: rank {peer} did not answer within the group's timeout "
@@ -79,6 +71,7 @@ class PeerSockets:
             ) from e
         except OSError as e:  # reset, or closed: its process ended
             raise RuntimeError(f"cgx2: the connection to rank {peer} failed: {e}") from e
+        return found
 
     def close(self) -> None:
         for sock in self.sockets:
