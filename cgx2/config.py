@@ -362,6 +362,8 @@ class LaunchConfig:
       (``NCCL_SHM_DISABLE``): NCCL told to avoid peer-to-peer and shared memory.
     - ``omp_wait_policy`` (``OMP_WAIT_POLICY``, lower case; "" unset): how OpenMP's idle
       threads wait, read by OpenMP when torch loads it (:mod:`cgx2.cpu_threads`).
+    - ``gloo_socket_ifname`` (``GLOO_SOCKET_IFNAME``; "" unset): the interfaces gloo binds to,
+      comma-separated; cgx2's peer sockets take the first (:mod:`cgx2.comm.peers`).
     """
 
     world_size: int | None = None
@@ -369,6 +371,7 @@ class LaunchConfig:
     nccl_p2p_disabled: bool = False
     nccl_shm_disabled: bool = False
     omp_wait_policy: str = ""
+    gloo_socket_ifname: str = ""
 
     @property
     def spans_nodes(self) -> bool:
@@ -392,7 +395,8 @@ class LaunchConfig:
 
         return cls(size("WORLD_SIZE"), size("LOCAL_WORLD_SIZE"),
                    flag("NCCL_P2P_DISABLE"), flag("NCCL_SHM_DISABLE"),
-                   env.get("OMP_WAIT_POLICY", "").strip().lower())  # fmt: skip
+                   env.get("OMP_WAIT_POLICY", "").strip().lower(),
+                   env.get("GLOO_SOCKET_IFNAME", "").strip())  # fmt: skip
 
 
 _tuning: TuningConfig | None = None

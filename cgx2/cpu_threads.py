@@ -97,7 +97,9 @@ def _flat(*tensors: torch.Tensor) -> list[torch.Tensor] | None:
     """The tensors as flat views, to split over the pool, where the calling thread is a worker
     beside the training loop and all are contiguous CPU tensors of one size, else None. Any
     other thread has torch's own threads, which start sooner than the pool's."""
-    if not beside_compute() or not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
+    if not beside_compute():
+        return None
+    if not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
         return None
     flat = [t.view(-1) for t in tensors]
     return flat if len({t.numel() for t in flat}) == 1 else None

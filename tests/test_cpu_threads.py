@@ -41,7 +41,7 @@ def _on_a_worker(fn) -> None:
         cpu_threads.lend(4)
         try:
             fn()
-        except BaseException as e:  # noqa: BLE001 - handed to the test's thread
+        except BaseException as e:  # handed to the test's thread
             errors.append(e)
 
     thread = threading.Thread(target=run)

@@ -23,6 +23,7 @@ import weakref
 
 import torch.distributed as dist
 
+from .. import config
 from .process_group import group_info, group_store
 
 __all__ = ["PeerSockets", "connected"]
@@ -186,7 +187,7 @@ def _read_exactly(sock: socket.socket, size: int) -> bytes:
 def _listen_address() -> str:
     """The IPv4 address gloo's devices bind to: ``GLOO_SOCKET_IFNAME``'s first interface's,
     else what the host name resolves to."""
-    names = os.environ.get("GLOO_SOCKET_IFNAME", "")
+    names = config.launch().gloo_socket_ifname
     if names:
         return _interface_address(names.split(",")[0])
     return socket.gethostbyname(socket.gethostname())

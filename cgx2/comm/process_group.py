@@ -145,10 +145,10 @@ def all_to_all(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
     return dist.all_to_all_single(out, send, group=group, async_op=async_op)
 
 
-GLOO_SPLIT_BYTES = 16 << 20
+GLOO_SPLIT_BYTES = 4 << 20
 """gloo's all-gathers of at least this many bytes a rank run as :data:`GLOO_SPLITS` concurrent
-ones: one alone can leave a link partly idle; smaller ones lost (BENCHMARKS.md, "GPU hosts
-over Ethernet")."""
+ones: the GPU hosts' allreduce over gloo gains from it (BENCHMARKS.md, "GPU hosts over
+Ethernet")."""
 GLOO_SPLITS = 4
 
 

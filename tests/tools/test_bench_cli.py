@@ -263,9 +263,10 @@ def test_results_across_netlab_hosts_name_their_link(tmp_path: Path, monkeypatch
     from cgx2.bench import report
 
     monkeypatch.setenv("LINK_RATE", "1gbit")
+    monkeypatch.setenv("LINK_BURST", "100us")
     monkeypatch.setenv("NHOSTS", "2")
     env = report.environment(torch.device("cpu"), 2)
-    assert env["link"] == {"rate": "1gbit", "hosts": 2, "driver": ""}
+    assert env["link"] == {"rate": "1gbit", "burst": "100us", "hosts": 2, "driver": ""}
     path = report.write_json("allreduce", {"env": env, "rows": []}, tmp_path)
     assert "_cpu-1gbit-h2_w2_" in path.name
     monkeypatch.delenv("LINK_RATE")
