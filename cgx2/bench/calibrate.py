@@ -4,7 +4,8 @@ the policy reads (``cgx2.config.tuning().calibration_file``).
 
 The file (format ``cgx2.collectives.policy.CALIBRATION_FORMAT``) holds, per
 ``<device type>/<backend>/<fp32 or 16bit>``, the smallest measured size from which compressing
-was faster at every larger measured size (None: never), and the measurements themselves.
+was faster at every larger measured size (None: never), the same for calls beside the training
+step (CPU tensors: faster by ``measure.CPU_MARGIN``), and the measurements themselves.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch.distributed as dist
 import cgx2
 from cgx2 import config
 from cgx2.collectives import policy
-from cgx2.collectives.measure import BITS, BUCKET_SIZE, crossover, timed_in_turn
+from cgx2.collectives.measure import BITS, BUCKET_SIZE, CPU_MARGIN, crossover, timed_in_turn
 
 from .report import (
     SIZES_HELP,
@@ -74,14 +75,14 @@ def default_sizes(device_type: str) -> list[int]:
 
 
 def crossovers(
-    measurements: Sequence[dict[str, Any]], device_type: str, backend: str
+    measurements: Sequence[dict[str, Any]], device_type: str, backend: str, margin: float = 1.0
 ) -> dict[str, int | None]:
     """``{"<device_type>/<backend>/fp32": bytes or None, ".../16bit": ...}``, a key per element
-    width measured."""
+    width measured: where compressing was faster by ``margin`` times."""
     widths = dict.fromkeys(DTYPE_CLASS[m["dtype"]] for m in measurements)
     return {
         f"{device_type}/{backend}/{width}": crossover(
-            [m for m in measurements if DTYPE_CLASS[m["dtype"]] == width]
+            [m for m in measurements if DTYPE_CLASS[m["dtype"]] == width], margin
         )
         for width in widths
     }
@@ -140,6 +141,11 @@ def calibrate(
         "backend": backend,
         "device_type": device.type,
         "crossover_bytes": crossovers(measurements, device.type, backend),
+        # DDP's hooks reduce CPU tensors beside the backward pass, whose computation the codec
+        # takes cores from: there compressing must win by a margin (policy._pick).
+        "beside_crossover_bytes": crossovers(
+            measurements, device.type, backend, CPU_MARGIN if device.type == "cpu" else 1.0
+        ),
         "measurements": measurements,
     }
 
@@ -155,10 +161,12 @@ def keep_other_crossovers(data: dict[str, Any], path: str | os.PathLike[str]) ->
         return data
     if not isinstance(earlier, dict) or earlier.get("format") != policy.CALIBRATION_FORMAT:
         return data
-    kept = earlier.get("crossover_bytes")
-    if not isinstance(kept, dict):
-        return data
-    return {**data, "crossover_bytes": {**kept, **data["crossover_bytes"]}}
+    merged = dict(data)
+    for table in ("crossover_bytes", "beside_crossover_bytes"):
+        kept = earlier.get(table)
+        if isinstance(kept, dict) and table in data:
+            merged[table] = {**kept, **data[table]}
+    return merged
 
 
 def write_calibration(data: dict[str, Any], path: str | os.PathLike[str]) -> Path:
@@ -203,8 +211,14 @@ def format_report(data: dict[str, Any]) -> str:
         f"{data['device_name']} x{data['world_size']}, {name}, torch {data['torch']}.",
         "cgx2 compresses from (the smallest size from which it was faster at every larger one):",
     ]
+    beside = data.get("beside_crossover_bytes", {})
     for key, value in data["crossover_bytes"].items():
-        lines.append(f"  {key}: " + ("never" if value is None else size_name(value)))
+        line = f"  {key}: " + ("never" if value is None else size_name(value))
+        if beside.get(key, value) != value:
+            line += ", beside a training step (DDP's hooks, CPU tensors) " + (
+                "never" if beside[key] is None else "from " + size_name(beside[key])
+            )
+        lines.append(line)
     return "\n".join(lines)
 
 

@@ -242,8 +242,14 @@ def calibration_key(device_type: str, backend: str, dtype: torch.dtype) -> str:
     return f"{device_type}/{backend}/{'fp32' if dtype.itemsize >= 4 else '16bit'}"
 
 
-def _read_calibration(path: str) -> dict[str, int | None]:
-    """The crossovers of a calibration file; {} where there is none or it is unusable (logged)."""
+def _a_crossover(value: object) -> bool:
+    return value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0)
+
+
+def _read_calibration(path: str) -> dict[str, list[int | None]]:
+    """The crossovers of a calibration file, a pair a key (for calls alone, for calls beside the
+    training step: the first where the file has no second); {} where there is none or it is
+    unusable (logged)."""
     try:
         with open(path) as f:
             data = json.load(f)
@@ -253,19 +259,19 @@ def _read_calibration(path: str) -> dict[str, int | None]:
         logger.warning("cgx2: ignoring the calibration file %s: %s", path, e)
         return {}
     crossovers = data.get("crossover_bytes") if isinstance(data, dict) else None
-    valid = isinstance(crossovers, dict) and all(
-        v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0)
-        for v in crossovers.values()
-    )
-    if data.get("format") != CALIBRATION_FORMAT or not valid:
+    beside = data.get("beside_crossover_bytes", {}) if isinstance(data, dict) else None
+    valid = all(isinstance(table, dict) and all(map(_a_crossover, table.values()))
+                for table in (crossovers, beside))  # fmt: skip
+    if not valid or data.get("format") != CALIBRATION_FORMAT:
         logger.warning("cgx2: ignoring the calibration file %s: not a %s file", path,
                        CALIBRATION_FORMAT)  # fmt: skip
         return {}
-    logger.info("cgx2: crossovers from %s: %s", path, crossovers)
-    return dict(crossovers)
+    logger.info("cgx2: crossovers from %s: %s (beside the training step: %s)", path, crossovers,
+                beside or "the same")  # fmt: skip
+    return {key: [value, beside.get(key, value)] for key, value in crossovers.items()}
 
 
-_CALIBRATIONS: dict[int, dict[str, int | None]] = {}
+_CALIBRATIONS: dict[int, dict[str, list[int | None]]] = {}
 _MEASURED: dict[tuple, tuple[int | None, int | None]] = {}
 _MESH_FASTER: dict[tuple, dict[int, bool]] = {}
 _cached_for: list[config.TuningConfig | None] = [None]
@@ -291,10 +297,11 @@ def clear_caches() -> None:
     _ROUTES.clear()
 
 
-def calibration(group: dist.ProcessGroup | None = None) -> dict[str, int | None]:
-    """The measured crossovers that ``group``'s ranks route by: the calibration file of the
-    group's first rank, passed to the others through the default store, so that ranks whose
-    files differ (or who have none) still decide alike. Read once per group."""
+def calibration(group: dist.ProcessGroup | None = None) -> dict[str, list[int | None]]:
+    """The measured crossovers that ``group``'s ranks route by, a pair a key (alone, beside the
+    training step): the calibration file of the group's first rank, passed to the others
+    through the default store, so that ranks whose files differ (or who have none) still decide
+    alike. Read once per group."""
     key = id(group)
     path = _fresh().calibration_file
     found = _CALIBRATIONS.get(key)
@@ -357,9 +364,9 @@ def _measured(device: torch.device, dtype: torch.dtype, info: GroupInfo | None,
     carrier = "nccl" if device.type == "cuda" and nccl else "gloo"
     found = calibration(group)
     keys = [calibration_key(device.type, name, dtype) for name in dict.fromkeys((backend, carrier))]
-    measured = next((found[k] for k in keys if k in found), "absent")
-    if measured != "absent":
-        chosen, source = (measured, measured), "the calibration file"
+    measured = next((found[k] for k in keys if k in found), None)
+    if measured is not None:
+        chosen, source = (measured[0], measured[1]), "the calibration file"
     elif (where == "cpu" and backend == "gloo" and group is not None
           and config.launch().spans_nodes and config.crossover_override() is None):  # fmt: skip
         # The CPU codec's cost against the link's saving depends on both: only measuring

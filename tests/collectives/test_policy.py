@@ -158,9 +158,36 @@ def test_a_regime_where_compression_never_won_never_compresses(clean_env):
     assert crossover_bytes(CUDA, torch.float32) == 256 * MiB
 
 
-def _calibration_file(path, crossovers, fmt=policy.CALIBRATION_FORMAT):
-    path.write_text(json.dumps({"format": fmt, "crossover_bytes": crossovers}))
+def _calibration_file(path, crossovers, fmt=policy.CALIBRATION_FORMAT, beside=None):
+    data = {"format": fmt, "crossover_bytes": crossovers}
+    if beside is not None:
+        data["beside_crossover_bytes"] = beside
+    path.write_text(json.dumps(data))
     return str(path)
+
+
+def test_a_calibration_files_crossovers_beside_the_step_serve_the_hooks(clean_env, tmp_path):
+    """Calls on a worker beside the training loop (DDP's hooks) take the file's second
+    crossovers; a key without one takes the first."""
+    import threading
+
+    from cgx2 import cpu_threads
+
+    _regime_is(clean_env, "nvlink")
+    path = _calibration_file(tmp_path / "c.json", {"cuda/nccl/fp32": 1024, "cuda/nccl/16bit": 8},
+                             beside={"cuda/nccl/fp32": None})  # fmt: skip
+    seen = []
+
+    def on_worker() -> None:
+        cpu_threads.lend(1)
+        seen.extend(crossover_bytes(CUDA, dtype) for dtype in (torch.float32, torch.bfloat16))
+
+    with config.tuned(calibration_file=path):
+        worker = threading.Thread(target=on_worker)
+        worker.start()
+        worker.join()
+        assert crossover_bytes(CUDA, torch.float32) == 1024
+        assert seen == [None, 8]
 
 
 def test_a_calibration_file_sets_the_crossovers_it_measured(clean_env, tmp_path):
@@ -277,6 +304,8 @@ def test_calls_beside_the_training_step_take_the_crossover_with_the_cpu_margin(d
     [
         '{"format": "cgx2-calibration/1", "crossover_bytes": {"cuda/nccl/fp32": -4}}',
         '{"format": "other/1", "crossover_bytes": {}}',
+        '{"format": "cgx2-calibration/1", "crossover_bytes": {}, "beside_crossover_bytes": 3}',
+        "[1, 2]",
         "not json",
     ],
 )

@@ -14,6 +14,7 @@ import torch
 from test_bench_cli import _env, _free_port
 
 from cgx2.bench.calibrate import crossover, crossovers, default_sizes, write_calibration
+from cgx2.collectives.measure import CPU_MARGIN
 
 K, M = 1 << 10, 1 << 20
 
@@ -76,7 +77,8 @@ def test_calibrate_under_torchrun_writes_the_policy_file(tmp_path: Path) -> None
 
     data = json.loads(out.read_text())
     assert set(data) == {"format", "created", "torch", "device_name", "world_size", "backend",
-                         "device_type", "crossover_bytes", "measurements"}  # fmt: skip
+                         "device_type", "crossover_bytes", "beside_crossover_bytes",
+                         "measurements"}  # fmt: skip
     assert data["format"] == "cgx2-calibration/1"
     created = datetime.datetime.fromisoformat(data["created"])
     assert created.utcoffset() == datetime.timedelta(0)
@@ -92,6 +94,9 @@ def test_calibrate_under_torchrun_writes_the_policy_file(tmp_path: Path) -> None
     fp32, bf16 = data["measurements"][:2], data["measurements"][2:]
     assert data["crossover_bytes"] == {"cpu/gloo/fp32": crossover(fp32),
                                        "cpu/gloo/16bit": crossover(bf16)}  # fmt: skip
+    beside = {"cpu/gloo/fp32": crossover(fp32, CPU_MARGIN),
+              "cpu/gloo/16bit": crossover(bf16, CPU_MARGIN)}  # fmt: skip
+    assert data["beside_crossover_bytes"] == beside  # DDP's hooks, beside the backward pass
     assert [p.name for p in out.parent.iterdir()] == ["calibration.json"]
 
     # Rank 0 alone prints: one table (a row per measurement), its legend, the crossovers.
