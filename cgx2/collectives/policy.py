@@ -90,6 +90,11 @@ cost; smaller pieces overlap more coding with sending. Where the transfer is sho
 coding (NVLink) large pieces win; over sockets overlapping more pays (BENCHMARKS.md,
 "Pipeline pieces")."""
 
+CPU_ACROSS_NODES_PIECE_NUMEL = 1 << 20
+"""Values per piece for CPU tensors of a job that spans nodes, in place of
+:data:`PIECE_NUMEL`'s: there the link, not the codec, bounds the call, and smaller pieces keep
+it busy while the next is coded (BENCHMARKS.md, "CPU hosts over Ethernet")."""
+
 PIECE_NUMEL_PAIR = {"shm": 64 << 20, "socket": 64 << 20}
 """Values per piece where two ranks swap their chunks by all-gather, in place of
 :data:`PIECE_NUMEL`: there each collective's fixed cost outweighs the coding that smaller
@@ -423,13 +428,16 @@ def compresses(t: torch.Tensor, group: dist.ProcessGroup, bits: int, bucket_size
 def piece_numel(element_size: int, world: int, bucket_size: int, where: str,
                 pair_gather: bool) -> int:  # fmt: skip
     """Values per pipeline piece: whole buckets for every rank, about
-    ``CGX2_PIPELINE_BYTES`` of input, or the regime's :data:`PIECE_NUMEL`. The pieces fix
+    ``CGX2_PIPELINE_BYTES`` of input, or the regime's :data:`PIECE_NUMEL` (CPU tensors across
+    nodes: :data:`CPU_ACROSS_NODES_PIECE_NUMEL`). The pieces fix
     which values share a random key, so every rank, and the reference model, cut alike."""
     per_piece = world * bucket_size
     pipeline_bytes = config.tuning().pipeline_bytes
     if pipeline_bytes is not None:
         return max(1, pipeline_bytes // (element_size * per_piece)) * per_piece
     numel = PIECE_NUMEL_PAIR.get(where, PIECE_NUMEL[where]) if pair_gather else PIECE_NUMEL[where]
+    if where == "cpu" and config.launch().spans_nodes:
+        numel = CPU_ACROSS_NODES_PIECE_NUMEL
     return max(1, numel // per_piece) * per_piece
 
 

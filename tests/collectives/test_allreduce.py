@@ -380,6 +380,20 @@ def test_pieces_follow_the_regime(where):
         assert policy.piece_numel(4, 4, 512, "nvlink", False) == (1 << 18)
 
 
+def test_cpu_tensors_of_a_job_across_nodes_take_smaller_pieces(monkeypatch):
+    """On one host the CPU codec bounds the call and one large piece costs least; across nodes
+    the link does, and smaller pieces keep it busy while the next is coded."""
+    with tuned(pipeline_bytes=None):
+        assert policy.piece_numel(4, 2, 512, "cpu", True) == policy.PIECE_NUMEL["cpu"]
+        monkeypatch.setenv("WORLD_SIZE", "4")
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        across = policy.CPU_ACROSS_NODES_PIECE_NUMEL
+        assert across < policy.PIECE_NUMEL["cpu"]
+        assert policy.piece_numel(4, 2, 512, "cpu", True) == across
+        assert policy.piece_numel(2, 4, 512, "cpu", False) == across
+        assert policy.piece_numel(4, 4, 512, "socket", False) == policy.PIECE_NUMEL["socket"]
+
+
 def test_extend_key_continues_derive_key():
     """The pipeline derives each stage's key prefix once per call and extends it per piece:
     the keys must be the ones the reference model derives whole."""
