@@ -165,6 +165,8 @@ QUEUE_MAX_RANKS = 4
 through keys, whose three round trips (delete, wait, read) do not grow with the ranks."""
 
 _CALLS: weakref.WeakKeyDictionary[dist.ProcessGroup, itertools.count] = weakref.WeakKeyDictionary()
+# Queued entries of a peer's next call, popped early (_through_queues).
+_EARLY: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[int, bytes]] = weakref.WeakKeyDictionary()
 
 
 def _exchange_on_host(store: dist.Store, group: dist.ProcessGroup, operation: str,
@@ -184,7 +186,8 @@ def _exchange_on_host(store: dist.Store, group: dist.ProcessGroup, operation: st
         # The store's own waits (multi_get's, a blocking pop's) last the store's timeout.
         wait_s = timeout if abs(store.timeout.total_seconds() - timeout) > 1 else None
         if world <= QUEUE_MAX_RANKS and hasattr(store, "queue_push"):
-            found = _through_queues(store, n, mine, world, rank, wait_s)
+            early = _EARLY.setdefault(group, {})
+            found = _through_queues(store, n, mine, world, rank, wait_s, early)
         else:
             found = _through_keys(store, n, mine, world, rank, wait_s)
     exchanged = []
@@ -218,21 +221,31 @@ def _numbered(entries: list[bytes], n: int, rank: int) -> list[bytes]:
 
 
 def _through_queues(store: dist.Store, n: int, mine: bytes, world: int, rank: int,
-                    wait_s: float | None) -> list[bytes]:  # fmt: skip
+                    wait_s: float | None,
+                    early: dict[int, bytes] | None = None) -> list[bytes]:  # fmt: skip
     """Each rank pushes ``mine`` (with its rank and call number) to every peer's queue and pops
-    one entry a peer from its own: a round trip a peer, and nothing left behind. No peer can
-    be a call ahead: its collective n needs this rank, which pops first."""
+    one entry a peer from its own: a round trip a peer, and nothing left behind. A peer is a
+    call ahead only where call n ended in a disagreement (every rank raises, no collective
+    waits for the slowest): its entry for n + 1 can come before a slower peer's for n, and
+    waits in ``early`` (kept by the caller, a group's) for this rank's next call."""
+    early = {} if early is None else early
     entry = _number(n, rank, mine)
     for peer in range(world):
         if peer != rank:
             store.queue_push(f"cgx2/agree/to/{peer}", entry)
     key = f"cgx2/agree/to/{rank}"
-    entries = [entry]
-    for _ in range(world - 1):
+    found = {rank: entry, **early}
+    early.clear()
+    while len(found) < world:
         if wait_s is not None:
             store.wait([key], datetime.timedelta(seconds=wait_s))
-        entries.append(store.queue_pop(key))
-    return _numbered(entries, n, rank)
+        raw = store.queue_pop(key)
+        peer = struct.unpack_from("<qq", raw)[1]
+        if peer in found:  # its next call's: each pusher's entries come in order
+            early[peer] = raw
+        else:
+            found[peer] = raw
+    return _numbered(list(found.values()), n, rank)
 
 
 def _through_keys(store: dist.Store, n: int, mine: bytes, world: int, rank: int,

@@ -183,26 +183,14 @@ def _socket_pair_ranks():
 
 
 def test_peer_sockets_name_ranks_at_different_calls_and_a_peer_that_ended():
-    import threading
 
     from cgx2.collectives import agreement
 
-    zero, one = _socket_pair_ranks()
-    errors = {}
-
-    def call(r: int, sockets, n: int) -> None:
-        try:
-            agreement._numbered(sockets.exchange(agreement._number(n, r, b"x")), n, r)
-        except DisagreementError as e:
-            errors[r] = str(e)
-
-    threads = [threading.Thread(target=call, args=a) for a in ((0, zero, 7), (1, one, 6))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert "(rank 1 at call 6; this rank 0 at call 7)" in errors[0], errors
-    assert "(rank 0 at call 7; this rank 1 at call 6)" in errors[1], errors
+    ranks = _socket_pair_ranks()
+    _ranks_at_calls_7_and_6_both_raise(
+        lambda r, n: agreement._numbered(ranks[r].exchange(agreement._number(n, r, b"x")), n, r)
+    )
+    zero, one = ranks
     one.close()
     with pytest.raises(RuntimeError, match="rank 1"):
         zero.exchange(b"x")
@@ -212,18 +200,54 @@ def test_ranks_at_different_calls_all_raise_naming_them():
     """A rank whose count of checked calls differs (a check skipped by its settings) makes
     every rank raise at once, naming the calls, instead of pairing wrong entries."""
     import datetime
-    import threading
 
     from cgx2.collectives import agreement
 
     server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=30))
+
+    def exchange(r: int, n: int) -> None:
+        store = dist.TCPStore("127.0.0.1", server.port, 1, False,
+                              timeout=datetime.timedelta(seconds=30))  # fmt: skip
+        agreement._through_queues(store, n, b"x", 2, r, None)
+
+    _ranks_at_calls_7_and_6_both_raise(exchange)
+
+
+def test_a_peers_next_call_popped_early_waits_for_this_ranks_next_call():
+    """After a disagreement no collective holds the fast ranks back: rank 2's entry for call 4
+    can reach rank 0's queue before rank 1's for call 3. Rank 0 keeps it for call 4."""
+    import datetime
+    import struct
+
+    from cgx2.collectives import agreement
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=30))
+
+    def entry(n: int, rank: int) -> bytes:
+        return agreement._number(n, rank, f"call {n}".encode())
+
+    for n, rank in ((3, 2), (4, 2), (3, 1)):
+        store.queue_push("cgx2/agree/to/0", entry(n, rank))
+    early = {}
+    found = agreement._through_queues(store, 3, b"call 3", 3, 0, None, early)
+    assert found == [b"call 3"] * 3 and list(early) == [2]
+    store.queue_push("cgx2/agree/to/0", entry(4, 1))
+    found = agreement._through_queues(store, 4, b"call 4", 3, 0, None, early)
+    assert found == [b"call 4"] * 3 and early == {}
+    assert store.queue_len("cgx2/agree/to/0") == 0
+    assert struct.unpack_from("<q", store.queue_pop("cgx2/agree/to/1"))[0] == 3  # rank 0's
+
+
+def _ranks_at_calls_7_and_6_both_raise(exchange) -> None:
+    """``exchange(rank, call)`` on two threads, rank 0 at call 7 and rank 1 at call 6: both
+    raise, naming the other's call and their own."""
+    import threading
+
     errors = {}
 
     def rank(r: int, n: int) -> None:
-        store = dist.TCPStore("127.0.0.1", server.port, 1, False,
-                              timeout=datetime.timedelta(seconds=30))  # fmt: skip
         try:
-            agreement._through_queues(store, n, b"x", 2, r, None)
+            exchange(r, n)
         except DisagreementError as e:
             errors[r] = str(e)
 
