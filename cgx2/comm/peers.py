@@ -11,7 +11,6 @@ is told so and its caller keeps the store.
 from __future__ import annotations
 
 import errno
-import fcntl
 import logging
 import os
 import secrets
@@ -117,7 +116,7 @@ def _connect(group: dist.ProcessGroup) -> PeerSockets | None:
             host, port = listener.getsockname()[:2] if listener is not None else ("-", "")
             store.set(f"cgx2/peers/{rank}", f"{host}|{port}|{secret.hex()}")
         problem = _reach(store, listener, sockets, secret, rank, world, patience)
-    except (OSError, ValueError) as e:  # no address, refused, timed out, a stranger
+    except (OSError, ValueError, ImportError) as e:  # no address, refused, timed out, a stranger
         problem = f"{type(e).__name__}: {e}"
     finally:
         if listener is not None:
@@ -194,6 +193,8 @@ def _listen_address() -> str:
 
 
 def _interface_address(name: str) -> str:
+    import fcntl  # Unix's only: elsewhere the ImportError leaves the group on its store
+
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
             packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
