@@ -5,7 +5,7 @@ the policy reads (``cgx2.config.tuning().calibration_file``).
 The file (format ``cgx2.collectives.policy.CALIBRATION_FORMAT``) holds, per
 ``<device type>/<backend>/<fp32 or 16bit>``, the smallest measured size from which compressing
 was faster at every larger measured size (None: never), the same for calls beside the training
-step (CPU tensors: faster by ``measure.CPU_MARGIN``), and the measurements themselves.
+step (faster by ``measure.beside_margin``), and the measurements themselves.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch.distributed as dist
 import cgx2
 from cgx2 import config
 from cgx2.collectives import policy
-from cgx2.collectives.measure import BITS, BUCKET_SIZE, CPU_MARGIN, crossover, timed_in_turn
+from cgx2.collectives.measure import BITS, BUCKET_SIZE, beside_margin, crossover, timed_in_turn
 
 from .report import (
     SIZES_HELP,
@@ -144,7 +144,7 @@ def calibrate(
         # DDP's hooks reduce CPU tensors beside the backward pass, whose computation the codec
         # takes cores from: there compressing must win by a margin (policy._pick).
         "beside_crossover_bytes": crossovers(
-            measurements, device.type, backend, CPU_MARGIN if device.type == "cpu" else 1.0
+            measurements, device.type, backend, beside_margin(device.type)
         ),
         "measurements": measurements,
     }

@@ -40,8 +40,8 @@ def fuse_padded(layers: Sequence[torch.Tensor], bucket_size: int) -> tuple[torch
             parts.append(flat[-1:].expand(pad))
         starts.append(at)
         at += flat.numel() + pad
-    if layers[0].device.type != "cpu":
-        return torch.cat(parts), starts  # one kernel
+    if layers[0].device.type != "cpu" or not cpu_threads.beside_compute():
+        return torch.cat(parts), starts  # one kernel, on torch's threads
     fused = torch.empty(at, dtype=layers[0].dtype)
     at = 0
     for part in parts:  # on cgx2's threads: torch.cat on a worker would run on it alone

@@ -16,8 +16,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
-    "BITS", "BUCKET_SIZE", "CPU_MARGIN", "crossover", "crossover_on_link", "mesh_against_flat",
-    "timed_in_turn",
+    "BITS", "BUCKET_SIZE", "CPU_MARGIN", "beside_margin", "crossover", "crossover_on_link",
+    "mesh_against_flat", "timed_in_turn",
 ]  # fmt: skip
 
 logger = logging.getLogger("cgx2")
@@ -39,6 +39,12 @@ CPU_MARGIN = 1.5
 chosen for calls beside the training step (DDP's hooks on their worker thread): there its
 codec takes cores from the step's own computation, which timing the collective alone does not
 see (BENCHMARKS.md, "Training across the hosts")."""
+
+
+def beside_margin(device_type: str) -> float:
+    """The margin compression must win by for calls beside the training step on
+    ``device_type``: :data:`CPU_MARGIN` on CPUs, none on GPUs, whose codec has cores of its own."""
+    return CPU_MARGIN if device_type == "cpu" else 1.0
 
 
 def crossover(measurements: Sequence[dict[str, Any]], margin: float = 1.0) -> int | None:
@@ -100,7 +106,7 @@ def crossover_on_link(dtype: torch.dtype, group: dist.ProcessGroup,
         )  # fmt: skip
         measurements.append({"bytes": nbytes, "plain_s": plain_s,
                              "compressed_s": compressed_s})  # fmt: skip
-    alone, beside = crossover(measurements), crossover(measurements, CPU_MARGIN)
+    alone, beside = crossover(measurements), crossover(measurements, beside_margin("cpu"))
     said = ["never" if n is None else f"{n} bytes" for n in (alone, beside)]
     logger.info(
         "cgx2: measured on this job's link (group %r, %s, %d-bit): %s; quantized from %s "
