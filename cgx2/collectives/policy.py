@@ -280,6 +280,10 @@ _CALIBRATIONS: dict[int, dict[str, list[int | None]]] = {}
 _MEASURED: dict[tuple, tuple[int | None, int | None]] = {}
 _MESH_FASTER: dict[tuple, dict[int, bool]] = {}
 _cached_for: list[config.TuningConfig | None] = [None]
+_measured_under: list[config.TuningConfig | None] = [None]
+# Settings that change a call's route but not what was measured at first use (the crossovers,
+# the node mesh's timing): changing only these keeps the measurements, which cost seconds.
+_MEASUREMENT_NEUTRAL = {"check_agreement": "auto", "comm_worker": True, "crossover_bytes": None}
 
 
 def _fresh() -> config.TuningConfig:
@@ -287,7 +291,11 @@ def _fresh() -> config.TuningConfig:
     named elsewhere, graphs turned on)."""
     tuning = config.tuning()
     if tuning is not _cached_for[0]:
-        clear_caches()
+        _ROUTES.clear()
+        basis = dataclasses.replace(tuning, **_MEASUREMENT_NEUTRAL)
+        if basis != _measured_under[0]:
+            clear_caches()
+            _measured_under[0] = basis
         _cached_for[0] = tuning
     return tuning
 

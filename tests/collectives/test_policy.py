@@ -299,6 +299,39 @@ def test_calls_beside_the_training_step_take_the_crossover_with_the_cpu_margin(d
         assert seen == [True, False, None, 1 << 20]
 
 
+def _measured_under_tuned_blocks() -> list:
+    """Routes decided in and out of ``config.tuned`` blocks, counting the measurements."""
+    from unittest import mock
+
+    from cgx2.collectives import measure
+
+    x = torch.zeros(1 << 20)
+    checks = []
+    with (
+        _each_rank_a_node(),
+        mock.patch.object(measure, "crossover_on_link", return_value=(1 << 20, 1 << 20)) as m,
+    ):
+        group = dist.new_group()
+        checks.append(policy.route(x, group, 4, 512).check)
+        with config.tuned(check_agreement="off", comm_worker=False, crossover_bytes=0):
+            checks.append(policy.route(x, group, 4, 512).check)
+        checks.append(policy.route(x, group, 4, 512).check)
+        kept = m.call_count
+        with config.tuned(pipeline_bytes=1 << 20):  # changes what the measurement timed
+            policy.route(x, group, 4, 512)
+        dist.destroy_process_group(group)
+    return [checks, kept, m.call_count]
+
+
+def test_settings_that_change_no_measurement_keep_the_measured_crossovers(dist2):
+    """A ``tuned`` block of the check, the worker or the crossover decides the routes anew but
+    keeps the crossovers measured on the link (seconds each); one of the pipeline measures
+    again."""
+    for checks, kept, measured in dist2.run(_measured_under_tuned_blocks):
+        assert checks == ["now", "", "now"]
+        assert (kept, measured) == (1, 2)
+
+
 @pytest.mark.parametrize(
     "content",
     [
