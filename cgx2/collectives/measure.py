@@ -29,6 +29,11 @@ FIRST_USE_SIZES = (1 << 20, 4 << 20, 16 << 20)
 """The sizes measured at first use: where, over Ethernet, the crossover lay when calibrated
 (BENCHMARKS.md, "CPU hosts over Ethernet"); at larger sizes the largest one's answer holds."""
 
+LARGER_SIZE = 64 << 20
+"""Measured at first use too where compression had not won, by :data:`CPU_MARGIN`, at the
+largest of :data:`FIRST_USE_SIZES`: on fast links it may win only beyond (cheap to measure
+there, the link being fast)."""
+
 MESH_SIZES = FIRST_USE_SIZES
 """The sizes at which the node mesh is timed against the flat allreduce at first use: they span
 DDP's buckets (its first of 1 MiB, the others of 25 MiB by default)."""
@@ -86,26 +91,32 @@ def timed_in_turn(fns: Sequence[Callable[[], Any]], warmup: int, iters: int,
 
 
 def crossover_on_link(dtype: torch.dtype, group: dist.ProcessGroup,
-                      sizes: Sequence[int] = FIRST_USE_SIZES, warmup: int = 1,
-                      iters: int = 3) -> tuple[int | None, int | None]:  # fmt: skip
+                      sizes: Sequence[int] = FIRST_USE_SIZES, warmup: int = 1, iters: int = 3,
+                      larger: int | None = LARGER_SIZE,
+                      ) -> tuple[int | None, int | None]:  # fmt: skip
     """The crossovers of CPU tensors of ``dtype`` over ``group`` (a gloo group; every rank
     calls this, alike), measured now: a few seconds at most, once per group and dtype. The
     first for calls alone, the second for calls beside the training step's computation, which
-    must win by :data:`CPU_MARGIN`. The caller (:mod:`.policy`) makes the quantized calls
-    compress meanwhile."""
+    must win by :data:`CPU_MARGIN`. ``larger`` is measured too where the largest of ``sizes``
+    did not win by that margin (all ranks hold the same times, so decide alike). The caller
+    (:mod:`.policy`) makes the quantized calls compress meanwhile."""
     from .allreduce import allreduce  # (the allreduce routes by the policy, which calls this)
 
-    measurements = []
-    for nbytes in sizes:  # the caller routes these calls through compression
+    def measured(nbytes: int) -> dict[str, Any]:
         x = torch.randn(nbytes // dtype.itemsize).to(dtype)
         buf = x.clone()
         plain_s, compressed_s = timed_in_turn(
-            (lambda buf=buf: dist.all_reduce(buf, group=group),
-             lambda x=x: allreduce(x, BITS, BUCKET_SIZE, group)),
+            (lambda: dist.all_reduce(buf, group=group),
+             lambda: allreduce(x, BITS, BUCKET_SIZE, group)),
             warmup, iters, x.device, group,
         )  # fmt: skip
-        measurements.append({"bytes": nbytes, "plain_s": plain_s,
-                             "compressed_s": compressed_s})  # fmt: skip
+        return {"bytes": nbytes, "plain_s": plain_s, "compressed_s": compressed_s}
+
+    # The caller routes these calls through compression.
+    measurements = [measured(nbytes) for nbytes in sizes]
+    last = measurements[-1]
+    if larger is not None and last["compressed_s"] * beside_margin("cpu") >= last["plain_s"]:
+        measurements.append(measured(larger))
     alone, beside = crossover(measurements), crossover(measurements, beside_margin("cpu"))
     said = ["never" if n is None else f"{n} bytes" for n in (alone, beside)]
     logger.info(

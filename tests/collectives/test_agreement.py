@@ -196,6 +196,21 @@ def test_peer_sockets_name_ranks_at_different_calls_and_a_peer_that_ended():
         zero.exchange(b"x")
 
 
+def test_a_silent_peer_fails_the_exchange_after_the_groups_timeout_naming_it():
+    import socket
+    import time
+
+    from cgx2.comm.peers import PeerSockets
+
+    a, b = socket.socketpair()
+    a.settimeout(0.5)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1 did not answer within the group's timeout"):
+        PeerSockets([None, a], 0, 0.5).exchange(b"x")
+    assert 0.5 <= time.monotonic() - start < 5
+    b.close()
+
+
 def test_ranks_at_different_calls_all_raise_naming_them():
     """A rank whose count of checked calls differs (a check skipped by its settings) makes
     every rank raise at once, naming the calls, instead of pairing wrong entries."""

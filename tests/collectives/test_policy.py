@@ -595,3 +595,32 @@ def test_a_cgx_group_uses_its_carriers_calibration(clean_env, tmp_path):
     path = _calibration_file(tmp_path / "d.json", {"cpu/gloo/fp32": 4096, "cpu/cgx/fp32": 64})
     with config.tuned(calibration_file=path):
         assert crossover_bytes(cpu, torch.float32, group) == 64
+
+
+@pytest.mark.parametrize(
+    ("ms_at_16_mib", "measured", "expected"),
+    [
+        ((10.0, 8.0), [1, 4, 16, 64], (16 << 20, 64 << 20)),  # won at 16 MiB, not by the margin
+        ((10.0, 5.0), [1, 4, 16], (16 << 20, 16 << 20)),  # won by the margin: 64 MiB not timed
+        ((10.0, 12.0), [1, 4, 16, 64], (64 << 20, 64 << 20)),  # won only at 64 MiB
+    ],
+)
+def test_first_use_measures_64_mib_where_16_did_not_win(ms_at_16_mib, measured, expected):
+    """On a fast link compression may win only past the sizes measured first: a larger one is
+    timed where the largest did not win by the CPU margin, instead of never compressing."""
+    from unittest import mock
+
+    from cgx2.collectives import measure
+
+    times = {1: (1.0, 2.0), 4: (4.0, 6.0), 16: ms_at_16_mib, 64: (40.0, 20.0)}
+    timed = []
+
+    def timed_in_turn(fns, warmup, iters, device, control):
+        del fns, warmup, iters, device, control
+        timed.append([1, 4, 16, 64][len(timed)])
+        return [t / 1e3 for t in times[timed[-1]]]
+
+    group = mock.Mock(group_name="g")
+    with mock.patch.object(measure, "timed_in_turn", timed_in_turn):
+        assert measure.crossover_on_link(torch.float32, group) == expected
+    assert timed == measured
