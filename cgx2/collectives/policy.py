@@ -91,9 +91,10 @@ coding (NVLink) large pieces win; over sockets overlapping more pays (BENCHMARKS
 "Pipeline pieces")."""
 
 CPU_ACROSS_NODES_PIECE_NUMEL = 1 << 20
-"""Values per piece for CPU tensors of a job that spans nodes, in place of
+"""Values per piece for CPU tensors of a job that spans nodes, called alone, in place of
 :data:`PIECE_NUMEL`'s: there the link, not the codec, bounds the call, and smaller pieces keep
-it busy while the next is coded (BENCHMARKS.md, "CPU hosts over Ethernet")."""
+it busy while the next is coded. Beside the training step (DDP's hooks) one piece a bucket
+trained faster (BENCHMARKS.md, "CPU hosts over Ethernet")."""
 
 PIECE_NUMEL_PAIR = {"shm": 64 << 20, "socket": 64 << 20}
 """Values per piece where two ranks swap their chunks by all-gather, in place of
@@ -434,17 +435,20 @@ def compresses(t: torch.Tensor, group: dist.ProcessGroup, bits: int, bucket_size
 
 
 def piece_numel(element_size: int, world: int, bucket_size: int, where: str,
-                pair_gather: bool) -> int:  # fmt: skip
+                pair_gather: bool, beside: bool | None = None) -> int:  # fmt: skip
     """Values per pipeline piece: whole buckets for every rank, about
     ``CGX2_PIPELINE_BYTES`` of input, or the regime's :data:`PIECE_NUMEL` (CPU tensors across
-    nodes: :data:`CPU_ACROSS_NODES_PIECE_NUMEL`). The pieces fix
+    nodes, called alone: :data:`CPU_ACROSS_NODES_PIECE_NUMEL`). ``beside``: for a call beside
+    the training step (None: whether the calling thread is a worker there). The pieces fix
     which values share a random key, so every rank, and the reference model, cut alike."""
     per_piece = world * bucket_size
     pipeline_bytes = config.tuning().pipeline_bytes
     if pipeline_bytes is not None:
         return max(1, pipeline_bytes // (element_size * per_piece)) * per_piece
     numel = PIECE_NUMEL_PAIR.get(where, PIECE_NUMEL[where]) if pair_gather else PIECE_NUMEL[where]
-    if where == "cpu" and config.launch().spans_nodes:
+    if beside is None:
+        beside = cpu_threads.beside_compute()
+    if where == "cpu" and config.launch().spans_nodes and not beside:
         numel = CPU_ACROSS_NODES_PIECE_NUMEL
     return max(1, numel // per_piece) * per_piece
 
@@ -508,7 +512,7 @@ def route(t: torch.Tensor, group: dist.ProcessGroup, bits: int, bucket_size: int
         return routes.plain
     if routes.graphs is not None and _graphed(numel * t.element_size()) and graphs.usable(t):
         return routes.graphs  # NCCL's CUDA tensors
-    return routes.compressed
+    return _pick((routes.compressed, routes.compressed_beside))
 
 
 def _graphed(nbytes: int) -> bool:
@@ -523,6 +527,7 @@ class _Routes:
 
     plain: Route
     compressed: Route
+    compressed_beside: Route  # for calls beside the training step (its pieces may differ)
     graphs: Route | None  # the compressed route replayed as a CUDA graph, where it may be
     size: int  # the group's
     measured: tuple[int | None, int | None]  # the crossovers alone and beside the training step
@@ -535,7 +540,8 @@ def _routes(t: torch.Tensor, group: dist.ProcessGroup, bucket_size: int) -> _Rou
     info = group_info(group)
     where = _carrier(t.device, info)[2]
     pair = uses_pair_gather(info.size, where)
-    pieces = piece_numel(t.element_size(), info.size, bucket_size, where, pair)
+    pieces, pieces_beside = (piece_numel(t.element_size(), info.size, bucket_size, where, pair,
+                                         beside) for beside in (False, True))  # fmt: skip
     nccl_cuda = t.is_cuda and info.cuda_on_nccl
     # CUDA tensors on NCCL: a check costs a fixed fraction of a millisecond a call, either way
     # (BENCHMARKS.md, "The agreement check"), so there it is asked for, not given.
@@ -552,6 +558,7 @@ def _routes(t: torch.Tensor, group: dist.ProcessGroup, bucket_size: int) -> _Rou
     return _Routes(
         plain=dataclasses.replace(compressed, compress=False),
         compressed=compressed,
+        compressed_beside=dataclasses.replace(compressed, piece_numel=pieces_beside),
         graphs=graphed if nccl_cuda and not ring and moves is process_group else None,
         size=info.size,
         measured=_measured(t.device, t.dtype, info, group, config.tuning().cuda_graphs is True),

@@ -283,20 +283,26 @@ def _beside_the_training_step() -> list:
             cpu_threads.lend(torch.get_num_threads())
             seen.append(policy.route(x, group, 4, 512).compress)
             seen.append(policy.crossover_bytes(x.device, x.dtype, group))
+            with config.tuned(crossover_bytes=0):
+                seen.append(policy.route(x, group, 4, 512).piece_numel)
 
         worker = threading.Thread(target=on_worker)
         worker.start()
         worker.join()
         seen.append(policy.crossover_bytes(x.device, x.dtype, group))
+        with config.tuned(crossover_bytes=0):
+            seen.append(policy.route(x, group, 4, 512).piece_numel)
         dist.destroy_process_group(group)
     return seen
 
 
 def test_calls_beside_the_training_step_take_the_crossover_with_the_cpu_margin(dist2):
     """DDP's hooks reduce on a worker beside the backward pass, whose computation takes the
-    cores the codec needs: there the crossover measured with the margin holds."""
+    cores the codec needs: there the crossover measured with the margin holds, and one piece
+    a bucket (smaller pieces only for calls alone)."""
+    one_piece = policy.PIECE_NUMEL["cpu"] // 1024 * 1024
     for seen in dist2.run(_beside_the_training_step):
-        assert seen == [True, False, None, 1 << 20]
+        assert seen == [True, False, None, one_piece, 1 << 20, policy.CPU_ACROSS_NODES_PIECE_NUMEL]
 
 
 def _measured_under_tuned_blocks() -> list:
