@@ -281,9 +281,10 @@ _CALIBRATIONS: dict[int, dict[str, list[int | None]]] = {}
 _MEASURED: dict[tuple, tuple[int | None, int | None]] = {}
 _MESH_FASTER: dict[tuple, dict[int, bool]] = {}
 _cached_for: list[config.TuningConfig | None] = [None]
-_measured_under: list[config.TuningConfig | None] = [None]
+_measured_under: list[tuple[config.TuningConfig, config.LaunchConfig] | None] = [None]
 # Settings that change a call's route but not what was measured at first use (the crossovers,
-# the node mesh's timing): changing only these keeps the measurements, which cost seconds.
+# the node mesh's timing): changing only these keeps the measurements, which cost seconds. A
+# reload that finds the launcher's variables changed (tests) decides everything anew.
 _MEASUREMENT_NEUTRAL = {"check_agreement": "auto", "comm_worker": True, "crossover_bytes": None}
 
 
@@ -293,7 +294,7 @@ def _fresh() -> config.TuningConfig:
     tuning = config.tuning()
     if tuning is not _cached_for[0]:
         _ROUTES.clear()
-        basis = dataclasses.replace(tuning, **_MEASUREMENT_NEUTRAL)
+        basis = (dataclasses.replace(tuning, **_MEASUREMENT_NEUTRAL), config.launch())
         if basis != _measured_under[0]:
             clear_caches()
             _measured_under[0] = basis
