@@ -5,7 +5,8 @@ the policy reads (``cgx2.config.tuning().calibration_file``).
 The file (format ``cgx2.collectives.policy.CALIBRATION_FORMAT``) holds, per
 ``<device type>/<backend>/<fp32 or 16bit>``, the smallest measured size from which compressing
 was faster at every larger measured size (None: never), the same for calls beside the training
-step (faster by ``measure.beside_margin``), and the measurements themselves.
+step (faster by ``measure.beside_margin``), and the measurements themselves; for CPU tensors of
+a job across nodes of several ranks, whether the node mesh beat the flat allreduce, by size.
 """
 
 from __future__ import annotations
@@ -26,7 +27,15 @@ import torch.distributed as dist
 import cgx2
 from cgx2 import config
 from cgx2.collectives import policy
-from cgx2.collectives.measure import BITS, BUCKET_SIZE, beside_margin, crossover, timed_in_turn
+from cgx2.collectives.hierarchical import node_mesh
+from cgx2.collectives.measure import (
+    BITS,
+    BUCKET_SIZE,
+    beside_margin,
+    crossover,
+    mesh_against_flat,
+    timed_in_turn,
+)
 
 from .report import (
     SIZES_HELP,
@@ -130,6 +139,22 @@ def calibrate(
                 measurements.append({"dtype": dtype_name, "bytes": nbytes,
                                      "plain_s": plain_s, "compressed_s": compressed_s})  # fmt: skip
                 del x, buf
+    node_mesh_faster = {}
+    if device.type == "cpu" and policy.hierarchical(group, BITS):
+        # DDP's hook and the cgx backend choose between the node mesh and the flat allreduce
+        # (policy.by_node_mesh): timed here, the choice is not timed again at first use.
+        mesh = node_mesh("cpu")
+        intra_broadcast = config.CGXConfig.from_env().intra_broadcast
+        with config.tuned(crossover_bytes=0):
+            for dtype_name in dtypes:
+                if progress is not None:
+                    progress(f"{dtype_name}: the node mesh against the flat allreduce")
+                faster = mesh_against_flat(
+                    DTYPES[dtype_name], group or dist.group.WORLD, mesh, BITS, BUCKET_SIZE,
+                    intra_broadcast, sizes, warmup, iters,
+                )  # fmt: skip
+                key = f"{device.type}/{backend}/{DTYPE_CLASS[dtype_name]}"
+                node_mesh_faster[key] = {str(n): won for n, won in faster.items()}
     if control is not group:
         dist.destroy_process_group(control)
     return {
@@ -147,6 +172,8 @@ def calibrate(
             measurements, device.type, backend, beside_margin(device.type)
         ),
         "measurements": measurements,
+        # Jobs across nodes of several ranks: whether the node mesh beat the flat allreduce.
+        "node_mesh_faster": node_mesh_faster,
     }
 
 
@@ -162,7 +189,7 @@ def keep_other_crossovers(data: dict[str, Any], path: str | os.PathLike[str]) ->
     if not isinstance(earlier, dict) or earlier.get("format") != policy.CALIBRATION_FORMAT:
         return data
     merged = dict(data)
-    for table in ("crossover_bytes", "beside_crossover_bytes"):
+    for table in ("crossover_bytes", "beside_crossover_bytes", "node_mesh_faster"):
         kept = earlier.get(table)
         if isinstance(kept, dict) and table in data:
             merged[table] = {**kept, **data[table]}
@@ -219,6 +246,10 @@ def format_report(data: dict[str, Any]) -> str:
                 "never" if beside[key] is None else "from " + size_name(beside[key])
             )
         lines.append(line)
+    for key, table in data.get("node_mesh_faster", {}).items():
+        won = [size_name(int(n)) for n, mesh_won in table.items() if mesh_won]
+        lines.append(f"  {key} across nodes: the node mesh at " + (", ".join(won) or "no size")
+                     + ", the flat allreduce elsewhere")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -209,23 +209,40 @@ def by_node_mesh(t: torch.Tensor, group: dist.ProcessGroup, mesh: DeviceMesh, bi
     for which :func:`hierarchical` built the node ``mesh``, goes over the mesh rather than
     flat. ``CGX2_NODE_MESH`` decides where set. Otherwise GPU tensors take the mesh: between
     nodes the link is far slower than the GPU's codec. CPU tensors take what was faster on
-    this job's link at the measured size nearest theirs (:func:`.measure.mesh_against_flat`,
-    at the first such call, which every rank makes alike): the mesh sends half the bytes
-    between hosts but fewer ranks code them, so it wins where the link bounds the call and
-    loses where the CPU codec does (BENCHMARKS.md, "Flat against the node mesh")."""
+    this job's link at the measured size nearest theirs (the calibration file's, else
+    :func:`.measure.mesh_against_flat` at the first such call, which every rank makes alike):
+    the mesh sends half the bytes between hosts but fewer ranks code them, so it wins where
+    the link bounds the call and loses where the CPU codec does (BENCHMARKS.md, "Flat against
+    the node mesh")."""
     forced = _fresh().node_mesh
     if forced is not None:
         return forced
-    if _carrier(t.device, group_info(group))[2] != "cpu":
+    backend, _, where = _carrier(t.device, group_info(group))
+    if where != "cpu":
         return True
     key = (id(group), t.dtype, bits, bucket_size, intra_broadcast)
     faster = _MESH_FASTER.get(key)
     if faster is None:
-        faster = _MESH_FASTER[key] = _time_mesh(t.dtype, group, mesh, bits, bucket_size,
-                                                intra_broadcast)  # fmt: skip
+        faster = _calibrated_mesh(t.dtype, group, backend) or _time_mesh(
+            t.dtype, group, mesh, bits, bucket_size, intra_broadcast
+        )
+        _MESH_FASTER[key] = faster
         weakref.finalize(group, _MESH_FASTER.pop, key, None)
     nbytes = max(1, (t.numel() if numel is None else numel) * t.element_size())
     return faster[min(faster, key=lambda size: abs(math.log(size / nbytes)))]
+
+
+def _calibrated_mesh(dtype: torch.dtype, group: dist.ProcessGroup,
+                     backend: str) -> dict[int, bool] | None:  # fmt: skip
+    """The calibration file's node mesh against the flat allreduce for CPU tensors of ``dtype``
+    on ``group``, whose backend is ``backend`` (the ``cgx`` backend's: its carrier's), where it
+    has them."""
+    tables = _calibration_file(group)["node_mesh"]
+    for name in dict.fromkeys((backend, "gloo")):
+        table = tables.get(calibration_key("cpu", name, dtype))
+        if table:
+            return {int(size): won for size, won in table.items()}
+    return None
 
 
 def _time_mesh(dtype: torch.dtype, group: dist.ProcessGroup, mesh: DeviceMesh, bits: int,
@@ -252,32 +269,48 @@ def _a_crossover(value: object) -> bool:
     return value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0)
 
 
-def _read_calibration(path: str) -> dict[str, list[int | None]]:
-    """The crossovers of a calibration file, a pair a key (for calls alone, for calls beside the
-    training step: the first where the file has no second); {} where there is none or it is
-    unusable (logged)."""
+def _a_mesh_table(table: object) -> bool:
+    """Whether ``table`` maps sizes (decimal strings, as JSON keeps them) to booleans."""
+    return isinstance(table, dict) and all(
+        isinstance(size, str) and size.isdigit() and isinstance(won, bool)
+        for size, won in table.items()
+    )
+
+
+def _read_calibration(path: str) -> dict[str, dict]:
+    """What a calibration file holds for the policy: ``"crossovers"``, a pair a key (for calls
+    alone, for calls beside the training step: the first where the file has no second), and
+    ``"node_mesh"``, where timed, whether the node mesh beat the flat allreduce, by size (as a
+    decimal string) a key; empty where there is no file or it is unusable (logged)."""
+    empty: dict[str, dict] = {"crossovers": {}, "node_mesh": {}}
     try:
         with open(path) as f:
             data = json.load(f)
     except FileNotFoundError:
-        return {}
+        return empty
     except (OSError, ValueError) as e:
         logger.warning("cgx2: ignoring the calibration file %s: %s", path, e)
-        return {}
+        return empty
     crossovers = data.get("crossover_bytes") if isinstance(data, dict) else None
     beside = data.get("beside_crossover_bytes", {}) if isinstance(data, dict) else None
+    mesh = data.get("node_mesh_faster", {}) if isinstance(data, dict) else None
     valid = all(isinstance(table, dict) and all(map(_a_crossover, table.values()))
                 for table in (crossovers, beside))  # fmt: skip
+    valid = valid and isinstance(mesh, dict) and all(map(_a_mesh_table, mesh.values()))
     if not valid or data.get("format") != CALIBRATION_FORMAT:
         logger.warning("cgx2: ignoring the calibration file %s: not a %s file", path,
                        CALIBRATION_FORMAT)  # fmt: skip
-        return {}
-    logger.info("cgx2: crossovers from %s: %s (beside the training step: %s)", path, crossovers,
-                beside or "the same")  # fmt: skip
-    return {key: [value, beside.get(key, value)] for key, value in crossovers.items()}
+        return empty
+    timed = f"; the node mesh faster than the flat allreduce: {mesh}" if mesh else ""
+    logger.info("cgx2: crossovers from %s: %s (beside the training step: %s)%s", path,
+                crossovers, beside or "the same", timed)  # fmt: skip
+    return {
+        "crossovers": {key: [value, beside.get(key, value)] for key, value in crossovers.items()},
+        "node_mesh": mesh,
+    }
 
 
-_CALIBRATIONS: dict[int, dict[str, list[int | None]]] = {}
+_CALIBRATIONS: dict[int, dict[str, dict]] = {}
 _MEASURED: dict[tuple, tuple[int | None, int | None]] = {}
 _MESH_FASTER: dict[tuple, dict[int, bool]] = {}
 _cached_for: list[config.TuningConfig | None] = [None]
@@ -317,6 +350,11 @@ def calibration(group: dist.ProcessGroup | None = None) -> dict[str, list[int | 
     training step): the calibration file of the group's first rank, passed to the others
     through the default store, so that ranks whose files differ (or who have none) still decide
     alike. Read once per group."""
+    return _calibration_file(group)["crossovers"]
+
+
+def _calibration_file(group: dist.ProcessGroup | None) -> dict[str, dict]:
+    """:func:`_read_calibration` of the group's first rank's file (:func:`calibration`)."""
     key = id(group)
     path = _fresh().calibration_file
     found = _CALIBRATIONS.get(key)

@@ -344,6 +344,8 @@ def test_settings_that_change_no_measurement_keep_the_measured_crossovers(dist2)
         '{"format": "cgx2-calibration/1", "crossover_bytes": {"cuda/nccl/fp32": -4}}',
         '{"format": "other/1", "crossover_bytes": {}}',
         '{"format": "cgx2-calibration/1", "crossover_bytes": {}, "beside_crossover_bytes": 3}',
+        '{"format": "cgx2-calibration/1", "crossover_bytes": {},'
+        ' "node_mesh_faster": {"cpu/gloo/fp32": {"1M": true}}}',
         "[1, 2]",
         "not json",
     ],
@@ -384,6 +386,37 @@ def _route_with_own_calibration(directory: str) -> list[object]:
 
 def test_ranks_route_by_rank_0s_calibration(dist2, tmp_path):
     assert dist2.run(_route_with_own_calibration, str(tmp_path)) == [[8192, False]] * 2
+
+
+def _node_mesh_from_rank_0s_calibration(directory: str) -> list[object]:
+    """Rank 0's file says the node mesh won at 1 MiB and lost at 16 MiB (rank 1's the
+    opposite); timing them at first use would fail."""
+    from unittest import mock
+
+    from cgx2.collectives import measure
+
+    rank = dist.get_rank()
+    path = os.path.join(directory, f"mesh{rank}.json")
+    won = {str(1 << 20): rank == 0, str(16 << 20): rank != 0}
+    with open(path, "w") as f:
+        json.dump({"format": policy.CALIBRATION_FORMAT, "crossover_bytes": {},
+                   "node_mesh_faster": {"cpu/gloo/fp32": won}}, f)  # fmt: skip
+    timing = mock.patch.object(measure, "mesh_against_flat", side_effect=AssertionError("timed"))
+    with config.tuned(calibration_file=path), timing:
+        group = dist.new_group()
+        chosen = [policy.by_node_mesh(torch.zeros(n), group, None, 4, 512, False)
+                  for n in (1 << 17, 1 << 18, 1 << 22, 1 << 24)]  # fmt: skip
+        dist.destroy_process_group(group)
+    return chosen
+
+
+def test_the_node_mesh_is_chosen_by_rank_0s_calibration_file_without_timing(dist2, tmp_path):
+    """A calibration file that timed the node mesh spares the timing at first use; each call
+    goes the way that won nearest its size."""
+    assert (
+        dist2.run(_node_mesh_from_rank_0s_calibration, str(tmp_path))
+        == [[True, True, False, False]] * 2
+    )
 
 
 def _below_and_above_crossover() -> list[bool]:

@@ -78,7 +78,8 @@ def test_calibrate_under_torchrun_writes_the_policy_file(tmp_path: Path) -> None
     data = json.loads(out.read_text())
     assert set(data) == {"format", "created", "torch", "device_name", "world_size", "backend",
                          "device_type", "crossover_bytes", "beside_crossover_bytes",
-                         "measurements"}  # fmt: skip
+                         "measurements", "node_mesh_faster"}  # fmt: skip
+    assert data["node_mesh_faster"] == {}  # one node: no mesh to choose
     assert data["format"] == "cgx2-calibration/1"
     created = datetime.datetime.fromisoformat(data["created"])
     assert created.utcoffset() == datetime.timedelta(0)
@@ -122,3 +123,52 @@ def test_calibrate_under_torchrun_writes_the_policy_file(tmp_path: Path) -> None
             line += f", beside a training step (DDP's hooks, CPU tensors) {said(beside, 'from ')}"
         assert line in lines, lines
     assert lines[-1] == f"wrote {out}"
+
+
+def _calibrate_across_nodes() -> list:
+    """calibrate() where the job spans nodes of several ranks (the mesh and its timing stood in
+    for): the file records where the node mesh won, and the report says so."""
+    from unittest import mock
+
+    from cgx2.bench import calibrate as module
+
+    won = {M: True, 4 * M: False}
+    with (
+        mock.patch.object(module.policy, "hierarchical", return_value=True),
+        mock.patch.object(module, "node_mesh", return_value="mesh"),
+        mock.patch.object(module, "mesh_against_flat", return_value=won) as timed,
+    ):
+        data = module.calibrate([M, 4 * M], ["fp32"], warmup=0, iters=1,
+                                device=torch.device("cpu"))  # fmt: skip
+    return [data["node_mesh_faster"], timed.call_args.args[2:], module.format_report(data)]
+
+
+def test_calibrate_records_where_the_node_mesh_won_across_nodes(dist2) -> None:
+    for tables, args, report in dist2.run(_calibrate_across_nodes):
+        assert tables == {"cpu/gloo/fp32": {str(M): True, str(4 * M): False}}
+        assert args[:3] == ("mesh", 4, 512) and args[-3:] == ([M, 4 * M], 0, 1)
+        assert (
+            "  cpu/gloo/fp32 across nodes: the node mesh at 1M, the flat allreduce elsewhere"
+            in (report.splitlines())
+        )
+
+
+def test_a_new_calibration_keeps_what_the_earlier_file_measured_elsewhere(tmp_path: Path) -> None:
+    """Calibrating gloo after NCCL (or fp32 after bf16) leaves the other's crossovers and node
+    mesh tables in the file; what both measured takes the new values."""
+    from cgx2.bench.calibrate import keep_other_crossovers
+    from cgx2.collectives.policy import CALIBRATION_FORMAT
+
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({
+        "format": CALIBRATION_FORMAT, "crossover_bytes": {"cuda/nccl/fp32": 1, "cpu/gloo/fp32": 2},
+        "node_mesh_faster": {"cpu/gloo/16bit": {"1048576": True}},
+    }))  # fmt: skip
+    new = {"format": CALIBRATION_FORMAT, "crossover_bytes": {"cpu/gloo/fp32": 3},
+           "beside_crossover_bytes": {},
+           "node_mesh_faster": {"cpu/gloo/fp32": {"1": False}}}  # fmt: skip
+    merged = keep_other_crossovers(new, path)
+    assert merged["crossover_bytes"] == {"cuda/nccl/fp32": 1, "cpu/gloo/fp32": 3}
+    assert merged["node_mesh_faster"] == {"cpu/gloo/16bit": {"1048576": True},
+                                          "cpu/gloo/fp32": {"1": False}}  # fmt: skip
+    assert keep_other_crossovers(new, tmp_path / "absent.json") == new
