@@ -422,10 +422,21 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     if refused_single_process(PROG):
         return 2
-    pipeline_bytes = None if args.pipeline_mb is None else args.pipeline_mb << 20
-    with config.tuned(pipeline_bytes=pipeline_bytes, pair_gather=not args.no_pair_gather,
-                      direct_launch=not args.no_direct_launch):  # fmt: skip
+    with config.tuned(**settings_from_flags(args)):
         return _main(args)
+
+
+def settings_from_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The :class:`cgx2.config.TuningConfig` fields the command line sets; the others keep
+    their ``CGX2_*`` variables' values."""
+    settings: dict[str, Any] = {}
+    if args.pipeline_mb is not None:
+        settings["pipeline_bytes"] = args.pipeline_mb << 20
+    if args.no_pair_gather:
+        settings["pair_gather"] = False
+    if args.no_direct_launch:
+        settings["direct_launch"] = False
+    return settings
 
 
 def _main(args: argparse.Namespace) -> int:

@@ -188,6 +188,26 @@ class _Terminal(io.StringIO):
         return True
 
 
+def test_flags_set_only_what_they_name_the_variables_the_rest(monkeypatch) -> None:
+    """CGX2_PIPELINE_BYTES (and the other variables) reach the benchmark unless a flag names
+    the same setting."""
+    from cgx2 import config
+    from cgx2.bench.allreduce import parse_args, settings_from_flags
+
+    assert settings_from_flags(parse_args([])) == {}
+    flags = ["--pipeline-mb", "8", "--no-pair-gather", "--no-direct-launch"]
+    assert settings_from_flags(parse_args(flags)) == {
+        "pipeline_bytes": 8 << 20, "pair_gather": False, "direct_launch": False}  # fmt: skip
+    monkeypatch.setenv("CGX2_PIPELINE_BYTES", "4M")
+    config.reload()
+    try:
+        with config.tuned(**settings_from_flags(parse_args([]))):
+            assert config.tuning().pipeline_bytes == 4 << 20
+    finally:
+        monkeypatch.delenv("CGX2_PIPELINE_BYTES")
+        config.reload()
+
+
 def test_progress_is_plain_lines_off_a_terminal() -> None:
     log = io.StringIO()
     progress = Progress(log)
