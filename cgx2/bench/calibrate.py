@@ -153,7 +153,7 @@ def calibrate(
                     DTYPES[dtype_name], group or dist.group.WORLD, mesh, BITS, BUCKET_SIZE,
                     intra_broadcast, sizes, warmup, iters,
                 )  # fmt: skip
-                key = f"{device.type}/{backend}/{DTYPE_CLASS[dtype_name]}"
+                key = policy.calibration_key(device.type, backend, DTYPES[dtype_name])
                 node_mesh_faster[key] = {str(n): won for n, won in faster.items()}
     if control is not group:
         dist.destroy_process_group(control)
