@@ -68,7 +68,7 @@ def test_a_host_killed_mid_training_makes_the_other_raise_within_the_timeout(net
         survivor = lab.popen(0, command, ENV, stdout=o, stderr=e)
         lab.popen(1, command, ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 120
-        while out.read_text().count("STEP") < 20:  # training for real across the link
+        while out.read_text().count("STEP") < 10:  # training for real across the link
             assert survivor.poll() is None and time.monotonic() < deadline, err.read_text()[-3000:]
             time.sleep(0.2)
         assert lab.kill(1) >= 3  # the whole host: its agent and both ranks
@@ -121,8 +121,10 @@ def test_the_benchmark_across_hosts_times_the_node_mesh_beside_the_flat_allreduc
     port = 29500 + (os.getpid() + 29) % 1000
     bench = f"-m cgx2.bench --sizes 1M --bits 4 --dtypes fp32 --iters 2 --warmup 1 --out {tmp_path}"
     command = _command(bench, port)
+    # The route pinned: first-use timing across the hosts is hosts_checks.py's (mesh_choice).
+    env = {**ENV, "CGX2_CROSSOVER_BYTES": "1M", "CGX2_NODE_MESH": "0"}
     with netlab.Lab(2, netlab.Link("10gbit")) as lab:
-        results = lab.run(command, env=ENV, timeout=240)
+        results = lab.run(command, env=env, timeout=240)
     assert [r.returncode for r in results] == [0, 0], results[0].stderr[-3000:]
     assert "hier vs flat" in results[0].stdout
     (path,) = tmp_path.glob("allreduce_*.json")
