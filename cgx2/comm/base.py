@@ -45,6 +45,12 @@ class Transport(Protocol):
         """The uncompressed allreduce (``"sum"``/``"avg"``) of contiguous ``t``, in place."""
         ...
 
+    def allreduce_plain_async_(self, t: torch.Tensor, group: dist.ProcessGroup,
+                               reduce_op: str) -> torch.futures.Future[torch.Tensor]:  # fmt: skip
+        """:meth:`allreduce_plain_` started, not waited for: a future of ``t``, set once it
+        holds the result (already set where the transport cannot leave the call running)."""
+        ...
+
     def reduce_scatter_plain(self, out: torch.Tensor, inp: torch.Tensor,
                              group: dist.ProcessGroup) -> None:  # fmt: skip
         """The uncompressed reduce-scatter (sum) of ``inp`` (``world`` equal chunks) into

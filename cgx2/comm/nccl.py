@@ -25,6 +25,7 @@ __all__ = [
     "all_gather",
     "all_to_all",
     "allreduce_plain_",
+    "allreduce_plain_async_",
     "available",
     "group_size_and_rank",
     "reduce_scatter_plain",
@@ -154,6 +155,12 @@ def wait(work: dist.Work | None) -> None:
 def allreduce_plain_(t: torch.Tensor, group: dist.ProcessGroup, reduce_op: str) -> torch.Tensor:
     """The uncompressed allreduce: NCCL's own, through the process group."""
     return process_group.allreduce_plain_(t, group, reduce_op)
+
+
+def allreduce_plain_async_(t: torch.Tensor, group: dist.ProcessGroup,
+                           reduce_op: str) -> torch.futures.Future[torch.Tensor]:  # fmt: skip
+    """The process group's, as :func:`allreduce_plain_`."""
+    return process_group.allreduce_plain_async_(t, group, reduce_op)
 
 
 def reduce_scatter_plain(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup) -> None:

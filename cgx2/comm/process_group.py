@@ -23,6 +23,7 @@ __all__ = [
     "all_gather_single",
     "all_to_all",
     "allreduce_plain_",
+    "allreduce_plain_async_",
     "group_info",
     "group_size_and_rank",
     "group_store",
@@ -215,6 +216,31 @@ def allreduce_plain_(t: torch.Tensor, group: dist.ProcessGroup, reduce_op: str) 
     if reduce_op == "avg" and not native_avg:
         cpu_threads.div_(t, info.size)
     return t
+
+
+def allreduce_plain_async_(t: torch.Tensor, group: dist.ProcessGroup,
+                           reduce_op: str) -> torch.futures.Future[torch.Tensor]:  # fmt: skip
+    """:func:`allreduce_plain_` of a CPU ``t`` left running on gloo's threads, as DDP's own
+    allreduce is: a future of ``t``, set once the sum has landed. AVG divides first, on the
+    calling thread, as DDP does: a thread of gloo's dividing afterwards competes with the
+    backward pass (BENCHMARKS.md, "Training over the link"); the bits are the sum's divided
+    wherever the world size is a power of two. Elsewhere (NCCL, the cgx backend, a traced
+    call) the call runs at once and the future is already set."""
+    info = None if group is dist.GroupMember.NON_GROUP_MEMBER else group_info(group)
+    if (info is None or info.has_exact_allreduce or t.is_cuda or torch.compiler.is_compiling()
+            or not isinstance(group, dist.ProcessGroup)):  # fmt: skip
+        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        done.set_result(allreduce_plain_(t, group, reduce_op))
+        return done
+    if reduce_op == "avg":
+        cpu_threads.div_(t, info.size)
+    work = group.allreduce([t], _SUM_OPTIONS)
+
+    def reduced(future: torch.futures.Future) -> torch.Tensor:
+        future.value()  # raises what the collective raised
+        return t
+
+    return work.get_future().then(reduced)
 
 
 def shift(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,

@@ -40,6 +40,7 @@ __all__ = [
     "all_gather",
     "all_to_all",
     "allreduce_plain_",
+    "allreduce_plain_async_",
     "available",
     "group_size_and_rank",
     "reduce_scatter_plain",
@@ -451,6 +452,18 @@ def allreduce_plain_(t: torch.Tensor, group: dist.ProcessGroup, reduce_op: str) 
                 process_group.allreduce_plain_(flat[start:], group, reduce_op)
                 break
     return t
+
+
+def allreduce_plain_async_(t: torch.Tensor, group: dist.ProcessGroup,
+                           reduce_op: str) -> torch.futures.Future[torch.Tensor]:  # fmt: skip
+    """:func:`allreduce_plain_`, whose copies run on the calling thread: done at once, but for a
+    group shared memory does not serve, whose process group's call is left running."""
+    channel = _channel(group) if group is not dist.GroupMember.NON_GROUP_MEMBER else None
+    if channel is None:
+        return process_group.allreduce_plain_async_(t, group, reduce_op)
+    done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    done.set_result(allreduce_plain_(t, group, reduce_op))
+    return done
 
 
 def _reduce_piece(channel: _Channel, piece: torch.Tensor, reduce_op: str) -> None:

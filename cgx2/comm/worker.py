@@ -61,11 +61,15 @@ def _retire(key: int) -> None:
         worker.executor.shutdown(wait=False)
 
 
-def submit(group: dist.ProcessGroup, fn: Callable[[], torch.Tensor],
+def submit(group: dist.ProcessGroup,
+           fn: Callable[[], torch.Tensor | torch.futures.Future[torch.Tensor]],
            tensors: Sequence[torch.Tensor]) -> torch.futures.Future[torch.Tensor]:  # fmt: skip
     """Run ``fn()`` on ``group``'s worker after everything submitted before it, and return a
     future of its result; if ``fn`` raises, waiting on the future raises a ``RuntimeError``
-    that quotes the exception and where it came from.
+    that quotes the exception and where it came from. On CPU tensors ``fn`` may return a
+    future of a collective it left running (:func:`.process_group.allreduce_plain_async_`):
+    the worker goes on to the next call, its collectives started in submission order all the
+    same, and the future returned here follows that one.
 
     ``tensors`` are those ``fn`` reads and writes; they must outlive its run (DDP's bucket
     buffers do). On CUDA, ``fn`` runs on the worker's side stream of their device, which first
@@ -85,7 +89,10 @@ def submit(group: dist.ProcessGroup, fn: Callable[[], torch.Tensor],
             except BaseException as e:  # the waiter raises it, on its own thread
                 future.set_exception(_as_exception(e))
                 return
-            future.set_result(result)
+            if isinstance(result, torch._C.Future):  # torch.futures.Future, or a Work's
+                result.add_done_callback(lambda running: _follow(future, running))
+            else:
+                future.set_result(result)
 
         worker.executor.submit(run)
         return future.then(_result)
@@ -107,6 +114,17 @@ def submit(group: dist.ProcessGroup, fn: Callable[[], torch.Tensor],
 
     worker.executor.submit(run_on_stream)
     return future.then(_result)
+
+
+def _follow(future: torch.futures.Future[torch.Tensor],
+            running: torch.futures.Future[torch.Tensor]) -> None:  # fmt: skip
+    """Set ``future`` as ``running`` (done) ended: its value, or its exception."""
+    try:
+        result = running.value()
+    except BaseException as e:
+        future.set_exception(_as_exception(e))
+        return
+    future.set_result(result)
 
 
 def _result(future: torch.futures.Future[torch.Tensor]) -> torch.Tensor:

@@ -284,13 +284,14 @@ def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[t
         state.iteration += 1
     index = bucket.index()
 
-    def reduce() -> torch.Tensor:
-        _reduce_bucket_(state, group, buffer, plan, keys, warm, index)
-        return buffer
+    def reduce(asynchronous: bool = False) -> torch.Tensor | torch.futures.Future[torch.Tensor]:
+        running = _reduce_bucket_(state, group, buffer, plan, keys, warm, index, asynchronous)
+        return buffer if running is None else running
 
     if policy.runs_on_worker(buffer, group):
-        # gloo would hold autograd's thread until each collective has crossed the wire.
-        return worker.submit(group, reduce, [buffer])
+        # gloo would hold autograd's thread until each collective has crossed the wire. A CPU
+        # bucket sent exact is left running, as DDP's own allreduce is: the worker goes on.
+        return worker.submit(group, lambda: reduce(asynchronous=not buffer.is_cuda), [buffer])
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future(
         devices=[buffer.device] if buffer.is_cuda else None
     )
@@ -340,10 +341,12 @@ def _reduce_bucket_(
     keys: list[int] | None,
     warm: bool,
     index: int,
-) -> None:
+    asynchronous: bool = False,
+) -> torch.futures.Future[torch.Tensor] | None:
     """Average the bucket ``buffer`` in place by ``plan``: its compressed layers quantized
     (with ``keys``' residuals added first, when error feedback is on) once ``warm``, its exact
-    layers plain."""
+    layers plain. ``asynchronous``: a bucket sent whole and exact is left running, and a
+    future of ``buffer`` returned (:meth:`.Transport.allreduce_plain_async_`)."""
     world = dist.get_world_size(group)
     padded = sum(padded_numel(n, state.bucket_size) for _, n in plan.compressed)
     state.bytes_uncompressed += ring_bytes_sent(buffer.numel() * buffer.element_size(), world)
@@ -385,7 +388,12 @@ def _reduce_bucket_(
         for key in keys or ():  # the residuals were delivered exactly: nothing more is owed
             state.errors.discard_(key)
         state.bytes_sent += ring_bytes_sent(buffer.numel() * buffer.element_size(), world)
+        if asynchronous:
+            return policy.transport(buffer.device, group).allreduce_plain_async_(
+                buffer, group, "avg"
+            )
         _plain_(buffer, group)
+    return None
 
 
 def _plain_(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

@@ -7,7 +7,7 @@ from unittest import mock
 
 import pytest
 
-from cgx2.comm import Transport, process_group
+from cgx2.comm import Transport, process_group, shm
 from cgx2.config import tuned
 
 
@@ -21,7 +21,7 @@ def _parameters(fn) -> list[tuple[str, object]]:
 def test_the_process_group_transport_is_a_transport():
     assert isinstance(process_group, Transport)
     wanted = [n for n, v in vars(Transport).items() if callable(v) and not n.startswith("_")]
-    assert len(wanted) == 7
+    assert len(wanted) == 8
     for name in wanted:
         assert _parameters(getattr(process_group, name)) == _parameters(getattr(Transport, name))
 
@@ -86,4 +86,39 @@ def _gathers_in_parts(n: int) -> list[bool]:
 def test_gloo_all_gathers_split_into_concurrent_parts(dist2, dist4):
     for pool in (dist2, dist4):
         for rank_found in pool.run(_gathers_in_parts, 10_001):
+            assert all(rank_found), rank_found
+
+
+def _async_plain(n: int) -> list[bool]:
+    """The process group's plain allreduce left running: a future of the tensor itself, the
+    same bits as the call waited for (the sum, then divided for AVG), and two running at once
+    end as they were started."""
+    import torch
+    import torch.distributed as dist
+
+    group, world, rank = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
+    found = []
+    for op in ("sum", "avg"):
+        a = torch.randn(n, generator=torch.Generator().manual_seed(rank)) * (rank + 1)
+        b = a.flip(0).clone()
+        want_a, want_b = a.clone(), b.clone()
+        process_group.allreduce_plain_(want_a, group, op)
+        process_group.allreduce_plain_(want_b, group, op)
+        running = [process_group.allreduce_plain_async_(t, group, op) for t in (a, b)]
+        found += [f.wait() is t for f, t in zip(running, (a, b), strict=True)]
+        found += [torch.equal(a, want_a), torch.equal(b, want_b)]
+        total = sum(torch.randn(n, generator=torch.Generator().manual_seed(r)) * (r + 1)
+                    for r in range(world))  # fmt: skip
+        found.append(torch.allclose(a, total / world if op == "avg" else total, atol=1e-5))
+    # Where shared memory serves the group (one host), its copies run at once.
+    c = torch.ones(n)
+    done = shm.allreduce_plain_async_(c, group, "sum")
+    found.append(done.done() or not shm.serves(group))
+    found.append(done.wait() is c and torch.equal(c, torch.full((n,), float(world))))
+    return found
+
+
+def test_the_plain_allreduce_left_running_is_the_one_waited_for(dist2, dist4):
+    for pool in (dist2, dist4):
+        for rank_found in pool.run(_async_plain, 10_001):
             assert all(rank_found), rank_found

@@ -67,6 +67,25 @@ def test_an_error_reaches_the_waiter_and_the_worker_goes_on():
     assert worker.submit(group, lambda: x + 1, [x]).wait().item() == 1
 
 
+def test_a_future_returned_by_the_work_is_followed_while_the_worker_goes_on():
+    """A call left running (a future): the worker takes the next one at once, and the future
+    submit returned ends as that one does, with its value or its error."""
+    group = Group()
+    x = torch.zeros(1)
+    running = [torch.futures.Future(), torch.futures.Future()]
+    first = worker.submit(group, lambda: running[0], [x])
+    second = worker.submit(group, lambda: running[1], [x])
+    after = worker.submit(group, lambda: x + 2, [x])
+    assert after.wait().item() == 2  # ran while the two before it were still running
+    assert not first.done() and not second.done()
+    running[1].set_exception(RuntimeError("peer 1 closed the connection"))
+    with pytest.raises(RuntimeError, match="peer 1 closed the connection"):
+        second.wait()
+    assert not first.done()
+    running[0].set_result(x.add_(1))
+    assert first.wait() is x and x.item() == 1
+
+
 def test_the_worker_goes_with_its_group():
     group = Group()
     x = torch.zeros(1)

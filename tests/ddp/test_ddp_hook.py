@@ -100,6 +100,33 @@ def test_the_worker_thread_gives_the_same_bits_as_autograds(dist2):
             assert torch.equal(p, off[rank]["params"][name]), name
 
 
+def _train_exact_over_the_process_group(worker_on: bool) -> dict:
+    from cgx2.comm import process_group
+
+    counted = mock.patch.object(process_group, "allreduce_plain_async_",
+                                wraps=process_group.allreduce_plain_async_)  # fmt: skip
+    with config.tuned(comm_worker=worker_on, transport="process_group",
+                      crossover_bytes=1 << 40), counted as started:  # fmt: skip
+        result = _train(4, 3)
+    result["started"] = started.call_count
+    return result
+
+
+def test_buckets_sent_exact_are_left_running_and_give_ddps_own_bits(dist2):
+    """Where every bucket goes exact over gloo (below the crossover), the worker leaves each
+    allreduce running, as DDP's own does, and goes on to the next bucket: the training is bit
+    for bit DDP's (two ranks: the sum halved is the halves summed) and the hook's run inline."""
+    running = dist2.run(_train_exact_over_the_process_group, True)
+    inline = dist2.run(_train_exact_over_the_process_group, False)
+    ddp = dist2.run(_train, None, 3)
+    assert running[0]["started"] > 3 and inline[0]["started"] == 0
+    for rank in range(2):
+        assert running[rank]["losses"] == inline[rank]["losses"] == ddp[rank]["losses"]
+        for name, p in running[rank]["params"].items():
+            assert torch.equal(p, inline[rank]["params"][name]), name
+            assert torch.equal(p, ddp[rank]["params"][name]), name
+
+
 def _backward_raising_in_the_hook() -> str:
     torch.manual_seed(0)
     model = DDP(Net(), bucket_cap_mb=0.02)
