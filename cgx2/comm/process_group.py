@@ -223,7 +223,7 @@ def allreduce_plain_async_(t: torch.Tensor, group: dist.ProcessGroup,
     """:func:`allreduce_plain_` of a CPU ``t`` left running on gloo's threads, as DDP's own
     allreduce is: a future of ``t``, set once the sum has landed. AVG divides first, on the
     calling thread, as DDP does: a thread of gloo's dividing afterwards competes with the
-    backward pass (BENCHMARKS.md, "Training over the link"); the bits are the sum's divided
+    backward pass (BENCHMARKS.md, "Training across the hosts"); the bits are the sum's divided
     wherever the world size is a power of two. Elsewhere (NCCL, the cgx backend, a traced
     call) the call runs at once and the future is already set."""
     info = None if group is dist.GroupMember.NON_GROUP_MEMBER else group_info(group)
