@@ -204,8 +204,8 @@ if [ -n "${LINK_RATES:-}" ]; then
   save
 fi
 if [ -n "${CPU_LINK_RATES:-}" ]; then
-  # CPU tensors between hosts with cores of their own (BENCHMARKS.md, "Hosts with cores of
-  # their own"): 8 threads a rank with one rank a host, 4 with two.
+  # CPU tensors between hosts with cores of their own (BENCHMARKS.md, "CPU hosts over
+  # Ethernet"): 8 threads a rank with one rank a host, 4 with two.
   cpu_args=${CPU_LINK_ARGS:---sizes 1M,4M,16M,64M,256M --bits 4 --dtypes fp32 --iters 5 --warmup 1}
   for layout in "1 8" "2 4"; do
     read -r ranks threads <<<"$layout"
@@ -225,7 +225,7 @@ if [ -n "${CPU_LINK_RATES:-}" ]; then
 fi
 if [ -n "${GLOO_DDP_RATES:-}" ]; then
   # Two hosts (network namespaces) sharing GPU 0 over a shaped link, gloo, CUDA tensors
-  # (BENCHMARKS.md, "CUDA tensors on gloo").
+  # (BENCHMARKS.md, "GPU hosts over Ethernet").
   for rate in $GLOO_DDP_RATES; do
     echo "== DDP step over gloo, 2 hosts on GPU 0, $rate"
     IPROUTE_ROOT=/tmp/iproute RATE=$rate RESULTS_DIR=bench/results bash bench/gloo_cuda_ddp.sh \
