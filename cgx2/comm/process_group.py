@@ -197,8 +197,9 @@ def all_gather_in_parts(out: torch.Tensor, send: torch.Tensor, group: dist.Proce
 
 def allreduce_plain_(t: torch.Tensor, group: dist.ProcessGroup, reduce_op: str) -> torch.Tensor:
     """The uncompressed allreduce of a contiguous ``t`` in place; returns ``t``. AVG uses the
-    backend's own AVG where it has one (NCCL); elsewhere (gloo) it sums and divides by the
-    world size."""
+    backend's own AVG where it has one (NCCL); elsewhere (gloo) it divides by the world size
+    and sums, as DDP's own allreduce does (the same bits as DDP's, and a 16-bit sum that
+    cannot overflow where the average does not)."""
     if group is dist.GroupMember.NON_GROUP_MEMBER:
         return t
     info = group_info(group)
@@ -207,14 +208,14 @@ def allreduce_plain_(t: torch.Tensor, group: dist.ProcessGroup, reduce_op: str) 
         return t
     native_avg = reduce_op == "avg" and info.cuda_on_nccl and t.is_cuda
     op = dist.ReduceOp.AVG if native_avg else dist.ReduceOp.SUM
+    if reduce_op == "avg" and not native_avg:
+        cpu_threads.div_(t, info.size)
     if torch.compiler.is_compiling():
         dist.all_reduce(t, op=op, group=group)
     else:
         # The process group's own allreduce, which dist.all_reduce calls after its checks
         # and logging: below the crossover this is the whole call, so its host time counts.
         wait(group.allreduce([t], _AVG_OPTIONS if native_avg else _SUM_OPTIONS))
-    if reduce_op == "avg" and not native_avg:
-        cpu_threads.div_(t, info.size)
     return t
 
 
@@ -222,10 +223,9 @@ def allreduce_plain_async_(t: torch.Tensor, group: dist.ProcessGroup,
                            reduce_op: str) -> torch.futures.Future[torch.Tensor]:  # fmt: skip
     """:func:`allreduce_plain_` of a CPU ``t`` left running on gloo's threads, as DDP's own
     allreduce is: a future of ``t``, set once the sum has landed. AVG divides first, on the
-    calling thread, as DDP does: a thread of gloo's dividing afterwards competes with the
-    backward pass (BENCHMARKS.md, "Training across the hosts"); the bits are the sum's divided
-    wherever the world size is a power of two. Elsewhere (NCCL, the cgx backend, a traced
-    call) the call runs at once and the future is already set."""
+    calling thread (a thread of gloo's dividing afterwards would compete with the backward
+    pass). Elsewhere (NCCL, the cgx backend, a traced call) the call runs at once and the
+    future is already set."""
     info = None if group is dist.GroupMember.NON_GROUP_MEMBER else group_info(group)
     if (info is None or info.has_exact_allreduce or t.is_cuda or torch.compiler.is_compiling()
             or not isinstance(group, dist.ProcessGroup)):  # fmt: skip

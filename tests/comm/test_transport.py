@@ -91,7 +91,7 @@ def test_gloo_all_gathers_split_into_concurrent_parts(dist2, dist4):
 
 def _async_plain(n: int) -> list[bool]:
     """The process group's plain allreduce left running: a future of the tensor itself, the
-    same bits as the call waited for (the sum, then divided for AVG), and two running at once
+    same bits as the call waited for, and two running at once
     end as they were started."""
     import torch
     import torch.distributed as dist
@@ -122,3 +122,29 @@ def test_the_plain_allreduce_left_running_is_the_one_waited_for(dist2, dist4):
     for pool in (dist2, dist4):
         for rank_found in pool.run(_async_plain, 10_001):
             assert all(rank_found), rank_found
+
+
+def _average_of_three(n: int) -> list[bool]:
+    """AVG on gloo over three ranks (where dividing before or after the sum rounds apart),
+    waited for and left running: both DDP's own bits, each rank's share divided by 3 first."""
+    import torch
+    import torch.distributed as dist
+
+    three = dist.new_group([0, 1, 2])
+    if dist.get_rank() == 3:
+        return [True]
+    x = torch.randn(n, generator=torch.Generator().manual_seed(dist.get_rank()))
+    ddp = x.div(3)
+    dist.all_reduce(ddp, group=three)
+    waited, running = x.clone(), x.clone()
+    process_group.allreduce_plain_(waited, three, "avg")
+    process_group.allreduce_plain_async_(running, three, "avg").wait()
+    summed_first = x.clone()
+    dist.all_reduce(summed_first, group=three)
+    return [torch.equal(waited, ddp), torch.equal(running, ddp),
+            not torch.equal(summed_first.div_(3), ddp)]  # fmt: skip
+
+
+def test_the_plain_average_divides_first_as_ddps_own(dist4):
+    for rank_found in dist4.run(_average_of_three, 10_001):
+        assert all(rank_found), rank_found

@@ -115,7 +115,7 @@ def _train_exact_over_the_process_group(worker_on: bool) -> dict:
 def test_buckets_sent_exact_are_left_running_and_give_ddps_own_bits(dist2):
     """Where every bucket goes exact over gloo (below the crossover), the worker leaves each
     allreduce running, as DDP's own does, and goes on to the next bucket: the training is bit
-    for bit DDP's (two ranks: the sum halved is the halves summed) and the hook's run inline."""
+    for bit DDP's and the hook's run inline (each divides before the sum)."""
     running = dist2.run(_train_exact_over_the_process_group, True)
     inline = dist2.run(_train_exact_over_the_process_group, False)
     ddp = dist2.run(_train, None, 3)
