@@ -5,13 +5,17 @@ with SUM or AVG is quantized when ``CGX_COMPRESSION_QUANTIZATION_BITS`` < 32, an
 allreduces are fused into buffers of at most ``CGX_FUSION_BUFFER_SIZE_MB``. When the job spans
 several nodes, the world group quantizes between nodes only (:mod:`cgx2.collectives.hierarchical`;
 ``CGX_INTRA_BROADCAST`` picks CGX's variant).
+
+Collectives of CPU tensors made during a backward pass (DDP's buckets) run on the group's worker
+thread (:mod:`cgx2.comm.worker`), as DDP's hooks do: gloo would hold autograd's thread until
+their bytes have crossed, and their coding competes with the backward pass for the cores.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -22,7 +26,7 @@ from ..checks import UNCOMPRESSED_BITS, reduce_op_name
 from ..collectives import agreement, policy
 from ..collectives.fusion import allreduce_fused_, fusion_batches, padded_numel, ring_bytes_sent
 from ..collectives.hierarchical import hierarchical_allreduce_fused_, node_mesh
-from ..comm import CompletedWork, shm
+from ..comm import CompletedWork, shm, worker
 from ..config import CGXConfig, compression_from_env
 
 __all__ = ["BACKEND_NAME", "CGXProcessGroup", "register_backend"]
@@ -111,10 +115,24 @@ class CGXProcessGroup(dist.ProcessGroup):
 
     # -- allreduce ---------------------------------------------------------------------------
 
+    def _issue(self, tensors: Sequence[torch.Tensor], call: Callable[[], dist.Work]) -> dist.Work:
+        """``call()``'s work; for CPU tensors during a backward pass, ``call()`` on the group's
+        worker, which leaves a collective running and goes on (its future follows the
+        collective's). Every collective of the pass goes there, in the order made: one made
+        on autograd's thread meanwhile could start before one still queued, on some ranks."""
+        if (not tensors or tensors[0].is_cuda or torch._C._current_graph_task_id() == -1
+                or not policy.runs_on_worker(tensors[0], self)):  # fmt: skip
+            return call()
+        future = worker.submit(self, lambda: call().get_future(), list(tensors))
+        return torch._C._distributed_c10d._create_work_from_future(future)
+
     def allreduce(
         self, tensors: list[torch.Tensor], opts: dist.AllreduceOptions | None = None
     ) -> dist.Work:
         opts = dist.AllreduceOptions() if opts is None else opts
+        return self._issue(tensors, lambda: self._allreduce(tensors, opts))
+
+    def _allreduce(self, tensors: list[torch.Tensor], opts: dist.AllreduceOptions) -> dist.Work:
         op = reduce_op_name(opts.reduceOp)
         bits, bucket_size = compression_from_env()
         if len(tensors) != 1:
@@ -144,8 +162,12 @@ class CGXProcessGroup(dist.ProcessGroup):
         self, tensors: list[torch.Tensor], opts: dist.AllreduceCoalescedOptions | None = None
     ) -> dist.Work:
         opts = dist.AllreduceCoalescedOptions() if opts is None else opts
-        with self._side_stream(tensors):
-            return self._allreduce_coalesced(tensors, opts)
+
+        def call() -> dist.Work:
+            with self._side_stream(tensors):
+                return self._allreduce_coalesced(tensors, opts)
+
+        return self._issue(tensors, call)
 
     def _allreduce_coalesced(
         self, tensors: list[torch.Tensor], opts: dist.AllreduceCoalescedOptions
@@ -242,7 +264,8 @@ class CGXProcessGroup(dist.ProcessGroup):
         return policy.transport(tensors[0].device, self) is shm and shm.serves(self)
 
     def _delegate(self, tensors: list[torch.Tensor], op: dist.ReduceOp) -> dist.Work:
-        """The backend's own allreduce, exact; AVG on gloo (which lacks it) sums and divides."""
+        """The backend's own allreduce, exact; AVG on gloo (which lacks it) divides and sums,
+        as DDP does (:func:`cgx2.comm.process_group.allreduce_plain_`)."""
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         self.bytes_uncompressed += ring_bytes_sent(nbytes, self.size())
         self.bytes_sent += ring_bytes_sent(nbytes, self.size())
@@ -252,10 +275,9 @@ class CGXProcessGroup(dist.ProcessGroup):
             shm.allreduce_plain_(tensors[0], self, "avg" if op == dist.ReduceOp.AVG else "sum")
             return CompletedWork(tensors)
         if op == dist.ReduceOp.AVG and tensors[0].device.type == "cpu" and floats:
-            backend.allreduce(tensors, dist.AllreduceOptions()).wait()  # SUM
             for t in tensors:
                 t.div_(self.size())
-            return CompletedWork(tensors)
+            return backend.allreduce(tensors, dist.AllreduceOptions())  # SUM
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
         return backend.allreduce(tensors, opts)
@@ -266,15 +288,19 @@ class CGXProcessGroup(dist.ProcessGroup):
     # The transports' bindings release the GIL. Both torch 2.11 and 2.13 names are given.
 
     def broadcast(self, tensors: list[torch.Tensor], opts: dist.BroadcastOptions) -> dist.Work:
-        return self.backend_for(tensors[0]).broadcast(tensors, opts)
+        return self._issue(tensors, lambda: self.backend_for(tensors[0]).broadcast(tensors, opts))
 
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                   opts: dist.AllgatherOptions) -> dist.Work:  # fmt: skip
-        return self.backend_for(inputs[0]).allgather(outputs, inputs, opts)
+        return self._issue(
+            inputs, lambda: self.backend_for(inputs[0]).allgather(outputs, inputs, opts)
+        )
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor,
                         opts: dist.AllgatherOptions) -> dist.Work:  # fmt: skip
-        return self.backend_for(input)._allgather_base(output, input, opts)
+        return self._issue(
+            [input], lambda: self.backend_for(input)._allgather_base(output, input, opts)
+        )
 
     all_gather_single = _allgather_base
 
@@ -288,11 +314,15 @@ class CGXProcessGroup(dist.ProcessGroup):
 
     def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]],
                        opts: dist.ReduceScatterOptions) -> dist.Work:  # fmt: skip
-        return self.backend_for(outputs[0]).reduce_scatter(outputs, inputs, opts)
+        return self._issue(
+            outputs, lambda: self.backend_for(outputs[0]).reduce_scatter(outputs, inputs, opts)
+        )
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor,
                              opts: dist.ReduceScatterOptions) -> dist.Work:  # fmt: skip
-        return self.backend_for(input)._reduce_scatter_base(output, input, opts)
+        return self._issue(
+            [input], lambda: self.backend_for(input)._reduce_scatter_base(output, input, opts)
+        )
 
     reduce_scatter_single = _reduce_scatter_base
 
@@ -307,7 +337,12 @@ class CGXProcessGroup(dist.ProcessGroup):
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, out_splits: list[int],
                       in_splits: list[int], opts: dist.AllToAllOptions) -> dist.Work:  # fmt: skip
-        return self.backend_for(input).alltoall_base(output, input, out_splits, in_splits, opts)
+        return self._issue(
+            [input],
+            lambda: self.backend_for(input).alltoall_base(
+                output, input, out_splits, in_splits, opts
+            ),
+        )
 
     all_to_all_single = alltoall_base
 

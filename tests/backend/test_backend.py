@@ -248,6 +248,63 @@ def _ddp_plain_on_cgx() -> dict:
     return {"compressed": compressed, "reference": reference, "sent": sent, "plain": plain}
 
 
+class _WithUnused(_Net):
+    """_Net and a layer the loss never uses: DDP then allreduces which parameters were used,
+    a collective of integers, at the end of every backward pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unused = nn.Linear(4, 4)
+
+
+def _ddp_on_cgx_with_worker(on: bool) -> dict:
+    """Plain DDP on the cgx backend, its buckets on the worker thread (or not), and calls made
+    outside a backward pass (DDP's first broadcast) on the caller's thread."""
+    from unittest import mock
+
+    from cgx2 import config
+    from cgx2.comm import worker
+
+    submitted = mock.patch.object(worker, "submit", wraps=worker.submit)
+    with _cgx_group(CGX_COMPRESSION_QUANTIZATION_BITS="4") as g, submitted as submit, \
+            config.tuned(comm_worker=on, crossover_bytes=0):  # fmt: skip
+        cgx2.manual_seed(0)
+        torch.manual_seed(0)
+        model = DDP(_WithUnused(), process_group=g, bucket_cap_mb=0.01,
+                    find_unused_parameters=True)  # fmt: skip
+        made = submit.call_count  # DDP's construction: broadcasts outside a backward pass
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses, grads = [], []
+        for step in range(4):
+            x = torch.randn(32, 64, generator=torch.Generator().manual_seed(10 * step + g.rank()))
+            loss = model(x).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            grads.append({n: p.grad.clone() for n, p in model.module.named_parameters()
+                          if p.grad is not None})  # fmt: skip
+            opt.step()
+            losses.append(loss.item())
+        return {"losses": losses, "grads": grads, "made": made, "submitted": submit.call_count,
+                "sent": g.bytes_sent, "plain": g.bytes_uncompressed}  # fmt: skip
+
+
+def test_ddp_on_the_cgx_backend_reduces_on_the_worker_as_it_would_inline(dist2):
+    """During the backward pass the cgx backend's CPU collectives run on the group's worker
+    (DDP's buckets, and its count of used parameters), so autograd's thread goes on: the
+    training is bit for bit what it is with CGX2_COMM_WORKER=0, and compressed."""
+    on, off = dist2.run(_ddp_on_cgx_with_worker, True), dist2.run(_ddp_on_cgx_with_worker, False)
+    for rank in range(2):
+        assert on[rank]["made"] == 0 and on[rank]["submitted"] >= 4 * 3  # 2+ buckets, the map
+        assert off[rank]["submitted"] == 0
+        assert on[rank]["losses"] == off[rank]["losses"]
+        for a, b in zip(on[rank]["grads"], off[rank]["grads"], strict=True):
+            assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+        assert on[rank]["sent"] * 4 < on[rank]["plain"]
+    assert all(
+        torch.equal(on[0]["grads"][-1][n], on[1]["grads"][-1][n]) for n in on[0]["grads"][-1]
+    )
+
+
 def _hook_on_cgx_group() -> dict:
     """The hook's exact layers stay exact although the backend would compress all_reduce."""
     with _cgx_group(CGX_COMPRESSION_QUANTIZATION_BITS="2") as g:
