@@ -138,8 +138,12 @@ class CGXProcessGroup(dist.ProcessGroup):
         if len(tensors) != 1:
             return self._delegate(tensors, opts.reduceOp)
         t = tensors[0]
-        route = policy.route(t, self, bits, bucket_size, padded_numel(t.numel(), bucket_size))
-        compress = self._compressible(t, op, bits) and route.compress
+        compressible = self._compressible(t, op, bits)
+        # What cannot be compressed takes the plain route without asking where compression
+        # would pay (which may measure it, at the first call of a dtype).
+        route = policy.route(t, self, bits if compressible else UNCOMPRESSED_BITS, bucket_size,
+                             padded_numel(t.numel(), bucket_size))  # fmt: skip
+        compress = compressible and route.compress
         agreed = None
         if route.check:  # before either path: ranks that disagree would take different ones
             fields = {"reduce_op": op, "bits": bits, "bucket_size": bucket_size,

@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..comm import process_group
+
 __all__ = [
     "BITS", "BUCKET_SIZE", "CPU_MARGIN", "beside_margin", "crossover", "crossover_on_link",
     "mesh_against_flat", "timed_in_turn",
@@ -94,19 +96,19 @@ def crossover_on_link(dtype: torch.dtype, group: dist.ProcessGroup,
                       sizes: Sequence[int] = FIRST_USE_SIZES, warmup: int = 1, iters: int = 3,
                       larger: int | None = LARGER_SIZE,
                       ) -> tuple[int | None, int | None]:  # fmt: skip
-    """The crossovers of CPU tensors of ``dtype`` over ``group`` (a gloo group; every rank
-    calls this, alike), measured now: a few seconds at most, once per group and dtype. The
-    first for calls alone, the second for calls beside the training step's computation, which
-    must win by :data:`CPU_MARGIN`. ``larger`` is measured too where the largest of ``sizes``
-    did not win by that margin (all ranks hold the same times, so decide alike). The caller
-    (:mod:`.policy`) makes the quantized calls compress meanwhile."""
+    """The crossovers of CPU tensors of ``dtype`` over ``group`` (gloo's, or the cgx backend's;
+    every rank calls this, alike), measured now: a few seconds at most, once per group and
+    dtype. The first for calls alone, the second for calls beside the training step's
+    computation, which must win by :data:`CPU_MARGIN`. ``larger`` is measured too where the
+    largest of ``sizes`` did not win by that margin (all ranks hold the same times, so decide
+    alike). The caller (:mod:`.policy`) makes the quantized calls compress meanwhile."""
     from .allreduce import allreduce  # (the allreduce routes by the policy, which calls this)
 
     def measured(nbytes: int) -> dict[str, Any]:
         x = torch.randn(nbytes // dtype.itemsize).to(dtype)
         buf = x.clone()
         plain_s, compressed_s = timed_in_turn(
-            (lambda: dist.all_reduce(buf, group=group),
+            (lambda: process_group.allreduce_plain_(buf, group, "sum"),  # the cgx backend's exact
              lambda: allreduce(x, BITS, BUCKET_SIZE, group)),
             warmup, iters, x.device, group,
         )  # fmt: skip

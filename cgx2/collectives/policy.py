@@ -420,8 +420,9 @@ def _measured(device: torch.device, dtype: torch.dtype, info: GroupInfo | None,
     measured = next((found[k] for k in keys if k in found), None)
     if measured is not None:
         chosen, source = (measured[0], measured[1]), "the calibration file"
-    elif (where == "cpu" and backend == "gloo" and group is not None
-          and config.launch().spans_nodes and config.crossover_override() is None):  # fmt: skip
+    elif (where == "cpu" and carrier == "gloo" and backend in ("gloo", "cgx")
+          and group is not None and config.launch().spans_nodes
+          and config.crossover_override() is None):  # fmt: skip
         # The CPU codec's cost against the link's saving depends on both: only measuring
         # knows them (BENCHMARKS.md, "CPU hosts over Ethernet").
         chosen, source = _measure_now(dtype, group, key), "measured on this job's link"
@@ -545,8 +546,9 @@ def route(t: torch.Tensor, group: dist.ProcessGroup, bits: int, bucket_size: int
         return routes.plain
     numel = t.numel() if numel is None else numel
     threshold = config.crossover_override()
-    if threshold is None:
-        threshold = _pick(routes.measured)
+    if threshold is None:  # asked only here: a plain call never measures
+        with_graphs = config.tuning().cuda_graphs is True
+        threshold = _pick(_measured(t.device, t.dtype, group_info(group), group, with_graphs))
     if numel == 0 or threshold is None or numel * t.element_size() < threshold:
         return routes.plain
     if routes.graphs is not None and _graphed(numel * t.element_size()) and graphs.usable(t):
@@ -569,7 +571,6 @@ class _Routes:
     compressed_beside: Route  # for calls beside the training step (its pieces may differ)
     graphs: Route | None  # the compressed route replayed as a CUDA graph, where it may be
     size: int  # the group's
-    measured: tuple[int | None, int | None]  # the crossovers alone and beside the training step
 
 
 _ROUTES: dict[tuple, _Routes] = {}
@@ -600,5 +601,4 @@ def _routes(t: torch.Tensor, group: dist.ProcessGroup, bucket_size: int) -> _Rou
         compressed_beside=dataclasses.replace(compressed, piece_numel=pieces_beside),
         graphs=graphed if nccl_cuda and not ring and moves is process_group else None,
         size=info.size,
-        measured=_measured(t.device, t.dtype, info, group, config.tuning().cuda_graphs is True),
     )

@@ -262,6 +262,41 @@ def test_cpu_tensors_across_nodes_measure_where_compression_pays_once(dist2, tmp
     assert r0[:2] == r1[:2] == [8192, 0]  # a file spares the measurement
 
 
+def _cgx_backend_measures_at_first_use(calibration: str) -> list:
+    """As :func:`_measured_at_first_use`, on a ``cgx`` group whose allreduce quantizes: the
+    measurement's plain calls are its exact ones, and every rank routes alike."""
+    from unittest import mock
+
+    from cgx2.comm import process_group
+
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("cgx2").addHandler(handler)
+    logging.getLogger("cgx2").setLevel(logging.INFO)
+    exact = mock.patch.object(
+        process_group, "allreduce_plain_", wraps=process_group.allreduce_plain_
+    )
+    try:
+        with _each_rank_a_node(), config.tuned(calibration_file=calibration), exact as plain, \
+                setenv(CGX_COMPRESSION_QUANTIZATION_BITS="4"):  # fmt: skip
+            group = dist.new_group(backend="cgx")
+            x = torch.randn(1 << 20, generator=torch.Generator().manual_seed(dist.get_rank()))
+            dist.all_reduce(x, group=group)
+            dist.all_reduce(torch.randn(1 << 20), group=group)
+            dist.destroy_process_group(group)
+    finally:
+        logging.getLogger("cgx2").removeHandler(handler)
+    measured = [m for m in said if "measured on this job's link (group" in m]
+    return [len(measured), plain.call_count > 0, x]
+
+
+def test_the_cgx_backend_across_nodes_measures_where_compression_pays_once(dist2, tmp_path):
+    r0, r1 = dist2.run(_cgx_backend_measures_at_first_use, str(tmp_path / "none.json"))
+    assert r0[:2] == r1[:2] == [1, True]
+    assert torch.equal(r0[2], r1[2])
+
+
 def _beside_the_training_step() -> list:
     """Crossovers measured at first use (stood in for): 1 MiB alone, never beside the step."""
     import threading
