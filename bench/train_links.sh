@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # examples/train_ddp.py on CPU tensors across two cgx2.testing.netlab hosts of two ranks, torchrun
 # across them: plain DDP, cgx_hook 4-bit as the policy routes it (mesh="auto"), over the node mesh
-# (CGX2_NODE_MESH=1) and flat (--flat). Needs root.
+# (CGX2_NODE_MESH=1) and flat (--flat), and plain DDP on the cgx backend at 4 bits. Needs root.
 # Usage: bash bench/train_links.sh [RATE] [OUT]   (RATE 1gbit, OUT bench/results)
 # THREADS (1) is each rank's OMP_NUM_THREADS; WAIT_POLICY each rank's OMP_WAIT_POLICY (unset:
 # OpenMP's default; the files' names end in _passive for PASSIVE); IPROUTE_ROOT where dpkg -x
@@ -25,7 +25,7 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 mkdir -p "$out"
 runs=("b32_hook::--bits 32" "b4_hook::--bits 4" "b4_hook_mesh:CGX2_NODE_MESH=1:--bits 4"
-      "b4_hook_flat::--bits 4 --flat")
+      "b4_hook_flat::--bits 4 --flat" "b4_backend::--mode backend --bits 4")
 for run in "${runs[@]}"; do
   name=${run%%:*}
   rest=${run#*:}
@@ -43,7 +43,7 @@ python3 - "$out" "$device" "$rate" "$stamp" "$tag" <<'EOF'
 import json, sys
 out, device, rate, stamp, tag = sys.argv[1:]
 runs = {}
-for name in ("b32_hook", "b4_hook", "b4_hook_mesh", "b4_hook_flat"):
+for name in ("b32_hook", "b4_hook", "b4_hook_mesh", "b4_hook_flat", "b4_backend"):
     with open(f"{out}/train_ddp_{device}_cpu-{rate}-h2_w4_{name}{tag}_{stamp}.json") as f:
         runs[name] = json.load(f)
 plain = runs["b32_hook"]["step_ms"]
