@@ -70,6 +70,8 @@ def test_two_node_torchrun_on_one_machine(tmp_path):
         port = s.getsockname()[1]
     out = tmp_path / "two_nodes.json"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    # Across nodes the backend would time where compression pays on this loopback: never.
+    env["CGX2_CROSSOVER_BYTES"] = "0"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
            "--nproc-per-node", "1", "--rdzv-backend", "c10d",
            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "cgx2-test",
