@@ -108,7 +108,7 @@ def crossover_on_link(dtype: torch.dtype, group: dist.ProcessGroup,
         x = torch.randn(nbytes // dtype.itemsize).to(dtype)
         buf = x.clone()
         plain_s, compressed_s = timed_in_turn(
-            (lambda: process_group.allreduce_plain_(buf, group, "sum"),  # the cgx backend's exact
+            (lambda: process_group.allreduce_plain_(buf, group, "sum"),  # exact on cgx too
              lambda: allreduce(x, BITS, BUCKET_SIZE, group)),
             warmup, iters, x.device, group,
         )  # fmt: skip

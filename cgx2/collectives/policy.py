@@ -420,7 +420,7 @@ def _measured(device: torch.device, dtype: torch.dtype, info: GroupInfo | None,
     measured = next((found[k] for k in keys if k in found), None)
     if measured is not None:
         chosen, source = (measured[0], measured[1]), "the calibration file"
-    elif (where == "cpu" and carrier == "gloo" and backend in ("gloo", "cgx")
+    elif (where == "cpu" and backend in ("gloo", "cgx")  # the cgx backend's CPU calls: gloo's
           and group is not None and config.launch().spans_nodes
           and config.crossover_override() is None):  # fmt: skip
         # The CPU codec's cost against the link's saving depends on both: only measuring
