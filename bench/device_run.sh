@@ -26,7 +26,8 @@
 # (returned as convergence.tgz in $OUT; on a machine kept warm, /tmp/convergence carries the
 # runs between calls too, and the checkpoints of runs stopped at the deadline, which the next
 # call resumes); ERROR_BY_LAYER=1 runs examples/error_by_layer.py on the study's model.
-# SKIP_COMPAT=1 leaves out the CPU tests of DTensor and FSDP2 under this image's torch.
+# SKIP_COMPAT=1 leaves out the CPU tests of DTensor, FSDP2 and the cgx backend under this image's
+# torch.
 # SKIP_HOST_COST=1 leaves out bench/host_cost.py (the codec ops' host time, eager and compiled),
 # bench/allreduce_host_cost.py (2 GPUs: the allreduce's, profiled) and bench/agreement_cost.py
 # (two ranks on GPU 0 over gloo; with several GPUs, over NCCL too).
@@ -90,10 +91,10 @@ if [ -z "${SKIP_TRANSPORTS:-}" ]; then  # two ranks on GPU 0: shared memory agai
     ${TRANSPORT_ARGS:-} 2>"$LOGS/transports_cpu.err" | tail -n 14 || status=1
   save
 fi
-if [ -z "${SKIP_COMPAT:-}" ]; then  # this image's torch (2.11): the DTensor/FSDP2 CPU tests
-  CUDA_VISIBLE_DEVICES= timeout 400 python3 -m pytest -q -p no:cacheprovider tests/dtensor \
+if [ -z "${SKIP_COMPAT:-}" ]; then  # this image's torch (2.11): CPU tests of what leans on torch
+  CUDA_VISIBLE_DEVICES= timeout 500 python3 -m pytest -q -p no:cacheprovider tests/dtensor \
     tests/ops/test_reduce_scatter_op.py tests/fsdp/test_fsdp_params.py \
-    tests/collectives/test_agreement.py 2>&1 | tail -n 15 || status=1
+    tests/collectives/test_agreement.py tests/backend 2>&1 | tail -n 15 || status=1
 fi
 if [ -z "${SKIP_HOST_COST:-}" ]; then  # host time of the codec ops; the agreement check's cost
   python3 bench/host_cost.py --out bench/results 2>"$LOGS/host_cost.err" | tail -n 16 || status=1
