@@ -57,7 +57,8 @@ def test_four_ranks_on_two_hosts_agree(netlab):
             assert set(by_rank.values()) == {"True"}, (name, by_rank)
     assert {"allreduce_is_model", "hierarchical_digest_same", "backend_digest_same",
             "ddp_compiled_params_same", "gqsgd_params_same", "hsdp_replica", "spans_hosts",
-            "node_on_shm", "mesh_choice_same"} <= set(checks)  # fmt: skip
+            "node_on_shm", "mesh_choice_same", "backend_ddp_params_same"
+            } <= set(checks)  # fmt: skip
 
 
 @pytest.mark.slow

@@ -54,6 +54,8 @@ def main() -> None:
         # compressed call: the same answer on every rank.
         (timed,) = policy._MESH_FASTER.values()
         say("mesh_choice_same", zlib.crc32(repr(sorted(timed.items())).encode()))
+        # Plain DDP on it: the buckets quantized on the group's worker during backward.
+        say("backend_ddp_params_same", digest(train_on(group, rank)))
         del os.environ["CGX_COMPRESSION_QUANTIZATION_BITS"]
     # DDP with CGX's hook on a compiled model: the replicas stay identical.
     from cgx2.ddp import CGXState, cgx_hook
@@ -76,6 +78,20 @@ def main() -> None:
     say("gqsgd_params_same", digest(train_global_qsgd(rank)))
     say("hsdp_replica", digest(train_hsdp(rank)))  # ranks r and r + 2: one shard, two hosts
     dist.destroy_process_group()
+
+
+def train_on(group: dist.ProcessGroup, rank: int) -> torch.Tensor:
+    """Plain DDP over ``group``: the parameters after three steps."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))
+    ddp = DDP(net, process_group=group, bucket_cap_mb=0.02)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    for step in range(3):
+        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(13 * step + rank))
+        opt.zero_grad()
+        ddp(x).square().mean().backward()
+        opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in net.parameters()])
 
 
 def train_global_qsgd(rank: int) -> torch.Tensor:
