@@ -55,7 +55,7 @@ def main() -> None:
         (timed,) = policy._MESH_FASTER.values()
         say("mesh_choice_same", zlib.crc32(repr(sorted(timed.items())).encode()))
         # Plain DDP on it: the buckets quantized on the group's worker during backward.
-        say("backend_ddp_params_same", digest(train_on(group, rank)))
+        say("backend_ddp_params_same", digest(train_ddp(rank, group)))
         del os.environ["CGX_COMPRESSION_QUANTIZATION_BITS"]
     # DDP with CGX's hook on a compiled model: the replicas stay identical.
     from cgx2.ddp import CGXState, cgx_hook
@@ -75,33 +75,24 @@ def main() -> None:
             opt.step()
     say("ddp_compiled_params_same", digest(torch.cat([p.reshape(-1) for p in net.parameters()])))
     say("ddp_loss_finite", bool(torch.isfinite(loss).item()))
-    say("gqsgd_params_same", digest(train_global_qsgd(rank)))
+    # DDP with Global-QSGD's 4-bit standard dithering.
+    from cgx2.ddp import GlobalQSGDState, standard_dithering_hook
+
+    gqsgd = (GlobalQSGDState(dist.group.WORLD, bits=4), standard_dithering_hook)
+    say("gqsgd_params_same", digest(train_ddp(rank, hook=gqsgd)))
     say("hsdp_replica", digest(train_hsdp(rank)))  # ranks r and r + 2: one shard, two hosts
     dist.destroy_process_group()
 
 
-def train_on(group: dist.ProcessGroup, rank: int) -> torch.Tensor:
-    """Plain DDP over ``group``: the parameters after three steps."""
+def train_ddp(rank: int, group: dist.ProcessGroup | None = None,
+              hook: tuple | None = None) -> torch.Tensor:  # fmt: skip
+    """DDP over ``group`` (None: the world) with ``hook`` (its state and function; None: DDP's
+    own allreduce, which the cgx backend quantizes): the parameters after three steps."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))
     ddp = DDP(net, process_group=group, bucket_cap_mb=0.02)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-    for step in range(3):
-        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(13 * step + rank))
-        opt.zero_grad()
-        ddp(x).square().mean().backward()
-        opt.step()
-    return torch.cat([p.detach().reshape(-1) for p in net.parameters()])
-
-
-def train_global_qsgd(rank: int) -> torch.Tensor:
-    """DDP with Global-QSGD's 4-bit standard dithering: the parameters after three steps."""
-    from cgx2.ddp import GlobalQSGDState, standard_dithering_hook
-
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))
-    ddp = DDP(net)
-    ddp.register_comm_hook(GlobalQSGDState(dist.group.WORLD, bits=4), standard_dithering_hook)
+    if hook is not None:
+        ddp.register_comm_hook(*hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     for step in range(3):
         x = torch.randn(32, 64, generator=torch.Generator().manual_seed(7 * step + rank))
