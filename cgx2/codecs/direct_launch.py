@@ -1,6 +1,6 @@
 """Launch compiled Triton kernels without Triton's per-call dispatch, whose Python (binding,
 cache key, launch metadata) is a large part of each codec call's host time: host time is what
-the NVLink regime's allreduce waits on (BENCHMARKS.md, "What limits the kernels").
+the NVLink regime's allreduce waits on (BENCHMARKS.md, "Host time").
 
 Each kernel's compiled variants are kept under a key at least as fine as Triton's own
 specialization (tensor dtypes and 16-byte alignment; integers' width, divisibility by 16 and
