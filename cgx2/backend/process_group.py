@@ -261,7 +261,9 @@ class CGXProcessGroup(dist.ProcessGroup):
                              floats: bool) -> bool:  # fmt: skip
         """Whether a plain allreduce goes through shared memory (the policy's transport for
         the tensor, a group on one host): one contiguous tensor, summed or averaged (floats)."""
-        if len(tensors) != 1 or not tensors[0].is_contiguous():
+        if len(tensors) != 1 or not tensors[0].is_contiguous() or tensors[0].numel() == 0:
+            # Shared memory hands an empty tensor back to the group's exact allreduce, which
+            # is this method's caller: gloo's own returns it, as it does on a gloo group.
             return False
         if op != dist.ReduceOp.SUM and not (op == dist.ReduceOp.AVG and floats):
             return False

@@ -206,6 +206,63 @@ def _collectives_delegated() -> list[bool]:
     return ok
 
 
+def _empty_collectives(bits: str | None) -> list[tuple[str, object]]:
+    """Every collective the backend implements, of 0-element tensors, on a ``cgx`` group at
+    ``bits`` (None: a gloo group): what each returns, or the error it raises."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    empty = lambda: torch.empty(0)
+    calls = {
+        "all_reduce sum": lambda g: dist.all_reduce(t := empty(), group=g) or t,
+        "all_reduce avg": lambda g: dist.all_reduce(t := empty(), dist.ReduceOp.AVG, g) or t,
+        "all_reduce max": lambda g: dist.all_reduce(t := empty(), dist.ReduceOp.MAX, g) or t,
+        "all_reduce 2-d": lambda g: dist.all_reduce(t := torch.empty(0, 5), group=g) or t,
+        "all_reduce float64": lambda g: dist.all_reduce(t := empty().double(), group=g) or t,
+        "coalesced": lambda g: (
+            dist.all_reduce_coalesced(ts := [empty(), torch.ones(3)], group=g) or ts
+        ),
+        "broadcast": lambda g: dist.broadcast(t := empty(), src=0, group=g) or t,
+        "all_gather": lambda g: (
+            dist.all_gather(ps := [empty() for _ in range(world)], empty(), group=g) or ps
+        ),
+        "all_gather_into_tensor": lambda g: (
+            dist.all_gather_into_tensor(o := empty(), empty(), group=g) or o
+        ),
+        "reduce_scatter_tensor": lambda g: (
+            dist.reduce_scatter_tensor(o := empty(), empty(), group=g) or o
+        ),
+        "reduce_scatter": lambda g: (
+            dist.reduce_scatter(o := empty(), [empty()] * world, group=g) or o
+        ),
+        "all_to_all_single": lambda g: dist.all_to_all_single(o := empty(), empty(), group=g) or o,
+        "reduce": lambda g: dist.reduce(t := empty(), dst=0, group=g) or t,
+        "gather": lambda g: dist.gather(
+            empty(), [empty() for _ in range(world)] if rank == 0 else None, dst=0, group=g
+        ),
+        "scatter": lambda g: (
+            dist.scatter(o := empty(), [empty()] * world if rank == 0 else None, src=0, group=g)
+            or o
+        ),
+    }
+    if bits is None:
+        context = contextlib.nullcontext(dist.new_group(backend="gloo"))
+    else:
+        context = _cgx_group(CGX_COMPRESSION_QUANTIZATION_BITS=bits)
+    out = []
+    with context as g:
+        for name, call in calls.items():
+            try:
+                out.append((name, call(g)))
+            except Exception as e:
+                out.append((name, f"{type(e).__name__}: {str(e)[:200]}"))
+        if rank == 0:
+            dist.send(empty(), dst=1, group=g)
+        elif rank == 1:
+            dist.recv(t := empty(), src=0, group=g)
+            out.append(("send/recv", t))
+        dist.barrier(group=g)
+    return out
+
+
 class _Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -399,6 +456,29 @@ def test_every_collective_is_delegated(dist2, dist4):
     for pool in (dist2, dist4):
         for checks in pool.run(_collectives_delegated):
             assert checks and all(checks), checks
+
+
+def _described(results: list[tuple[str, object]]) -> list[tuple[str, object]]:
+    """Each result as shapes and dtypes (tensors) or the error's text."""
+
+    def describe(x: object) -> object:
+        if isinstance(x, torch.Tensor):
+            return ("tensor", tuple(x.shape), x.dtype)
+        if isinstance(x, list):
+            return [describe(y) for y in x]
+        return x
+
+    return [(name, describe(x)) for name, x in results]
+
+
+@pytest.mark.parametrize("bits", ["4", "32"])
+def test_empty_tensors_are_handled_as_gloo_does(dist2, bits):
+    """A 0-element tensor through every collective the backend implements gives what gloo
+    gives (the allreduce recursed between shared memory and the exact allreduce)."""
+    gloo = [_described(r) for r in dist2.run(_empty_collectives, None)]
+    cgx = [_described(r) for r in dist2.run(_empty_collectives, bits)]
+    assert cgx == gloo
+    assert not any(isinstance(x, str) for r in cgx for _, x in r), cgx
 
 
 class _Barriers:
