@@ -22,7 +22,6 @@ answer reaches the host, at the latest by the next checked call on the group.
 
 from __future__ import annotations
 
-import datetime
 import itertools
 import struct
 import threading
@@ -36,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import all_gather_single, group_info, group_store, peers
+from ..comm import store as stored
 
 __all__ = ["DisagreementError", "check", "raise_pending", "settle"]
 
@@ -182,9 +182,9 @@ def _exchange_on_host(store: dist.Store, group: dist.ProcessGroup, operation: st
     if sockets is not None:
         found = _numbered(sockets.exchange(_number(n, rank, mine)), n, rank)
     else:
-        timeout = group_info(group).timeout_s
-        # The store's own waits (multi_get's, a blocking pop's) last the store's timeout.
-        wait_s = timeout if abs(store.timeout.total_seconds() - timeout) > 1 else None
+        # Asked, never waited for in the store: its client is the process's one, which other
+        # threads' calls on other groups may need meanwhile (:mod:`cgx2.comm.store`).
+        wait_s = group_info(group).timeout_s
         if world <= QUEUE_MAX_RANKS and hasattr(store, "queue_push"):
             early = _EARLY.setdefault(group, {})
             found = _through_queues(store, n, mine, world, rank, wait_s, early)
@@ -237,9 +237,7 @@ def _through_queues(store: dist.Store, n: int, mine: bytes, world: int, rank: in
     found = {rank: entry, **early}
     early.clear()
     while len(found) < world:
-        if wait_s is not None:
-            store.wait([key], datetime.timedelta(seconds=wait_s))
-        raw = store.queue_pop(key)
+        raw = stored.pop(store, key, wait_s) if wait_s is not None else store.queue_pop(key)
         peer = struct.unpack_from("<qq", raw)[1]
         if peer in found:  # its next call's: each pusher's entries come in order
             early[peer] = raw
@@ -258,7 +256,7 @@ def _through_keys(store: dist.Store, n: int, mine: bytes, world: int, rank: int,
     store.set(f"cgx2/agree/{n}/{rank}", mine)
     keys = [f"cgx2/agree/{n}/{r}" for r in range(world)]
     if wait_s is not None:
-        store.wait(keys, datetime.timedelta(seconds=wait_s))
+        stored.wait(store, keys, wait_s)
     return store.multi_get(keys)
 
 

@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .. import config, cpu_threads
 from ..checks import UNCOMPRESSED_BITS
 from ..comm import GroupInfo, group_info, nccl, process_group, shm
+from ..comm import store as stored
 from . import graphs
 
 __all__ = [
@@ -369,8 +370,8 @@ def _calibration_file(group: dist.ProcessGroup | None) -> dict[str, dict]:
             found = _read_calibration(path)
             store.set(name, json.dumps(found))
         else:
-            try:  # within the store's timeout, the group's
-                found = json.loads(store.get(name))
+            try:  # asked, not waited for: other threads' groups share the store's client
+                found = json.loads(stored.get(store, name, group_info(group).timeout_s))
             except RuntimeError as e:  # DistStoreError (a RuntimeError): rank 0 never came
                 raise RuntimeError(
                     f"cgx2: rank 0 of group {group.group_name!r} did not publish its crossovers "

@@ -23,6 +23,7 @@ import weakref
 import torch.distributed as dist
 
 from .. import config
+from . import store as stored
 from .process_group import group_info, group_store
 
 __all__ = ["PeerSockets", "connected"]
@@ -82,15 +83,32 @@ class PeerSockets:
 _GROUPS: weakref.WeakKeyDictionary[dist.ProcessGroup, PeerSockets | None] = (
     weakref.WeakKeyDictionary()
 )
-_LOCK = threading.Lock()
-os.register_at_fork(after_in_child=_GROUPS.clear)  # a child has its own peers, if any
+_LOCKS: weakref.WeakKeyDictionary[dist.ProcessGroup, threading.Lock] = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()  # guards _LOCKS only: never held while a rank waits on its peers
+
+
+def _forget() -> None:  # a child has its own peers, if any, and none of its parent's threads
+    global _LOCK
+    _GROUPS.clear()
+    _LOCKS.clear()
+    _LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget)
 
 
 def connected(group: dist.ProcessGroup) -> PeerSockets | None:
     """``group``'s peer sockets, made at its first call here, where every rank calls it at the
     same point (a collective of the group's store); None on every rank alike where some rank
-    could not make them, or the group has no store."""
+    could not make them, or the group has no store. A lock a group: making one group's waits
+    on its peers, which another thread's calls on another group must not wait for."""
+    try:
+        return _GROUPS[group]
+    except KeyError:
+        pass
     with _LOCK:
+        lock = _LOCKS.setdefault(group, threading.Lock())
+    with lock:
         if group not in _GROUPS:
             peers = _connect(group)
             _GROUPS[group] = peers
@@ -122,7 +140,9 @@ def _connect(group: dist.ProcessGroup) -> PeerSockets | None:
         if listener is not None:
             listener.close()
     store.set(f"cgx2/peers/ready/{rank}", problem or "ok")
-    answers = [store.get(f"cgx2/peers/ready/{r}").decode() for r in range(world)]
+    ready = [f"cgx2/peers/ready/{r}" for r in range(world)]
+    stored.wait(store, ready, timeout)  # asking, not blocking the store's client
+    answers = [store.get(key).decode() for key in ready]
     failed = {r: a for r, a in enumerate(answers) if a != "ok"}
     if failed:
         for sock in sockets:
@@ -145,7 +165,11 @@ def _reach(store: dist.Store, listener: socket.socket, sockets: list[socket.sock
     """Connect to the lower ranks and accept the higher ones into ``sockets``; what went
     wrong, or ""."""
     for peer in range(rank):
-        host, port, their_secret = store.get(f"cgx2/peers/{peer}").decode().split("|")
+        try:
+            address = stored.get(store, f"cgx2/peers/{peer}", patience).decode()
+        except stored.StoreTimeout:
+            return f"rank {peer} did not say where it listens within {patience:.0f} s"
+        host, port, their_secret = address.split("|")
         if host == "-":
             return f"rank {peer} has no listener"
         sock = socket.create_connection((host, int(port)), timeout=patience)

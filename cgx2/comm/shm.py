@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from .. import cpu_threads, extension
 from . import process_group
+from . import store as stored
 from .process_group import group_info, group_size_and_rank
 
 __all__ = [
@@ -128,7 +129,9 @@ class _Channel:
         self.store.set(key + str(self.rank), mine)
         keys = [key + str(r) for r in range(self.world)]
         try:
-            self.store.wait(keys, datetime.timedelta(seconds=self.timeout))
+            # Asked, not waited for: a blocking wait holds the process's one store client,
+            # which another thread opening another group may need meanwhile.
+            stored.wait(self.store, keys, self.timeout)
         except RuntimeError as e:
             raise ShmError(
                 f"cgx2: the shared-memory transport of group {self.name!r} (rank {self.rank}): "

@@ -356,3 +356,57 @@ def test_a_deferred_answer_raises_once_it_arrives_and_never_waits():
     with pytest.raises(DisagreementError, match=r"numel=\[rank 0: 1024, rank 1: 1000\]"):
         agreement.raise_pending(group)
     agreement.raise_pending(group)  # raised once, then forgotten
+
+
+def _two_groups_from_two_threads(path: str) -> dict[int, str]:
+    """Each of two threads calls on its own new group (made here, so that its first call sets
+    up its peer sockets, shared memory and crossovers), the threads started in opposite order
+    on the two ranks."""
+    import contextlib
+    import datetime
+    import threading
+    import time
+    from unittest import mock
+
+    short = datetime.timedelta(seconds=3)
+    groups = [dist.new_group(backend="gloo", timeout=short) for _ in range(2)]
+    # The store's own blocking waits run out as the groups' do: a thread stuck behind another's
+    # wait fails in seconds, not in the pool's timeout.
+    store = dist.distributed_c10d._get_default_store()
+    saved = store.timeout
+    store.set_timeout(short)
+    settings = {
+        "sockets": contextlib.nullcontext(),
+        "store": _without_peer_sockets(),
+        "unchecked": cgx2.config.tuned(check_agreement="off"),
+    }[path]
+    results = {}
+
+    def calls(i: int) -> None:
+        try:
+            for _ in range(3):
+                cgx2.quantized_allreduce(torch.ones(4096), 4, group=groups[i])
+            results[i] = "ok"
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            results[i] = repr(e)
+
+    threads = [threading.Thread(target=calls, args=(i,), daemon=True) for i in range(2)]
+    try:
+        with settings:
+            for t in threads if dist.get_rank() == 0 else threads[::-1]:
+                t.start()
+                time.sleep(0.2)  # the first thread is waiting on its peer when the second starts
+            for t in threads:
+                t.join(30)
+    finally:
+        store.set_timeout(saved)
+    return {i: results.get(i, "still running") for i in range(2)}
+
+
+@pytest.mark.parametrize("path", ["sockets", "store", "unchecked"])
+def test_two_threads_calling_on_two_groups_in_opposite_orders_do_not_deadlock(dist2, path):
+    """A thread waiting on one group's peers (set-up, or a check through the store) must not
+    hold up another thread's calls on another group: the peers of that one may be waiting for
+    them. Before, both threads' waits went through the process's one store client in turn."""
+    for rank, results in enumerate(dist2.run(_two_groups_from_two_threads, path)):
+        assert results == {0: "ok", 1: "ok"}, (rank, results)
