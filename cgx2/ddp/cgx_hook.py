@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import seeding
 from ..checks import UNCOMPRESSED_BITS, check_bits, check_bucket_size
@@ -37,6 +38,11 @@ class _Plan:
     compressed: tuple[tuple[int, int], ...]  # (offset, numel) of each compressed layer
     exact: tuple[tuple[int, int], ...]
     layers: tuple[int, ...] = ()  # each compressed layer's index in the bucket
+
+
+Layout = tuple[tuple[int, tuple[int, ...]], ...]
+"""One backward pass's buckets, in the order DDP handed them over: each bucket's index and
+its parameters' numbers (:meth:`CGXState.param_ids`)."""
 
 
 class CGXState:
@@ -148,14 +154,31 @@ class CGXState:
         self._calls: dict[int, int] = {}
         self._plans: dict[int, _Plan] = {}
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._param_ids: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._next_param_id = 0
+        self._shapes: dict[int, tuple[int, ...]] = {}  # each numbered parameter's shape
+        self._layout: Layout = ()  # the last whole backward pass's buckets
+        self._layout_now: list[tuple[int, tuple[int, ...]]] = []
+        # Whether _layout is DDP's rebuilt one: DDP lays out its first pass afresh (one bucket
+        # of every parameter) and rebuilds its buckets after it.
+        self._layout_settled = False
+        self._passes = 0  # backward passes this process's hook has seen
+        self._resume: _Resume | None = None
         self.bytes_sent = 0
         """Bytes this rank has sent for the buckets so far (ring allreduce for exact layers)."""
         self.bytes_uncompressed = 0
         """What plain DDP (a ring allreduce of every bucket) would have sent."""
 
     def state_dict(self) -> dict[str, object]:
-        """What a checkpoint needs to resume the hook identically: its settings, counters and
-        cgx2's seed stream (:func:`cgx2.seeding.get_state`)."""
+        """What a checkpoint needs to resume the hook identically: its settings, counters,
+        cgx2's seed stream (:func:`cgx2.seeding.get_state`), the residuals and the last
+        backward pass's bucket layout (which layers were reduced together)."""
+        if self._layout and not self._layout_settled:
+            logger.warning(
+                "cgx2: CGXState.state_dict() after DDP's first backward pass only, before DDP "
+                "rebuilt its buckets: a run resumed from it groups the next step's layers as "
+                "that first pass did, not as the rebuilt buckets do (close, not bit-identical)"
+            )
         return {
             "bits": self.bits,
             "bucket_size": self.bucket_size,
@@ -167,16 +190,28 @@ class CGXState:
             "iteration": self.iteration,
             "seed_state": seeding.get_state(),
             "error_feedback": None if self.errors is None else self.errors.state_dict(),
+            "layout": [
+                [index, list(ids), [list(self._shapes[p]) for p in ids]]
+                for index, ids in self._layout
+            ],
+            "layout_settled": self._layout_settled,
         }
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:
-        """Restore :meth:`state_dict`'s values (the settings too)."""
+        """Restore :meth:`state_dict`'s values (the settings too). The next backward pass
+        reduces the layers grouped as in the checkpoint's last one, whatever buckets DDP
+        hands over (a fresh DDP's first iteration has one bucket of every parameter)."""
+        layout, shapes = _checked_layout(state.get("layout", []))
         self.bits = check_bits(state["bits"], "bits")
         self.bucket_size = check_bucket_size(state["bucket_size"])
         self.layer_min_size = int(state["layer_min_size"])
         self.bytes_sent = int(state["bytes_sent"])
         self.bytes_uncompressed = int(state["bytes_uncompressed"])
         self._plans.clear()
+        self._layout, self._layout_now = layout, []
+        self._shapes.update(shapes)
+        self._layout_settled = bool(state.get("layout_settled", False))
+        self._resume = _Resume(layout) if layout else None
         self._bit_plans = dict(state.get("bit_plans", {}))
         self._calls = dict(state.get("calls", {}))
         self.iteration = int(state.get("iteration", self.start_iter))
@@ -221,10 +256,35 @@ class CGXState:
             self._streams[device] = torch.cuda.Stream(device)
         return self._streams[device]
 
+    def param_ids(self, params: Sequence[torch.Tensor]) -> tuple[int, ...]:
+        """Each parameter's number: the order in which the hook first met it, which DDP's
+        first iteration fixes (the model's parameter order) in a resumed run as in the run
+        that saved it. Parameters are held weakly."""
+        ids = []
+        for p in params:
+            number = self._param_ids.get(p)
+            if number is None:
+                number = self._param_ids[p] = self._next_param_id
+                self._next_param_id += 1
+                self._shapes.setdefault(number, tuple(p.shape))
+            ids.append(number)
+        return tuple(ids)
+
+    def _record(self, index: int, ids: tuple[int, ...], last: bool) -> None:
+        """Note bucket ``index``'s parameters; the pass's layout is kept at its last bucket."""
+        self._layout_now.append((index, ids))
+        if last:
+            self._layout, self._layout_now = tuple(self._layout_now), []
+            self._layout_settled = self._passes > 0
+            self._passes += 1
+
     def plan(self, bucket: dist.GradBucket) -> _Plan:
         """The bucket's layer plan, made at its first step and reused while shapes hold."""
-        shapes = tuple(tuple(g.shape) for g in bucket.gradients())
-        plan = self._plans.get(bucket.index())
+        return self._plan(bucket.index(), tuple(tuple(g.shape) for g in bucket.gradients()))
+
+    def _plan(self, index: int, shapes: tuple[tuple[int, ...], ...]) -> _Plan:
+        """The plan of bucket ``index`` whose layers have ``shapes``."""
+        plan = self._plans.get(index)
         if plan is None or plan.shapes != shapes:
             compressed, exact, layers, offset = [], [], [], 0
             for index, shape in enumerate(shapes):
@@ -242,7 +302,7 @@ class CGXState:
                     exact.append((offset, numel))
                 offset += numel
             plan = _Plan(shapes, tuple(compressed), tuple(exact), tuple(layers))
-            self._plans[bucket.index()] = plan
+            self._plans[index] = plan
         return plan
 
 
@@ -273,16 +333,22 @@ def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[t
     buffer = bucket.buffer()
     # What the bucket says is read here, on DDP's thread; the reduction may run elsewhere.
     plan = state.plan(bucket)
+    params = bucket.parameters()
     keys = None
     if state.errors is not None and plan.compressed:
         # Keyed by parameter, not by bucket position: DDP rebuilds its buckets after the
         # first iteration.
-        params = bucket.parameters()
         keys = state.errors.keys(params[i] for i in plan.layers)
     warm = state.iteration >= state.start_iter
-    if bucket.is_last():
+    index, last = bucket.index(), bucket.is_last()
+    if last:
         state.iteration += 1
-    index = bucket.index()
+    resume = state._resume
+    if resume is not None:
+        if last:
+            state._resume = None
+        return _resume_bucket(state, group, resume, bucket, params, warm)
+    state._record(index, state.param_ids(params), last)
 
     def reduce(asynchronous: bool = False) -> torch.Tensor | torch.futures.Future[torch.Tensor]:
         running = _reduce_bucket_(state, group, buffer, plan, keys, warm, index, asynchronous)
@@ -400,3 +466,140 @@ def _plain_(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """The exact average of ``t`` in place, through the transport the policy gives ``t``'s
     collectives (shared memory on one host, where the quantized ones ride it too)."""
     return policy.transport(t.device, group).allreduce_plain_(t, group, "avg")
+
+
+class _Resume:
+    """The first backward pass after :meth:`CGXState.load_state_dict`: DDP's buckets arrive as
+    laid out now, and the layers are reduced as the checkpoint's buckets grouped them, each
+    such bucket once every one of its parameters has arrived (the same bits as the run that
+    saved it: the quantized allreduce's chunks and seeds follow the grouping)."""
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        self.reduced = 0  # the layout's buckets handed to a reduction so far
+        self.bucket_of = {p: at for at, (_, ids) in enumerate(layout) for p in ids}
+        self.arrived: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # param: its
+        # gradient's view in a live bucket, the parameter, and that bucket's index
+        self.waiting: dict[int, list] = {}  # live bucket: [layout buckets left, future, buffer]
+
+    def ready(self) -> list[int]:
+        """The layout's buckets whose parameters have all arrived, not yet handed over."""
+        start = self.reduced
+        while self.reduced < len(self.layout) and all(
+            p in self.arrived for p in self.layout[self.reduced][1]
+        ):
+            self.reduced += 1
+        return list(range(start, self.reduced))
+
+
+def _checked_layout(layout: object) -> tuple[Layout, dict[int, tuple[int, ...]]]:
+    """:meth:`CGXState.state_dict`'s ``layout`` as a :data:`Layout` and each parameter's
+    shape, or a ``TypeError``/``ValueError`` naming it."""
+    try:
+        entries = [(int(index), [int(p) for p in ids], [tuple(int(d) for d in shape)
+                                                        for shape in shapes])
+                   for index, ids, shapes in layout]  # fmt: skip
+    except (TypeError, ValueError):
+        raise TypeError(
+            "CGXState state: 'layout' must be a list of [bucket index, [parameter numbers], "
+            "[their shapes]]"
+        ) from None
+    numbers = [p for _, ids, _ in entries for p in ids]
+    if len(numbers) != len(set(numbers)) or any(len(i) != len(s) for _, i, s in entries):
+        raise ValueError("CGXState state: 'layout' names a parameter twice or lacks a shape")
+    shapes = {p: shape for _, ids, s in entries for p, shape in zip(ids, s, strict=True)}
+    return tuple((index, tuple(ids)) for index, ids, _ in entries), shapes
+
+
+def _resume_bucket(
+    state: CGXState,
+    group: dist.ProcessGroup,
+    resume: _Resume,
+    bucket: dist.GradBucket,
+    params: list[torch.Tensor],
+    warm: bool,
+) -> torch.futures.Future[torch.Tensor]:
+    """The hook for a bucket of the first backward pass after a checkpoint was loaded: its
+    future is set once each of the checkpoint's buckets that holds one of its layers has been
+    reduced, in the checkpoint's order (:class:`_Resume`)."""
+    buffer, live = bucket.buffer(), bucket.index()
+    ids = state.param_ids(params)
+    unknown = [i for i, (p, param) in enumerate(zip(ids, params, strict=True))
+               if p not in resume.bucket_of or state._shapes[p] != tuple(param.shape)]  # fmt: skip
+    if unknown:
+        raise ValueError(
+            f"CGXState.load_state_dict: the checkpoint's buckets do not hold the parameter of "
+            f"shape {tuple(params[unknown[0]].shape)} (DDP bucket {live}, place {unknown[0]}): "
+            "load a checkpoint into the model it came from, built the same way"
+        )
+    offset = 0
+    for p, param, grad in zip(ids, params, bucket.gradients(), strict=True):
+        resume.arrived[p] = (buffer[offset : offset + grad.numel()], param, live)
+        offset += grad.numel()
+    owners = {resume.bucket_of[p] for p in ids}
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future(
+        devices=[buffer.device] if buffer.is_cuda else None
+    )
+    resume.waiting[live] = [len(owners), future, buffer]
+    ready = resume.ready()
+    if bucket.is_last() and resume.reduced < len(resume.layout):
+        missing = [p for p in resume.layout[resume.reduced][1] if p not in resume.arrived]
+        raise ValueError(
+            f"CGXState.load_state_dict: the checkpoint's bucket {resume.reduced} holds "
+            f"parameters this model's DDP never handed over ({len(missing)} of them): load a "
+            "checkpoint into the model it came from, built the same way"
+        )
+    # The checkpoint's layout stays the one to save: it is what the run goes on with.
+    state._layout = resume.layout
+    if bucket.is_last():
+        state._passes += 1
+
+    def reduce() -> torch.Tensor:
+        try:
+            for at in ready:
+                _reduce_as_saved_(state, group, resume, at, warm)
+        except BaseException as e:
+            for _, waiting, _ in resume.waiting.values():
+                if not waiting.done():
+                    waiting.set_exception(e)
+            raise
+        return buffer
+
+    if not ready:
+        return future
+    if policy.runs_on_worker(buffer, group):
+        worker.submit(group, reduce, [buffer])
+        return future
+    if not buffer.is_cuda:
+        reduce()
+        return future
+    side = state.stream(buffer.device)
+    side.wait_stream(torch.cuda.current_stream(buffer.device))
+    with torch.cuda.stream(side):
+        reduce()
+    for _, _, waiting_buffer in resume.waiting.values():
+        waiting_buffer.record_stream(side)
+    return future
+
+
+def _reduce_as_saved_(state: CGXState, group: dist.ProcessGroup, resume: _Resume, at: int,
+                      warm: bool) -> None:  # fmt: skip
+    """Reduce the checkpoint's bucket ``at`` as the run that saved it did: its layers copied
+    into one buffer laid out as that bucket was, reduced, and copied back; then set the
+    futures of the live buckets it completes."""
+    index, ids = resume.layout[at]
+    views = [resume.arrived[p][0] for p in ids]
+    params = [resume.arrived[p][1] for p in ids]
+    plan = state._plan(index, tuple(tuple(p.shape) for p in params))
+    keys = None
+    if state.errors is not None and plan.compressed:
+        keys = state.errors.keys(params[i] for i in plan.layers)
+    buffer = torch.cat(views)
+    _reduce_bucket_(state, group, buffer, plan, keys, warm, index)
+    for view, reduced in zip(views, buffer.split([v.numel() for v in views]), strict=True):
+        view.copy_(reduced)
+    for live in {resume.arrived[p][2] for p in ids}:
+        waiting = resume.waiting[live]
+        waiting[0] -= 1
+        if waiting[0] == 0:
+            waiting[1].set_result(waiting[2])

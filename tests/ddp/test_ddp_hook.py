@@ -260,17 +260,41 @@ def test_bytes_sent_are_counted(dist2):
     assert sent4 == (numel - fc1) * 4 + 2 * (fc1 // 2 // 128) * (64 + 8)
 
 
-def _resume(split: int | None, steps: int) -> list[float]:
-    """Train ``steps`` steps; with ``split``, checkpoint after ``split`` steps and go on with a
-    fresh model, optimizer and CGXState loaded from the checkpoint."""
+class Deep(nn.Module):
+    """Four 64x64 layers, each compressed: DDP's first iteration puts all in one bucket, its
+    rebuilt buckets (``bucket_cap_mb=0.02``) hold one each, in the order backward meets them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def _resume(split: int | None, steps: int, model_name: str = "net",
+            error_feedback: bool = False) -> dict:  # fmt: skip
+    """Train ``steps`` steps; with ``split``, checkpoint after ``split`` steps (torch.save of
+    model, optimizer and hook state) and go on with a fresh model, optimizer and CGXState
+    loaded from the checkpoint. Returns the losses, the final parameters and what cgx2
+    logged as warnings."""
     import io
+    import logging
 
     import cgx2
 
+    warned: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger("cgx2").addHandler(handler)
+
     def fresh() -> tuple[DDP, torch.optim.Optimizer, CGXState]:
         torch.manual_seed(0)
-        model = DDP(Net(), bucket_cap_mb=0.02)
-        state = CGXState(None, 1024, {"bits": 3, "bucket_size": 128}, start_iter=0)
+        model = DDP(Net() if model_name == "net" else Deep(), bucket_cap_mb=0.02)
+        state = CGXState(None, 1024, {"bits": 3, "bucket_size": 128}, start_iter=0,
+                         error_feedback=error_feedback)  # fmt: skip
         model.register_comm_hook(state, cgx_hook)
         return model, torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.5), state
 
@@ -280,28 +304,98 @@ def _resume(split: int | None, steps: int) -> list[float]:
     for step in range(steps):
         if step == split:
             buffer = io.BytesIO()
-            torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
-                        "hook": state.state_dict()}, buffer)  # fmt: skip
+            try:
+                torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                            "hook": state.state_dict()}, buffer)  # fmt: skip
+            finally:
+                logging.getLogger("cgx2").removeHandler(handler)
             cgx2.manual_seed(999)  # whatever happens in between
             model, opt, state = fresh()
             buffer.seek(0)
-            checkpoint = torch.load(buffer, weights_only=False)
+            checkpoint = torch.load(buffer, weights_only=True)
             model.load_state_dict(checkpoint["model"])
             opt.load_state_dict(checkpoint["opt"])
             state.load_state_dict(checkpoint["hook"])
-        x, y = _batch(dist.get_rank(), step % 4)
+        if model_name == "net":
+            x, y = _batch(dist.get_rank(), step % 4)
+            loss = nn.functional.cross_entropy(model(x), y)
+        else:
+            g = torch.Generator().manual_seed(10 * step + dist.get_rank())
+            x = torch.randn(32, 64, generator=g)
+            loss = (model(x) - x.roll(1, 1)).square().mean()
         opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(x), y)
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    return losses
+    logging.getLogger("cgx2").removeHandler(handler)
+    params = {n: p.detach().clone() for n, p in model.module.named_parameters()}
+    return {"losses": losses, "params": params, "warned": warned}
 
 
 def test_checkpointed_hook_state_resumes_identically(dist2):
     straight = dist2.run(_resume, None, 6)
     resumed = dist2.run(_resume, 3, 6)
-    assert straight == resumed
+    assert [r["losses"] for r in straight] == [r["losses"] for r in resumed]
+
+
+@pytest.mark.parametrize("error_feedback", [False, True])
+def test_resume_into_a_fresh_ddp_is_bit_identical(dist2, error_feedback):
+    """A fresh DDP's first iteration puts every parameter in one bucket, the run it resumes
+    had rebuilt its buckets: the hook quantizes the layers as the checkpointed run grouped
+    them, so the parameters come out bit for bit those of a run never interrupted."""
+    straight = dist2.run(_resume, None, 5, "deep", error_feedback)
+    for split in (2, 4):
+        resumed = dist2.run(_resume, split, 5, "deep", error_feedback)
+        for s, r in zip(straight, resumed, strict=True):
+            assert s["losses"] == r["losses"], split
+            for name, p in s["params"].items():
+                assert torch.equal(p, r["params"][name]), (split, name)
+            assert not r["warned"]
+
+
+def test_a_checkpoint_before_ddps_rebuild_says_it_does_not_resume_bit_identically(dist2):
+    """After DDP's first pass only, the buckets the next step uses are not known yet (DDP
+    rebuilds them at that step): saving warns, and a resumed run stays close."""
+    straight = dist2.run(_resume, None, 3, "deep")
+    resumed = dist2.run(_resume, 1, 3, "deep")
+    for s, r in zip(straight, resumed, strict=True):
+        assert any("before DDP rebuilt its buckets" in w for w in r["warned"]), r["warned"]
+        for name, p in s["params"].items():
+            assert torch.allclose(p, r["params"][name], atol=1e-2), name
+
+
+def _load_into_another_model() -> str:
+    """Deep's hook checkpoint (after DDP rebuilt its buckets) loaded for Net's DDP."""
+    torch.manual_seed(0)
+    model = DDP(Deep(), bucket_cap_mb=0.02)
+    state = CGXState(None, 1024, {"bits": 4, "bucket_size": 128}, start_iter=0)
+    model.register_comm_hook(state, cgx_hook)
+    for _ in range(2):
+        model(torch.randn(4, 64)).sum().backward()
+    saved = state.state_dict()
+    other = DDP(Net())
+    state = CGXState(None, 1024, {"bits": 4, "bucket_size": 128}, start_iter=0)
+    state.load_state_dict(saved)
+    other.register_comm_hook(state, cgx_hook)
+    x, y = _batch(dist.get_rank(), 0)
+    try:
+        nn.functional.cross_entropy(other(x), y).backward()
+    except Exception as e:  # DDP may wrap what the hook raised
+        return str(e)
+    return "no error"
+
+
+def test_a_checkpoint_loaded_into_another_model_is_refused(dist2):
+    for message in dist2.run(_load_into_another_model):
+        assert "the checkpoint's buckets do not hold the parameter of shape" in message
+    state = CGXState(None, 1024, {"bits": 4})
+    saved = state.state_dict()
+    for layout, error in [
+        ("x", TypeError),
+        ([[0, [1, 2], [[3], [3]]], [1, [2], [[3]]]], ValueError),
+    ]:
+        with pytest.raises(error, match="'layout'"):
+            state.load_state_dict({**saved, "layout": layout})
 
 
 def _first_iterations(start_iter: int) -> list[tuple[int, int]]:
