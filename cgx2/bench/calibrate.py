@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 import cgx2
 from cgx2 import config
-from cgx2.collectives import policy
+from cgx2.collectives import calibration_file, policy
 from cgx2.collectives.hierarchical import node_mesh
 from cgx2.collectives.measure import (
     BITS,
@@ -180,13 +180,16 @@ def calibrate(
 def keep_other_crossovers(data: dict[str, Any], path: str | os.PathLike[str]) -> dict[str, Any]:
     """``data`` with the crossovers of an earlier calibration file at ``path`` that this run
     did not measure (another backend, device or width): calibrating NCCL and then gloo leaves
-    both in the file. An absent or foreign file adds nothing."""
+    both in the file. An absent file adds nothing, nor does one the policy would not read
+    (:func:`cgx2.collectives.calibration_file.load`; logged)."""
     try:
-        with open(path) as f:
-            earlier = json.load(f)
-    except (OSError, ValueError):
+        earlier = calibration_file.load(os.fspath(path))
+    except calibration_file.CalibrationFileError as e:
+        logging.getLogger("cgx2").warning(
+            "cgx2: not keeping the crossovers of the calibration file %s: it %s", path, e
+        )
         return data
-    if not isinstance(earlier, dict) or earlier.get("format") != policy.CALIBRATION_FORMAT:
+    if earlier is None:
         return data
     merged = dict(data)
     for table in ("crossover_bytes", "beside_crossover_bytes", "node_mesh_faster"):
@@ -198,14 +201,21 @@ def keep_other_crossovers(data: dict[str, Any], path: str | os.PathLike[str]) ->
 
 def write_calibration(data: dict[str, Any], path: str | os.PathLike[str]) -> Path:
     """Write ``data`` to ``path`` atomically (a temporary file beside it, then renamed), so that
-    a reader sees the old file or the new one, never half of one."""
+    a reader sees the old file or the new one, never half of one; only its owner may write it,
+    as the policy requires. Data larger than the policy reads
+    (:data:`cgx2.collectives.calibration_file.MAX_BYTES`) raises ``ValueError``."""
+    text = json.dumps(data, indent=1) + "\n"
+    if len(text.encode()) > calibration_file.MAX_BYTES:
+        raise ValueError(
+            f"write_calibration: data of {len(text.encode())} bytes, more than the "
+            f"{calibration_file.MAX_BYTES} a calibration file may hold (fewer --sizes)"
+        )
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1)
-            f.write("\n")
+            f.write(text)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):

@@ -26,7 +26,7 @@ from .. import config, cpu_threads
 from ..checks import UNCOMPRESSED_BITS
 from ..comm import GroupInfo, group_info, nccl, process_group, shm
 from ..comm import store as stored
-from . import graphs
+from . import calibration_file, graphs
 
 __all__ = [
     "CALIBRATION_FORMAT",
@@ -102,7 +102,7 @@ PIECE_NUMEL_PAIR = {"shm": 64 << 20, "socket": 64 << 20}
 :data:`PIECE_NUMEL`: there each collective's fixed cost outweighs the coding that smaller
 pieces overlap (BENCHMARKS.md, "Pipeline pieces")."""
 
-CALIBRATION_FORMAT = "cgx2-calibration/1"
+CALIBRATION_FORMAT = calibration_file.FORMAT
 """The ``format`` of a calibration file (``python -m cgx2.bench calibrate``)."""
 
 _STORE_KEY = "cgx2/calibration/"
@@ -266,48 +266,33 @@ def calibration_key(device_type: str, backend: str, dtype: torch.dtype) -> str:
     return f"{device_type}/{backend}/{'fp32' if dtype.itemsize >= 4 else '16bit'}"
 
 
-def _a_crossover(value: object) -> bool:
-    return value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0)
-
-
-def _a_mesh_table(table: object) -> bool:
-    """Whether ``table`` maps sizes (decimal strings, as JSON keeps them) to booleans."""
-    return isinstance(table, dict) and all(
-        isinstance(size, str) and size.isdigit() and isinstance(won, bool)
-        for size, won in table.items()
-    )
-
-
 def _read_calibration(path: str) -> dict[str, dict]:
     """What a calibration file holds for the policy: ``"crossovers"``, a pair a key (for calls
     alone, for calls beside the training step: the first where the file has no second), and
     ``"node_mesh"``, where timed, whether the node mesh beat the flat allreduce, by size (as a
-    decimal string) a key; empty where there is no file or it is unusable (logged)."""
-    empty: dict[str, dict] = {"crossovers": {}, "node_mesh": {}}
+    decimal string) a key; empty where there is no file. A file that cannot be used
+    (:func:`cgx2.collectives.calibration_file.load`: not a small regular file of this user's
+    that no one else can write, or not the format) leaves them empty too, and ``"ignored"``
+    says why, for every rank to log alike."""
+    empty: dict[str, object] = {"crossovers": {}, "node_mesh": {}, "ignored": None}
     try:
-        with open(path) as f:
-            data = json.load(f)
-    except FileNotFoundError:
+        data = calibration_file.load(path)
+    except calibration_file.CalibrationFileError as e:
+        return {**empty, "ignored": [path, str(e)]}
+    except Exception as e:  # whatever else went wrong, rank 0 must still publish
+        return {**empty, "ignored": [path, f"could not be read: {e!r}"]}
+    if data is None:
         return empty
-    except (OSError, ValueError) as e:
-        logger.warning("cgx2: ignoring the calibration file %s: %s", path, e)
-        return empty
-    crossovers = data.get("crossover_bytes") if isinstance(data, dict) else None
-    beside = data.get("beside_crossover_bytes", {}) if isinstance(data, dict) else None
-    mesh = data.get("node_mesh_faster", {}) if isinstance(data, dict) else None
-    valid = all(isinstance(table, dict) and all(map(_a_crossover, table.values()))
-                for table in (crossovers, beside))  # fmt: skip
-    valid = valid and isinstance(mesh, dict) and all(map(_a_mesh_table, mesh.values()))
-    if not valid or data.get("format") != CALIBRATION_FORMAT:
-        logger.warning("cgx2: ignoring the calibration file %s: not a %s file", path,
-                       CALIBRATION_FORMAT)  # fmt: skip
-        return empty
+    crossovers = data["crossover_bytes"]
+    beside = data.get("beside_crossover_bytes", {})
+    mesh = data.get("node_mesh_faster", {})
     timed = f"; the node mesh faster than the flat allreduce: {mesh}" if mesh else ""
     logger.info("cgx2: crossovers from %s: %s (beside the training step: %s)%s", path,
                 crossovers, beside or "the same", timed)  # fmt: skip
     return {
         "crossovers": {key: [value, beside.get(key, value)] for key, value in crossovers.items()},
         "node_mesh": mesh,
+        "ignored": None,
     }
 
 
@@ -363,6 +348,7 @@ def _calibration_file(group: dist.ProcessGroup | None) -> dict[str, dict]:
         return found
     if group is None or not dist.is_initialized():
         found = _read_calibration(path)
+        _say_ignored(found, None)
     else:
         store = dist.distributed_c10d._get_default_store()
         name = _STORE_KEY + group.group_name
@@ -379,10 +365,20 @@ def _calibration_file(group: dist.ProcessGroup | None) -> dict[str, dict]:
                     "that this rank has (do the ranks pass the same bits, sizes and "
                     f"CGX2_CROSSOVER_BYTES?): {e}"
                 ) from e
+        _say_ignored(found, group)
     _CALIBRATIONS[key] = found
     if group is not None:
         weakref.finalize(group, _CALIBRATIONS.pop, key, None)
     return found
+
+
+def _say_ignored(found: dict[str, object], group: dist.ProcessGroup | None) -> None:
+    """Log, the same words on every rank, that the first rank's calibration file was not used."""
+    if found.get("ignored"):
+        path, reason = found["ignored"]
+        whose = "" if group is None else f" (rank 0's, for the ranks of {group.group_name!r})"
+        logger.warning("cgx2: ignoring the calibration file %s%s: it %s; the built-in "
+                       "crossovers serve instead", path, whose, reason)  # fmt: skip
 
 
 def crossover_bytes(device: torch.device, dtype: torch.dtype,

@@ -423,6 +423,122 @@ def test_ranks_route_by_rank_0s_calibration(dist2, tmp_path):
     assert dist2.run(_route_with_own_calibration, str(tmp_path)) == [[8192, False]] * 2
 
 
+_BAD_CALIBRATIONS = {
+    # What rank 0's file is, and what every rank's warning must say of it.
+    "oversize": "larger than the 262144 a calibration file takes",
+    "deep": "nests deeper than 8 levels",
+    "not json": "is not JSON of a calibration file",
+    "schema": "not a size in bytes",
+    "world-writable": "is writable by users other than its owner (mode 666)",
+    "group-writable": "is writable by users other than its owner (mode 664)",
+    "another owner": "is owned by user id 65534",
+    "fifo": "is not a regular file",
+    "directory": "is not a regular file",
+}
+
+
+def _write_bad_calibration(case: str, path: str) -> None:
+    good = {"format": policy.CALIBRATION_FORMAT, "crossover_bytes": {"cpu/gloo/fp32": 8192}}
+    if case == "fifo":
+        os.mkfifo(path, 0o600)
+    elif case == "directory":
+        os.mkdir(path)
+    else:
+        with open(path, "w") as f:
+            if case == "oversize":  # the right format, past the store's 8 MiB values
+                json.dump({**good, "measurements": [{"bytes": n} for n in range(600_000)]}, f)
+            elif case == "deep":
+                f.write("[" * 100_000 + "]" * 100_000)
+            elif case == "not json":
+                f.write('{"format": "cgx2-calibration/1", "crossover_bytes": {')
+            elif case == "schema":
+                json.dump({**good, "crossover_bytes": {"cpu/gloo/fp32": "8 KiB"}}, f)
+            else:
+                json.dump(good, f)
+        mode = {"world-writable": 0o666, "group-writable": 0o664}.get(case, 0o644)
+        os.chmod(path, mode)
+        if case == "another owner":
+            os.chown(path, 65534, 65534)
+
+
+def _bad_calibration(case: str, directory: str) -> dict:
+    """Rank 0's calibration file is unusable as ``case`` says; rank 1's own is good (and says
+    compress from 1 GiB). Every rank must log the same warning, naming rank 0's file and the
+    reason, and route by the built-in tables: no hang, no error."""
+    rank = dist.get_rank()
+    path = os.path.join(directory, f"{case.replace(' ', '-')}-{rank}.json")
+    if rank == 0:
+        _write_bad_calibration(case, path)
+    else:
+        with open(path, "w") as f:
+            json.dump({"format": policy.CALIBRATION_FORMAT,
+                       "crossover_bytes": {"cpu/gloo/fp32": 1 << 30}}, f)  # fmt: skip
+    dist.barrier()
+    warned: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger("cgx2").addHandler(handler)
+    try:
+        with config.tuned(calibration_file=path):
+            group = dist.new_group()
+            found = policy.calibration(group)
+            dist.destroy_process_group(group)
+    finally:
+        logging.getLogger("cgx2").removeHandler(handler)
+    return {"found": found, "warned": warned}
+
+
+@pytest.mark.parametrize("case", sorted(_BAD_CALIBRATIONS))
+def test_an_unusable_calibration_file_gives_every_rank_the_same_warning(dist2, tmp_path, case):
+    """A file larger than the store's values, nested too deep, not JSON, of the wrong schema,
+    writable by others, of another user, a FIFO or a directory: every rank warns alike, naming
+    rank 0's file and why, and routes by the built-in crossovers."""
+    if case == "another owner" and os.geteuid() != 0:
+        pytest.skip("only root can give a file to another user")
+    tmp_path.chmod(0o755)
+    results = dist2.run(_bad_calibration, case, str(tmp_path))
+    name = case.replace(" ", "-")
+    for r in results:
+        assert r["found"] == {}
+        assert len(r["warned"]) == 1, r["warned"]
+        assert str(tmp_path / f"{name}-0.json") in r["warned"][0]
+        assert _BAD_CALIBRATIONS[case] in r["warned"][0], r["warned"][0]
+    assert results[0]["warned"][0] == results[1]["warned"][0]
+
+
+@pytest.mark.parametrize(
+    ("content", "reason"),
+    [
+        (b'{"format": "cgx2-calibration/1", "crossover_bytes": {"cpu/gloo/fp32": NaN}}', "NaN"),
+        (b'{"format": "cgx2-calibration/1", "crossover_bytes": {}, "crossover_bytes": {}}',
+         "names a key twice"),
+        (b'{"format": "cgx2-calibration/1", "crossover_bytes": {"cpu/gloo/fp32": 1'
+         + b"0" * 30 + b"}}", "too large"),
+        (b"\xff\xfe", "not UTF-8"),
+        (b'{"format": "cgx2-calibration/1", "crossover_bytes": {"fp32": 1}}', "device/backend"),
+        (b'{"format": "cgx2-calibration/1", "crossover_bytes": {},'
+         b' "node_mesh_faster": {"cpu/gloo/fp32": {"1M": true}}}', "other than sizes"),
+        (b'{"format": "cgx2-calibration/1"}', "no 'crossover_bytes'"),
+        (b"[1, 2]", "a JSON list, not an object"),
+        (b'{"a": ' * 9 + b"1" + b"}" * 9, "nests deeper than 8"),
+    ],
+)  # fmt: skip
+def test_the_calibration_file_is_parsed_with_bounds_and_its_schema_checked(tmp_path, content,
+                                                                           reason):  # fmt: skip
+    from cgx2.collectives import calibration_file
+
+    path = tmp_path / "c.json"
+    path.write_bytes(content)
+    path.chmod(0o644)
+    with pytest.raises(calibration_file.CalibrationFileError, match=reason):
+        calibration_file.load(str(path))
+    assert calibration_file.load(str(tmp_path / "absent.json")) is None
+    nested = {"format": policy.CALIBRATION_FORMAT, "crossover_bytes": {"cpu/gloo/fp32": None},
+              "measurements": [{"a": [[1]]}]}  # fmt: skip
+    path.write_text(json.dumps(nested))
+    assert calibration_file.load(str(path)) == nested
+
+
 def _node_mesh_from_rank_0s_calibration(directory: str) -> list[object]:
     """Rank 0's file says the node mesh won at 1 MiB and lost at 16 MiB (rank 1's the
     opposite); timing them at first use would fail."""

@@ -172,3 +172,34 @@ def test_a_new_calibration_keeps_what_the_earlier_file_measured_elsewhere(tmp_pa
     assert merged["node_mesh_faster"] == {"cpu/gloo/16bit": {"1048576": True},
                                           "cpu/gloo/fp32": {"1": False}}  # fmt: skip
     assert keep_other_crossovers(new, tmp_path / "absent.json") == new
+
+
+def test_the_file_written_is_one_the_policy_reads_and_no_larger(tmp_path: Path) -> None:
+    from cgx2.collectives import calibration_file
+
+    data = {"format": calibration_file.FORMAT, "crossover_bytes": {"cpu/gloo/fp32": 8192}}
+    path = write_calibration(data, tmp_path / "c.json")
+    assert path.stat().st_mode & 0o022 == 0  # only its owner may write it
+    assert calibration_file.load(str(path)) == data
+    big = {**data, "measurements": [{"bytes": n} for n in range(50_000)]}
+    with pytest.raises(ValueError, match="more than the 262144"):
+        write_calibration(big, tmp_path / "big.json")
+    assert not (tmp_path / "big.json").exists()
+
+
+@pytest.mark.parametrize("case", ["world-writable", "deep"])
+def test_an_earlier_file_the_policy_would_refuse_adds_nothing(tmp_path: Path, caplog,
+                                                              case: str) -> None:  # fmt: skip
+    from cgx2.bench.calibrate import keep_other_crossovers
+    from cgx2.collectives.policy import CALIBRATION_FORMAT
+
+    path = tmp_path / "c.json"
+    if case == "deep":
+        path.write_text("[" * 100_000 + "]" * 100_000)
+    else:
+        path.write_text(json.dumps({"format": CALIBRATION_FORMAT,
+                                    "crossover_bytes": {"cuda/nccl/fp32": 1}}))  # fmt: skip
+        path.chmod(0o666)
+    new = {"format": CALIBRATION_FORMAT, "crossover_bytes": {"cpu/gloo/fp32": 3}}
+    assert keep_other_crossovers(new, path) == new
+    assert f"not keeping the crossovers of the calibration file {path}" in caplog.text
