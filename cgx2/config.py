@@ -17,7 +17,10 @@ from .checks import MAX_BUCKET_SIZE, UNCOMPRESSED_BITS, check_bits, check_bucket
 
 __all__ = [
     "ALGORITHMS",
+    "COMPARED_PER_CALL",
+    "NOT_COMPARED",
     "TRANSPORTS",
+    "WIRE_SETTINGS",
     "CGXConfig",
     "LaunchConfig",
     "TuningConfig",
@@ -30,6 +33,7 @@ __all__ = [
     "triton_interpret",
     "tuned",
     "tuning",
+    "wire_settings",
 ]
 
 MIN_COMPRESSION_SIZE = 16
@@ -397,6 +401,54 @@ class LaunchConfig:
                    flag("NCCL_P2P_DISABLE"), flag("NCCL_SHM_DISABLE"),
                    env.get("OMP_WAIT_POLICY", "").strip().lower(),
                    env.get("GLOO_SOCKET_IFNAME", "").strip())  # fmt: skip
+
+
+WIRE_SETTINGS: dict[str, str] = {
+    # TuningConfig's fields
+    "pipeline_bytes": "CGX2_PIPELINE_BYTES",
+    "pair_gather": "CGX2_PAIR_GATHER",
+    "node_mesh": "CGX2_NODE_MESH",
+    "transport": "CGX2_TRANSPORT",
+    "algorithm": "CGX2_ALGORITHM",
+    # CGXConfig's
+    "skip_incomplete_buckets": "CGX_COMPRESSION_SKIP_INCOMPLETE_BUCKETS",
+    "minimal_size": "CGX_COMPRESSION_MINIMAL_SIZE",
+    "fusion_buffer_size_mb": "CGX_FUSION_BUFFER_SIZE_MB",
+    "inner_communicator": "CGX_INNER_COMMUNICATOR_TYPE",
+    "intra_broadcast": "CGX_INTRA_BROADCAST",
+}
+"""The settings (:class:`TuningConfig`'s and :class:`CGXConfig`'s fields, with their variables)
+that change what bytes move between the ranks, which must therefore be alike on every rank:
+the agreement check compares them (:func:`wire_settings`, decided with a call's route)."""
+
+COMPARED_PER_CALL: dict[str, str] = {
+    "crossover_bytes": "CGX2_CROSSOVER_BYTES",  # read at every call (crossover_override)
+    "quantization_bits": "CGX_COMPRESSION_QUANTIZATION_BITS",  # the call's bits
+    "bucket_size": "CGX_COMPRESSION_BUCKET_SIZE",  # the call's bucket size
+}
+"""Settings that change the bytes but may change between calls: the agreement check compares
+the value each call uses, with the call's arguments."""
+
+NOT_COMPARED: dict[str, str] = {
+    "cuda_graphs": "a replayed graph moves the bytes of the eager call",
+    "check_agreement": "a rank that does not check takes no part in the comparison",
+    "comm_worker": "which thread runs a collective, not what it sends",
+    "calibration_file": "every rank routes by the first rank's file",
+    "cache_dir": "where the calibration file is",
+    "direct_launch": "the same kernels, launched another way: the same bytes",
+    "native_codec": "the compiled loops and the torch code give the same bytes",
+    "cross_communicator": "read for CGX's scripts: the process group crosses nodes",
+}
+"""The other settings, and why ranks may differ in them. Every field of :class:`TuningConfig`
+and :class:`CGXConfig` is in exactly one of :data:`WIRE_SETTINGS`, :data:`COMPARED_PER_CALL`
+and this (a test holds it), so that a new setting is not forgotten by the check."""
+
+
+def wire_settings() -> dict[str, object]:
+    """:data:`WIRE_SETTINGS`' values in force, by variable: :func:`tuning`'s (with
+    :func:`tuned`'s overrides) and the ``CGX_*`` variables' as they are now."""
+    found = {**dataclasses.asdict(CGXConfig.from_env()), **dataclasses.asdict(tuning())}
+    return {variable: found[name] for name, variable in WIRE_SETTINGS.items()}
 
 
 _tuning: TuningConfig | None = None

@@ -149,7 +149,7 @@ class CGXProcessGroup(dist.ProcessGroup):
             fields = {"reduce_op": op, "bits": bits, "bucket_size": bucket_size,
                       "minimal_size": self.config.minimal_size, "compressed": compress}  # fmt: skip
             agreed = agreement.check(self, "all_reduce on the cgx backend", t, fields,
-                                     deferred=route.check == "deferred")  # fmt: skip
+                                     deferred=route.check == "deferred", route=route)  # fmt: skip
         if compress:
             with self._side_stream(tensors):
                 self._compress(tensors, bits, bucket_size, op)

@@ -23,6 +23,7 @@ answer reaches the host, at the latest by the next checked call on the group.
 from __future__ import annotations
 
 import itertools
+import json
 import struct
 import threading
 import weakref
@@ -30,12 +31,17 @@ import zlib
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+from .. import config
 from ..comm import all_gather_single, group_info, group_store, peers
 from ..comm import store as stored
+
+if TYPE_CHECKING:
+    from .policy import Route
 
 __all__ = ["DisagreementError", "check", "raise_pending", "settle"]
 
@@ -67,10 +73,15 @@ _PENDING_LOCK = threading.Lock()
 
 def check(group: dist.ProcessGroup, operation: str, t: torch.Tensor,
           fields: dict[str, int | str | bool | float | Sequence | None],
-          *, deferred: bool = False) -> torch.Tensor | None:  # fmt: skip
+          *, deferred: bool = False,
+          route: Route | None = None) -> torch.Tensor | None:  # fmt: skip
     """Raise :class:`DisagreementError` on every rank of ``group`` unless all called
     ``operation`` with the same ``t.numel()``, ``t.dtype`` and ``fields`` (named values; the
     message names those that differ, rank by rank).
+
+    ``route`` (the call's, :func:`.policy.route`): the settings it was decided under are
+    compared too, by their fingerprint and ``CGX2_CROSSOVER_BYTES``; where the fingerprints
+    differ, a second exchange names the variables that differ.
 
     ``deferred`` (CUDA float tensors; others are checked at once): don't wait for the answer.
     Returns a 0-dim bool tensor on ``t``'s GPU, True where every rank agreed: pass it to
@@ -80,6 +91,10 @@ def check(group: dist.ProcessGroup, operation: str, t: torch.Tensor,
     raise_pending(group)
     if t.is_cuda and torch.cuda.is_current_stream_capturing():
         return None  # a captured graph replays its collectives without the host: none to compare
+    if route is not None:
+        crossover = config.crossover_override()
+        fields = {**fields, CROSSOVER: -1 if crossover is None else crossover,
+                  SETTINGS: route.fingerprint}  # fmt: skip
     # Only an answer that lands on a GPU is worth not waiting for; only floats take NaN.
     deferred = deferred and t.is_cuda and t.is_floating_point()
     names = ["numel", "dtype", *fields]
@@ -89,14 +104,53 @@ def check(group: dist.ProcessGroup, operation: str, t: torch.Tensor,
     info = group_info(group)
     world, rank = info.size, info.rank
     shown = {"numel": t.numel(), "dtype": t.dtype, **fields}
+    if route is not None:
+        shown[SETTINGS] = route.settings
     store = None if on_gpu or world > STORE_MAX_RANKS else group_store(group)
-    exchanged = None
+    found = _share(group, operation, values, store, device, world, rank)
+    if isinstance(found, list):  # exchanged on the host
+        rows: list = found
+    elif not deferred:
+        rows = found.tolist()
+    else:
+        agreed = (found == found[0]).all()
+        copied = found.to("cpu", non_blocking=True)  # the host's copy arrives in stream order
+        ready = torch.cuda.Event()
+        ready.record()
+        with _PENDING_LOCK:
+            _PENDING.setdefault(group, deque()).append(
+                _Pending(copied, ready, names, shown, operation, rank)
+            )
+        return agreed
+    if route is not None and _differ_in(rows, names.index(SETTINGS)):
+        # Every rank sees the same rows, so all make this second exchange: each rank's settings.
+        blob = route.settings.encode()[:_SETTINGS_BYTES].ljust(_SETTINGS_BYTES, b" ")
+        packed = list(struct.unpack(f"<{_SETTINGS_BYTES // 8}q", blob))
+        theirs = _share(group, operation + "'s settings", packed, store, device, world, rank)
+        theirs = theirs if isinstance(theirs, list) else theirs.tolist()
+        shown[SETTINGS] = [_settings_of(row) for row in theirs]
+    _raise_if_different(rows, names, shown, operation, rank)
+    return None
+
+
+CROSSOVER = "CGX2_CROSSOVER_BYTES"
+"""The field of :func:`check` for the crossover in force (-1: ``auto``), read at every call."""
+SETTINGS = "settings"
+"""The field of :func:`check` for the fingerprint of a route's settings (:class:`.policy.Route`)."""
+_SETTINGS_BYTES = 2048  # each rank's settings in the second exchange: a fixed size for GPUs too
+
+
+def _share(group: dist.ProcessGroup, operation: str, values: list[int], store: dist.Store | None,
+           device: torch.device, world: int,
+           rank: int) -> list[tuple[str, list[int]]] | torch.Tensor:  # fmt: skip
+    """Every rank's ``values``: on the host (``store`` given: :func:`_exchange_on_host`), or
+    by an all-gather on ``device`` (a ``[world, len(values)]`` tensor there)."""
     try:
         if store is not None:
-            exchanged = _exchange_on_host(store, group, operation, values, world, rank)
-        else:
-            gathered = torch.empty(world * len(values), dtype=torch.int64, device=device)
-            all_gather_single(gathered, _on(device, values), group=group)
+            return _exchange_on_host(store, group, operation, values, world, rank)
+        gathered = torch.empty(world * len(values), dtype=torch.int64, device=device)
+        all_gather_single(gathered, _on(device, values), group=group)
+        return gathered.view(world, -1)
     except DisagreementError:
         raise
     except RuntimeError as e:  # a peer died or stalled before the call
@@ -104,22 +158,27 @@ def check(group: dist.ProcessGroup, operation: str, t: torch.Tensor,
             f"cgx2: the ranks of {operation} could not compare their arguments (this is rank "
             f"{rank}): {e}"
         ) from e
-    if exchanged is not None:
-        _raise_if_different(exchanged, names, shown, operation, rank)
-        return None
-    rows = gathered.view(world, -1)
-    if not deferred:
-        _raise_if_different(rows.tolist(), names, shown, operation, rank)
-        return None
-    agreed = (rows == rows[0]).all()
-    rows = rows.to("cpu", non_blocking=True)  # the host's copy arrives in stream order
-    ready = torch.cuda.Event()
-    ready.record()
-    with _PENDING_LOCK:
-        _PENDING.setdefault(group, deque()).append(
-            _Pending(rows, ready, names, shown, operation, rank)
-        )
-    return agreed
+
+
+def _differ_in(rows: list, column: int) -> bool:
+    """Whether the ranks' ``rows`` (as :func:`_share` gives them, on the host) differ in
+    ``column``, where they called the same collective with as many values."""
+    if rows and isinstance(rows[0], tuple):
+        if len({name for name, _ in rows}) > 1 or len({len(row) for _, row in rows}) > 1:
+            return False  # different collectives: named as such
+        rows = [row for _, row in rows]
+    return len({row[column] for row in rows}) > 1
+
+
+def _settings_of(row: list[int] | tuple[str, list[int]]) -> dict[str, object]:
+    """A rank's settings from the second exchange's values."""
+    values = row[1] if isinstance(row, tuple) else row
+    text = struct.pack(f"<{len(values)}q", *values).decode(errors="replace").rstrip()
+    try:
+        found = json.loads(text)
+    except ValueError:
+        return {"settings": text}
+    return found if isinstance(found, dict) else {"settings": text}
 
 
 def settle(agreed: torch.Tensor | None, result: torch.Tensor,
@@ -275,12 +334,41 @@ def _raise_if_different(rows: list[list[int]] | list[tuple[str, list[int]]], nam
             )
         rows = [row for _, row in rows]
     differing = [i for i, name in enumerate(names) if len({row[i] for row in rows}) > 1]
-    described = ", ".join(f"{names[i]}={_describe(names[i], rows, i)}" for i in differing)
+    described = [f"{names[i]}={_describe(names[i], rows, i)}" for i in differing]
+    mine = [f"{names[i]}={_show(names[i], shown[names[i]])}" for i in differing]
+    tail = "tensor size, dtype and arguments"
+    if SETTINGS in names and names.index(SETTINGS) in differing:
+        at = [names[i] for i in differing].index(SETTINGS)
+        described[at], mine[at] = _settings_differing(shown[SETTINGS], rank)
+        tail += " under the same settings (cgx2.config.WIRE_SETTINGS' variables)"
+    if CROSSOVER in names and names.index(CROSSOVER) in differing:
+        tail += " under the same settings"
     raise DisagreementError(
-        f"cgx2: the ranks of {operation} disagree on {described} (this rank "
-        f"{rank}: " + ", ".join(f"{names[i]}={shown[names[i]]}" for i in differing)
-        + "); every rank must call it with the same tensor size, dtype and arguments"
+        f"cgx2: the ranks of {operation} disagree on {', '.join(described)} (this rank {rank}: "
+        f"{', '.join(mine)}); every rank must call it with the same {tail}"
+    )
+
+
+def _settings_differing(settings: str | list[dict[str, object]], rank: int) -> tuple[str, str]:
+    """The settings that differ, rank by rank, and this rank's, from every rank's (a list), or
+    where only this rank's are known (a deferred check: its JSON), what can be said."""
+    if isinstance(settings, str):
+        return "their settings", f"settings={settings}"
+    keys = list(dict.fromkeys(k for found in settings for k in found))
+    differ = [k for k in keys if len({json.dumps(found.get(k)) for found in settings}) > 1]
+    described = ", ".join(
+        f"{k}=[" + ", ".join(f"rank {r}: {_show(k, found.get(k))}" for r, found in
+                             enumerate(settings)) + "]"
+        for k in differ
     )  # fmt: skip
+    return described, ", ".join(f"{k}={_show(k, settings[rank].get(k))}" for k in differ)
+
+
+def _show(name: str, value: object) -> object:
+    """``value`` of field ``name`` as the message shows it: ``auto`` for a setting left to cgx2."""
+    if value is None or (name == CROSSOVER and value == -1):
+        return "auto"
+    return value
 
 
 def _code(value: object) -> int:
@@ -302,4 +390,6 @@ def _describe(name: str, rows: list[list[int]], i: int) -> str:
         codes = [by_code.get(c, "other") for c in codes]
     elif name == "reduce_op":
         codes = [{code: word for word, code in _WORDS.items()}.get(c, c) for c in codes]
+    elif name == CROSSOVER:
+        codes = [_show(name, c) for c in codes]
     return "[" + ", ".join(f"rank {r}: {c}" for r, c in enumerate(codes)) + "]"

@@ -101,7 +101,7 @@ def _check_agreement(route: policy.Route, t: torch.Tensor, bits: int, bucket_siz
     fields = {"bits": bits, "bucket_size": bucket_size, "reduce_op": reduce_op,
               "skip_incomplete": skip_incomplete, "compressed": route.compress}  # fmt: skip
     return agreement.check(group, "quantized_allreduce", t, fields,
-                           deferred=route.check == "deferred")  # fmt: skip
+                           deferred=route.check == "deferred", route=route)  # fmt: skip
 
 
 def exchange(recv: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup, world: int,

@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import weakref
+import zlib
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -25,7 +26,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from .. import config, cpu_threads
 from ..checks import UNCOMPRESSED_BITS
 from ..comm import GroupInfo, group_info, nccl, process_group, shm
-from ..comm import store as stored
 from . import calibration_file, graphs
 
 __all__ = [
@@ -126,6 +126,9 @@ class Route:
     - ``ring``: the pipelined ring (:mod:`.ring`) instead of the scatter-reduce-allgather:
       ``CGX2_ALGORITHM=ring`` only. Its error grows with the world size, and where it was
       measured it was no faster (BENCHMARKS.md, "Transports").
+    - ``settings``: what the route was decided under that every rank must share, as JSON: the
+      variables that change the bytes (:func:`cgx2.config.wire_settings`) and what this route
+      made of them (``route.*``); ``fingerprint``: its CRC, which the agreement check compares.
     """
 
     compress: bool
@@ -137,6 +140,8 @@ class Route:
     check: str = ""
     transport: ModuleType = process_group
     ring: bool = False
+    settings: str = "{}"
+    fingerprint: int = 0
 
 
 def detect_regime(device: torch.device, backend: str = "nccl", cuda_on_nccl: bool = True) -> str:
@@ -356,8 +361,8 @@ def _calibration_file(group: dist.ProcessGroup | None) -> dict[str, dict]:
             found = _read_calibration(path)
             store.set(name, json.dumps(found))
         else:
-            try:  # asked, not waited for: other threads' groups share the store's client
-                found = json.loads(stored.get(store, name, group_info(group).timeout_s))
+            try:  # within the store's timeout, the group's
+                found = json.loads(store.get(name))
             except RuntimeError as e:  # DistStoreError (a RuntimeError): rank 0 never came
                 raise RuntimeError(
                     f"cgx2: rank 0 of group {group.group_name!r} did not publish its crossovers "
@@ -546,6 +551,11 @@ def route(t: torch.Tensor, group: dist.ProcessGroup, bits: int, bucket_size: int
     if threshold is None:  # asked only here: a plain call never measures
         with_graphs = config.tuning().cuda_graphs is True
         threshold = _pick(_measured(t.device, t.dtype, group_info(group), group, with_graphs))
+    elif id(group) not in _CALIBRATIONS:
+        # Read at the same call as on ranks without the variable (whose crossovers come from
+        # the first rank's file): ranks whose CGX2_CROSSOVER_BYTES differ then reach the
+        # agreement check, which names it, rather than one waiting for the file alone.
+        calibration(group)
     if numel == 0 or threshold is None or numel * t.element_size() < threshold:
         return routes.plain
     if routes.graphs is not None and _graphed(numel * t.element_size()) and graphs.usable(t):
@@ -592,10 +602,22 @@ def _routes(t: torch.Tensor, group: dist.ProcessGroup, bucket_size: int) -> _Rou
     # A CUDA graph captures the process group's NCCL kernels: a transport named instead (whose
     # waits may be on the host) keeps its calls eager.
     graphed = dataclasses.replace(compressed, graphs=True)
+    settings = config.wire_settings()
+    beside = dataclasses.replace(compressed, piece_numel=pieces_beside)
+    graphed_here = nccl_cuda and not ring and moves is process_group
     return _Routes(
-        plain=dataclasses.replace(compressed, compress=False),
-        compressed=compressed,
-        compressed_beside=dataclasses.replace(compressed, piece_numel=pieces_beside),
-        graphs=graphed if nccl_cuda and not ring and moves is process_group else None,
+        plain=_agreed(dataclasses.replace(compressed, compress=False), settings),
+        compressed=_agreed(compressed, settings),
+        compressed_beside=_agreed(beside, settings),
+        graphs=_agreed(graphed, settings) if graphed_here else None,
         size=info.size,
     )
+
+
+def _agreed(route: Route, settings: dict[str, object]) -> Route:
+    """``route`` with the settings it was decided under (:class:`Route`'s ``settings``)."""
+    decided = {"route.regime": route.regime, "route.piece_numel": route.piece_numel,
+               "route.pair_gather": route.pair_gather, "route.ring": route.ring,
+               "route.transport": route.transport.__name__.rpartition(".")[2]}  # fmt: skip
+    text = json.dumps({**settings, **decided}, separators=(",", ":"))
+    return dataclasses.replace(route, settings=text, fingerprint=zlib.crc32(text.encode()))

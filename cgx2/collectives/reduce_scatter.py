@@ -112,7 +112,7 @@ def reduce_scatter(
         fields = {"bits": bits, "bucket_size": bucket_size, "scale": scale, "segments": segments,
                   "widths": widths, "compressed": bool(compressed)}  # fmt: skip
         agreed = agreement.check(group, "quantized_reduce_scatter", input, fields,
-                                 deferred=route.check == "deferred")  # fmt: skip
+                                 deferred=route.check == "deferred", route=route)  # fmt: skip
     sent = 0
     plan = _plan(n, world, tuple(s for _, s in groups), tuple(exact), bucket_size, input.device)
     if compressed:

@@ -410,3 +410,62 @@ def test_two_threads_calling_on_two_groups_in_opposite_orders_do_not_deadlock(di
     them. Before, both threads' waits went through the process's one store client in turn."""
     for rank, results in enumerate(dist2.run(_two_groups_from_two_threads, path)):
         assert results == {0: "ok", 1: "ok"}, (rank, results)
+
+
+# Two values of each setting that changes the bytes, and how the message shows them.
+_SETTINGS = {
+    "CGX2_PIPELINE_BYTES": (("64K", "65536"), ("128K", "131072")),
+    "CGX2_PAIR_GATHER": (("1", "True"), ("0", "False")),
+    "CGX2_NODE_MESH": (("0", "False"), ("1", "True")),
+    "CGX2_TRANSPORT": (("shm", "shm"), ("process_group", "process_group")),
+    "CGX2_ALGORITHM": (("sra", "sra"), ("ring", "ring")),
+    "CGX2_CROSSOVER_BYTES": (("0", "0"), ("1K", "1024")),
+    "CGX_COMPRESSION_SKIP_INCOMPLETE_BUCKETS": (("0", "False"), ("1", "True")),
+    "CGX_COMPRESSION_MINIMAL_SIZE": (("16", "16"), ("64", "64")),
+    "CGX_FUSION_BUFFER_SIZE_MB": (("64", "64"), ("32", "32")),
+    "CGX_INNER_COMMUNICATOR_TYPE": (("SHM", "SHM"), ("MPI", "MPI")),
+    "CGX_INTRA_BROADCAST": (("0", "False"), ("1", "True")),
+}
+
+
+def test_every_setting_is_compared_or_said_why_not():
+    """Each field of the settings is in exactly one list: compared with the route, compared at
+    every call, or not compared with a reason; and each compared variable is tried below."""
+    import dataclasses
+
+    from cgx2 import config
+
+    fields = [f.name for cls in (config.TuningConfig, config.CGXConfig)
+              for f in dataclasses.fields(cls)]  # fmt: skip
+    lists = (config.WIRE_SETTINGS, config.COMPARED_PER_CALL, config.NOT_COMPARED)
+    for name in fields:
+        assert sum(name in found for found in lists) == 1, name
+    assert set().union(*lists) == set(fields)
+    assert set(_SETTINGS) == {*config.WIRE_SETTINGS.values(), "CGX2_CROSSOVER_BYTES"}
+
+
+def _setting_differs(variable: str) -> str:
+    from env_vars import setenv
+
+    rank = dist.get_rank()
+    try:
+        with setenv(**{variable: _SETTINGS[variable][rank][0]}):
+            cgx2.config.reload()
+            cgx2.quantized_allreduce(torch.ones(4096), 4)
+    except DisagreementError as e:
+        return str(e)
+    finally:
+        cgx2.config.reload()
+    return "no error"
+
+
+@pytest.mark.parametrize("variable", sorted(_SETTINGS))
+def test_ranks_whose_settings_differ_all_raise_naming_the_variable(dist2, variable):
+    """Before, ranks that differed only in a routing variable aborted in gloo ("Received data
+    size doesn't match") or waited out the timeout; now every rank names it."""
+    (_, first), (_, second) = _SETTINGS[variable]
+    for rank, message in enumerate(dist2.run(_setting_differs, variable)):
+        assert f"{variable}=[rank 0: {first}, rank 1: {second}]" in message, message
+        assert f"(this rank {rank}: {variable}={(first, second)[rank]}" in message, message
+    results = dist2.run(_agree)  # and the group goes on
+    assert torch.equal(results[0], results[1])
