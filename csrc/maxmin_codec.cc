@@ -76,10 +76,43 @@ static inline uint64_t level_of(const uint32_t c[4], int j, float x, float lo_p,
     return (uint64_t)(((int64_t)(a * (float)(1 << frac)) + h) >> frac);
 }
 
-/* What a finite bucket's levels need, from its ends. */
+/* What a finite bucket's levels need, from its ends; with sat, a saturated one's (a sum that
+ * overflowed: maxmin._saturated_params), whose +-Inf take the end levels and whose finite
+ * values' a is held to [a_lo, a_hi]. */
 struct Bucket {
     float lo_p, pre, scale;
+    int sat;
+    float a_lo, a_hi, lmax;
 };
+
+/* Value j's level in a saturated bucket (b->lo_p its m, b->scale its scale). */
+static inline uint64_t saturated_level_of(const uint32_t c[4], int j, float x, const Bucket *b,
+                                          int frac) {
+    uint32_t word = c[2 * ((j >> 1) & 1) + ((j >> 2) & 1)];
+    int64_t h = (int64_t)((j & 1) ? word >> 16 : word & 0xFFFFu) >> (16 - frac);
+    float a;
+    if (x == INFINITY) {
+        a = b->lmax;
+    } else if (x == -INFINITY) {
+        a = 0.0f;
+    } else {
+        a = (x * 0.5f - b->lo_p) * b->scale;
+        a = a < b->a_lo ? b->a_lo : a; /* torch.clamp: max with a_lo, then min with a_hi */
+        a = a > b->a_hi ? b->a_hi : a;
+    }
+    return (uint64_t)(((int64_t)(a * (float)(1 << frac)) + h) >> frac);
+}
+
+/* The step made smaller by an ulp, NUDGES times at most, where the top level would decode
+ * past FLT_MAX: maxmin._finite_top. */
+#define NUDGES 4
+static float finite_top(float stored_lo, float step, float lmax) {
+    for (int k = 0; k < NUDGES; k++) {
+        float top = (stored_lo + fabsf(step) * lmax) * (step < 0.0f ? 2.0f : 1.0f);
+        if (isinf(top)) step = nextafterf(step, 0.0f);
+    }
+    return step;
+}
 
 /* Group g (of a bucket whose values start at v) into its bits-byte field at out, up to
  * out_end: levels of values at or past `whole` (an index in the bucket) are zero. */
@@ -93,7 +126,9 @@ static void encode_group(const float *v, int64_t g, int64_t B, int64_t whole, in
         uint32_t c[4] = {w[0][0], w[1][0], w[2][0], w[3][0]};
         const float *x = v + 8 * g;
         for (int j = 0; j < 8 && 8 * g + j < B && 8 * g + j < whole; j++)
-            field |= level_of(c, j, x[j], b->lo_p, b->pre, b->scale, frac) << (bits * j);
+            field |= (b->sat ? saturated_level_of(c, j, x[j], b, frac)
+                             : level_of(c, j, x[j], b->lo_p, b->pre, b->scale, frac))
+                     << (bits * j);
     }
     for (int k = 0; k < bits && out + k < out_end; k++) out[k] = (uint8_t)(field >> (8 * k));
 }
@@ -300,7 +335,7 @@ int maxmin_simd(int enable) {
  * bucket q of stream, as philox.py. Ranges of buckets may run in threads. */
 void maxmin_encode(const float *rows, int64_t q_begin, int64_t q_end, int64_t B, int bits,
                    uint64_t key, uint64_t stream, int64_t covered, uint8_t *meta,
-                   uint8_t *levels, int64_t levels_nbytes) {
+                   uint8_t *levels, int64_t levels_nbytes, int saturate) {
     const float lmax = (float)((1 << bits) - 1);
     const int frac = bits <= 7 ? 16 : 15;
     const int64_t groups = (B + 7) / 8, stride = groups * bits;
@@ -338,21 +373,46 @@ void maxmin_encode(const float *rows, int64_t q_begin, int64_t q_end, int64_t B,
         float pre = halved ? 0.5f : tiny ? 0x1p64f : 1.0f;
         float lo_p = lo * pre, span_p = hi * pre - lo_p;
         float scale = positive ? scale_toward_zero(lmax, span_p) : 0.0f;
-        put_f32(meta + 8 * q, halved ? lo_p : finite ? lo : nan_bits());
-        put_f32(meta + 8 * q + 4, halved ? -(span_p / lmax) : finite ? span / lmax : nan_bits());
-        const Bucket bucket = {lo_p, pre, scale};
-        const Bucket *b = finite ? &bucket : nullptr;
+        float stored_lo = halved ? lo_p : finite ? lo : nan_bits();
+        float step = halved ? -(span_p / lmax) : finite ? span / lmax : nan_bits();
+        step = finite_top(stored_lo, step, lmax);
+        Bucket bucket = {lo_p, pre, scale, 0, 0.0f, 0.0f, lmax};
+        /* NaN-free with an infinite end: a sum that overflowed, coded saturated where asked
+         * (one bit cannot tell -Inf, +Inf and finite apart: that bucket stays NaN). */
+        if (saturate && !finite && !has_nan && !(bits == 1 && lo == -INFINITY && hi == INFINITY)) {
+            const int top = hi == INFINITY, bottom = lo == -INFINITY;
+            float m = fminf(lo * 0.5f, 0x1p127f - lmax * 0x1p106f);
+            if (bits == 1) m = fmaxf(m, -0x1p126f);
+            if (bottom) m = -0x1p127f;
+            float s = top ? ((0x1p126f - m * 0.5f) / lmax) * 2.0f
+                          : fmaxf(((hi * 0.25f + 0x1p126f) / lmax) * 2.0f, 0x1p106f);
+            for (int k = 0; k < NUDGES; k++) {
+                float end = (m + s * lmax) * 2.0f;
+                if (top && isfinite(end))
+                    s = nextafterf(s, INFINITY);
+                else if (!top && isinf(end))
+                    s = nextafterf(s, 0.0f);
+            }
+            float span_q = (top ? 0x1p126f : hi * 0.25f) - m * 0.5f;
+            bucket = {m, 0.5f, span_q > 0.0f ? scale_toward_zero(lmax * 0.5f, span_q) : 0.0f, 1,
+                      bottom ? 1.0f : 0.0f, top ? lmax - 1.0f : lmax, lmax};
+            stored_lo = m;
+            step = -s;
+        }
+        put_f32(meta + 8 * q, stored_lo);
+        put_f32(meta + 8 * q + 4, step);
+        const Bucket *b = finite || bucket.sat ? &bucket : nullptr;
         /* Values of this bucket below `whole` are the caller's; past it, padding. */
         const int64_t whole = covered - q * B < B ? covered - q * B : B;
         uint8_t *out = levels + q * stride;
         int64_t g = 0;
 #ifdef CGX2_AVX2
-        if (simd && b) {
+        if (simd && b && !b->sat) {
             for (; 8 * (g + 8) <= whole && out + (g + 8) * bits <= levels_end; g += 8)
                 encode_8_groups_avx2(v, g, bits, frac, b, q, stream, k0, k1, out + g * bits);
         }
 #endif
-        if (b && !simd) { /* the scalar loop: Philox words of 64 groups at once */
+        if (b && !b->sat && !simd) { /* the scalar loop: Philox words of 64 groups at once */
             uint32_t w[4][GROUPS_AT_ONCE];
             for (; g < groups; g++) {
                 int k = (int)(g % GROUPS_AT_ONCE);
@@ -376,7 +436,8 @@ void maxmin_encode(const float *rows, int64_t q_begin, int64_t q_end, int64_t B,
                     at[k] = (uint8_t)(field >> (8 * k));
             }
         }
-        for (; g < groups; g++) /* what the loops above left: a part group, or all zeros */
+        /* What the loops above left: a part group, a saturated bucket, or all zeros. */
+        for (; g < groups; g++)
             encode_group(v, g, B, whole, bits, frac, b, q, stream, k0, k1, out + g * bits,
                          levels_end);
     }

@@ -14,7 +14,11 @@ bucket holding NaN or +-Inf stores min = step = NaN (0x7FC00000) and decodes to 
 non-finite input is never clipped into finite numbers. A bucket of finite values whose
 max - min overflows fp32 is coded at half scale: it stores min/2 and -(max/2 - min/2) / L, its
 levels come from ``a = (v/2 - min/2) * scale``, and it decodes to ``(min/2 + |step| * level)
-* 2``. Zeros are stored as +0.0.
+* 2``. Where the top level would decode past FLT_MAX, the step is an ulp or two smaller:
+finite values decode to finite ones. Zeros are stored as +0.0. A reduced chunk's bucket
+(:func:`decode_sum_encode`) whose sum overflowed to +-Inf is coded saturated, at half scale:
++-Inf take the end levels, which decode to +-Inf, and finite values the levels between,
+which decode to finite ones (``_saturated_params``; docs/wire-format.md).
 The byte layout is in :mod:`.layout`. Runs on any device; used on the CPU and in tests. On
 CPU tensors the per-bucket loops of encode and decode run as C (:mod:`.native`) where a
 compiler builds it; these torch lines stay the definition, which tests hold the C to.
@@ -76,6 +80,22 @@ def encode(
     ``nearest``: round each level to the nearest (``h`` fixed at half of ``2**F``: ties up)
     instead of stochastically; ``key`` and ``stream`` are then unused. Within half a step,
     biased: for values read as they are (weights), not summed (gradients)."""
+    return _encode(x, bits, bucket_size, key, stream, skip_incomplete, out, nearest)
+
+
+def _encode(
+    x: torch.Tensor,
+    bits: int,
+    bucket_size: int,
+    key: int,
+    stream: int = 0,
+    skip_incomplete: bool = False,
+    out: torch.Tensor | None = None,
+    nearest: bool = False,
+    saturate: bool = False,
+) -> torch.Tensor:
+    """:func:`encode`; ``saturate``: a bucket of finite values and +-Inf (no NaN) is a sum
+    that overflowed, coded saturated (see the module doc) rather than as NaN."""
     v = x.reshape(-1).to(torch.float32)
     layout = MaxMinLayout.of(v.numel(), bits, bucket_size, skip_incomplete)
     payload = _new_payload(layout.nbytes, v.device, out)
@@ -88,7 +108,8 @@ def encode(
     rows, covered = _bucket_rows(v, layout)
     nbytes = layout.levels_nbytes
     if not nearest and native.encode_rows(rows, bits, key, stream, covered, payload[: 8 * nq],
-                                          payload[levels_at : levels_at + nbytes]):  # fmt: skip
+                                          payload[levels_at : levels_at + nbytes],
+                                          saturate):  # fmt: skip
         return payload
     lmax = float((1 << bits) - 1)
     # + 0.0 turns -0.0 into +0.0: which zero min/max pick differs between devices. A NaN
@@ -111,8 +132,25 @@ def encode(
     span_p = hi * pre - lo_p
     step = torch.where(halved, -(span_p / lmax_t), torch.where(finite, span / lmax_t, _NAN))
     stored_lo = torch.where(halved, lo_p, torch.where(finite, lo, _NAN))
+    step = _finite_top(stored_lo, step, lmax_t)
     scale = torch.where(positive, scale_toward_zero(lmax_t, span_p), 0.0)
     a = torch.where(finite[:, None], (rows * pre[:, None] - lo_p[:, None]) * scale[:, None], 0.0)
+    if saturate:
+        # NaN-free (hi not NaN) with an infinite end: +-Inf from a sum, not from the input. One
+        # bit cannot tell -Inf, +Inf and finite apart: such a bucket stays NaN.
+        sat = ~finite & ~torch.isnan(hi)
+        if bits == 1:
+            sat &= ~((lo == -torch.inf) & (hi == torch.inf))
+        if bool(sat.any()):
+            m, s, sat_scale, a_lo, a_hi = _saturated_params(lo, hi, lmax_t, bits)
+            stored_lo = torch.where(sat, m, stored_lo)
+            step = torch.where(sat, -s, step)
+            sat_a = (rows * 0.5 - m[:, None]) * sat_scale[:, None]
+            sat_a = sat_a.clamp(a_lo[:, None], a_hi[:, None])
+            # +-Inf take the end levels, exactly.
+            sat_a = torch.where(rows == -torch.inf, 0.0, sat_a)
+            sat_a = torch.where(rows == torch.inf, lmax, sat_a)
+            a = torch.where(sat[:, None], sat_a, a)
     # a * 2**F < 2**23 is exact in fp32, and so are its floor and the integer sum.
     frac = random_fraction_bits(bits)
     if nearest:
@@ -125,6 +163,49 @@ def encode(
     payload[: 8 * nq] = torch.stack([stored_lo, step], dim=1).reshape(-1).view(torch.uint8)
     payload[levels_at : levels_at + nbytes] = pack_levels(level, bits).reshape(-1)[:nbytes]
     return payload
+
+
+# Powers of two of the saturated coding (module doc): its decoded range ends at +-2**128.
+_TWO_127, _TWO_126, _TWO_106 = 2.0**127, 2.0**126, 2.0**106
+# Steps moved by an ulp at most this many times to meet an end's condition: two were always
+# enough in tests of millions of ranges; the rest is margin.
+_NUDGES = 4
+
+
+def _finite_top(stored_lo: torch.Tensor, step: torch.Tensor, lmax: torch.Tensor) -> torch.Tensor:
+    """``step`` made smaller by an ulp, twice at most, where the top level would decode past
+    FLT_MAX (a range ending near it): finite values decode to finite ones."""
+    for _ in range(_NUDGES):
+        top = (stored_lo + step.abs() * lmax) * torch.where(step < 0, 2.0, 1.0)
+        step = torch.where(torch.isinf(top), torch.nextafter(step, torch.zeros_like(step)), step)
+    return step
+
+
+def _saturated_params(
+    lo: torch.Tensor, hi: torch.Tensor, lmax: torch.Tensor, bits: int
+) -> tuple[torch.Tensor, ...]:
+    """A saturated bucket's stored min ``m`` and step ``s`` (decoded at half scale, ``(m + s *
+    level) * 2``), the scale of its levels and the bounds ``[a_lo, a_hi]`` of its finite values'
+    (see the module doc), from its min and max (one of them infinite)."""
+    top, bottom = hi == torch.inf, lo == -torch.inf
+    m = torch.minimum(lo * 0.5, torch.full_like(lo, _TWO_127 - ((1 << bits) - 1) * _TWO_106))
+    if bits == 1:
+        m = torch.maximum(m, torch.full_like(m, -_TWO_126))
+    m = torch.where(bottom, -_TWO_127, m)
+    s_up = ((_TWO_126 - m * 0.5) / lmax) * 2.0
+    s_down = torch.maximum(((hi * 0.25 + _TWO_126) / lmax) * 2.0, torch.full_like(hi, _TWO_106))
+    s = torch.where(top, s_up, s_down)
+    for _ in range(_NUDGES):
+        end = (m + s * lmax) * 2.0
+        up = torch.nextafter(s, torch.full_like(s, torch.inf))
+        down = torch.nextafter(s, torch.zeros_like(s))
+        s = torch.where(~top & torch.isinf(end), down, s)
+        s = torch.where(top & torch.isfinite(end), up, s)
+    span_q = torch.where(top, _TWO_126, hi * 0.25) - m * 0.5
+    sat_scale = torch.where(span_q > 0, scale_toward_zero(lmax * 0.5, span_q), 0.0)
+    a_lo = torch.where(bottom, 1.0, 0.0)
+    a_hi = torch.where(top, lmax - 1.0, lmax)
+    return m, s, sat_scale, a_lo, a_hi
 
 
 def scale_toward_zero(lmax: torch.Tensor, span: torch.Tensor) -> torch.Tensor:
@@ -271,11 +352,47 @@ def decode_sum_encode(
     skip_incomplete: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Encode :func:`decode_sum` of the rows once more (the reduced chunk of the allreduce)."""
+    """Encode :func:`decode_sum` of the rows once more (the reduced chunk of the allreduce).
+    A bucket of the sum that overflowed to +-Inf is coded saturated (see the module doc),
+    unless ``own`` holds a non-finite value there: +-Inf of the input, which stays NaN."""
     acc = decode_sum(payloads, numel, own, own_index, scale, bits, bucket_size, skip_incomplete)
-    encoded = encode(acc, bits, bucket_size, key, stream, skip_incomplete, out)
+    encoded = _encode(acc, bits, bucket_size, key, stream, skip_incomplete, out, saturate=True)
     scratch.give(acc)  # encoded: this sum is done with
+    if own is not None:
+        unsaturate_input(encoded, own, MaxMinLayout.of(numel, bits, bucket_size, skip_incomplete))
     return encoded
+
+
+def saturated_buckets(payload: torch.Tensor, layout: MaxMinLayout) -> list[int]:
+    """The buckets of ``payload`` coded saturated: an end level decodes to +-Inf, which no
+    bucket of finite values does. A few reads of the (lo, step) pairs, no pass over values."""
+    nq = layout.num_buckets
+    if nq == 0:
+        return []
+    meta = payload[: 8 * nq].clone().view(torch.float32).view(nq, 2)  # clone: 4-byte aligned
+    lo, step = meta[:, 0], meta[:, 1]
+    negative = step < 0  # every saturated bucket is decoded at half scale
+    if not bool(negative.any()):
+        return []
+    lmax = float((1 << layout.bits) - 1)
+    ends = torch.isinf(lo * 2.0) | torch.isinf((lo + step.abs() * lmax) * 2.0)
+    return (negative & ends).nonzero().flatten().tolist()
+
+
+def unsaturate_input(payload: torch.Tensor, own: torch.Tensor, layout: MaxMinLayout) -> None:
+    """Code as NaN (as :func:`encode` codes non-finite input) each saturated bucket of
+    ``payload`` where ``own``, the values its sum started from, is not all finite."""
+    flat, bsz, covered = own.reshape(-1), layout.bucket_size, layout.numel
+    covered = min(covered, layout.num_buckets * bsz)
+    stride, levels_at, end = layout.bucket_stride, layout.levels_offset, layout.levels_nbytes
+    for q in saturated_buckets(payload, layout):
+        if bool(torch.isfinite(flat[q * bsz : min((q + 1) * bsz, covered)]).all()):
+            continue
+        payload[8 * q : 8 * q + 8] = _NAN_PAIR.to(payload.device)
+        payload[levels_at + q * stride : levels_at + min((q + 1) * stride, end)] = 0
+
+
+_NAN_PAIR = torch.tensor([_NAN, _NAN], dtype=torch.float32).view(torch.uint8)
 
 
 def chunked_layout(numel: int, num_chunks: int, bits: int, bucket_size: int,

@@ -56,6 +56,11 @@ _MIN_PROGRAMS = 2048
 # tensors, no slower elsewhere; fewer a multiprocessor were slower, more no faster (measured
 # with bench/kernel_ab.py).
 _DSE_PROGRAMS_PER_SM = 16
+# The saturated coding's powers of two and the most ulps a step moves (maxmin's own).
+_TWO_127 = tl.constexpr(maxmin._TWO_127)
+_TWO_126 = tl.constexpr(maxmin._TWO_126)
+_TWO_106 = tl.constexpr(maxmin._TWO_106)
+_NUDGES = tl.constexpr(maxmin._NUDGES)
 # Fused multiply-adds would round differently from the reference's separate operations.
 _LAUNCH: dict[str, object] = {"enable_fp_fusion": False}
 
@@ -373,7 +378,59 @@ def _params(lo, hi, BITS: tl.constexpr):
     step = tl.where(halved, -tl.math.div_rn(span_p, lmax), step)
     scale = tl.where(positive, _div_toward_zero(lmax, span_p), 0.0)
     stored_lo = tl.where(halved, lo_p, tl.where(finite, lo, nan))
+    # Where the top level would decode past FLT_MAX, an ulp less (maxmin._finite_top): the
+    # bits less one are the next float toward zero, of either sign.
+    for _ in tl.static_range(_NUDGES):
+        top = (stored_lo + tl.abs(step) * lmax) * tl.where(step < 0, 2.0, 1.0)
+        smaller = (step.to(tl.uint32, bitcast=True) - 1).to(tl.float32, bitcast=True)
+        step = tl.where(tl.abs(top) == inf, smaller, step)
     return stored_lo, step, scale, finite, pre, lo_p
+
+
+@triton.jit
+def _saturated_params(lo, hi, BITS: tl.constexpr):
+    """A saturated bucket's stored min, step (positive), scale and bounds of its finite values'
+    a, from its min and max: maxmin._saturated_params, operation for operation."""
+    L: tl.constexpr = (1 << BITS) - 1
+    lmax = tl.full(lo.shape, L, tl.float32)
+    inf = float("inf")
+    top = hi == inf
+    bottom = lo == -inf
+    m = tl.minimum(lo * 0.5, _TWO_127 - L * _TWO_106)
+    if BITS == 1:
+        m = tl.maximum(m, -_TWO_126)
+    m = tl.where(bottom, -_TWO_127, m)
+    s_up = tl.math.div_rn(_TWO_126 - m * 0.5, lmax) * 2.0
+    s_down = tl.maximum(tl.math.div_rn(hi * 0.25 + _TWO_126, lmax) * 2.0, _TWO_106)
+    s = tl.where(top, s_up, s_down)
+    for _ in tl.static_range(_NUDGES):
+        end = (m + s * lmax) * 2.0
+        bits = s.to(tl.uint32, bitcast=True)  # s > 0: one more, one less are its neighbours
+        s_next = tl.where(~top & (tl.abs(end) == inf), (bits - 1).to(tl.float32, bitcast=True), s)
+        s = tl.where(top & (tl.abs(end) < inf), (bits + 1).to(tl.float32, bitcast=True), s_next)
+    span_q = tl.where(top, _TWO_126, hi * 0.25) - m * 0.5
+    scale = tl.where(span_q > 0, _div_toward_zero(lmax * 0.5, span_q), 0.0)
+    a_lo = tl.where(bottom, 1.0, 0.0)
+    a_hi = tl.where(top, L - 1.0, L * 1.0)
+    return m, s, scale, a_lo, a_hi
+
+
+@triton.jit
+def _saturating(lo, hi, finite, BITS: tl.constexpr):
+    """Buckets whose sum overflowed (:func:`.maxmin._encode`): no NaN (the min is NaN where
+    one is) and an infinite end; at one bit, not both ends."""
+    sat = ~finite & (lo == lo)
+    if BITS == 1:
+        sat = sat & ~((lo == -float("inf")) & (hi == float("inf")))
+    return sat
+
+
+@triton.jit
+def _all_finite(v0, v1, valid0, valid1):
+    """Per bucket of a tile's halves: whether every value is finite."""
+    ok0 = tl.where(valid0, tl.abs(v0) < float("inf"), 1).to(tl.int32)
+    ok1 = tl.where(valid1, tl.abs(v1) < float("inf"), 1).to(tl.int32)
+    return tl.min(tl.min(tl.minimum(ok0, ok1), axis=2), axis=1) > 0
 
 
 @triton.jit
@@ -394,6 +451,34 @@ def _levels(v, valid, h, lo_p, scale, pre, BITS: tl.constexpr):
     lmax: tl.constexpr = (1 << BITS) - 1
     a = (v * pre[:, None, None] - lo_p[:, None, None]) * scale[:, None, None]
     return tl.where(valid, _round_level(a, h, BITS) & lmax, 0)
+
+
+@triton.jit
+def _saturated_levels(v, valid, h, lo_p, scale, pre, sat, m, sat_scale, a_lo, a_hi,
+                      BITS: tl.constexpr):  # fmt: skip
+    """:func:`_levels` of a tile where some buckets are saturated (``sat``): theirs from
+    ``(v / 2 - m) * sat_scale`` held to ``[a_lo, a_hi]``, +-Inf at the end levels exactly."""
+    L: tl.constexpr = (1 << BITS) - 1
+    a = (v * pre[:, None, None] - lo_p[:, None, None]) * scale[:, None, None]
+    b = (v * 0.5 - m[:, None, None]) * sat_scale[:, None, None]
+    b = tl.minimum(tl.maximum(b, a_lo[:, None, None]), a_hi[:, None, None])
+    b = tl.where(v == -float("inf"), 0.0, b)
+    b = tl.where(v == float("inf"), L * 1.0, b)
+    a = tl.where(sat[:, None, None], b, a)
+    return tl.where(valid, _round_level(a, h, BITS) & L, 0)
+
+
+@triton.jit
+def _quantize_store_saturated(
+    ptr, v0, v1, valid0, valid1, lo_p, scale, pre, keep, sat, m, sat_scale, a_lo, a_hi, q,
+    qmask, quant, c, stream, k0, k1, BITS: tl.constexpr, B: tl.constexpr,
+    BUCKETS: tl.constexpr, BLOCK: tl.constexpr, FULL: tl.constexpr,
+):  # fmt: skip
+    """:func:`_quantize_store` of a tile where some buckets are saturated."""
+    h0, h1 = _random_halves(k0, k1, q, stream, c, BUCKETS, BLOCK)
+    l0 = _saturated_levels(v0, valid0, h0, lo_p, scale, pre, sat, m, sat_scale, a_lo, a_hi, BITS)
+    l1 = _saturated_levels(v1, valid1, h1, lo_p, scale, pre, sat, m, sat_scale, a_lo, a_hi, BITS)
+    _pack_store(ptr, l0, l1, keep, q, qmask, quant, c, BITS, B, BLOCK, FULL)
 
 
 @triton.jit
@@ -477,6 +562,37 @@ def _encode_loaded(
         key0, key1, BITS, B, BUCKETS, BLOCK, FULL, NEAREST,
     )  # fmt: skip
     _store_meta(meta_ptr, q, qmask, lo, step)
+
+
+@triton.jit
+def _encode_sum_loaded(
+    v0, v1, valid0, valid1, own0, own1, lev_ptr, meta_ptr, q, nq, quant, stream, key0, key1,
+    BITS: tl.constexpr, B: tl.constexpr, BUCKETS: tl.constexpr, BLOCK: tl.constexpr,
+    FULL: tl.constexpr, HAS_OWN: tl.constexpr,
+):  # fmt: skip
+    """:func:`_encode_loaded` of a sum, whose buckets that overflowed are coded saturated
+    (unless own's values there are not all finite: input +-Inf, which stays NaN). The
+    saturated coding takes its own branch: a tile with none codes as any other."""
+    qmask = q < nq
+    lo, hi = _stats(v0, v1, valid0, valid1)
+    stored_lo, step, scale, finite, pre, lo_p = _params(lo, hi, BITS)
+    sat = _saturating(lo, hi, finite, BITS)
+    if tl.max(sat.to(tl.int32), axis=0) > 0:
+        if HAS_OWN:
+            sat = sat & _all_finite(own0, own1, valid0, valid1)
+        m, s, sat_scale, a_lo, a_hi = _saturated_params(lo, hi, BITS)
+        stored_lo = tl.where(sat, m, stored_lo)
+        step = tl.where(sat, -s, step)
+        _quantize_store_saturated(
+            lev_ptr, v0, v1, valid0, valid1, lo_p, scale, pre, finite | sat, sat, m, sat_scale,
+            a_lo, a_hi, q, qmask, quant, 0, stream, key0, key1, BITS, B, BUCKETS, BLOCK, FULL,
+        )  # fmt: skip
+    else:
+        _quantize_store(
+            lev_ptr, v0, v1, valid0, valid1, lo_p, scale, pre, finite, q, qmask, quant, 0,
+            stream, key0, key1, BITS, B, BUCKETS, BLOCK, FULL,
+        )  # fmt: skip
+    _store_meta(meta_ptr, q, qmask, stored_lo, step)
 
 
 @triton.jit
@@ -824,20 +940,43 @@ def _decode_sum_encode_wide(
         t_lo, t_hi = _stats(v0, v1, valid0, valid1)
         lo = _min_with_nan(lo, t_lo)
         hi = tl.maximum(hi, t_hi)
-    lo, step, scale_q, finite, pre, lo_p = _params(lo, hi, BITS)
-    for t in range(NUM_TILES):
-        own0, own1, fields, los, steps = _load_sum_inputs(
-            in_u8, own_ptr, row_nbytes, own_index, q, qmask, quant, levels_at,
-            t * BLOCK, NUM_ROWS, SKIP_OWN, BITS, B, HAS_OWN, BUCKETS, BLOCK, FULL,
-        )  # fmt: skip
-        v0, v1 = _sum_loaded(own0, own1, fields, los, steps, scale, ROWS, BITS, HAS_SCALE)
-        _, valid0, valid1 = _tile(q, qmask, quant, t * BLOCK, B, BLOCK, FULL)
-        _quantize_store(
-            lev_ptr, v0, v1, valid0, valid1, lo_p, scale_q, pre, finite, q, qmask, quant,
-            t * BLOCK,
-            stream, key0, key1, BITS, B, BUCKETS, BLOCK, FULL,
-        )  # fmt: skip
-    _store_meta(meta_ptr, q, qmask, lo, step)
+    stored_lo, step, scale_q, finite, pre, lo_p = _params(lo, hi, BITS)
+    sat = _saturating(lo, hi, finite, BITS)
+    if tl.max(sat.to(tl.int32), axis=0) > 0:  # as _encode_sum_loaded, a tile at a time
+        if HAS_OWN:
+            for t in range(NUM_TILES):
+                own0, own1, valid0, valid1 = _load_tile(own_ptr, q, qmask, quant, t * BLOCK, B,
+                                                        BLOCK, FULL)  # fmt: skip
+                sat = sat & _all_finite(own0, own1, valid0, valid1)
+        m, s, sat_scale, a_lo, a_hi = _saturated_params(lo, hi, BITS)
+        stored_lo = tl.where(sat, m, stored_lo)
+        step = tl.where(sat, -s, step)
+        for t in range(NUM_TILES):
+            own0, own1, fields, los, steps = _load_sum_inputs(
+                in_u8, own_ptr, row_nbytes, own_index, q, qmask, quant, levels_at,
+                t * BLOCK, NUM_ROWS, SKIP_OWN, BITS, B, HAS_OWN, BUCKETS, BLOCK, FULL,
+            )  # fmt: skip
+            v0, v1 = _sum_loaded(own0, own1, fields, los, steps, scale, ROWS, BITS, HAS_SCALE)
+            _, valid0, valid1 = _tile(q, qmask, quant, t * BLOCK, B, BLOCK, FULL)
+            _quantize_store_saturated(
+                lev_ptr, v0, v1, valid0, valid1, lo_p, scale_q, pre, finite | sat, sat, m,
+                sat_scale, a_lo, a_hi, q, qmask, quant, t * BLOCK, stream, key0, key1, BITS,
+                B, BUCKETS, BLOCK, FULL,
+            )  # fmt: skip
+    else:
+        for t in range(NUM_TILES):
+            own0, own1, fields, los, steps = _load_sum_inputs(
+                in_u8, own_ptr, row_nbytes, own_index, q, qmask, quant, levels_at,
+                t * BLOCK, NUM_ROWS, SKIP_OWN, BITS, B, HAS_OWN, BUCKETS, BLOCK, FULL,
+            )  # fmt: skip
+            v0, v1 = _sum_loaded(own0, own1, fields, los, steps, scale, ROWS, BITS, HAS_SCALE)
+            _, valid0, valid1 = _tile(q, qmask, quant, t * BLOCK, B, BLOCK, FULL)
+            _quantize_store(
+                lev_ptr, v0, v1, valid0, valid1, lo_p, scale_q, pre, finite, q, qmask, quant,
+                t * BLOCK,
+                stream, key0, key1, BITS, B, BUCKETS, BLOCK, FULL,
+            )  # fmt: skip
+    _store_meta(meta_ptr, q, qmask, stored_lo, step)
 
 
 @triton.jit(do_not_specialize=["numel", "own_index", "k0", "k1", "stream"])
@@ -897,9 +1036,9 @@ def _decode_sum_encode_kernel(
                                      HAS_SCALE)  # fmt: skip
                 _, valid0, valid1 = _tile(q, q < full_nq, full_nq * B, 0, B, BLOCK,
                                           B % BLOCK == 0)  # fmt: skip
-                _encode_loaded(v0, v1, valid0, valid1, lev_ptr, meta_ptr, q, full_nq,
-                               full_nq * B, stream, key0, key1, BITS, B, BUCKETS, BLOCK,
-                               B % BLOCK == 0)  # fmt: skip
+                _encode_sum_loaded(v0, v1, valid0, valid1, own0, own1, lev_ptr, meta_ptr, q,
+                                   full_nq, full_nq * B, stream, key0, key1, BITS, B, BUCKETS,
+                                   BLOCK, B % BLOCK == 0, HAS_OWN)  # fmt: skip
                 own0 = next0
                 own1 = next1
                 fields = next_fields
@@ -913,8 +1052,9 @@ def _decode_sum_encode_kernel(
             )  # fmt: skip
             v0, v1 = _sum_loaded(own0, own1, fields, los, steps, scale, ROWS, BITS, HAS_SCALE)
             _, valid0, valid1 = _tile(q, q < nq, quant, 0, B, BLOCK, False)
-            _encode_loaded(v0, v1, valid0, valid1, lev_ptr, meta_ptr, q, nq, quant, stream,
-                           key0, key1, BITS, B, BUCKETS, BLOCK, False)  # fmt: skip
+            _encode_sum_loaded(v0, v1, valid0, valid1, own0, own1, lev_ptr, meta_ptr, q, nq,
+                               quant, stream, key0, key1, BITS, B, BUCKETS, BLOCK, False,
+                               HAS_OWN)  # fmt: skip
     else:
         for t in range(pid, tiles, programs):
             q = tl.cast(t, tl.int64) * BUCKETS + lanes

@@ -37,17 +37,19 @@ def _usable(*tensors: torch.Tensor) -> bool:
 
 
 def encode_rows(rows: torch.Tensor, bits: int, key: int, stream: int, covered: int,
-                meta: torch.Tensor, levels: torch.Tensor) -> bool:  # fmt: skip
+                meta: torch.Tensor, levels: torch.Tensor,
+                saturate: bool = False) -> bool:  # fmt: skip
     """Encode fp32 ``rows`` ``[nq, B]`` into ``meta`` (the payload's ``8 nq`` bytes of
     (lo, step) fp32 pairs) and ``levels`` (its levels region), both uint8, as
-    :func:`cgx2.codecs.maxmin.encode` does; False (nothing written) where the C loops are
-    unavailable or the tensors do not suit them."""
+    :func:`cgx2.codecs.maxmin.encode` does (``saturate``: a sum's overflow coded saturated,
+    as ``maxmin._encode``); False (nothing written) where the C loops are unavailable or the
+    tensors do not suit them."""
     lib = library()
     if lib is None or not _usable(rows, meta, levels) or rows.dtype != torch.float32:
         return False
     nq, bucket = rows.shape
     args = (bucket, bits, key & (2**64 - 1), stream & (2**64 - 1), covered, meta.data_ptr(),
-            levels.data_ptr(), levels.numel())  # fmt: skip
+            levels.data_ptr(), levels.numel(), saturate)  # fmt: skip
     split(lambda a, b: lib.maxmin_encode(rows.data_ptr(), a, b, *args), nq, _MIN_BUCKETS_PER_THREAD)
     return True
 

@@ -231,6 +231,65 @@ def test_a_finite_bucket_whose_range_overflows_fp32_decodes_finite_and_unbiased(
     assert ((mean - x.double()).abs() <= 6 * step / 2 / copies**0.5).all()
 
 
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_a_range_ending_near_flt_max_decodes_finite(bits):
+    """A top level whose step times L rounds past FLT_MAX: the step is an ulp smaller, so
+    no finite value decodes to Inf, at full scale or half."""
+    flt_max = torch.finfo(torch.float32).max
+    for lo in (-flt_max, -3e38, 0.0, 1.0, 1e38, -flt_max / 3):
+        x = torch.tensor([lo, flt_max] * 256)
+        for key in range(8):
+            y = maxmin.decode(maxmin.encode(x, bits, 512, key=key), 512, bits, 512)
+            assert torch.isfinite(y).all(), (lo, key)
+            assert (y >= x.min()).all()
+
+
+def _overflowing_sum(bits: int, bucket: int = 512) -> tuple:
+    """Three rows whose sum overflows fp32, bucket by bucket: past +FLT_MAX, past -FLT_MAX,
+    both ways, +Inf in own's (the exact row's) input, and an ordinary bucket; the payloads,
+    own and the sum as decode_sum takes it."""
+    huge, n = 3e38, 5 * bucket
+    parts = [_x(n, torch.float32, seed=s) for s in range(3)]
+    for p in parts:
+        p[1:9] = p[2 * bucket + 1 : 2 * bucket + 9] = p[3 * bucket + 1 : 3 * bucket + 9] = huge
+        p[bucket + 3 : bucket + 5] = p[2 * bucket + 20 : 2 * bucket + 22] = -huge
+    parts[1][3 * bucket + 30] = float("inf")
+    payloads = torch.stack([maxmin.encode(p, bits, bucket, key=s) for s, p in enumerate(parts)])
+    return payloads, parts[1], maxmin.decode_sum(payloads, n, parts[1], 1, None, bits, bucket)
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_a_sum_that_overflows_decodes_to_inf_where_it_does(bits):
+    """decode-sum-encode of a sum past fp32's range: that bucket coded saturated (no longer
+    all NaN), +-Inf exactly where the fp32 sum is, finite values finite and within a step of
+    the bucket's decoded range; +-Inf in own's input (not an overflow) still NaN, and so is a
+    bucket overflowing both ways at one bit."""
+    payloads, own, total = _overflowing_sum(bits)
+    n = total.numel()
+    y = maxmin.decode(
+        maxmin.decode_sum_encode(payloads, n, own, 1, None, bits, 512, 7), n, bits, 512
+    )
+    nan = torch.zeros(n, dtype=torch.bool)
+    nan[3 * 512 : 4 * 512] = True
+    if bits == 1:
+        nan[2 * 512 : 3 * 512] = True
+    assert y[nan].isnan().all() and not y[~nan].isnan().any()
+    infinite = total.isinf() & ~nan
+    assert infinite.sum() >= 10 and torch.equal(y[infinite], total[infinite])
+    finite = ~nan & ~infinite
+    assert y[finite].isfinite().all()
+    # Finite values err by less than a step of the widest saturated range, +-2**128.
+    step = 2.0**129 / ((1 << bits) - 1)
+    assert ((y[finite].double() - total[finite].double()).abs() <= step).all()
+
+
+def test_only_a_sums_infinities_are_saturated():
+    """encode itself, given the same values, still codes their +-Inf as NaN."""
+    total = _overflowing_sum(4)[2]
+    y = maxmin.decode(maxmin.encode(total, 4, 512, key=7), total.numel(), 4, 512)
+    assert y[:512].isnan().all() and y[512:1024].isnan().all()
+
+
 def test_negative_zero_minimum_is_stored_as_positive_zero():
     x = torch.tensor([0.0, -0.0, 1.0, 2.0] * 2)
     payload = maxmin.encode(x, 2, 8, key=0)

@@ -123,6 +123,63 @@ def test_decode_sum_encode_and_chunks_match_the_reference(torch_only, loops):
         assert torch.equal(maxmin.decode_sum(*args[:7]).view(torch.int32), want.view(torch.int32))
 
 
+def _overflowing(n: int, bucket: int, rows: int, seed: int) -> list[torch.Tensor]:
+    """``rows`` inputs whose sum, bucket by bucket in turn: passes +FLT_MAX, -FLT_MAX, both,
+    everywhere; meets +-Inf or NaN in row 0's input; passes FLT_MAX by a hair; stays finite
+    with a range past FLT_MAX; stays ordinary."""
+    g = torch.Generator().manual_seed(seed)
+    parts = [torch.randn(n, generator=g) * 3 for _ in range(rows)]
+    huge, flt_max = 3e38, torch.finfo(torch.float32).max
+    for q, start in enumerate(range(0, n, bucket)):
+        idx = start + torch.randint(0, min(bucket, n - start), (3,), generator=g)
+        kind = q % 10
+        for r, p in enumerate(parts):
+            if kind in (0, 2):
+                p[idx[0]] = huge
+            if kind in (1, 2):
+                p[idx[1]] = -huge
+            if kind == 3:
+                p[start : start + bucket] = huge
+            if kind == 6:
+                p[idx[0]] = flt_max / rows * 1.0001
+            if kind == 7 and r == 1:
+                p[idx[0]], p[idx[1]] = huge, -huge
+        if kind == 4:
+            parts[0][idx[2]] = float("inf") if q % 20 < 10 else -float("inf")
+            parts[1][idx[0]] = parts[2 % rows][idx[0]] = huge
+        if kind == 5:
+            parts[0][idx[2]] = float("nan")
+            parts[1][idx[0]] = huge
+    return parts
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_an_overflowing_sum_is_coded_as_the_reference_codes_it(bits, torch_only, loops):
+    """Decode-sum-encode of sums past fp32's range (coded saturated, or NaN where own's input
+    is not finite) and of ranges ending near FLT_MAX: the reference's bytes."""
+    for bucket, n, own_index, scale in (
+        (8, 203, 0, None),
+        (100, 1050, 1, 0.5),
+        (512, 5000, 0, 1 / 3),
+    ):
+        parts = _overflowing(n, bucket, 3, seed=bits)
+        payloads = torch.stack([maxmin.encode(p, bits, bucket, key=r) for r, p in enumerate(parts)])
+        for own in (parts[own_index], None):
+            args = (payloads, n, own, own_index if own is not None else -1, scale, bits, bucket, 3)
+            got = maxmin.decode_sum_encode(*args)
+            assert torch.equal(got, torch_only(maxmin.decode_sum_encode, *args)), (bucket, own)
+            y = maxmin.decode(got, n, bits, bucket)
+            total = maxmin.decode_sum(*args[:7])
+            assert torch.equal(y.isposinf(), total.isposinf() & ~y.isnan())
+            assert torch.equal(y.isneginf(), total.isneginf() & ~y.isnan())
+            assert y.isposinf().any() and y.isneginf().any() and y.isnan().any()
+        x = parts[1].clone()
+        x[: n // 2] = torch.finfo(torch.float32).max  # a range ending at FLT_MAX
+        payload = maxmin.encode(x, bits, bucket, key=5)
+        assert torch.equal(payload, torch_only(maxmin.encode, x, bits, bucket, 5))
+        assert maxmin.decode(payload, n, bits, bucket).isfinite().all()
+
+
 def test_turned_off_means_torch():
     with cgx2.config.tuned(native_codec=False):
         assert native.library() is None  # at once, though the extension is loaded

@@ -173,6 +173,54 @@ def test_decode_sum_encode_matches_reference(bits, bucket, own_index, scale, ski
     assert _same(tri.decode_sum(payloads, *args), ref.decode_sum(payloads, *args))
 
 
+def _overflowing(n: int, bucket: int, seed: int) -> list[torch.Tensor]:
+    """Three rows whose sum, bucket by bucket in turn, passes +FLT_MAX, -FLT_MAX, both, passes
+    it everywhere, meets +-Inf or NaN in row 0's input, or stays ordinary."""
+    g = torch.Generator().manual_seed(seed)
+    parts = [torch.randn(n, generator=g) * 3 for _ in range(3)]
+    for q, start in enumerate(range(0, n, bucket)):
+        i, j = (start + torch.randint(0, min(bucket, n - start), (2,), generator=g)).tolist()
+        kind = q % 7
+        for p in parts:
+            if kind in (0, 2):
+                p[i] = 3e38
+            if kind in (1, 2):
+                p[j] = -3e38
+            if kind == 3:
+                p[start : start + bucket] = 3e38
+            if kind in (4, 5):
+                p[i] = 3e38
+        if kind == 4:
+            parts[0][j] = float("inf") if q % 2 else -float("inf")
+        if kind == 5:
+            parts[0][j] = float("nan")
+    return parts
+
+
+@pytest.mark.parametrize(
+    ("bits", "bucket", "own_dtype", "scale"),
+    [(1, 512, torch.float32, None), (2, 100, torch.bfloat16, 0.5), (4, 512, None, None),
+     (4, 2048, torch.float32, 1 / 3), (8, 13, torch.float32, None), (5, 2048, None, 0.25),
+     (3, 100, torch.float32, None)],
+)  # fmt: skip
+def test_an_overflowing_sum_is_coded_as_the_reference_codes_it(bits, bucket, own_dtype, scale):
+    """Decode-sum-encode of sums past fp32's range, buckets of one and of several a tile and
+    wider than one: saturated where the reference saturates them, NaN where own's input is
+    not finite, byte for byte; and ranges ending near FLT_MAX, encoded as the reference."""
+    n = 5 * bucket + 7
+    parts = [p.to(DEVICE) for p in _overflowing(n, bucket, seed=bits)]
+    payloads = torch.stack([ref.encode(p, bits, bucket, key=r) for r, p in enumerate(parts)])
+    own = None if own_dtype is None else parts[0].to(own_dtype)
+    args = (n, own, 0 if own is not None else -1, scale, bits, bucket, 5, 1)
+    got = tri.decode_sum_encode(payloads, *args)
+    assert _same(got, ref.decode_sum_encode(payloads, *args))
+    if bits > 1:
+        assert ref.decode(got, n, bits, bucket).isinf().any()  # saturated, not NaN
+    x = parts[1].clone()
+    x[: n // 2] = torch.finfo(torch.float32).max
+    assert _same(tri.encode(x, bits, bucket, key=3), ref.encode(x, bits, bucket, key=3))
+
+
 @pytest.mark.parametrize("programs", [1, 2, 5])
 @pytest.mark.parametrize(
     ("bits", "bucket", "skip"), [(4, 512, False), (3, 100, True), (2, 2048, False)]

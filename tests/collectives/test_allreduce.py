@@ -512,3 +512,64 @@ def test_reduced_chunks_gather_in_place(dist2):
     output, which NCCL then gathers in place; the bytes stay the model's."""
     for slots in dist2.run(_gathered_in_place):
         assert slots == [True] * 4
+
+
+# ------------------------------------------------------------------- sums that overflow fp32
+
+_OVERFLOW_N = 6 * 512  # chunk 0 (buckets 0-2) is rank 0's, chunk 1 (buckets 3-5) rank 1's
+
+
+def _overflow_input(rank: int, dtype: torch.dtype) -> torch.Tensor:
+    """Per bucket of 512: 0, a sum past +FLT_MAX; 1, past -FLT_MAX; 2, that and +Inf in rank
+    0's (the owner's) input; 3, both ways; 4, -Inf in rank 0's input (not the owner's);
+    5, ordinary values only. fp16 values overflow fp16 only, once summed."""
+    huge = 6e4 if dtype == torch.float16 else 3e38
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(_OVERFLOW_N, generator=g, dtype=torch.float64) * (rank + 1)
+    x[0:9] = x[1030:1040] = x[1540:1550] = huge
+    x[520:530] = x[1550:1560] = -huge
+    x[1560:1563] = huge * (1 - 2 * rank)  # sums to zero
+    x[1040] = float("inf") if rank == 0 else 1.0
+    x[2050] = -float("inf") if rank == 0 else 1.0
+    return x.to(dtype)
+
+
+def _overflowing_sums(cases: list[tuple]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    rank, outs = dist.get_rank(), []
+    for bits, dtype in cases:
+        x = _overflow_input(rank, dtype)
+        plain = x.clone()
+        dist.all_reduce(plain)
+        outs.append((plain, cgx2.quantized_allreduce(x, bits, seed=17)))
+    return outs
+
+
+def test_a_sum_that_overflows_is_inf_where_the_plain_allreduce_is(dist2):
+    """The plain allreduce's +-Inf where two ranks' finite values sum past the dtype's range;
+    the other values of those buckets finite and within the bound; input +-Inf still NaN
+    (its whole bucket), and at 1 bit a bucket overflowing both ways (which one bit a value
+    cannot code); every rank the model's bits."""
+    cases = [(bits, dtype) for bits in (1, 2, 4, 8) for dtype in DTYPES]
+    results = dist2.run(_overflowing_sums, cases)
+    for i, (bits, dtype) in enumerate(cases):
+        (plain, out), (_, other) = results[0][i], results[1][i]
+        inputs = [_overflow_input(r, dtype) for r in range(2)]
+        assert _bits_equal(out, other), f"ranks differ: {cases[i]}"
+        assert _bits_equal(out, reference_allreduce(inputs, bits, 512, seed=17)), cases[i]
+        nan = torch.zeros(_OVERFLOW_N, dtype=torch.bool)
+        nan[1024:1536] = nan[2048:2560] = True
+        if bits == 1 and dtype != torch.float16:
+            nan[1536:2048] = True
+        assert out[nan].isnan().all(), cases[i]
+        assert not out[~nan].isnan().any(), cases[i]
+        infinite = plain.isinf() & ~nan
+        assert infinite.sum() >= 19 and torch.equal(out[infinite], plain[infinite]), cases[i]
+        exact = torch.stack([x.double() for x in inputs]).sum(0)
+        bound = allreduce_bound([x.double().nan_to_num(0.0) for x in inputs], bits, 512, dtype)
+        # Finite where the plain sum is; in a 16-bit dtype, where the bound cannot reach past
+        # its range (fp16 at 1 bit: each value decodes to its bucket's min or max sum).
+        fits = exact.abs() + bound <= torch.finfo(dtype).max
+        finite = ~nan & ~infinite & (fits | (dtype == torch.float32))
+        assert out[finite].isfinite().all(), cases[i]
+        err = (out[finite].double() - exact[finite]).abs()
+        assert (err <= bound[finite]).all(), f"{cases[i]}: err {err.max()}"
