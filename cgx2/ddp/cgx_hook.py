@@ -156,6 +156,9 @@ class CGXState:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._param_ids: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._next_param_id = 0
+        # Per bucket index, its parameters' addresses and numbers: a weak lookup a parameter
+        # costs about a microsecond, a step of a large model a fraction of a millisecond.
+        self._bucket_ids: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
         self._shapes: dict[int, tuple[int, ...]] = {}  # each numbered parameter's shape
         self._layout: Layout = ()  # the last whole backward pass's buckets
         self._layout_now: list[tuple[int, tuple[int, ...]]] = []
@@ -270,6 +273,15 @@ class CGXState:
             ids.append(number)
         return tuple(ids)
 
+    def bucket_ids(self, index: int, params: Sequence[torch.Tensor]) -> tuple[int, ...]:
+        """:meth:`param_ids` of bucket ``index``'s parameters, looked up again only when they
+        are not the parameters it held last (DDP rebuilt its buckets)."""
+        addresses = tuple(map(id, params))
+        cached = self._bucket_ids.get(index)
+        if cached is None or cached[0] != addresses:
+            cached = self._bucket_ids[index] = (addresses, self.param_ids(params))
+        return cached[1]
+
     def _record(self, index: int, ids: tuple[int, ...], last: bool) -> None:
         """Note bucket ``index``'s parameters; the pass's layout is kept at its last bucket."""
         self._layout_now.append((index, ids))
@@ -348,7 +360,7 @@ def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[t
         if last:
             state._resume = None
         return _resume_bucket(state, group, resume, bucket, params, warm)
-    state._record(index, state.param_ids(params), last)
+    state._record(index, state.bucket_ids(index, params), last)
 
     def reduce(asynchronous: bool = False) -> torch.Tensor | torch.futures.Future[torch.Tensor]:
         running = _reduce_bucket_(state, group, buffer, plan, keys, warm, index, asynchronous)
@@ -559,7 +571,7 @@ def _resume_bucket(
             for at in ready:
                 _reduce_as_saved_(state, group, resume, at, warm)
         except BaseException as e:
-            for _, waiting, _ in resume.waiting.values():
+            for _, waiting, _ in list(resume.waiting.values()):
                 if not waiting.done():
                     waiting.set_exception(e)
             raise
@@ -577,7 +589,7 @@ def _resume_bucket(
     side.wait_stream(torch.cuda.current_stream(buffer.device))
     with torch.cuda.stream(side):
         reduce()
-    for _, _, waiting_buffer in resume.waiting.values():
+    for _, _, waiting_buffer in list(resume.waiting.values()):
         waiting_buffer.record_stream(side)
     return future
 

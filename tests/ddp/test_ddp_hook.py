@@ -275,11 +275,16 @@ class Deep(nn.Module):
 
 
 def _resume(split: int | None, steps: int, model_name: str = "net",
-            error_feedback: bool = False) -> dict:  # fmt: skip
+            error_feedback: bool = False, comm_worker: bool = True) -> dict:  # fmt: skip
     """Train ``steps`` steps; with ``split``, checkpoint after ``split`` steps (torch.save of
     model, optimizer and hook state) and go on with a fresh model, optimizer and CGXState
     loaded from the checkpoint. Returns the losses, the final parameters and what cgx2
     logged as warnings."""
+    with config.tuned(comm_worker=comm_worker):
+        return _resume_run(split, steps, model_name, error_feedback)
+
+
+def _resume_run(split: int | None, steps: int, model_name: str, error_feedback: bool) -> dict:
     import io
     import logging
 
@@ -344,8 +349,8 @@ def test_resume_into_a_fresh_ddp_is_bit_identical(dist2, error_feedback):
     had rebuilt its buckets: the hook quantizes the layers as the checkpointed run grouped
     them, so the parameters come out bit for bit those of a run never interrupted."""
     straight = dist2.run(_resume, None, 5, "deep", error_feedback)
-    for split in (2, 4):
-        resumed = dist2.run(_resume, split, 5, "deep", error_feedback)
+    for split, comm_worker in ((2, True), (4, True), (2, False)):
+        resumed = dist2.run(_resume, split, 5, "deep", error_feedback, comm_worker)
         for s, r in zip(straight, resumed, strict=True):
             assert s["losses"] == r["losses"], split
             for name, p in s["params"].items():
