@@ -45,7 +45,8 @@ def load(path: str) -> dict[str, Any] | None:
         raise CalibrationFileError(f"cannot be read: {e.strerror or e}") from None
     _check_file(before)
     # O_NONBLOCK: a FIFO swapped in after the stat must not block the open (nor the read).
-    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOCTTY", 0)
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    flags |= getattr(os, "O_NOCTTY", 0)
     try:
         fd = os.open(path, flags)
     except OSError as e:
