@@ -295,10 +295,14 @@ def _resume_run(split: int | None, steps: int, model_name: str, error_feedback: 
     handler.emit = lambda record: warned.append(record.getMessage())
     logging.getLogger("cgx2").addHandler(handler)
 
-    def fresh() -> tuple[DDP, torch.optim.Optimizer, CGXState]:
+    groups = []
+
+    def fresh(group: dist.ProcessGroup | None = None) -> tuple[DDP, torch.optim.Optimizer,
+                                                               CGXState]:  # fmt: skip
         torch.manual_seed(0)
-        model = DDP(Net() if model_name == "net" else Deep(), bucket_cap_mb=0.02)
-        state = CGXState(None, 1024, {"bits": 3, "bucket_size": 128}, start_iter=0,
+        model = DDP(Net() if model_name == "net" else Deep(), bucket_cap_mb=0.02,
+                    process_group=group)  # fmt: skip
+        state = CGXState(group, 1024, {"bits": 3, "bucket_size": 128}, start_iter=0,
                          error_feedback=error_feedback)  # fmt: skip
         model.register_comm_hook(state, cgx_hook)
         return model, torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.5), state
@@ -315,7 +319,9 @@ def _resume_run(split: int | None, steps: int, model_name: str, error_feedback: 
             finally:
                 logging.getLogger("cgx2").removeHandler(handler)
             cgx2.manual_seed(999)  # whatever happens in between
-            model, opt, state = fresh()
+            # A fresh group too: its transports, worker and counters start anew.
+            groups.append(dist.new_group())
+            model, opt, state = fresh(groups[-1])
             buffer.seek(0)
             checkpoint = torch.load(buffer, weights_only=True)
             model.load_state_dict(checkpoint["model"])
@@ -333,6 +339,8 @@ def _resume_run(split: int | None, steps: int, model_name: str, error_feedback: 
         opt.step()
         losses.append(loss.item())
     logging.getLogger("cgx2").removeHandler(handler)
+    for group in groups:
+        dist.destroy_process_group(group)
     params = {n: p.detach().clone() for n, p in model.module.named_parameters()}
     return {"losses": losses, "params": params, "warned": warned}
 
