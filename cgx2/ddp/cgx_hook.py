@@ -176,11 +176,14 @@ class CGXState:
         """What a checkpoint needs to resume the hook identically: its settings, counters,
         cgx2's seed stream (:func:`cgx2.seeding.get_state`), the residuals and the last
         backward pass's bucket layout (which layers were reduced together)."""
-        if self._layout and not self._layout_settled:
+        if len(self._layout) == 1 and not self._layout_settled:
+            # DDP's first pass has one bucket of every parameter (but with
+            # find_unused_parameters, which never rebuilds); the rebuilt buckets are not known.
             logger.warning(
                 "cgx2: CGXState.state_dict() after DDP's first backward pass only, before DDP "
                 "rebuilt its buckets: a run resumed from it groups the next step's layers as "
-                "that first pass did, not as the rebuilt buckets do (close, not bit-identical)"
+                "that first pass did, not as the rebuilt buckets will (close, but it may not "
+                "be bit-identical)"
             )
         return {
             "bits": self.bits,
