@@ -457,12 +457,12 @@ static uint16_t to_bf16(float x) {
 
 /* Decode buckets [q_begin, q_end) (meta and levels as written above; bytes past
  * levels_nbytes read as zero) into out, values below covered: (lo + |step| * level) * post
- * (post 2 where step < 0, a half-scale bucket, else 1), in fp32,
+ * (post 2 where step < 0, a half-scale bucket, else 1, times factor), in fp32,
  * added to base[e] where base is not NULL (base == out accumulates: a row of a sum); with
  * out_bf16 (and no base), stored as bf16. */
 void maxmin_decode(const float *meta, const uint8_t *levels, int64_t levels_nbytes,
                    int64_t q_begin, int64_t q_end, int64_t B, int bits, int64_t covered,
-                   const float *base, void *out, int out_bf16) {
+                   const float *base, void *out, int out_bf16, float factor) {
     float *out32 = (float *)out;
     uint16_t *out16 = (uint16_t *)out;
     const uint64_t mask = (1u << bits) - 1;
@@ -470,7 +470,8 @@ void maxmin_decode(const float *meta, const uint8_t *levels, int64_t levels_nbyt
     const int simd = use_simd();
     for (int64_t q = q_begin; q < q_end; q++) {
         const float lo = meta[2 * q], step = fabsf(meta[2 * q + 1]);
-        const float post = meta[2 * q + 1] < 0.0f ? 2.0f : 1.0f; /* a half-scale bucket */
+        /* A half-scale bucket's 2, times the factor: exactly (a power of two times it). */
+        const float post = (meta[2 * q + 1] < 0.0f ? 2.0f : 1.0f) * factor;
         for (int64_t g = 0; g < groups; g++) {
             int64_t at = q * stride + g * bits;
             int64_t e0 = q * B + 8 * g;

@@ -11,7 +11,7 @@ void maxmin_encode(const float *rows, int64_t q_begin, int64_t q_end, int64_t B,
 
 void maxmin_decode(const float *meta, const uint8_t *levels, int64_t levels_nbytes,
                    int64_t q_begin, int64_t q_end, int64_t B, int bits, int64_t covered,
-                   const float *base, void *out, int out_bf16);
+                   const float *base, void *out, int out_bf16, float factor);
 
 /* Whether the vector loops (AVX2) run; enable 0 or 1 turns them off or back on where the CPU
  * has them, -1 only asks. The bytes are the same either way. */

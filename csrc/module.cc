@@ -50,11 +50,12 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "maxmin_decode",
       [](uintptr_t meta, uintptr_t levels, int64_t levels_nbytes, int64_t q_begin, int64_t q_end,
-         int64_t bucket, int bits, int64_t covered, uintptr_t base, uintptr_t out, bool bf16) {
+         int64_t bucket, int bits, int64_t covered, uintptr_t base, uintptr_t out, bool bf16,
+         float factor) {
         cgx2::maxmin_decode(at<const float>(meta), at<const uint8_t>(levels), levels_nbytes,
                             q_begin, q_end, bucket, bits, covered,
                             base == 0 ? nullptr : at<const float>(base), at<void>(out),
-                            bf16 ? 1 : 0);
+                            bf16 ? 1 : 0, factor);
       },
       py::call_guard<py::gil_scoped_release>());
   m.def("maxmin_simd", &cgx2::maxmin_simd, py::arg("enable") = -1,

@@ -173,8 +173,8 @@ _NUDGES = 4
 
 
 def _finite_top(stored_lo: torch.Tensor, step: torch.Tensor, lmax: torch.Tensor) -> torch.Tensor:
-    """``step`` made smaller by an ulp, twice at most, where the top level would decode past
-    FLT_MAX (a range ending near it): finite values decode to finite ones."""
+    """``step`` made smaller by an ulp, ``_NUDGES`` times at most, where the top level would
+    decode past FLT_MAX (a range ending near it): finite values decode to finite ones."""
     for _ in range(_NUDGES):
         top = (stored_lo + step.abs() * lmax) * torch.where(step < 0, 2.0, 1.0)
         step = torch.where(torch.isinf(top), torch.nextafter(step, torch.zeros_like(step)), step)
@@ -227,10 +227,13 @@ def _decode_values(
     layout: MaxMinLayout,
     out: torch.Tensor | None = None,
     base: torch.Tensor | None = None,
+    factor: float | None = None,
 ) -> torch.Tensor:
     """The payload's values: a new fp32 tensor, or written into ``out`` (any float dtype,
     cast by :func:`_cast`); with ``base`` (fp32, which may be ``out``, itself fp32),
-    ``base + value`` each: one row of a sum, in one pass."""
+    ``base + value`` each: one row of a sum, in one pass. ``factor`` (an fp32 value, with
+    ``base``) multiplies each value first, folded into its bucket's ``post`` (exactly: a power
+    of two times it), so ``(min + |step| * level) * (post * factor)``."""
     nq, bsz = layout.num_buckets, layout.bucket_size
     if out is None:
         out = torch.empty(layout.numel, dtype=torch.float32, device=payload.device)
@@ -246,20 +249,24 @@ def _decode_values(
 
     if layout.raw_numel:
         raw = payload[layout.raw_offset : layout.raw_offset + 4 * layout.raw_numel]
-        put(slice(covered, None), raw.view(torch.float32))
+        raw = raw.view(torch.float32)
+        put(slice(covered, None), raw if factor is None else raw * factor)
     if nq == 0:
         return out
     meta = payload[: 8 * nq].view(torch.float32).view(nq, 2)
     levels_at = layout.levels_offset
     levels = payload[levels_at : levels_at + layout.levels_nbytes]
     if native.decode_rows(meta, levels, nq, bsz, layout.bits, out[:covered],
-                          None if base is None else base[:covered]):  # fmt: skip
+                          None if base is None else base[:covered],
+                          1.0 if factor is None else factor):  # fmt: skip
         return out
     packed = torch.zeros(nq * layout.bucket_stride, dtype=torch.uint8, device=payload.device)
     packed[: layout.levels_nbytes] = levels
     level = unpack_levels(packed.view(nq, -1), layout.bits, bsz).to(torch.float32)
     step = meta[:, 1:]
     post = torch.where(step < 0, 2.0, 1.0)  # a half-scale bucket (see encode)
+    if factor is not None:
+        post = post * factor
     values = (meta[:, :1] + step.abs() * level) * post
     put(slice(None, covered), values.reshape(-1)[:covered])
     return out
@@ -352,15 +359,36 @@ def decode_sum_encode(
     skip_incomplete: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Encode :func:`decode_sum` of the rows once more (the reduced chunk of the allreduce).
+    """Encode :func:`decode_sum` of the rows once more (the reduced chunk of the allreduce);
+    with ``scale`` (AVG), each row's values times ``scale`` (own's too) summed instead, as the
+    plain allreduce divides before it sums: a sum past FLT_MAX whose mean is not stays finite.
     A bucket of the sum that overflowed to +-Inf is coded saturated (see the module doc),
     unless ``own`` holds a non-finite value there: +-Inf of the input, which stays NaN."""
-    acc = decode_sum(payloads, numel, own, own_index, scale, bits, bucket_size, skip_incomplete)
+    layout = MaxMinLayout.of(numel, bits, bucket_size, skip_incomplete)
+    if scale is None:
+        acc = decode_sum(payloads, numel, own, own_index, None, bits, bucket_size, skip_incomplete)
+    else:
+        acc = _scaled_sum(payloads, layout, own, own_index, fp32_scalar(scale))
     encoded = _encode(acc, bits, bucket_size, key, stream, skip_incomplete, out, saturate=True)
     scratch.give(acc)  # encoded: this sum is done with
     if own is not None:
-        unsaturate_input(encoded, own, MaxMinLayout.of(numel, bits, bucket_size, skip_incomplete))
+        unsaturate_input(encoded, own, layout)
     return encoded
+
+
+def _scaled_sum(payloads: torch.Tensor, layout: MaxMinLayout, own: torch.Tensor | None,
+                own_index: int, factor: float) -> torch.Tensor:  # fmt: skip
+    """``own * factor`` plus each other row's values times ``factor``, in fp32 in row order:
+    as many passes as :func:`decode_sum` takes with its scale."""
+    acc = scratch.take(layout.numel, torch.float32, payloads.device)
+    if own is None:
+        acc.zero_()
+    else:
+        torch.mul(own.reshape(-1).to(torch.float32), factor, out=acc)
+    for w in range(payloads.shape[0]):
+        if w != own_index:
+            _decode_values(payloads[w], layout, acc, acc, factor)
+    return acc
 
 
 def saturated_buckets(payload: torch.Tensor, layout: MaxMinLayout) -> list[int]:

@@ -881,19 +881,23 @@ def _sum_loaded(
     own0, own1, fields, los, steps, scale, ROWS: tl.constexpr, BITS: tl.constexpr,
     HAS_SCALE: tl.constexpr,
 ):  # fmt: skip
-    """(own + the rows decoded, summed in row order) * scale, in fp32."""
+    """own + the rows decoded, summed in row order, in fp32; with a scale, own and each row's
+    values times it (folded into its buckets' post: :func:`.maxmin._scaled_sum`)."""
     acc0 = own0
     acc1 = own1
+    if HAS_SCALE:
+        acc0 = acc0 * scale
+        acc1 = acc1 * scale
     for r in tl.static_range(ROWS):
         l0, l1 = _unpack(fields[r], BITS)
         lo = los[r][:, None, None]
         step = tl.abs(steps[r])[:, None, None]
-        post = tl.where(steps[r] < 0, 2.0, 1.0)[:, None, None]  # a half-scale bucket
+        post = tl.where(steps[r] < 0, 2.0, 1.0)  # a half-scale bucket
+        if HAS_SCALE:
+            post = post * scale
+        post = post[:, None, None]
         acc0 = acc0 + (lo + step * l0) * post
         acc1 = acc1 + (lo + step * l1) * post
-    if HAS_SCALE:
-        acc0 = acc0 * scale
-        acc1 = acc1 * scale
     return acc0, acc1
 
 
@@ -1392,10 +1396,12 @@ def decode_sum_encode(
             if own is not None
             else torch.zeros(layout.raw_numel, dtype=torch.float32, device=out.device)
         )
+        factor = None if scale is None else maxmin.fp32_scalar(scale)
+        if factor is not None:  # each term scaled, as the reference's _scaled_sum
+            acc = acc * factor
         for w in range(payloads.shape[0]):
             if w != own_index:
-                acc = acc + _raw_region(payloads[w], layout)
-        if scale is not None:
-            acc = acc * maxmin.fp32_scalar(scale)
+                raw = _raw_region(payloads[w], layout)
+                acc = acc + (raw if factor is None else raw * factor)
         _raw_region(out, layout).copy_(acc)
     return out

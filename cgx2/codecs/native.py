@@ -55,11 +55,13 @@ def encode_rows(rows: torch.Tensor, bits: int, key: int, stream: int, covered: i
 
 
 def decode_rows(meta: torch.Tensor, levels: torch.Tensor, nq: int, bucket: int, bits: int,
-                out: torch.Tensor, base: torch.Tensor | None = None) -> bool:  # fmt: skip
+                out: torch.Tensor, base: torch.Tensor | None = None,
+                factor: float = 1.0) -> bool:  # fmt: skip
     """Decode ``nq`` buckets into ``out`` (its ``numel`` values; fp32, or bf16 rounded as
-    :func:`cgx2.codecs.maxmin._cast` does) as the reference does, each added to ``base``'s
-    value where given (fp32 ``base`` and ``out`` of one size; ``out`` itself accumulates);
-    False (nothing written) where the C loops are unavailable."""
+    :func:`cgx2.codecs.maxmin._cast` does) as the reference does, each times ``factor`` (an
+    fp32 value, folded into its bucket's post) and added to ``base``'s value where given
+    (fp32 ``base`` and ``out`` of one size; ``out`` itself accumulates); False (nothing
+    written) where the C loops are unavailable."""
     lib = library()
     if base is None:
         suits = out.dtype in (torch.float32, torch.bfloat16)
@@ -70,6 +72,6 @@ def decode_rows(meta: torch.Tensor, levels: torch.Tensor, nq: int, bucket: int, 
         return False
     head = (meta.data_ptr(), levels.data_ptr(), levels.numel())
     tail = (bucket, bits, out.numel(), 0 if base is None else base.data_ptr(), out.data_ptr(),
-            out.dtype == torch.bfloat16)  # fmt: skip
+            out.dtype == torch.bfloat16, factor)  # fmt: skip
     split(lambda a, b: lib.maxmin_decode(*head, a, b, *tail), nq, _MIN_BUCKETS_PER_THREAD)
     return True

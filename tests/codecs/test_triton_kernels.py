@@ -214,7 +214,7 @@ def test_an_overflowing_sum_is_coded_as_the_reference_codes_it(bits, bucket, own
     args = (n, own, 0 if own is not None else -1, scale, bits, bucket, 5, 1)
     got = tri.decode_sum_encode(payloads, *args)
     assert _same(got, ref.decode_sum_encode(payloads, *args))
-    if bits > 1:
+    if bits > 1 and scale in (None, 0.5):  # three rows of 3e38 times 1/3 or 1/4: no overflow
         assert ref.decode(got, n, bits, bucket).isinf().any()  # saturated, not NaN
     x = parts[1].clone()
     x[: n // 2] = torch.finfo(torch.float32).max

@@ -535,37 +535,41 @@ def _overflow_input(rank: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _overflowing_sums(cases: list[tuple]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    rank, outs = dist.get_rank(), []
-    for bits, dtype in cases:
+    rank, world, outs = dist.get_rank(), dist.get_world_size(), []
+    for bits, dtype, op in cases:
         x = _overflow_input(rank, dtype)
-        plain = x.clone()
+        plain = x / world if op == "avg" else x.clone()  # gloo's AVG divides first, as DDP
         dist.all_reduce(plain)
-        outs.append((plain, cgx2.quantized_allreduce(x, bits, seed=17)))
+        outs.append((plain, cgx2.quantized_allreduce(x, bits, op=op, seed=17)))
     return outs
 
 
 def test_a_sum_that_overflows_is_inf_where_the_plain_allreduce_is(dist2):
-    """The plain allreduce's +-Inf where two ranks' finite values sum past the dtype's range;
-    the other values of those buckets finite and within the bound; input +-Inf still NaN
-    (its whole bucket), and at 1 bit a bucket overflowing both ways (which one bit a value
-    cannot code); every rank the model's bits."""
-    cases = [(bits, dtype) for bits in (1, 2, 4, 8) for dtype in DTYPES]
+    """The plain allreduce's +-Inf where two ranks' finite values sum past the dtype's range
+    (not where they average within it); the other values of those buckets finite and within
+    the bound; input +-Inf still NaN (its whole bucket), and at 1 bit a bucket overflowing
+    both ways (which one bit a value cannot code); every rank the model's bits."""
+    cases = [(b, dtype, op) for b in (1, 2, 4, 8) for dtype in DTYPES for op in ("sum", "avg")]
     results = dist2.run(_overflowing_sums, cases)
-    for i, (bits, dtype) in enumerate(cases):
+    for i, (bits, dtype, op) in enumerate(cases):
         (plain, out), (_, other) = results[0][i], results[1][i]
         inputs = [_overflow_input(r, dtype) for r in range(2)]
         assert _bits_equal(out, other), f"ranks differ: {cases[i]}"
-        assert _bits_equal(out, reference_allreduce(inputs, bits, 512, seed=17)), cases[i]
+        model = reference_allreduce(inputs, bits, 512, seed=17, reduce_op=op)
+        assert _bits_equal(out, model), cases[i]
         nan = torch.zeros(_OVERFLOW_N, dtype=torch.bool)
         nan[1024:1536] = nan[2048:2560] = True
-        if bits == 1 and dtype != torch.float16:
+        if bits == 1 and dtype != torch.float16 and op == "sum":
             nan[1536:2048] = True
         assert out[nan].isnan().all(), cases[i]
         assert not out[~nan].isnan().any(), cases[i]
         infinite = plain.isinf() & ~nan
-        assert infinite.sum() >= 19 and torch.equal(out[infinite], plain[infinite]), cases[i]
+        assert infinite.sum() >= (19 if op == "sum" else 0), cases[i]
+        assert torch.equal(out[infinite], plain[infinite]), cases[i]
         exact = torch.stack([x.double() for x in inputs]).sum(0)
         bound = allreduce_bound([x.double().nan_to_num(0.0) for x in inputs], bits, 512, dtype)
+        if op == "avg":
+            exact, bound = exact / 2, bound / 2 + 2 * FP32_EPS * exact.abs() / 2
         # Finite where the plain sum is; in a 16-bit dtype, where the bound cannot reach past
         # its range (fp16 at 1 bit: each value decodes to its bucket's min or max sum).
         fits = exact.abs() + bound <= torch.finfo(dtype).max
