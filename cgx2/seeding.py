@@ -69,6 +69,8 @@ def _stream_state() -> list[int]:
 def manual_seed(seed: int) -> None:
     """Restart cgx2's stream of call seeds (used when an op is called without ``seed``)."""
     global _stream
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
     with _lock:
         _stream = [seed & _MASK64, 0]
 

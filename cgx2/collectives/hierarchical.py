@@ -13,7 +13,13 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .. import config, cpu_threads
-from ..checks import check_bits, check_bucket_size, check_float_tensor, check_reduce_op
+from ..checks import (
+    check_bits,
+    check_bucket_size,
+    check_collective_tensor,
+    check_reduce_op,
+    check_seed,
+)
 from . import policy
 from .allreduce import allreduce
 from .fusion import quantized_bytes_sent, reduce_fused_, ring_bytes_sent
@@ -49,10 +55,11 @@ def hierarchical_allreduce(
     """Allreduce (SUM or AVG) of ``t`` over ``mesh`` (default :func:`node_mesh`), quantized to
     ``bits`` between nodes only. Returns a new tensor, bit-identical on every rank.
     ``intra_broadcast`` None reads ``CGX_INTRA_BROADCAST``."""
+    check_collective_tensor(t, "t")
     reduce_op = check_reduce_op(op, "op")
-    check_float_tensor(t)
     check_bits(bits)
     check_bucket_size(bucket_size)
+    check_seed(seed)
     mesh = node_mesh(t.device.type) if mesh is None else mesh
     if mesh.mesh_dim_names != MESH_DIMS:
         raise ValueError(f"mesh must have dims {MESH_DIMS}, got {mesh.mesh_dim_names}")

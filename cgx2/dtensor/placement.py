@@ -45,7 +45,8 @@ class QuantizedPartial(Partial):
         check_bits(bits)
         check_bucket_size(bucket_size)
         if reduce_op not in ("sum", "avg"):
-            raise ValueError(f"QuantizedPartial reduces by 'sum' or 'avg', got {reduce_op!r}")
+            raise ValueError(f"reduce_op must be 'sum' or 'avg' (QuantizedPartial's reduction), "
+                             f"got {reduce_op!r}")  # fmt: skip
         super().__init__(reduce_op)
         # Frozen like every placement: fields are set once, here.
         object.__setattr__(self, "bits", bits)

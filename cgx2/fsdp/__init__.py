@@ -17,7 +17,14 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 from .. import seeding
-from ..checks import UNCOMPRESSED_BITS, check_bits, check_bucket_size, reduce_op_name
+from ..checks import (
+    UNCOMPRESSED_BITS,
+    check_bits,
+    check_bucket_size,
+    check_module,
+    check_numel,
+    reduce_op_name,
+)
 from ..collectives import allreduce_, policy
 from ..collectives.adaptive import check_options, check_replan_every, layer_errors, plan_widths
 from ..collectives.all_gather import all_gather as all_gather_quantized
@@ -264,6 +271,8 @@ def compress(model: nn.Module, bits: int | None = None, bucket_size: int | None 
     gradients' all-reduce across replicas is quantized to ``replica_bits`` (default ``bits``;
     32: exact) by :class:`QuantizedReplicaGroup`.
     Returns the reduce-scatters set, whose ``bytes_sent`` add up to what this rank sent."""
+    check_module(model)
+    check_numel(min_size, "min_size")
     config = CGXConfig.from_env()
     if bits is None:
         bits = env_quantization_bits(default=4)
@@ -274,7 +283,7 @@ def compress(model: nn.Module, bits: int | None = None, bucket_size: int | None 
     if adaptive_bits is not None:  # fail before touching the model
         adaptive_bits = check_options(adaptive_bits, bits)
     replan_every = check_replan_every(replan_every)
-    bucket_size = config.bucket_size if bucket_size is None else bucket_size
+    bucket_size = config.bucket_size if bucket_size is None else check_bucket_size(bucket_size)
     min_size = max(min_size, config.minimal_size)
     comms = []
     for module in model.modules():
@@ -329,6 +338,7 @@ def compression_state_dict(model: nn.Module) -> dict[str, object]:
     """Every :class:`QuantizedReduceScatter` of ``model`` (by module name) and cgx2's seed
     stream: saved with the model and optimizer, :func:`load_compression_state_dict` makes a
     resumed run plan and round as the uninterrupted one would."""
+    check_module(model)
     comms = {name: comm.state_dict() for name, comm in _named_comms(model)}
     if not comms:
         raise ValueError("the model has no cgx2 reduce-scatter: call cgx2.fsdp.compress first")
@@ -338,6 +348,14 @@ def compression_state_dict(model: nn.Module) -> dict[str, object]:
 def load_compression_state_dict(model: nn.Module, state: Mapping[str, object]) -> None:
     """Restore :func:`compression_state_dict`'s values into ``model``'s reduce-scatters (set
     by :func:`compress` on a model sharded as the saved one was)."""
+    check_module(model)
+    if not isinstance(state, Mapping):
+        raise TypeError(f"state must be a Mapping (compression_state_dict's), got "
+                        f"{type(state).__name__}")  # fmt: skip
+    missing = [key for key in ("reduce_scatters", "seed_state") if key not in state]
+    if missing:
+        raise ValueError(f"state lacks {', '.join(map(repr, missing))}: not a "
+                         f"compression_state_dict")  # fmt: skip
     comms = dict(_named_comms(model))
     saved = state["reduce_scatters"]
     if not isinstance(saved, Mapping) or set(saved) != set(comms):

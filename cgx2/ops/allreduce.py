@@ -13,7 +13,17 @@ import torch
 import torch.distributed as dist
 
 from .. import collectives
-from ..checks import check_bits, check_bucket_size, check_float_tensor, check_reduce_op
+from ..checks import (
+    check_bits,
+    check_bool,
+    check_bucket_size,
+    check_collective_tensor,
+    check_group,
+    check_reduce_op,
+    check_seed,
+    check_writable,
+    warn_if_not_member,
+)
 from ..seeding import SEEDED_OP_TAGS
 
 __all__ = ["quantized_allreduce", "quantized_allreduce_", "resolve_group"]
@@ -22,7 +32,7 @@ __all__ = ["quantized_allreduce", "quantized_allreduce_", "resolve_group"]
 def resolve_group(group_name: str) -> dist.ProcessGroup:
     """The process group called ``group_name`` ("" for the default group)."""
     if not dist.is_initialized():
-        raise RuntimeError("cgx.quantized_allreduce needs torch.distributed.init_process_group")
+        raise ValueError("cgx2's collectives need torch.distributed.init_process_group first")
     if group_name == "":
         return dist.group.WORLD
     from torch.distributed.distributed_c10d import _resolve_process_group
@@ -31,9 +41,9 @@ def resolve_group(group_name: str) -> dist.ProcessGroup:
 
 
 def _check(t: torch.Tensor, bits: int, bucket_size: int, reduce_op: object,
-           op_name: str = "reduce_op") -> str:  # fmt: skip
+           op_name: str = "reduce_op", tensor_name: str = "input") -> str:  # fmt: skip
     """Every argument checked, once per call; the normalised reduce op."""
-    check_float_tensor(t, "input")
+    check_collective_tensor(t, tensor_name)
     check_bits(bits)
     check_bucket_size(bucket_size)
     return check_reduce_op(reduce_op, op_name)
@@ -50,7 +60,9 @@ def _quantized_allreduce_op(
     skip_incomplete: bool = False,
 ) -> torch.Tensor:
     reduce_op = _check(input, bits, bucket_size, reduce_op)
-    return collectives.allreduce(input, bits, bucket_size, resolve_group(group_name), reduce_op,
+    # A negative view's bit is torch's to apply: the codecs read the stored values.
+    return collectives.allreduce(input.resolve_neg(), bits, bucket_size,
+                                 resolve_group(group_name), reduce_op,
                                  None if seed < 0 else seed, skip_incomplete,
                                  check_agreement=True)  # fmt: skip
 
@@ -94,9 +106,22 @@ def _quantized_allreduce_inplace_op(
     # check_agreement False: for callers whose ranks agree by construction (DDP's per-parameter
     # reducer under compiled autograd), one round trip a parameter fewer.
     reduce_op = _check(input, bits, bucket_size, reduce_op)
-    collectives.allreduce_(input, bits, bucket_size, resolve_group(group_name), reduce_op,
-                           None if seed < 0 else seed, skip_incomplete,
-                           check_agreement=check_agreement)  # fmt: skip
+    check_writable(input, "input")
+    _allreduce_into(input, bits, bucket_size, resolve_group(group_name), reduce_op,
+                    None if seed < 0 else seed, skip_incomplete, check_agreement)  # fmt: skip
+
+
+def _allreduce_into(t: torch.Tensor, bits: int, bucket_size: int, group: dist.ProcessGroup,
+                    reduce_op: str, seed: int | None, skip_incomplete: bool,
+                    check_agreement: bool) -> torch.Tensor:  # fmt: skip
+    """The in-place allreduce of a checked ``t``; a negative view's values (the codecs read the
+    stored ones) reduced as a copy and written back through the view."""
+    if t.is_neg():
+        out = collectives.allreduce(t.resolve_neg(), bits, bucket_size, group, reduce_op, seed,
+                                    skip_incomplete, check_agreement=check_agreement)  # fmt: skip
+        return t.copy_(out)
+    return collectives.allreduce_(t, bits, bucket_size, group, reduce_op, seed, skip_incomplete,
+                                  check_agreement=check_agreement)  # fmt: skip
 
 
 @_quantized_allreduce_inplace_op.register_fake
@@ -122,16 +147,22 @@ def quantized_allreduce(
     (:mod:`cgx2.collectives.policy`), take the plain allreduce. Under ``torch.compile`` this
     is the op ``torch.ops.cgx.quantized_allreduce``. Differentiable: the gradient of the
     input is the same quantized allreduce of the output's gradient.
+
+    As torch's functional collectives: any dense layout (transposed, sliced, expanded, a
+    negative view) is reduced as its contiguous copy and the result is contiguous; a rank
+    outside ``group`` gets a ``ValueError``.
     """
+    reduce_op = _check(tensor, bits, bucket_size, op, "op", "tensor")
+    check_seed(seed)
+    check_bool(skip_incomplete, "skip_incomplete")
+    group = check_group(group, "quantized_allreduce")
     if torch.compiler.is_compiling() or (tensor.requires_grad and torch.is_grad_enabled()):
         # The op: traced when compiling; eagerly, its autograd formula gives the backward.
         return torch.ops.cgx.quantized_allreduce(
-            tensor, bits, bucket_size, "" if group is None else group.group_name,
-            check_reduce_op(op, "op"), -1 if seed is None else seed, skip_incomplete,
+            tensor, bits, bucket_size, group.group_name, reduce_op,
+            -1 if seed is None else seed, skip_incomplete,
         )  # fmt: skip
-    reduce_op = _check(tensor, bits, bucket_size, op, "op")
-    return collectives.allreduce(tensor, bits, bucket_size,
-                                 dist.group.WORLD if group is None else group, reduce_op, seed,
+    return collectives.allreduce(tensor.resolve_neg(), bits, bucket_size, group, reduce_op, seed,
                                  skip_incomplete, check_agreement=True)  # fmt: skip
 
 
@@ -148,19 +179,28 @@ def quantized_allreduce_(
     result (the same bytes on every rank) and is returned; where the policy does not
     compress, this is the plain allreduce itself, with no copy. Under ``torch.compile`` this
     is the op ``torch.ops.cgx.quantized_allreduce_``.
+
+    As ``dist.all_reduce``, a rank outside ``group`` is warned and ``tensor`` left unchanged.
+    Any dense layout is written through; a tensor whose elements share memory (an
+    ``expand()``-ed view) is refused, before communicating.
     """
+    reduce_op = _check(tensor, bits, bucket_size, op, "op", "tensor")
+    check_seed(seed)
+    check_bool(skip_incomplete, "skip_incomplete")
+    if warn_if_not_member(group, "quantized_allreduce_"):
+        return tensor
+    check_writable(tensor)
+    group = check_group(group, "quantized_allreduce_")
     if torch.compiler.is_compiling():
         torch.ops.cgx.quantized_allreduce_(
-            tensor, bits, bucket_size, "" if group is None else group.group_name,
-            check_reduce_op(op, "op"), -1 if seed is None else seed, skip_incomplete,
+            tensor, bits, bucket_size, group.group_name, reduce_op,
+            -1 if seed is None else seed, skip_incomplete,
         )  # fmt: skip
         return tensor
-    reduce_op = _check(tensor, bits, bucket_size, op, "op")
     if tensor.requires_grad and torch.is_grad_enabled():
         raise RuntimeError(
             "quantized_allreduce_ writes into a tensor that requires grad, and has no gradient: "
             "use quantized_allreduce (differentiable), or call it under torch.no_grad()"
         )
-    return collectives.allreduce_(tensor, bits, bucket_size,
-                                  dist.group.WORLD if group is None else group, reduce_op, seed,
-                                  skip_incomplete, check_agreement=True)  # fmt: skip
+    return _allreduce_into(tensor, bits, bucket_size, group, reduce_op, seed, skip_incomplete,
+                           True)  # fmt: skip

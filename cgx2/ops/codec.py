@@ -11,7 +11,15 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import check_bits, check_bucket_size, check_float_tensor
+from ..checks import (
+    check_bits,
+    check_bool,
+    check_bucket_size,
+    check_float_dtype,
+    check_float_tensor,
+    check_numel,
+    check_seed,
+)
 from ..codecs import MaxMinLayout, maxmin, maxmin_codec
 from ..seeding import derive_key, next_seed
 
@@ -26,11 +34,12 @@ def _layout(numel: int, bits: int, bucket_size: int, skip_incomplete: bool) -> M
     return MaxMinLayout(numel, bits, bucket_size, skip_incomplete)
 
 
-def _check_codec_args(bits: int, bucket_size: int) -> None:
+def _check_codec_args(bits: int, bucket_size: int, skip_incomplete: bool) -> None:
     check_bits(bits)
     if bits > 8:
         raise ValueError(f"bits must be in 1..8 to quantize, got {bits}")
     check_bucket_size(bucket_size)
+    check_bool(skip_incomplete, "skip_incomplete")
 
 
 _LIB = torch.library.Library("cgx", "FRAGMENT")
@@ -64,7 +73,9 @@ def _quantize(
     instead, on the device, so that every replay rounds afresh.
     """
     check_float_tensor(x, "x")
-    _check_codec_args(bits, bucket_size)
+    _check_codec_args(bits, bucket_size, skip_incomplete)
+    check_seed(seed, negative_draws=True)
+    x = x.resolve_neg()  # a negative view's bit is torch's to apply: the codecs read storage
     codec = maxmin_codec(x.device)
     if seed < 0 and x.is_cuda and torch.cuda.is_current_stream_capturing():
         if codec is maxmin:
@@ -81,20 +92,24 @@ def _quantize(
 @torch.library.register_fake("cgx::quantize")
 def _(x, bits, bucket_size=512, seed=-1, skip_incomplete=False):
     check_float_tensor(x, "x")
-    _check_codec_args(bits, bucket_size)
+    _check_codec_args(bits, bucket_size, skip_incomplete)
     nbytes = _layout(x.numel(), bits, bucket_size, skip_incomplete).nbytes
     return x.new_empty(nbytes, dtype=torch.uint8)
 
 
 def _check_payload(payload: torch.Tensor, numel: int, bits: int, bucket_size: int,
-                   skip_incomplete: bool) -> int:  # fmt: skip
+                   dtype: torch.dtype, skip_incomplete: bool) -> int:  # fmt: skip
+    if not isinstance(payload, torch.Tensor):
+        raise TypeError(f"payload must be a torch.Tensor, got {type(payload).__name__}")
+    if payload.layout is not torch.strided or payload.is_nested:
+        raise TypeError(f"payload must be a dense (torch.strided) tensor, got {payload.layout}")
     if payload.dtype != torch.uint8 or payload.dim() != 1:
         raise TypeError(
             f"payload must be a 1-D uint8 tensor, got {payload.dtype} {payload.dim()}-D"
         )
-    if numel < 0:
-        raise ValueError(f"numel must be >= 0, got {numel}")
-    _check_codec_args(bits, bucket_size)
+    check_numel(numel)
+    check_float_dtype(dtype)
+    _check_codec_args(bits, bucket_size, skip_incomplete)
     nbytes = _layout(numel, bits, bucket_size, skip_incomplete).nbytes
     if payload.numel() < nbytes:
         raise ValueError(
@@ -113,14 +128,14 @@ def _dequantize(
     skip_incomplete: bool = False,
 ) -> torch.Tensor:
     """Decode a payload made by :func:`quantize` into a flat tensor of ``numel`` values."""
-    _check_payload(payload, numel, bits, bucket_size, skip_incomplete)
+    _check_payload(payload, numel, bits, bucket_size, dtype, skip_incomplete)
     codec = maxmin_codec(payload.device)
     return codec.decode(payload.contiguous(), numel, bits, bucket_size, dtype, skip_incomplete)
 
 
 @torch.library.register_fake("cgx::dequantize")
 def _(payload, numel, bits, bucket_size=512, dtype=torch.float32, skip_incomplete=False):
-    _check_payload(payload, numel, bits, bucket_size, skip_incomplete)
+    _check_payload(payload, numel, bits, bucket_size, dtype, skip_incomplete)
     return payload.new_empty(numel, dtype=dtype)
 
 

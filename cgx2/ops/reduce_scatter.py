@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from .. import collectives
-from ..checks import check_reduce_op
+from ..checks import check_float_tensor, check_group, check_seed
 from ..seeding import SEEDED_OP_TAGS
 from .allreduce import _check, resolve_group
 
@@ -37,7 +37,8 @@ def _run(out: torch.Tensor, input: torch.Tensor, bits: int, bucket_size: int, gr
         raise ValueError(f"group_size {group_size} is not the size of group {group_name!r} "
                          f"({dist.get_world_size(group)})")  # fmt: skip
     scale = 1.0 / group_size if reduce_op == "avg" else None
-    collectives.reduce_scatter(out.view(-1), input.contiguous().view(-1), group, bits,
+    # A negative view's bit is torch's to apply: the codecs read the stored values.
+    collectives.reduce_scatter(out.view(-1), input.resolve_neg().contiguous().view(-1), group, bits,
                                bucket_size, scale, seed=None if seed < 0 else seed,
                                check_agreement=True)  # fmt: skip
 
@@ -109,7 +110,12 @@ def _check_out(input: torch.Tensor, out: torch.Tensor, bits: int, bucket_size: i
                group_size: int, reduce_op: str) -> str:  # fmt: skip
     reduce_op = _check(input, bits, bucket_size, reduce_op)
     shape = _output_shape(input, group_size)
-    if list(out.shape) != shape or out.dtype != input.dtype or not out.is_contiguous():
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if out.device != input.device:
+        raise ValueError(f"out must be on the input's device ({input.device}), got {out.device}")
+    if (list(out.shape) != shape or out.dtype != input.dtype or not out.is_contiguous()
+            or out.is_neg() or out.layout is not torch.strided):  # fmt: skip
         raise ValueError(f"out must be a contiguous {input.dtype} tensor of shape {tuple(shape)}, "
                          f"got {out.dtype} {tuple(out.shape)}")  # fmt: skip
     return reduce_op
@@ -137,10 +143,17 @@ def quantized_reduce_scatter(
     shape, contiguous) and returns it. Under ``torch.compile`` this is the op
     ``torch.ops.cgx.quantized_reduce_scatter`` (``_out`` with ``out``). Differentiable
     without ``out``: the input's gradient is the all-gather of the output's.
+
+    As torch's functional collectives: any dense layout is reduced as its contiguous copy, and
+    a rank outside ``group`` gets a ``ValueError``.
     """
-    group = dist.group.WORLD if group is None else group
-    args = (bits, bucket_size, dist.get_world_size(group), group.group_name,
-            check_reduce_op(op, "op"), -1 if seed is None else seed)  # fmt: skip
+    reduce_op = _check(tensor, bits, bucket_size, op, "op", "tensor")
+    check_seed(seed)
+    if out is not None:
+        check_float_tensor(out, "out")
+    group = check_group(group, "quantized_reduce_scatter")
+    args = (bits, bucket_size, dist.get_world_size(group), group.group_name, reduce_op,
+            -1 if seed is None else seed)  # fmt: skip
     if out is None:
         return torch.ops.cgx.quantized_reduce_scatter(tensor, *args)
     torch.ops.cgx.quantized_reduce_scatter_out(tensor, out, *args)
