@@ -62,12 +62,14 @@ PYBIND11_MODULE(_C, m) {
         "Whether the codec's vector loops (AVX2) run; 0 or 1 turns them off or back on where "
         "the CPU has them. The bytes are the same either way.");
 
-  py::class_<cgx2::Segment>(m, "Segment", "A POSIX shared-memory segment mapped here.")
-      .def_static("create", &cgx2::Segment::create, py::arg("name"), py::arg("nbytes"),
+  py::class_<cgx2::Segment>(m, "Segment", "A shared-memory segment (a memfd) mapped here.")
+      .def_static("create", &cgx2::Segment::create, py::arg("nbytes"),
                   py::return_value_policy::take_ownership)
-      .def_static("open", &cgx2::Segment::open, py::arg("name"), py::arg("nbytes"),
-                  py::return_value_policy::take_ownership)
-      .def_static("unlink", &cgx2::Segment::unlink, py::arg("name"))
+      .def_static("open", &cgx2::Segment::open, py::arg("pid"), py::arg("fd"), py::arg("nbytes"),
+                  py::arg("inode"), py::return_value_policy::take_ownership)
+      .def("release", &cgx2::Segment::release)
+      .def_property_readonly("fd", &cgx2::Segment::fd)
+      .def_property_readonly("inode", &cgx2::Segment::inode)
       .def_property_readonly("address", &cgx2::Segment::address)
       .def_property_readonly("nbytes", &cgx2::Segment::nbytes)
       .def(

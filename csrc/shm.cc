@@ -21,6 +21,12 @@
 namespace cgx2 {
 namespace {
 
+#ifdef MFD_NOEXEC_SEAL
+constexpr unsigned kNoExecSeal = MFD_NOEXEC_SEAL;
+#else
+constexpr unsigned kNoExecSeal = 0x0008U;  // Linux 6.3's MFD_NOEXEC_SEAL
+#endif
+
 [[noreturn]] void fail(int error, const std::string &what) {
   throw std::system_error(error, std::generic_category(), what);
 }
@@ -72,40 +78,42 @@ bool read_stat(int64_t pid, char *state, uint64_t *start) {
 
 }  // namespace
 
-Segment *Segment::create(const std::string &name, size_t nbytes) {
-  int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_NOFOLLOW, 0600);
-  if (fd < 0) fail(errno, "creating shared-memory segment " + name);
+Segment *Segment::create(size_t nbytes) {
+  // Without MFD_NOEXEC_SEAL where the kernel predates it; with it where vm.memfd_noexec asks.
+  int fd = memfd_create("cgx2-segment", MFD_CLOEXEC | kNoExecSeal);
+  if (fd < 0 && errno == EINVAL) fd = memfd_create("cgx2-segment", MFD_CLOEXEC);
+  if (fd < 0) fail(errno, "creating a shared-memory segment (memfd_create)");
+  struct stat info;
   // The umask can only take bits away; this makes sure no one else has any.
-  if (fchmod(fd, 0600) != 0 || ftruncate(fd, static_cast<off_t>(nbytes)) != 0) {
+  if (fchmod(fd, 0600) != 0 || ftruncate(fd, static_cast<off_t>(nbytes)) != 0 ||
+      fstat(fd, &info) != 0) {
     int error = errno;
     close(fd);
-    shm_unlink(name.c_str());
-    fail(error, "sizing shared-memory segment " + name);
+    fail(error, "sizing a shared-memory segment");
   }
   int error = posix_fallocate(fd, 0, static_cast<off_t>(nbytes));
   if (error != 0) {
     close(fd);
-    shm_unlink(name.c_str());
-    fail(error, "reserving " + std::to_string(nbytes) + " bytes of shared memory for " + name +
-                    " (is /dev/shm large enough?)");
+    fail(error, "reserving " + std::to_string(nbytes) + " bytes of shared memory");
   }
   void *address = mmap(nullptr, nbytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  error = errno;
-  close(fd);
   if (address == MAP_FAILED) {
-    shm_unlink(name.c_str());
-    fail(error, "mapping shared-memory segment " + name);
+    error = errno;
+    close(fd);
+    fail(error, "mapping a shared-memory segment");
   }
-  return new Segment(address, nbytes);
+  return new Segment(address, nbytes, fd, static_cast<uint64_t>(info.st_ino));
 }
 
-Segment *Segment::open(const std::string &name, size_t nbytes) {
-  int fd = shm_open(name.c_str(), O_RDWR | O_NOFOLLOW, 0);
-  if (fd < 0) fail(errno, "opening shared-memory segment " + name);
+Segment *Segment::open(int64_t pid, int fd, size_t nbytes, uint64_t inode) {
+  const std::string name =
+      "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
+  int mine = ::open(name.c_str(), O_RDWR | O_CLOEXEC);
+  if (mine < 0) fail(errno, "opening shared-memory segment " + name);
   struct stat info;
-  if (fstat(fd, &info) != 0) {
+  if (fstat(mine, &info) != 0) {
     int error = errno;
-    close(fd);
+    close(mine);
     fail(error, "inspecting shared-memory segment " + name);
   }
   const char *wrong = nullptr;
@@ -115,27 +123,29 @@ Segment *Segment::open(const std::string &name, size_t nbytes) {
     wrong = "is owned by another user";
   } else if ((info.st_mode & 077) != 0) {
     wrong = "is open to other users (its mode is not 0600)";
+  } else if (static_cast<uint64_t>(info.st_ino) != inode) {
+    wrong = "is not the file its creator announced";
   } else if (static_cast<size_t>(info.st_size) < nbytes) {
     wrong = "is smaller than its creator announced";
   }
   if (wrong != nullptr) {
-    close(fd);
+    close(mine);
     fail(EPERM, "refusing shared-memory segment " + name + ": it " + wrong);
   }
-  void *address = mmap(nullptr, nbytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  void *address = mmap(nullptr, nbytes, PROT_READ | PROT_WRITE, MAP_SHARED, mine, 0);
   int error = errno;
-  close(fd);
+  close(mine);
   if (address == MAP_FAILED) fail(error, "mapping shared-memory segment " + name);
-  return new Segment(address, nbytes);
+  return new Segment(address, nbytes, -1, inode);
 }
 
-bool Segment::unlink(const std::string &name) {
-  if (shm_unlink(name.c_str()) == 0) return true;
-  if (errno == ENOENT) return false;
-  fail(errno, "removing shared-memory segment " + name);
+void Segment::release() {
+  if (fd_ >= 0) close(fd_);
+  fd_ = -1;
 }
 
 Segment::~Segment() {
+  release();
   if (address_ != nullptr) munmap(address_, nbytes_);
 }
 

@@ -11,29 +11,39 @@
 
 namespace cgx2 {
 
-// A POSIX shared-memory segment mapped into this process; unmapped when destroyed.
+// A shared-memory segment mapped into this process: an anonymous memory file (memfd) that has no
+// name anywhere, so that nothing outlives the processes that map it, however they end. Its peers
+// open it through its creator's /proc/<pid>/fd/<fd> while the creator keeps that open.
 class Segment {
  public:
-  // Creates `name` (O_EXCL, mode 0600 whatever the umask) of `nbytes`, its pages reserved up
-  // front so that a full /dev/shm is an error here rather than a SIGBUS on first touch.
-  static Segment *create(const std::string &name, size_t nbytes);
-  // Maps the existing `name`: only a regular file of this user's, open to no one else, of at
-  // least `nbytes`.
-  static Segment *open(const std::string &name, size_t nbytes);
-  // Removes `name`; mappings stay valid. False where it was already gone.
-  static bool unlink(const std::string &name);
+  // Makes one of `nbytes` (mode 0600 whatever the umask), its pages reserved up front so that a
+  // full memory cgroup is an error here rather than a SIGBUS on first touch. Its descriptor
+  // stays open, for peers to open, until release().
+  static Segment *create(size_t nbytes);
+  // Maps the segment that process `pid` holds open as descriptor `fd`: only a regular file of
+  // this user's, open to no one else, of at least `nbytes`, and the inode its creator announced
+  // (so that a reused descriptor or process ID is refused).
+  static Segment *open(int64_t pid, int fd, size_t nbytes, uint64_t inode);
 
-  Segment(void *address, size_t nbytes) : address_(address), nbytes_(nbytes) {}
+  Segment(void *address, size_t nbytes, int fd, uint64_t inode)
+      : address_(address), nbytes_(nbytes), fd_(fd), inode_(inode) {}
   ~Segment();
   Segment(const Segment &) = delete;
   Segment &operator=(const Segment &) = delete;
 
   uintptr_t address() const { return reinterpret_cast<uintptr_t>(address_); }
   size_t nbytes() const { return nbytes_; }
+  // The descriptor peers open (-1 once released or for a segment opened here).
+  int fd() const { return fd_; }
+  uint64_t inode() const { return inode_; }
+  // Closes the descriptor: the mapping stays.
+  void release();
 
  private:
   void *address_;
   size_t nbytes_;
+  int fd_;
+  uint64_t inode_;
 };
 
 // Stores `value` into the 32-bit flag at `address` (release) and wakes its waiters.

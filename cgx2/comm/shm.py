@@ -8,10 +8,11 @@ for that epoch, copy what is theirs, and raise their ``consumed`` flag, which th
 for before it writes that slot again. Waits watch each peer's process and honour the group's
 timeout: a peer that died or stalled is an error naming it, never a hang.
 
-Segments are created by their owner (mode 0600, names unique to the job, agreed through the
-c10d store), and unlinked as soon as every peer has mapped them: nothing stays in /dev/shm
-while the job runs, or after it is killed. Groups that span hosts, or whose segments cannot
-be made, use the process group (:mod:`.process_group`), decided alike on every rank.
+Segments are anonymous memory files (memfd, mode 0600) that never have a name: their owner
+announces its descriptor through the c10d store, its peers open it through the owner's
+``/proc/<pid>/fd``, and the memory goes with the last process that maps it, however the job
+ends: nothing is ever in /dev/shm. Groups that span hosts, or whose segments cannot be made or
+opened, use the process group (:mod:`.process_group`), decided alike on every rank.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import itertools
 import json
 import logging
 import os
-import secrets
 import threading
 import weakref
 from collections.abc import Callable
@@ -101,8 +101,8 @@ class _Channel:
     """One group's segments, flags and sequence of calls."""
 
     def __init__(self, group: dist.ProcessGroup, lib: Any, store: dist.Store, prefix: str,
-                 token: str, pids: list[int], starts: list[int]) -> None:  # fmt: skip
-        self.lib, self.store, self.prefix, self.token = lib, store, prefix, token
+                 pids: list[int], starts: list[int]) -> None:  # fmt: skip
+        self.lib, self.store, self.prefix = lib, store, prefix
         self.world, self.rank = group_size_and_rank(group)
         self.name = group.group_name
         self.timeout = group_info(group).timeout_s
@@ -119,9 +119,6 @@ class _Channel:
         self.lock = threading.Lock()  # calls may come from the group's worker and the caller
 
     # -- segments --------------------------------------------------------------------------
-
-    def _segment_name(self, rank: int, generation: int) -> str:
-        return f"/cgx2-{os.geteuid()}-{self.token}-{rank}-{generation}"
 
     def _agree(self, step: str, mine: str) -> list[str]:
         """Every rank's answer to ``step``: a rendezvous through the store."""
@@ -141,31 +138,33 @@ class _Channel:
 
     def grow(self, nbytes: int) -> None:
         """Segments whose slots hold ``nbytes``: every rank makes its own at the same call
-        (their sizes agree), maps its peers', and unlinks its own once all have mapped it."""
+        (their sizes agree) and maps its peers' through their descriptors; its own descriptor
+        is closed once all have mapped it."""
         capacity = max(_MIN_SLOT_BYTES, 1 << (nbytes - 1).bit_length())
         self.generation += 1
         total = _HEADER_BYTES + SLOTS * capacity
-        name = self._segment_name(self.rank, self.generation)
-        mine, status = None, "ok"
+        mine, status = None, ""
         try:
-            mine = self.lib.Segment.create(name, total)
+            mine = self.lib.Segment.create(total)
+            status = f"ok {mine.fd} {mine.inode}"
         except OSError as e:
             status = f"rank {self.rank}: {e}"
         try:
             statuses = self._agree("created", status)
-            failed = [s for s in statuses if s != "ok"]
+            failed = [s for s in statuses if not s.startswith("ok ")]
             segments, status = [], "ok"
             if not failed:
                 try:
-                    for r in range(self.world):
+                    for r, announced in enumerate(statuses):
+                        _, fd, inode = announced.split()
                         segments.append(mine if r == self.rank else self.lib.Segment.open(
-                            self._segment_name(r, self.generation), total))  # fmt: skip
+                            self.pids[r], int(fd), total, int(inode)))  # fmt: skip
                 except OSError as e:
                     status = f"rank {self.rank}: {e}"
                 failed = [s for s in self._agree("mapped", status) if s != "ok"]
         finally:
             if mine is not None:
-                self.lib.Segment.unlink(name)
+                mine.release()
         if failed:
             raise _Fallback("; ".join(failed))
         self._unregister()
@@ -250,7 +249,7 @@ def _open(group: dist.ProcessGroup) -> _Channel | None:
     """The group's channel, made collectively at its first call; None where the process group
     serves instead (one rank, ranks on several hosts, no extension), decided alike on all."""
     lib = extension.load()
-    world, rank = group_size_and_rank(group)
+    world, _ = group_size_and_rank(group)
     if lib is None or world < 2:
         return None
     store = dist.distributed_c10d._get_default_store()
@@ -259,15 +258,13 @@ def _open(group: dist.ProcessGroup) -> _Channel | None:
         _OPENED[group.group_name] = count + 1
     prefix = f"cgx2/shm/{group.group_name}/{count}"
     mine = {"host": _host_identity(), "pid": os.getpid(),
-            "start": lib.process_start_time(os.getpid()),
-            "token": secrets.token_hex(8) if rank == 0 else ""}  # fmt: skip
-    channel = _Channel(group, lib, store, prefix, "", [], [])
+            "start": lib.process_start_time(os.getpid())}  # fmt: skip
+    channel = _Channel(group, lib, store, prefix, [], [])
     peers = [json.loads(a) for a in channel._agree("hello", json.dumps(mine))]
     if len({p["host"] for p in peers}) > 1:
         log.info("cgx2: group %r spans hosts: its collectives use the process group's "
                  "transport, not shared memory", group.group_name)  # fmt: skip
         return None
-    channel.token = peers[0]["token"]
     channel.pids = [p["pid"] for p in peers]
     channel.starts = [p["start"] for p in peers]
     return channel

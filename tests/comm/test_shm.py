@@ -1,12 +1,12 @@
-"""The shared-memory transport: the reference's bytes through it, private segments that are
-gone once mapped, several groups at once, stale and hostile files, and the process group where
-the extension is absent or a group spans hosts."""
+"""The shared-memory transport: the reference's bytes through it, private segments that never
+have a name, several groups at once, hostile files, and the process group where the extension
+is absent or a group spans hosts."""
 
 import glob
 import logging
 import os
 import stat
-import uuid
+import tempfile
 from unittest import mock
 
 import pytest
@@ -91,7 +91,7 @@ def test_the_plain_allreduce_sums_in_rank_order(dist2, dist4):
         assert all(all(r) for r in pool.run(_plain_sums, 10_007))
 
 
-def _segments_are_private_and_unlinked() -> tuple[list[str], list[int]]:
+def _segments_are_private_and_nameless() -> tuple[list[str], list[int]]:
     group = dist.new_group(list(range(dist.get_world_size())))
     x = torch.randn(100_000)
     with tuned(transport="shm"):
@@ -100,60 +100,67 @@ def _segments_are_private_and_unlinked() -> tuple[list[str], list[int]]:
     modes = []
     with open("/proc/self/maps") as f:
         for line in f:
-            if "/dev/shm/cgx2-" in line:
-                assert line.rstrip().endswith("(deleted)"), line
+            assert "/dev/shm/cgx2" not in line, line
+            if "/memfd:cgx2-segment" in line:
                 span = line.split()[0]
                 modes.append(stat.S_IMODE(os.stat(f"/proc/self/map_files/{span}").st_mode))
+    fds = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except FileNotFoundError:  # the listing's own
+            continue
     dist.destroy_process_group(group)
-    return left, modes
+    return left, modes, [fd for fd in fds if "cgx2" in fd]
 
 
-def test_segments_are_0600_and_unlinked_once_mapped(dist2):
+def test_segments_are_0600_and_have_no_name(dist2):
     if os.geteuid() != 0:
         pytest.skip("/proc/self/map_files needs root")
-    for left, modes in dist2.run(_segments_are_private_and_unlinked):
+    for left, modes, fds in dist2.run(_segments_are_private_and_nameless):
         assert left == []  # nothing in /dev/shm while the job runs
-        assert modes and all(m == 0o600 for m in modes), modes
+        # each rank maps its own and its peer's, and keeps no descriptor once both have
+        assert len(modes) >= 2 and all(m == 0o600 for m in modes), modes
+        assert fds == [], fds
 
 
-def test_a_segment_is_created_0600_whatever_the_umask():
+def test_a_segment_is_created_0600_whatever_the_umask_and_opened_by_descriptor():
     lib = extension.load()
-    name = f"/cgx2-test-{uuid.uuid4().hex}"
     old = os.umask(0)
     try:
-        segment = lib.Segment.create(name, 8192)
-        assert stat.S_IMODE(os.stat(f"/dev/shm{name}").st_mode) == 0o600
-        with pytest.raises(FileExistsError):
-            lib.Segment.create(name, 8192)  # never takes over an existing one
-        view = torch.frombuffer(segment.memoryview(), dtype=torch.uint8)
-        view.fill_(7)
-        again = lib.Segment.open(name, 8192)
-        assert torch.frombuffer(again.memoryview(), dtype=torch.uint8).eq(7).all()
+        segment = lib.Segment.create(8192)
     finally:
         os.umask(old)
-        assert lib.Segment.unlink(name)
-    assert not lib.Segment.unlink(name)
+    assert stat.S_IMODE(os.stat(f"/proc/self/fd/{segment.fd}").st_mode) == 0o600
+    torch.frombuffer(segment.memoryview(), dtype=torch.uint8).fill_(7)
+    again = lib.Segment.open(os.getpid(), segment.fd, 8192, segment.inode)
+    assert torch.frombuffer(again.memoryview(), dtype=torch.uint8).eq(7).all()
+    with pytest.raises(PermissionError, match="not the file its creator announced"):
+        lib.Segment.open(os.getpid(), segment.fd, 8192, segment.inode + 1)
+    with pytest.raises(PermissionError, match="smaller than its creator announced"):
+        lib.Segment.open(os.getpid(), segment.fd, 16384, segment.inode)
+    segment.release()
+    assert segment.fd == -1
+    with pytest.raises(OSError):
+        lib.Segment.open(os.getpid(), 1 << 20, 8192, segment.inode)  # no such descriptor
 
 
 @pytest.mark.parametrize("mode, message", [(0o644, "open to other users"),
                                            (0o660, "open to other users")])  # fmt: skip
 def test_a_segment_others_could_write_is_refused(mode, message):
     lib = extension.load()
-    name = f"/cgx2-test-{uuid.uuid4().hex}"
-    fd = os.open(f"/dev/shm{name}", os.O_CREAT | os.O_RDWR, mode)
-    os.fchmod(fd, mode)
-    os.ftruncate(fd, 8192)
-    os.close(fd)
-    try:
+    with tempfile.TemporaryFile() as f:
+        fd = f.fileno()
+        os.fchmod(fd, mode)
+        os.ftruncate(fd, 8192)
+        inode = os.fstat(fd).st_ino
         with pytest.raises(PermissionError, match=message):
-            lib.Segment.open(name, 8192)
+            lib.Segment.open(os.getpid(), fd, 8192, inode)
         if os.geteuid() == 0:
-            os.chmod(f"/dev/shm{name}", 0o600)
-            os.chown(f"/dev/shm{name}", 12345, 12345)
+            os.fchmod(fd, 0o600)
+            os.fchown(fd, 12345, 12345)
             with pytest.raises(PermissionError, match="owned by another user"):
-                lib.Segment.open(name, 8192)
-    finally:
-        os.unlink(f"/dev/shm{name}")
+                lib.Segment.open(os.getpid(), fd, 8192, inode)
 
 
 def _two_groups() -> list[bool]:
@@ -223,16 +230,25 @@ def test_without_the_extension_the_process_group_carries_it(dist2):
         assert len(warnings) == 1 and "shared-memory transport is off" in warnings[0]
 
 
-def _a_taken_name(token: str) -> tuple[bool, list[str]]:
-    """A file already at this job's segment name (a stale one planted with its token): every
-    rank agrees to use the process group; the call still returns the right sum."""
+def _a_segment_a_rank_cannot_open() -> tuple[bool, list[str]]:
+    """Rank 1 cannot open its peer's segment: every rank agrees to use the process group; the
+    call still returns the right sum."""
     records = []
     handler = logging.Handler()
     handler.emit = records.append
     logging.getLogger("cgx2").addHandler(handler)
     group = dist.new_group(list(range(dist.get_world_size())))
+    lib = extension.load()
+
+    class Refusing:
+        create = lib.Segment.create
+
+        @staticmethod
+        def open(*args):
+            raise PermissionError(13, "Permission denied")
+
     try:
-        with mock.patch.object(shm.secrets, "token_hex", lambda n: token):
+        with mock.patch.object(lib, "Segment", Refusing if dist.get_rank() == 1 else lib.Segment):
             x = torch.full((1000,), float(dist.get_rank() + 1))
             got = shm.allreduce_plain_(x, group, "sum")
     finally:
@@ -243,18 +259,10 @@ def _a_taken_name(token: str) -> tuple[bool, list[str]]:
             [r.getMessage() for r in records if "unavailable" in r.getMessage()])  # fmt: skip
 
 
-def test_a_stale_segment_does_not_stop_the_next_job(dist2):
-    token = uuid.uuid4().hex[:16]
-    stale = f"/dev/shm/cgx2-{os.geteuid()}-{token}-1-1"
-    with open(stale, "wb") as f:  # what a killed job could have left, with our very name
-        f.write(b"\0" * 4096)
-    os.chmod(stale, 0o600)
-    try:
-        for ok, warnings in dist2.run(_a_taken_name, token):
-            assert ok
-            assert len(warnings) == 1 and "File exists" in warnings[0], warnings
-    finally:
-        os.unlink(stale)
+def test_a_segment_that_cannot_be_opened_leaves_the_process_group(dist2):
+    for ok, warnings in dist2.run(_a_segment_a_rank_cannot_open):
+        assert ok
+        assert len(warnings) == 1 and "Permission denied" in warnings[0], warnings
 
 
 def test_the_transport_is_a_transport():

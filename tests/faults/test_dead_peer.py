@@ -1,6 +1,7 @@
 """A peer that dies or stops in the middle of a collective: the survivor raises, within the
 group's timeout, in the op, in DDP's backward (the hook's worker thread included) and in the
-``cgx`` backend, over shared memory and over the process group; it never hangs."""
+``cgx`` backend, over shared memory and over the process group; it never hangs. A job killed
+while its shared-memory segments grow leaves nothing in /dev/shm."""
 
 import datetime
 import glob
@@ -182,3 +183,52 @@ def test_a_peer_that_never_arrives_fails_the_argument_check_within_the_timeout()
             p.join(30)
     assert "could not compare their arguments (this is rank 0)" in outcome, outcome
     assert TIMEOUT_S - 1 < seconds < TIMEOUT_S + 15, (outcome, seconds)
+
+
+def _rank_killed_while_segments_grow(rank: int, port: int, step: str, results) -> None:
+    """A call that enlarges the segments, rank 0 waiting at ``step`` of it for rank 1, which
+    lags there (stopped); the parent kills both, as a job is killed."""
+    torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=60)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timeout)  # fmt: skip
+    from cgx2.comm import shm
+
+    shm.allreduce_plain_(torch.ones(16), dist.group.WORLD, "sum")  # segments of small slots
+    dist.barrier()
+    agree = shm._Channel._agree
+
+    def agree_then_lag(channel, at: str, mine: str) -> list[str]:
+        if at == step:
+            results.put(rank)
+            if rank == 1:
+                results.close()
+                results.join_thread()  # delivered before it stops
+                os.kill(os.getpid(), signal.SIGSTOP)
+        return agree(channel, at, mine)
+
+    with mock.patch.object(shm._Channel, "_agree", agree_then_lag):
+        shm.allreduce_plain_(torch.ones(1 << 20), dist.group.WORLD, "sum")  # 4 MiB slots
+
+
+@pytest.mark.parametrize("step", ["created", "mapped"])
+def test_a_job_killed_while_its_segments_grow_leaves_nothing_in_dev_shm(step):
+    ctx = _context()
+    results, port = ctx.Queue(), _free_port()
+    before = set(glob.glob("/dev/shm/cgx2-*"))
+    procs = [ctx.Process(target=_rank_killed_while_segments_grow, args=(r, port, step, results))
+             for r in range(2)]  # fmt: skip
+    for p in procs:
+        p.start()
+    try:
+        arrived = {results.get(timeout=90), results.get(timeout=90)}  # startup included
+    finally:
+        for p in procs:
+            p.kill()
+            p.join(30)
+    assert arrived == {0, 1}
+    assert all(p.exitcode == -signal.SIGKILL for p in procs), [p.exitcode for p in procs]
+    left = set(glob.glob("/dev/shm/cgx2-*")) - before
+    for path in left:  # not to be found by the next run
+        os.unlink(path)
+    assert left == set()
