@@ -13,6 +13,13 @@ announces its descriptor through the c10d store, its peers open it through the o
 ``/proc/<pid>/fd``, and the memory goes with the last process that maps it, however the job
 ends: nothing is ever in /dev/shm. Groups that span hosts, or whose segments cannot be made or
 opened, use the process group (:mod:`.process_group`), decided alike on every rank.
+
+A call that fails on a rank after it has begun still ends there: the rank raises its flags for
+the call, marked void where its payload was not written whole, and a peer that would read it
+raises instead. Every rank thus leaves the call at once and the group's next call works. A call
+whose Work was dropped unwaited (its caller failed) is released when its slot comes round; the
+tags each payload carries (its operation and size) turn ranks whose calls no longer match into
+an error that closes the group at once, never a wrong sum or a wait.
 """
 
 from __future__ import annotations
@@ -62,6 +69,9 @@ segment's slots stay this size."""
 
 _LINE = 64  # one flag a cache line: each is written by one process only
 _WRITTEN, _REDUCED, _CONSUMED = 0, 1, 2
+_VOID = 3  # the epoch of a call this rank gave up on in the slot: its payload is not one
+_TAG = 4  # what the slot holds: the operation and size of the call (_tag)
+_OPERATIONS = {"all_to_all": 1, "all_gather": 2, "shift": 3, "allreduce": 4, "reduce_scatter": 5}
 _HEADER_BYTES = 4096  # the flags' page; slots start page-aligned, so any dtype views them
 _MIN_SLOT_BYTES = 64 << 10
 _EPOCH_MASK = 0xFFFFFFFF
@@ -116,6 +126,9 @@ class _Channel:
         self.views: list[torch.Tensor] = []  # their bytes
         self.registered: list[int] = []  # addresses registered with CUDA
         self.broken: str | None = None
+        # This rank's calls whose payloads it has yet to read (their Works not waited yet), by
+        # epoch: the views they read from.
+        self.pending: dict[int, list[torch.Tensor]] = {}
         self.lock = threading.Lock()  # calls may come from the group's worker and the caller
 
     # -- segments --------------------------------------------------------------------------
@@ -204,12 +217,53 @@ class _Channel:
             raise ShmError(f"cgx2: the shared-memory transport of group {self.name!r} failed "
                            f"earlier: {self.broken}")  # fmt: skip
         self.seq += 1
-        if nbytes > self.capacity:
-            self.grow(nbytes)
-        slot = self.seq % SLOTS
-        if self.seq - SLOTS > self.base_seq:  # its last use must have been read by all
-            self.wait_peers(_CONSUMED, slot, self.seq - SLOTS, operation)
+        slot, last = self.seq % SLOTS, self.seq - SLOTS
+        abandoned = self.pending.pop(last, None)
+        if abandoned is not None:
+            # Its Work was never waited for (the caller failed after it began): this rank will
+            # not read it now, and its peers may reuse their slots.
+            self.signal(abandoned, _CONSUMED, slot, last)
+        try:
+            if nbytes > self.capacity:
+                self.grow(nbytes)
+            if last > self.base_seq:  # its last use must have been read by all
+                self.wait_peers(_CONSUMED, slot, last, operation)
+        except _Fallback:
+            raise
+        except BaseException as e:  # the ranks' segments or sequences may differ from now on
+            self.broken = self.broken or f"{operation} (call {self.seq}) could not begin: {e}"
+            raise
         return self.seq, slot, self.views
+
+    def abandon(self, views: list[torch.Tensor], slot: int, epoch: int) -> None:
+        """End this rank's part of a call it cannot finish: mark the slot void (a peer that
+        would read it raises instead), then raise every flag, so that no peer waits."""
+        self.pending.pop(epoch, None)
+        if views:
+            self.signal(views, _VOID, slot, epoch)
+            for kind in (_WRITTEN, _REDUCED, _CONSUMED):
+                self.signal(views, kind, slot, epoch)
+
+    def check_peers(self, views: list[torch.Tensor], slot: int, epoch: int, operation: str,
+                    nbytes: int) -> None:  # fmt: skip
+        """After a wait for the peers' payloads: raise where a peer gave this call up, or
+        where its slot holds another operation or size (the ranks' calls no longer match)."""
+        epoch &= _EPOCH_MASK
+        tag = _tag(operation, nbytes)
+        for r in self.peer_ranks:
+            if self.lib.load_flag(self._flag(views, r, _VOID, slot)) == epoch:
+                raise ShmError(f"cgx2: the shared-memory transport: rank {r} of group "
+                               f"{self.name!r} failed during {operation} (call {epoch}; this "
+                               f"is rank {self.rank}); the group goes on")  # fmt: skip
+            theirs = self.lib.load_flag(self._flag(views, r, _TAG, slot))
+            if theirs != tag:
+                self.broken = (
+                    f"rank {r} of group {self.name!r} is at another call than this rank's "
+                    f"{operation} of {nbytes} bytes (call {epoch}; this is rank {self.rank}; "
+                    f"{_untag(theirs)} there): the ranks' calls no longer match (did a call "
+                    f"fail on some ranks only?)"
+                )
+                raise ShmError(f"cgx2: the shared-memory transport: {self.broken}")
 
     def region(self, views: list[torch.Tensor], rank: int, slot: int, nbytes: int) -> torch.Tensor:
         start = _HEADER_BYTES + slot * (views[0].numel() - _HEADER_BYTES) // SLOTS
@@ -237,6 +291,16 @@ class _Channel:
         self.broken = (f"rank {peer} of group {self.name!r} {why} during {operation} "
                        f"(call {epoch}; this is rank {self.rank})")  # fmt: skip
         raise ShmError(f"cgx2: the shared-memory transport: {self.broken}")
+
+
+def _tag(operation: str, nbytes: int) -> int:
+    return (_OPERATIONS[operation] << 29 | nbytes & ((1 << 29) - 1)) & _EPOCH_MASK
+
+
+def _untag(tag: int) -> str:
+    names = {code: name for name, code in _OPERATIONS.items()}
+    name = names.get(tag >> 29)
+    return f"{name} of {tag & ((1 << 29) - 1)} bytes (modulo 2**29)" if name else "nothing"
 
 
 _CHANNELS: dict[int, _Channel | None] = {}
@@ -371,16 +435,29 @@ def _exchange(group: dist.ProcessGroup, send: torch.Tensor, operation: str,
         except _Fallback as e:
             _fall_back(group, channel, str(e))
             return fallback()
-        if send.is_cuda:
-            channel.register_cuda()
-        _stage_in(channel.region(views, channel.rank, slot, data.numel()), data)
+        try:
+            if send.is_cuda:
+                channel.register_cuda()
+            _stage_in(channel.region(views, channel.rank, slot, data.numel()), data)
+        except BaseException:
+            channel.abandon(views, slot, epoch)
+            raise
+        channel.signal(views, _TAG, slot, _tag(operation, data.numel()))
         channel.signal(views, _WRITTEN, slot, epoch)
+        channel.pending[epoch] = views
 
     def finish() -> None:
-        channel.wait_peers(_WRITTEN, slot, epoch, operation, views)
-        receive(channel, views, slot, data.numel())
-        _finish_reads(send.device)
-        channel.signal(views, _CONSUMED, slot, epoch)
+        if channel.pending.pop(epoch, None) is None:
+            raise ShmError(f"cgx2: the shared-memory transport of group {channel.name!r}: "
+                           f"{operation} (call {epoch}) was waited for after {SLOTS} later "
+                           f"calls had begun: its slot has been reused")  # fmt: skip
+        try:
+            channel.wait_peers(_WRITTEN, slot, epoch, operation, views)
+            channel.check_peers(views, slot, epoch, operation, data.numel())
+            receive(channel, views, slot, data.numel())
+            _finish_reads(send.device)
+        finally:
+            channel.signal(views, _CONSUMED, slot, epoch)
 
     work = _Work(finish)
     if async_op:
@@ -467,18 +544,29 @@ def allreduce_plain_async_(t: torch.Tensor, group: dist.ProcessGroup,
 
 
 def _reduce_piece(channel: _Channel, piece: torch.Tensor, reduce_op: str) -> None:
-    operation, world, rank = "allreduce", channel.world, channel.rank
     nbytes = piece.numel() * piece.element_size()
-    epoch, slot, views = channel.begin(nbytes, operation)
+    epoch, slot, views = channel.begin(nbytes, "allreduce")
+    try:
+        _reduce_slot(channel, piece, reduce_op, epoch, slot, views, nbytes)
+    except BaseException:
+        channel.abandon(views, slot, epoch)
+        raise
+
+
+def _reduce_slot(channel: _Channel, piece: torch.Tensor, reduce_op: str, epoch: int, slot: int,
+                 views: list[torch.Tensor], nbytes: int) -> None:  # fmt: skip
+    operation, world, rank = "allreduce", channel.world, channel.rank
     if piece.is_cuda:
         channel.register_cuda()
     slots = [channel.region(views, r, slot, nbytes).view(piece.dtype) for r in range(world)]
     _stage_in(slots[rank], piece)
+    channel.signal(views, _TAG, slot, _tag(operation, nbytes))
     channel.signal(views, _WRITTEN, slot, epoch)
     bounds = [piece.numel() * r // world for r in range(world + 1)]
     chunks = list(itertools.pairwise(bounds))
     lo, hi = chunks[rank]
     channel.wait_peers(_WRITTEN, slot, epoch, operation, views)
+    channel.check_peers(views, slot, epoch, operation, nbytes)
     if hi > lo:
         mine = piece[lo:hi]
         if piece.is_cuda:
@@ -491,6 +579,7 @@ def _reduce_piece(channel: _Channel, piece: torch.Tensor, reduce_op: str) -> Non
         _stage_in(slots[rank][lo:hi], mine)
     channel.signal(views, _REDUCED, slot, epoch)
     channel.wait_peers(_REDUCED, slot, epoch, operation, views)
+    channel.check_peers(views, slot, epoch, operation, nbytes)
     for peer in channel.peer_ranks:
         a, b = chunks[peer]
         if b > a:
@@ -510,7 +599,7 @@ def reduce_scatter_plain(out: torch.Tensor, inp: torch.Tensor, group: dist.Proce
     if channel is None or not inp.is_contiguous() or inp.numel() == 0:
         process_group.reduce_scatter_plain(out, inp, group)
         return
-    nbytes, m = inp.numel() * inp.element_size(), out.numel()
+    nbytes = inp.numel() * inp.element_size()
     with channel.lock:
         try:
             epoch, slot, views = channel.begin(nbytes, "reduce_scatter")
@@ -518,18 +607,28 @@ def reduce_scatter_plain(out: torch.Tensor, inp: torch.Tensor, group: dist.Proce
             _fall_back(group, channel, str(e))
             process_group.reduce_scatter_plain(out, inp, group)
             return
-        if inp.is_cuda:
-            channel.register_cuda()
-        slots = [
-            channel.region(views, r, slot, nbytes).view(inp.dtype) for r in range(channel.world)
-        ]
-        _stage_in(slots[channel.rank], inp.reshape(-1))
-        channel.signal(views, _WRITTEN, slot, epoch)
-        channel.wait_peers(_WRITTEN, slot, epoch, "reduce_scatter", views)
-        lo = channel.rank * m
-        parts = [s[lo : lo + m] for s in slots]
-        if inp.is_cuda:
-            parts = [part.to(inp.device, non_blocking=True) for part in parts]
-        cpu_threads.add_(out.view(-1), parts)
-        _finish_reads(inp.device)
-        channel.signal(views, _CONSUMED, slot, epoch)
+        try:
+            _reduce_scatter_slot(channel, out, inp, epoch, slot, views, nbytes)
+        except BaseException:
+            channel.abandon(views, slot, epoch)
+            raise
+
+
+def _reduce_scatter_slot(channel: _Channel, out: torch.Tensor, inp: torch.Tensor, epoch: int,
+                         slot: int, views: list[torch.Tensor], nbytes: int) -> None:  # fmt: skip
+    if inp.is_cuda:
+        channel.register_cuda()
+    m = out.numel()
+    slots = [channel.region(views, r, slot, nbytes).view(inp.dtype) for r in range(channel.world)]
+    _stage_in(slots[channel.rank], inp.reshape(-1))
+    channel.signal(views, _TAG, slot, _tag("reduce_scatter", nbytes))
+    channel.signal(views, _WRITTEN, slot, epoch)
+    channel.wait_peers(_WRITTEN, slot, epoch, "reduce_scatter", views)
+    channel.check_peers(views, slot, epoch, "reduce_scatter", nbytes)
+    lo = channel.rank * m
+    parts = [s[lo : lo + m] for s in slots]
+    if inp.is_cuda:
+        parts = [part.to(inp.device, non_blocking=True) for part in parts]
+    cpu_threads.add_(out.view(-1), parts)
+    _finish_reads(inp.device)
+    channel.signal(views, _CONSUMED, slot, epoch)

@@ -1,12 +1,13 @@
 """The shared-memory transport: the reference's bytes through it, private segments that never
-have a name, several groups at once, hostile files, and the process group where the extension
-is absent or a group spans hosts."""
+have a name, several groups at once, hostile files, calls that fail on some ranks or all, and
+the process group where the extension is absent or a group spans hosts."""
 
 import glob
 import logging
 import os
 import stat
 import tempfile
+from datetime import timedelta
 from unittest import mock
 
 import pytest
@@ -14,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 import cgx2
-from cgx2 import collectives, extension
+from cgx2 import collectives, cpu_threads, extension
+from cgx2.codecs import maxmin_codec
 from cgx2.collectives import policy, reference_allreduce
 from cgx2.comm import process_group, shm
 from cgx2.config import tuned
@@ -263,6 +265,129 @@ def test_a_segment_that_cannot_be_opened_leaves_the_process_group(dist2):
     for ok, warnings in dist2.run(_a_segment_a_rank_cannot_open):
         assert ok
         assert len(warnings) == 1 and "Permission denied" in warnings[0], warnings
+
+
+def _short_group() -> dist.ProcessGroup:
+    """A group of every rank that waits 5 s, not the pool's 120: a hang fails quickly."""
+    return dist.new_group(list(range(dist.get_world_size())), timeout=timedelta(seconds=5))
+
+
+def _quantized_calls(group: dist.ProcessGroup, seeds: range) -> list[bool]:
+    """Quantized allreduces over shared memory, each the process group's bytes."""
+    found = []
+    for seed in seeds:
+        x = _input(dist.get_rank() + seed, 20_001, torch.float32)
+        got = {}
+        for transport in ("shm", "process_group"):
+            # In pieces: a piece's exchange is on the wire while the one before it is summed.
+            with tuned(transport=transport, crossover_bytes=0,
+                       pipeline_bytes=8 * 512 * dist.get_world_size()):  # fmt: skip
+                got[transport] = collectives.allreduce(x, 4, 512, group, seed=seed)
+        found.append(torch.equal(got["shm"], got["process_group"]))
+    return found
+
+
+def _after_a_failure_on_every_rank() -> tuple[str, str, list[bool], list[bool]]:
+    """A quantized allreduce that fails on every rank after its all-to-all began (its Work is
+    never waited for), and a plain one that fails on every rank inside the transport; then
+    more calls than the transport has slots, each right."""
+    group = _short_group()
+    failures = []
+    codec = maxmin_codec(torch.device("cpu"))
+
+    def refused(*args, **kwargs):
+        raise ValueError("refused after the transport began")
+
+    with mock.patch.object(codec, "decode_sum_encode", refused):
+        try:
+            _quantized_calls(group, range(1))
+        except ValueError as e:
+            failures.append(str(e))
+    quantized = _quantized_calls(group, range(1, 2 * shm.SLOTS))
+    with mock.patch.object(cpu_threads, "add_", refused):
+        try:
+            shm.allreduce_plain_(torch.ones(1000), group, "sum")
+        except (ValueError, shm.ShmError) as e:  # its own failure, or its peer's seen first
+            failures.append(str(e))
+    world = dist.get_world_size()
+    plain = []
+    for i in range(2 * shm.SLOTS):
+        got = shm.allreduce_plain_(torch.full((1000,), float(i)), group, "sum")
+        plain.append(torch.equal(got, torch.full((1000,), float(i * world))))
+    dist.destroy_process_group(group)
+    return *failures, quantized, plain
+
+
+def test_a_call_that_fails_on_every_rank_leaves_the_group_working(dist2):
+    for quantized_failure, plain_failure, quantized, plain in dist2.run(
+        _after_a_failure_on_every_rank
+    ):
+        assert "refused after the transport began" in quantized_failure
+        assert plain_failure == "refused after the transport began" or (
+            "rank 1 of group" in plain_failure and "failed during allreduce" in plain_failure
+        ), plain_failure
+        assert all(quantized) and all(plain), (quantized, plain)
+
+
+def _after_a_failure_on_rank_1() -> tuple[str, list[bool]]:
+    """Rank 1 fails while it writes an all-gather's payload: rank 0 raises at once, naming
+    it, rather than wait or read what is not there; the group's next calls are right."""
+    group, rank = _short_group(), dist.get_rank()
+    out = torch.empty(2, 1000)
+
+    def refused(region, source):
+        raise ValueError("refused while writing")
+
+    outcome = "no error"
+    with mock.patch.object(shm, "_stage_in", refused if rank == 1 else shm._stage_in):
+        try:
+            shm.all_gather(out, torch.full((1000,), rank + 1.0), group, async_op=False)
+        except Exception as e:
+            outcome = f"{type(e).__name__}: {e}"
+    found = []
+    for i in range(2 * shm.SLOTS):
+        shm.all_gather(out, torch.full((1000,), rank + i + 1.0), group, async_op=False)
+        found.append(torch.equal(out, torch.stack([torch.full((1000,), r + i + 1.0)
+                                                   for r in range(2)])))  # fmt: skip
+    dist.destroy_process_group(group)
+    return outcome, found
+
+
+def test_a_call_that_fails_on_one_rank_fails_on_its_peers_at_once(dist2):
+    (outcome0, found0), (outcome1, found1) = dist2.run(_after_a_failure_on_rank_1)
+    assert outcome1 == "ValueError: refused while writing"
+    assert outcome0.startswith("ShmError: cgx2: the shared-memory transport: rank 1 of group")
+    assert "failed during all_gather" in outcome0 and "this is rank 0" in outcome0, outcome0
+    assert all(found0) and all(found1), (found0, found1)
+
+
+def _calls_that_no_longer_match() -> tuple[str, str]:
+    """Rank 1 drops an all-to-all's Work (as a caller that failed there would) and goes on to
+    its next call, another all-to-all, while rank 0 goes on to the all-gather that would
+    have followed: both raise, naming the mismatch, and the group is closed at once."""
+    group, rank = _short_group(), dist.get_rank()
+    send, out = torch.full((2, 500), float(rank)), torch.empty(2, 500)
+    outcomes = []
+    for _ in range(2):
+        try:
+            if rank == 0:
+                shm.all_to_all(out, send, group, async_op=False)
+                shm.all_gather(out.view(-1), send[0], group, async_op=False)
+            else:
+                shm.all_to_all(out, send, group, async_op=True)  # dropped
+                shm.all_to_all(out, send, group, async_op=False)
+            outcomes.append("no error")
+        except Exception as e:
+            outcomes.append(f"{type(e).__name__}: {e}")
+    dist.destroy_process_group(group)
+    return outcomes
+
+
+def test_ranks_whose_calls_no_longer_match_raise_and_close_the_group(dist2):
+    for rank, (first, then) in enumerate(dist2.run(_calls_that_no_longer_match)):
+        assert first.startswith("ShmError:") and "no longer match" in first, first
+        assert f"this is rank {rank}" in first, first
+        assert then.startswith("ShmError:") and "failed earlier" in then, then
 
 
 def test_the_transport_is_a_transport():
