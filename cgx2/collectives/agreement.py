@@ -10,8 +10,11 @@ group's c10d store (each rank's values pushed to its peers' queues, or in larger
 rank and call); values compared on a GPU by an all-gather of a few dozen bytes, the same
 whatever the arguments (BENCHMARKS.md, "The agreement check"). Whether it runs, and how, is the
 policy's choice (:class:`.policy.Route`'s ``check``); the entry points users call run it (the
-ops, the ``cgx`` backend), not DDP's and FSDP's hooks, whose wrappers make every rank's
-buckets alike.
+ops, the ``cgx`` backend). Each call also compares the fingerprint of the settings its route was
+decided under (every variable that changes the bytes); only where those differ do the ranks
+exchange the settings themselves, to name them. DDP's and FSDP's hooks, whose wrappers make
+every rank's buckets alike, compare their settings once, at their first call
+(:func:`check_settings`).
 
 Read at once (``check``), the answer costs the caller a wait for the GPU's queue where the
 all-gather runs on it (NCCL). Deferred (``check(..., deferred=True)``), the ranks' values are
@@ -29,7 +32,7 @@ import threading
 import weakref
 import zlib
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -43,7 +46,7 @@ from ..comm import store as stored
 if TYPE_CHECKING:
     from .policy import Route
 
-__all__ = ["DisagreementError", "check", "raise_pending", "settle"]
+__all__ = ["DisagreementError", "check", "check_settings", "raise_pending", "settle"]
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
 _WORDS = {"sum": 0, "avg": 1}  # reduce ops: shown by name in the message
@@ -131,6 +134,60 @@ def check(group: dist.ProcessGroup, operation: str, t: torch.Tensor,
         shown[SETTINGS] = [_settings_of(row) for row in theirs]
     _raise_if_different(rows, names, shown, operation, rank)
     return None
+
+
+def check_settings(group: dist.ProcessGroup, operation: str, settings: Mapping[str, object],
+                   device: torch.device) -> None:  # fmt: skip
+    """Raise :class:`DisagreementError` on every rank of ``group`` unless all hold the same
+    ``settings`` (named values: what changes the bytes of ``operation``) and the same
+    variables that change them (:func:`cgx2.config.wire_settings`, ``CGX2_CROSSOVER_BYTES``);
+    the message names each that differs, rank by rank. One exchange of a few KiB, on the host
+    as :func:`check`'s (on ``device`` where it is a GPU of an NCCL group): for entry points
+    whose calls are alike once their settings are (DDP's hooks, FSDP's collectives), at their
+    first call, which every rank makes."""
+    found = {**settings, **config.wire_settings(), CROSSOVER: config.crossover_override()}
+    text = json.dumps({k: _short(v) for k, v in found.items()}, separators=(",", ":"))
+    blob = text.encode()[:_HOOK_SETTINGS_BYTES].ljust(_HOOK_SETTINGS_BYTES, b" ")
+    values = list(struct.unpack(f"<{_HOOK_SETTINGS_BYTES // 8}q", blob))
+    info = group_info(group)
+    world, rank = info.size, info.rank
+    on_gpu = device.type == "cuda" and dist.get_backend(group) == "nccl"
+    store = None if on_gpu or world > STORE_MAX_RANKS else group_store(group)
+    rows = _share(group, operation, values, store, device if on_gpu else torch.device("cpu"),
+                  world, rank)  # fmt: skip
+    if isinstance(rows, list):
+        called = [name for name, _ in rows]
+        if len(set(called)) > 1:
+            _raise_if_different(rows, [], {}, operation, rank)  # names the collectives
+    else:
+        rows = rows.tolist()
+    everyone = [_settings_of(row) for row in rows]
+    if all(found == everyone[0] for found in everyone):
+        return
+    described, mine = _settings_differing(everyone, rank)
+    raise DisagreementError(
+        f"cgx2: the ranks of {operation} disagree on {described} (this rank {rank}: {mine}); "
+        "every rank must use the same settings"
+    )
+
+
+def _short(value: object) -> object:
+    """``value`` as JSON holds it (others by their text); a long one by its CRC, so that the
+    settings fit :data:`_HOOK_SETTINGS_BYTES`."""
+    if isinstance(value, torch.dtype | torch.device):
+        value = str(value)
+    elif isinstance(value, tuple):
+        value = list(value)
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = json.dumps(repr(value))
+    if len(text) > 64:
+        return f"crc32 {zlib.crc32(text.encode()):08x}"
+    return json.loads(text)
+
+
+_HOOK_SETTINGS_BYTES = 4096  # check_settings' message: a fixed size, for all-gathers too
 
 
 CROSSOVER = "CGX2_CROSSOVER_BYTES"
@@ -365,8 +422,9 @@ def _settings_differing(settings: str | list[dict[str, object]], rank: int) -> t
 
 
 def _show(name: str, value: object) -> object:
-    """``value`` of field ``name`` as the message shows it: ``auto`` for a setting left to cgx2."""
-    if value is None or (name == CROSSOVER and value == -1):
+    """``value`` of field ``name`` as the message shows it: ``auto`` for a variable left to
+    cgx2 (None, or -1 for the crossover)."""
+    if name.startswith("CGX2_") and (value is None or (name == CROSSOVER and value == -1)):
         return "auto"
     return value
 

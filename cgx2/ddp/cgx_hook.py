@@ -17,7 +17,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import seeding
 from ..checks import UNCOMPRESSED_BITS, check_bits, check_bucket_size
-from ..collectives import policy
+from ..collectives import agreement, policy
 from ..collectives.adaptive import check_options, check_replan_every, layer_errors, plan_widths
 from ..collectives.fusion import allreduce_fused_, padded_numel, ring_bytes_sent
 from ..collectives.hierarchical import hierarchical_allreduce_fused_, node_mesh
@@ -171,6 +171,7 @@ class CGXState:
         """Bytes this rank has sent for the buckets so far (ring allreduce for exact layers)."""
         self.bytes_uncompressed = 0
         """What plain DDP (a ring allreduce of every bucket) would have sent."""
+        self._agreed = False  # whether the ranks' settings were compared (at the first call)
 
     def state_dict(self) -> dict[str, object]:
         """What a checkpoint needs to resume the hook identically: its settings, counters,
@@ -346,6 +347,8 @@ def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[t
         )
     group = state.process_group if state.process_group is not None else dist.group.WORLD
     buffer = bucket.buffer()
+    if not state._agreed:
+        _agree(state, group, buffer)
     # What the bucket says is read here, on DDP's thread; the reduction may run elsewhere.
     plan = state.plan(bucket)
     params = bucket.parameters()
@@ -388,6 +391,22 @@ def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[t
         future.set_result(reduce())
     buffer.record_stream(side)
     return future
+
+
+def _agree(state: CGXState, group: dist.ProcessGroup, buffer: torch.Tensor) -> None:
+    """Raise :class:`cgx2.collectives.agreement.DisagreementError` on every rank unless all
+    hold the settings that decide the bucket's bytes alike: once, at the hook's first call
+    (on the calling thread, so that DDP raises the error itself), which every rank makes."""
+    mesh = None if state.mesh is None else list(state.mesh.mesh.shape)
+    settings = {"bits": state.bits, "bucket_size": state.bucket_size,
+                "layer_min_size": state.layer_min_size, "skip_incomplete": state.skip_incomplete,
+                "intra_broadcast": state.intra_broadcast, "mesh": mesh,
+                "mesh_by_policy": state._mesh_by_policy, "adaptive_bits": state.adaptive_bits,
+                "replan_every": state.replan_every, "error_feedback": state.errors is not None,
+                "start_iter": state.start_iter, "iteration": state.iteration,
+                "dtype": buffer.dtype}  # fmt: skip
+    agreement.check_settings(group, "cgx_hook", settings, buffer.device)
+    state._agreed = True
 
 
 def _reduce_parameter_grad_(state: CGXState, grad: torch.Tensor) -> None:

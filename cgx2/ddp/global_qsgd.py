@@ -9,6 +9,7 @@ rank. ``ddp.register_comm_hook(None, standard_dithering_hook)`` as with Global-Q
 """
 
 # No ``from __future__ import annotations``: DDP checks the hooks' annotations as objects.
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -20,7 +21,7 @@ from .. import seeding
 from ..codecs import global_norm
 from ..codecs.exponential import exponential_codec, exponential_codes, exponential_values
 from ..codecs.global_norm import level_dtype
-from ..collectives import policy
+from ..collectives import agreement, policy
 from ..collectives.fusion import ring_bytes_sent
 from ..comm import all_gather_single, worker
 from ..seeding import derive_key, next_seed
@@ -71,6 +72,9 @@ class GlobalQSGDState:
     error_feedback: bool = False
     errors: ErrorFeedback | None = field(default=None, init=False, repr=False, compare=False)
     """The residuals (None: error feedback off)."""
+    # Whether the ranks' settings were compared (at the first call); None: a state made for
+    # one call (the hook's state was None or a group), whose group remembers it (_AGREED).
+    _agreed: bool | None = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.bits is not None and (isinstance(self.bits, bool) or not 2 <= self.bits <= 16):
@@ -105,12 +109,12 @@ class GlobalQSGDState:
 
 
 def _state(state: object) -> GlobalQSGDState:
-    if state is None:
-        return GlobalQSGDState()
     if isinstance(state, GlobalQSGDState):
         return state
-    if isinstance(state, dist.ProcessGroup):
-        return GlobalQSGDState(state)
+    if state is None or isinstance(state, dist.ProcessGroup):
+        made = GlobalQSGDState(state)
+        made._agreed = None
+        return made
     raise TypeError(
         f"a Global-QSGD hook's state must be None, a ProcessGroup or a GlobalQSGDState, got "
         f"{type(state).__name__}"
@@ -119,6 +123,29 @@ def _state(state: object) -> GlobalQSGDState:
 
 def _group(state: GlobalQSGDState) -> dist.ProcessGroup:
     return state.process_group if state.process_group is not None else dist.group.WORLD
+
+
+_AGREED: weakref.WeakKeyDictionary[dist.ProcessGroup, set[str]] = weakref.WeakKeyDictionary()
+"""The hooks whose settings each group's ranks compared, for states made for one call."""
+
+
+def _agree(state: GlobalQSGDState, hook: str, g: torch.Tensor) -> None:
+    """Raise :class:`cgx2.collectives.agreement.DisagreementError` on every rank unless all
+    run the same hook with the same settings: at the state's first call (for a state of None
+    or a group, the group's first call of the hook), which every rank makes, on the calling
+    thread (DDP raises the error itself)."""
+    if state._agreed:
+        return
+    group = _group(state)
+    if state._agreed is None and hook in _AGREED.get(group, ()):
+        return
+    settings = {"hook": hook, "bits": state.bits, "error_feedback": state.errors is not None,
+                "dtype": g.dtype}  # fmt: skip
+    agreement.check_settings(group, "a Global-QSGD hook", settings, g.device)
+    if state._agreed is None:
+        _AGREED.setdefault(group, set()).add(hook)
+    else:
+        state._agreed = True
 
 
 def _rounding_key(group: dist.ProcessGroup) -> int:
@@ -235,6 +262,7 @@ def _reduce_bucket(
     feedback around it when it is on; on the group's worker thread where the collectives
     would hold DDP's (:func:`cgx2.collectives.policy.runs_on_worker`)."""
     g = bucket.buffer()
+    _agree(state, reduce.__name__, g)
     keys = spans = None
     if state.errors is not None:
         # Keyed by parameter, not by bucket position: DDP rebuilds its buckets after the first
@@ -264,7 +292,9 @@ def _reduce_bucket(
 
 def default_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """The plain average (torch's ``allreduce_hook``)."""
-    return allreduce_hook(_group(_state(state)), bucket)
+    made = _state(state)
+    _agree(made, "default", bucket.buffer())
+    return allreduce_hook(_group(made), bucket)
 
 
 def standard_dithering_hook(

@@ -13,6 +13,7 @@ with one rank in ``ranks`` it reproduces torch's ``powerSGD_hook`` bit for bit.
 """
 
 # No ``from __future__ import annotations``: DDP checks the hooks' annotations as objects.
+import zlib
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -28,6 +29,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
 )
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ..collectives import agreement
 from ..collectives.adaptive import plan_bits
 from ..collectives.fusion import ring_bytes_sent
 
@@ -100,6 +102,7 @@ class LGreCoState(torch_powersgd.PowerSGDState):
     ranks, P, Q and residuals: a resumed run continues identically."""
 
     __slots__ = [
+        "_agreed",
         "_keys",
         "_next_key",
         "bytes_sent",
@@ -142,13 +145,14 @@ class LGreCoState(torch_powersgd.PowerSGDState):
         self.plan_errors: dict[int, tuple[float, float]] = {}
         self._keys = WeakIdKeyDictionary()
         self._next_key = 0
+        self._agreed = False  # whether the ranks' settings were compared (at the first call)
 
     def __getstate__(self) -> dict[str, Any]:
         # torch's reads ``self.__slots__``: here this class's alone, so gather the MRO's. The
         # parameter numbers are held weakly and not pickled: they are given again in order.
         slots = [s for cls in type(self).__mro__ for s in getattr(cls, "__slots__", ())]
         state = {s: getattr(self, s) for s in slots if s not in ("process_group", "_keys")}
-        return state | {"_next_key": 0}
+        return state | {"_next_key": 0, "_agreed": False}  # compared again where it is loaded
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -339,6 +343,24 @@ def _start_qs(state: LGreCoState, keys: Sequence[int], qs: Sequence[torch.Tensor
                 q[0, :, keep:] = draw
 
 
+def _agree(state: LGreCoState, group: dist.ProcessGroup, buffer: torch.Tensor) -> None:
+    """Raise :class:`cgx2.collectives.agreement.DisagreementError` on every rank unless all
+    hold the settings that decide what the hook sends, and the same random generator (every
+    rank must draw the same Q): once, at the hook's first call, which every rank makes."""
+    _, keys, pos, _, _ = state.rng.get_state()
+    settings = {
+        "matrix_approximation_rank": state.matrix_approximation_rank, "ranks": state.ranks,
+        "replan_every": state.replan_every, "start_powerSGD_iter": state.start_powerSGD_iter,
+        "min_compression_rate": state.min_compression_rate,
+        "use_error_feedback": state.use_error_feedback, "warm_start": state.warm_start,
+        "orthogonalization_epsilon": state.orthogonalization_epsilon, "iter": state.iter,
+        "random_seed": f"the generator at {zlib.crc32(keys.tobytes()):08x}/{pos}",
+        "dtype": buffer.dtype,
+    }  # fmt: skip
+    agreement.check_settings(group, "powerSGD_hook", settings, buffer.device)
+    state._agreed = True
+
+
 def powerSGD_hook(
     state: torch_powersgd.PowerSGDState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
@@ -352,6 +374,8 @@ def powerSGD_hook(
     group = state.process_group if state.process_group is not None else dist.group.WORLD
     world = dist.get_world_size(group)
     buffer = bucket.buffer()
+    if not state._agreed:
+        _agree(state, group, buffer)
     keys = state.keys(bucket.parameters())  # numbered at the first step, in its layout
     if state.iter < state.start_powerSGD_iter:
         state.bytes_sent += ring_bytes_sent(buffer.numel() * buffer.element_size(), world)

@@ -25,7 +25,7 @@ from ..checks import (
     check_numel,
     reduce_op_name,
 )
-from ..collectives import allreduce_, policy
+from ..collectives import agreement, allreduce_, policy
 from ..collectives.adaptive import check_options, check_replan_every, layer_errors, plan_widths
 from ..collectives.all_gather import all_gather as all_gather_quantized
 from ..collectives.fusion import padded_numel
@@ -77,6 +77,7 @@ class QuantizedReduceScatter(ReduceScatter):
         self.calls = 0
         """Reductions that used the adaptive widths: every ``replan_every``-th re-plans."""
         self.widths: tuple[int, ...] | None = None
+        self._agreed = False  # whether the ranks' settings were compared (at the first call)
 
     def state_dict(self) -> dict[str, object]:
         """Settings, plan and counters: with cgx2's seed stream (which
@@ -159,6 +160,15 @@ class QuantizedReduceScatter(ReduceScatter):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op: dist.ReduceOp,
                  async_op: bool = False) -> dist.Work | None:  # fmt: skip
+        if not self._agreed:
+            settings = {"bits": self.bits, "bucket_size": self.bucket_size,
+                        "row_params": self.row_params, "adaptive_bits": self.adaptive_bits,
+                        "replan_every": self.replan_every, "calls": self.calls,
+                        "widths": self.widths, "dtype": input_tensor.dtype}  # fmt: skip
+            agreement.check_settings(
+                group, "cgx2.fsdp's reduce-scatter", settings, input_tensor.device
+            )
+            self._agreed = True
         world = dist.get_world_size(group)
         if op == dist.ReduceOp.SUM:
             scale = None
@@ -202,6 +212,7 @@ class QuantizedAllGather(AllGather):
         self.bucket_size = check_bucket_size(bucket_size)
         self.row_params = row_params or []
         self.bytes_sent = 0
+        self._agreed = False  # whether the ranks' settings were compared (at the first call)
 
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype,
                  device: torch.device) -> torch.Tensor:  # fmt: skip
@@ -209,6 +220,11 @@ class QuantizedAllGather(AllGather):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, async_op: bool = False) -> dist.Work | None:  # fmt: skip
+        if not self._agreed:
+            settings = {"bits": self.bits, "bucket_size": self.bucket_size,
+                        "row_params": self.row_params, "dtype": input_tensor.dtype}  # fmt: skip
+            agreement.check_settings(group, "cgx2.fsdp's all-gather", settings, input_tensor.device)
+            self._agreed = True
         segments = None
         if self.bits != UNCOMPRESSED_BITS and sum(k for k, _ in self.row_params) == (
             input_tensor.numel()
@@ -232,6 +248,7 @@ class QuantizedReplicaGroup(dist.ProcessGroup):
     def __init__(self, inner: dist.ProcessGroup, bits: int, bucket_size: int) -> None:
         super().__init__(inner.rank(), inner.size())
         self.inner, self.bits, self.bucket_size = inner, bits, bucket_size
+        self._agreed = False  # whether the ranks' settings were compared (at the first call)
 
     @property
     def group_name(self) -> str:  # the name its collectives resolve, and the policy's key
@@ -247,6 +264,13 @@ class QuantizedReplicaGroup(dist.ProcessGroup):
         op = reduce_op_name(opts.reduceOp)
         if len(tensors) != 1 or op is None or not tensors[0].is_floating_point():
             return self.inner.allreduce(tensors, opts)
+        if not self._agreed:
+            settings = {"bits": self.bits, "bucket_size": self.bucket_size, "op": op,
+                        "dtype": tensors[0].dtype}  # fmt: skip
+            agreement.check_settings(
+                self.inner, "cgx2.fsdp's replica all-reduce", settings, tensors[0].device
+            )
+            self._agreed = True
         allreduce_(tensors[0], self.bits, self.bucket_size, self.inner, op)
         return CompletedWork(tensors)
 

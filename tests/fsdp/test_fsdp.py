@@ -198,3 +198,46 @@ def test_fsdp2_divide_factor_and_bf16_reduce(dist2):
         losses = four["losses"]
         assert losses[0] == pytest.approx(plain[0], rel=1e-6)
         assert abs(losses[-1] - plain[-1]) <= 0.1 * plain[-1], (mp, divide, losses, plain)
+
+
+def _settings_differ(kind: str, steps: int = 1) -> tuple[str, str, int]:
+    """``steps`` of FSDP2 with cgx2's reduce-scatter, whose ``kind`` of setting (None: none)
+    differs between the ranks: the error's type and message ("", "" where none), and how many
+    times the ranks' settings were compared."""
+    from cgx2.collectives import agreement
+
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    model = _MLP()
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    settings = {"bits": 4, "min_size": 1024}
+    if kind is not None:
+        settings[kind] = {"bits": (4, 8), "min_size": (1024, 100_000)}[kind][rank]
+    compress(model, bucket_size=128, **settings)
+    compared = mock.patch.object(agreement, "check_settings", wraps=agreement.check_settings)
+    with compared as check:
+        try:
+            train_mlp(model, steps)
+        except Exception as e:  # reported to the test
+            return type(e).__name__, str(e), check.call_count
+    return "", "", check.call_count
+
+
+@pytest.mark.parametrize(
+    ("kind", "expected"),
+    [("bits", "bits=[rank 0: 4, rank 1: 8]"), ("min_size", "row_params=[rank 0: [[")],
+)
+def test_ranks_whose_settings_differ_raise_at_the_first_reduce_scatter(dist2, kind, expected):
+    """Before, ranks that compressed differently (other bits, other layers) decoded each
+    other's payloads as theirs: wrong gradients, different on each rank, and no error."""
+    for rank, (error, message, _) in enumerate(dist2.run(_settings_differ, kind)):
+        assert error == "DisagreementError", message
+        assert expected in message and f"this rank {rank}:" in message, message
+
+
+def test_ranks_that_agree_compare_once_a_reduce_scatter(dist2):
+    for result in dist2.run(_settings_differ, None, 3):
+        assert result == ("", "", 4)  # the four layers' reduce-scatters, at their first call
