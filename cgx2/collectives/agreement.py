@@ -409,8 +409,8 @@ def _raise_if_different(rows: list[list[int]] | list[tuple[str, list[int]]], nam
 def _settings_differing(settings: str | list[dict[str, object]], rank: int) -> tuple[str, str]:
     """The settings that differ, rank by rank, and this rank's, from every rank's (a list), or
     where only this rank's are known (a deferred check: its JSON), what can be said."""
-    if isinstance(settings, str):
-        return "their settings", f"settings={settings}"
+    if isinstance(settings, str):  # each rank's message shows its own: compare them
+        return "the settings their routes were decided under", f"settings={settings}"
     keys = list(dict.fromkeys(k for found in settings for k in found))
     differ = [k for k in keys if len({json.dumps(found.get(k)) for found in settings}) > 1]
     described = ", ".join(

@@ -468,3 +468,21 @@ def test_ranks_whose_settings_differ_all_raise_naming_the_variable(dist2, variab
         assert f"(this rank {rank}: {variable}={(first, second)[rank]}" in message, message
     results = dist2.run(_agree)  # and the group goes on
     assert torch.equal(results[0], results[1])
+
+
+def test_a_deferred_answer_of_different_settings_shows_this_ranks():
+    """On the GPU the answer comes too late for a second exchange: each rank names the settings
+    as what differs and shows its own, variable by variable."""
+    from cgx2.collectives import agreement
+
+    group, event = _Group(), CudaEvent()
+    event.done = True
+    rows = torch.tensor([[1024, 0, 11], [1024, 0, 22]])
+    mine = '{"CGX2_PAIR_GATHER":true}'
+    pending = agreement._Pending(rows, event, ["numel", "dtype", "settings"],
+                                 {"numel": 1024, "dtype": torch.float32, "settings": mine},
+                                 "quantized_allreduce", 0)  # fmt: skip
+    agreement._PENDING[group] = __import__("collections").deque([pending])
+    with pytest.raises(DisagreementError, match="settings their routes were decided under") as e:
+        agreement.raise_pending(group)
+    assert f"this rank 0: settings={mine}" in str(e.value)
