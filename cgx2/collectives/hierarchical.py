@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from .. import config, cpu_threads
 from ..checks import (
     check_bits,
+    check_bool,
     check_bucket_size,
     check_collective_tensor,
     check_reduce_op,
@@ -60,6 +61,10 @@ def hierarchical_allreduce(
     check_bits(bits)
     check_bucket_size(bucket_size)
     check_seed(seed)
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a DeviceMesh or None, got {type(mesh).__name__}")
+    if intra_broadcast is not None:
+        check_bool(intra_broadcast, "intra_broadcast")
     mesh = node_mesh(t.device.type) if mesh is None else mesh
     if mesh.mesh_dim_names != MESH_DIMS:
         raise ValueError(f"mesh must have dims {MESH_DIMS}, got {mesh.mesh_dim_names}")

@@ -103,6 +103,10 @@ def test_dtensor_and_fsdp_arguments_are_named():
         cgx2.fsdp.load_compression_state_dict(nn.Linear(2, 2), {})
     with pytest.raises(TypeError, match="seed must be an int"):
         cgx2.manual_seed("7")
+    with pytest.raises(TypeError, match="mesh must be a DeviceMesh"):
+        cgx2.hierarchical_allreduce(torch.randn(4), 4, mesh="inter")
+    with pytest.raises(TypeError, match="t must be a dense"):
+        cgx2.hierarchical_allreduce(torch.randn(4, 4).to_sparse(), 4)
 
 
 # On two ranks: each refusal comes before any communication, so the group stays usable (a
