@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .. import config, cpu_threads
 from ..checks import UNCOMPRESSED_BITS
 from ..comm import GroupInfo, group_info, nccl, process_group, shm
+from ..comm import store as stored
 from . import calibration_file, graphs
 
 __all__ = [
@@ -361,8 +362,9 @@ def _calibration_file(group: dist.ProcessGroup | None) -> dict[str, dict]:
             found = _read_calibration(path)
             store.set(name, json.dumps(found))
         else:
-            try:  # within the store's timeout, the group's
-                found = json.loads(store.get(name))
+            try:  # within the store's timeout; asked, not waited for in the store, whose
+                # one client other threads' calls on other groups need meanwhile
+                found = json.loads(stored.get(store, name, store.timeout.total_seconds()))
             except RuntimeError as e:  # DistStoreError (a RuntimeError): rank 0 never came
                 raise RuntimeError(
                     f"cgx2: rank 0 of group {group.group_name!r} did not publish its crossovers "

@@ -361,7 +361,8 @@ def test_a_deferred_answer_raises_once_it_arrives_and_never_waits():
 def _two_groups_from_two_threads(path: str) -> dict[int, str]:
     """Each of two threads calls on its own new group (made here, so that its first call sets
     up its peer sockets, shared memory and crossovers), the threads started in opposite order
-    on the two ranks."""
+    on the two ranks ("one thread on rank 0": rank 0 calls on the first group, then on the
+    second, from one thread, while rank 1 starts the second's thread first)."""
     import contextlib
     import datetime
     import threading
@@ -378,6 +379,7 @@ def _two_groups_from_two_threads(path: str) -> dict[int, str]:
         "sockets": contextlib.nullcontext(),
         "store": _without_peer_sockets(),
         "unchecked": cgx2.config.tuned(check_agreement="off"),
+        "one thread on rank 0": contextlib.nullcontext(),
     }[path]
     results = {}
 
@@ -390,6 +392,8 @@ def _two_groups_from_two_threads(path: str) -> dict[int, str]:
             results[i] = repr(e)
 
     threads = [threading.Thread(target=calls, args=(i,), daemon=True) for i in range(2)]
+    if path == "one thread on rank 0" and dist.get_rank() == 0:
+        threads = [threading.Thread(target=lambda: (calls(0), calls(1)), daemon=True)]
     try:
         with settings:
             for t in threads if dist.get_rank() == 0 else threads[::-1]:
@@ -402,7 +406,7 @@ def _two_groups_from_two_threads(path: str) -> dict[int, str]:
     return {i: results.get(i, "still running") for i in range(2)}
 
 
-@pytest.mark.parametrize("path", ["sockets", "store", "unchecked"])
+@pytest.mark.parametrize("path", ["sockets", "store", "unchecked", "one thread on rank 0"])
 def test_two_threads_calling_on_two_groups_in_opposite_orders_do_not_deadlock(dist2, path):
     """A thread waiting on one group's peers (set-up, or a check through the store) must not
     hold up another thread's calls on another group: the peers of that one may be waiting for

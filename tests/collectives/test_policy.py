@@ -3,6 +3,7 @@ GPUs' peer access; crossovers per regime and dtype, from CGX2_CROSSOVER_BYTES, a
 file (rank 0's copy) or the tables; the plain result below the crossover, in every entry."""
 
 import contextlib
+import datetime
 import gc
 import json
 import logging
@@ -755,8 +756,10 @@ def test_a_rank_waiting_for_rank_0s_calibration_fails_clearly(monkeypatch):
     the likely cause, when the store's wait runs out, instead of hanging."""
 
     class Store:
-        def get(self, key):
-            raise dist.DistStoreError("wait timeout after 10ms")
+        timeout = datetime.timedelta(milliseconds=10)
+
+        def check(self, keys):
+            return False
 
     class Group:
         group_name = "7"
