@@ -13,7 +13,14 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checks import MAX_BUCKET_SIZE, UNCOMPRESSED_BITS, check_bits, check_bucket_size
+from .checks import (
+    MAX_BUCKET_SIZE,
+    UNCOMPRESSED_BITS,
+    check_bits,
+    check_bool,
+    check_bucket_size,
+    check_numel,
+)
 
 __all__ = [
     "ALGORITHMS",
@@ -147,6 +154,10 @@ class CGXConfig:
     def __post_init__(self) -> None:
         check_bits(self.quantization_bits, "quantization_bits")
         check_bucket_size(self.bucket_size)
+        check_bool(self.skip_incomplete_buckets, "skip_incomplete_buckets")
+        check_bool(self.intra_broadcast, "intra_broadcast")
+        check_numel(self.minimal_size, "minimal_size")
+        check_numel(self.fusion_buffer_size_mb, "fusion_buffer_size_mb")
         if self.minimal_size < MIN_COMPRESSION_SIZE:
             object.__setattr__(self, "minimal_size", MIN_COMPRESSION_SIZE)
         if self.fusion_buffer_size_mb < 0:

@@ -103,6 +103,12 @@ def test_dtensor_and_fsdp_arguments_are_named():
         cgx2.fsdp.load_compression_state_dict(nn.Linear(2, 2), {})
     with pytest.raises(TypeError, match="seed must be an int"):
         cgx2.manual_seed("7")
+    with pytest.raises(TypeError, match="skip_incomplete_buckets must be a bool"):
+        cgx2.CGXConfig(skip_incomplete_buckets="no")
+    with pytest.raises(TypeError, match="intra_broadcast must be a bool"):
+        cgx2.CGXConfig(intra_broadcast="yes")
+    with pytest.raises(TypeError, match="minimal_size must be an int"):
+        cgx2.CGXConfig(minimal_size="16")
     with pytest.raises(TypeError, match="mesh must be a DeviceMesh"):
         cgx2.hierarchical_allreduce(torch.randn(4), 4, mesh="inter")
     with pytest.raises(TypeError, match="t must be a dense"):
