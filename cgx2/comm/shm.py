@@ -25,6 +25,7 @@ an error that closes the group at once, never a wrong sum or a wait.
 from __future__ import annotations
 
 import datetime
+import gc
 import itertools
 import json
 import logging
@@ -126,9 +127,9 @@ class _Channel:
         self.views: list[torch.Tensor] = []  # their bytes
         self.registered: list[int] = []  # addresses registered with CUDA
         self.broken: str | None = None
-        # This rank's calls whose payloads it has yet to read (their Works not waited yet), by
-        # epoch: the views they read from.
-        self.pending: dict[int, list[torch.Tensor]] = {}
+        # This rank's calls whose payloads it has yet to read, by epoch: their Works (weakly:
+        # one dropped unwaited is a call given up) and the views they read from.
+        self.pending: dict[int, tuple[weakref.ref[_Work], list[torch.Tensor]]] = {}
         self.lock = threading.Lock()  # calls may come from the group's worker and the caller
 
     # -- segments --------------------------------------------------------------------------
@@ -218,11 +219,8 @@ class _Channel:
                            f"earlier: {self.broken}")  # fmt: skip
         self.seq += 1
         slot, last = self.seq % SLOTS, self.seq - SLOTS
-        abandoned = self.pending.pop(last, None)
-        if abandoned is not None:
-            # Its Work was never waited for (the caller failed after it began): this rank will
-            # not read it now, and its peers may reuse their slots.
-            self.signal(abandoned, _CONSUMED, slot, last)
+        if last in self.pending:
+            self._release_if_dropped(last, slot)
         try:
             if nbytes > self.capacity:
                 self.grow(nbytes)
@@ -234,6 +232,18 @@ class _Channel:
             self.broken = self.broken or f"{operation} (call {self.seq}) could not begin: {e}"
             raise
         return self.seq, slot, self.views
+
+    def _release_if_dropped(self, epoch: int, slot: int) -> None:
+        """The call ``epoch`` in ``slot``, not waited for yet, is given up if its Work is gone
+        (its caller failed after it began): this rank will never read it, and its peers may
+        reuse their slots. A Work still held is waited for by its holder, as before."""
+        work, views = self.pending[epoch]
+        if work() is not None:
+            # A failed caller's frames hold it in a cycle (its traceback's) until collected.
+            gc.collect()
+        if work() is None:
+            del self.pending[epoch]
+            self.signal(views, _CONSUMED, slot, epoch)
 
     def abandon(self, views: list[torch.Tensor], slot: int, epoch: int) -> None:
         """End this rank's part of a call it cannot finish: mark the slot void (a peer that
@@ -429,6 +439,18 @@ def _exchange(group: dist.ProcessGroup, send: torch.Tensor, operation: str,
     if channel is None:
         return fallback()
     data = _bytes_of(send)
+
+    def finish() -> None:
+        channel.pending.pop(epoch, None)
+        try:
+            channel.wait_peers(_WRITTEN, slot, epoch, operation, views)
+            channel.check_peers(views, slot, epoch, operation, data.numel())
+            receive(channel, views, slot, data.numel())
+            _finish_reads(send.device)
+        finally:
+            channel.signal(views, _CONSUMED, slot, epoch)
+
+    work = _Work(finish)
     with channel.lock:
         try:
             epoch, slot, views = channel.begin(data.numel(), operation)
@@ -444,22 +466,8 @@ def _exchange(group: dist.ProcessGroup, send: torch.Tensor, operation: str,
             raise
         channel.signal(views, _TAG, slot, _tag(operation, data.numel()))
         channel.signal(views, _WRITTEN, slot, epoch)
-        channel.pending[epoch] = views
+        channel.pending[epoch] = (weakref.ref(work), views)
 
-    def finish() -> None:
-        if channel.pending.pop(epoch, None) is None:
-            raise ShmError(f"cgx2: the shared-memory transport of group {channel.name!r}: "
-                           f"{operation} (call {epoch}) was waited for after {SLOTS} later "
-                           f"calls had begun: its slot has been reused")  # fmt: skip
-        try:
-            channel.wait_peers(_WRITTEN, slot, epoch, operation, views)
-            channel.check_peers(views, slot, epoch, operation, data.numel())
-            receive(channel, views, slot, data.numel())
-            _finish_reads(send.device)
-        finally:
-            channel.signal(views, _CONSUMED, slot, epoch)
-
-    work = _Work(finish)
     if async_op:
         return work
     work.wait()

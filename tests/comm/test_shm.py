@@ -324,7 +324,7 @@ def test_a_call_that_fails_on_every_rank_leaves_the_group_working(dist2):
     ):
         assert "refused after the transport began" in quantized_failure
         assert plain_failure == "refused after the transport began" or (
-            "rank 1 of group" in plain_failure and "failed during allreduce" in plain_failure
+            "of group" in plain_failure and "failed during allreduce" in plain_failure
         ), plain_failure
         assert all(quantized) and all(plain), (quantized, plain)
 
