@@ -378,13 +378,23 @@ def _params(lo, hi, BITS: tl.constexpr):
     step = tl.where(halved, -tl.math.div_rn(span_p, lmax), step)
     scale = tl.where(positive, _div_toward_zero(lmax, span_p), 0.0)
     stored_lo = tl.where(halved, lo_p, tl.where(finite, lo, nan))
-    # Where the top level would decode past FLT_MAX, an ulp less (maxmin._finite_top): the
-    # bits less one are the next float toward zero, of either sign.
-    for _ in tl.static_range(_NUDGES):
-        top = (stored_lo + tl.abs(step) * lmax) * tl.where(step < 0, 2.0, 1.0)
-        smaller = (step.to(tl.uint32, bitcast=True) - 1).to(tl.float32, bitcast=True)
-        step = tl.where(tl.abs(top) == inf, smaller, step)
     return stored_lo, step, scale, finite, pre, lo_p
+
+
+@triton.jit
+def _finite_top(stored_lo, step, hi, BITS: tl.constexpr):
+    """The step an ulp less where the top level would decode past FLT_MAX
+    (maxmin._finite_top): the bits less one are the next float toward zero, of either sign.
+    Only the stored step changes, not the levels: the kernels call this once a tile's levels
+    are stored, and only where its max passes 2**127 (below, the top level, the max a few
+    ulps of the span off, is far from FLT_MAX): a branch before the levels cost more."""
+    if tl.max((hi > _TWO_127).to(tl.int32), axis=0) > 0:
+        lmax = tl.full(step.shape, (1 << BITS) - 1, tl.float32)
+        for _ in tl.static_range(_NUDGES):
+            top = (stored_lo + tl.abs(step) * lmax) * tl.where(step < 0, 2.0, 1.0)
+            smaller = (step.to(tl.uint32, bitcast=True) - 1).to(tl.float32, bitcast=True)
+            step = tl.where(tl.abs(top) == float("inf"), smaller, step)
+    return step
 
 
 @triton.jit
@@ -561,24 +571,31 @@ def _encode_loaded(
         lev_ptr, v0, v1, valid0, valid1, lo_p, scale, pre, finite, q, qmask, quant, 0, stream,
         key0, key1, BITS, B, BUCKETS, BLOCK, FULL, NEAREST,
     )  # fmt: skip
-    _store_meta(meta_ptr, q, qmask, lo, step)
+    _store_meta(meta_ptr, q, qmask, lo, _finite_top(lo, step, hi, BITS))
 
 
 @triton.jit
 def _encode_sum_loaded(
-    v0, v1, valid0, valid1, own0, own1, lev_ptr, meta_ptr, q, nq, quant, stream, key0, key1,
+    v0, v1, valid0, valid1, own_ptr, lev_ptr, meta_ptr, q, nq, quant, stream, key0, key1,
     BITS: tl.constexpr, B: tl.constexpr, BUCKETS: tl.constexpr, BLOCK: tl.constexpr,
     FULL: tl.constexpr, HAS_OWN: tl.constexpr,
 ):  # fmt: skip
     """:func:`_encode_loaded` of a sum, whose buckets that overflowed are coded saturated
-    (unless own's values there are not all finite: input +-Inf, which stays NaN). The
-    saturated coding takes its own branch: a tile with none codes as any other."""
+    (unless own's values there are not all finite: input +-Inf, which stays NaN). A tile
+    with such a bucket stores its levels twice, the second time saturated, and loads own's
+    values again: a branch before the levels, or own's values kept, cost every tile."""
     qmask = q < nq
     lo, hi = _stats(v0, v1, valid0, valid1)
     stored_lo, step, scale, finite, pre, lo_p = _params(lo, hi, BITS)
+    _quantize_store(
+        lev_ptr, v0, v1, valid0, valid1, lo_p, scale, pre, finite, q, qmask, quant, 0, stream,
+        key0, key1, BITS, B, BUCKETS, BLOCK, FULL,
+    )  # fmt: skip
+    step = _finite_top(stored_lo, step, hi, BITS)
     sat = _saturating(lo, hi, finite, BITS)
-    if tl.max(sat.to(tl.int32), axis=0) > 0:
+    if tl.max(sat.to(tl.int32), axis=0) > 0:  # the tile's levels once more, saturated
         if HAS_OWN:
+            own0, own1, _, _ = _load_tile(own_ptr, q, qmask, quant, 0, B, BLOCK, FULL)
             sat = sat & _all_finite(own0, own1, valid0, valid1)
         m, s, sat_scale, a_lo, a_hi = _saturated_params(lo, hi, BITS)
         stored_lo = tl.where(sat, m, stored_lo)
@@ -586,11 +603,6 @@ def _encode_sum_loaded(
         _quantize_store_saturated(
             lev_ptr, v0, v1, valid0, valid1, lo_p, scale, pre, finite | sat, sat, m, sat_scale,
             a_lo, a_hi, q, qmask, quant, 0, stream, key0, key1, BITS, B, BUCKETS, BLOCK, FULL,
-        )  # fmt: skip
-    else:
-        _quantize_store(
-            lev_ptr, v0, v1, valid0, valid1, lo_p, scale, pre, finite, q, qmask, quant, 0,
-            stream, key0, key1, BITS, B, BUCKETS, BLOCK, FULL,
         )  # fmt: skip
     _store_meta(meta_ptr, q, qmask, stored_lo, step)
 
@@ -631,7 +643,7 @@ def _encode_wide(
             t * BLOCK,
             stream, key0, key1, BITS, B, BUCKETS, BLOCK, FULL, NEAREST,
         )  # fmt: skip
-    _store_meta(meta_ptr, q, qmask, lo, step)
+    _store_meta(meta_ptr, q, qmask, lo, _finite_top(lo, step, hi, BITS))
 
 
 @triton.jit
@@ -945,6 +957,7 @@ def _decode_sum_encode_wide(
         lo = _min_with_nan(lo, t_lo)
         hi = tl.maximum(hi, t_hi)
     stored_lo, step, scale_q, finite, pre, lo_p = _params(lo, hi, BITS)
+    step = _finite_top(stored_lo, step, hi, BITS)
     sat = _saturating(lo, hi, finite, BITS)
     if tl.max(sat.to(tl.int32), axis=0) > 0:  # as _encode_sum_loaded, a tile at a time
         if HAS_OWN:
@@ -1040,7 +1053,7 @@ def _decode_sum_encode_kernel(
                                      HAS_SCALE)  # fmt: skip
                 _, valid0, valid1 = _tile(q, q < full_nq, full_nq * B, 0, B, BLOCK,
                                           B % BLOCK == 0)  # fmt: skip
-                _encode_sum_loaded(v0, v1, valid0, valid1, own0, own1, lev_ptr, meta_ptr, q,
+                _encode_sum_loaded(v0, v1, valid0, valid1, own_ptr, lev_ptr, meta_ptr, q,
                                    full_nq, full_nq * B, stream, key0, key1, BITS, B, BUCKETS,
                                    BLOCK, B % BLOCK == 0, HAS_OWN)  # fmt: skip
                 own0 = next0
@@ -1056,7 +1069,7 @@ def _decode_sum_encode_kernel(
             )  # fmt: skip
             v0, v1 = _sum_loaded(own0, own1, fields, los, steps, scale, ROWS, BITS, HAS_SCALE)
             _, valid0, valid1 = _tile(q, q < nq, quant, 0, B, BLOCK, False)
-            _encode_sum_loaded(v0, v1, valid0, valid1, own0, own1, lev_ptr, meta_ptr, q, nq,
+            _encode_sum_loaded(v0, v1, valid0, valid1, own_ptr, lev_ptr, meta_ptr, q, nq,
                                quant, stream, key0, key1, BITS, B, BUCKETS, BLOCK, False,
                                HAS_OWN)  # fmt: skip
     else:

@@ -577,3 +577,33 @@ def test_a_sum_that_overflows_is_inf_where_the_plain_allreduce_is(dist2):
         assert out[finite].isfinite().all(), cases[i]
         err = (out[finite].double() - exact[finite]).abs()
         assert (err <= bound[finite]).all(), f"{cases[i]}: err {err.max()}"
+
+
+def _overflowing_sums_of_four() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    rank, outs = dist.get_rank(), []
+    x = _input(rank, 8 * 512, torch.float32)
+    x[100:110] = x[1500:1510] = x[3000:3003] = 3e38  # every rank's chunk has some
+    x[600:610] = x[1510:1520] = x[3900:3901] = -3e38
+    for op in ("sum", "avg"):
+        plain = x / 4 if op == "avg" else x.clone()
+        dist.all_reduce(plain)
+        outs.append((plain, cgx2.quantized_allreduce(x, 3, op=op, seed=5)))
+    return outs
+
+
+def test_four_ranks_whose_sum_overflows(dist4):
+    """Four ranks, each owning an overflowing chunk: +-Inf where the plain sum is, the plain
+    AVG's finite mean finite, no NaN, the model's bits on every rank."""
+    results = dist4.run(_overflowing_sums_of_four)
+    inputs = [_input(r, 8 * 512, torch.float32) for r in range(4)]
+    for x in inputs:
+        x[100:110] = x[1500:1510] = x[3000:3003] = 3e38
+        x[600:610] = x[1510:1520] = x[3900:3901] = -3e38
+    for i, op in enumerate(("sum", "avg")):
+        plain, out = results[0][i]
+        assert all(_bits_equal(r[i][1], out) for r in results)
+        assert _bits_equal(out, reference_allreduce(inputs, 3, 512, seed=5, reduce_op=op))
+        assert not out.isnan().any()
+        assert torch.equal(out.isposinf(), plain.isposinf())
+        assert torch.equal(out.isneginf(), plain.isneginf())
+        assert plain.isinf().sum() == (44 if op == "sum" else 0)
