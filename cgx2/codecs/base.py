@@ -71,7 +71,9 @@ class Codec(Protocol):
                           key: int, stream: int = 0, skip_incomplete: bool = False,
                           out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """:meth:`decode_sum` encoded once more (the reduced chunk of an allreduce), fused
-        where the implementation can."""
+        where the implementation can; with ``scale``, own and each row times ``scale`` summed
+        (the plain allreduce's AVG divides first), and a bucket whose sum overflowed coded
+        saturated (:mod:`.maxmin`)."""
         ...
 
 
