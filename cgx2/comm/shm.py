@@ -567,6 +567,10 @@ def _reduce_slot(channel: _Channel, piece: torch.Tensor, reduce_op: str, epoch: 
     if piece.is_cuda:
         channel.register_cuda()
     slots = [channel.region(views, r, slot, nbytes).view(piece.dtype) for r in range(world)]
+    if reduce_op == "avg":
+        # Divided before the sum, as the process group's plain average is: the same mean
+        # on every transport, finite wherever the mean is.
+        cpu_threads.div_(piece, world)
     _stage_in(slots[rank], piece)
     channel.signal(views, _TAG, slot, _tag(operation, nbytes))
     channel.signal(views, _WRITTEN, slot, epoch)
@@ -582,8 +586,6 @@ def _reduce_slot(channel: _Channel, piece: torch.Tensor, reduce_op: str, epoch: 
         else:
             parts = [s[lo:hi] for s in slots]
         cpu_threads.add_(mine, parts)
-        if reduce_op == "avg":
-            cpu_threads.div_(mine, world)
         _stage_in(slots[rank][lo:hi], mine)
     channel.signal(views, _REDUCED, slot, epoch)
     channel.wait_peers(_REDUCED, slot, epoch, operation, views)

@@ -10,7 +10,6 @@ a ValueError or TypeError naming the argument it refuses. Never an error from in
 
 import math
 
-import pytest
 import torch
 import torch.distributed as dist
 from bounds import allreduce_bound
@@ -188,14 +187,6 @@ def _check_case(case: dict, per_rank: list[dict]) -> None:
     event("empty" if not out.numel() else "exact" if case["bits"] == 32 else "quantized")
     if case["bits"] == 32:
         is_plain = _same_bytes(out, per_rank[0]["plain"])
-        if not is_plain and case["op"] == "avg":
-            # Known, reported with this test: the shared-memory transport's plain average
-            # sums, then divides (test_a_plain_average_near_the_max_is_finite); remove this
-            # once it divides first.
-            summed_first = sum(r["dense"] for r in per_rank) / WORLD
-            if _same_bytes(out, summed_first):
-                event("known: a plain average that sums first")
-                return
         assert is_plain, f"{where}: not the plain allreduce's bytes"
         return
     inputs = [r["dense"].reshape(-1).double() for r in per_rank]
@@ -285,13 +276,6 @@ def _plain_average_near_the_max() -> torch.Tensor:
         return cgx2.quantized_allreduce(torch.full((5,), 3e38), 32, op="avg")
 
 
-@pytest.mark.xfail(
-    reason="found by the property test: the shared-memory transport's plain AVG (bits=32, and "
-    "every exact allreduce on one node) sums, then divides, so a mean of values near the max "
-    "is Inf where the plain allreduce (divide, then sum, as cgx2's other paths do) is finite; "
-    "remove this mark, and the oracle's exception, once it divides first",
-    strict=False,
-)
 def test_a_plain_average_near_the_max_is_finite(dist2):
     for out in dist2.run(_plain_average_near_the_max):
         assert torch.equal(out, torch.full((5,), 3e38))
