@@ -481,6 +481,35 @@ def test_empty_tensors_are_handled_as_gloo_does(dist2, bits):
     assert not any(isinstance(x, str) for r in cgx for _, x in r), cgx
 
 
+def _negative_view_against_its_values() -> list[bool]:
+    """all_reduce and all_reduce_coalesced of negative views (which show ``x``, storing
+    ``-x``) against the same calls on ``x`` itself, after the same seed: equal bits."""
+    x = _input(dist.get_rank(), 4096)
+    with _cgx_group(CGX_COMPRESSION_QUANTIZATION_BITS="4") as g:
+        cgx2.manual_seed(7)
+        plain = x.clone()
+        dist.all_reduce(plain, group=g)
+        coalesced_plain = [x.clone(), 2 * x]
+        dist.all_reduce_coalesced(coalesced_plain, group=g)
+        cgx2.manual_seed(7)
+        view = (-x)._neg_view()
+        dist.all_reduce(view, group=g)
+        coalesced_views = [(-x)._neg_view(), (-2 * x)._neg_view()]
+        dist.all_reduce_coalesced(coalesced_views, group=g)
+    return [
+        torch.equal(view, plain) and view.is_neg(),
+        all(torch.equal(v, p) for v, p in zip(coalesced_views, coalesced_plain, strict=True)),
+        not torch.equal(plain, x),  # it did reduce
+    ]
+
+
+def test_a_negative_view_is_reduced_as_the_values_it_shows(dist2):
+    """The codecs read stored values: a negative view's are resolved first (before, its
+    quantized sum rounded the stored values, not the ones it shows)."""
+    for ok in dist2.run(_negative_view_against_its_values):
+        assert ok == [True, True, True]
+
+
 class _Barriers:
     """Stands in for a gloo or NCCL backend: records the barriers it ran."""
 
