@@ -9,6 +9,9 @@ Ctrl-C, SIGTERM); namespaces left by a run that was killed are removed by the ne
     python -m cgx2.testing.netlab --hosts 2 --rate 1gbit -- bash -c \\
         'torchrun --nnodes 2 --nproc-per-node 2 --node-rank $HOST \\
          --master-addr $MASTER_ADDR --master-port 29500 train.py'
+
+With ``--gpus-per-host N`` host h gets GPUs h·N … h·N+N−1 and NCCL sees distinct hosts joined
+by the shaped link (:meth:`Lab.environment` says how).
 """
 
 from __future__ import annotations
@@ -89,18 +92,61 @@ class Lab:
 
     ``iproute_root``: where ``dpkg -x`` unpacked iproute2 and its libraries, on an image
     without ``ip`` (else from PATH).
+
+    ``gpus_per_host``: GPU hosts, N GPUs each: host h gets the GPUs h·N … h·N+N−1 of ``gpus``
+    (the devices to split: a count, or their ``CUDA_VISIBLE_DEVICES`` entries; by default this
+    process's ``CUDA_VISIBLE_DEVICES``, else what ``nvidia-smi -L`` lists, else unknown and
+    not checked). Nothing here imports torch or needs a GPU.
     """
 
     hosts: int
     link: Link = field(default_factory=Link)
     iproute_root: str | None = None
+    gpus_per_host: int | None = None
+    gpus: int | Sequence[str] | None = None
     names: list[str] = field(default_factory=list, init=False)
     _switch: str = field(default="", init=False)
 
     def __post_init__(self) -> None:
         if not 1 <= self.hosts <= 200:
             raise ValueError(f"hosts must be in 1..200, got {self.hosts}")
+        self._devices = self._split_gpus()
         self._ip, self._tc, self._tool_env = _tools(self.iproute_root)
+
+    def _split_gpus(self) -> list[str] | None:
+        """Each host's ``CUDA_VISIBLE_DEVICES`` entries, or None without GPU hosts."""
+        n = self.gpus_per_host
+        if n is None:
+            if self.gpus is not None:
+                raise ValueError("gpus names the GPUs to split among the hosts: it needs "
+                                 "gpus_per_host")  # fmt: skip
+            return None
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError(f"gpus_per_host must be an int, got {type(n).__name__}")
+        if n < 1:
+            raise ValueError(f"gpus_per_host must be at least 1, got {n}")
+        if isinstance(self.gpus, bool):
+            raise TypeError("gpus must be a count or a list of CUDA_VISIBLE_DEVICES entries")
+        if isinstance(self.gpus, int):
+            if self.gpus < 0:
+                raise ValueError(f"gpus must be a count >= 0, got {self.gpus}")
+            devices, source = [str(i) for i in range(self.gpus)], f"gpus={self.gpus}"
+        elif self.gpus is not None:
+            devices = [str(d).strip() for d in self.gpus]
+            if any(not d or "," in d for d in devices):
+                raise ValueError(f"gpus: one device a entry, none empty, got {list(self.gpus)}")
+            source = f"gpus={devices}"
+        else:
+            devices, source = visible_gpus()
+        need = self.hosts * n
+        if devices is None:  # no way to count them here: host h gets indices h·N … h·N+N−1
+            return [",".join(str(h * n + i) for i in range(n)) for h in range(self.hosts)]
+        if need > len(devices):
+            raise ValueError(
+                f"gpus_per_host={n} with {self.hosts} hosts needs {need} GPUs; "
+                f"{len(devices)} {'is' if len(devices) == 1 else 'are'} visible ({source})"
+            )
+        return [",".join(devices[h * n : (h + 1) * n]) for h in range(self.hosts)]
 
     # -- addresses --------------------------------------------------------------------------
 
@@ -110,10 +156,23 @@ class Lab:
 
     def environment(self, host: int) -> dict[str, str]:
         """What a command in host ``host`` gets: HOST, NHOSTS, HOST_ADDR, MASTER_ADDR (host
-        0's), GLOO_SOCKET_IFNAME, LINK_RATE and LINK_BURST."""
-        return {"HOST": str(host), "NHOSTS": str(self.hosts), "HOST_ADDR": self.address(host),
-                "MASTER_ADDR": self.address(0), "GLOO_SOCKET_IFNAME": IFNAME,
-                "LINK_RATE": self.link.rate, "LINK_BURST": self.link.burst}  # fmt: skip
+        0's), GLOO_SOCKET_IFNAME, LINK_RATE and LINK_BURST; on GPU hosts (``gpus_per_host``)
+        also GPUS_PER_HOST, CUDA_VISIBLE_DEVICES (the host's GPUs), NCCL_HOSTID (the host's
+        own: NCCL takes ranks with one host hash for one machine and joins them by P2P or
+        shared memory, which would bypass the link; the namespaces share the machine's), and
+        NCCL_SOCKET_IFNAME with NCCL_IB_DISABLE=1 (NCCL's sockets over the host's shaped
+        interface: not loopback, nor an RDMA NIC, which every namespace sees)."""
+        if not 0 <= host < self.hosts:
+            raise ValueError(f"host must be in 0..{self.hosts - 1}, got {host}")
+        env = {"HOST": str(host), "NHOSTS": str(self.hosts), "HOST_ADDR": self.address(host),
+               "MASTER_ADDR": self.address(0), "GLOO_SOCKET_IFNAME": IFNAME,
+               "LINK_RATE": self.link.rate, "LINK_BURST": self.link.burst}  # fmt: skip
+        if self._devices is not None:
+            env |= {"GPUS_PER_HOST": str(self.gpus_per_host),
+                    "CUDA_VISIBLE_DEVICES": self._devices[host],
+                    "NCCL_HOSTID": f"{PREFIX}-host{host}", "NCCL_SOCKET_IFNAME": IFNAME,
+                    "NCCL_IB_DISABLE": "1"}  # fmt: skip
+        return env
 
     # -- life ---------------------------------------------------------------------------------
 
@@ -258,6 +317,30 @@ def _tools(root: str | None) -> tuple[str, str, dict[str, str]]:
     return found["ip"], found["tc"], env
 
 
+def visible_gpus() -> tuple[list[str] | None, str]:
+    """The GPUs this process may use, as ``CUDA_VISIBLE_DEVICES`` entries, and where that came
+    from: that variable where set, else ``nvidia-smi -L``'s list, else None (unknown). Without
+    torch, so that a lab of GPU hosts is made (and checked) on a machine without CUDA too."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        entries = [d.strip() for d in visible.split(",")]
+        # CUDA stops at the first entry that is not a device; "-1" (or "") hides them all
+        devices = []
+        for d in entries:
+            if not d or d.startswith("-"):
+                break
+            devices.append(d)
+        return devices, f"CUDA_VISIBLE_DEVICES={visible!r}"
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None, "no nvidia-smi"
+    if listed.returncode != 0:
+        return None, "nvidia-smi -L failed"
+    count = sum(1 for line in listed.stdout.splitlines() if line.startswith("GPU "))
+    return [str(i) for i in range(count)], "nvidia-smi -L"
+
+
 def unavailable(iproute_root: str | None = None) -> str | None:
     """Why a lab cannot run here (not root, no iproute2, namespaces refused), or None."""
     if sys.platform != "linux":
@@ -338,15 +421,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m cgx2.testing.netlab",
         description="Run a command in each of N hosts (network namespaces behind a bridge, "
         "links shaped with tc); it gets HOST, NHOSTS, HOST_ADDR, MASTER_ADDR, "
-        "GLOO_SOCKET_IFNAME, LINK_RATE and LINK_BURST. Needs root and iproute2.",
+        "GLOO_SOCKET_IFNAME, LINK_RATE and LINK_BURST, and with --gpus-per-host also "
+        "GPUS_PER_HOST, CUDA_VISIBLE_DEVICES, NCCL_HOSTID, NCCL_SOCKET_IFNAME and "
+        "NCCL_IB_DISABLE (docs/hosts.md). Needs root and iproute2.",
     )  # fmt: skip
-    p.add_argument("--hosts", type=int, default=2)
-    p.add_argument("--rate", default="10gbit", help="each link's rate, each way (tc's units)")
-    p.add_argument("--burst", default=Link.burst,
-                   help="the token bucket's size, as time at the rate")  # fmt: skip
-    p.add_argument("--delay", default=None, help="one-way delay, e.g. 1ms")
-    p.add_argument("--loss", type=float, default=None, help="packet loss, percent")
-    p.add_argument("--mtu", type=int, default=1500)
+    p.add_argument("--hosts", type=int, default=2,
+                   help="how many hosts (namespaces), 1..200 (default: %(default)s)")  # fmt: skip
+    p.add_argument(
+        "--rate",
+        default="10gbit",
+        help="each link's rate, each way, tc's units (default: %(default)s)",
+    )
+    p.add_argument(
+        "--burst",
+        default=Link.burst,
+        help="the token bucket's size, as time at the rate (default: %(default)s)",
+    )
+    p.add_argument("--delay", default=None, help="one-way delay, e.g. 1ms (default: none)")
+    p.add_argument("--loss", type=float, default=None, help="packet loss, percent (default: none)")
+    p.add_argument("--mtu", type=int, default=1500,
+                   help="the hosts' interfaces' MTU, bytes (default: %(default)s)")  # fmt: skip
+    p.add_argument("--gpus-per-host", type=int, default=None,
+                   help="GPU hosts: host h gets GPUs h*N .. h*N+N-1, and NCCL sees hosts joined "
+                   "by the link (default: none, CPU hosts)")  # fmt: skip
+    p.add_argument("--gpus", default=None,
+                   help="the GPUs to split: a count, or CUDA_VISIBLE_DEVICES entries, comma-"
+                   "separated (default: CUDA_VISIBLE_DEVICES, else nvidia-smi -L's)")  # fmt: skip
     p.add_argument("--timeout", type=float, default=None, help="seconds before killing it all")
     p.add_argument("--iproute-root", default=os.environ.get("IPROUTE_ROOT"),
                    help="where dpkg -x unpacked iproute2, on an image without ip")  # fmt: skip
@@ -355,14 +455,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         p.error("no command: ... -- CMD")
+    gpus: int | list[str] | None = None
+    if args.gpus is not None:
+        gpus = int(args.gpus) if args.gpus.strip().isdigit() else args.gpus.split(",")
+    try:  # bad arguments are refused before any namespace is made
+        link = Link(args.rate, args.burst, args.delay, args.loss, args.mtu)
+        lab = Lab(args.hosts, link, args.iproute_root, args.gpus_per_host, gpus)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        p.error(str(e))
     reason = unavailable(args.iproute_root)
     if reason:
         print(f"netlab: cannot make hosts here: {reason}", file=sys.stderr)
         return 2
     # SIGTERM as Ctrl-C: the lab's cleanup runs either way.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    link = Link(args.rate, args.burst, args.delay, args.loss, args.mtu)
-    with Lab(args.hosts, link, args.iproute_root) as lab:
+    with lab:
         procs = [lab.popen(i, command) for i in range(args.hosts)]
         deadline = None if args.timeout is None else time.monotonic() + args.timeout
         status = 0

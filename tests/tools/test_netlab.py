@@ -125,3 +125,89 @@ def test_bad_links_are_refused():
             Link(**bad)
     with pytest.raises(ValueError, match="hosts"):
         Lab(0)
+
+
+def test_gpu_hosts_split_the_gpus_and_tell_nccl_they_are_hosts_apart():
+    """No namespaces needed: what each host's command gets."""
+    from cgx2.testing.netlab import IFNAME, Lab
+
+    lab = Lab(2, gpus_per_host=2, gpus=4)
+    envs = [lab.environment(h) for h in range(2)]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["0,1", "2,3"]
+    assert [e["GPUS_PER_HOST"] for e in envs] == ["2", "2"]
+    assert envs[0]["NCCL_HOSTID"] != envs[1]["NCCL_HOSTID"]  # NCCL's host hash: two hosts
+    assert {e["NCCL_SOCKET_IFNAME"] for e in envs} == {IFNAME}  # the shaped link
+    assert {e["NCCL_IB_DISABLE"] for e in envs} == {"1"}
+    # four hosts of one GPU each, out of the caller's own list of devices
+    four = Lab(4, gpus_per_host=1, gpus=["3", "2", "GPU-a", "7"])
+    assert [four.environment(h)["CUDA_VISIBLE_DEVICES"] for h in range(4)] == [
+        "3", "2", "GPU-a", "7"
+    ]  # fmt: skip
+    assert len({four.environment(h)["NCCL_HOSTID"] for h in range(4)}) == 4
+    # CPU hosts get none of it
+    cpu = Lab(2).environment(1)
+    assert not {"CUDA_VISIBLE_DEVICES", "NCCL_HOSTID", "NCCL_SOCKET_IFNAME"} & cpu.keys()
+
+
+def test_gpu_hosts_take_the_callers_visible_devices(monkeypatch):
+    from cgx2.testing.netlab import Lab
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    lab = Lab(2, gpus_per_host=2)
+    assert [lab.environment(h)["CUDA_VISIBLE_DEVICES"] for h in range(2)] == ["4,5", "6,7"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,-1,2")  # CUDA stops at the first non-device
+    with pytest.raises(ValueError, match=r"needs 2 GPUs; 1 is visible \(CUDA_VISIBLE_DEVICES"):
+        Lab(2, gpus_per_host=1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(ValueError, match="needs 2 GPUs; 0 are visible"):
+        Lab(2, gpus_per_host=1)
+
+
+def test_gpu_hosts_refuse_bad_counts_with_a_clear_message():
+    from cgx2.testing.netlab import Lab
+
+    with pytest.raises(ValueError, match="gpus_per_host=2 with 2 hosts needs 4 GPUs; 2 are"):
+        Lab(2, gpus_per_host=2, gpus=2)
+    with pytest.raises(ValueError, match="gpus_per_host must be at least 1, got 0"):
+        Lab(2, gpus_per_host=0, gpus=2)
+    with pytest.raises(TypeError, match="gpus_per_host must be an int"):
+        Lab(2, gpus_per_host=1.5, gpus=2)
+    with pytest.raises(TypeError, match="gpus_per_host must be an int"):
+        Lab(2, gpus_per_host=True, gpus=2)
+    with pytest.raises(ValueError, match="needs gpus_per_host"):
+        Lab(2, gpus=2)
+    with pytest.raises(ValueError, match=r"host must be in 0\.\.1"):
+        Lab(2, gpus_per_host=1, gpus=2).environment(2)
+
+
+def test_the_command_line_refuses_gpu_hosts_it_cannot_give_before_making_any(capsys):
+    from cgx2.testing.netlab import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--hosts", "4", "--gpus-per-host", "1", "--gpus", "2", "--", "true"])
+    assert exit_.value.code == 2
+    assert "gpus_per_host=1 with 4 hosts needs 4 GPUs; 2 are visible" in capsys.readouterr().err
+
+
+def test_the_command_line_says_its_defaults(capsys):
+    from cgx2.testing.netlab import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--hosts HOSTS how many hosts" in text and "(default: 2)" in text
+    assert "--mtu MTU the hosts' interfaces' MTU, bytes (default: 1500)" in text
+    assert "--gpus-per-host" in text
+
+
+def test_gpu_hosts_run_with_their_devices_and_nccls_variables(netlab):
+    cli = [sys.executable, "-m", "cgx2.testing.netlab", "--hosts", "2", "--gpus-per-host", "2",
+           "--gpus", "4", "--"]  # fmt: skip
+    show = "echo $HOST $CUDA_VISIBLE_DEVICES $NCCL_HOSTID $NCCL_SOCKET_IFNAME; ip -o link show"
+    done = subprocess.run([*cli, "bash", "-c", show], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = sorted(line for line in done.stdout.splitlines() if line[:2] in ("0 ", "1 "))
+    assert [line.split()[:2] for line in lines] == [["0", "0,1"], ["1", "2,3"]]
+    assert lines[0].split()[2] != lines[1].split()[2]
+    assert {line.split()[3] for line in lines} == {"eth0"}
+    assert done.stdout.count(" eth0@") == 2  # the interface NCCL is told is each host's own
