@@ -1,7 +1,7 @@
 """Train a GPT-2-small-class byte-level transformer with FSDP2, compiled, with cgx2's quantized
 reduce-scatter (cgx2.fsdp.compress; optionally its parameter all-gather, and HSDP's all-reduce
 across replicas) or FSDP2's own. Logs tokens/s, loss and the bytes the
-reduce-scatters sent against uncompressed FSDP2:
+reduce-scatters and the parameter all-gathers sent against uncompressed FSDP2's:
 
     torchrun --nproc-per-node 4 examples/train_fsdp.py --bits 4      # one process per GPU
     torchrun --nproc-per-node 4 examples/train_fsdp.py --bits 32     # FSDP2's own
@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from launch import launch
@@ -32,6 +33,44 @@ from train_ddp import CharTransformer, batch, load_text, train_step
 
 import cgx2.fsdp
 from cgx2.bench.report import HelpFormatter, Progress, environment
+
+
+class CountedAllGather(AllGather):
+    """An FSDP2 module's parameter all-gather (FSDP2's own or cgx2's), which counts the bytes
+    this rank sent and what an uncompressed all-gather of the same input would have: the
+    all-gathers are as much of FSDP2's traffic as its reduce-scatters."""
+
+    def __init__(self, inner: AllGather) -> None:
+        self.inner, self.bytes_sent, self.bytes_uncompressed = inner, 0, 0
+
+    def allocate(self, size: tuple, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.inner.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, async_op: bool = False) -> dist.Work | None:  # fmt: skip
+        before = getattr(self.inner, "bytes_sent", None)
+        work = self.inner(output_tensor, input_tensor, group, async_op)
+        # Uncompressed, each rank's row goes to every other rank (a ring's bytes too).
+        row = input_tensor.numel() * input_tensor.element_size()
+        plain = (dist.get_world_size(group) - 1) * row
+        self.bytes_uncompressed += plain
+        self.bytes_sent += plain if before is None else self.inner.bytes_sent - before
+        return work
+
+
+def count_all_gathers(model: torch.nn.Module) -> list[CountedAllGather]:
+    """Wrap every FSDP2 module's all-gather in a :class:`CountedAllGather` (none where this
+    torch cannot set one)."""
+    counted = []
+    for module in model.modules():
+        if not isinstance(module, FSDPModule) or not hasattr(module, "set_custom_all_gather"):
+            continue
+        group = module._get_fsdp_state()._fsdp_param_group
+        inner = getattr(group, "_all_gather_comm", None)  # FSDP2's own, or cgx2's
+        if inner is not None:
+            counted.append(CountedAllGather(inner))
+            module.set_custom_all_gather(counted[-1])
+    return counted
 
 
 def train(args: argparse.Namespace) -> dict:
@@ -57,6 +96,7 @@ def train(args: argparse.Namespace) -> dict:
     if args.bits != 32:
         comms = cgx2.fsdp.compress(model, args.bits, args.bucket_size, args.min_size,
                                    param_bits=args.param_bits)  # fmt: skip
+    gathers = count_all_gathers(model) if comms else []
     if args.compile:
         for block in model.blocks:
             block.compile()
@@ -75,11 +115,16 @@ def train(args: argparse.Namespace) -> dict:
             line = f"step {step + 1}/{args.steps}  loss {losses[-1]:.4f}  {times[-1] * 1e3:.0f} ms"
             progress(line)
     progress.close()
+    shards = world // args.replicas
+    # An uncompressed reduce-scatter over S shards sends (S-1)/S of its fp32 input a step.
+    scattered = args.steps * (shards - 1) * params * 4 // shards
     sent = sum(c.bytes_sent for c in comms) if comms else None
+    gathered = sum(c.bytes_sent for c in gathers) if gathers else None
+    gathered_plain = sum(c.bytes_uncompressed for c in gathers) if gathers else None
     del model, opt
     gc.collect()
     dist.barrier()
-    n, shards = min(10, len(losses)), world // args.replicas
+    n = min(10, len(losses))
     step_s = sorted(times[1:] or times)[len(times[1:] or times) // 2]  # step 1 compiles
     return {
         "env": environment(torch.device(device), world),
@@ -92,9 +137,13 @@ def train(args: argparse.Namespace) -> dict:
         "final_loss": sum(losses[-n:]) / n,
         "step_ms": 1e3 * step_s,
         "tokens_per_s": args.batch_size * args.context * world / step_s,
-        # An uncompressed reduce-scatter over S shards sends (S-1)/S of its fp32 input a step.
-        "bytes_uncompressed": args.steps * (shards - 1) * params * 4 // shards,
-        "bytes_sent": sent,
+        # Both collectives, sent and uncompressed: the reduce-scatters' and the all-gathers'.
+        "bytes_uncompressed": scattered + (gathered_plain or 0),
+        "bytes_sent": None if sent is None else sent + (gathered or 0),
+        "reduce_scatter_bytes_sent": sent,
+        "reduce_scatter_bytes_uncompressed": scattered,
+        "all_gather_bytes_sent": gathered,
+        "all_gather_bytes_uncompressed": gathered_plain,
         "losses": losses,
     }
 
@@ -103,6 +152,10 @@ def report(result: dict, json_path: str | None) -> None:
     sent, plain = result["bytes_sent"], result["bytes_uncompressed"]
     saved = f", sent {sent / 1e6:.1f} MB vs {plain / 1e6:.1f} MB uncompressed " \
             f"({plain / max(sent, 1):.2f}x less)" if sent else ""  # fmt: skip
+    if sent and result.get("all_gather_bytes_sent") is not None:
+        saved += " (reduce-scatter and parameter all-gather)"
+    elif sent:
+        saved += " (reduce-scatter only: this torch cannot count the all-gather)"
     params = result["args"].get("param_bits")
     print(f"{result['bits']}-bit FSDP2{f' ({params}-bit parameters)' if params else ''}, "
           f"{result['world_size']} x {result['device']}, "

@@ -90,18 +90,39 @@ def test_two_node_torchrun_on_one_machine(tmp_path):
 
 @pytest.mark.slow
 def test_fsdp_example_runs_compressed(tmp_path):
-    """examples/train_fsdp.py, tiny, on 2 CPU processes: FSDP2 with cgx2.fsdp.compress."""
-    out = tmp_path / "fsdp.json"
-    cmd = [sys.executable, str(EXAMPLE.with_name("train_fsdp.py")), "--bits", "4", "--dim",
-           "64", "--layers", "2", "--heads", "4", "--context", "64", "--steps", "6",
-           "--no-compile", "--json", str(out), "--device", "cpu"]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "4-bit FSDP2, 2 x cpu" in proc.stdout
-    assert "step 1/6" in proc.stderr and "\r" not in proc.stderr
-    result = json.loads(out.read_text())
-    assert result["tokens_per_s"] > 0 and result["final_loss"] < result["first_loss"]
-    assert result["bytes_uncompressed"] / result["bytes_sent"] > 5
+    """examples/train_fsdp.py, tiny, on 2 CPU processes: FSDP2 with cgx2.fsdp.compress. What it
+    says it sent counts the parameter all-gathers too, sent and uncompressed alike: FSDP2's own
+    (as much traffic as the reduce-scatters), then cgx2's at 8 bits."""
+    results = {}
+    for extra in ([], ["--param-bits", "8"]):
+        out = tmp_path / f"fsdp{len(extra)}.json"
+        cmd = [sys.executable, str(EXAMPLE.with_name("train_fsdp.py")), "--bits", "4", "--dim",
+               "64", "--layers", "2", "--heads", "4", "--context", "64", "--steps", "6",
+               "--no-compile", "--json", str(out), "--device", "cpu", *extra]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "4-bit FSDP2" in proc.stdout and ", 2 x cpu" in proc.stdout
+        assert "(reduce-scatter and parameter all-gather)" in proc.stdout
+        assert "step 1/6" in proc.stderr and "\r" not in proc.stderr
+        results[len(extra)] = json.loads(out.read_text())
+    plain_gather, eight = results[0], results[2]
+    for r in (plain_gather, eight):
+        assert r["tokens_per_s"] > 0 and r["final_loss"] < r["first_loss"]
+        rs, ag = r["reduce_scatter_bytes_sent"], r["all_gather_bytes_sent"]
+        assert r["bytes_sent"] == rs + ag and ag > 0
+        assert r["bytes_uncompressed"] == (
+            r["reduce_scatter_bytes_uncompressed"] + r["all_gather_bytes_uncompressed"]
+        )
+        assert r["reduce_scatter_bytes_uncompressed"] / rs > 5
+        # Every parameter gathered once a step in forward, again in backward where it was
+        # freed after forward (not the root's): (S-1)/S of the fp32 parameters, once to twice.
+        once = 6 * r["params"] * 4 // 2
+        assert once <= r["all_gather_bytes_uncompressed"] <= 2.1 * once
+    assert plain_gather["all_gather_bytes_sent"] == plain_gather["all_gather_bytes_uncompressed"]
+    assert eight["all_gather_bytes_uncompressed"] == plain_gather["all_gather_bytes_uncompressed"]
+    assert 3 < eight["all_gather_bytes_uncompressed"] / eight["all_gather_bytes_sent"] < 4
+    assert 1 < plain_gather["bytes_uncompressed"] / plain_gather["bytes_sent"] < 2.5
+    assert eight["bytes_uncompressed"] / eight["bytes_sent"] > 3
 
 
 @pytest.mark.slow
