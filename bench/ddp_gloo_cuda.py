@@ -1,11 +1,14 @@
 """A DDP training step over a gloo group, timed per communication hook: what a user without
-NCCL feels (CUDA tensors on gloo), or, with ``--device cpu``, the same on the CPU.
+NCCL feels (CUDA tensors on gloo), or, with ``--device cpu``, the same on the CPU; with
+``--backend nccl``, one GPU a rank over NCCL (bench/nccl_hosts.sh: GPU hosts in netlab).
 
 Run one process per host under ``torchrun --nnodes 2 --nproc-per-node 1 --node-rank $HOST
 --master-addr $MASTER_ADDR``, e.g. in cgx2.testing.netlab's hosts (bench/gloo_cuda_ddp.sh runs
 every hook). The model is a decoder-only transformer, about 134M parameters by default; the
-tokens are synthetic but learnable (each is a fixed function of the one before). Rank 0 writes
-a JSON file into ``--out`` and prints one line.
+tokens are synthetic but learnable (each is a fixed function of the one before). ``--model mlp``
+is a stack of ``--layers`` square linear layers ``--dim`` wide (8 of 4096: 134M parameters) on
+``--batch-size`` rows a rank: nearly all communication. Rank 0 writes a JSON file into ``--out``
+and prints one line.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import cgx2
@@ -42,11 +45,25 @@ except ImportError:  # a cgx2 from before the policy, run for comparison
     policy = None
 
 
+class MLP(nn.Sequential):
+    """``layers`` linear layers ``dim`` wide, GELU between them."""
+
+    def __init__(self, dim: int, layers: int) -> None:
+        blocks: list[nn.Module] = []
+        for i in range(layers):
+            blocks += [nn.Linear(dim, dim)] + ([nn.GELU()] if i < layers - 1 else [])
+        super().__init__(*blocks)
+
+
 def synthetic_batch(
     args: argparse.Namespace, gen: torch.Generator, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sequences where each token is ``(5 * previous + 3) % vocab`` from a random start: a rule
-    the model can learn, so that the loss shows whether the gradients still carry it."""
+    the model can learn, so that the loss shows whether the gradients still carry it. For the
+    MLP, random rows and the same rows rotated by one: a map it can learn."""
+    if args.model == "mlp":
+        x = torch.randn(args.batch_size, args.dim, generator=gen).to(device)
+        return x, x.roll(1, dims=1)
     start = torch.randint(0, args.vocab, (args.batch_size, 1), generator=gen)
     seq = [start]
     for _ in range(args.context):
@@ -55,9 +72,19 @@ def synthetic_batch(
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def register_hook(ddp: DDP, hook: str, bits: int) -> CGXState | None:
+def token_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def register_hook(ddp: DDP, hook: str, bits: int, rank: int = 4) -> CGXState | None:
     """``plain``: DDP's own allreduce; ``cgx``: cgx2's hook at ``bits``, routed by the policy
-    (``CGX2_CROSSOVER_BYTES`` overrides it); ``bf16``: torch's ``bf16_compress_hook``."""
+    (``CGX2_CROSSOVER_BYTES`` overrides it); ``bf16``: torch's ``bf16_compress_hook``;
+    ``powersgd``: torch's PowerSGD at ``rank``, compressing from the third step on."""
+    if hook == "powersgd":
+        state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=rank,
+                                            start_powerSGD_iter=2)  # fmt: skip
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        return None
     if hook == "cgx":
         state = CGXState(None, compression_params={"bits": bits})
         ddp.register_comm_hook(state, cgx_hook)
@@ -90,17 +117,24 @@ def sync(device: torch.device) -> None:
 def run(args: argparse.Namespace) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.device == "cuda":
-        # Every rank on the first visible GPU: ranks of one machine share it.
-        device = torch.device("cuda", 0)
+        # On gloo every rank on the first visible GPU: ranks of one machine share it. On NCCL
+        # one GPU a rank, the launcher's local rank.
+        local = int(os.environ.get("LOCAL_RANK", 0)) if args.backend == "nccl" else 0
+        device = torch.device("cuda", local)
         torch.cuda.set_device(device)
         torch.set_float32_matmul_precision("high")
     else:
         device = torch.device("cpu")
     torch.manual_seed(args.seed)  # the same initial weights everywhere
-    model = CharTransformer(args.context, args.dim, args.layers, args.heads, args.vocab).to(device)
+    if args.model == "mlp":
+        model, loss_fn = MLP(args.dim, args.layers), nn.functional.mse_loss
+    else:
+        model = CharTransformer(args.context, args.dim, args.layers, args.heads, args.vocab)
+        loss_fn = token_loss
+    model = model.to(device)
     params = sum(p.numel() for p in model.parameters())
-    ddp = DDP(model, device_ids=[0] if device.type == "cuda" else None)
-    state = register_hook(ddp, args.hook, args.bits)
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    state = register_hook(ddp, args.hook, args.bits, args.powersgd_rank)
     opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own batches
     times, sent = [], (0, 0)
@@ -116,7 +150,7 @@ def run(args: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         with profiler:
             opt.zero_grad(set_to_none=True)
-            loss = nn.functional.cross_entropy(ddp(x).flatten(0, 1), y.flatten())
+            loss = loss_fn(ddp(x), y)
             loss.backward()
             opt.step()
             sync(device)
@@ -150,6 +184,10 @@ def run(args: argparse.Namespace) -> dict:
         "cgx2": getattr(cgx2, "__version__", None),
         "world_size": world,
         "backend": dist.get_backend(),
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if args.backend == "nccl" else None,
+        "hosts": os.environ.get("NHOSTS"),  # netlab's, where it ran there
+        "gpus_per_host": os.environ.get("GPUS_PER_HOST"),
+        "model": args.model,
         "hook": args.hook,
         "bits": args.bits if args.hook == "cgx" else None,
         "run": args.name or args.hook,
@@ -171,10 +209,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    p.add_argument("--hook", choices=("plain", "cgx", "bf16"), default="plain",
-                   help="plain DDP, cgx2's cgx_hook, or torch's bf16_compress_hook")  # fmt: skip
+    p.add_argument("--hook", choices=("plain", "cgx", "bf16", "powersgd"), default="plain",
+                   help="plain DDP, cgx2's cgx_hook, torch's bf16_compress_hook or its "
+                   "PowerSGD")  # fmt: skip
     p.add_argument("--bits", type=int, default=4, help="cgx_hook's bits")
+    p.add_argument("--powersgd-rank", type=int, default=4, help="PowerSGD's rank")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
+                   help="gloo: a machine's ranks on its first GPU; nccl: a GPU a rank")  # fmt: skip
+    p.add_argument("--model", choices=("transformer", "mlp"), default="transformer",
+                   help="mlp: --layers linear layers --dim wide, --batch-size rows")  # fmt: skip
     p.add_argument("--dim", type=int, default=1024, help="model width")
     p.add_argument("--layers", type=int, default=10, help="transformer blocks")
     p.add_argument("--heads", type=int, default=16)
@@ -198,6 +242,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
+    if args.backend == "nccl" and args.device != "cuda":
+        p.error("--backend nccl needs --device cuda")
+    if args.hook == "powersgd" and args.warmup < 2:
+        p.error("--hook powersgd compresses from the third step: --warmup must be >= 2")
     return args
 
 
@@ -207,7 +255,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("ddp_gloo_cuda.py: run it under torchrun (one process per host)")
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("ddp_gloo_cuda.py: no CUDA device; --device cpu runs on the CPU")
-    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
+    if args.backend == "nccl":  # the rank's GPU before the group, as NCCL wants
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(args.backend, timeout=datetime.timedelta(minutes=5))
     if dist.get_world_size() < 2:
         sys.exit("ddp_gloo_cuda.py: one process: start it on 2 hosts (torchrun --nnodes 2)")
     try:
@@ -218,7 +268,8 @@ def main(argv: list[str] | None = None) -> None:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-        path = out / f"ddp_gloo_{args.device}_{result['run']}_{args.rate or 'link'}_{stamp}.json"
+        name = f"ddp_{args.backend}_{args.device}_{result['run']}_{args.rate or 'link'}_{stamp}"
+        path = out / f"{name}.json"
         path.write_text(json.dumps(result, indent=1) + "\n")
         ratio = result["bytes_sent_ratio"]
         print(
