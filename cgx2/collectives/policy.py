@@ -3,8 +3,10 @@ large the pipeline's pieces are, and whether a CUDA graph replays it.
 
 It reads the group's backend and the tensor's device, the interconnect ("regime"), and the
 crossovers: those ``python -m cgx2.bench calibrate`` measured on this machine where a file of
-them exists (rank 0's copy, so ranks decide alike), else the built-in tables, measured on
-H200s (BENCHMARKS.md, "The crossover"). Every entry point asks here.
+them exists (rank 0's copy, so ranks decide alike), else, for a group across hosts (CPU
+tensors, and CUDA tensors on NCCL), those measured on its link at first use, else the
+built-in tables, measured on H200s (BENCHMARKS.md, "The crossover"). Every entry point asks
+here.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ __all__ = [
     "regime",
     "route",
     "runs_on_worker",
+    "spans_hosts",
     "transport",
     "uses_pair_gather",
 ]
@@ -193,6 +196,42 @@ def _carrier(device: torch.device, info: GroupInfo | None) -> tuple[str, bool, s
     return backend, nccl, regime(device, backend, nccl)
 
 
+def spans_hosts(group: dist.ProcessGroup | None) -> bool:
+    """Whether ``group``'s ranks (None: the default group's) lie on several hosts, as the
+    launcher says: ``LOCAL_WORLD_SIZE`` below ``WORLD_SIZE``, and the group's global ranks on
+    more than one host, the launcher numbering them host by host (torchrun and
+    :mod:`cgx2.launch` do; the node mesh assumes it too). Every rank reads the same variables
+    and ranks, so all answer alike, without communicating."""
+    launch = config.launch()
+    if not launch.spans_nodes:
+        return False
+    ranks = _global_ranks(group)
+    if ranks is None:  # a group torch.distributed does not know (a stand-in): the job's
+        return True
+    local = launch.local_world_size
+    return len({rank // local for rank in ranks}) > 1
+
+
+def _global_ranks(group: dist.ProcessGroup | None) -> list[int] | None:
+    """``group``'s ranks in the default group (None: all of them), or None where
+    ``torch.distributed`` does not know the group."""
+    if group is None or not dist.is_initialized():
+        return None
+    try:
+        return dist.get_process_group_ranks(group)
+    except (ValueError, RuntimeError, KeyError):
+        return None
+
+
+def _in_trace(device: torch.device) -> bool:
+    """Whether the calling code is being traced (``torch.compile``) or captured into a CUDA
+    graph: there nothing may be measured, since measuring runs and waits for collectives."""
+    if torch.compiler.is_compiling():
+        return True
+    capturing = device.type == "cuda" and torch.cuda.is_available()
+    return capturing and torch.cuda.is_current_stream_capturing()
+
+
 def hierarchical(group: dist.ProcessGroup | None, bits: int) -> bool:
     """Whether an entry point that may reduce hierarchically (the DDP hook with
     ``mesh="auto"``, the ``cgx`` backend) builds the node mesh: ``bits`` below 32, the launcher
@@ -214,55 +253,70 @@ def by_node_mesh(t: torch.Tensor, group: dist.ProcessGroup, mesh: DeviceMesh, bi
                  numel: int | None = None) -> bool:  # fmt: skip
     """Whether a compressed allreduce of ``t`` (or of ``numel`` of its values) over ``group``,
     for which :func:`hierarchical` built the node ``mesh``, goes over the mesh rather than
-    flat. ``CGX2_NODE_MESH`` decides where set. Otherwise GPU tensors take the mesh: between
-    nodes the link is far slower than the GPU's codec. CPU tensors take what was faster on
-    this job's link at the measured size nearest theirs (the calibration file's, else
-    :func:`.measure.mesh_against_flat` at the first such call, which every rank makes alike):
-    the mesh sends half the bytes between hosts but fewer ranks code them, so it wins where
-    the link bounds the call and loses where the CPU codec does (BENCHMARKS.md, "Flat against
-    the node mesh")."""
+    flat. ``CGX2_NODE_MESH`` decides where set. Otherwise CPU tensors, and CUDA tensors on
+    NCCL, take what was faster on this job's link at the measured size nearest theirs (the
+    calibration file's, else :func:`.measure.mesh_against_flat` at the first such call, which
+    every rank makes alike): the mesh sends a node's bytes between hosts once but fewer ranks
+    code them, so it wins where the link bounds the call and may lose where the codec does
+    (BENCHMARKS.md, "Flat against the node mesh"). Where nothing may be measured (a trace, a
+    CUDA graph's capture; logged), and for CUDA tensors that NCCL does not carry, GPUs take
+    the mesh (between hosts the link is far slower than a GPU's codec) and CPUs the flat
+    allreduce, until an eager call times them."""
     forced = _fresh().node_mesh
     if forced is not None:
         return forced
-    backend, _, where = _carrier(t.device, group_info(group))
-    if where != "cpu":
-        return True
-    key = (id(group), t.dtype, bits, bucket_size, intra_broadcast)
+    backend, nccl, where = _carrier(t.device, group_info(group))
+    key = (id(group), t.device, t.dtype, bits, bucket_size, intra_broadcast)
     faster = _MESH_FASTER.get(key)
     if faster is None:
-        faster = _calibrated_mesh(t.dtype, group, backend) or _time_mesh(
-            t.dtype, group, mesh, bits, bucket_size, intra_broadcast
-        )
+        faster = _calibrated_mesh(t.device.type, t.dtype, group, backend, nccl)
+        if faster is None:
+            timed = where == "cpu" or nccl
+            untimed = t.device.type != "cpu"
+            if not timed:
+                return untimed
+            if _in_trace(t.device):
+                logger.info("cgx2: the node mesh against the flat allreduce is not timed inside "
+                            "a trace or a CUDA graph's capture: %s here, timed at the first "
+                            "eager call (make one before compiling or capturing to decide "
+                            "there)", "the mesh" if untimed else "flat")  # fmt: skip
+                return untimed
+            faster = _time_mesh(t.dtype, group, mesh, bits, bucket_size, intra_broadcast,
+                                t.device)  # fmt: skip
         _MESH_FASTER[key] = faster
         weakref.finalize(group, _MESH_FASTER.pop, key, None)
     nbytes = max(1, (t.numel() if numel is None else numel) * t.element_size())
     return faster[min(faster, key=lambda size: abs(math.log(size / nbytes)))]
 
 
-def _calibrated_mesh(dtype: torch.dtype, group: dist.ProcessGroup,
-                     backend: str) -> dict[int, bool] | None:  # fmt: skip
-    """The calibration file's node mesh against the flat allreduce for CPU tensors of ``dtype``
-    on ``group``, whose backend is ``backend`` (the ``cgx`` backend's: its carrier's), where it
-    has them."""
+def _calibrated_mesh(device_type: str, dtype: torch.dtype, group: dist.ProcessGroup,
+                     backend: str, nccl: bool) -> dict[int, bool] | None:  # fmt: skip
+    """The calibration file's node mesh against the flat allreduce for ``device_type``
+    tensors of ``dtype`` on ``group``, whose backend is ``backend`` (the ``cgx`` backend's:
+    its carrier's, NCCL where ``nccl`` says it carries CUDA tensors, else gloo), where it has
+    them."""
     tables = _calibration_file(group)["node_mesh"]
-    for name in dict.fromkeys((backend, "gloo")):
-        table = tables.get(calibration_key("cpu", name, dtype))
+    carrier = "nccl" if device_type == "cuda" and nccl else "gloo"
+    for name in dict.fromkeys((backend, carrier)):
+        table = tables.get(calibration_key(device_type, name, dtype))
         if table:
             return {int(size): won for size, won in table.items()}
     return None
 
 
 def _time_mesh(dtype: torch.dtype, group: dist.ProcessGroup, mesh: DeviceMesh, bits: int,
-               bucket_size: int, intra_broadcast: bool) -> dict[int, bool]:  # fmt: skip
+               bucket_size: int, intra_broadcast: bool,
+               device: torch.device) -> dict[int, bool]:  # fmt: skip
     from . import measure
 
     try:
-        return measure.mesh_against_flat(dtype, group, mesh, bits, bucket_size, intra_broadcast)
+        return measure.mesh_against_flat(dtype, group, mesh, bits, bucket_size, intra_broadcast,
+                                         device=device)  # fmt: skip
     except RuntimeError as e:
         raise RuntimeError(
             f"cgx2: timing the node mesh against the flat allreduce on group "
-            f"{group.group_name!r} (at the first compressed call of {dtype} CPU tensors, which "
-            "every rank makes alike) failed: do the ranks make the same calls? "
+            f"{group.group_name!r} (at the first compressed call of {dtype} {device.type} "
+            "tensors, which every rank makes alike) failed: do the ranks make the same calls? "
             f"CGX2_NODE_MESH=0 or 1 spares this measurement: {e}"
         ) from e
 
@@ -392,7 +446,9 @@ def crossover_bytes(device: torch.device, dtype: torch.dtype,
                     group: dist.ProcessGroup | None = None) -> int | None:  # fmt: skip
     """The smallest tensor, in bytes, that is compressed on ``device`` over ``group`` (None:
     never): ``CGX2_CROSSOVER_BYTES`` (read at every call) or :func:`cgx2.config.tuned`'s value,
-    else the calibration file's (:func:`calibration`), else the regime's table entry."""
+    else the calibration file's (:func:`calibration`), else, for a group across hosts, the
+    one measured on its link at the first call that asks (every rank alike; a call made
+    eagerly before compiling or capturing decides there), else the regime's table entry."""
     override = config.crossover_override()
     if override is not None:
         return override
@@ -422,18 +478,24 @@ def _measured(device: torch.device, dtype: torch.dtype, info: GroupInfo | None,
     found = calibration(group)
     keys = [calibration_key(device.type, name, dtype) for name in dict.fromkeys((backend, carrier))]
     measured = next((found[k] for k in keys if k in found), None)
+    table = CROSSOVER_BYTES_GRAPHS if with_graphs else CROSSOVER_BYTES
+    entry = table[where][0 if dtype.itemsize >= 4 else 1]
     if measured is not None:
         chosen, source = (measured[0], measured[1]), "the calibration file"
-    elif (where == "cpu" and backend in ("gloo", "cgx")  # the cgx backend's CPU calls: gloo's
-          and group is not None and config.launch().spans_nodes
-          and config.crossover_override() is None):  # fmt: skip
-        # The CPU codec's cost against the link's saving depends on both: only measuring
-        # knows them (BENCHMARKS.md, "CPU hosts over Ethernet").
-        chosen, source = _measure_now(dtype, group, key), "measured on this job's link"
+    elif _measures_on_link(device, backend, nccl, group):
+        if _in_trace(device):
+            # Measuring runs collectives and waits for them: not inside a trace or a capture.
+            # Not kept: the first eager call measures, on every rank alike.
+            logger.info("cgx2: %s regime, %s on %s, inside a trace or a CUDA graph's capture: "
+                        "the built-in table's crossover (%s) until an eager call measures the "
+                        "link (make one before compiling or capturing to decide there)", where,
+                        dtype, backend, "never" if entry is None else f"{entry} bytes")  # fmt: skip
+            return entry, entry
+        # The codec's cost against the link's saving depends on both: only measuring knows
+        # them (BENCHMARKS.md, "CPU hosts over Ethernet"; loopback's tables say nothing of a
+        # link between GPU hosts).
+        chosen, source = _measure_now(dtype, group, key, device), "measured on this job's link"
     else:
-        table = CROSSOVER_BYTES_GRAPHS if with_graphs else CROSSOVER_BYTES
-        full, half = table[where]
-        entry = full if dtype.itemsize >= 4 else half
         chosen, source = (entry, entry), "the built-in table"
     said = ["never" if n is None else f"{n} bytes" for n in chosen]
     logger.info(
@@ -447,21 +509,39 @@ def _measured(device: torch.device, dtype: torch.dtype, info: GroupInfo | None,
     return chosen
 
 
-def _measure_now(dtype: torch.dtype, group: dist.ProcessGroup,
-                 key: tuple) -> tuple[int | None, int | None]:  # fmt: skip
+def _measures_on_link(
+    device: torch.device, backend: str, nccl: bool, group: dist.ProcessGroup | None
+) -> bool:
+    """Whether the crossover of ``device``'s tensors over ``group`` (of ``backend``, whose CUDA
+    tensors NCCL carries where ``nccl``) is measured on its link at first use, where no
+    calibration file has it: a group whose ranks lie on several hosts (:func:`spans_hosts`),
+    of CPU tensors on gloo or the cgx backend, or of CUDA tensors on NCCL (or the cgx backend
+    over it). Inside one host the tables hold."""
+    if group is None or config.crossover_override() is not None:
+        return False
+    if device.type == "cpu":
+        carried = backend in ("gloo", "cgx")  # the cgx backend's CPU calls: gloo's
+    else:
+        carried = device.type == "cuda" and nccl and backend in ("nccl", "cgx")
+    return carried and spans_hosts(group)
+
+
+def _measure_now(dtype: torch.dtype, group: dist.ProcessGroup, key: tuple,
+                 device: torch.device) -> tuple[int | None, int | None]:  # fmt: skip
     """The crossovers measured on ``group``'s link now (:func:`.measure.crossover_on_link`),
-    at the first compressible call of ``dtype``, which every rank makes alike."""
+    at the first compressible call of ``dtype`` on ``device``, which every rank makes alike."""
     from . import measure
 
     _MEASURED[key] = (0, 0)  # the measurement's own calls compress (and must not measure again)
     try:
-        return measure.crossover_on_link(dtype, group)
+        return measure.crossover_on_link(dtype, group, device=device)
     except RuntimeError as e:
         raise RuntimeError(
             f"cgx2: measuring where compression pays on group {group.group_name!r} (at the "
-            f"first compressible call of {dtype} CPU tensors, which every rank makes alike) "
-            "failed: do the ranks make the same calls? A calibration file "
-            f"(`python -m cgx2.bench calibrate --device cpu`) spares this measurement: {e}"
+            f"first compressible call of {dtype} {device.type} tensors, which every rank makes "
+            "alike) failed: do the ranks make the same calls? A calibration file "
+            f"(`python -m cgx2.bench calibrate --device {device.type}`) spares this "
+            f"measurement: {e}"
         ) from e
     finally:
         del _MEASURED[key]

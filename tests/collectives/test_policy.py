@@ -715,7 +715,7 @@ def test_hierarchical_only_for_the_whole_world_of_several_nodes(clean_env):
 def test_the_node_mesh_carries_calls_whose_nearest_measured_size_it_won(clean_env, monkeypatch):
     """CPU tensors go over the mesh where timing at first use found it faster at the measured
     size nearest (in ratio) the call's; timed once per group and settings; CGX2_NODE_MESH
-    overrides; GPU regimes take the mesh untimed."""
+    overrides; CUDA tensors that NCCL does not carry take the mesh untimed."""
 
     class Group(dist.ProcessGroup):
         pass
@@ -725,7 +725,7 @@ def test_the_node_mesh_carries_calls_whose_nearest_measured_size_it_won(clean_en
     monkeypatch.setattr(policy, "_carrier", lambda device, info: ("gloo", False, "cpu"))
     timings = []
 
-    def timed(dtype, g, mesh, bits, bucket_size, intra_broadcast):
+    def timed(dtype, g, mesh, bits, bucket_size, intra_broadcast, device):
         timings.append((dtype, g, mesh, bits, bucket_size, intra_broadcast))
         return {1 * MiB: True, 4 * MiB: False, 16 * MiB: True}
 
@@ -746,8 +746,9 @@ def test_the_node_mesh_carries_calls_whose_nearest_measured_size_it_won(clean_en
         assert not over(1 * MiB)
     with config.tuned(node_mesh=True):
         assert over(4 * MiB)
-    monkeypatch.setattr(policy, "_carrier", lambda device, info: ("nccl", True, "socket"))
-    assert over(4 * MiB)  # GPU tensors: the mesh, untimed
+    monkeypatch.setattr(policy, "_carrier", lambda device, info: ("gloo", False, "socket"))
+    cuda = _stand_in_cuda_tensor()  # CUDA tensors through the host (gloo): the mesh, untimed
+    assert policy.by_node_mesh(cuda, group, "mesh", 4, 512, False, MiB)
     assert len(timings) == 2
 
 
@@ -817,3 +818,239 @@ def test_first_use_measures_64_mib_where_16_did_not_win(ms_at_16_mib, measured, 
     with mock.patch.object(measure, "timed_in_turn", timed_in_turn):
         assert measure.crossover_on_link(torch.float32, group) == expected
     assert timed == measured
+
+
+# NCCL across hosts: CUDA tensors' crossovers and the node mesh measured on the job's link, on
+# stand-ins (a process group the policy takes for NCCL's, a CUDA device that no tensor is on).
+
+
+@contextlib.contextmanager
+def _nccl_group(size: int = 4, backend: str = "nccl", cuda_on_nccl: bool = True):
+    """A process group that the policy takes for one whose CUDA tensors NCCL carries."""
+
+    class Group(dist.ProcessGroup):
+        group_name = "stand-in"
+
+    group = Group(0, size)
+    info = comm.GroupInfo(backend, size, 0, cuda_on_nccl, backend == "cgx", 1800.0)
+    comm.process_group._INFO[id(group)] = info
+    try:
+        yield group
+    finally:
+        del comm.process_group._INFO[id(group)]
+
+
+def _hosts(monkeypatch, world: int, local: int, tmp_path) -> None:
+    """The launcher's variables for ``world`` ranks, ``local`` a host; no calibration file."""
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local))
+    monkeypatch.setenv("CGX2_CALIBRATION_FILE", str(tmp_path / "none.json"))
+    monkeypatch.setattr(policy, "_peers_reachable", lambda: True)
+    config.reload()
+    policy.clear_caches()
+
+
+def _measuring(monkeypatch, crossovers=(256 << 10, 256 << 10)) -> list:
+    """Stand in for the measurement on the link: it returns ``crossovers``; the calls made."""
+    from cgx2.collectives import measure
+
+    calls = []
+
+    def measured(dtype, group, sizes=None, warmup=1, iters=3, larger=None, device=None):
+        calls.append((dtype, group, device))
+        return crossovers
+
+    monkeypatch.setattr(measure, "crossover_on_link", measured)
+    return calls
+
+
+def test_nccl_across_hosts_measures_the_crossover_once_at_first_use(clean_env, tmp_path):
+    """CUDA tensors on NCCL, the launcher saying several hosts: the loopback table (4 MiB)
+    does not serve; the crossover is measured on the group's link at its first compressible
+    call, once per group and dtype, and taken; a cgx group over NCCL measures alike."""
+    _hosts(clean_env, 4, 2, tmp_path)
+    calls = _measuring(clean_env)
+    with _nccl_group() as group:
+        for _ in range(3):
+            assert crossover_bytes(CUDA, torch.float32, group) == 256 << 10
+        assert crossover_bytes(CUDA, torch.bfloat16, group) == 256 << 10
+        assert calls == [(torch.float32, group, CUDA), (torch.bfloat16, group, CUDA)]
+        assert crossover_bytes(CUDA, torch.float32) == 4 * MiB  # no group, no link: the table
+    with _nccl_group(backend="cgx") as group:
+        assert crossover_bytes(CUDA, torch.float32, group) == 256 << 10
+        assert len(calls) == 3
+    with _nccl_group(backend="gloo", cuda_on_nccl=False) as group:  # CUDA tensors via the host
+        assert crossover_bytes(CUDA, torch.float32, group) == 4 * MiB
+        assert len(calls) == 3
+    clean_env.setenv("CGX2_CROSSOVER_BYTES", "1M")  # set by hand: nothing measured
+    with _nccl_group() as group:
+        assert crossover_bytes(CUDA, torch.float32, group) == MiB
+    assert len(calls) == 3
+
+
+@pytest.mark.parametrize(
+    ("world", "local", "ranks", "expected"),
+    [
+        (4, 4, None, 256 * MiB),  # one host: NVLink's table
+        (2, 2, None, 256 * MiB),
+        (4, 2, [0, 1], 4 * MiB),  # a group inside host 0 of a job across hosts
+        (4, 2, [2, 3], 4 * MiB),
+    ],
+)
+def test_nccl_inside_one_host_keeps_the_tables(clean_env, tmp_path, world, local, ranks,
+                                               expected):  # fmt: skip
+    _hosts(clean_env, world, local, tmp_path)
+    calls = _measuring(clean_env)
+    clean_env.setattr(policy, "_global_ranks", lambda group: ranks)
+    with _nccl_group(len(ranks or range(world))) as group:
+        assert crossover_bytes(CUDA, torch.float32, group) == expected
+        assert not policy.spans_hosts(group)
+    assert calls == []
+    clean_env.setattr(policy, "_global_ranks", lambda group: [1, 2])  # across hosts 0 and 1
+    if local < world:
+        with _nccl_group(2) as group:
+            assert crossover_bytes(CUDA, torch.float32, group) == 256 << 10
+        assert len(calls) == 1
+
+
+def test_the_calibration_files_cuda_entries_win_over_measuring(clean_env, tmp_path):
+    """``python -m cgx2.bench calibrate`` run across the hosts wrote cuda/nccl crossovers:
+    they serve; a width the file lacks is measured."""
+    _hosts(clean_env, 4, 2, tmp_path)
+    calls = _measuring(clean_env)
+    path = _calibration_file(tmp_path / "c.json", {"cuda/nccl/fp32": 12345},
+                             beside={"cuda/nccl/fp32": 23456})  # fmt: skip
+    with config.tuned(calibration_file=path), _nccl_group() as group:
+        assert crossover_bytes(CUDA, torch.float32, group) == 12345
+        assert calls == []
+        assert crossover_bytes(CUDA, torch.bfloat16, group) == 256 << 10
+        assert len(calls) == 1
+    with config.tuned(calibration_file=path), _nccl_group(backend="cgx") as group:
+        assert crossover_bytes(CUDA, torch.float32, group) == 12345  # its carrier's entry
+        assert len(calls) == 1
+
+
+def test_nothing_is_measured_inside_a_trace_or_a_capture(clean_env, tmp_path, caplog):
+    """Traced (torch.compile) or captured into a CUDA graph, a first call takes the table's
+    crossover and says so; the first eager call measures, once."""
+    _hosts(clean_env, 4, 2, tmp_path)
+    calls = _measuring(clean_env)
+    caplog.set_level(logging.INFO, logger="cgx2")
+    with _nccl_group() as group:
+        with clean_env.context() as patch:
+            patch.setattr(torch.compiler, "is_compiling", lambda: True)
+            assert crossover_bytes(CUDA, torch.float32, group) == 4 * MiB
+        with clean_env.context() as patch:
+            patch.setattr(torch.cuda, "is_available", lambda: True)
+            patch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+            assert crossover_bytes(CUDA, torch.float32, group) == 4 * MiB
+        assert calls == []
+        assert caplog.text.count("inside a trace or a CUDA graph's capture") == 2
+        assert crossover_bytes(CUDA, torch.float32, group) == 256 << 10
+        assert crossover_bytes(CUDA, torch.float32, group) == 256 << 10
+        assert len(calls) == 1
+
+
+def _stand_in_cuda_tensor(numel: int = 1):
+    """What the policy reads of a CUDA tensor of ``numel`` fp32 values."""
+    import types
+
+    return types.SimpleNamespace(device=CUDA, dtype=torch.float32, numel=lambda: numel,
+                                 element_size=lambda: 4)  # fmt: skip
+
+
+def test_the_node_mesh_on_gpus_is_chosen_against_the_flat_allreduce_by_timing(clean_env,
+                                                                             tmp_path):  # fmt: skip
+    """CUDA tensors on NCCL across hosts of several GPUs: the mesh (NVLink inside a host,
+    quantized between) carries the sizes where it was timed faster, once per group and
+    settings; the calibration file's cuda table spares the timing; inside a trace the mesh,
+    untimed; CGX2_NODE_MESH forces; CUDA tensors on gloo take the mesh untimed."""
+    _hosts(clean_env, 4, 2, tmp_path)
+    timings = []
+
+    def timed(dtype, group, mesh, bits, bucket_size, intra_broadcast, device):
+        timings.append((dtype, mesh, bits, device))
+        return {1 * MiB: False, 4 * MiB: True, 16 * MiB: True}
+
+    clean_env.setattr(policy, "_time_mesh", timed)
+
+    def over(group, nbytes: int) -> bool:
+        return policy.by_node_mesh(_stand_in_cuda_tensor(), group, "mesh", 4, 512, False,
+                                   nbytes // 4)  # fmt: skip
+
+    with _nccl_group() as group:
+        with clean_env.context() as patch:
+            patch.setattr(torch.compiler, "is_compiling", lambda: True)
+            assert over(group, MiB)  # untimed in a trace: the mesh
+        assert timings == []
+        assert not over(group, MiB) and not over(group, 256 << 10)
+        assert over(group, 4 * MiB) and over(group, 1 << 30)
+        assert timings == [(torch.float32, "mesh", 4, CUDA)]
+        with config.tuned(node_mesh=True):
+            assert over(group, MiB)
+        with config.tuned(node_mesh=False):
+            assert not over(group, 16 * MiB)
+    path = tmp_path / "mesh.json"
+    won = {"cuda/nccl/fp32": {str(MiB): True, str(16 * MiB): False}}
+    path.write_text(json.dumps({"format": policy.CALIBRATION_FORMAT, "crossover_bytes": {},
+                                "node_mesh_faster": won}))  # fmt: skip
+    with config.tuned(calibration_file=str(path)), _nccl_group(backend="cgx") as group:
+        assert over(group, MiB) and not over(group, 16 * MiB)
+    with _nccl_group(backend="gloo", cuda_on_nccl=False) as group:
+        assert over(group, MiB)
+    assert len(timings) == 1
+
+
+def _nccl_across_hosts_agrees(rank_ms: dict) -> list:
+    """Each rank a host; the policy takes this gloo group for NCCL's and CUDA tensors for the
+    CPU's; the plain and quantized calls stand in, each rank timing them as ``rank_ms`` says
+    (a clock of their own): the real measurement of the policy, its barriers and the slowest
+    rank's times, decides."""
+    import sys
+    import types
+    from unittest import mock
+
+    from cgx2.collectives import measure
+
+    rank = dist.get_rank()
+    clock = [0.0]
+    stopwatch = types.SimpleNamespace(perf_counter=lambda: clock[0])
+    seen = []
+
+    def plain(buf, group, op):
+        clock[0] += rank_ms[rank][buf.numel() * 4][0] / 1e3
+
+    def quantized(x, bits, bucket_size, group):
+        seen.append(policy.crossover_bytes(CUDA, x.dtype, group))  # the stand-in: compress
+        clock[0] += rank_ms[rank][x.numel() * 4][1] / 1e3
+
+    real = measure.crossover_on_link
+
+    def on_the_cpu(dtype, group, sizes=None, warmup=1, iters=3, larger=measure.LARGER_SIZE,
+                   device=None):  # fmt: skip
+        assert device == CUDA
+        return real(dtype, group, sizes, warmup, iters, larger, torch.device("cpu"))
+
+    with _each_rank_a_node():
+        group = dist.new_group()
+        info = comm.GroupInfo("nccl", 2, rank, True, False, 1800.0)
+        with (
+            mock.patch.object(policy, "group_info", lambda g: info),
+            mock.patch.object(measure, "crossover_on_link", side_effect=on_the_cpu) as called,
+            mock.patch.object(measure, "first_use_sizes", lambda d: (MiB, 4 * MiB)),
+            mock.patch.object(measure, "time", stopwatch),
+            mock.patch.object(measure.process_group, "allreduce_plain_", plain),
+            mock.patch.object(sys.modules["cgx2.collectives.allreduce"], "allreduce", quantized),
+        ):  # fmt: skip
+            found = [policy.crossover_bytes(CUDA, torch.float32, group) for _ in range(2)]
+        dist.destroy_process_group(group)
+    return [found, called.call_count, set(seen)]
+
+
+def test_ranks_across_hosts_take_the_slowest_ranks_times_and_decide_alike(dist2):
+    """Alone, rank 0 would compress from 1 MiB and rank 1 from 4 MiB: both take the slowest
+    rank's times, so both compress from 4 MiB; measured once."""
+    rank_ms = {0: {MiB: (10, 1), 4 * MiB: (10, 1)}, 1: {MiB: (1, 10), 4 * MiB: (10, 1)}}
+    for found, measured, seen in dist2.run(_nccl_across_hosts_agrees, rank_ms):
+        assert found == [4 * MiB, 4 * MiB]
+        assert measured == 1 and seen == {0}
