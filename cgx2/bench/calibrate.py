@@ -5,8 +5,9 @@ the policy reads (``cgx2.config.tuning().calibration_file``).
 The file (format ``cgx2.collectives.policy.CALIBRATION_FORMAT``) holds, per
 ``<device type>/<backend>/<fp32 or 16bit>``, the smallest measured size from which compressing
 was faster at every larger measured size (None: never), the same for calls beside the training
-step (faster by ``measure.beside_margin``), and the measurements themselves; for CPU tensors of
-a job across nodes of several ranks, whether the node mesh beat the flat allreduce, by size.
+step (faster by ``measure.beside_margin``), and the measurements themselves; for a job across
+nodes of several ranks (CPU tensors, or CUDA tensors on NCCL: NVLink inside a host), whether the
+node mesh beat the flat allreduce, by size.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from .report import (
     size_name,
 )
 
-__all__ = ["calibrate", "crossover", "crossovers", "default_sizes", "main",
+__all__ = ["calibrate", "crossover", "crossovers", "default_sizes", "main", "node_mesh_tables",
            "write_calibration"]  # fmt: skip
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -68,6 +69,10 @@ that training will use:
 
   torchrun --nproc-per-node 4 -m cgx2.bench calibrate
   torchrun --nproc-per-node 2 -m cgx2.bench calibrate --backend gloo   (CUDA tensors on gloo)
+  torchrun --nnodes 2 --nproc-per-node 4 ... -m cgx2.bench calibrate    (in each host)
+
+Across hosts it also times the node mesh (NCCL inside a host, quantized between) against the
+flat allreduce; with the file, the policy measures neither at the job's first call.
 
 Rank 0 prints a table and writes the file.
 """
@@ -139,22 +144,8 @@ def calibrate(
                 measurements.append({"dtype": dtype_name, "bytes": nbytes,
                                      "plain_s": plain_s, "compressed_s": compressed_s})  # fmt: skip
                 del x, buf
-    node_mesh_faster = {}
-    if device.type == "cpu" and policy.hierarchical(group, BITS):
-        # DDP's hook and the cgx backend choose between the node mesh and the flat allreduce
-        # (policy.by_node_mesh): timed here, the choice is not timed again at first use.
-        mesh = node_mesh("cpu")
-        intra_broadcast = config.CGXConfig.from_env().intra_broadcast
-        with config.tuned(crossover_bytes=0):
-            for dtype_name in dtypes:
-                if progress is not None:
-                    progress(f"{dtype_name}: the node mesh against the flat allreduce")
-                faster = mesh_against_flat(
-                    DTYPES[dtype_name], group or dist.group.WORLD, mesh, BITS, BUCKET_SIZE,
-                    intra_broadcast, sizes, warmup, iters,
-                )  # fmt: skip
-                key = policy.calibration_key(device.type, backend, DTYPES[dtype_name])
-                node_mesh_faster[key] = {str(n): won for n, won in faster.items()}
+    node_mesh_faster = node_mesh_tables(sizes, dtypes, warmup, iters, device,
+                                        group or dist.group.WORLD, backend, progress)  # fmt: skip
     if control is not group:
         dist.destroy_process_group(control)
     return {
@@ -175,6 +166,40 @@ def calibrate(
         # Jobs across nodes of several ranks: whether the node mesh beat the flat allreduce.
         "node_mesh_faster": node_mesh_faster,
     }
+
+
+def node_mesh_tables(
+    sizes: Sequence[int],
+    dtypes: Sequence[str],
+    warmup: int,
+    iters: int,
+    device: torch.device,
+    group: dist.ProcessGroup,
+    backend: str,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, dict[str, bool]]:
+    """Where the job spans nodes of several ranks (:func:`cgx2.collectives.policy.hierarchical`),
+    whether the node mesh beat the flat quantized allreduce, by size, a key per device,
+    ``backend`` and width: ``{"cuda/nccl/fp32": {"1048576": True, ...}}``; else empty. On GPUs
+    the mesh's steps inside a host are NCCL's own (NVLink's), on CPUs gloo's or shared
+    memory's. Every rank calls it alike."""
+    if not policy.hierarchical(group, BITS):
+        return {}
+    # DDP's hook and the cgx backend choose between the node mesh and the flat allreduce
+    # (policy.by_node_mesh): timed here, the choice is not timed again at first use.
+    mesh = node_mesh(device.type)
+    intra_broadcast = config.CGXConfig.from_env().intra_broadcast
+    tables = {}
+    with config.tuned(crossover_bytes=0):
+        for dtype_name in dtypes:
+            if progress is not None:
+                progress(f"{dtype_name}: the node mesh against the flat allreduce")
+            faster = mesh_against_flat(DTYPES[dtype_name], group, mesh, BITS, BUCKET_SIZE,
+                                       intra_broadcast, sizes, warmup, iters,
+                                       device=device)  # fmt: skip
+            key = policy.calibration_key(device.type, backend, DTYPES[dtype_name])
+            tables[key] = {str(n): won for n, won in faster.items()}
+    return tables
 
 
 def keep_other_crossovers(data: dict[str, Any], path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -203,3 +203,30 @@ def test_an_earlier_file_the_policy_would_refuse_adds_nothing(tmp_path: Path, ca
     new = {"format": CALIBRATION_FORMAT, "crossover_bytes": {"cpu/gloo/fp32": 3}}
     assert keep_other_crossovers(new, path) == new
     assert f"not keeping the crossovers of the calibration file {path}" in caplog.text
+
+
+def test_calibrate_times_the_node_mesh_on_gpus_across_hosts() -> None:
+    """Across hosts of several GPUs (the policy's hierarchical() stood in for), the node mesh is
+    timed against the flat allreduce for CUDA tensors on NCCL too, on the GPU, and recorded
+    under cuda/nccl keys that the policy reads; one host: nothing timed."""
+    from unittest import mock
+
+    from cgx2.bench import calibrate as module
+
+    cuda = torch.device("cuda", 1)
+    won = {M: False, 4 * M: True}
+    group = object()
+    with (
+        mock.patch.object(module.policy, "hierarchical", return_value=True) as several,
+        mock.patch.object(module, "node_mesh", return_value="mesh") as made,
+        mock.patch.object(module, "mesh_against_flat", return_value=won) as timed,
+    ):
+        tables = module.node_mesh_tables([M, 4 * M], ["fp32", "bf16"], 0, 1, cuda, group, "nccl")
+        assert several.call_args.args == (group, module.BITS)
+        assert made.call_args.args == ("cuda",)
+        assert timed.call_args.args[1:3] == (group, "mesh")
+        assert timed.call_args.kwargs == {"device": cuda}
+        several.return_value = False
+        assert module.node_mesh_tables([M], ["fp32"], 0, 1, cuda, group, "nccl") == {}
+    assert tables == {"cuda/nccl/fp32": {str(M): False, str(4 * M): True},
+                      "cuda/nccl/16bit": {str(M): False, str(4 * M): True}}  # fmt: skip
