@@ -1,10 +1,12 @@
 """DDP communication hooks: CGX's ``CGXState``/``cgx_hook`` and Global-QSGD's family.
 
-``model.register_comm_hook(CGXState(group, compression_params={"bits": 4}), cgx_hook)``, or
-``model.register_comm_hook(None, standard_dithering_hook)``.
+``cgx2.ddp.compress(ddp_model, bits=4)`` registers CGX's hook where compression pays;
+``model.register_comm_hook(CGXState(group, compression_params={"bits": 4}), cgx_hook)``
+registers it always, ``model.register_comm_hook(None, standard_dithering_hook)`` Global-QSGD's.
 """
 
 from .cgx_hook import CGXState, cgx_hook
+from .compress import compress
 from .global_qsgd import (
     GlobalQSGDState,
     PowerSGDState,
@@ -25,6 +27,7 @@ __all__ = [
     "LGreCoState",
     "PowerSGDState",
     "cgx_hook",
+    "compress",
     "default_hook",
     "exponential_dithering_hook",
     "level_dtype",

@@ -1,0 +1,214 @@
+"""``cgx2.ddp.compress(ddp_model, bits=4)``: CGX's hook registered on a DDP model only where the
+policy compresses one of the buckets DDP will reduce; elsewhere DDP's own allreduce stays.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.parallel import DistributedDataParallel
+
+from ..checks import UNCOMPRESSED_BITS, check_bits, check_bucket_size
+from ..collectives import agreement, policy
+from ..collectives.fusion import padded_numel
+from ..comm import worker
+from ..config import env_quantization_bits
+from .cgx_hook import CGXState, cgx_hook
+
+__all__ = ["bucket_layout", "compress"]
+
+logger = logging.getLogger("cgx2")
+
+_T = TypeVar("_T")
+
+
+def compress(ddp_model: DistributedDataParallel, bits: int | None = None,
+             bucket_size: int | None = None, layer_min_size: int = 1024, *,
+             mesh: DeviceMesh | str | None = "auto", adaptive_bits: Sequence[int] | None = None,
+             replan_every: int = 100, error_feedback: bool = False,
+             start_iter: int = 1) -> CGXState | None:  # fmt: skip
+    """Register :func:`cgx2.ddp.cgx_hook` on ``ddp_model`` where compression pays for at least
+    one of its buckets, else leave DDP's own allreduce: a hook that sends every bucket plain
+    still costs DDP's hook machinery, which no hook at all does not. Call it after wrapping the
+    model, on every rank at the same point (it communicates), before training.
+
+    The hook's :class:`CGXState` is built from the arguments, named as its own
+    (``bits``/``bucket_size`` are its ``compression_params``), on DDP's process group; ``bits``
+    defaults to ``CGX_COMPRESSION_QUANTIZATION_BITS``, or 4 where it is not set (this function
+    is asked to compress). The decision is the policy's
+    (:func:`cgx2.collectives.policy.compresses`), asked about each bucket DDP will reduce as
+    the hook asks about it, on the thread the hook would run on: its layers to quantize (more
+    than one dimension, at least ``layer_min_size`` values), padded to whole quantization
+    buckets, against the crossover of the group's regime. The buckets are DDP's own
+    assignment of the parameters to its caps (``bucket_cap_mb``, and its smaller first bucket)
+    in the order DDP expects their gradients, as it rebuilds them after the first backward
+    pass (with ``find_unused_parameters``, which never rebuilds, as it laid them out).
+    The ranks' settings and buckets are compared first: ranks that differ raise
+    :class:`cgx2.collectives.agreement.DisagreementError` on every rank, and ranks that agree
+    decide alike. What was decided, and why, is logged once (logger ``"cgx2"``, INFO).
+
+    Returns the registered hook's state (for ``state_dict()``, ``bytes_sent``), or None where
+    DDP's own allreduce was kept. A calibration file (``python -m cgx2.bench calibrate``)
+    makes the decision the same in every run; ``CGX2_CROSSOVER_BYTES=0`` always registers.
+
+    Example::
+
+        >>> model = DistributedDataParallel(model, device_ids=[local_rank])
+        >>> state = cgx2.ddp.compress(model, bits=4)  # None: DDP's own allreduce pays more
+    """
+    if not isinstance(ddp_model, DistributedDataParallel):
+        raise TypeError(
+            "cgx2.ddp.compress needs a torch.nn.parallel.DistributedDataParallel model (call it "
+            f"after wrapping, before torch.compile), got {type(ddp_model).__name__}; for "
+            "FSDP2, cgx2.fsdp.compress"
+        )
+    bits = check_bits(env_quantization_bits(default=4) if bits is None else bits, "bits")
+    params = {"bits": bits}
+    if bucket_size is not None:
+        params["bucket_size"] = check_bucket_size(bucket_size, "bucket_size")
+    group = ddp_model.process_group
+    state = CGXState(group, layer_min_size, params, mesh=mesh, adaptive_bits=adaptive_bits,
+                     replan_every=replan_every, error_feedback=error_feedback,
+                     start_iter=start_iter)  # fmt: skip
+    buckets = bucket_layout(ddp_model)
+    # Per bucket: its dtype, device and values to quantize, as the hook will pad them.
+    sizes = [(params[0].dtype, params[0].device, _to_quantize(state, index, params))
+             for index, params in enumerate(buckets)]  # fmt: skip
+    state._plans.clear()  # the hook plans DDP's buckets afresh
+    _agree(state, group, sizes)
+    decided = [_on_hooks_thread(group, device, lambda d=dtype, v=device, n=numel:
+                                _compresses(state, group, d, v, n))
+               for dtype, device, numel in sizes]  # fmt: skip
+    registered = any(yes for yes, _, _ in decided)
+    logger.info("%s", _said(state, group, sizes, decided, registered))
+    if not registered:
+        return None
+    ddp_model.register_comm_hook(state, cgx_hook)
+    return state
+
+
+def bucket_layout(ddp_model: DistributedDataParallel) -> list[list[nn.Parameter]]:
+    """The parameters of each bucket ``ddp_model`` will reduce: DDP's own assignment
+    (``dist._compute_bucket_assignment_by_size``) to its caps, a smaller first one where
+    ``bucket_cap_mb`` was left at its default, of the parameters it reduces (those that need a
+    gradient and are not ignored, each once), in the order of the buckets it rebuilds after
+    the first backward pass: the reverse of the model's, the order gradients are expected in.
+    With ``find_unused_parameters`` (and no ``static_graph``) DDP never rebuilds: the layout
+    it made at construction, of the model's order. Gradients that arrive in another order
+    group otherwise, a layer or so at each boundary."""
+    ignored = ddp_model.parameters_to_ignore
+    seen: set[nn.Parameter] = set()
+    params, sparse = [], []
+    for module_name, module in ddp_model.module.named_modules():
+        for name, p in module.named_parameters(recurse=False):
+            # DDP's own filter and names (_build_params_for_reducer).
+            if p.requires_grad and f"{module_name}.{name}" not in ignored and p not in seen:
+                seen.add(p)
+                params.append(p)
+                sparse.append(isinstance(module, nn.Embedding | nn.EmbeddingBag) and module.sparse)
+    custom = list(getattr(ddp_model, "bucket_bytes_cap_list", None) or ())  # torch >= 2.12
+    cap = ddp_model.bucket_bytes_cap
+    config = getattr(ddp_model, "_bucket_config", None)  # torch >= 2.12
+    if config is not None:
+        first = config.first_bucket_bytes_cap
+    else:  # torch 2.11 passes its Reducer this first cap
+        first = dist._DEFAULT_FIRST_BUCKET_BYTES if ddp_model.bucket_bytes_cap_default else cap
+    limits = custom or [first, cap]
+    rebuilds = ddp_model.static_graph or not ddp_model.find_unused_parameters
+    if rebuilds:
+        params, sparse = params[::-1], sparse[::-1]
+    indices, _ = dist._compute_bucket_assignment_by_size(params, limits, sparse)
+    return [[params[i] for i in bucket] for bucket in indices]
+
+
+def _to_quantize(state: CGXState, index: int, params: Sequence[nn.Parameter]) -> int:
+    """The values of a bucket of ``params`` that the hook quantizes, padded as it pads them (0
+    for a bucket of sparse gradients, which it does not take)."""
+    if any(p.layout != torch.strided for p in params):
+        return 0
+    plan = state._plan(index, tuple(tuple(p.shape) for p in params))
+    return sum(padded_numel(n, state.bucket_size) for _, n in plan.compressed)
+
+
+def _agree(state: CGXState, group: dist.ProcessGroup,
+           sizes: list[tuple[torch.dtype, torch.device, int]]) -> None:  # fmt: skip
+    """Raise :class:`DisagreementError` on every rank unless all hold the same settings and
+    buckets: what the decision reads, so that ranks that pass decide alike."""
+    mesh = None if state.mesh is None else list(state.mesh.mesh.shape)
+    settings = {"bits": state.bits, "bucket_size": state.bucket_size,
+                "layer_min_size": state.layer_min_size, "skip_incomplete": state.skip_incomplete,
+                "mesh": mesh, "adaptive_bits": state.adaptive_bits,
+                "replan_every": state.replan_every, "error_feedback": state.errors is not None,
+                "start_iter": state.start_iter,
+                "buckets": [[str(dtype), numel] for dtype, _, numel in sizes]}  # fmt: skip
+    agreement.check_settings(group, "cgx2.ddp.compress", settings, sizes[0][1])
+
+
+def _on_hooks_thread(group: dist.ProcessGroup, device: torch.device, fn: Callable[[], _T]) -> _T:
+    """``fn()`` on the thread the hook reduces a bucket of ``device`` on: the group's worker
+    where the policy sends it there, where crossovers measured beside the training step
+    apply (:func:`cgx2.collectives.policy.runs_on_worker`), else this thread."""
+    if not policy.runs_on_worker(torch.empty(0, device=device), group):
+        return fn()
+    found = []
+
+    def run() -> torch.Tensor:
+        found.append(fn())
+        return torch.empty(0)
+
+    worker.submit(group, run, [torch.empty(0)]).wait()  # raises what fn raised
+    return found[0]
+
+
+def _compresses(state: CGXState, group: dist.ProcessGroup, dtype: torch.dtype,
+                device: torch.device, numel: int) -> tuple[bool, int | None, str]:  # fmt: skip
+    """The policy's answer for a bucket of ``numel`` values to quantize, as the hook asks it,
+    with the crossover and regime it was decided by (None, "" where it did not read them)."""
+    if numel == 0:
+        return False, None, ""
+    t = torch.empty(0, dtype=dtype, device=device)
+    yes = policy.compresses(t, group, state.bits, state.bucket_size, numel)
+    if state.bits == UNCOMPRESSED_BITS or dist.get_world_size(group) == 1:
+        return yes, None, ""  # plain without a crossover: never measure for it
+    return yes, policy.crossover_bytes(device, dtype, group), policy.group_regime(device, group)
+
+
+def _said(state: CGXState, group: dist.ProcessGroup,
+          sizes: list[tuple[torch.dtype, torch.device, int]],
+          decided: list[tuple[bool, int | None, str]], registered: bool) -> str:  # fmt: skip
+    """What :func:`compress` decided, and why, in one line, the same on every rank."""
+    n = len(sizes)
+    largest = max(range(n), key=lambda i: sizes[i][2] * sizes[i][0].itemsize)
+    dtype, _, numel = sizes[largest]
+    _, crossover, where = decided[largest]
+    nbytes = numel * dtype.itemsize
+    if registered:
+        return (
+            f"cgx2.ddp.compress: registered cgx_hook at {state.bits} bits: "
+            f"{sum(d[0] for d in decided)} of DDP's {n} buckets compress (the largest holds "
+            f"{nbytes} bytes of {dtype} to quantize; the {where} regime quantizes from "
+            f"{crossover} bytes)"
+        )
+    if state.bits == UNCOMPRESSED_BITS:
+        why = "bits=32 sends every bucket plain"
+    elif dist.get_world_size(group) == 1:
+        why = "a group of one rank has nothing to send"
+    elif numel == 0:
+        why = (f"no layer has more than one dimension and layer_min_size={state.layer_min_size} "
+               "values or more")  # fmt: skip
+    else:
+        at = "never" if crossover is None else f"from {crossover} bytes"
+        why = (f"none of its {n} buckets reaches the crossover (the largest holds {nbytes} "
+               f"bytes of {dtype} to quantize; the {where} regime quantizes {at}; "
+               "CGX2_CROSSOVER_BYTES=0 always compresses)")  # fmt: skip
+    return (
+        "cgx2.ddp.compress: kept DDP's own allreduce, no hook: "
+        f"{why}; a hook that sends every bucket plain would cost DDP's hook machinery for "
+        "nothing"
+    )
