@@ -59,6 +59,7 @@ def compress(ddp_model: DistributedDataParallel, bits: int | None = None,
 
     Example::
 
+        >>> import cgx2.ddp
         >>> model = DistributedDataParallel(model, device_ids=[local_rank])
         >>> state = cgx2.ddp.compress(model, bits=4)  # None: DDP's own allreduce pays more
     """
