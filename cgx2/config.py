@@ -281,8 +281,8 @@ class TuningConfig:
       whether the ``cgx`` backend and the DDP hook with ``mesh="auto"`` reduce over the node
       mesh (plain inside a node, quantized between): True (1) for every compressed call, False
       (0) for none (the flat allreduce), None (``auto``) lets the policy decide
-      (:func:`cgx2.collectives.policy.by_node_mesh`: CPU tensors on gloo by timing both at first
-      use, others by the mesh).
+      (:func:`cgx2.collectives.policy.by_node_mesh`: CPU tensors, and CUDA tensors on NCCL, by
+      timing both at first use or reading the calibration file; others by the mesh).
     - ``comm_worker`` (``CGX2_COMM_WORKER``, 1): DDP's hooks run collectives that would block
       autograd's thread (gloo's) on a worker thread per group (:mod:`cgx2.comm.worker`); 0
       runs them in the hook, as torch's own hooks do.

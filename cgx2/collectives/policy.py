@@ -468,6 +468,9 @@ def _measured(device: torch.device, dtype: torch.dtype, info: GroupInfo | None,
               with_graphs: bool) -> tuple[int | None, int | None]:  # fmt: skip
     """The crossovers for calls alone and beside the training step (the same but where
     measured at first use on CPUs)."""
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        # One key for "cuda" and the GPU it means: the measurement's tensors carry the index.
+        device = torch.device("cuda", torch.cuda.current_device())
     key = (device, dtype, id(group), with_graphs)
     if key in _MEASURED:
         return _MEASURED[key]

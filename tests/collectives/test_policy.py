@@ -876,6 +876,12 @@ def test_nccl_across_hosts_measures_the_crossover_once_at_first_use(clean_env, t
         assert crossover_bytes(CUDA, torch.bfloat16, group) == 256 << 10
         assert calls == [(torch.float32, group, CUDA), (torch.bfloat16, group, CUDA)]
         assert crossover_bytes(CUDA, torch.float32) == 4 * MiB  # no group, no link: the table
+        with clean_env.context() as patch:  # "cuda" is the current GPU: measured already
+            patch.setattr(torch.cuda, "is_available", lambda: True)
+            patch.setattr(torch.cuda, "current_device", lambda: 0)
+            patch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+            assert crossover_bytes(torch.device("cuda"), torch.float32, group) == 256 << 10
+        assert len(calls) == 2
     with _nccl_group(backend="cgx") as group:
         assert crossover_bytes(CUDA, torch.float32, group) == 256 << 10
         assert len(calls) == 3
