@@ -33,7 +33,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import cgx2
-from cgx2.ddp import CGXState, cgx_hook
+from cgx2.ddp import CGXState, cgx_hook, compress
 
 # The model of examples/train_ddp.py, with a vocabulary of this script's.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -78,8 +78,16 @@ def token_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def register_hook(ddp: DDP, hook: str, bits: int, rank: int = 4) -> CGXState | None:
     """``plain``: DDP's own allreduce; ``cgx``: cgx2's hook at ``bits``, routed by the policy
-    (``CGX2_CROSSOVER_BYTES`` overrides it); ``bf16``: torch's ``bf16_compress_hook``;
-    ``powersgd``: torch's PowerSGD at ``rank``, compressing from the third step on."""
+    (``CGX2_CROSSOVER_BYTES`` overrides it); ``compress``: ``cgx2.ddp.compress`` at ``bits``
+    (the hook only where the policy compresses a bucket); ``allreduce``: torch's
+    ``allreduce_hook`` (DDP's allreduce through a hook: what the hook machinery alone costs);
+    ``bf16``: torch's ``bf16_compress_hook``; ``powersgd``: torch's PowerSGD at ``rank``,
+    compressing from the third step on."""
+    if hook == "compress":
+        return compress(ddp, bits=bits)  # None where DDP's own allreduce was kept
+    if hook == "allreduce":
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+        return None
     if hook == "powersgd":
         state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=rank,
                                             start_powerSGD_iter=2)  # fmt: skip
@@ -173,6 +181,7 @@ def run(args: argparse.Namespace) -> dict:
     if policy is not None:
         regime = policy.group_regime(device)
         crossover = policy.crossover_bytes(device, torch.float32, dist.group.WORLD)
+    registered = ddp._get_ddp_logging_data().get("comm_hook")  # None: DDP's own allreduce
     del ddp, state, opt  # DDP's reducer must be gone before the group is destroyed
     gc.collect()
     dist.barrier()
@@ -189,7 +198,8 @@ def run(args: argparse.Namespace) -> dict:
         "gpus_per_host": os.environ.get("GPUS_PER_HOST"),
         "model": args.model,
         "hook": args.hook,
-        "bits": args.bits if args.hook == "cgx" else None,
+        "bits": args.bits if args.hook in ("cgx", "compress") else None,
+        "comm_hook": registered,
         "run": args.name or args.hook,
         "rate": args.rate,
         "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(("CGX2_", "CGX_"))},
@@ -209,9 +219,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    p.add_argument("--hook", choices=("plain", "cgx", "bf16", "powersgd"), default="plain",
-                   help="plain DDP, cgx2's cgx_hook, torch's bf16_compress_hook or its "
-                   "PowerSGD")  # fmt: skip
+    p.add_argument("--hook", choices=("plain", "cgx", "compress", "allreduce", "bf16", "powersgd"),
+                   default="plain",
+                   help="plain DDP, cgx2's cgx_hook, cgx2.ddp.compress (the hook where it pays), "
+                   "torch's allreduce_hook, bf16_compress_hook or its PowerSGD")  # fmt: skip
     p.add_argument("--bits", type=int, default=4, help="cgx_hook's bits")
     p.add_argument("--powersgd-rank", type=int, default=4, help="PowerSGD's rank")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
