@@ -155,15 +155,16 @@ def _on_hooks_thread(group: dist.ProcessGroup, device: torch.device, fn: Callabl
     """``fn()`` on the thread the hook reduces a bucket of ``device`` on: the group's worker
     where the policy sends it there, where crossovers measured beside the training step
     apply (:func:`cgx2.collectives.policy.runs_on_worker`), else this thread."""
-    if not policy.runs_on_worker(torch.empty(0, device=device), group):
+    probe = torch.empty(0, device=device)  # a bucket's stand-in: the hook's thread and stream
+    if not policy.runs_on_worker(probe, group):
         return fn()
     found = []
 
     def run() -> torch.Tensor:
         found.append(fn())
-        return torch.empty(0)
+        return probe
 
-    worker.submit(group, run, [torch.empty(0)]).wait()  # raises what fn raised
+    worker.submit(group, run, [probe]).wait()  # raises what fn raised
     return found[0]
 
 

@@ -180,6 +180,41 @@ def test_below_the_crossover_the_hook_by_hand_bit_for_bit_logged(dist2):
     assert compressed[0]["said"] == compressed[1]["said"]
 
 
+def _decided_with_worker(comm_worker: bool) -> str | None:
+    """The hook compress registered where a calibration file says compression pays for CPU
+    tensors on gloo from 0 bytes when called alone, and never beside the training step."""
+    import gc
+    import json
+    import os
+    import tempfile
+
+    descriptor, path = tempfile.mkstemp(suffix=".json")
+    with os.fdopen(descriptor, "w") as f:
+        json.dump({"format": policy.CALIBRATION_FORMAT, "crossover_bytes": {"cpu/gloo/fp32": 0},
+                   "beside_crossover_bytes": {"cpu/gloo/fp32": None}}, f)  # fmt: skip
+    group = dist.new_group()  # its crossovers read afresh, from this file
+    try:
+        with config.tuned(calibration_file=path, comm_worker=comm_worker):
+            torch.manual_seed(0)
+            model = DDP(Mlp(), process_group=group)
+            compress(model, bits=4)
+            hook = model._get_ddp_logging_data().get("comm_hook")
+            del model
+            gc.collect()  # DDP's reducer goes before its group
+    finally:
+        dist.destroy_process_group(group)
+        os.remove(path)
+    return hook
+
+
+def test_the_policy_is_asked_on_the_thread_the_hook_runs_on(dist2):
+    """On gloo the hook reduces its buckets on the group's worker, beside the backward pass,
+    where the policy takes the crossovers measured beside the training step: compress asks
+    there too (and on the calling thread where CGX2_COMM_WORKER=0 keeps the hook there)."""
+    assert dist2.run(_decided_with_worker, True) == [None, None]
+    assert dist2.run(_decided_with_worker, False) == ["cgx_hook", "cgx_hook"]
+
+
 def _decisions() -> dict[str, object]:
     """compress on Mlp with nothing to compress for each of several reasons: its result and
     what it said."""
