@@ -35,8 +35,8 @@ def compress(ddp_model: DistributedDataParallel, bits: int | None = None,
              start_iter: int = 1) -> CGXState | None:  # fmt: skip
     """Register :func:`cgx2.ddp.cgx_hook` on ``ddp_model`` where compression pays for at least
     one of its buckets, else leave DDP's own allreduce: a hook that sends every bucket plain
-    still costs DDP's hook machinery, which no hook at all does not. Call it after wrapping the
-    model, on every rank at the same point (it communicates), before training.
+    still costs DDP's hook machinery, which DDP's own allreduce does not. Call it after
+    wrapping the model, on every rank at the same point (it communicates), before training.
 
     The hook's :class:`CGXState` is built from the arguments, named as its own
     (``bits``/``bucket_size`` are its ``compression_params``), on DDP's process group; ``bits``
@@ -70,13 +70,13 @@ def compress(ddp_model: DistributedDataParallel, bits: int | None = None,
             "FSDP2, cgx2.fsdp.compress"
         )
     bits = check_bits(env_quantization_bits(default=4) if bits is None else bits, "bits")
-    params = {"bits": bits}
+    compression_params = {"bits": bits}
     if bucket_size is not None:
-        params["bucket_size"] = check_bucket_size(bucket_size, "bucket_size")
+        compression_params["bucket_size"] = check_bucket_size(bucket_size, "bucket_size")
     group = ddp_model.process_group
-    state = CGXState(group, layer_min_size, params, mesh=mesh, adaptive_bits=adaptive_bits,
-                     replan_every=replan_every, error_feedback=error_feedback,
-                     start_iter=start_iter)  # fmt: skip
+    state = CGXState(group, layer_min_size, compression_params, mesh=mesh,
+                     adaptive_bits=adaptive_bits, replan_every=replan_every,
+                     error_feedback=error_feedback, start_iter=start_iter)  # fmt: skip
     buckets = bucket_layout(ddp_model)
     # Per bucket: its dtype, device and values to quantize, as the hook will pad them.
     sizes = [(params[0].dtype, params[0].device, _to_quantize(state, index, params))
