@@ -18,6 +18,11 @@
 # GLOO_DDP_RATES="10gbit 1gbit" times DDP steps of two hosts sharing GPU 0 over gloo, and
 # LINK_RATES="1gbit 10gbit 25gbit" the allreduce between them (LINK_ARGS for cgx2.bench; carry
 # .iproute, Debian's iproute2 .debs: bench/gloo_cuda_ddp.sh's header says how to fetch them).
+# NCCL_HOST_RATES="10gbit 25gbit" runs GPU servers over Ethernet (bench/nccl_hosts.sh, its header
+# says what and how long: about 8 minutes for 2 rates on 2 GPUs, so SKIP_* the rest): netlab hosts
+# of GPUs (2: 2 x 1; 4: 2 x 2 and 4 x 1), NCCL across them over the shaped link, the allreduce,
+# DDP steps of the 134M MLP per hook, train_ddp.py, train_fsdp.py and HSDP; its folder comes back
+# as nccl_hosts.tgz (NCCL_HOST_RUNS, NCCL_HOSTS_BUDGET_S (480) pass through).
 # CPU_LINK_RATES="1gbit 10gbit" runs the CPU hosts on this machine's own cores (no GPU): the
 # allreduce of two hosts and of two hosts of two ranks (the node mesh beside the flat allreduce;
 # CPU_LINK_ARGS for cgx2.bench), and DDP training across them (bench/train_links.sh).
@@ -192,8 +197,17 @@ if [ -n "${ERROR_BY_LAYER:-}" ]; then  # where the study's quantization error li
     --at 500,2000 --out bench/results 2>"$LOGS/error_by_layer.err" | tail -n 70 || status=1
   save
 fi
-if [ -n "${GLOO_DDP_RATES:-}${LINK_RATES:-}${CPU_LINK_RATES:-}" ]; then  # carry .iproute: Debian's iproute2 .debs
+if [ -n "${GLOO_DDP_RATES:-}${LINK_RATES:-}${CPU_LINK_RATES:-}${NCCL_HOST_RATES:-}" ]; then  # carry .iproute: Debian's iproute2 .debs
   mkdir -p /tmp/iproute && for deb in .iproute/*.deb; do dpkg -x "$deb" /tmp/iproute; done
+fi
+if [ -n "${NCCL_HOST_RATES:-}" ]; then
+  # GPU servers over Ethernet (BENCHMARKS.md's headline): netlab hosts of GPUs, NCCL across them.
+  echo "== GPU hosts over shaped links, NCCL, rates $NCCL_HOST_RATES"
+  tar_to=""; [ "$OUT" != bench/results ] && tar_to=$OUT  # (not into the results themselves)
+  NCCL_HOST_RATES=$NCCL_HOST_RATES IPROUTE_ROOT=/tmp/iproute RESULTS_DIR=bench/results \
+    TAR_TO=$tar_to BUDGET_S=${NCCL_HOSTS_BUDGET_S:-480} bash bench/nccl_hosts.sh \
+    2>>"$LOGS/nccl_hosts.err" || status=1
+  save
 fi
 if [ -n "${LINK_RATES:-}" ]; then
   # The allreduce across two hosts (network namespaces) sharing GPU 0, gloo, CUDA tensors:

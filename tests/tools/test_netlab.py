@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -211,3 +212,30 @@ def test_gpu_hosts_run_with_their_devices_and_nccls_variables(netlab):
     assert lines[0].split()[2] != lines[1].split()[2]
     assert {line.split()[3] for line in lines} == {"eth0"}
     assert done.stdout.count(" eth0@") == 2  # the interface NCCL is told is each host's own
+
+
+def test_the_nccl_hosts_stage_gives_each_layouts_hosts_their_gpus(netlab, tmp_path):
+    """bench/nccl_hosts.sh, dry (fake GPUs, the commands echoed from inside each host): 4 GPUs
+    make 2 hosts x 2 and 4 x 1, each host its own GPUs and NCCL host, HSDP only on 2 x 2."""
+    script = Path(__file__).parents[2] / "bench" / "nccl_hosts.sh"
+    env = {**os.environ, "DRY_RUN": "1", "NGPU": "4", "NCCL_HOST_RATES": "1gbit",
+           "NCCL_HOST_RUNS": "bench hsdp_bf16_b4p8", "RESULTS_DIR": str(tmp_path)}  # fmt: skip
+    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    hosts = [line.split() for line in done.stdout.splitlines() if line.startswith("host ")]
+    seen = {(line[1], line[2], line[3], " ".join(line[4:])) for line in hosts}
+    runs = [line.split()[1:4] for line in done.stdout.splitlines() if line.startswith("== ")]
+    assert runs == [["2x2", "1gbit", "bench"], ["4x1", "1gbit", "bench"],
+                    ["2x2", "1gbit", "hsdp_bf16_b4p8"]]  # fmt: skip
+    assert len(hosts) == 2 + 4 + 2
+    for host, _, hostid, rest in seen:
+        assert hostid == f"NCCL_HOSTID=cgx2n-host{host[:-1]}"
+        assert "NCCL_SOCKET_IFNAME=eth0" in rest and "--node-rank " + host[:-1] in rest
+    two_by_two = sorted(d for h, d, _, r in seen if "--nnodes 2" in r and "cgx2.bench" in r)
+    assert two_by_two == ["CUDA_VISIBLE_DEVICES=0,1", "CUDA_VISIBLE_DEVICES=2,3"]
+    four = sorted(d for h, d, _, r in seen if "--nnodes 4" in r)
+    assert four == [f"CUDA_VISIBLE_DEVICES={i}" for i in range(4)]
+    assert all("--replicas 2" in r and "--param-bits 8" in r for *_, r in seen if "train_fsdp" in r)
+    [folder] = tmp_path.glob("nccl_hosts_dry-run_*")
+    assert (folder / "summary.md").exists() and (folder / "machine.json").exists()

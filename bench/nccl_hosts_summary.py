@@ -1,0 +1,188 @@
+"""The tables of a bench/nccl_hosts.sh run, from its folder's raw files: per layout (hosts x GPUs)
+and link rate, headed by the link's delivered rate (NCCL's fp32 allreduce bus bandwidth).
+
+Usage: python bench/nccl_hosts_summary.py bench/results/nccl_hosts_<gpu>_<date>/
+Writes summary.md and summary.json there, and prints the markdown.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+MLP_RUNS = [("mlp_plain", "plain DDP"), ("mlp_cgx4", "cgx_hook 4-bit"),
+            ("mlp_cgx8", "cgx_hook 8-bit"), ("mlp_bf16", "torch bf16_compress_hook"),
+            ("mlp_powersgd", "torch PowerSGD, rank 4")]  # fmt: skip
+FSDP_ROWS = [(f"{kind}_{dtype}", f"{'HSDP 2 x 2' if kind == 'hsdp' else 'FSDP2'}, {dtype} params")
+             for kind in ("fsdp", "hsdp") for dtype in ("fp32", "bf16")]  # fmt: skip
+_RATE = re.compile(r"^(\d+)(bit|kbit|mbit|gbit)$")
+
+
+def bits_per_second(rate: str) -> float | None:
+    match = _RATE.match(rate)
+    if not match:
+        return None
+    return int(match.group(1)) * {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}[match.group(2)]
+
+
+def load(folder: Path, pattern: str) -> dict[str, Any] | None:
+    """The newest JSON file matching ``pattern`` in ``folder``, or None."""
+    found = sorted(folder.glob(pattern)) if folder.is_dir() else []
+    return json.loads(found[-1].read_text()) if found else None
+
+
+def delivered(bench: dict[str, Any] | None, rate: str) -> dict[str, Any] | None:
+    """NCCL's fp32 allreduce bus bandwidth at the largest size, against the link's rate."""
+    rows = [r for r in (bench or {}).get("rows", []) if r.get("dtype") == "fp32"]
+    if not rows:
+        return None
+    row = max(rows, key=lambda r: (r["bytes"], -r["plain_ms"]))
+    gbit = row["plain_busbw"] * 8
+    link = bits_per_second(rate)
+    return {"size": row["size"], "busbw_gbs": row["plain_busbw"], "gbit_s": gbit,
+            "of_rate": None if not link else gbit * 1e9 / link}  # fmt: skip
+
+
+def params(results: object) -> str:
+    """The model's size, from the first result that has one."""
+    for r in results:  # type: ignore[attr-defined]
+        if r and r.get("params"):
+            return f"{r['params'] / 1e6:.2f}M-parameter"
+    return "the"
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a and b else "-"
+
+
+def ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def section(folder: Path, layout: str, rate: str, runs: dict[str, dict]) -> tuple[str, dict]:
+    hosts, per_host = layout.split("x")
+    bench = load(folder / "bench", "allreduce_*.json")
+    link = delivered(bench, rate)
+    head = f"### {hosts} hosts x {per_host} GPU{'s' if per_host != '1' else ''}, {rate} links"
+    if link:
+        share = f", {link['of_rate']:.0%} of the rate" if link["of_rate"] else ""
+        head += (f": delivered {link['gbit_s']:.1f} Gbit/s{share} (NCCL's fp32 allreduce bus "
+                 f"bandwidth, {link['busbw_gbs']:.2f} GB/s at {link['size']})")  # fmt: skip
+    else:
+        head += ": delivered rate unknown (no allreduce table)"
+    lines, data = [head, ""], {"layout": layout, "rate": rate, "delivered": link}
+
+    def failed(name: str) -> str:
+        run = runs.get(name)
+        if run is None:
+            return "not run"
+        if run["rc"] is None:
+            return "skipped (budget)"
+        return f"failed (exit {run['rc']})" if run["rc"] else "no result"
+
+    if bench:
+        lines += ["| allreduce, fp32 | NCCL ms | cgx2 ms | bits | speedup | of light |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+        for r in bench["rows"]:
+            lines.append(f"| {r['size']} {r['dtype']} | {r['plain_ms']:.2f} | {r['cgx2_ms']:.2f} "
+                         f"| {r['bits']} | {r['speedup_vs_plain']:.2f}x "
+                         f"| {r['fraction_of_sol']:.0%} |")  # fmt: skip
+        data["allreduce"] = bench["rows"]
+    else:
+        lines.append(f"allreduce table: {failed('bench')}")
+    mlp = {name: load(folder / name, "ddp_*.json") for name, _ in MLP_RUNS}
+    lines += ["", f"| DDP step, {params(mlp.values())} MLP | median ms | vs plain DDP "
+              "| bytes vs plain |", "| --- | ---: | ---: | ---: |"]  # fmt: skip
+    plain = (mlp["mlp_plain"] or {}).get("median_ms")
+    for name, label in MLP_RUNS:
+        r = mlp[name]
+        if r is None:
+            lines.append(f"| {label} | {failed(name)} | | |")
+            continue
+        sent = r.get("bytes_sent_ratio")
+        lines.append(f"| {label} | {r['median_ms']:.1f} | {ratio(plain, r['median_ms'])} "
+                     f"| {'-' if sent is None else f'{sent:.3f}'} |")  # fmt: skip
+    data["mlp"] = {n: r and {"median_ms": r["median_ms"], "bytes_sent_ratio":
+                             r.get("bytes_sent_ratio")} for n, r in mlp.items()}  # fmt: skip
+    ddp = {f"{b}{tag}": load(folder / f"ddp_{b}{tag}", "*.json")
+           for b in ("b32", "b4") for tag in ("", "_compile")}  # fmt: skip
+    lines += ["", f"| train_ddp.py, {params(ddp.values())} | plain DDP ms | cgx_hook 4-bit ms "
+              "| speedup |", "| --- | ---: | ---: | ---: |"]  # fmt: skip
+    data["train_ddp"] = {}
+    for tag, label in (("", "eager"), ("_compile", "--compile")):
+        b32, b4 = ddp[f"b32{tag}"], ddp[f"b4{tag}"]
+        p, q = (b32 or {}).get("step_ms"), (b4 or {}).get("step_ms")
+        p_text = ms(p) if b32 else failed(f"ddp_b32{tag}")
+        q_text = ms(q) if b4 else failed(f"ddp_b4{tag}")
+        lines.append(f"| {label} | {p_text} | {q_text} | {ratio(p, q)} |")
+        data["train_ddp"][label] = {"plain_ms": p, "cgx4_ms": q}
+    fsdp = {(prefix, b): load(folder / f"{prefix}_{b}", "*.json")
+            for prefix, _ in FSDP_ROWS for b in ("b32", "b4", "b4p8")}  # fmt: skip
+    lines += ["", f"| train_fsdp.py, {params(fsdp.values())} | FSDP2's own ms "
+              "| 4-bit reduce-scatter ms | + 8-bit parameters ms "
+              "| sent vs uncompressed (+ 8-bit) |",
+              "| --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    data["train_fsdp"] = {}
+    for prefix, label in FSDP_ROWS:
+        got = {b: fsdp[(prefix, b)] for b in ("b32", "b4", "b4p8")}
+        if prefix.startswith("hsdp") and not any(n.startswith(prefix) for n in runs):
+            continue
+        own = (got["b32"] or {}).get("step_ms")
+        cells = [ms(own) if got["b32"] else failed(f"{prefix}_b32")]
+        for b in ("b4", "b4p8"):
+            r = got[b]
+            cells.append(f"{r['step_ms']:.1f} ({ratio(own, r['step_ms'])})" if r
+                         else failed(f"{prefix}_{b}"))  # fmt: skip
+        sent = [ratio(r["bytes_uncompressed"], r["bytes_sent"]) + " less"
+                for r in (got["b4"], got["b4p8"]) if r and r.get("bytes_sent")]  # fmt: skip
+        lines.append(f"| {label} | {' | '.join(cells)} | {' / '.join(sent) or '-'} |")
+        data["train_fsdp"][prefix] = {b: r and {k: r.get(k) for k in (
+            "step_ms", "bytes_sent", "bytes_uncompressed", "all_gather_bytes_sent",
+            "all_gather_bytes_uncompressed")} for b, r in got.items()}  # fmt: skip
+    return "\n".join(lines), data
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print(__doc__, file=sys.stderr)
+        return 2
+    top = Path(argv[0])
+    machine = json.loads((top / "machine.json").read_text())
+    runs_file = top / "runs.jsonl"
+    runs = [json.loads(line) for line in runs_file.read_text().splitlines()] \
+        if runs_file.exists() else []  # fmt: skip
+    by_place: dict[tuple[str, str], dict[str, dict]] = {}
+    for run in runs:
+        by_place.setdefault((run["layout"], run["rate"]), {})[run["run"]] = run
+    parts = [f"## GPU servers over Ethernet: {machine.get('gpus') or machine.get('ngpu')}, "
+             f"torch {machine.get('torch')}, NCCL {machine.get('nccl')}, {machine['date']}", "",
+             f"`{machine['command']}`; the lab's hosts are network namespaces of one machine "
+             "(NCCL's sockets over veth top out near 20 Gbit/s: faster links are stood for by "
+             "the shm and NVLink regimes).", ""]  # fmt: skip
+    summary = {"machine": machine, "sections": []}
+    for layout in machine["layouts"]:
+        for rate in machine["rates"]:
+            if (layout, rate) not in by_place:
+                continue
+            text, data = section(top / f"{layout}_{rate}", layout, rate, by_place[(layout, rate)])
+            parts += [text, ""]
+            summary["sections"].append(data)
+    failed = [f"{r['layout']} {r['rate']} {r['run']}" for r in runs if r["rc"]]
+    skipped = [f"{r['layout']} {r['rate']} {r['run']}" for r in runs if r["rc"] is None]
+    if failed:
+        parts.append(f"Failed: {', '.join(failed)} (their run.log).")
+    if skipped:
+        parts.append(f"Skipped past the time budget: {', '.join(skipped)}.")
+    text = "\n".join(parts).rstrip() + "\n"
+    (top / "summary.md").write_text(text)
+    summary["failed"], summary["skipped"] = failed, skipped
+    (top / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
