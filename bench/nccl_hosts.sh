@@ -23,8 +23,9 @@
 #   NCCL_HOST_RUNS (all): the runs to do, by name (bench mlp_plain mlp_cgx4 mlp_cgx8 mlp_bf16
 #     mlp_powersgd ddp_b32 ddp_b4 fsdp_fp32_b32 fsdp_fp32_b4 fsdp_fp32_b4p8 fsdp_bf16_b32
 #     fsdp_bf16_b4 fsdp_bf16_b4p8 ddp_b32_compile ddp_b4_compile hsdp_bf16_b32 hsdp_bf16_b4
-#     hsdp_bf16_b4p8). They run in that order for every layout and rate, the compiled and HSDP
-#     runs after the rest of every layout and rate.
+#     hsdp_bf16_b4p8; not by default: mlp_compress, cgx2.ddp.compress at 4 bits, and
+#     mlp_allreduce, torch's allreduce_hook). They run in that order for every layout and rate,
+#     the compiled and HSDP runs after the rest of every layout and rate.
 #   BUDGET_S (480): no run starts past it (those left are listed as skipped), nor runs more than
 #     60 s past it; RUN_TIMEOUT (180): seconds a run may take; MLP_ARGS, DDP_ARGS, FSDP_ARGS,
 #     BENCH_ARGS override each kind's arguments.
@@ -129,6 +130,8 @@ program() {  # name folder layout
     mlp_cgx8) args=(bench/ddp_gloo_cuda.py --hook cgx --bits 8 --name cgx8) ;;
     mlp_bf16) args=(bench/ddp_gloo_cuda.py --hook bf16) ;;
     mlp_powersgd) args=(bench/ddp_gloo_cuda.py --hook powersgd) ;;
+    mlp_compress) args=(bench/ddp_gloo_cuda.py --hook compress --bits 4) ;;
+    mlp_allreduce) args=(bench/ddp_gloo_cuda.py --hook allreduce) ;;
     ddp_b32|ddp_b4|ddp_b32_compile|ddp_b4_compile)
       bits=${name#ddp_b}; bits=${bits%_compile}
       args=(examples/train_ddp.py --device "$DEVICE" --bits "$bits" $DDP_ARGS --log-every 1000

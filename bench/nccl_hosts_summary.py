@@ -15,7 +15,8 @@ from typing import Any
 
 MLP_RUNS = [("mlp_plain", "plain DDP"), ("mlp_cgx4", "cgx_hook 4-bit"),
             ("mlp_cgx8", "cgx_hook 8-bit"), ("mlp_bf16", "torch bf16_compress_hook"),
-            ("mlp_powersgd", "torch PowerSGD, rank 4")]  # fmt: skip
+            ("mlp_powersgd", "torch PowerSGD, rank 4"), ("mlp_compress", "cgx2.ddp.compress 4-bit"),
+            ("mlp_allreduce", "torch allreduce_hook")]  # fmt: skip
 FSDP_ROWS = [(f"{kind}_{dtype}", f"{'HSDP 2 x 2' if kind == 'hsdp' else 'FSDP2'}, {dtype} params")
              for kind in ("fsdp", "hsdp") for dtype in ("fp32", "bf16")]  # fmt: skip
 _RATE = re.compile(r"^(\d+)(bit|kbit|mbit|gbit)$")
@@ -50,8 +51,8 @@ def params(results: object) -> str:
     """The model's size, from the first result that has one."""
     for r in results:  # type: ignore[attr-defined]
         if r and r.get("params"):
-            return f"{r['params'] / 1e6:.2f}M-parameter"
-    return "the"
+            return f" ({r['params'] / 1e6:.2f}M parameters)"
+    return ""
 
 
 def ratio(a: float | None, b: float | None) -> str:
@@ -94,11 +95,13 @@ def section(folder: Path, layout: str, rate: str, runs: dict[str, dict]) -> tupl
     else:
         lines.append(f"allreduce table: {failed('bench')}")
     mlp = {name: load(folder / name, "ddp_*.json") for name, _ in MLP_RUNS}
-    lines += ["", f"| DDP step, {params(mlp.values())} MLP | median ms | vs plain DDP "
+    lines += ["", f"| DDP step, MLP{params(mlp.values())} | median ms | vs plain DDP "
               "| bytes vs plain |", "| --- | ---: | ---: | ---: |"]  # fmt: skip
     plain = (mlp["mlp_plain"] or {}).get("median_ms")
     for name, label in MLP_RUNS:
         r = mlp[name]
+        if r is None and name in ("mlp_compress", "mlp_allreduce") and name not in runs:
+            continue  # not asked for
         if r is None:
             lines.append(f"| {label} | {failed(name)} | | |")
             continue
@@ -109,7 +112,7 @@ def section(folder: Path, layout: str, rate: str, runs: dict[str, dict]) -> tupl
                              r.get("bytes_sent_ratio")} for n, r in mlp.items()}  # fmt: skip
     ddp = {f"{b}{tag}": load(folder / f"ddp_{b}{tag}", "*.json")
            for b in ("b32", "b4") for tag in ("", "_compile")}  # fmt: skip
-    lines += ["", f"| train_ddp.py, {params(ddp.values())} | plain DDP ms | cgx_hook 4-bit ms "
+    lines += ["", f"| train_ddp.py{params(ddp.values())} | plain DDP ms | cgx_hook 4-bit ms "
               "| speedup |", "| --- | ---: | ---: | ---: |"]  # fmt: skip
     data["train_ddp"] = {}
     for tag, label in (("", "eager"), ("_compile", "--compile")):
@@ -121,7 +124,7 @@ def section(folder: Path, layout: str, rate: str, runs: dict[str, dict]) -> tupl
         data["train_ddp"][label] = {"plain_ms": p, "cgx4_ms": q}
     fsdp = {(prefix, b): load(folder / f"{prefix}_{b}", "*.json")
             for prefix, _ in FSDP_ROWS for b in ("b32", "b4", "b4p8")}  # fmt: skip
-    lines += ["", f"| train_fsdp.py, {params(fsdp.values())} | FSDP2's own ms "
+    lines += ["", f"| train_fsdp.py{params(fsdp.values())} | FSDP2's own ms "
               "| 4-bit reduce-scatter ms | + 8-bit parameters ms "
               "| sent vs uncompressed (+ 8-bit) |",
               "| --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
