@@ -22,7 +22,7 @@
 # says what and how long: about 8 minutes for 2 rates on 2 GPUs, so SKIP_* the rest): netlab hosts
 # of GPUs (2: 2 x 1; 4: 2 x 2 and 4 x 1), NCCL across them over the shaped link, the allreduce,
 # DDP steps of the 134M MLP per hook, train_ddp.py, train_fsdp.py and HSDP; its folder comes back
-# as nccl_hosts.tgz (NCCL_HOST_RUNS, NCCL_HOSTS_BUDGET_S (480) pass through; DRY_RUN=1
+# as nccl_hosts.tgz (NCCL_HOST_RUNS, NCCL_HOSTS_BUDGET_S (420) pass through; DRY_RUN=1
 # NCCL_HOSTS_NGPU=4 echoes its commands on a machine without GPUs).
 # CPU_LINK_RATES="1gbit 10gbit" runs the CPU hosts on this machine's own cores (no GPU): the
 # allreduce of two hosts and of two hosts of two ranks (the node mesh beside the flat allreduce;
@@ -206,7 +206,7 @@ if [ -n "${NCCL_HOST_RATES:-}" ]; then
   echo "== GPU hosts over shaped links, NCCL, rates $NCCL_HOST_RATES"
   tar_to=""; [ "$OUT" != bench/results ] && tar_to=$OUT  # (not into the results themselves)
   NCCL_HOST_RATES=$NCCL_HOST_RATES IPROUTE_ROOT=/tmp/iproute RESULTS_DIR=bench/results \
-    TAR_TO=$tar_to BUDGET_S=${NCCL_HOSTS_BUDGET_S:-480} NGPU=${NCCL_HOSTS_NGPU:-$NGPU} \
+    TAR_TO=$tar_to BUDGET_S=${NCCL_HOSTS_BUDGET_S:-420} NGPU=${NCCL_HOSTS_NGPU:-$NGPU} \
     bash bench/nccl_hosts.sh \
     2>>"$LOGS/nccl_hosts.err" || status=1
   save

@@ -35,10 +35,12 @@
 #     hosts and echoes, from each, its GPUs, NCCL's variables and the command it would run.
 #   DEVICE=cpu: every run for real on CPU hosts over gloo (NGPU then counts ranks), to check
 #     the script and its summary on a machine without GPUs; give it small *_ARGS.
-# Expected duration: 2 GPUs and 2 rates about 8 minutes (28 runs of 10-20 s: torch's start,
-# NCCL's setup over the link, 5-8 steps; the 4 compiled runs 30-60 s, the first compiling
-# cold); 4 GPUs and 2 rates (2 layouts) about twice that: within one 10-minute call, give it
-# one rate, or NCCL_HOST_RUNS a part. BUDGET_S keeps it inside the call either way.
+# Expected duration: 2 GPUs and 2 rates 7-9 minutes (28 runs of 10-20 s: torch's start, NCCL's
+# setup over the link, 5-8 steps; the 4 compiled runs 30-60 s, the first compiling cold); 4 GPUs
+# and 2 rates (2 layouts) about twice that: within one 10-minute call, give it one rate, or
+# NCCL_HOST_RUNS a part. BUDGET_S (device_run.sh: 420) keeps it inside the call either way; a
+# call cut short still has every finished run's files in nccl_hosts.tgz, and
+# python bench/nccl_hosts_summary.py <its folder> makes the tables from them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
