@@ -137,7 +137,7 @@ class Progress:
 
 
 _NCCL_VARS = ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_NVLS_ENABLE", "NCCL_IB_DISABLE",
-              "NCCL_SOCKET_IFNAME", "NCCL_ALGO", "NCCL_PROTO")  # fmt: skip
+              "NCCL_SOCKET_IFNAME", "NCCL_HOSTID", "NCCL_ALGO", "NCCL_PROTO")  # fmt: skip
 
 
 def _cgx2_vars() -> dict[str, str]:
