@@ -22,9 +22,15 @@ from .base import Codec, GlobalNormCodec
 from .layout import ChunkedLayout, MaxMinLayout
 
 __all__ = [
-    "ChunkedLayout", "Codec", "GlobalNormCodec", "MaxMinLayout", "codec_for", "maxmin",
-    "maxmin_codec", "triton_kernels", "triton_maxmin",
-]  # fmt: skip
+    "ChunkedLayout",
+    "Codec",
+    "GlobalNormCodec",
+    "MaxMinLayout",
+    "codec_for",
+    "maxmin",
+    "maxmin_codec",
+    "triton_kernels",
+]
 
 log = logging.getLogger("cgx2")
 
@@ -48,11 +54,6 @@ def codec_for(device: torch.device, kernels: str, reference: ModuleType) -> Modu
         if module is not None:
             return module
     return reference
-
-
-def triton_maxmin() -> ModuleType | None:
-    """The Triton max-min kernels, or None where Triton cannot be imported."""
-    return triton_kernels("maxmin_triton")
 
 
 def maxmin_codec(device: torch.device) -> Codec:

@@ -37,12 +37,11 @@ as are its Triton kernels.
 from __future__ import annotations
 
 import sys
-from types import ModuleType
 from typing import cast
 
 import torch
 
-from . import codec_for, triton_kernels
+from . import codec_for
 from .base import GlobalNormCodec
 from .philox import philox4x32
 
@@ -56,7 +55,6 @@ __all__ = [
     "exponential_values",
     "nan_code",
     "scale_input",
-    "triton_exponential",
     "uniforms",
 ]
 
@@ -224,11 +222,6 @@ def decode_sum(codes: torch.Tensor, scale: torch.Tensor | None = None) -> torch.
     for row in codes:
         acc = acc + exponential_values(row)
     return acc if scale is None else acc * scale.reshape(1)
-
-
-def triton_exponential() -> ModuleType | None:
-    """The Triton exponential kernels, or None where Triton cannot be imported."""
-    return triton_kernels("exponential_triton")
 
 
 def exponential_codec(device: torch.device) -> GlobalNormCodec:
