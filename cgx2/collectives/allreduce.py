@@ -8,13 +8,12 @@ the same bytes, so they return bit-identical tensors. :mod:`.policy` decides eve
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 import torch.distributed as dist
 
 from .. import scratch
-from ..codecs import ChunkedLayout, maxmin_codec, triton_kernels
+from ..codecs import ChunkedLayout, Codec, maxmin_codec, triton_kernels
 from ..comm import Transport, group_info, process_group
 from ..seeding import derive_key, extend_key, next_seed
 from . import agreement, graphs, policy, ring
@@ -146,16 +145,34 @@ def _run_pieces(route: policy.Route, flat: torch.Tensor, out: torch.Tensor, bits
     graphs.run(group, signature, seed, flat.device, pipeline)
 
 
-def _make_run(route: policy.Route, flat: torch.Tensor, bits: int, bucket_size: int,
-              group: dist.ProcessGroup, reduce_op: str, skip_incomplete: bool,
-              seed: int) -> _Run:  # fmt: skip
+def _make_run(
+    route: policy.Route,
+    flat: torch.Tensor,
+    bits: int,
+    bucket_size: int,
+    group: dist.ProcessGroup,
+    reduce_op: str,
+    skip_incomplete: bool,
+    seed: int,
+) -> _Run:
     info = group_info(group)
     world, rank = info.size, info.rank
-    return _Run(group, world, rank, bits, bucket_size, skip_incomplete,
-                1.0 / world if reduce_op == "avg" else None, maxmin_codec(flat.device),
-                derive_key(seed, STAGE_SCATTER, rank), derive_key(seed, STAGE_GATHER),
-                route.piece_numel, route.gather_in_place, route.pair_gather,
-                route.transport)  # fmt: skip
+    return _Run(
+        group=group,
+        world=world,
+        rank=rank,
+        bits=bits,
+        bucket_size=bucket_size,
+        skip_incomplete=skip_incomplete,
+        scale=1.0 / world if reduce_op == "avg" else None,
+        codec=maxmin_codec(flat.device),
+        scatter_key=derive_key(seed, STAGE_SCATTER, rank),
+        gather_key=derive_key(seed, STAGE_GATHER),
+        step=route.piece_numel,
+        gather_in_place=route.gather_in_place,
+        pair_gather=route.pair_gather,
+        transport=route.transport,
+    )
 
 
 def _pipeline(run: _Run, flat: torch.Tensor, out: torch.Tensor,
@@ -209,7 +226,7 @@ class _Run:
     bucket_size: int
     skip_incomplete: bool
     scale: float | None
-    codec: ModuleType
+    codec: Codec
     scatter_key: int  # derive_key(seed, STAGE_SCATTER, rank): extended by the piece index
     gather_key: int  # derive_key(seed, STAGE_GATHER): likewise
     step: int  # values per piece
