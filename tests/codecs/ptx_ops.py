@@ -24,16 +24,39 @@ def ptx(fn, signature: dict, constexprs: dict, pointers: int) -> str:
 def _encode(nearest: bool, tiles: dict) -> str:
     return ptx(
         mt._encode_kernel,
-        {"x_ptr": "*fp32", "out_u8": "*u8", "numel": "i64",
-         "chunk_numel": "i64", "row_nbytes": "i64", "k0": "i64", "k1": "i64", "keys_ptr": "*i64",
-         "stream0": "i64", "skip_chunk": "i64", "BITS": "constexpr", "B": "constexpr",
-         "SKIP_INCOMPLETE": "constexpr", "ALIGN": "constexpr", "KEYS_IN_MEMORY": "constexpr",
-         "BUCKETS": "constexpr", "BLOCK": "constexpr", "ZERO_GAPS": "constexpr",
-         "NEAREST": "constexpr"},
-        {"BITS": 4, "B": 512, "SKIP_INCOMPLETE": False, "ALIGN": 16, "KEYS_IN_MEMORY": False,
-         "ZERO_GAPS": False, "NEAREST": nearest, **tiles},
+        {
+            "x_ptr": "*fp32",
+            "out_u8": "*u8",
+            "numel": "i64",
+            "chunk_numel": "i64",
+            "row_nbytes": "i64",
+            "k0": "i64",
+            "k1": "i64",
+            "keys_ptr": "*i64",
+            "stream0": "i64",
+            "skip_chunk": "i64",
+            "BITS": "constexpr",
+            "B": "constexpr",
+            "SKIP_INCOMPLETE": "constexpr",
+            "ALIGN": "constexpr",
+            "KEYS_IN_MEMORY": "constexpr",
+            "BUCKETS": "constexpr",
+            "BLOCK": "constexpr",
+            "ZERO_GAPS": "constexpr",
+            "NEAREST": "constexpr",
+        },
+        {
+            "BITS": 4,
+            "B": 512,
+            "SKIP_INCOMPLETE": False,
+            "ALIGN": 16,
+            "KEYS_IN_MEMORY": False,
+            "ZERO_GAPS": False,
+            "NEAREST": nearest,
+            **tiles,
+        },
         2,
-    )  # fmt: skip
+    )
 
 
 def main() -> None:
@@ -42,17 +65,42 @@ def main() -> None:
     nearest = _encode(True, tiles)  # the parameter all-gather's variant: it builds, no Philox
     dse = ptx(
         mt._decode_sum_encode_kernel,
-        {"in_u8": "*u8", "own_ptr": "*fp32", "out_u8": "*u8", "numel": "i64",
-         "row_nbytes": "i64", "own_index": "i64",
-         "scale": "fp32", "k0": "i64", "k1": "i64", "keys_ptr": "*i64", "stream": "i64",
-         "NUM_ROWS": "constexpr", "SKIP_OWN": "constexpr", "BITS": "constexpr",
-         "B": "constexpr", "SKIP_INCOMPLETE": "constexpr", "HAS_OWN": "constexpr",
-         "HAS_SCALE": "constexpr", "KEYS_IN_MEMORY": "constexpr", "BUCKETS": "constexpr",
-         "BLOCK": "constexpr"},
-        {"NUM_ROWS": 2, "SKIP_OWN": True, "BITS": 4, "B": 512, "SKIP_INCOMPLETE": True,
-         "HAS_OWN": True, "HAS_SCALE": True, "KEYS_IN_MEMORY": False, **tiles},
+        {
+            "in_u8": "*u8",
+            "own_ptr": "*fp32",
+            "out_u8": "*u8",
+            "numel": "i64",
+            "row_nbytes": "i64",
+            "own_index": "i64",
+            "scale": "fp32",
+            "k0": "i64",
+            "k1": "i64",
+            "keys_ptr": "*i64",
+            "stream": "i64",
+            "NUM_ROWS": "constexpr",
+            "SKIP_OWN": "constexpr",
+            "BITS": "constexpr",
+            "B": "constexpr",
+            "SKIP_INCOMPLETE": "constexpr",
+            "HAS_OWN": "constexpr",
+            "HAS_SCALE": "constexpr",
+            "KEYS_IN_MEMORY": "constexpr",
+            "BUCKETS": "constexpr",
+            "BLOCK": "constexpr",
+        },
+        {
+            "NUM_ROWS": 2,
+            "SKIP_OWN": True,
+            "BITS": 4,
+            "B": 512,
+            "SKIP_INCOMPLETE": True,
+            "HAS_OWN": True,
+            "HAS_SCALE": True,
+            "KEYS_IN_MEMORY": False,
+            **tiles,
+        },
         3,
-    )  # fmt: skip
+    )
     pattern = r"\b((?:add|sub|mul|div|fma|min|max|cvt)\.[\w.]+)"
     ops = collections.Counter(re.findall(pattern, encode + dse))
     for op, count in sorted(ops.items()):

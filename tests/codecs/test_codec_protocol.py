@@ -14,8 +14,11 @@ from cgx2.codecs import Codec, GlobalNormCodec, exponential, maxmin, maxmin_code
 from cgx2.codecs.base import mismatches
 from cgx2.codecs.exponential import exponential_codec
 
-MAXMIN = [pytest.param("maxmin", id="torch+C"), pytest.param("torch", id="torch"),
-          pytest.param("maxmin_triton", id="triton")]  # fmt: skip
+MAXMIN = [
+    pytest.param("maxmin", id="torch+C"),
+    pytest.param("torch", id="torch"),
+    pytest.param("maxmin_triton", id="triton"),
+]
 
 
 def _maxmin(name: str) -> types.ModuleType:
@@ -53,16 +56,33 @@ def test_the_codec_for_a_device():
 def test_mismatches_names_what_a_caller_could_not_pass():
     def encode_chunks(x, layout, key, skip_chunk=-1, stream0=0, out=None): ...
     def decode_chunks(payloads, dtype, layout, out=None): ...  # swapped
-    def decode_sum(payloads, numel, own, own_index, scale, bits, bucket_size, skip_incomplete=True,
-                   extra=None): ...  # fmt: skip
-    def decode_sum_encode(payloads, numel, own, own_index, scale, bits, bucket_size, key,
-                          stream=0, skip_incomplete=False, *, out=None, needed): ...  # fmt: skip
+    def decode_sum(
+        payloads, numel, own, own_index, scale, bits, bucket_size, skip_incomplete=True, extra=None
+    ): ...
+    def decode_sum_encode(
+        payloads,
+        numel,
+        own,
+        own_index,
+        scale,
+        bits,
+        bucket_size,
+        key,
+        stream=0,
+        skip_incomplete=False,
+        *,
+        out=None,
+        needed,
+    ): ...
 
     fake = types.SimpleNamespace(
-        encode_chunks=encode_chunks, decode_chunks=decode_chunks, decode_sum=decode_sum,
-        decode_sum_encode=decode_sum_encode, chunked_layout=maxmin.chunked_layout,
+        encode_chunks=encode_chunks,
+        decode_chunks=decode_chunks,
+        decode_sum=decode_sum,
+        decode_sum_encode=decode_sum_encode,
+        chunked_layout=maxmin.chunked_layout,
         encode=maxmin.encode,
-    )  # fmt: skip
+    )
     assert sorted(mismatches(fake, Codec)) == [
         "decode: missing",
         "decode_chunks: parameter 1 must be 'layout'",
@@ -92,8 +112,9 @@ def test_the_chunked_path_writes_the_references_bytes(name):
         mine = x[own, start : start + size]
         reduced = torch.zeros(world, layout.payload_nbytes, dtype=torch.uint8, device=device)
         # rows[:, own] is chunk own from every rank: a view with a pitch of world rows
-        c.decode_sum_encode(rows[:, own], size, mine, own, 1 / world, bits, bucket, 11, own,
-                            out=reduced[own])  # fmt: skip
+        c.decode_sum_encode(
+            rows[:, own], size, mine, own, 1 / world, bits, bucket, 11, own, out=reduced[own]
+        )
         summed = c.decode_sum(rows[:, own], size, mine, own, None, bits, bucket)
         decoded = c.decode_chunks(reduced[:, : layout.payload_nbytes], layout, torch.float32)
         return rows, reduced, summed, decoded

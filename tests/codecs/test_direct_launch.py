@@ -127,8 +127,11 @@ def test_a_bound_variant_runs_as_the_launcher_would(launcher):
     bound.run(1234, x.data_ptr(), 100, 0.25)
     launcher((3, 2), x, 100, 0.25, B=512, num_warps=1)
     runs = launcher.kernel.compiled[0].runs
-    assert runs[0] == runs[1] == (3, 2, 1, 1234, "fn", "meta", None, None, None, x.data_ptr(),
-                                  100, 0.25, 512, 7)  # fmt: skip
+    assert (
+        runs[0]
+        == runs[1]
+        == (3, 2, 1, 1234, "fn", "meta", None, None, None, x.data_ptr(), 100, 0.25, 512, 7)
+    )
     with config.tuned(direct_launch=False):
         assert launcher.bound((3, 2), x, 100, 0.5, B=512, num_warps=1) is None
         assert not launcher.direct()

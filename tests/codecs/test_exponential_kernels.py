@@ -23,10 +23,29 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KEY = 0xFEDCBA98_76543210  # both halves >= 2**31
 NAN, INF = float("nan"), float("inf")
 EDGES = [
-    0.0, -0.0, 1.0, -1.0, 0.5, 0.75, -0.3, 1e-3, 1 - 2**-24, 1 + 2**-23, 2.0, -3.5,
-    2.0**-126, -1.5 * 2**-126, 2.0**-126 - 2.0**-149, 1e-40, -(2.0**-149), 3 * 2.0**-149,
-    2.0**-100 * (1 + 2**-23), 2.0**-100 * (1 - 2**-24), -(2.0**-60), 2.0**-127,
-]  # fmt: skip
+    0.0,
+    -0.0,
+    1.0,
+    -1.0,
+    0.5,
+    0.75,
+    -0.3,
+    1e-3,
+    1 - 2**-24,
+    1 + 2**-23,
+    2.0,
+    -3.5,
+    2.0**-126,
+    -1.5 * 2**-126,
+    2.0**-126 - 2.0**-149,
+    1e-40,
+    -(2.0**-149),
+    3 * 2.0**-149,
+    2.0**-100 * (1 + 2**-23),
+    2.0**-100 * (1 - 2**-24),
+    -(2.0**-60),
+    2.0**-127,
+]
 NON_FINITE = [NAN, INF, -INF]
 
 
@@ -113,8 +132,15 @@ def test_decode_every_code_matches_reference():
 
 
 @triton.jit
-def _codes_kernel(x_ptr, h_ptr, out_ptr, CAP: tl.constexpr, NAN_CODE: tl.constexpr,
-                  SUBNORMAL_LEVELS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+def _codes_kernel(
+    x_ptr,
+    h_ptr,
+    out_ptr,
+    CAP: tl.constexpr,
+    NAN_CODE: tl.constexpr,
+    SUBNORMAL_LEVELS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     o = tl.arange(0, BLOCK)
     x, h = tl.load(x_ptr + o), tl.load(h_ptr + o)
     tl.store(out_ptr + o, _codes(x, h, CAP, NAN_CODE, SUBNORMAL_LEVELS))
@@ -125,8 +151,12 @@ def test_integer_decision_matches_reference_at_every_threshold(bits):
     """The kernels decide u < p on integers; with u = h * 2**-24 on both sides of each value's
     threshold ceil(p * 2**24), over every exponent, they decide as the reference's floats."""
     g = torch.Generator().manual_seed(bits)
-    mantissas = torch.cat([torch.tensor([0, 1, 2, 3, 5, 2**22, 2**23 - 2, 2**23 - 1]),
-                           torch.randint(0, 2**23, (4,), generator=g)])  # fmt: skip
+    mantissas = torch.cat(
+        [
+            torch.tensor([0, 1, 2, 3, 5, 2**22, 2**23 - 2, 2**23 - 1]),
+            torch.randint(0, 2**23, (4,), generator=g),
+        ]
+    )
     ints = (torch.arange(128)[:, None] << 23 | mantissas[None, :]).reshape(-1)
     x = torch.cat([ints, ints | -(2**31)]).to(torch.int32).view(torch.float32)
     x = x[x != 0]
@@ -141,10 +171,14 @@ def test_integer_decision_matches_reference_at_every_threshold(bits):
     pad = block - x.numel()
     out = torch.empty(block, dtype=torch.int32, device=DEVICE)
     _codes_kernel[(1,)](
-        torch.cat([x, x[:pad]]).to(DEVICE), torch.cat([h, h[:pad]]).to(DEVICE), out,
-        CAP=min(2 ** (bits - 1) - 2, 149), NAN_CODE=ref.nan_code(ref.code_dtype(bits)),
-        SUBNORMAL_LEVELS=bits > 8, BLOCK=block,
-    )  # fmt: skip
+        torch.cat([x, x[:pad]]).to(DEVICE),
+        torch.cat([h, h[:pad]]).to(DEVICE),
+        out,
+        CAP=min(2 ** (bits - 1) - 2, 149),
+        NAN_CODE=ref.nan_code(ref.code_dtype(bits)),
+        SUBNORMAL_LEVELS=bits > 8,
+        BLOCK=block,
+    )
     assert torch.equal(out[: x.numel()].cpu().to(expected.dtype), expected)
     # h = threshold - 1 rounds up (to the level above), h = threshold down, where both exist.
     values = ref.exponential_values(expected).abs()

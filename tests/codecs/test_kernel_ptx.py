@@ -13,8 +13,13 @@ def _float_ops() -> dict[str, int]:
     root = os.path.dirname(os.path.dirname(here))  # cgx2 imports from the checkout
     path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=path)
-    run = subprocess.run([sys.executable, os.path.join(here, "ptx_ops.py")], env=env,
-                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, os.path.join(here, "ptx_ops.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if run.returncode != 0:
         if "ptxas" in run.stderr and ("No such file" in run.stderr or "not found" in run.stderr):
             pytest.skip("this Triton has no CUDA toolchain (ptxas)")

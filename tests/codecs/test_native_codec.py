@@ -216,8 +216,9 @@ def test_nothing_is_compiled_or_loaded_from_a_cache_at_run_time(tmp_path):
         "maxmin.encode(x, 4, 512, key=1)\n"
     )
     env = {**os.environ, "PATH": str(tmp_path), "CGX2_CACHE_DIR": str(tmp_path / "cache")}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     assert Path(done.stdout.strip()).parent == Path(cgx2.__file__).parent
     assert not (tmp_path / "cache").exists()

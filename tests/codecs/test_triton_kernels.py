@@ -125,8 +125,9 @@ def test_edge_buckets_match_reference(bits, bucket):
     expected = ref.encode(x, bits, bucket, key=99, stream=1)
     assert _same(tri.encode(x, bits, bucket, key=99, stream=1), expected)
     for out in (torch.float32, torch.bfloat16):
-        assert _same(tri.decode(expected, n, bits, bucket, out),
-                     ref.decode(expected, n, bits, bucket, out))  # fmt: skip
+        assert _same(
+            tri.decode(expected, n, bits, bucket, out), ref.decode(expected, n, bits, bucket, out)
+        )
     payloads = torch.stack([expected, ref.encode(x.flip(0), bits, bucket, key=5)])
     args = (n, x, 1, 0.5, bits, bucket, 11, 2)
     assert _same(tri.decode_sum_encode(payloads, *args), ref.decode_sum_encode(payloads, *args))
@@ -199,10 +200,16 @@ def _overflowing(n: int, bucket: int, seed: int) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize(
     ("bits", "bucket", "own_dtype", "scale"),
-    [(1, 512, torch.float32, None), (2, 100, torch.bfloat16, 0.5), (4, 512, None, None),
-     (4, 2048, torch.float32, 1 / 3), (8, 13, torch.float32, None), (5, 2048, None, 0.25),
-     (3, 100, torch.float32, None)],
-)  # fmt: skip
+    [
+        (1, 512, torch.float32, None),
+        (2, 100, torch.bfloat16, 0.5),
+        (4, 512, None, None),
+        (4, 2048, torch.float32, 1 / 3),
+        (8, 13, torch.float32, None),
+        (5, 2048, None, 0.25),
+        (3, 100, torch.float32, None),
+    ],
+)
 def test_an_overflowing_sum_is_coded_as_the_reference_codes_it(bits, bucket, own_dtype, scale):
     """Decode-sum-encode of sums past fp32's range, buckets of one and of several a tile and
     wider than one: saturated where the reference saturates them, NaN where own's input is
@@ -238,9 +245,11 @@ def test_strided_programs_match_reference(monkeypatch, programs, bits, bucket, s
     rows = tri.encode_chunks(x, layout, key=8, skip_chunk=1)
     assert _same(rows, ref.encode_chunks(x, layout, key=8, skip_chunk=1).to(DEVICE))
     payloads = torch.stack(
-        [ref.encode(_x(n, torch.float32, seed=s), bits, bucket, key=s, skip_incomplete=skip)
-         for s in range(3)]
-    )  # fmt: skip
+        [
+            ref.encode(_x(n, torch.float32, seed=s), bits, bucket, key=s, skip_incomplete=skip)
+            for s in range(3)
+        ]
+    )
     args = (n, x, 2, 0.5, bits, bucket, 6, 1, skip)
     assert _same(tri.decode_sum_encode(payloads, *args), ref.decode_sum_encode(payloads, *args))
 
@@ -294,10 +303,15 @@ def test_a_payload_allocated_uninitialized_gets_the_references_bytes(monkeypatch
         assert _same(tri.encode(x, bits, bucket, 12345, 0, skip), want), (n, bits, bucket)
 
 
-@pytest.mark.parametrize(("bits", "dtype", "n", "bucket"), [
-    (8, torch.float32, 1000, 512), (4, torch.bfloat16, 4099, 128), (2, torch.float32, 5000, 2048),
-    (8, torch.bfloat16, 777, 100),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("bits", "dtype", "n", "bucket"),
+    [
+        (8, torch.float32, 1000, 512),
+        (4, torch.bfloat16, 4099, 128),
+        (2, torch.float32, 5000, 2048),
+        (8, torch.bfloat16, 777, 100),
+    ],
+)
 def test_nearest_rounding_matches_reference(bits, dtype, n, bucket):
     x = _x(n, dtype, seed=bits)
     expected = ref.encode(x, bits, bucket, key=0, nearest=True)
