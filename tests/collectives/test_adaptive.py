@@ -22,8 +22,10 @@ def test_plan_matches_brute_force(seed):
     rng = random.Random(seed)
     layers = rng.randint(1, 4)
     numels = [rng.randint(100, 10_000) for _ in range(layers)]
-    errors = [sorted((rng.uniform(0.1, 10) / (2**b - 1) ** 2 for b in OPTIONS), reverse=True)
-              for _ in range(layers)]  # fmt: skip
+    errors = [
+        sorted((rng.uniform(0.1, 10) / (2**b - 1) ** 2 for b in OPTIONS), reverse=True)
+        for _ in range(layers)
+    ]
     budget = sum(row[OPTIONS.index(4)] for row in errors)
     resolution = 20_000
     plan = plan_bits(errors, numels, OPTIONS, budget, resolution, baseline=4)
@@ -67,8 +69,13 @@ def _train(adaptive: bool, steps: int) -> dict:
     torch.manual_seed(0)
     cgx2.manual_seed(0)
     model = DDP(_Net())
-    state = CGXState(None, 1024, {"bits": 4, "bucket_size": 128},
-                     adaptive_bits=OPTIONS if adaptive else None, replan_every=5)  # fmt: skip
+    state = CGXState(
+        None,
+        1024,
+        {"bits": 4, "bucket_size": 128},
+        adaptive_bits=OPTIONS if adaptive else None,
+        replan_every=5,
+    )
     model.register_comm_hook(state, cgx_hook)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses, grads = [], []
@@ -82,8 +89,12 @@ def _train(adaptive: bool, steps: int) -> dict:
         grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
         opt.step()
         losses.append(loss.item())
-    return {"losses": losses, "grads": grads, "sent": state.bytes_sent,
-            "plans": dict(state._bit_plans)}  # fmt: skip
+    return {
+        "losses": losses,
+        "grads": grads,
+        "sent": state.bytes_sent,
+        "plans": dict(state._bit_plans),
+    }
 
 
 @pytest.mark.slow

@@ -221,8 +221,9 @@ def test_ranks_at_different_calls_all_raise_naming_them():
     server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=30))
 
     def exchange(r: int, n: int) -> None:
-        store = dist.TCPStore("127.0.0.1", server.port, 1, False,
-                              timeout=datetime.timedelta(seconds=30))  # fmt: skip
+        store = dist.TCPStore(
+            "127.0.0.1", server.port, 1, False, timeout=datetime.timedelta(seconds=30)
+        )
         agreement._through_queues(store, n, b"x", 2, r, None)
 
     _ranks_at_calls_7_and_6_both_raise(exchange)
@@ -347,9 +348,14 @@ def test_a_deferred_answer_raises_once_it_arrives_and_never_waits():
 
     group, event = _Group(), CudaEvent()
     rows = torch.tensor([[1024, 0, 4], [1000, 0, 4]])
-    pending = agreement._Pending(rows, event, ["numel", "dtype", "bits"],
-                                 {"numel": 1024, "dtype": torch.float32, "bits": 4},
-                                 "quantized_allreduce", 0)  # fmt: skip
+    pending = agreement._Pending(
+        rows,
+        event,
+        ["numel", "dtype", "bits"],
+        {"numel": 1024, "dtype": torch.float32, "bits": 4},
+        "quantized_allreduce",
+        0,
+    )
     agreement._PENDING[group] = __import__("collections").deque([pending])
     agreement.raise_pending(group)  # not arrived: nothing raised, nothing waited for
     event.done = True
@@ -438,8 +444,9 @@ def test_every_setting_is_compared_or_said_why_not():
 
     from cgx2 import config
 
-    fields = [f.name for cls in (config.TuningConfig, config.CGXConfig)
-              for f in dataclasses.fields(cls)]  # fmt: skip
+    fields = [
+        f.name for cls in (config.TuningConfig, config.CGXConfig) for f in dataclasses.fields(cls)
+    ]
     lists = (config.WIRE_SETTINGS, config.COMPARED_PER_CALL, config.NOT_COMPARED)
     for name in fields:
         assert sum(name in found for found in lists) == 1, name
@@ -483,9 +490,14 @@ def test_a_deferred_answer_of_different_settings_shows_this_ranks():
     event.done = True
     rows = torch.tensor([[1024, 0, 11], [1024, 0, 22]])
     mine = '{"CGX2_PAIR_GATHER":true}'
-    pending = agreement._Pending(rows, event, ["numel", "dtype", "settings"],
-                                 {"numel": 1024, "dtype": torch.float32, "settings": mine},
-                                 "quantized_allreduce", 0)  # fmt: skip
+    pending = agreement._Pending(
+        rows,
+        event,
+        ["numel", "dtype", "settings"],
+        {"numel": 1024, "dtype": torch.float32, "settings": mine},
+        "quantized_allreduce",
+        0,
+    )
     agreement._PENDING[group] = __import__("collections").deque([pending])
     with pytest.raises(DisagreementError, match="settings their routes were decided under") as e:
         agreement.raise_pending(group)

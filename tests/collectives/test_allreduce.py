@@ -54,8 +54,9 @@ def _plain_equals_dist_all_reduce() -> list[bool]:
             expected = x.clone()
             dist.all_reduce(expected)
             results.append(torch.equal(cgx2.quantized_allreduce(x, bits=32), expected))
-            results.append(torch.equal(cgx2.quantized_allreduce(x, 32, op=dist.ReduceOp.AVG),
-                                       expected / world))  # fmt: skip
+            results.append(
+                torch.equal(cgx2.quantized_allreduce(x, 32, op=dist.ReduceOp.AVG), expected / world)
+            )
         gathered = [torch.empty_like(x) for _ in range(world)]
         dist.all_gather(gathered, x)
         in_order = gathered[0] + gathered[1]
@@ -63,8 +64,9 @@ def _plain_equals_dist_all_reduce() -> list[bool]:
             in_order += other
         with tuned(transport="shm"):
             results.append(torch.equal(cgx2.quantized_allreduce(x, bits=32), in_order))
-            results.append(torch.equal(cgx2.quantized_allreduce(x, 32, op=dist.ReduceOp.AVG),
-                                       in_order / world))  # fmt: skip
+            results.append(
+                torch.equal(cgx2.quantized_allreduce(x, 32, op=dist.ReduceOp.AVG), in_order / world)
+            )
     return results
 
 
@@ -112,8 +114,9 @@ def _in_place() -> list[bool]:
         x = _input(rank, 3000, dtype)
         y = x.clone()
         returned = cgx2.quantized_allreduce_(y, 4, op="avg", seed=3)
-        ok.append(returned is y and _bits_equal(y, cgx2.quantized_allreduce(x, 4, op="avg",
-                                                                             seed=3)))  # fmt: skip
+        ok.append(
+            returned is y and _bits_equal(y, cgx2.quantized_allreduce(x, 4, op="avg", seed=3))
+        )
     x = _input(rank, 6 * 700, torch.float32).view(6, 700).t()
     y = x.clone()
     cgx2.quantized_allreduce_(y, 4, seed=1)
@@ -457,8 +460,10 @@ def _collective_modes(name: str) -> list[list[bool]]:
                 x = torch.randn(3 * 4096, generator=torch.Generator().manual_seed(rank))
                 error = torch.empty_like(x) if with_error else None
                 got = allreduce_(x.clone(), 4, 512, dist.group.WORLD, "sum", 7, error=error)
-                inputs = [torch.randn(3 * 4096, generator=torch.Generator().manual_seed(r))
-                          for r in range(dist.get_world_size())]  # fmt: skip
+                inputs = [
+                    torch.randn(3 * 4096, generator=torch.Generator().manual_seed(r))
+                    for r in range(dist.get_world_size())
+                ]
                 assert torch.equal(got, reference_allreduce(inputs, 4, 512, 7))
                 modes.append(list(seen))
     finally:
@@ -498,8 +503,10 @@ def _gathered_in_place() -> list[bool]:
     try:
         with tuned(pipeline_bytes=4 * 1024 * 4, pair_gather=False, transport="process_group"):
             rank, n = dist.get_rank(), 3 * 4096 + 77
-            inputs = [torch.randn(n, generator=torch.Generator().manual_seed(r))
-                      for r in range(dist.get_world_size())]  # fmt: skip
+            inputs = [
+                torch.randn(n, generator=torch.Generator().manual_seed(r))
+                for r in range(dist.get_world_size())
+            ]
             got = allreduce_(inputs[rank].clone(), 4, 512, dist.group.WORLD, "sum", 7)
             assert torch.equal(got, reference_allreduce(inputs, 4, 512, 7))
     finally:

@@ -136,8 +136,9 @@ def test_failed_capture_runs_eagerly_and_stops_capturing(fake_capture, monkeypat
     assert "launching eagerly" in caplog.text
 
 
-@pytest.mark.parametrize(("raw", "expected"), [("", None), ("auto", None), ("0", False),
-                                               ("1", True), ("on", True)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("raw", "expected"), [("", None), ("auto", None), ("0", False), ("1", True), ("on", True)]
+)
 def test_environment_variable(raw, expected):
     assert config.TuningConfig.from_env({"CGX2_CUDA_GRAPHS": raw}).cuda_graphs is expected
 

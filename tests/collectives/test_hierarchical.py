@@ -29,8 +29,9 @@ def _run(n: int, intra_broadcast: bool, op: str) -> dict:
     x = _input(dist.get_rank(), n)
     inside = mock.Mock(wraps=shm.reduce_scatter_plain)
     with mock.patch.object(shm, "reduce_scatter_plain", inside):
-        out = hierarchical_allreduce(x, 4, mesh, op=op, bucket_size=128,
-                                     intra_broadcast=intra_broadcast, seed=5)  # fmt: skip
+        out = hierarchical_allreduce(
+            x, 4, mesh, op=op, bucket_size=128, intra_broadcast=intra_broadcast, seed=5
+        )
     groups = tuple(dist.get_process_group_ranks(mesh.get_group(d)) for d in ("inter", "intra"))
     inside_shm = inside.call_count == 1 and shm.serves(mesh.get_group("intra"))
     return {"x": x, "out": out, "groups": groups, "inside_shm": inside_shm}
@@ -45,8 +46,10 @@ def _model(xs: list[torch.Tensor], intra_broadcast: bool, op: str, seed: int = 5
         n, local = xs[0].numel(), 2
         half = -(-n // local)
         padded = [torch.cat([s, s.new_zeros(half * local - n)]) for s in node_sums]
-        shards = [reference_allreduce([p[j * half : (j + 1) * half] for p in padded], 4, 128,
-                                      seed) for j in range(local)]  # fmt: skip
+        shards = [
+            reference_allreduce([p[j * half : (j + 1) * half] for p in padded], 4, 128, seed)
+            for j in range(local)
+        ]
         out = torch.cat(shards)[:n]
     return out / 4 if op == "avg" else out
 
@@ -159,8 +162,11 @@ def _mesh_timed_at_first_use() -> dict:
             model.register_comm_hook(state, cgx_hook)
             for _ in range(2):
                 model(_input(dist.get_rank(), 8 * 128).view(8, 128)).square().sum().backward()
-        return {"answers": answers, "over_mesh": over_mesh.call_count,
-                "grad": model.module.weight.grad.clone()}  # fmt: skip
+        return {
+            "answers": answers,
+            "over_mesh": over_mesh.call_count,
+            "grad": model.module.weight.grad.clone(),
+        }
     finally:
         for k in ("LOCAL_WORLD_SIZE", "WORLD_SIZE", "CGX2_CROSSOVER_BYTES"):
             del os.environ[k]
@@ -197,8 +203,9 @@ def _backend_on_two_nodes(intra_broadcast: bool, op: str) -> dict:
             x = _input(dist.get_rank(), 5001)
             y = x.clone()
             cgx2.manual_seed(7)
-            dist.all_reduce(y, op=dist.ReduceOp.AVG if op == "avg" else dist.ReduceOp.SUM,
-                            group=group)  # fmt: skip
+            dist.all_reduce(
+                y, op=dist.ReduceOp.AVG if op == "avg" else dist.ReduceOp.SUM, group=group
+            )
             mesh = group.node_mesh("cpu")
             out = {"x": x, "y": y, "mesh": tuple(mesh.shape), "sent": group.bytes_sent}
             dist.destroy_process_group(group)
@@ -230,8 +237,10 @@ def _meshes_with_options() -> list:
     os.environ.update(LOCAL_WORLD_SIZE="2", WORLD_SIZE="4")
     try:
         params = {"bits": 4}
-        return [CGXState(None, compression_params=params, **kw).mesh is None for kw in (
-            {}, {"error_feedback": True}, {"adaptive_bits": (2, 4, 8)})]  # fmt: skip
+        return [
+            CGXState(None, compression_params=params, **kw).mesh is None
+            for kw in ({}, {"error_feedback": True}, {"adaptive_bits": (2, 4, 8)})
+        ]
     finally:
         del os.environ["LOCAL_WORLD_SIZE"], os.environ["WORLD_SIZE"]
 

@@ -37,8 +37,12 @@ def _watch(**kwargs) -> tuple[ReplayWatch, list[CudaEvent]]:
         events.append(CudaEvent())
         return events[-1]
 
-    return ReplayWatch(new_event=new_event, raw_stream=lambda index: 100 + index,
-                       stream=lambda index: f"stream {index}", **kwargs), events  # fmt: skip
+    return ReplayWatch(
+        new_event=new_event,
+        raw_stream=lambda index: 100 + index,
+        stream=lambda index: f"stream {index}",
+        **kwargs,
+    ), events
 
 
 def test_replays_behind_a_pending_one_record_nothing_and_are_forgotten_once_done():

@@ -24,8 +24,12 @@ def _ring(cases, pipeline_bytes) -> list[dict]:
         x = _input(rank, n, dtype)
         results = {}
         for transport in ("shm", "process_group"):
-            with tuned(transport=transport, crossover_bytes=0, algorithm="ring",
-                       pipeline_bytes=pipeline_bytes):  # fmt: skip
+            with tuned(
+                transport=transport,
+                crossover_bytes=0,
+                algorithm="ring",
+                pipeline_bytes=pipeline_bytes,
+            ):
                 assert policy.route(x, group, BITS, BUCKET).ring
                 results[transport] = collectives.allreduce(x, BITS, BUCKET, group, op, seed=11)
         found.append(results)
@@ -52,8 +56,12 @@ def _bound(inputs: list[torch.Tensor], bits: int, bucket: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("pipeline_bytes", [None, 4 * BUCKET * 4 * 3])
 def test_ring_is_identical_on_every_rank_and_within_its_bound(dist4, pipeline_bytes):
-    cases = [(n, dtype, op) for n in (1, 700, 40_001)
-             for dtype in (torch.float32, torch.bfloat16) for op in ("sum", "avg")]  # fmt: skip
+    cases = [
+        (n, dtype, op)
+        for n in (1, 700, 40_001)
+        for dtype in (torch.float32, torch.bfloat16)
+        for op in ("sum", "avg")
+    ]
     by_rank = dist4.run(_ring, cases, pipeline_bytes)
     world = len(by_rank)
     for i, (n, dtype, op) in enumerate(cases):
@@ -74,8 +82,9 @@ def test_ring_is_identical_on_every_rank_and_within_its_bound(dist4, pipeline_by
 def _ring_samples(n: int, samples: int) -> torch.Tensor:
     x = _input(dist.get_rank(), n, torch.float32)
     with tuned(crossover_bytes=0, algorithm="ring"):
-        return torch.stack([collectives.allreduce(x, 2, BUCKET, dist.group.WORLD, seed=s)
-                            for s in range(samples)])  # fmt: skip
+        return torch.stack(
+            [collectives.allreduce(x, 2, BUCKET, dist.group.WORLD, seed=s) for s in range(samples)]
+        )
 
 
 def test_ring_is_unbiased(dist4):
