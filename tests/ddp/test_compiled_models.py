@@ -14,8 +14,7 @@ from cgx2.ddp import CGXState, cgx_hook
 class _Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(64, 64), nn.ReLU())
-                                     for _ in range(3)])  # fmt: skip
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(3)])
         self.head = nn.Linear(64, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

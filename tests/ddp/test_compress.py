@@ -103,10 +103,14 @@ def _bucket_sizes(ddp_kwargs: dict) -> tuple[list[int], list[int]]:
 
 @pytest.mark.parametrize(
     "ddp_kwargs",
-    [{}, {"bucket_cap_mb": 0.6}, {"find_unused_parameters": True},
-     {"bucket_cap_mb": 0.6, "find_unused_parameters": True}],
+    [
+        {},
+        {"bucket_cap_mb": 0.6},
+        {"find_unused_parameters": True},
+        {"bucket_cap_mb": 0.6, "find_unused_parameters": True},
+    ],
     ids=["default-caps", "small-caps", "no-rebuild", "small-caps-no-rebuild"],
-)  # fmt: skip
+)
 def test_the_policy_is_asked_about_the_buckets_ddp_will_reduce(dist2, ddp_kwargs):
     """DDP's first bucket is small (1 MiB), the others hold up to bucket_cap_mb, and it rebuilds
     them after the first pass in the order gradients arrived (not with
@@ -125,11 +129,18 @@ def _train(how: str, crossover: int, steps: int = 3) -> dict:
         model = DDP(Mlp(), bucket_cap_mb=0.6)
         state = None
         if how == "compress":
-            state = compress(model, bits=4, bucket_size=128, layer_min_size=1024,
-                             error_feedback=True, start_iter=0)  # fmt: skip
+            state = compress(
+                model,
+                bits=4,
+                bucket_size=128,
+                layer_min_size=1024,
+                error_feedback=True,
+                start_iter=0,
+            )
         elif how == "by hand":
-            state = CGXState(None, 1024, {"bits": 4, "bucket_size": 128}, error_feedback=True,
-                             start_iter=0)  # fmt: skip
+            state = CGXState(
+                None, 1024, {"bits": 4, "bucket_size": 128}, error_feedback=True, start_iter=0
+            )
             model.register_comm_hook(state, cgx_hook)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
         losses = [_step(model, opt, step) for step in range(steps)]
@@ -137,11 +148,18 @@ def _train(how: str, crossover: int, steps: int = 3) -> dict:
         "losses": losses,
         "params": {n: p.detach().clone() for n, p in model.module.named_parameters()},
         "hook": model._get_ddp_logging_data().get("comm_hook"),
-        "state": None if state is None else (type(state).__name__, state.bits, state.bucket_size,
-                                             state.errors is not None, state.start_iter),
+        "state": None
+        if state is None
+        else (
+            type(state).__name__,
+            state.bits,
+            state.bucket_size,
+            state.errors is not None,
+            state.start_iter,
+        ),
         "bytes_sent": None if state is None else state.bytes_sent,
         "said": [m for m in said.messages if m.startswith("cgx2.ddp.compress")],
-    }  # fmt: skip
+    }
 
 
 def _identical(a: dict, b: dict) -> None:
@@ -190,8 +208,14 @@ def _decided_with_worker(comm_worker: bool) -> str | None:
 
     descriptor, path = tempfile.mkstemp(suffix=".json")
     with os.fdopen(descriptor, "w") as f:
-        json.dump({"format": policy.CALIBRATION_FORMAT, "crossover_bytes": {"cpu/gloo/fp32": 0},
-                   "beside_crossover_bytes": {"cpu/gloo/fp32": None}}, f)  # fmt: skip
+        json.dump(
+            {
+                "format": policy.CALIBRATION_FORMAT,
+                "crossover_bytes": {"cpu/gloo/fp32": 0},
+                "beside_crossover_bytes": {"cpu/gloo/fp32": None},
+            },
+            f,
+        )
     group = dist.new_group()  # its crossovers read afresh, from this file
     try:
         with config.tuned(calibration_file=path, comm_worker=comm_worker):

@@ -37,8 +37,9 @@ def _hooked(hook: str, settings: dict) -> tuple[object, object]:
     return GlobalQSGDState(**settings), getattr(global_qsgd, hook)
 
 
-def _backward(hook: str, settings: tuple[dict, dict], env: tuple[dict, dict] = ({}, {}),
-              steps: int = 1) -> tuple[str, str, int]:  # fmt: skip
+def _backward(
+    hook: str, settings: tuple[dict, dict], env: tuple[dict, dict] = ({}, {}), steps: int = 1
+) -> tuple[str, str, int]:
     """``steps`` backward passes of DDP with ``hook`` and this rank's ``settings`` and
     environment: the error's type and message ("", "" where none), and how many times the
     ranks' settings were compared."""
@@ -63,17 +64,23 @@ def _backward(hook: str, settings: tuple[dict, dict], env: tuple[dict, dict] = (
 @pytest.mark.parametrize(
     ("settings", "expected"),
     [
-        (({"compression_params": {"bits": 4}}, {"compression_params": {"bits": 8}}),
-         "bits=[rank 0: 4, rank 1: 8]"),
-        (({"compression_params": {"bits": 4, "bucket_size": 128}}, {}),
-         "bucket_size=[rank 0: 128, rank 1: 512]"),
-        (({"layer_min_size": 1024}, {"layer_min_size": 100_000}),
-         "layer_min_size=[rank 0: 1024, rank 1: 100000]"),
+        (
+            ({"compression_params": {"bits": 4}}, {"compression_params": {"bits": 8}}),
+            "bits=[rank 0: 4, rank 1: 8]",
+        ),
+        (
+            ({"compression_params": {"bits": 4, "bucket_size": 128}}, {}),
+            "bucket_size=[rank 0: 128, rank 1: 512]",
+        ),
+        (
+            ({"layer_min_size": 1024}, {"layer_min_size": 100_000}),
+            "layer_min_size=[rank 0: 1024, rank 1: 100000]",
+        ),
         (({}, {"error_feedback": True}), "error_feedback=[rank 0: False, rank 1: True]"),
         (({}, {"adaptive_bits": (2, 4)}), "adaptive_bits=[rank 0: None, rank 1: [2, 4]]"),
         (({"start_iter": 0}, {}), "start_iter=[rank 0: 0, rank 1: 1]"),
     ],
-)  # fmt: skip
+)
 def test_cgx_hooks_whose_settings_differ_raise_on_every_rank(dist2, settings, expected):
     """Before, 4 bits on one rank and 8 on the other trained on, each rank on gradients of its
     own, wrong by up to 8 times their range."""
@@ -99,15 +106,22 @@ def test_ranks_that_agree_compare_once_and_train_on(dist2, hook):
     ("hook", "settings", "expected"),
     [
         ("standard_dithering_hook", ({"bits": 4}, {"bits": 8}), "bits=[rank 0: 4, rank 1: 8]"),
-        ("qsgd_hook", ({}, {"error_feedback": True}),
-         "error_feedback=[rank 0: False, rank 1: True]"),
-        ("powerSGD", ({"matrix_approximation_rank": 1}, {"matrix_approximation_rank": 2}),
-         "matrix_approximation_rank=[rank 0: 1, rank 1: 2]"),
+        (
+            "qsgd_hook",
+            ({}, {"error_feedback": True}),
+            "error_feedback=[rank 0: False, rank 1: True]",
+        ),
+        (
+            "powerSGD",
+            ({"matrix_approximation_rank": 1}, {"matrix_approximation_rank": 2}),
+            "matrix_approximation_rank=[rank 0: 1, rank 1: 2]",
+        ),
         ("powerSGD", ({"random_seed": 0}, {"random_seed": 1}), "random_seed=[rank 0: "),
     ],
-)  # fmt: skip
-def test_global_qsgd_and_powersgd_hooks_whose_settings_differ_raise(dist2, hook, settings,
-                                                                    expected):  # fmt: skip
+)
+def test_global_qsgd_and_powersgd_hooks_whose_settings_differ_raise(
+    dist2, hook, settings, expected
+):
     for rank, (kind, message, _) in enumerate(dist2.run(_backward, hook, settings)):
         assert kind == "DisagreementError", message
         assert expected in message and f"this rank {rank}:" in message, message
@@ -120,8 +134,9 @@ def _different_hooks() -> tuple[str, str]:
     torch.manual_seed(0)
     group = dist.new_group(backend="gloo")
     model = DDP(_Net(), bucket_cap_mb=0.02, process_group=group)
-    model.register_comm_hook(group, (global_qsgd.standard_dithering_hook,
-                                     global_qsgd.thc_hook)[rank])  # fmt: skip
+    model.register_comm_hook(
+        group, (global_qsgd.standard_dithering_hook, global_qsgd.thc_hook)[rank]
+    )
     try:
         model(torch.randn(16, 288)).square().mean().backward()
     except Exception as e:  # reported to the test

@@ -37,15 +37,21 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, (x.mean(dim=(1, 2, 3)) > 0).long() + 2 * (x[:, 0, 0, 0] > 0).long()
 
 
-def _train(bits: int | None, steps: int, params: dict | None = None,
-           error_feedback: bool = False) -> dict:  # fmt: skip
+def _train(
+    bits: int | None, steps: int, params: dict | None = None, error_feedback: bool = False
+) -> dict:
     """Train Net under DDP (several buckets) with cgx_hook at ``bits`` (None: DDP's own)."""
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = DDP(Net(), bucket_cap_mb=0.02)
     if bits is not None:
-        state = CGXState(None, 1024, {"bits": bits, "bucket_size": 128, **(params or {})},
-                         start_iter=0, error_feedback=error_feedback)  # fmt: skip
+        state = CGXState(
+            None,
+            1024,
+            {"bits": bits, "bucket_size": 128, **(params or {})},
+            start_iter=0,
+            error_feedback=error_feedback,
+        )
         model.register_comm_hook(state, cgx_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.5)
     losses, first_grads = [], None
@@ -103,10 +109,13 @@ def test_the_worker_thread_gives_the_same_bits_as_autograds(dist2):
 def _train_exact_over_the_process_group(worker_on: bool) -> dict:
     from cgx2.comm import process_group
 
-    counted = mock.patch.object(process_group, "allreduce_plain_async_",
-                                wraps=process_group.allreduce_plain_async_)  # fmt: skip
-    with config.tuned(comm_worker=worker_on, transport="process_group",
-                      crossover_bytes=1 << 40), counted as started:  # fmt: skip
+    counted = mock.patch.object(
+        process_group, "allreduce_plain_async_", wraps=process_group.allreduce_plain_async_
+    )
+    with (
+        config.tuned(comm_worker=worker_on, transport="process_group", crossover_bytes=1 << 40),
+        counted as started,
+    ):
         result = _train(4, 3)
     result["started"] = started.call_count
     return result
@@ -274,8 +283,14 @@ class Deep(nn.Module):
         return x
 
 
-def _resume(split: int | None, steps: int, model_name: str = "net", error_feedback: bool = False,
-            comm_worker: bool = True, find_unused: bool = False) -> dict:  # fmt: skip
+def _resume(
+    split: int | None,
+    steps: int,
+    model_name: str = "net",
+    error_feedback: bool = False,
+    comm_worker: bool = True,
+    find_unused: bool = False,
+) -> dict:
     """Train ``steps`` steps; with ``split``, checkpoint after ``split`` steps (torch.save of
     model, optimizer and hook state) and go on with a fresh model, optimizer and CGXState
     loaded from the checkpoint. Returns the losses, the final parameters and what cgx2
@@ -284,8 +299,9 @@ def _resume(split: int | None, steps: int, model_name: str = "net", error_feedba
         return _resume_run(split, steps, model_name, error_feedback, find_unused)
 
 
-def _resume_run(split: int | None, steps: int, model_name: str, error_feedback: bool,
-                find_unused: bool) -> dict:  # fmt: skip
+def _resume_run(
+    split: int | None, steps: int, model_name: str, error_feedback: bool, find_unused: bool
+) -> dict:
     import io
     import logging
 
@@ -298,13 +314,23 @@ def _resume_run(split: int | None, steps: int, model_name: str, error_feedback: 
 
     groups = []
 
-    def fresh(group: dist.ProcessGroup | None = None) -> tuple[DDP, torch.optim.Optimizer,
-                                                               CGXState]:  # fmt: skip
+    def fresh(
+        group: dist.ProcessGroup | None = None,
+    ) -> tuple[DDP, torch.optim.Optimizer, CGXState]:
         torch.manual_seed(0)
-        model = DDP(Net() if model_name == "net" else Deep(), bucket_cap_mb=0.02,
-                    process_group=group, find_unused_parameters=find_unused)  # fmt: skip
-        state = CGXState(group, 1024, {"bits": 3, "bucket_size": 128}, start_iter=0,
-                         error_feedback=error_feedback)  # fmt: skip
+        model = DDP(
+            Net() if model_name == "net" else Deep(),
+            bucket_cap_mb=0.02,
+            process_group=group,
+            find_unused_parameters=find_unused,
+        )
+        state = CGXState(
+            group,
+            1024,
+            {"bits": 3, "bucket_size": 128},
+            start_iter=0,
+            error_feedback=error_feedback,
+        )
         model.register_comm_hook(state, cgx_hook)
         return model, torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.5), state
 
@@ -315,8 +341,14 @@ def _resume_run(split: int | None, steps: int, model_name: str, error_feedback: 
         if step == split:
             buffer = io.BytesIO()
             try:
-                torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
-                            "hook": state.state_dict()}, buffer)  # fmt: skip
+                torch.save(
+                    {
+                        "model": model.state_dict(),
+                        "opt": opt.state_dict(),
+                        "hook": state.state_dict(),
+                    },
+                    buffer,
+                )
             finally:
                 logging.getLogger("cgx2").removeHandler(handler)
             cgx2.manual_seed(999)  # whatever happens in between

@@ -94,8 +94,12 @@ def test_bad_arguments_are_clear():
     with pytest.raises(TypeError, match="error_feedback must be a bool"):
         GlobalQSGDState(error_feedback=1)
     with pytest.raises(ValueError, match="hierarchical mesh"):
-        CGXState(None, compression_params={"bits": 4}, mesh=DeviceMesh.__new__(DeviceMesh),
-                 error_feedback=True)  # fmt: skip
+        CGXState(
+            None,
+            compression_params={"bits": 4},
+            mesh=DeviceMesh.__new__(DeviceMesh),
+            error_feedback=True,
+        )
     with pytest.raises(ValueError, match="error must be"):
         allreduce_(torch.zeros(8), 4, 4, None, error=torch.zeros(4))
     state = CGXState(None, 16, {"bits": 4}, error_feedback=True)
@@ -130,8 +134,13 @@ def _collective_error(dtype: torch.dtype) -> dict:
                 if j != rank and n:
                     payload = maxmin.encode(piece[a : a + n], BITS, BUCKET, key, j)
                     decoded[s + a : s + a + n] = maxmin.decode(payload, n, BITS, BUCKET)
-        return {"same": torch.equal(out, plain), "error": error, "x": x, "decoded": decoded,
-                "pieces": -(-x.numel() // step)}  # fmt: skip
+        return {
+            "same": torch.equal(out, plain),
+            "error": error,
+            "x": x,
+            "decoded": decoded,
+            "pieces": -(-x.numel() // step),
+        }
 
 
 def _gq_algebra(name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,16 +219,27 @@ def _constant_gradient(kind: str, error_feedback: bool, steps: int) -> dict:
         model.zero_grad(set_to_none=True)
         model(coeffs).backward()
         after = {n: _residual(state, p) for n, p in params.items()}
-        records.append({n: {"grad": p.grad.clone(), "residual": after[n],
-                            "contribution": coeffs[n].reshape(-1) + before[n] - after[n]}
-                        for n, p in params.items()})  # fmt: skip
+        records.append(
+            {
+                n: {
+                    "grad": p.grad.clone(),
+                    "residual": after[n],
+                    "contribution": coeffs[n].reshape(-1) + before[n] - after[n],
+                }
+                for n, p in params.items()
+            }
+        )
         for n, p in params.items():
             total[n] += p.grad
         before = after
     truth = {n: sum(_coefficients(r, module)[n] for r in range(world)) / world for n in params}
     error = sum((total[n] / steps - truth[n]).square().sum() for n in params) ** 0.5
-    return {"layouts": layouts, "records": records, "error": error.item(),
-            "norm": sum(t.square().sum() for t in truth.values()).item() ** 0.5}  # fmt: skip
+    return {
+        "layouts": layouts,
+        "records": records,
+        "error": error.item(),
+        "norm": sum(t.square().sum() for t in truth.values()).item() ** 0.5,
+    }
 
 
 class Chain(nn.Module):
@@ -264,8 +284,10 @@ def _resume(kind: str, split: int | None, steps: int, keep_residuals: bool = Tru
     for step in range(steps):
         if step == split:
             buffer = io.BytesIO()
-            torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
-                        "hook": state.state_dict()}, buffer)  # fmt: skip
+            torch.save(
+                {"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()},
+                buffer,
+            )
             cgx2.manual_seed(999)  # whatever happens in between
             model, opt, state = fresh()
             buffer.seek(0)
@@ -422,9 +444,11 @@ def _with_options(options: dict, env: dict) -> dict:
 
 @pytest.mark.parametrize(
     ("options", "env"),
-    [({"adaptive_bits": (2, 4, 8), "replan_every": 2}, {}),
-     ({}, {"CGX_COMPRESSION_SKIP_INCOMPLETE_BUCKETS": "1"})],
-)  # fmt: skip
+    [
+        ({"adaptive_bits": (2, 4, 8), "replan_every": 2}, {}),
+        ({}, {"CGX_COMPRESSION_SKIP_INCOMPLETE_BUCKETS": "1"}),
+    ],
+)
 def test_error_feedback_with_adaptive_widths_or_raw_tails(dist2, options, env):
     """Error feedback combines with adaptive widths and with layers whose last bucket goes
     raw: replicas agree, and every compressed layer keeps a nonzero residual on a rank (zero

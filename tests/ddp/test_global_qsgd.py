@@ -39,9 +39,16 @@ def _exact_sums(bits: int | None) -> dict:
     cgx2.manual_seed(7)
     out_thc = gq.thc(g, state)
     total = everyone.to(torch.int64).sum(0)
-    return {"out": out, "thc": out_thc, "expected": total.float() * (norm / (levels * world)),
-            "max_level": int(q.abs().max()), "levels": levels, "dtype": q.dtype, "norm": norm,
-            "sum": sum(_grad(r) for r in range(world)) / world}  # fmt: skip
+    return {
+        "out": out,
+        "thc": out_thc,
+        "expected": total.float() * (norm / (levels * world)),
+        "max_level": int(q.abs().max()),
+        "levels": levels,
+        "dtype": q.dtype,
+        "norm": norm,
+        "sum": sum(_grad(r) for r in range(world)) / world,
+    }
 
 
 def _edge(bits: int | None) -> torch.Tensor:
@@ -66,8 +73,9 @@ def _train(hook_name: str, steps: int) -> dict:
     hook = getattr(gq, hook_name)
     state = None
     if hook_name == "powerSGD_hook":
-        state = gq.PowerSGDState(process_group=None, matrix_approximation_rank=2,
-                                 start_powerSGD_iter=2)  # fmt: skip
+        state = gq.PowerSGDState(
+            process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2
+        )
     model.register_comm_hook(state, hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.5)
     losses, grads = [], []
@@ -141,9 +149,18 @@ def test_exponential_codes_roundtrip_and_unbiased():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("hook", ["default_hook", "standard_dithering_hook", "thc_hook",
-                                  "qsgd_hook", "exponential_dithering_hook",
-                                  "standard_dithering_4bit_hook", "powerSGD_hook"])  # fmt: skip
+@pytest.mark.parametrize(
+    "hook",
+    [
+        "default_hook",
+        "standard_dithering_hook",
+        "thc_hook",
+        "qsgd_hook",
+        "exponential_dithering_hook",
+        "standard_dithering_4bit_hook",
+        "powerSGD_hook",
+    ],
+)
 def test_ddp_training_with_each_hook(dist2, hook):
     a, b = dist2.run(_train, hook, 20)
     for ga, gb in zip(a["grads"], b["grads"], strict=True):

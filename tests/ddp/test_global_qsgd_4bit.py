@@ -35,10 +35,20 @@ def _exact_sums(n: int) -> dict:
     cgx2.manual_seed(11)
     residual = torch.empty(n)
     out = gq.standard_dithering_4bit(g, state, residual=residual)
-    return {"level_sum": level_sum, "nibble_sum": nibble_sum, "out": out, "levels": levels,
-            "expected": level_sum.float() * (norm / (levels * world)), "q": q, "norm": norm,
-            "packed": packed, "sent": state.bytes_sent, "residual": residual, "g": g,
-            "mean": sum(_grad(r, n) for r in range(world)) / world}  # fmt: skip
+    return {
+        "level_sum": level_sum,
+        "nibble_sum": nibble_sum,
+        "out": out,
+        "levels": levels,
+        "expected": level_sum.float() * (norm / (levels * world)),
+        "q": q,
+        "norm": norm,
+        "packed": packed,
+        "sent": state.bytes_sent,
+        "residual": residual,
+        "g": g,
+        "mean": sum(_grad(r, n) for r in range(world)) / world,
+    }
 
 
 def _edge() -> dict:
@@ -50,8 +60,12 @@ def _edge() -> dict:
     dist.all_reduce(packed)
     g = torch.tensor([2.5, -2.5, 0.0, 2.5, -2.5])
     sums = global_norm.unpack_offset_sums(packed, q.numel(), levels, 0)  # the fields as sent
-    return {"sums": sums, "packed": packed, "levels": levels,
-            "out": gq.standard_dithering_4bit(g, GlobalQSGDState())}  # fmt: skip
+    return {
+        "sums": sums,
+        "packed": packed,
+        "levels": levels,
+        "out": gq.standard_dithering_4bit(g, GlobalQSGDState()),
+    }
 
 
 def _means(samples: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,8 +115,10 @@ def test_sums_never_carry_up_to_seven_ranks(world):
     """The allreduce's byte-wise sum, done here in uint8: every rank at +L, -L or mixed."""
     levels = 15 // (2 * world)
     gen = torch.Generator().manual_seed(world)
-    qs = [torch.randint(-levels, levels + 1, (301,), generator=gen, dtype=torch.int8)
-          for _ in range(world - 2)]  # fmt: skip
+    qs = [
+        torch.randint(-levels, levels + 1, (301,), generator=gen, dtype=torch.int8)
+        for _ in range(world - 2)
+    ]
     qs += [torch.full((301,), levels, dtype=torch.int8)] * min(world, 2)
     total = sum(global_norm.pack_offset_levels(q, levels) for q in qs)
     assert total.dtype == torch.uint8

@@ -66,8 +66,11 @@ def _train(kind: str, steps: int, kw: dict | None = None) -> dict:
     losses, grads = zip(*(_step(model, opt, s) for s in range(steps)), strict=True)
     out = {"losses": list(losses), "grads": list(grads)}
     if kind != "torch":
-        out |= {"sent": state.bytes_sent, "plans": dict(state.layer_ranks),
-                "plan_errors": dict(state.plan_errors)}  # fmt: skip
+        out |= {
+            "sent": state.bytes_sent,
+            "plans": dict(state.layer_ranks),
+            "plan_errors": dict(state.plan_errors),
+        }
     return out
 
 
@@ -79,8 +82,9 @@ def _resume(load: bool) -> dict:
     for s in range(7):
         _step(model, opt, s)
     buffer = io.BytesIO()
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
-                "hook": state.state_dict()}, buffer)  # fmt: skip
+    torch.save(
+        {"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()}, buffer
+    )
     straight = [_step(model, opt, s)[1] for s in range(7, 12)]
     pickled = pickle.loads(pickle.dumps(state))  # torch's pickling path keeps our fields
     buffer.seek(0)
@@ -93,8 +97,13 @@ def _resume(load: bool) -> dict:
     else:  # compress from the same step: only the plans, P, Q and residuals are lost
         state.iter = checkpoint["hook"]["iter"]
     resumed = [_step(model, opt, s)[1] for s in range(7, 12)]
-    return {"straight": straight, "resumed": resumed, "pickled_plans": pickled.layer_ranks,
-            "plans": state.layer_ranks, "pickled_ranks": pickled.ranks}  # fmt: skip
+    return {
+        "straight": straight,
+        "resumed": resumed,
+        "pickled_plans": pickled.layer_ranks,
+        "plans": state.layer_ranks,
+        "pickled_ranks": pickled.ranks,
+    }
 
 
 # ----------------------------------------------------------------------------------- tests
@@ -229,8 +238,9 @@ def _resume_powersgd(load: bool) -> dict:
     for s in range(5):
         _step(model, opt, s)
     buffer = io.BytesIO()
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
-                "hook": state.state_dict()}, buffer)  # fmt: skip
+    torch.save(
+        {"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()}, buffer
+    )
     straight = [_step(model, opt, s)[1] for s in range(5, 9)]
     buffer.seek(0)
     checkpoint = torch.load(buffer)
