@@ -408,10 +408,14 @@ class LaunchConfig:
         def flag(var: str) -> bool:  # NCCL's reading: anything but unset or 0 turns it on
             return env.get(var, "").strip() not in ("", "0")
 
-        return cls(size("WORLD_SIZE"), size("LOCAL_WORLD_SIZE"),
-                   flag("NCCL_P2P_DISABLE"), flag("NCCL_SHM_DISABLE"),
-                   env.get("OMP_WAIT_POLICY", "").strip().lower(),
-                   env.get("GLOO_SOCKET_IFNAME", "").strip())  # fmt: skip
+        return cls(
+            world_size=size("WORLD_SIZE"),
+            local_world_size=size("LOCAL_WORLD_SIZE"),
+            nccl_p2p_disabled=flag("NCCL_P2P_DISABLE"),
+            nccl_shm_disabled=flag("NCCL_SHM_DISABLE"),
+            omp_wait_policy=env.get("OMP_WAIT_POLICY", "").strip().lower(),
+            gloo_socket_ifname=env.get("GLOO_SOCKET_IFNAME", "").strip(),
+        )
 
 
 WIRE_SETTINGS: dict[str, str] = {

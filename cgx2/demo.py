@@ -214,7 +214,7 @@ def _across_hosts(args: argparse.Namespace) -> dict[str, Any] | None:
         command = [sys.executable, "-m", "cgx2.demo", "--in-host", out, "--sizes", sizes,
                    "--bits", bits, "--dtype", args.dtype, "--iters", str(args.iters)]  # fmt: skip
         env = {**os.environ, "MASTER_PORT": str(free_port())}
-        with netlab.Lab(args.hosts, netlab.Link(args.link)) as lab:
+        with netlab.Lab(hosts=args.hosts, link=netlab.Link(rate=args.link)) as lab:
             done = lab.run(command, env=env, timeout=3600)
         failed = [(i, r) for i, r in enumerate(done) if r.returncode != 0]
         if failed or not os.path.exists(out):

@@ -162,8 +162,15 @@ def run_timing(
         elt = x.element_size()
         for bits in bits_list:
             payload = tri.encode(x, bits, bucket, KEY)
-            p = MaxMinLayout(n, bits, bucket).nbytes
-            whole = ChunkedLayout(n, 1, n, bits, bucket, False)
+            p = MaxMinLayout(numel=n, bits=bits, bucket_size=bucket).nbytes
+            whole = ChunkedLayout(
+                numel=n,
+                num_chunks=1,
+                chunk_numel=n,
+                bits=bits,
+                bucket_size=bucket,
+                skip_incomplete=False,
+            )
             rows.append(
                 timing_row(
                     "encode",
@@ -221,7 +228,7 @@ def run_timing(
         del x
     ref_bits = 4 if 4 in bits_list else bits_list[0]
     x = make_input(n, torch.float32, device, 12345)
-    p = MaxMinLayout(n, ref_bits, bucket).nbytes
+    p = MaxMinLayout(numel=n, bits=ref_bits, bucket_size=bucket).nbytes
     rows.append(
         timing_row(
             "torch_ref_enc",

@@ -48,7 +48,7 @@ class MaxMinLayout:
     @functools.lru_cache(maxsize=1024)
     def of(cls, numel: int, bits: int, bucket_size: int, skip_incomplete: bool) -> MaxMinLayout:
         """The shared layout of these parameters, its sizes already computed once asked."""
-        return cls(numel, bits, bucket_size, skip_incomplete)
+        return cls(numel=numel, bits=bits, bucket_size=bucket_size, skip_incomplete=skip_incomplete)
 
     @functools.cached_property
     def num_buckets(self) -> int:
@@ -111,7 +111,14 @@ class ChunkedLayout:
         immutable, so one object (with its computed sizes) serves every call."""
         buckets = -(-numel // bucket_size)
         chunk = -(-buckets // num_chunks) * bucket_size if num_chunks > 1 else numel
-        return cls(numel, num_chunks, chunk, bits, bucket_size, skip_incomplete)
+        return cls(
+            numel=numel,
+            num_chunks=num_chunks,
+            chunk_numel=chunk,
+            bits=bits,
+            bucket_size=bucket_size,
+            skip_incomplete=skip_incomplete,
+        )
 
     def chunk_start(self, j: int) -> int:
         return min(j * self.chunk_numel, self.numel)

@@ -122,7 +122,14 @@ def check(group: dist.ProcessGroup, operation: str, t: torch.Tensor,
         ready.record()
         with _PENDING_LOCK:
             _PENDING.setdefault(group, deque()).append(
-                _Pending(copied, ready, names, shown, operation, rank)
+                _Pending(
+                    copied=copied,
+                    ready=ready,
+                    names=names,
+                    shown=shown,
+                    operation=operation,
+                    rank=rank,
+                )
             )
         return agreed
     if route is not None and _differ_in(rows, names.index(SETTINGS)):

@@ -42,7 +42,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGro
     # The reduce-scatter's index plan for one row: the segments padded, fused and put back.
     plan = _plan(n, 1, (tuple(compressed),), tuple(exact), bucket_size, input.device)
     fused = plan.widths[0]
-    layout = MaxMinLayout(fused, bits, bucket_size)
+    layout = MaxMinLayout(numel=fused, bits=bits, bucket_size=bucket_size)
     # Every row and its exact values start 16-byte aligned, as the kernels' payloads do.
     head = -(-layout.nbytes // 16) * 16
     exact_bytes = plan.exact.numel() * input.element_size()

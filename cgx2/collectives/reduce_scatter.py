@@ -124,7 +124,15 @@ def reduce_scatter(
         parts, layouts, sends, at = [], [], [], 0
         for g, ((b, _), width) in enumerate(zip(groups, plan.widths, strict=True)):
             parts.append(flat[at : at + world * width])
-            layouts.append(ChunkedLayout(world * width, world, width, b, bucket_size))
+            layouts.append(
+                ChunkedLayout(
+                    numel=world * width,
+                    num_chunks=world,
+                    chunk_numel=width,
+                    bits=b,
+                    bucket_size=bucket_size,
+                )
+            )
             key = _group_key(seed, rank, g)
             sends.append(codec.encode_chunks(parts[-1], layouts[-1], key, skip_chunk=rank))
             at += world * width
@@ -198,9 +206,9 @@ def _plan(n: int, world: int, groups: tuple[tuple[Segment, ...], ...],
     exact_index = torch.cat([torch.arange(o, o + k) for o, k, _ in exact]) if exact else empty
     cat = lambda parts: torch.cat(parts) if parts else empty
     return _Plan(
-        tuple(widths),
-        cat(gathers).to(device),
-        cat(src).to(device),
-        cat(out).to(device),
-        exact_index.to(device),
+        widths=tuple(widths),
+        gather=cat(gathers).to(device),
+        src=cat(src).to(device),
+        out=cat(out).to(device),
+        exact=exact_index.to(device),
     )

@@ -79,7 +79,13 @@ def reference_reduce_scatter(
     for g, (b, chosen) in enumerate(width_groups(compressed, bits, widths)):
         fused = [_fused_rows(x.reshape(world, n).cpu(), list(chosen), bucket_size) for x in inputs]
         starts, width = fused[0][1], fused[0][2]
-        layout = ChunkedLayout(world * width, world, width, b, bucket_size)
+        layout = ChunkedLayout(
+            numel=world * width,
+            num_chunks=world,
+            chunk_numel=width,
+            bits=b,
+            bucket_size=bucket_size,
+        )
         sent = [maxmin.encode_chunks(f, layout, _group_key(seed, r, g), r)
                 for r, (f, _, _) in enumerate(fused)]  # fmt: skip
         for j in range(world):

@@ -85,8 +85,15 @@ class ReplayWatch:
         stream = self.stream(device_index)
         done = self.new_event()
         done.record(stream)
-        watch = _Watch(key, stream, done, self.clock() + timeout_s, weakref.ref(group),
-                       group.group_name, timeout_s)  # fmt: skip
+        watch = _Watch(
+            key=key,
+            stream=stream,
+            done=done,
+            deadline=self.clock() + timeout_s,
+            group=weakref.ref(group),
+            name=group.group_name,
+            timeout_s=timeout_s,
+        )
         with self._lock:
             self._open[key] = watch
             self._replays.append(watch)

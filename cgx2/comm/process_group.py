@@ -76,8 +76,14 @@ def group_info(group: dist.ProcessGroup) -> GroupInfo:
         size, rank = dist.get_world_size(group), dist.get_rank(group)
     nccl = backend == "nccl" or bool(getattr(group, "cuda_on_nccl", False))
     # Nothing of the group itself is kept: the entry must not keep the group alive.
-    info = GroupInfo(backend, size, rank, nccl, hasattr(group, "allreduce_exact"),
-                     _timeout_s(group))  # fmt: skip
+    info = GroupInfo(
+        backend=backend,
+        size=size,
+        rank=rank,
+        cuda_on_nccl=nccl,
+        has_exact_allreduce=hasattr(group, "allreduce_exact"),
+        timeout_s=_timeout_s(group),
+    )
     _INFO[id(group)] = info
     weakref.finalize(group, _INFO.pop, id(group), None)
     return info

@@ -317,7 +317,12 @@ class CGXState:
                 else:
                     exact.append((offset, numel))
                 offset += numel
-            plan = _Plan(shapes, tuple(compressed), tuple(exact), tuple(layers))
+            plan = _Plan(
+                shapes=shapes,
+                compressed=tuple(compressed),
+                exact=tuple(exact),
+                layers=tuple(layers),
+            )
             self._plans[index] = plan
         return plan
 

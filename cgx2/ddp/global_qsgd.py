@@ -112,7 +112,7 @@ def _state(state: object) -> GlobalQSGDState:
     if isinstance(state, GlobalQSGDState):
         return state
     if state is None or isinstance(state, dist.ProcessGroup):
-        made = GlobalQSGDState(state)
+        made = GlobalQSGDState(process_group=state)
         made._agreed = None
         return made
     raise TypeError(

@@ -31,7 +31,9 @@ def _layout(numel: int, bits: int, bucket_size: int, skip_incomplete: bool) -> M
     implementation under dynamic shapes) cannot key a cache."""
     if type(numel) is int and type(bits) is int and type(bucket_size) is int:
         return MaxMinLayout.of(numel, bits, bucket_size, skip_incomplete)
-    return MaxMinLayout(numel, bits, bucket_size, skip_incomplete)
+    return MaxMinLayout(
+        numel=numel, bits=bits, bucket_size=bucket_size, skip_incomplete=skip_incomplete
+    )
 
 
 def _check_codec_args(bits: int, bucket_size: int, skip_incomplete: bool) -> None:

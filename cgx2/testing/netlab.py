@@ -459,8 +459,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.gpus is not None:
         gpus = int(args.gpus) if args.gpus.strip().isdigit() else args.gpus.split(",")
     try:  # bad arguments are refused before any namespace is made
-        link = Link(args.rate, args.burst, args.delay, args.loss, args.mtu)
-        lab = Lab(args.hosts, link, args.iproute_root, args.gpus_per_host, gpus)
+        link = Link(
+            rate=args.rate, burst=args.burst, delay=args.delay, loss=args.loss, mtu=args.mtu
+        )
+        lab = Lab(
+            hosts=args.hosts,
+            link=link,
+            iproute_root=args.iproute_root,
+            gpus_per_host=args.gpus_per_host,
+            gpus=gpus,
+        )
     except (ValueError, TypeError, FileNotFoundError) as e:
         p.error(str(e))
     reason = unavailable(args.iproute_root)
