@@ -15,10 +15,7 @@ import dataclasses
 import functools
 import json
 import logging
-import math
 import weakref
-import zlib
-from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -29,12 +26,23 @@ from .. import config, cpu_threads
 from ..checks import UNCOMPRESSED_BITS
 from ..comm import GroupInfo, group_info, nccl, process_group, shm
 from ..comm import store as stored
-from . import calibration_file, graphs
+from . import calibration_file, decision, graphs
+from .decision import (
+    CPU_ACROSS_NODES_PIECE_NUMEL,
+    CROSSOVER_BYTES,
+    CROSSOVER_BYTES_GRAPHS,
+    GRAPHS_AUTO_MAX_BYTES,
+    PIECE_NUMEL,
+    PIECE_NUMEL_PAIR,
+    Route,
+)
 
 __all__ = [
     "CALIBRATION_FORMAT",
+    "CPU_ACROSS_NODES_PIECE_NUMEL",
     "CROSSOVER_BYTES",
     "CROSSOVER_BYTES_GRAPHS",
+    "GRAPHS_AUTO_MAX_BYTES",
     "PIECE_NUMEL",
     "PIECE_NUMEL_PAIR",
     "Route",
@@ -58,94 +66,10 @@ __all__ = [
 
 logger = logging.getLogger("cgx2")
 
-CROSSOVER_BYTES: dict[str, tuple[int | None, int | None]] = {
-    # regime: (fp32 input, 16-bit input) in bytes; None: compression never reliably won.
-    # Over NVLink, 16-bit input lost to NCCL at every size measured. CPU users ask for
-    # compression: on one host gloo is faster, but over links slower than the codec it wins,
-    # and the link between CPU nodes is unknown here (BENCHMARKS.md, "CPU").
-    "cpu": (0, 0),
-    "socket": (4 << 20, 4 << 20),
-    "shm": (16 << 20, 16 << 20),
-    "nvlink": (256 << 20, None),
-}
-"""The smallest tensor the quantized allreduce compresses, per regime and input width, where
-no calibration file says otherwise (BENCHMARKS.md, "The crossover")."""
-
-CROSSOVER_BYTES_GRAPHS: dict[str, tuple[int | None, int | None]] = {
-    "cpu": (0, 0),
-    "socket": (4 << 20, 4 << 20),
-    "shm": (4 << 20, 16 << 20),
-    "nvlink": (64 << 20, 256 << 20),
-}
-""":data:`CROSSOVER_BYTES` with CUDA-graph replay, whose host time is a fraction of the
-launches': smaller where the host bounded the eager call."""
-
-GRAPHS_AUTO_MAX_BYTES = 64 << 20
-"""With ``CGX2_CUDA_GRAPHS=auto`` (the default), compressed GPU allreduces on NCCL of at most
-this many bytes replay CUDA graphs: there the host's launches are a large share of a call
-(BENCHMARKS.md, "Host time"), and each graph's buffers (about half the input's bytes at 4
-bits) stay small beside the GPU's memory. Larger ones launch eagerly; the crossovers stay the
-eager ones' (:data:`CROSSOVER_BYTES`): graphs make a compressed call cheaper, not more calls
-compressed."""
-
-PIECE_NUMEL = {"nvlink": 64 << 20, "shm": 32 << 20, "socket": 16 << 20, "cpu": 64 << 20}
-"""Values per pipeline piece in each regime: values, not bytes, since both the coding and the
-bytes on the wire grow with the values whatever the input dtype. Each piece has a fixed host
-cost; smaller pieces overlap more coding with sending. Where the transfer is short against the
-coding (NVLink) large pieces win; over sockets overlapping more pays (BENCHMARKS.md,
-"Pipeline pieces")."""
-
-CPU_ACROSS_NODES_PIECE_NUMEL = 1 << 20
-"""Values per piece for CPU tensors of a job that spans nodes, called alone, in place of
-:data:`PIECE_NUMEL`'s: there the link, not the codec, bounds the call, and smaller pieces keep
-it busy while the next is coded. Beside the training step (DDP's hooks) one piece a bucket
-trained faster (BENCHMARKS.md, "CPU hosts over Ethernet")."""
-
-PIECE_NUMEL_PAIR = {"shm": 64 << 20, "socket": 64 << 20}
-"""Values per piece where two ranks swap their chunks by all-gather, in place of
-:data:`PIECE_NUMEL`: there each collective's fixed cost outweighs the coding that smaller
-pieces overlap (BENCHMARKS.md, "Pipeline pieces")."""
-
 CALIBRATION_FORMAT = calibration_file.FORMAT
 """The ``format`` of a calibration file (``python -m cgx2.bench calibrate``)."""
 
 _STORE_KEY = "cgx2/calibration/"
-
-
-@dataclass(frozen=True, slots=True)
-class Route:
-    """How one allreduce (or reduce-scatter) runs.
-
-    - ``compress``: quantize, or run the plain collective.
-    - ``regime``: the interconnect it crosses (:func:`regime`).
-    - ``pair_gather``: two ranks swap their chunks by an all-gather rather than an all-to-all.
-    - ``piece_numel``: values per pipeline piece (whole buckets for every rank).
-    - ``graphs``: replay the pipeline as a CUDA graph (NCCL groups, CUDA tensors, Triton).
-    - ``gather_in_place``: encode each reduced chunk straight into its slot of the gather's
-      output (NCCL gathers in place: one allocation and copy fewer).
-    - ``check``: how to make sure every rank called it alike (:mod:`.agreement`): ``"now"``
-      (before the call), ``"deferred"`` (compared on the device in stream order; the result
-      is poisoned and the error raised later), or ``""`` (not at all).
-    - ``transport``: what moves the bytes (a :class:`cgx2.comm.Transport`): :func:`transport`.
-    - ``ring``: the pipelined ring (:mod:`.ring`) instead of the scatter-reduce-allgather:
-      ``CGX2_ALGORITHM=ring`` only. Its error grows with the world size, and where it was
-      measured it was no faster (BENCHMARKS.md, "Transports").
-    - ``settings``: what the route was decided under that every rank must share, as JSON: the
-      variables that change the bytes (:func:`cgx2.config.wire_settings`) and what this route
-      made of them (``route.*``); ``fingerprint``: its CRC, which the agreement check compares.
-    """
-
-    compress: bool
-    regime: str
-    pair_gather: bool
-    piece_numel: int
-    graphs: bool
-    gather_in_place: bool
-    check: str = ""
-    transport: ModuleType = process_group
-    ring: bool = False
-    settings: str = "{}"
-    fingerprint: int = 0
 
 
 def detect_regime(device: torch.device, backend: str = "nccl", cuda_on_nccl: bool = True) -> str:
@@ -285,8 +209,7 @@ def by_node_mesh(t: torch.Tensor, group: dist.ProcessGroup, mesh: DeviceMesh, bi
                                 t.device)  # fmt: skip
         _MESH_FASTER[key] = faster
         weakref.finalize(group, _MESH_FASTER.pop, key, None)
-    nbytes = max(1, (t.numel() if numel is None else numel) * t.element_size())
-    return faster[min(faster, key=lambda size: abs(math.log(size / nbytes)))]
+    return decision.nearest_size(faster, (t.numel() if numel is None else numel) * t.element_size())
 
 
 def _calibrated_mesh(device_type: str, dtype: torch.dtype, group: dist.ProcessGroup,
@@ -459,8 +382,7 @@ def crossover_bytes(device: torch.device, dtype: torch.dtype,
 def _pick(crossovers: tuple[int | None, int | None]) -> int | None:
     """Of a pair of crossovers (for calls alone, for calls beside the training step), the one
     for the calling thread: a worker beside the training loop takes the second."""
-    alone, beside = crossovers
-    return beside if cpu_threads.beside_compute() else alone
+    return decision.for_thread(crossovers, cpu_threads.beside_compute())
 
 
 def _measured(device: torch.device, dtype: torch.dtype, info: GroupInfo | None,
@@ -481,8 +403,7 @@ def _measured(device: torch.device, dtype: torch.dtype, info: GroupInfo | None,
     found = calibration(group)
     keys = [calibration_key(device.type, name, dtype) for name in dict.fromkeys((backend, carrier))]
     measured = next((found[k] for k in keys if k in found), None)
-    table = CROSSOVER_BYTES_GRAPHS if with_graphs else CROSSOVER_BYTES
-    entry = table[where][0 if dtype.itemsize >= 4 else 1]
+    entry = decision.table_crossover(where, dtype.itemsize, with_graphs)
     if measured is not None:
         chosen, source = (measured[0], measured[1]), "the calibration file"
     elif _measures_on_link(device, backend, nccl, group):
@@ -561,30 +482,33 @@ def compresses(t: torch.Tensor, group: dist.ProcessGroup, bits: int, bucket_size
     return route(t, group, bits, bucket_size, numel).compress
 
 
-def piece_numel(element_size: int, world: int, bucket_size: int, where: str,
-                pair_gather: bool, beside: bool | None = None) -> int:  # fmt: skip
+def piece_numel(
+    element_size: int,
+    world: int,
+    bucket_size: int,
+    where: str,
+    pair_gather: bool,
+    beside: bool | None = None,
+) -> int:
     """Values per pipeline piece: whole buckets for every rank, about
     ``CGX2_PIPELINE_BYTES`` of input, or the regime's :data:`PIECE_NUMEL` (CPU tensors across
     nodes, called alone: :data:`CPU_ACROSS_NODES_PIECE_NUMEL`). ``beside``: for a call beside
     the training step (None: whether the calling thread is a worker there). The pieces fix
     which values share a random key, so every rank, and the reference model, cut alike."""
-    per_piece = world * bucket_size
     pipeline_bytes = config.tuning().pipeline_bytes
-    if pipeline_bytes is not None:
-        return max(1, pipeline_bytes // (element_size * per_piece)) * per_piece
-    numel = PIECE_NUMEL_PAIR.get(where, PIECE_NUMEL[where]) if pair_gather else PIECE_NUMEL[where]
     if beside is None:
         beside = cpu_threads.beside_compute()
-    if where == "cpu" and config.launch().spans_nodes and not beside:
-        numel = CPU_ACROSS_NODES_PIECE_NUMEL
-    return max(1, numel // per_piece) * per_piece
+    spans_nodes = config.launch().spans_nodes
+    return decision.piece_numel(
+        element_size, world, bucket_size, where, pair_gather, beside, pipeline_bytes, spans_nodes
+    )
 
 
 def uses_pair_gather(world: int, where: str) -> bool:
     """Whether two ranks swap their chunks by all-gather: the same bytes through NCCL's
     collective path rather than its point-to-point one, which was the slower outside NVLink
     and the faster over it (BENCHMARKS.md, "Two ranks swap by all-gather")."""
-    return world == 2 and where != "nvlink" and config.tuning().pair_gather
+    return decision.pair_gather(world, where, config.tuning().pair_gather)
 
 
 def transport(device: torch.device, group: dist.ProcessGroup) -> ModuleType:
@@ -618,8 +542,9 @@ def runs_on_worker(t: torch.Tensor, group: dist.ProcessGroup) -> bool:
     return config.tuning().comm_worker and not (t.is_cuda and group_info(group).cuda_on_nccl)
 
 
-def route(t: torch.Tensor, group: dist.ProcessGroup, bits: int, bucket_size: int,
-          numel: int | None = None) -> Route:  # fmt: skip
+def route(
+    t: torch.Tensor, group: dist.ProcessGroup, bits: int, bucket_size: int, numel: int | None = None
+) -> Route:
     """The whole route of a collective of ``t`` (or ``numel`` of its values) over ``group``:
     decided once per group, device, dtype and bucket size, but for what the size and
     ``CGX2_CROSSOVER_BYTES`` (read at every call) decide; this runs before every call."""
@@ -627,9 +552,9 @@ def route(t: torch.Tensor, group: dist.ProcessGroup, bits: int, bucket_size: int
     key = (id(group), t.device, t.dtype, bucket_size)
     routes = _ROUTES.get(key)
     if routes is None:
-        routes = _ROUTES[key] = _routes(t, group, bucket_size)
+        routes = _ROUTES[key] = decision.plan(_group_facts(t, group, bucket_size))
         weakref.finalize(group, _ROUTES.pop, key, None)
-    if bits == UNCOMPRESSED_BITS or routes.size == 1:
+    if not decision.may_compress(routes, bits):
         return routes.plain
     numel = t.numel() if numel is None else numel
     threshold = config.crossover_override()
@@ -641,68 +566,39 @@ def route(t: torch.Tensor, group: dist.ProcessGroup, bits: int, bucket_size: int
         # the first rank's file): ranks whose CGX2_CROSSOVER_BYTES differ then reach the
         # agreement check, which names it, rather than one waiting for the file alone.
         calibration(group)
-    if numel == 0 or threshold is None or numel * t.element_size() < threshold:
+    nbytes = numel * t.element_size()
+    if not decision.compresses(routes, bits, nbytes, threshold):
         return routes.plain
-    if routes.graphs is not None and _graphed(numel * t.element_size()) and graphs.usable(t):
-        return routes.graphs  # NCCL's CUDA tensors
-    return _pick((routes.compressed, routes.compressed_beside))
+    # NCCL's CUDA tensors only (where routes.graphs is not None)
+    replay = routes.graphs is not None and _graphed(nbytes) and graphs.usable(t)
+    return decision.compressed_route(routes, replay, cpu_threads.beside_compute())
 
 
 def _graphed(nbytes: int) -> bool:
     """Whether ``CGX2_CUDA_GRAPHS`` asks a compressed call of ``nbytes`` to replay a graph."""
-    chosen = config.tuning().cuda_graphs
-    return chosen is True or (chosen is None and nbytes <= GRAPHS_AUTO_MAX_BYTES)
+    return decision.graphed(nbytes, config.tuning().cuda_graphs)
 
 
-@dataclass(frozen=True, slots=True)
-class _Routes:
-    """What :func:`route` decides once per group, device, dtype and bucket size."""
-
-    plain: Route
-    compressed: Route
-    compressed_beside: Route  # for calls beside the training step (its pieces may differ)
-    graphs: Route | None  # the compressed route replayed as a CUDA graph, where it may be
-    size: int  # the group's
+_ROUTES: dict[tuple, decision.Routes] = {}
 
 
-_ROUTES: dict[tuple, _Routes] = {}
-
-
-def _routes(t: torch.Tensor, group: dist.ProcessGroup, bucket_size: int) -> _Routes:
+def _group_facts(
+    t: torch.Tensor, group: dist.ProcessGroup, bucket_size: int
+) -> decision.GroupFacts:
+    """What the routes of ``t``'s collectives over ``group`` are decided by (:func:`route`)."""
     info = group_info(group)
-    where = _carrier(t.device, info)[2]
-    pair = uses_pair_gather(info.size, where)
-    pieces, pieces_beside = (piece_numel(t.element_size(), info.size, bucket_size, where, pair,
-                                         beside) for beside in (False, True))  # fmt: skip
-    nccl_cuda = t.is_cuda and info.cuda_on_nccl
-    # CUDA tensors on NCCL: a check costs a fixed fraction of a millisecond a call, either way
-    # (BENCHMARKS.md, "The agreement check"), so there it is asked for, not given.
-    check = {"on": "now", "off": "", "deferred": "deferred"}.get(
-        config.tuning().check_agreement, "" if nccl_cuda else "now"
+    tuning = config.tuning()
+    return decision.GroupFacts(
+        regime=_carrier(t.device, info)[2],
+        world=info.size,
+        element_size=t.element_size(),
+        bucket_size=bucket_size,
+        nccl_cuda=t.is_cuda and info.cuda_on_nccl,
+        transport=transport(t.device, group),
+        pair_gather=tuning.pair_gather,
+        pipeline_bytes=tuning.pipeline_bytes,
+        spans_nodes=config.launch().spans_nodes,
+        algorithm=tuning.algorithm,
+        check_agreement=tuning.check_agreement,
+        wire_settings=config.wire_settings(),
     )
-    moves = transport(t.device, group)
-    ring = config.tuning().algorithm == "ring" and info.size > 2
-    compressed = Route(True, where, pair and not ring, pieces, False, nccl_cuda and not ring,
-                       check if info.size > 1 else "", moves, ring)  # fmt: skip
-    # A CUDA graph captures the process group's NCCL kernels: a transport named instead (whose
-    # waits may be on the host) keeps its calls eager.
-    graphed = dataclasses.replace(compressed, graphs=True)
-    settings = config.wire_settings()
-    beside = dataclasses.replace(compressed, piece_numel=pieces_beside)
-    graphed_here = nccl_cuda and not ring and moves is process_group
-    return _Routes(
-        plain=_agreed(dataclasses.replace(compressed, compress=False), settings),
-        compressed=_agreed(compressed, settings),
-        compressed_beside=_agreed(beside, settings),
-        graphs=_agreed(graphed, settings) if graphed_here else None,
-        size=info.size,
-    )
-
-
-def _agreed(route: Route, settings: dict[str, object]) -> Route:
-    """``route`` with the settings it was decided under (:class:`Route`'s ``settings``)."""
-    decided = {"route.regime": route.regime, "route.piece_numel": route.piece_numel,
-               "route.pair_gather": route.pair_gather, "route.ring": route.ring,
-               "route.transport": route.transport.__name__.rpartition(".")[2]}  # fmt: skip
-    text = json.dumps({**settings, **decided}, separators=(",", ":"))
-    return dataclasses.replace(route, settings=text, fingerprint=zlib.crc32(text.encode()))
