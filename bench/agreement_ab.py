@@ -58,18 +58,32 @@ def main() -> None:
                 calls.append(time.perf_counter() - start)
             rounds[mode].append(statistics.median(calls[2:]))
     if rank == 0:
-        rows = [{"exchange": mode, "ms": 1e3 * statistics.median(ts),
-                 "p10_ms": 1e3 * statistics.quantiles(ts, n=10)[0]}
-                for mode, ts in rounds.items()]  # fmt: skip
+        rows = [
+            {
+                "exchange": mode,
+                "ms": 1e3 * statistics.median(ts),
+                "p10_ms": 1e3 * statistics.quantiles(ts, n=10)[0],
+            }
+            for mode, ts in rounds.items()
+        ]
         base = next(row["ms"] for row in rows if row["exchange"] == "all-gather")
         for row in rows:
             row["vs_all_gather"] = row["ms"] / base
-        print(report.format_table(rows, [("exchange", "exchange", ""), ("ms", "ms", ".3f"),
-                                         ("p10_ms", "p10 ms", ".3f"),
-                                         ("vs_all_gather", "vs all-gather", ".2f")]))  # fmt: skip
+        print(
+            report.format_table(
+                rows,
+                [
+                    ("exchange", "exchange", ""),
+                    ("ms", "ms", ".3f"),
+                    ("p10_ms", "p10 ms", ".3f"),
+                    ("vs_all_gather", "vs all-gather", ".2f"),
+                ],
+            )
+        )
         env = report.environment(torch.device("cpu"), world)
-        path = report.write_json("agreement_ab", {"env": env, "args": vars(args), "rows": rows},
-                                 args.out)  # fmt: skip
+        path = report.write_json(
+            "agreement_ab", {"env": env, "args": vars(args), "rows": rows}, args.out
+        )
         print(f"rounds of {args.calls} calls, median of {args.rounds} rounds -> {path}")
     dist.destroy_process_group()
 

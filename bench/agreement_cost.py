@@ -52,8 +52,12 @@ def main() -> None:
     p.add_argument("--sizes", default="64K,1M,16M", help="input bytes (K, M, G: KiB, MiB, GiB)")
     p.add_argument("--iters", type=int, default=20, help="timed calls per size and setting")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--backend", choices=("gloo", "nccl"), default=None,
-                   help="default: nccl for cuda (one GPU a rank), gloo for cpu")  # fmt: skip
+    p.add_argument(
+        "--backend",
+        choices=("gloo", "nccl"),
+        default=None,
+        help="default: nccl for cuda (one GPU a rank), gloo for cpu",
+    )
     report.add_out_argument(p)
     args = p.parse_args()
     if report.refused_single_process("agreement_cost.py"):
@@ -78,22 +82,36 @@ def main() -> None:
                 row[f"{mode}_pct"] = 100 * (row[f"{mode}_ms"] / row["off_ms"] - 1)
             rows.append(row)
     if dist.get_rank() == 0:
-        columns = [("size", "size", ""), ("off_ms", "unchecked ms", ".3f"),
-                   ("on_ms", "checked ms", ".3f"), ("on_pct", "cost %", ".1f")]  # fmt: skip
+        columns = [
+            ("size", "size", ""),
+            ("off_ms", "unchecked ms", ".3f"),
+            ("on_ms", "checked ms", ".3f"),
+            ("on_pct", "cost %", ".1f"),
+        ]
         if "deferred" in modes:
-            columns += [("deferred_ms", "deferred ms", ".3f"),
-                        ("deferred_pct", "deferred cost %", ".1f")]  # fmt: skip
+            columns += [
+                ("deferred_ms", "deferred ms", ".3f"),
+                ("deferred_pct", "deferred cost %", ".1f"),
+            ]
         print(report.format_table(rows, columns))
         legend = [
             ("unchecked ms", "median of cgx2.collectives.allreduce, which does not check"),
-            ("checked ms", "median of cgx2.quantized_allreduce, CGX2_CHECK_AGREEMENT=on: the"
-             " check read at once, then the same call"),
-            ("deferred ms", "the same, CGX2_CHECK_AGREEMENT=deferred: compared on the GPU, the"
-             " result masked"),
+            (
+                "checked ms",
+                "median of cgx2.quantized_allreduce, CGX2_CHECK_AGREEMENT=on: the"
+                " check read at once, then the same call",
+            ),
+            (
+                "deferred ms",
+                "the same, CGX2_CHECK_AGREEMENT=deferred: compared on the GPU, the result masked",
+            ),
             ("cost %", "checked / unchecked - 1"),
-        ]  # fmt: skip
-        print(report.format_legend([item for item in legend if "deferred" in modes
-                                    or item[0] != "deferred ms"]))  # fmt: skip
+        ]
+        print(
+            report.format_legend(
+                [item for item in legend if "deferred" in modes or item[0] != "deferred ms"]
+            )
+        )
         env = report.environment(device, dist.get_world_size())
         path = report.write_json("agreement_cost", {"env": env, "rows": rows}, args.out)
         print(f"-> {path}")

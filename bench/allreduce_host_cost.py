@@ -40,8 +40,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _per_call_us(setting: tuple[Callable[[], object], Callable], calls: int,
-                 device: torch.device) -> dict[str, float]:  # fmt: skip
+def _per_call_us(
+    setting: tuple[Callable[[], object], Callable], calls: int, device: torch.device
+) -> dict[str, float]:
     """Microseconds a call: ``idle``, the host's time in a call that starts with the device
     idle (what the call costs the host); ``back_to_back``, the host's in calls made back to
     back, which is the device's time instead wherever the device is the slower (launches then
@@ -64,8 +65,10 @@ def _per_call_us(setting: tuple[Callable[[], object], Callable], calls: int,
         back_to_back = time.perf_counter() - start
         _sync(device)
         wall = time.perf_counter() - start
-    return {name: value / calls * 1e6 for name, value in
-            (("idle", idle), ("back_to_back", back_to_back), ("wall", wall))}  # fmt: skip
+    return {
+        name: value / calls * 1e6
+        for name, value in (("idle", idle), ("back_to_back", back_to_back), ("wall", wall))
+    }
 
 
 def _trace(fn: Callable[[], object], calls: int, device: torch.device, top: int = 30) -> str:
@@ -73,8 +76,7 @@ def _trace(fn: Callable[[], object], calls: int, device: torch.device, top: int 
     ``fn``, each from an idle device: the C++ side that cProfile cannot split (rank 0's)."""
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
-                                           else [])  # fmt: skip
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     dist.barrier()
     with profile(activities=activities) as prof:
         for _ in range(calls):
@@ -164,9 +166,13 @@ def main() -> None:
         # The same collective launched eagerly (CGX2_CUDA_GRAPHS=0; by default, a call of this
         # size replays a CUDA graph), and through cgx2's own NCCL transport (eagerly too).
         settings["collectives.allreduce, eager"] = (
-            collective, lambda: cgx2.config.tuned(cuda_graphs=False))  # fmt: skip
+            collective,
+            lambda: cgx2.config.tuned(cuda_graphs=False),
+        )
         settings["collectives.allreduce, nccl transport"] = (
-            collective, lambda: cgx2.config.tuned(transport="nccl"))  # fmt: skip
+            collective,
+            lambda: cgx2.config.tuned(transport="nccl"),
+        )
     if args.profile and args.profile_setting not in settings:
         raise SystemExit(f"--profile-setting: one of {', '.join(settings)}")
     for fn, context in settings.values():  # kernels compiled, variants bound, state made
@@ -180,9 +186,17 @@ def main() -> None:
             rounds[name].append(_per_call_us(settings[name], args.calls, device))
     us = {name: {k: statistics.median(t[k] for t in v) for k in v[0]} for name, v in rounds.items()}
     clone, plain_us = us["clone"]["idle"], us["plain_all_reduce"]["idle"]
-    rows = [{"call": name, "host_us": us[name]["idle"], "x_clone": us[name]["idle"] / clone,
-             "x_plain": us[name]["idle"] / plain_us, "back_to_back_us": us[name]["back_to_back"],
-             "wall_us": us[name]["wall"]} for name in names]  # fmt: skip
+    rows = [
+        {
+            "call": name,
+            "host_us": us[name]["idle"],
+            "x_clone": us[name]["idle"] / clone,
+            "x_plain": us[name]["idle"] / plain_us,
+            "back_to_back_us": us[name]["back_to_back"],
+            "wall_us": us[name]["wall"],
+        }
+        for name in names
+    ]
     profile = ""
     if args.profile:
         fn, context = settings[args.profile_setting]
@@ -190,29 +204,61 @@ def main() -> None:
             profile = f"profiled: {args.profile_setting}\n"
             profile += _profile(fn, args.profile, device) + "\n" + _trace(fn, args.profile, device)
     if dist.get_rank() == 0:
-        print(report.format_table(rows, [("call", "call", ""), ("host_us", "host µs", ".1f"),
-                                         ("x_clone", "× clone", ".2f"),
-                                         ("x_plain", "× plain", ".2f"),
-                                         ("back_to_back_us", "back to back µs", ".1f"),
-                                         ("wall_us", "wall µs", ".1f")]))  # fmt: skip
-        print(report.format_legend([
-            ("host µs", f"host time a call made with the device idle, mean of {args.calls} "
+        print(
+            report.format_table(
+                rows,
+                [
+                    ("call", "call", ""),
+                    ("host_us", "host µs", ".1f"),
+                    ("x_clone", "× clone", ".2f"),
+                    ("x_plain", "× plain", ".2f"),
+                    ("back_to_back_us", "back to back µs", ".1f"),
+                    ("wall_us", "wall µs", ".1f"),
+                ],
+            )
+        )
+        print(
+            report.format_legend(
+                [
+                    (
+                        "host µs",
+                        f"host time a call made with the device idle, mean of {args.calls} "
                         f"calls, median of {args.rounds} rounds; {args.numel} fp32 values, "
-                        f"{bits} bits, {dist.get_world_size()} ranks, tree {args.label!r}"),
-            ("back to back µs", "host time a call, the calls back to back: the device's time "
-                                "a call instead where it is the slower"),
-            ("wall µs", "the calls back to back until the device is done, a call"),
-            ("quantized_allreduce", "the public function, as users call it (the agreement "
-                                    "check included)"),
-            ("collectives.allreduce", "the collective it calls, unchecked (DDP's hook's path); "
-                                      "on GPUs, a CUDA graph's replay at this size by default"),
-            ("plain_all_reduce", f"{dist.get_backend()}'s own allreduce of the same tensor"),
-        ]))  # fmt: skip
+                        f"{bits} bits, {dist.get_world_size()} ranks, tree {args.label!r}",
+                    ),
+                    (
+                        "back to back µs",
+                        "host time a call, the calls back to back: the device's time "
+                        "a call instead where it is the slower",
+                    ),
+                    ("wall µs", "the calls back to back until the device is done, a call"),
+                    (
+                        "quantized_allreduce",
+                        "the public function, as users call it (the agreement check included)",
+                    ),
+                    (
+                        "collectives.allreduce",
+                        "the collective it calls, unchecked (DDP's hook's path); "
+                        "on GPUs, a CUDA graph's replay at this size by default",
+                    ),
+                    (
+                        "plain_all_reduce",
+                        f"{dist.get_backend()}'s own allreduce of the same tensor",
+                    ),
+                ]
+            )
+        )
         if profile:
             print(profile)
         env = report.environment(device, dist.get_world_size())
-        env.update(numel=args.numel, bits=bits, calls=args.calls, rounds=args.rounds,
-                   tree=args.label, cgx2_file=cgx2.__file__)  # fmt: skip
+        env.update(
+            numel=args.numel,
+            bits=bits,
+            calls=args.calls,
+            rounds=args.rounds,
+            tree=args.label,
+            cgx2_file=cgx2.__file__,
+        )
         result = {"env": env, "rows": rows, "profile": profile}
         path = report.write_json("allreduce_host_cost", result, args.out)
         print(f"-> {path}")

@@ -53,14 +53,19 @@ def _back_to_back(prof: torch.profiler.profile, args: argparse.Namespace) -> Non
     means the host fell behind."""
     # The host's ranges only: the profiler also records each range's GPU annotation.
     cpu = torch.autograd.DeviceType.CPU
-    marks = sorted((e for e in prof.events() if e.name == MARK and e.device_type == cpu),
-                   key=lambda e: e.time_range.start)  # fmt: skip
-    gpu = sorted(
-        (e for e in prof.events()
-         if e.device_type == torch.autograd.DeviceType.CUDA
-         and e.time_range.start >= marks[0].time_range.start),
+    marks = sorted(
+        (e for e in prof.events() if e.name == MARK and e.device_type == cpu),
         key=lambda e: e.time_range.start,
-    )  # fmt: skip
+    )
+    gpu = sorted(
+        (
+            e
+            for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA
+            and e.time_range.start >= marks[0].time_range.start
+        ),
+        key=lambda e: e.time_range.start,
+    )
     rows, end = [], gpu[0].time_range.start
     for i, mark in enumerate(marks):
         # A call's GPU work: what starts after its host start and before the next call's.
@@ -70,18 +75,27 @@ def _back_to_back(prof: torch.profiler.profile, args: argparse.Namespace) -> Non
         for e in mine:
             idle += max(0.0, e.time_range.start - end)
             end = max(end, e.time_range.end)
-        rows.append({"host us": mark.time_range.elapsed_us(), "GPU idle us": idle,
-                     "GPU end us": end - marks[0].time_range.start})  # fmt: skip
+        rows.append(
+            {
+                "host us": mark.time_range.elapsed_us(),
+                "GPU idle us": idle,
+                "GPU end us": end - marks[0].time_range.start,
+            }
+        )
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, rows)
     if dist.get_rank() == 0:
-        print(f"{args.mib} MiB {args.dtype} {args.bits}-bit, {args.calls} calls back to back "
-              f"(host time of each call; GPU idle before its work; GPU end from the first "
-              f"call's host start), us")  # fmt: skip
+        print(
+            f"{args.mib} MiB {args.dtype} {args.bits}-bit, {args.calls} calls back to back "
+            f"(host time of each call; GPU idle before its work; GPU end from the first "
+            f"call's host start), us"
+        )
         print("call" + "".join(f"  rank {r}: host    idle     end" for r in range(len(everyone))))
         for i in range(len(rows)):
-            cells = (f"{c['host us']:7.1f} {c['GPU idle us']:7.1f} {c['GPU end us']:7.1f}"
-                     for c in (r[i] for r in everyone))  # fmt: skip
+            cells = (
+                f"{c['host us']:7.1f} {c['GPU idle us']:7.1f} {c['GPU end us']:7.1f}"
+                for c in (r[i] for r in everyone)
+            )
             print(f"{i:4d}" + "".join(f"        {c}" for c in cells))
 
 
@@ -95,10 +109,12 @@ def main() -> None:
     )
     p.add_argument("--host", action="store_true", help="also list the call's host-side events")
     p.add_argument(
-        "--calls", type=int, default=1,
+        "--calls",
+        type=int,
+        default=1,
         help="calls back to back in the profiled step (as `cgx2.bench --calls`): with more than "
         "one, each call's host time and where the GPU sat idle between them are reported",
-    )  # fmt: skip
+    )
     args = p.parse_args()
     if args.cuda_graphs:
         os.environ["CGX2_CUDA_GRAPHS"] = "1"
@@ -129,30 +145,43 @@ def main() -> None:
     mark = next(e for e in prof.events() if e.name == MARK)
     t0, t1 = mark.time_range.start, mark.time_range.end
     gpu = sorted(
-        (e for e in prof.events()
-         if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.start >= t0),
+        (
+            e
+            for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.start >= t0
+        ),
         key=lambda e: e.time_range.start,
-    )  # fmt: skip
+    )
     summary = _summary(gpu, t0, t1)
     summaries = [None] * dist.get_world_size()
     dist.all_gather_object(summaries, summary)
     if dist.get_rank() == 0:
-        print(f"{args.mib} MiB {args.dtype} {args.bits}-bit, one profiled call (us from the "
-              f"host's start of the call):")  # fmt: skip
+        print(
+            f"{args.mib} MiB {args.dtype} {args.bits}-bit, one profiled call (us from the "
+            f"host's start of the call):"
+        )
         for e in gpu:
-            print(f"  {e.time_range.start - t0:9.1f} {e.time_range.elapsed_us():8.1f}  "
-                  f"{e.name[:70]}")  # fmt: skip
+            print(
+                f"  {e.time_range.start - t0:9.1f} {e.time_range.elapsed_us():8.1f}  {e.name[:70]}"
+            )
         if args.host:
             host = sorted(
-                (e for e in prof.events()
-                 if e.device_type == torch.autograd.DeviceType.CPU and t0 <= e.time_range.start
-                 and e.time_range.end <= t1 and e.name != MARK),
+                (
+                    e
+                    for e in prof.events()
+                    if e.device_type == torch.autograd.DeviceType.CPU
+                    and t0 <= e.time_range.start
+                    and e.time_range.end <= t1
+                    and e.name != MARK
+                ),
                 key=lambda e: e.time_range.start,
-            )  # fmt: skip
+            )
             print("host events (us from the call's start, duration):")
             for e in host[:60]:
-                print(f"  {e.time_range.start - t0:9.1f} {e.time_range.elapsed_us():8.1f}  "
-                      f"{e.name[:70]}")  # fmt: skip
+                print(
+                    f"  {e.time_range.start - t0:9.1f} {e.time_range.elapsed_us():8.1f}  "
+                    f"{e.name[:70]}"
+                )
         print("summary, us" + "".join(f"   rank {r}" for r in range(len(summaries))))
         for key in summary:
             print(f"  {key:28s}" + "".join(f" {s[key]:8.1f}" for s in summaries))

@@ -96,16 +96,33 @@ def main() -> None:
     rows = []
     for (name, d, threads, impl), ts in times.items():
         s = statistics.median(ts)
-        rows.append({"kernel": name, "dtype": d, "threads": threads, "impl": impl, "ms": 1e3 * s,
-                     "gbps": moved[name, d, threads, impl] / s / 1e9,
-                     "x_torch": _speedup(times, (name, d, threads, "torch"), s),
-                     "x_scalar": _speedup(times, (name, d, threads, "C-scalar"), s)})  # fmt: skip
-    columns = [("kernel", "stage", ""), ("dtype", "dtype", ""), ("threads", "threads", "d"),
-               ("impl", "impl", ""), ("ms", "ms", ".2f"), ("gbps", "GB/s moved", ".2f"),
-               ("x_torch", "x torch", ".2f"), ("x_scalar", "x C-scalar", ".2f")]  # fmt: skip
+        rows.append(
+            {
+                "kernel": name,
+                "dtype": d,
+                "threads": threads,
+                "impl": impl,
+                "ms": 1e3 * s,
+                "gbps": moved[name, d, threads, impl] / s / 1e9,
+                "x_torch": _speedup(times, (name, d, threads, "torch"), s),
+                "x_scalar": _speedup(times, (name, d, threads, "C-scalar"), s),
+            }
+        )
+    columns = [
+        ("kernel", "stage", ""),
+        ("dtype", "dtype", ""),
+        ("threads", "threads", "d"),
+        ("impl", "impl", ""),
+        ("ms", "ms", ".2f"),
+        ("gbps", "GB/s moved", ".2f"),
+        ("x_torch", "x torch", ".2f"),
+        ("x_scalar", "x C-scalar", ".2f"),
+    ]
     print(format_table(rows, columns))
-    print(f"{numel} values, {args.bits} bits, bucket {BUCKET}; the stages of a 2-rank allreduce "
-          f"(dse: decode-sum-encode of one chunk); median of {args.rounds} rounds")  # fmt: skip
+    print(
+        f"{numel} values, {args.bits} bits, bucket {BUCKET}; the stages of a 2-rank allreduce "
+        f"(dse: decode-sum-encode of one chunk); median of {args.rounds} rounds"
+    )
     if args.out_dir:
         report = {"env": environment(torch.device("cpu")), "args": vars(args), "rows": rows}
         print(f"raw results: {write_json('cpu_codec', report, args.out_dir)}")

@@ -89,8 +89,9 @@ def register_hook(ddp: DDP, hook: str, bits: int, rank: int = 4) -> CGXState | N
         ddp.register_comm_hook(None, default_hooks.allreduce_hook)
         return None
     if hook == "powersgd":
-        state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=rank,
-                                            start_powerSGD_iter=2)  # fmt: skip
+        state = powerSGD_hook.PowerSGDState(
+            None, matrix_approximation_rank=rank, start_powerSGD_iter=2
+        )
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         return None
     if hook == "cgx":
@@ -166,12 +167,13 @@ def run(args: argparse.Namespace) -> dict:
             times.append(time.perf_counter() - t0)
         if profiled and rank == 0:
             table = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
-            print(f"profile of step {step + 1} (not timed), by self CPU time:\n{table}",
-                  flush=True)  # fmt: skip
+            print(f"profile of step {step + 1} (not timed), by self CPU time:\n{table}", flush=True)
         if rank == 0:
             phase = "warmup" if step < args.warmup else "timed"
-            print(f"  step {step + 1}/{total} ({phase}) "
-                  f"{(time.perf_counter() - t0) * 1e3:.0f} ms", flush=True)  # fmt: skip
+            print(
+                f"  step {step + 1}/{total} ({phase}) {(time.perf_counter() - t0) * 1e3:.0f} ms",
+                flush=True,
+            )
     mean_loss = loss.detach().float().cpu()
     dist.all_reduce(mean_loss)
     ratio = None
@@ -219,17 +221,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    p.add_argument("--hook", choices=("plain", "cgx", "compress", "allreduce", "bf16", "powersgd"),
-                   default="plain",
-                   help="plain DDP, cgx2's cgx_hook, cgx2.ddp.compress (the hook where it pays), "
-                   "torch's allreduce_hook, bf16_compress_hook or its PowerSGD")  # fmt: skip
+    p.add_argument(
+        "--hook",
+        choices=("plain", "cgx", "compress", "allreduce", "bf16", "powersgd"),
+        default="plain",
+        help="plain DDP, cgx2's cgx_hook, cgx2.ddp.compress (the hook where it pays), "
+        "torch's allreduce_hook, bf16_compress_hook or its PowerSGD",
+    )
     p.add_argument("--bits", type=int, default=4, help="cgx_hook's bits")
     p.add_argument("--powersgd-rank", type=int, default=4, help="PowerSGD's rank")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
-                   help="gloo: a machine's ranks on its first GPU; nccl: a GPU a rank")  # fmt: skip
-    p.add_argument("--model", choices=("transformer", "mlp"), default="transformer",
-                   help="mlp: --layers linear layers --dim wide, --batch-size rows")  # fmt: skip
+    p.add_argument(
+        "--backend",
+        choices=("gloo", "nccl"),
+        default="gloo",
+        help="gloo: a machine's ranks on its first GPU; nccl: a GPU a rank",
+    )
+    p.add_argument(
+        "--model",
+        choices=("transformer", "mlp"),
+        default="transformer",
+        help="mlp: --layers linear layers --dim wide, --batch-size rows",
+    )
     p.add_argument("--dim", type=int, default=1024, help="model width")
     p.add_argument("--layers", type=int, default=10, help="transformer blocks")
     p.add_argument("--heads", type=int, default=16)
@@ -245,10 +258,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="profile one more step on rank 0 and print where its time went",
     )
-    p.add_argument("--rate", default=os.environ.get("LINK_RATE"),
-                   help="the link's rate, for the record (netlab exports it)")  # fmt: skip
-    p.add_argument("--name", default=None,
-                   help="run name for the file and table (default: the hook)")  # fmt: skip
+    p.add_argument(
+        "--rate",
+        default=os.environ.get("LINK_RATE"),
+        help="the link's rate, for the record (netlab exports it)",
+    )
+    p.add_argument(
+        "--name", default=None, help="run name for the file and table (default: the hook)"
+    )
     p.add_argument("--out", default="cgx2-results", help="folder for the JSON result")
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:

@@ -56,19 +56,39 @@ def main() -> None:
         whole = statistics.median(calls[splits[0]])
         for k in splits:
             ms = statistics.median(calls[k])
-            rows.append({"size": report.size_name(nbytes), "bytes": nbytes, "splits": k,
-                         "ms": ms, "mb_per_s": nbytes / ms / 1e3,
-                         "speedup": whole / ms})  # fmt: skip
+            rows.append(
+                {
+                    "size": report.size_name(nbytes),
+                    "bytes": nbytes,
+                    "splits": k,
+                    "ms": ms,
+                    "mb_per_s": nbytes / ms / 1e3,
+                    "speedup": whole / ms,
+                }
+            )
     if dist.get_rank() == 0:
-        print(report.format_table(rows, [("size", "size", ""), ("splits", "parts", ""),
-                                         ("ms", "ms", ".1f"), ("mb_per_s", "MB/s", ".0f"),
-                                         ("speedup", "vs first", ".2f")]))  # fmt: skip
-        print(report.format_legend([
-            ("size", "bytes each rank sends (and receives from each other rank)"),
-            ("parts", "concurrent all-gathers the payload is cut into"),
-            ("MB/s", "a rank's bytes sent over the median time"),
-            ("vs first", "the first split count's median time over this one's"),
-        ]))  # fmt: skip
+        print(
+            report.format_table(
+                rows,
+                [
+                    ("size", "size", ""),
+                    ("splits", "parts", ""),
+                    ("ms", "ms", ".1f"),
+                    ("mb_per_s", "MB/s", ".0f"),
+                    ("speedup", "vs first", ".2f"),
+                ],
+            )
+        )
+        print(
+            report.format_legend(
+                [
+                    ("size", "bytes each rank sends (and receives from each other rank)"),
+                    ("parts", "concurrent all-gathers the payload is cut into"),
+                    ("MB/s", "a rank's bytes sent over the median time"),
+                    ("vs first", "the first split count's median time over this one's"),
+                ]
+            )
+        )
         env = report.environment(torch.device("cpu"), world)
         path = report.write_json("gloo_split", {"env": env, "rows": rows}, args.out)
         print(f"-> {path}")

@@ -51,8 +51,15 @@ def _input(rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:
     return (torch.randn(n, generator=g) * (rank + 1) + rank).to(dtype)
 
 
-def _error_matches(x: torch.Tensor, error: torch.Tensor, bits: int, skip: bool, world: int,
-                   rank: int, device: str = "cuda") -> bool:  # fmt: skip
+def _error_matches(
+    x: torch.Tensor,
+    error: torch.Tensor,
+    bits: int,
+    skip: bool,
+    world: int,
+    rank: int,
+    device: str = "cuda",
+) -> bool:
     """``error`` of rank ``rank`` against the reference codec: per pipeline piece, its input
     minus the decoded payloads it sent (zero on the chunk it owns)."""
     from cgx2.codecs import ChunkedLayout, maxmin
@@ -60,8 +67,9 @@ def _error_matches(x: torch.Tensor, error: torch.Tensor, bits: int, skip: bool, 
 
     flat, expected = x.reshape(-1), torch.empty_like(error.reshape(-1))
     where = policy.regime(torch.device(device))
-    step = policy.piece_numel(x.element_size(), world, 512, where,
-                              policy.uses_pair_gather(world, where))  # fmt: skip
+    step = policy.piece_numel(
+        x.element_size(), world, 512, where, policy.uses_pair_gather(world, where)
+    )
     for index, s in enumerate(range(0, flat.numel(), step)):
         piece = flat[s : s + step]
         layout = ChunkedLayout.split(piece.numel(), world, bits, 512, skip)
@@ -87,12 +95,16 @@ def _check_fallback(rank: int, world: int) -> int:
             plain = x.clone()
             dist.all_reduce(plain, op=nccl_op)
             cgx2.quantized_allreduce_(x, 4, op=op)
-            ok = ok and torch.equal(x.view(INT[x.element_size()]),
-                                    plain.view(INT[x.element_size()]))  # fmt: skip
+            ok = ok and torch.equal(
+                x.view(INT[x.element_size()]), plain.view(INT[x.element_size()])
+            )
     os.environ["CGX2_CROSSOVER_BYTES"] = "0"
     if rank == 0:
-        print(f"{'ok  ' if ok else 'FAIL'} fallback below the crossover == dist.all_reduce "
-              "(sum, avg; fp32, bf16)", flush=True)  # fmt: skip
+        print(
+            f"{'ok  ' if ok else 'FAIL'} fallback below the crossover == dist.all_reduce "
+            "(sum, avg; fp32, bf16)",
+            flush=True,
+        )
     flag = torch.tensor([0 if ok else 1], device="cuda")
     dist.all_reduce(flag)
     return int(flag.item())
@@ -120,8 +132,11 @@ def _check_deferred(rank: int, world: int) -> int:
     torch.cuda.synchronize()
     ok = ok and "numel=[rank 0: 1024, rank 1: 1000" in message and bool(y.isnan().all())
     if rank == 0:
-        print(f"{'ok  ' if ok else 'FAIL'} deferred check on NCCL: agreeing ranks unchanged, "
-              f"disagreeing ranks NaN and raised ({message[:90]!r})", flush=True)  # fmt: skip
+        print(
+            f"{'ok  ' if ok else 'FAIL'} deferred check on NCCL: agreeing ranks unchanged, "
+            f"disagreeing ranks NaN and raised ({message[:90]!r})",
+            flush=True,
+        )
     flag = torch.tensor([0 if ok else 1], device="cuda")
     dist.all_reduce(flag)
     return int(flag.item())
@@ -156,26 +171,32 @@ def _check_graphs(rank: int, world: int) -> int:
         for i, seed in enumerate(seeds):
             buf.copy_(x)
             collectives.allreduce_(buf, bits, 512, dist.group.WORLD, op, seed, error=err)
-            ok = ok and torch.equal(buf.view(INT[x.element_size()]),
-                                    eager[i].view(INT[x.element_size()]))  # fmt: skip
+            ok = ok and torch.equal(
+                buf.view(INT[x.element_size()]), eager[i].view(INT[x.element_size()])
+            )
             if with_error:
-                ok = ok and torch.equal(err.view(INT[x.element_size()]),
-                                        err_eager[i].view(INT[x.element_size()]))  # fmt: skip
+                ok = ok and torch.equal(
+                    err.view(INT[x.element_size()]), err_eager[i].view(INT[x.element_size()])
+                )
             differ = differ or (i and not torch.equal(eager[i], eager[0]))
         for _ in range(3):  # each result freed first: the next one lands at its address
             functional = None
             functional = cgx2.quantized_allreduce(x, bits, op=op, seed=seeds[-1])
-        ok = ok and torch.equal(functional.view(INT[x.element_size()]),
-                                eager[-1].view(INT[x.element_size()]))  # fmt: skip
+        ok = ok and torch.equal(
+            functional.view(INT[x.element_size()]), eager[-1].view(INT[x.element_size()])
+        )
         captured = len(graphs._GRAPHS)
         ok = ok and differ and captured >= 1 and not graphs._failed
         _tune(pipeline_bytes=piece)
         graphs.clear()
         if rank == 0:
-            print(f"{'ok  ' if ok else 'FAIL'} CUDA graphs: bits={bits} {str(dtype)[6:]} n={n} "
-                  f"{op} piece={piece or 'regime'} error={with_error}: 5 calls (eager, capture, "
-                  f"3 replays) == eager launches, seeds apart differ={differ}, "
-                  f"graphs captured={captured}", flush=True)  # fmt: skip
+            print(
+                f"{'ok  ' if ok else 'FAIL'} CUDA graphs: bits={bits} {str(dtype)[6:]} n={n} "
+                f"{op} piece={piece or 'regime'} error={with_error}: 5 calls (eager, capture, "
+                f"3 replays) == eager launches, seeds apart differ={differ}, "
+                f"graphs captured={captured}",
+                flush=True,
+            )
         flag = torch.tensor([0 if ok else 1], device="cuda")
         dist.all_reduce(flag)
         failures += int(flag.item())
@@ -196,22 +217,26 @@ def main() -> int:
         cgx2.quantized_allreduce_(in_place, bits, op=op, seed=17, skip_incomplete=skip)
         with_error = x.clone()
         error = torch.empty_like(x)  # the first stage's error, as error feedback reads it
-        collectives.allreduce_(with_error, bits, 512, dist.group.WORLD, op, 17, skip,
-                               error=error)  # fmt: skip
-        in_place_same = torch.equal(with_error.view(INT[x.element_size()]),
-                                    in_place.view(INT[x.element_size()]))  # fmt: skip
-        same_in_place = torch.equal(in_place.view(INT[x.element_size()]),
-                                    out.view(INT[x.element_size()]))  # fmt: skip
+        collectives.allreduce_(with_error, bits, 512, dist.group.WORLD, op, 17, skip, error=error)
+        in_place_same = torch.equal(
+            with_error.view(INT[x.element_size()]), in_place.view(INT[x.element_size()])
+        )
+        same_in_place = torch.equal(
+            in_place.view(INT[x.element_size()]), out.view(INT[x.element_size()])
+        )
         outs = [torch.empty_like(out) for _ in range(world)]
         dist.all_gather(outs, out)
-        same = all(torch.equal(o.view(INT[o.element_size()]), out.view(INT[o.element_size()]))
-                   for o in outs)  # fmt: skip
+        same = all(
+            torch.equal(o.view(INT[o.element_size()]), out.view(INT[o.element_size()]))
+            for o in outs
+        )
         same = same and same_in_place and in_place_same
         ok = same
         if rank == 0:
             inputs = [_input(r, n, dtype) for r in range(world)]
-            model = collectives.reference_allreduce(inputs, bits, 512, 17, op, skip,
-                                                    device=x.device)  # fmt: skip
+            model = collectives.reference_allreduce(
+                inputs, bits, 512, 17, op, skip, device=x.device
+            )
             got = out.cpu()
             exact = model.view(INT[model.element_size()])
             diff = got.view(INT[got.element_size()]) != exact
@@ -222,10 +247,12 @@ def main() -> int:
             ok = ok and _error_matches(x.cpu(), error.cpu(), bits, skip, world, rank)
             err = got.double() - sum(i.double() for i in inputs) / (world if op == "avg" else 1)
             cut = "regime" if piece is None else piece or "64M"
-            print(f"{'ok  ' if ok else 'FAIL'} bits={bits} {str(dtype)[6:]} n={n} {op} "
-                  f"skip={skip} piece={cut}: ranks and in-place identical={same}, "
-                  f"differ from model={int(diff.sum())}, max|err|={err.abs().max():.4g}",
-                  flush=True)  # fmt: skip
+            print(
+                f"{'ok  ' if ok else 'FAIL'} bits={bits} {str(dtype)[6:]} n={n} {op} "
+                f"skip={skip} piece={cut}: ranks and in-place identical={same}, "
+                f"differ from model={int(diff.sum())}, max|err|={err.abs().max():.4g}",
+                flush=True,
+            )
         flag = torch.tensor([0 if ok else 1], device="cuda")
         dist.all_reduce(flag)
         failures += int(flag.item())
@@ -235,8 +262,10 @@ def main() -> int:
     failures += _check_deferred(rank, world)
     total = len(CASES) + 2 + len(GRAPH_CASES)
     if rank == 0:
-        print(f"allreduce check on {world} x {torch.cuda.get_device_name()}: "
-              f"{total - failures} of {total} cases ok")  # fmt: skip
+        print(
+            f"allreduce check on {world} x {torch.cuda.get_device_name()}: "
+            f"{total - failures} of {total} cases ok"
+        )
     dist.destroy_process_group()
     return 1 if failures else 0
 

@@ -50,8 +50,10 @@ def hierarchical_model(n: int, world: int, local: int, seed: int) -> torch.Tenso
     size = nodes[0].numel()
     shard = -(-size // local)
     nodes = [torch.cat([s, s.new_zeros(shard * local - size)]) for s in nodes]
-    parts = [reference_allreduce([s[j * shard : (j + 1) * shard] for s in nodes], 4, 512, seed)
-             for j in range(local)]  # fmt: skip
+    parts = [
+        reference_allreduce([s[j * shard : (j + 1) * shard] for s in nodes], 4, 512, seed)
+        for j in range(local)
+    ]
     return torch.cat(parts)[:n]
 
 
@@ -83,13 +85,13 @@ def hierarchical_checks(rank: int, world: int, dev: torch.device) -> dict[str, b
     return ok
 
 
-def ddp_grads_identical(rank: int, world: int, dev: torch.device, width: int,
-                        steps: int) -> bool:  # fmt: skip
+def ddp_grads_identical(rank: int, world: int, dev: torch.device, width: int, steps: int) -> bool:
     """Plain DDP on the default (cgx) group, a two-layer MLP ``width`` wide, each rank its own
     batches for ``steps`` steps: whether every rank ends with the same gradients."""
     torch.manual_seed(0)
-    model = DDP(nn.Sequential(nn.Linear(width, 2 * width), nn.ReLU(),
-                              nn.Linear(2 * width, 8)).to(dev))  # fmt: skip
+    model = DDP(
+        nn.Sequential(nn.Linear(width, 2 * width), nn.ReLU(), nn.Linear(2 * width, 8)).to(dev)
+    )
     for step in range(steps):
         x = torch.randn(64, width, generator=torch.Generator().manual_seed(step * 10 + rank))
         model(x.to(dev)).square().mean().backward()
@@ -209,9 +211,11 @@ def main() -> int:
     if rank == 0:
         for name, good in ok.items():
             print(f"{'ok  ' if good else 'FAIL'} {name}")
-        print(f"cgx backend check on {world} x {torch.cuda.get_device_name()}, torch "
-              f"{torch.__version__}: {sum(ok.values())} of {len(ok)} ok on rank 0, "
-              f"{'all ranks ok' if flag.item() == 0 else 'FAILURES on some rank'}")  # fmt: skip
+        print(
+            f"cgx backend check on {world} x {torch.cuda.get_device_name()}, torch "
+            f"{torch.__version__}: {sum(ok.values())} of {len(ok)} ok on rank 0, "
+            f"{'all ranks ok' if flag.item() == 0 else 'FAILURES on some rank'}"
+        )
     dist.destroy_process_group()
     return int(flag.item())
 

@@ -35,10 +35,31 @@ SMALL_KEY = 0x12345678_00000042  # both < 2**31: Triton passes them as int32, an
 STREAM = 3
 NAN, INF = float("nan"), float("inf")
 EDGES = [
-    0.0, -0.0, 1.0, -1.0, 0.5, 0.75, -0.3, 1e-3, 1 - 2**-24, 1 + 2**-23, 2.0, -3.5,
-    2.0**-126, -1.5 * 2**-126, 2.0**-126 - 2.0**-149, 1e-40, -(2.0**-149), 3 * 2.0**-149,
-    2.0**-100 * (1 + 2**-23), 2.0**-100 * (1 - 2**-24), 2.0**-127, NAN, INF, -INF,
-]  # fmt: skip
+    0.0,
+    -0.0,
+    1.0,
+    -1.0,
+    0.5,
+    0.75,
+    -0.3,
+    1e-3,
+    1 - 2**-24,
+    1 + 2**-23,
+    2.0,
+    -3.5,
+    2.0**-126,
+    -1.5 * 2**-126,
+    2.0**-126 - 2.0**-149,
+    1e-40,
+    -(2.0**-149),
+    3 * 2.0**-149,
+    2.0**-100 * (1 + 2**-23),
+    2.0**-100 * (1 - 2**-24),
+    2.0**-127,
+    NAN,
+    INF,
+    -INF,
+]
 M64 = 64 * 1024 * 1024
 
 
@@ -183,8 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     checks = run_checks(device, sizes, bits_list)
     total = checks.passed + checks.failed
     if device.type == "cuda" and args.bench_numel > 0:
-        run_timing(device, args.bench_numel, [int(b) for b in args.bench_bits.split(",")],
-                   args.rep_ms)  # fmt: skip
+        run_timing(
+            device, args.bench_numel, [int(b) for b in args.bench_bits.split(",")], args.rep_ms
+        )
     elif args.bench_numel > 0:
         print("timing skipped: it needs a CUDA device")
     verdict = "all ok" if not checks.failed else f"{checks.failed} FAILED"

@@ -28,8 +28,11 @@ def main() -> int:
     args = p.parse_args()
     local = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local),
-                            timeout=datetime.timedelta(seconds=args.timeout))  # fmt: skip
+    dist.init_process_group(
+        "nccl",
+        device_id=torch.device("cuda", local),
+        timeout=datetime.timedelta(seconds=args.timeout),
+    )
     rank = dist.get_rank()
     # Whatever happens, never hang the device call: dump the stacks and leave.
     faulthandler.dump_traceback_later(4 * args.timeout + 60, exit=True)
@@ -53,9 +56,12 @@ def main() -> int:
             error = e
         took = time.monotonic() - start
     ok = replays >= 2 and error is not None and took < 2 * args.timeout + 30
-    print(f"{'ok  ' if ok else 'FAIL'} a dead peer mid-replay: the survivor raised after "
-          f"{took:.0f} s (timeout {args.timeout:.0f} s, {replays} replays before): "
-          f"{str(error)[:200]}", flush=True)  # fmt: skip
+    print(
+        f"{'ok  ' if ok else 'FAIL'} a dead peer mid-replay: the survivor raised after "
+        f"{took:.0f} s (timeout {args.timeout:.0f} s, {replays} replays before): "
+        f"{str(error)[:200]}",
+        flush=True,
+    )
     os._exit(0 if ok else 1)  # the group is broken: tearing it down could wait on the peer
 
 

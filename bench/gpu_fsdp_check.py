@@ -39,20 +39,24 @@ def _first_seed(seed: int) -> int:
     return call_seed(seed, 0)
 
 
-def _train(bits: int | None, bf16: bool, steps: int = 30, param_bits: int | None = None,
-           replicas: int = 1) -> list[float]:  # fmt: skip
+def _train(
+    bits: int | None, bf16: bool, steps: int = 30, param_bits: int | None = None, replicas: int = 1
+) -> list[float]:
     rank, dev = dist.get_rank(), torch.device("cuda", torch.cuda.current_device())
     world = dist.get_world_size()
     if replicas > 1:
-        mesh = init_device_mesh("cuda", (replicas, world // replicas),
-                                mesh_dim_names=("replicate", "shard"))  # fmt: skip
+        mesh = init_device_mesh(
+            "cuda", (replicas, world // replicas), mesh_dim_names=("replicate", "shard")
+        )
     else:
         mesh = init_device_mesh("cuda", (world,))
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(512, 512), nn.ReLU()) for _ in range(4)],
-                          nn.Linear(512, 8)).to(dev)  # fmt: skip
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
-                                  reduce_dtype=torch.bfloat16 if bf16 else None)  # fmt: skip
+    model = nn.Sequential(
+        *[nn.Sequential(nn.Linear(512, 512), nn.ReLU()) for _ in range(4)], nn.Linear(512, 8)
+    ).to(dev)
+    policy = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.bfloat16 if bf16 else None
+    )
     for block in model:
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
@@ -113,19 +117,23 @@ def main() -> int:
                 REPLICA_CALLS[0] > 0
             )
         late_plain, late_four = sum(plain[-10:]) / 10, sum(four[-10:]) / 10
-        what = (f"{'HSDP 2 replicas' if replicas > 1 else 'FSDP2'} {'bf16' if bf16 else 'fp32'}"
-                f"{f', {param_bits}-bit all-gather' if param_bits else ''}")  # fmt: skip
-        ok[f"{what}: 4-bit loss (mean of the last 10 steps) within 2% of the first loss from "
-           f"plain's ({late_four:.4f} vs {late_plain:.4f}, first {plain[0]:.4f})"] = (
-            abs(late_four - late_plain) <= 0.02 * plain[0] and late_plain < 0.5 * plain[0]
-        )  # fmt: skip
+        what = (
+            f"{'HSDP 2 replicas' if replicas > 1 else 'FSDP2'} {'bf16' if bf16 else 'fp32'}"
+            f"{f', {param_bits}-bit all-gather' if param_bits else ''}"
+        )
+        ok[
+            f"{what}: 4-bit loss (mean of the last 10 steps) within 2% of the first loss from "
+            f"plain's ({late_four:.4f} vs {late_plain:.4f}, first {plain[0]:.4f})"
+        ] = abs(late_four - late_plain) <= 0.02 * plain[0] and late_plain < 0.5 * plain[0]
     failed = torch.tensor([0 if all(ok.values()) else 1], device="cuda")
     dist.all_reduce(failed, op=dist.ReduceOp.MAX)
     if rank == 0:
         for name, good in ok.items():
             print(f"{'ok  ' if good else 'FAIL'} {name}")
-        print(f"FSDP2 check on {world} x {torch.cuda.get_device_name()}, torch "
-              f"{torch.__version__}: {'all ok' if failed.item() == 0 else 'FAILURES'}")  # fmt: skip
+        print(
+            f"FSDP2 check on {world} x {torch.cuda.get_device_name()}, torch "
+            f"{torch.__version__}: {'all ok' if failed.item() == 0 else 'FAILURES'}"
+        )
     dist.destroy_process_group()
     return int(failed.item())
 

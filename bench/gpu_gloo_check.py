@@ -48,10 +48,12 @@ def allreduce_checks(rank: int, world: int, dev: torch.device) -> dict[str, bool
                 for n in (1000, 3_000_017) + ((20_000_033,) if dtype == torch.float32 else ()):
                     cgx2.manual_seed(7)
                     y = cgx2.quantized_allreduce(_input(rank, n, dtype).to(dev), 4)
-                    model = reference_allreduce([_input(r, n, dtype) for r in range(world)], 4,
-                                                512, call_seed(7, 0))  # fmt: skip
+                    model = reference_allreduce(
+                        [_input(r, n, dtype) for r in range(world)], 4, 512, call_seed(7, 0)
+                    )
                     ok[f"{transport}: allreduce {dtype} n={n} == model"] = torch.equal(
-                        _bits(y.cpu()), _bits(model))  # fmt: skip
+                        _bits(y.cpu()), _bits(model)
+                    )
     group = dist.group.WORLD
     ok["shm: the route's transport for these tensors"] = policy.route(
         _input(rank, 8).to(dev), group, 4, 512
@@ -68,7 +70,8 @@ def allreduce_checks(rank: int, world: int, dev: torch.device) -> dict[str, bool
             want += other
         got = shm.allreduce_plain_(_input(rank, n, dtype).to(dev), group, "sum")
         ok[f"shm: plain allreduce {dtype} == the rank-order sum"] = torch.equal(
-            _bits(got.cpu()), _bits(want))  # fmt: skip
+            _bits(got.cpu()), _bits(want)
+        )
     with cgx2.config.tuned(crossover_bytes=0):
         try:
             cgx2.quantized_allreduce(torch.ones(1024 if rank == 0 else 1000, device=dev), 4)
@@ -114,8 +117,9 @@ def _train(hook: str, worker: bool, dev: torch.device, rank: int) -> torch.Tenso
     """Three steps of a small MLP under DDP with ``hook``; the gradients of the last step."""
     cgx2.manual_seed(3)
     torch.manual_seed(0)
-    model = DDP(nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 8)).to(dev),
-                bucket_cap_mb=0.2)  # fmt: skip
+    model = DDP(
+        nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 8)).to(dev), bucket_cap_mb=0.2
+    )
     if hook == "cgx":
         state = CGXState(None, 16, {"bits": 4}, start_iter=0, error_feedback=True)
         model.register_comm_hook(state, cgx_hook)
@@ -166,10 +170,12 @@ def fsdp_dtensor_checks(rank: int, world: int, dev: torch.device) -> dict[str, b
             )
         x = _input(rank, world * 5000)
         got = cgx2.quantized_reduce_scatter(x.to(dev), 4, seed=21)
-        model = reference_reduce_scatter([_input(r, world * 5000) for r in range(world)], 4, 512,
-                                         21)[rank]  # fmt: skip
-        ok["quantized_reduce_scatter == the reference"] = torch.equal(_bits(got.cpu()),
-                                                                      _bits(model))  # fmt: skip
+        model = reference_reduce_scatter(
+            [_input(r, world * 5000) for r in range(world)], 4, 512, 21
+        )[rank]
+        ok["quantized_reduce_scatter == the reference"] = torch.equal(
+            _bits(got.cpu()), _bits(model)
+        )
         mesh = init_device_mesh(dev.type, (world,))
         cgx2.manual_seed(8)
         dt = DTensor.from_local(x.to(dev), mesh, [QuantizedPartial(4)], run_check=False)

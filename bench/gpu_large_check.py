@@ -60,18 +60,32 @@ def main() -> None:
         payload = tri.encode(x, bits, BUCKET, key=0xDEADBEEF_CAFEF00D)
         worst, over = _worst(tri.decode(payload, args.numel, bits, BUCKET), x, bits)
         rows.append({"op": "encode+decode", "bits": bits, "worst_over_bound": worst, "over": over})
-        print(f"encode+decode, {bits} bits, n={args.numel}: worst |err|/bound {worst:.3f}, "
-              f"{over} values over the bound", flush=True)  # fmt: skip
+        print(
+            f"encode+decode, {bits} bits, n={args.numel}: worst |err|/bound {worst:.3f}, "
+            f"{over} values over the bound",
+            flush=True,
+        )
         # Row 0 stands for our own chunk (skipped); row 1 is z's payload.
         pz = tri.encode(z, bits, BUCKET, key=0x12345678_9ABCDEF1)
         summed = x + tri.decode(pz, args.numel, bits, BUCKET)
-        out = tri.decode_sum_encode(torch.stack([payload, pz]), args.numel, x, 0, None, bits,
-                                    BUCKET, key=0x0F0F0F0F_F0F0F0F0)  # fmt: skip
+        out = tri.decode_sum_encode(
+            torch.stack([payload, pz]),
+            args.numel,
+            x,
+            0,
+            None,
+            bits,
+            BUCKET,
+            key=0x0F0F0F0F_F0F0F0F0,
+        )
         del payload, pz
         worst, over = _worst(tri.decode(out, args.numel, bits, BUCKET), summed, bits)
         rows.append({"op": "dse+decode", "bits": bits, "worst_over_bound": worst, "over": over})
-        print(f"decode-sum-encode+decode, {bits} bits: worst |err|/bound {worst:.3f}, "
-              f"{over} values over the bound", flush=True)  # fmt: skip
+        print(
+            f"decode-sum-encode+decode, {bits} bits: worst |err|/bound {worst:.3f}, "
+            f"{over} values over the bound",
+            flush=True,
+        )
         del out, summed
         torch.cuda.empty_cache()
     failed = any(r["over"] for r in rows)

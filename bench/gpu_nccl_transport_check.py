@@ -60,8 +60,10 @@ def main() -> int:
         for transport in ("nccl", "process_group"):
             with cgx2.config.tuned(transport=transport, crossover_bytes=0, algorithm=algorithm):
                 route = policy.route(x, group, 4, 512)
-                results[transport] = (collectives.allreduce(x, 4, 512, group, seed=3),
-                                      route.transport)  # fmt: skip
+                results[transport] = (
+                    collectives.allreduce(x, 4, 512, group, seed=3),
+                    route.transport,
+                )
         ok[f"{algorithm}: allreduce through nccl == through the process group"] = torch.equal(
             results["nccl"][0], results["process_group"][0]
         ) and (world == 1 or results["nccl"][1] is nccl)
@@ -71,8 +73,9 @@ def main() -> int:
         for name, good in ok.items():
             print(f"{'ok  ' if good else 'FAIL'} {name}")
         env = report.environment(dev, world)
-        path = report.write_json("gpu_nccl_transport_check", {"env": env, "checks": ok},
-                                 "bench/results")  # fmt: skip
+        path = report.write_json(
+            "gpu_nccl_transport_check", {"env": env, "checks": ok}, "bench/results"
+        )
         print(f"gpu_nccl_transport_check: {len(ok) - len(failed)} of {len(ok)} passed -> {path}")
     dist.destroy_process_group()
     return 1 if failed else 0

@@ -42,8 +42,9 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=2000, help="calls a round")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--bits", type=int, default=4)
-    p.add_argument("--device", choices=("cuda", "cpu"),
-                   default="cuda" if torch.cuda.is_available() else "cpu")  # fmt: skip
+    p.add_argument(
+        "--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu"
+    )
     p.add_argument("--profile", action="store_true", help="print cProfile's top functions")
     report.add_out_argument(p)
     args = p.parse_args()
@@ -86,18 +87,36 @@ def main() -> None:
         for name in names[r % len(names) :] + names[: r % len(names)]:
             rounds[name].append(_per_call_us(settings[name], args.calls, device))
     us = {name: statistics.median(v) for name, v in rounds.items()}
-    rows = [{"call": name, "host_us": us[name], "x_clone": us[name] / us["clone"]}
-            for name in names]  # fmt: skip
-    print(report.format_table(rows, [("call", "call", ""), ("host_us", "host µs", ".1f"),
-                                     ("x_clone", "× clone", ".2f")]))  # fmt: skip
-    print(report.format_legend([
-        ("host µs", f"host time per call, {args.calls} calls back to back, median of "
-                    f"{args.rounds} rounds; {n} fp32 values, {bits} bits"),
-        ("op_*", "torch.ops.cgx.*; quantize/dequantize: cgx2.quantize/dequantize (eager)"),
-        ("round_trip_*", "quantize then dequantize, eager and torch.compile(fullgraph=True)"
-                         "; _cudagraphs: mode='reduce-overhead'"),
-        ("clone_compiled", "torch.compile(fullgraph=True) of a clone: its fixed cost a call"),
-    ]))  # fmt: skip
+    rows = [
+        {"call": name, "host_us": us[name], "x_clone": us[name] / us["clone"]} for name in names
+    ]
+    print(
+        report.format_table(
+            rows,
+            [("call", "call", ""), ("host_us", "host µs", ".1f"), ("x_clone", "× clone", ".2f")],
+        )
+    )
+    print(
+        report.format_legend(
+            [
+                (
+                    "host µs",
+                    f"host time per call, {args.calls} calls back to back, median of "
+                    f"{args.rounds} rounds; {n} fp32 values, {bits} bits",
+                ),
+                ("op_*", "torch.ops.cgx.*; quantize/dequantize: cgx2.quantize/dequantize (eager)"),
+                (
+                    "round_trip_*",
+                    "quantize then dequantize, eager and torch.compile(fullgraph=True)"
+                    "; _cudagraphs: mode='reduce-overhead'",
+                ),
+                (
+                    "clone_compiled",
+                    "torch.compile(fullgraph=True) of a clone: its fixed cost a call",
+                ),
+            ]
+        )
+    )
     if args.profile:
         for name in ("op_quantize", "op_dequantize"):
             profiler = cProfile.Profile()

@@ -114,8 +114,9 @@ def main() -> None:
     copies: list[float] = []
     for r in range(args.rounds):
         print(f"round {r + 1} of {args.rounds}", file=sys.stderr)
-        copies.append(triton.testing.do_bench(lambda: dst.copy_(src), rep=args.rep_ms,
-                                              return_mode="median"))  # fmt: skip
+        copies.append(
+            triton.testing.do_bench(lambda: dst.copy_(src), rep=args.rep_ms, return_mode="median")
+        )
         for (name, d, b), kernels in work.items():
             for kernel, (fn, _, _) in kernels.items():
                 if (name, d, b, kernel) not in broken:
@@ -128,23 +129,45 @@ def main() -> None:
         moved = work[name, d, b][kernel][2]
         current = statistics.median(times["current", d, b, kernel])
         median = statistics.median(ms)
-        rows.append({"version": name, "kernel": kernel, "dtype": d, "bits": b,
-                     "ms": median, "ms_rounds": ms, "vs_current": current / median,
-                     "gbps": moved / median / 1e6,
-                     "fraction_of_copy": moved / median / 1e6 / copy_gbps})  # fmt: skip
+        rows.append(
+            {
+                "version": name,
+                "kernel": kernel,
+                "dtype": d,
+                "bits": b,
+                "ms": median,
+                "ms_rounds": ms,
+                "vs_current": current / median,
+                "gbps": moved / median / 1e6,
+                "fraction_of_copy": moved / median / 1e6 / copy_gbps,
+            }
+        )
     rows.sort(key=lambda row: (row["kernel"], row["dtype"], row["bits"], row["version"]))
-    columns = [("kernel", "kernel", ""), ("dtype", "dtype", ""), ("bits", "bits", "d"),
-               ("version", "version", ""), ("ms", "ms", ".4f"), ("vs_current", "x current", ".3f"),
-               ("fraction_of_copy", "of copy", ".0%")]  # fmt: skip
+    columns = [
+        ("kernel", "kernel", ""),
+        ("dtype", "dtype", ""),
+        ("bits", "bits", "d"),
+        ("version", "version", ""),
+        ("ms", "ms", ".4f"),
+        ("vs_current", "x current", ".3f"),
+        ("fraction_of_copy", "of copy", ".0%"),
+    ]
     print(format_table(rows, columns))
     same = sorted(broken) or "every version wrote the same bytes"
-    print(f"copy of {src.numel() >> 20} MiB: {copy_ms:.3f} ms, {copy_gbps:.0f} GB/s (median of "
-          f"{args.rounds} rounds); {same}")  # fmt: skip
+    print(
+        f"copy of {src.numel() >> 20} MiB: {copy_ms:.3f} ms, {copy_gbps:.0f} GB/s (median of "
+        f"{args.rounds} rounds); {same}"
+    )
     if args.out_dir:
-        report = {"env": environment(device), "numel": args.numel, "copy_ms": copy_ms,
-                  "copy_gbps": copy_gbps, "versions": {k: getattr(v, "__file__", "") for k, v
-                                                       in codecs.items()},
-                  "broken": [list(k) for k in sorted(broken)], "rows": rows}  # fmt: skip
+        report = {
+            "env": environment(device),
+            "numel": args.numel,
+            "copy_ms": copy_ms,
+            "copy_gbps": copy_gbps,
+            "versions": {k: getattr(v, "__file__", "") for k, v in codecs.items()},
+            "broken": [list(k) for k in sorted(broken)],
+            "rows": rows,
+        }
         print(f"raw results: {write_json('kernel_ab', report, args.out_dir)}")
 
 

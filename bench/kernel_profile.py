@@ -51,8 +51,9 @@ def parse_spec(spec: str) -> tuple[str, str, int]:
     """``KERNEL:DTYPE:BITS`` -> its parts, or ValueError naming what is wrong."""
     parts = spec.split(":")
     if len(parts) != 3 or parts[0] not in KERNELS or parts[1] not in ("fp32", "bf16"):
-        raise ValueError(f"a kernel is KERNEL:DTYPE:BITS ({'|'.join(KERNELS)}:fp32|bf16:1-8), "
-                         f"got {spec!r}")  # fmt: skip
+        raise ValueError(
+            f"a kernel is KERNEL:DTYPE:BITS ({'|'.join(KERNELS)}:fp32|bf16:1-8), got {spec!r}"
+        )
     if not parts[2].isdigit() or not 1 <= int(parts[2]) <= 8:
         raise ValueError(f"bits must be 1-8, got {parts[2]!r} in {spec!r}")
     return parts[0], parts[1], int(parts[2])
@@ -110,8 +111,10 @@ def summary(result: dict[str, Any]) -> tuple[str, str]:
     """A result's four commonest stall reasons and six commonest opcodes, as table cells."""
     stalls = list(result["stalls"].items())[:4]
     opcodes = list(result["opcodes_per_value"].items())[:6]
-    return (", ".join(f"{k} {v:.0%}" for k, v in stalls),
-            ", ".join(f"{k} {v:.1f}" for k, v in opcodes))  # fmt: skip
+    return (
+        ", ".join(f"{k} {v:.0%}" for k, v in stalls),
+        ", ".join(f"{k} {v:.1f}" for k, v in opcodes),
+    )
 
 
 def values_of(kernel: str, numel: int) -> int:
@@ -140,12 +143,9 @@ def profile(ncu: str, spec: str, numel: int, tmp: str) -> dict[str, Any]:
     kernel, dtype, bits = parse_spec(spec)
     rep = os.path.join(tmp, spec.replace(":", "_"))
     child = [sys.executable, os.path.abspath(__file__), "run", spec, "--numel", str(numel)]
-    subprocess.run(
-        [ncu, "--clock-control", "none", "--set", "full", "--import-source", "yes",
-         "--profile-from-start", "off", "-k", KERNEL_NAMES[kernel], "-c", "1", "-f", "-o", rep,
-         *child],
-        check=True, stdout=subprocess.DEVNULL,
-    )  # fmt: skip
+    options = "--clock-control none --set full --import-source yes --profile-from-start off"
+    only = ["-k", KERNEL_NAMES[kernel], "-c", "1", "-f", "-o", rep]
+    subprocess.run([ncu, *options.split(), *only, *child], check=True, stdout=subprocess.DEVNULL)
 
     def page(*args: str) -> str:
         cmd = [ncu, "--import", rep + ".ncu-rep", "--csv", *args]
@@ -153,8 +153,9 @@ def profile(ncu: str, spec: str, numel: int, tmp: str) -> dict[str, Any]:
 
     result: dict[str, Any] = {"kernel": kernel, "dtype": dtype, "bits": bits, "spec": spec}
     result.update(parse_details(page("--page", "details")))
-    result.update(parse_source(page("--page", "source", "--print-source", "sass"),
-                               values_of(kernel, numel)))  # fmt: skip
+    result.update(
+        parse_source(page("--page", "source", "--print-source", "sass"), values_of(kernel, numel))
+    )
     return result
 
 
@@ -188,14 +189,20 @@ def main() -> None:
         for i, spec in enumerate(args.specs):
             print(f"profiling {spec} ({i + 1} of {len(args.specs)})", file=sys.stderr)
             results.append(profile(ncu, spec, args.numel, tmp))
-    rows = [dict(zip(("top_stalls", "top_opcodes"), summary(r), strict=True), **r)
-            for r in results]  # fmt: skip
-    columns = [("kernel", "kernel", ""), ("dtype", "dtype", ""), ("bits", "bits", "d"),
-               ("duration", "us", ".1f"), ("issued_ipc", "IPC", ".2f"),
-               ("issue_busy_pct", "issue %", ".0f"), ("dram_pct", "DRAM %", ".0f"),
-               ("achieved_occupancy_pct", "occup. %", ".0f"), ("registers", "regs", ".0f"),
-               ("instructions_per_value", "instr/value", ".1f"),
-               ("top_stalls", "warp samples", "")]  # fmt: skip
+    rows = [dict(zip(("top_stalls", "top_opcodes"), summary(r), strict=True), **r) for r in results]
+    columns = [
+        ("kernel", "kernel", ""),
+        ("dtype", "dtype", ""),
+        ("bits", "bits", "d"),
+        ("duration", "us", ".1f"),
+        ("issued_ipc", "IPC", ".2f"),
+        ("issue_busy_pct", "issue %", ".0f"),
+        ("dram_pct", "DRAM %", ".0f"),
+        ("achieved_occupancy_pct", "occup. %", ".0f"),
+        ("registers", "regs", ".0f"),
+        ("instructions_per_value", "instr/value", ".1f"),
+        ("top_stalls", "warp samples", ""),
+    ]
     print(format_table(rows, columns))
     per_value = [("spec", "kernel", ""), ("top_opcodes", "thread instructions per value", "")]
     print(format_table(rows, per_value))

@@ -18,8 +18,9 @@ from cgx2.testing import netlab
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--hosts", default="2", help="host counts, comma-separated")
     p.add_argument("--rates", default="1gbit,3gbit,10gbit", help="link rates, comma-separated")
     p.add_argument("--nproc-per-node", type=int, default=1, help="ranks a host")
@@ -34,20 +35,24 @@ def main() -> int:
         print(f"links.py: cannot make hosts here: {reason}", file=sys.stderr)
         return 2
     status, port = 0, 29700
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1)
-                                                     // args.nproc_per_node)),
-           "LINK_DRIVER": " ".join([sys.executable, *sys.argv])}  # fmt: skip
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.nproc_per_node)),
+        "LINK_DRIVER": " ".join([sys.executable, *sys.argv]),
+    }
     for hosts in (int(h) for h in args.hosts.split(",")):
         for rate in args.rates.split(","):
             port += 1
             print(f"== {hosts} hosts x {args.nproc_per_node} ranks, {rate} links", flush=True)
-            command = ["bash", "-c",
-                       f"exec {sys.executable} -m torch.distributed.run --nnodes {hosts} "
-                       f"--nproc-per-node {args.nproc_per_node} --rdzv-backend c10d "
-                       f"--rdzv-endpoint $MASTER_ADDR:{port} --rdzv-id links "
-                       f"--rdzv-conf is_host=$((HOST == 0)) --local-addr $HOST_ADDR "
-                       f"-m cgx2.bench --out {os.path.abspath(args.out)} "
-                       + " ".join(bench_args)]  # fmt: skip
+            command = [
+                "bash",
+                "-c",
+                f"exec {sys.executable} -m torch.distributed.run --nnodes {hosts} "
+                f"--nproc-per-node {args.nproc_per_node} --rdzv-backend c10d "
+                f"--rdzv-endpoint $MASTER_ADDR:{port} --rdzv-id links "
+                f"--rdzv-conf is_host=$((HOST == 0)) --local-addr $HOST_ADDR "
+                f"-m cgx2.bench --out {os.path.abspath(args.out)} " + " ".join(bench_args),
+            ]
             with netlab.Lab(hosts, netlab.Link(rate), args.iproute_root) as lab:
                 results = lab.run(command, env=env, timeout=args.timeout)
             print(results[0].stdout, flush=True)

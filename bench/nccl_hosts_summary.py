@@ -13,12 +13,20 @@ import sys
 from pathlib import Path
 from typing import Any
 
-MLP_RUNS = [("mlp_plain", "plain DDP"), ("mlp_cgx4", "cgx_hook 4-bit"),
-            ("mlp_cgx8", "cgx_hook 8-bit"), ("mlp_bf16", "torch bf16_compress_hook"),
-            ("mlp_powersgd", "torch PowerSGD, rank 4"), ("mlp_compress", "cgx2.ddp.compress 4-bit"),
-            ("mlp_allreduce", "torch allreduce_hook")]  # fmt: skip
-FSDP_ROWS = [(f"{kind}_{dtype}", f"{'HSDP 2 x 2' if kind == 'hsdp' else 'FSDP2'}, {dtype} params")
-             for kind in ("fsdp", "hsdp") for dtype in ("fp32", "bf16")]  # fmt: skip
+MLP_RUNS = [
+    ("mlp_plain", "plain DDP"),
+    ("mlp_cgx4", "cgx_hook 4-bit"),
+    ("mlp_cgx8", "cgx_hook 8-bit"),
+    ("mlp_bf16", "torch bf16_compress_hook"),
+    ("mlp_powersgd", "torch PowerSGD, rank 4"),
+    ("mlp_compress", "cgx2.ddp.compress 4-bit"),
+    ("mlp_allreduce", "torch allreduce_hook"),
+]
+FSDP_ROWS = [
+    (f"{kind}_{dtype}", f"{'HSDP 2 x 2' if kind == 'hsdp' else 'FSDP2'}, {dtype} params")
+    for kind in ("fsdp", "hsdp")
+    for dtype in ("fp32", "bf16")
+]
 _RATE = re.compile(r"^(\d+)(bit|kbit|mbit|gbit)$")
 
 
@@ -43,8 +51,12 @@ def delivered(bench: dict[str, Any] | None, rate: str) -> dict[str, Any] | None:
     row = max(rows, key=lambda r: (r["bytes"], -r["plain_ms"]))
     gbit = row["plain_busbw"] * 8
     link = bits_per_second(rate)
-    return {"size": row["size"], "busbw_gbs": row["plain_busbw"], "gbit_s": gbit,
-            "of_rate": None if not link else gbit * 1e9 / link}  # fmt: skip
+    return {
+        "size": row["size"],
+        "busbw_gbs": row["plain_busbw"],
+        "gbit_s": gbit,
+        "of_rate": None if not link else gbit * 1e9 / link,
+    }
 
 
 def params(results: object) -> str:
@@ -70,8 +82,10 @@ def section(folder: Path, layout: str, rate: str, runs: dict[str, dict]) -> tupl
     head = f"### {hosts} hosts x {per_host} GPU{'s' if per_host != '1' else ''}, {rate} links"
     if link:
         share = f", {link['of_rate']:.0%} of the rate" if link["of_rate"] else ""
-        head += (f": delivered {link['gbit_s']:.1f} Gbit/s{share} (NCCL's fp32 allreduce bus "
-                 f"bandwidth, {link['busbw_gbs']:.2f} GB/s at {link['size']})")  # fmt: skip
+        head += (
+            f": delivered {link['gbit_s']:.1f} Gbit/s{share} (NCCL's fp32 allreduce bus "
+            f"bandwidth, {link['busbw_gbs']:.2f} GB/s at {link['size']})"
+        )
     else:
         head += ": delivered rate unknown (no allreduce table)"
     lines, data = [head, ""], {"layout": layout, "rate": rate, "delivered": link}
@@ -85,18 +99,25 @@ def section(folder: Path, layout: str, rate: str, runs: dict[str, dict]) -> tupl
         return f"failed (exit {run['rc']})" if run["rc"] else "no result"
 
     if bench:
-        lines += ["| allreduce, fp32 | NCCL ms | cgx2 ms | bits | speedup | of light |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+        lines += [
+            "| allreduce, fp32 | NCCL ms | cgx2 ms | bits | speedup | of light |",
+            "| --- | ---: | ---: | ---: | ---: | ---: |",
+        ]
         for r in bench["rows"]:
-            lines.append(f"| {r['size']} {r['dtype']} | {r['plain_ms']:.2f} | {r['cgx2_ms']:.2f} "
-                         f"| {r['bits']} | {r['speedup_vs_plain']:.2f}x "
-                         f"| {r['fraction_of_sol']:.0%} |")  # fmt: skip
+            lines.append(
+                f"| {r['size']} {r['dtype']} | {r['plain_ms']:.2f} | {r['cgx2_ms']:.2f} "
+                f"| {r['bits']} | {r['speedup_vs_plain']:.2f}x "
+                f"| {r['fraction_of_sol']:.0%} |"
+            )
         data["allreduce"] = bench["rows"]
     else:
         lines.append(f"allreduce table: {failed('bench')}")
     mlp = {name: load(folder / name, "ddp_*.json") for name, _ in MLP_RUNS}
-    lines += ["", f"| DDP step, MLP{params(mlp.values())} | median ms | vs plain DDP "
-              "| bytes vs plain |", "| --- | ---: | ---: | ---: |"]  # fmt: skip
+    lines += [
+        "",
+        f"| DDP step, MLP{params(mlp.values())} | median ms | vs plain DDP | bytes vs plain |",
+        "| --- | ---: | ---: | ---: |",
+    ]
     plain = (mlp["mlp_plain"] or {}).get("median_ms")
     for name, label in MLP_RUNS:
         r = mlp[name]
@@ -106,14 +127,24 @@ def section(folder: Path, layout: str, rate: str, runs: dict[str, dict]) -> tupl
             lines.append(f"| {label} | {failed(name)} | | |")
             continue
         sent = r.get("bytes_sent_ratio")
-        lines.append(f"| {label} | {r['median_ms']:.1f} | {ratio(plain, r['median_ms'])} "
-                     f"| {'-' if sent is None else f'{sent:.3f}'} |")  # fmt: skip
-    data["mlp"] = {n: r and {"median_ms": r["median_ms"], "bytes_sent_ratio":
-                             r.get("bytes_sent_ratio")} for n, r in mlp.items()}  # fmt: skip
-    ddp = {f"{b}{tag}": load(folder / f"ddp_{b}{tag}", "*.json")
-           for b in ("b32", "b4") for tag in ("", "_compile")}  # fmt: skip
-    lines += ["", f"| train_ddp.py{params(ddp.values())} | plain DDP ms | cgx_hook 4-bit ms "
-              "| speedup |", "| --- | ---: | ---: | ---: |"]  # fmt: skip
+        lines.append(
+            f"| {label} | {r['median_ms']:.1f} | {ratio(plain, r['median_ms'])} "
+            f"| {'-' if sent is None else f'{sent:.3f}'} |"
+        )
+    data["mlp"] = {
+        n: r and {"median_ms": r["median_ms"], "bytes_sent_ratio": r.get("bytes_sent_ratio")}
+        for n, r in mlp.items()
+    }
+    ddp = {
+        f"{b}{tag}": load(folder / f"ddp_{b}{tag}", "*.json")
+        for b in ("b32", "b4")
+        for tag in ("", "_compile")
+    }
+    lines += [
+        "",
+        f"| train_ddp.py{params(ddp.values())} | plain DDP ms | cgx_hook 4-bit ms | speedup |",
+        "| --- | ---: | ---: | ---: |",
+    ]
     data["train_ddp"] = {}
     for tag, label in (("", "eager"), ("_compile", "--compile")):
         b32, b4 = ddp[f"b32{tag}"], ddp[f"b4{tag}"]
@@ -122,12 +153,18 @@ def section(folder: Path, layout: str, rate: str, runs: dict[str, dict]) -> tupl
         q_text = ms(q) if b4 else failed(f"ddp_b4{tag}")
         lines.append(f"| {label} | {p_text} | {q_text} | {ratio(p, q)} |")
         data["train_ddp"][label] = {"plain_ms": p, "cgx4_ms": q}
-    fsdp = {(prefix, b): load(folder / f"{prefix}_{b}", "*.json")
-            for prefix, _ in FSDP_ROWS for b in ("b32", "b4", "b4p8")}  # fmt: skip
-    lines += ["", f"| train_fsdp.py{params(fsdp.values())} | FSDP2's own ms "
-              "| 4-bit reduce-scatter ms | + 8-bit parameters ms "
-              "| sent vs uncompressed (+ 8-bit) |",
-              "| --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    fsdp = {
+        (prefix, b): load(folder / f"{prefix}_{b}", "*.json")
+        for prefix, _ in FSDP_ROWS
+        for b in ("b32", "b4", "b4p8")
+    }
+    lines += [
+        "",
+        f"| train_fsdp.py{params(fsdp.values())} | FSDP2's own ms "
+        "| 4-bit reduce-scatter ms | + 8-bit parameters ms "
+        "| sent vs uncompressed (+ 8-bit) |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
     data["train_fsdp"] = {}
     for prefix, label in FSDP_ROWS:
         got = {b: fsdp[(prefix, b)] for b in ("b32", "b4", "b4p8")}
@@ -137,14 +174,29 @@ def section(folder: Path, layout: str, rate: str, runs: dict[str, dict]) -> tupl
         cells = [ms(own) if got["b32"] else failed(f"{prefix}_b32")]
         for b in ("b4", "b4p8"):
             r = got[b]
-            cells.append(f"{r['step_ms']:.1f} ({ratio(own, r['step_ms'])})" if r
-                         else failed(f"{prefix}_{b}"))  # fmt: skip
-        sent = [ratio(r["bytes_uncompressed"], r["bytes_sent"]) + " less"
-                for r in (got["b4"], got["b4p8"]) if r and r.get("bytes_sent")]  # fmt: skip
+            cells.append(
+                f"{r['step_ms']:.1f} ({ratio(own, r['step_ms'])})" if r else failed(f"{prefix}_{b}")
+            )
+        sent = [
+            ratio(r["bytes_uncompressed"], r["bytes_sent"]) + " less"
+            for r in (got["b4"], got["b4p8"])
+            if r and r.get("bytes_sent")
+        ]
         lines.append(f"| {label} | {' | '.join(cells)} | {' / '.join(sent) or '-'} |")
-        data["train_fsdp"][prefix] = {b: r and {k: r.get(k) for k in (
-            "step_ms", "bytes_sent", "bytes_uncompressed", "all_gather_bytes_sent",
-            "all_gather_bytes_uncompressed")} for b, r in got.items()}  # fmt: skip
+        data["train_fsdp"][prefix] = {
+            b: r
+            and {
+                k: r.get(k)
+                for k in (
+                    "step_ms",
+                    "bytes_sent",
+                    "bytes_uncompressed",
+                    "all_gather_bytes_sent",
+                    "all_gather_bytes_uncompressed",
+                )
+            }
+            for b, r in got.items()
+        }
     return "\n".join(lines), data
 
 
@@ -155,16 +207,23 @@ def main(argv: list[str]) -> int:
     top = Path(argv[0])
     machine = json.loads((top / "machine.json").read_text())
     runs_file = top / "runs.jsonl"
-    runs = [json.loads(line) for line in runs_file.read_text().splitlines()] \
-        if runs_file.exists() else []  # fmt: skip
+    runs = (
+        [json.loads(line) for line in runs_file.read_text().splitlines()]
+        if runs_file.exists()
+        else []
+    )
     by_place: dict[tuple[str, str], dict[str, dict]] = {}
     for run in runs:
         by_place.setdefault((run["layout"], run["rate"]), {})[run["run"]] = run
-    parts = [f"## GPU servers over Ethernet: {machine.get('gpus') or machine.get('ngpu')}, "
-             f"torch {machine.get('torch')}, NCCL {machine.get('nccl')}, {machine['date']}", "",
-             f"`{machine['command']}`; the lab's hosts are network namespaces of one machine "
-             "(NCCL's sockets over veth top out near 20 Gbit/s: faster links are stood for by "
-             "the shm and NVLink regimes).", ""]  # fmt: skip
+    parts = [
+        f"## GPU servers over Ethernet: {machine.get('gpus') or machine.get('ngpu')}, "
+        f"torch {machine.get('torch')}, NCCL {machine.get('nccl')}, {machine['date']}",
+        "",
+        f"`{machine['command']}`; the lab's hosts are network namespaces of one machine "
+        "(NCCL's sockets over veth top out near 20 Gbit/s: faster links are stood for by "
+        "the shm and NVLink regimes).",
+        "",
+    ]
     summary = {"machine": machine, "sections": []}
     for layout in machine["layouts"]:
         for rate in machine["rates"]:

@@ -69,8 +69,12 @@ def _exact_module():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     path = os.environ.get("SCRATCH_EXACT")
     if path is None:
-        source = subprocess.run(["git", "-C", root, "show", f"{EXACT_COMMIT}:cgx2/scratch.py"],
-                                check=True, capture_output=True, text=True).stdout  # fmt: skip
+        source = subprocess.run(
+            ["git", "-C", root, "show", f"{EXACT_COMMIT}:cgx2/scratch.py"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
         path = os.path.join(tempfile.mkdtemp(), "scratch_exact.py")
         with open(path, "w") as f:
             f.write(source)
@@ -81,8 +85,22 @@ def _exact_module():
 
 
 def one_call(x: torch.Tensor, out: torch.Tensor, bits: int) -> None:
-    run = ar._Run(None, 2, 0, bits, 512, False, None, maxmin_codec(x.device), 11, 12,
-                  x.numel(), False, True, _Local)  # fmt: skip
+    run = ar._Run(
+        None,
+        2,
+        0,
+        bits,
+        512,
+        False,
+        None,
+        maxmin_codec(x.device),
+        11,
+        12,
+        x.numel(),
+        False,
+        True,
+        _Local,
+    )
     ar._pipeline(run, x, out, None)
 
 
@@ -123,16 +141,23 @@ def main() -> None:
     ar.scratch = maxmin.scratch = classes
     rows = []
     for (workload, name), ts in times.items():
-        rows.append({"workload": workload, "scratch": name, "ms": 1e3 * statistics.median(ts),
-                     "kept_mib": kept[workload, name] / MiB})  # fmt: skip
+        rows.append(
+            {
+                "workload": workload,
+                "scratch": name,
+                "ms": 1e3 * statistics.median(ts),
+                "kept_mib": kept[workload, name] / MiB,
+            }
+        )
     for r in rows:
         print(
             f"{r['workload']:18} {r['scratch']:8} {r['ms']:8.2f} ms  kept {r['kept_mib']:7.1f} MiB"
         )
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"torch": torch.__version__, "cpu": os.cpu_count(), "rows": rows}, f,
-                      indent=1)  # fmt: skip
+            json.dump(
+                {"torch": torch.__version__, "cpu": os.cpu_count(), "rows": rows}, f, indent=1
+            )
 
 
 if __name__ == "__main__":

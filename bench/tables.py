@@ -112,10 +112,15 @@ def train_table(paths: list[Path]) -> str:
         for kind in ("hook", "backend"):  # a row may lack either
             run = r.get(kind)
             cells[kind] = (
-                (f"{run['step_ms']:.1f}", f"**{plain['step_ms'] / run['step_ms']:.2f}×**",
-                 f"{run['bytes_sent'] / 1e6:.0f}", f"{run['final_loss']:.3f}")
-                if run else ("-",) * 4
-            )  # fmt: skip
+                (
+                    f"{run['step_ms']:.1f}",
+                    f"**{plain['step_ms'] / run['step_ms']:.2f}×**",
+                    f"{run['bytes_sent'] / 1e6:.0f}",
+                    f"{run['final_loss']:.3f}",
+                )
+                if run
+                else ("-",) * 4
+            )
         hook, backend = cells["hook"], cells["backend"]
         counted = r.get("hook") or r.get("backend")  # a plain run counts no bytes
         uncompressed = f"{counted['bytes_uncompressed'] / 1e6:.0f}" if counted else "-"

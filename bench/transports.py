@@ -83,23 +83,41 @@ def main() -> None:
         if dist.get_rank() == 0:
             print(f"{row['size']}: done", flush=True)
     if dist.get_rank() == 0:
-        columns = [("size", "size", ""), ("gloo_plain_ms", "gloo ms", ".2f"),
-                   ("shm_plain_ms", "shm ms", ".2f"), ("plain_x", "shm x", ".2f"),
-                   ("gloo_q_ms", f"{args.bits}-bit gloo ms", ".2f"),
-                   ("shm_q_ms", f"{args.bits}-bit shm ms", ".2f"),
-                   ("q_x", f"{args.bits}-bit shm x", ".2f")]  # fmt: skip
+        columns = [
+            ("size", "size", ""),
+            ("gloo_plain_ms", "gloo ms", ".2f"),
+            ("shm_plain_ms", "shm ms", ".2f"),
+            ("plain_x", "shm x", ".2f"),
+            ("gloo_q_ms", f"{args.bits}-bit gloo ms", ".2f"),
+            ("shm_q_ms", f"{args.bits}-bit shm ms", ".2f"),
+            ("q_x", f"{args.bits}-bit shm x", ".2f"),
+        ]
         if ring:
-            columns += [("gloo_ring_ms", "ring gloo ms", ".2f"),
-                        ("shm_ring_ms", "ring shm ms", ".2f")]  # fmt: skip
+            columns += [
+                ("gloo_ring_ms", "ring gloo ms", ".2f"),
+                ("shm_ring_ms", "ring shm ms", ".2f"),
+            ]
         print(report.format_table(rows, columns))
-        print(report.format_legend([
-            ("gloo ms / shm ms", "median of the plain allreduce through gloo / shared memory"),
-            (f"{args.bits}-bit ...", "the quantized allreduce, its bytes through gloo / shared "
-             "memory"),
-            ("x", "gloo's time / shared memory's (above 1: shared memory is faster)"),
-            *([("ring ...", f"the {args.bits}-bit ring allreduce (CGX2_ALGORITHM=ring)")]
-              if ring else []),
-        ]))  # fmt: skip
+        print(
+            report.format_legend(
+                [
+                    (
+                        "gloo ms / shm ms",
+                        "median of the plain allreduce through gloo / shared memory",
+                    ),
+                    (
+                        f"{args.bits}-bit ...",
+                        "the quantized allreduce, its bytes through gloo / shared memory",
+                    ),
+                    ("x", "gloo's time / shared memory's (above 1: shared memory is faster)"),
+                    *(
+                        [("ring ...", f"the {args.bits}-bit ring allreduce (CGX2_ALGORITHM=ring)")]
+                        if ring
+                        else []
+                    ),
+                ]
+            )
+        )
         env = report.environment(device, dist.get_world_size())
         env["bits"] = args.bits
         path = report.write_json("transports", {"env": env, "rows": rows}, args.out)

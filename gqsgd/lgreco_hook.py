@@ -35,7 +35,16 @@ class PowerSGDState(LGreCoState):
         rank = matrix_approximation_rank
         low = max(1, math.floor(rank * adjust_gamma))
         high = max(rank, math.ceil(rank * adjust_beta))
-        super().__init__(process_group, rank, start_powerSGD_iter, min_compression_rate,
-                         use_error_feedback, warm_start, orthogonalization_epsilon, random_seed,
-                         compression_stats_logging_frequency, ranks=range(low, high + 1),
-                         replan_every=adjust_freq)  # fmt: skip
+        super().__init__(
+            process_group,
+            rank,
+            start_powerSGD_iter,
+            min_compression_rate,
+            use_error_feedback,
+            warm_start,
+            orthogonalization_epsilon,
+            random_seed,
+            compression_stats_logging_frequency,
+            ranks=range(low, high + 1),
+            replan_every=adjust_freq,
+        )
