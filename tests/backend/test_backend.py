@@ -46,8 +46,9 @@ def _call_seeds(seed: int, count: int) -> list[int]:
     return [call_seed(seed, k) for k in range(count)]
 
 
-def _padded_reference(inputs: list[list[torch.Tensor]], bits: int, bucket: int, seed: int,
-                      op: str = "sum") -> list[torch.Tensor]:  # fmt: skip
+def _padded_reference(
+    inputs: list[list[torch.Tensor]], bits: int, bucket: int, seed: int, op: str = "sum"
+) -> list[torch.Tensor]:
     """What a fused quantized allreduce of the layers ``inputs[rank]`` returns."""
     fused = [fuse_padded(layers, bucket) for layers in inputs]
     out = reference_allreduce([f for f, _ in fused], bits, bucket, seed, op)
@@ -74,8 +75,13 @@ def _compressed_all_reduce(dtype: torch.dtype, op: str) -> dict:
         )
         work.wait()
         future_value = work.get_future().value()[0]
-        return {"x": x, "y": y, "same_tensor": future_value is y, "sent": g.bytes_sent,
-                "plain": g.bytes_uncompressed}  # fmt: skip
+        return {
+            "x": x,
+            "y": y,
+            "same_tensor": future_value is y,
+            "sent": g.bytes_sent,
+            "plain": g.bytes_uncompressed,
+        }
 
 
 def _in_rank_order(x: torch.Tensor) -> torch.Tensor:
@@ -150,8 +156,11 @@ def _bits_read_at_every_call() -> list[int]:
 def _coalesced(fusion_mb: str) -> dict:
     rank = dist.get_rank()
     sizes = [200_000, 50_000, 1000, 10, 300_000]  # 1 MiB: the first three, then the last
-    with _cgx_group(CGX_COMPRESSION_QUANTIZATION_BITS="4", CGX_FUSION_BUFFER_SIZE_MB=fusion_mb,
-                    CGX_COMPRESSION_BUCKET_SIZE="512") as g:  # fmt: skip
+    with _cgx_group(
+        CGX_COMPRESSION_QUANTIZATION_BITS="4",
+        CGX_FUSION_BUFFER_SIZE_MB=fusion_mb,
+        CGX_COMPRESSION_BUCKET_SIZE="512",
+    ) as g:
         xs = [_input(rank, n, seed=i) for i, n in enumerate(sizes)]
         xs.append(torch.arange(7) * rank)  # integers: delegated
         ys = [x.clone() for x in xs]
@@ -187,8 +196,10 @@ def _collectives_delegated() -> list[bool]:
         ok.append(rank != 0 or torch.equal(t, torch.full((4,), world * (world + 1) / 2)))
         parts = [torch.empty(2) for _ in range(world)] if rank == 0 else None
         dist.gather(torch.full((2,), float(rank)), parts, dst=0, group=g)
-        ok.append(rank != 0 or all(torch.equal(p, torch.full((2,), float(r)))
-                                   for r, p in enumerate(parts)))  # fmt: skip
+        ok.append(
+            rank != 0
+            or all(torch.equal(p, torch.full((2,), float(r))) for r, p in enumerate(parts))
+        )
         out = torch.empty(2)
         sources = [torch.full((2,), r + 0.5) for r in range(world)] if rank == 0 else None
         dist.scatter(out, sources, src=0, group=g)
@@ -323,12 +334,14 @@ def _ddp_on_cgx_with_worker(on: bool) -> dict:
     from cgx2.comm import worker
 
     submitted = mock.patch.object(worker, "submit", wraps=worker.submit)
-    with _cgx_group(CGX_COMPRESSION_QUANTIZATION_BITS="4") as g, submitted as submit, \
-            config.tuned(comm_worker=on, crossover_bytes=0):  # fmt: skip
+    with (
+        _cgx_group(CGX_COMPRESSION_QUANTIZATION_BITS="4") as g,
+        submitted as submit,
+        config.tuned(comm_worker=on, crossover_bytes=0),
+    ):
         cgx2.manual_seed(0)
         torch.manual_seed(0)
-        model = DDP(_WithUnused(), process_group=g, bucket_cap_mb=0.01,
-                    find_unused_parameters=True)  # fmt: skip
+        model = DDP(_WithUnused(), process_group=g, bucket_cap_mb=0.01, find_unused_parameters=True)
         made = submit.call_count  # DDP's construction: broadcasts outside a backward pass
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         losses, grads = [], []
@@ -337,12 +350,23 @@ def _ddp_on_cgx_with_worker(on: bool) -> dict:
             loss = model(x).square().mean()
             opt.zero_grad()
             loss.backward()
-            grads.append({n: p.grad.clone() for n, p in model.module.named_parameters()
-                          if p.grad is not None})  # fmt: skip
+            grads.append(
+                {
+                    n: p.grad.clone()
+                    for n, p in model.module.named_parameters()
+                    if p.grad is not None
+                }
+            )
             opt.step()
             losses.append(loss.item())
-        return {"losses": losses, "grads": grads, "made": made, "submitted": submit.call_count,
-                "sent": g.bytes_sent, "plain": g.bytes_uncompressed}  # fmt: skip
+        return {
+            "losses": losses,
+            "grads": grads,
+            "made": made,
+            "submitted": submit.call_count,
+            "sent": g.bytes_sent,
+            "plain": g.bytes_uncompressed,
+        }
 
 
 def test_ddp_on_the_cgx_backend_reduces_on_the_worker_as_it_would_inline(dist2):
@@ -434,8 +458,9 @@ def test_coalesced_allreduces_are_fused(dist2, fusion_mb):
         for i, model in zip(batch, models, strict=True):
             for r in results:
                 assert _bits_equal(r["ys"][compressed[i]], model)
-        expected_sent += quantized_bytes_sent(sum(-(-sizes[i] // 512) * 512 for i in batch),
-                                              2, 4, 512)  # fmt: skip
+        expected_sent += quantized_bytes_sent(
+            sum(-(-sizes[i] // 512) * 512 for i in batch), 2, 4, 512
+        )
     for r in results:
         assert torch.equal(r["ys"][3], xs[0][3] + xs[1][3])
         assert torch.equal(r["ys"][5], xs[0][5] + xs[1][5])
@@ -524,7 +549,7 @@ class _Barriers:
 @pytest.mark.parametrize(
     ("device", "runs_on"),
     [(torch.device("cpu"), "cpu"), (torch.device("cuda", 1), "cuda"), (None, "cuda")],
-)  # fmt: skip
+)
 def test_barrier_runs_on_the_device_torch_names(device, runs_on):
     """dist.barrier() names the CPU for a group with a CPU backend (NCCL would put CPU ranks
     of a GPU host on one GPU), a GPU for a group bound to one; unnamed, the GPU as before."""
@@ -534,8 +559,9 @@ def test_barrier_runs_on_the_device_torch_names(device, runs_on):
     opts.device = device
     assert group.barrier(opts) == "work"
     assert {k: b.calls for k, b in group._backends.items()} == {
-        "cpu": int(runs_on == "cpu"), "cuda": int(runs_on == "cuda"),
-    }  # fmt: skip
+        "cpu": int(runs_on == "cpu"),
+        "cuda": int(runs_on == "cuda"),
+    }
 
 
 def test_plain_ddp_on_the_cgx_backend_trains_compressed(dist2):

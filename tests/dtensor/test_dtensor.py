@@ -16,8 +16,12 @@ from cgx2.dtensor import QuantizedPartial, QuantizedRowwiseParallel
 def test_placements_compare_hash_and_print_by_every_field():
     a = QuantizedPartial(bits=4, bucket_size=512, reduce_op="sum")
     assert a == QuantizedPartial() and hash(a) == hash(QuantizedPartial())
-    for other in (QuantizedPartial(8), QuantizedPartial(4, 256), QuantizedPartial(4, 512, "avg"),
-                  Partial("sum")):  # fmt: skip
+    for other in (
+        QuantizedPartial(8),
+        QuantizedPartial(4, 256),
+        QuantizedPartial(4, 512, "avg"),
+        Partial("sum"),
+    ):
         assert a != other and other != a
     assert len({a, QuantizedPartial(8), QuantizedPartial(4, 256), Partial("sum")}) == 4
     assert repr(a) == "QuantizedPartial(bits=4, bucket_size=512, reduce_op='sum')"
@@ -27,8 +31,9 @@ def test_placements_compare_hash_and_print_by_every_field():
     assert a.is_partial() and not a.is_replicate()
 
 
-@pytest.mark.parametrize(("args", "match"), [((0,), "bits"), ((4, 0), "bucket"),
-                                             ((4, 512, "max"), "'sum' or 'avg'")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("args", "match"), [((0,), "bits"), ((4, 0), "bucket"), ((4, 512, "max"), "'sum' or 'avg'")]
+)
 def test_bad_fields_fail_clearly(args, match):
     with pytest.raises(ValueError, match=match):
         QuantizedPartial(*args)
@@ -76,8 +81,11 @@ def _to_shard(dim: int, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Ten
         want = want[: max(0, min(part, x.shape[dim] - rank * part))].movedim(0, dim)
     exact = sum(_local(r, shape) for r in range(world)).chunk(world, dim)[rank]
     # One 4-bit step of each other rank's buckets (at most its whole range) a value.
-    bound = sum(float(_local(r, shape).max() - _local(r, shape).min()) / 15
-                for r in range(world) if r != rank)  # fmt: skip
+    bound = sum(
+        float(_local(r, shape).max() - _local(r, shape).min()) / 15
+        for r in range(world)
+        if r != rank
+    )
     return got.to_local(), want, (tuple(got.shape), exact, bound)
 
 

@@ -96,8 +96,12 @@ def _train_fsdp(bits: int | None, steps: int, mp: bool = False, divide: float | 
     # Patched for this run only: the pool's worker goes on to run other tests, also after a failure.
     with mock.patch.object(cgx2.fsdp, "reduce_scatter_quantized", recording):
         losses = train_mlp(model, steps)
-    return {"losses": losses, "sent": sum(c.bytes_sent for c in comms), "comms": len(comms),
-            "seen": seen}  # fmt: skip
+    return {
+        "losses": losses,
+        "sent": sum(c.bytes_sent for c in comms),
+        "comms": len(comms),
+        "seen": seen,
+    }
 
 
 # ----------------------------------------------------------------------------------- tests
@@ -149,9 +153,13 @@ class _PickledOnly:
 
 @pytest.mark.parametrize(
     "op",
-    [dist._make_nccl_premul_sum(0.25), dist._make_nccl_premul_sum(torch.tensor(0.25)),
-     _PickledOnly(0.25), _PickledOnly(torch.tensor(0.25))],
-)  # fmt: skip
+    [
+        dist._make_nccl_premul_sum(0.25),
+        dist._make_nccl_premul_sum(torch.tensor(0.25)),
+        _PickledOnly(0.25),
+        _PickledOnly(torch.tensor(0.25)),
+    ],
+)
 def test_premul_factor_read_as_every_torch_gives_it(op):
     assert premul_factor(op) == 0.25
 
@@ -164,8 +172,9 @@ def test_compress_without_fsdp_modules_is_refused():
 def test_exact_segments_stay_exact(dist2):
     segments = [(0, 300, True), (300, 50, False), (350, 650, True)]
     results = dist2.run(_reduce_scatter, 1000, torch.float32, 0.5, segments)
-    models = reference_reduce_scatter([r["x"] for r in results], 4, 128, _seed_after(9), 0.5,
-                                      segments)  # fmt: skip
+    models = reference_reduce_scatter(
+        [r["x"] for r in results], 4, 128, _seed_after(9), 0.5, segments
+    )
     for r, model in zip(results, models, strict=True):
         assert torch.equal(r["out"][300:350], r["exact"][300:350] * 0.5)
         assert torch.equal(r["out"][:300], model[:300])
@@ -189,8 +198,10 @@ def test_fsdp2_training_close_to_uncompressed(dist2):
 @pytest.mark.slow
 def test_fsdp2_divide_factor_and_bf16_reduce(dist2):
     """set_gradient_divide_factor gives PREMUL_SUM; a bf16 reduce_dtype reduces bf16."""
-    for mp, divide, seen in ((False, 4.0, {(0.25, torch.float32)}),
-                             (True, None, {(0.5, torch.bfloat16)})):  # fmt: skip
+    for mp, divide, seen in (
+        (False, 4.0, {(0.25, torch.float32)}),
+        (True, None, {(0.5, torch.bfloat16)}),
+    ):
         # gloo has no PREMUL_SUM: the uncompressed baseline is cgx2's reduce-scatter at 32 bits
         plain = dist2.run(_train_fsdp, 32 if divide else None, 15, mp, divide)[0]["losses"]
         four = dist2.run(_train_fsdp, 4, 15, mp, divide)[0]

@@ -25,8 +25,7 @@ from cgx2.seeding import call_seed
 
 OPTIONS = (2, 3, 4, 6, 8)
 # Compressed segments of three widths around an exact one; 1000 values a row.
-SEGMENTS = [(0, 300, True), (300, 50, False), (350, 250, True), (600, 130, True),
-            (730, 270, True)]  # fmt: skip
+SEGMENTS = [(0, 300, True), (300, 50, False), (350, 250, True), (600, 130, True), (730, 270, True)]
 WIDTHS = [8, 2, 3, 2]
 
 
@@ -47,8 +46,7 @@ def _reduce_scatter(dtype: torch.dtype, widths: list[int] | None) -> dict:
     x = _input(rank, world * n, dtype)
     out = torch.empty(n, dtype=dtype)
     cgx2.manual_seed(9)
-    sent = reduce_scatter_quantized(out, x, dist.group.WORLD, 4, 128, 0.5, SEGMENTS,
-                                    widths=widths)  # fmt: skip
+    sent = reduce_scatter_quantized(out, x, dist.group.WORLD, 4, 128, 0.5, SEGMENTS, widths=widths)
     # The exact segments' plain reduce-scatter rides shared memory: summed in rank order.
     parts = [_input(r, world * n, dtype)[rank * n : (rank + 1) * n] for r in range(world)]
     exact = parts[0] + parts[1]
@@ -83,9 +81,14 @@ def _model(adaptive: bool, replan_every: int) -> tuple[nn.Module, list[Quantized
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    comms = compress(model, bits=4, bucket_size=128, min_size=256,
-                     adaptive_bits=OPTIONS if adaptive else None,
-                     replan_every=replan_every)  # fmt: skip
+    comms = compress(
+        model,
+        bits=4,
+        bucket_size=128,
+        min_size=256,
+        adaptive_bits=OPTIONS if adaptive else None,
+        replan_every=replan_every,
+    )
     return model, comms
 
 
@@ -126,8 +129,9 @@ def _resume(steps: int) -> dict:
     saved = copy.deepcopy(state | {"cgx": compression_state_dict(model)})
     first = [_step(model, opt, step) for step in range(steps, 2 * steps)]
     end = [(c.widths, c.calls, c.bytes_sent) for c in comms]
-    fresh = compress(model, bits=4, bucket_size=128, min_size=256, adaptive_bits=OPTIONS,
-                     replan_every=3)  # fmt: skip
+    fresh = compress(
+        model, bits=4, bucket_size=128, min_size=256, adaptive_bits=OPTIONS, replan_every=3
+    )
     before = [c.widths for c in fresh]
     model.load_state_dict(saved["model"])
     opt.load_state_dict(saved["opt"])
@@ -137,8 +141,15 @@ def _resume(steps: int) -> dict:
     again = [_step(model, opt, step) for step in range(steps, 2 * steps)]
     end_again = [(c.widths, c.calls, c.bytes_sent) for c in fresh]
     saved_widths = [s["widths"] for s in saved["cgx"]["reduce_scatters"].values()]
-    return {"first": first, "again": again, "before": before, "loaded": loaded,
-            "saved": saved_widths, "end": end, "end_again": end_again}  # fmt: skip
+    return {
+        "first": first,
+        "again": again,
+        "before": before,
+        "loaded": loaded,
+        "saved": saved_widths,
+        "end": end,
+        "end_again": end_again,
+    }
 
 
 # ----------------------------------------------------------------------------------- tests

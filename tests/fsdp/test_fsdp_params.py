@@ -26,8 +26,9 @@ def _all_gather(dtype: torch.dtype) -> dict:
     out = torch.empty(world * 1000, dtype=dtype)
     out[rank * 1000 : (rank + 1) * 1000] = x  # FSDP's copy-in: the input is our slot
     with cgx2.config.tuned(crossover_bytes=0):
-        sent = all_gather(out, out[rank * 1000 : (rank + 1) * 1000], dist.group.WORLD, 8, 128,
-                          SEGMENTS)  # fmt: skip
+        sent = all_gather(
+            out, out[rank * 1000 : (rank + 1) * 1000], dist.group.WORLD, 8, 128, SEGMENTS
+        )
     return {"x": x, "out": out, "sent": sent}
 
 
@@ -39,8 +40,9 @@ def _model_row(x: torch.Tensor) -> torch.Tensor:
         if c:
             parts.append(torch.cat([x[o : o + k], x[o + k - 1 : o + k].expand(-k % 128)]))
     fused = torch.cat(parts)
-    decoded = maxmin.decode(maxmin.encode(fused, 8, 128, 0, nearest=True), fused.numel(), 8, 128,
-                            x.dtype)  # fmt: skip
+    decoded = maxmin.decode(
+        maxmin.encode(fused, 8, 128, 0, nearest=True), fused.numel(), 8, 128, x.dtype
+    )
     row, at = x.clone(), 0
     for o, k, c in SEGMENTS:
         if c:
@@ -69,8 +71,13 @@ def test_all_gather_is_the_nearest_rounding_model_on_every_rank(dist2, dist4, dt
         assert results[0]["sent"] < (world - 1) * 1000 * 4 * 0.4
 
 
-def _train(options: dict | None, steps: int, hsdp: bool = False, bf16: bool = False,
-           compile_blocks: bool = False) -> dict:  # fmt: skip
+def _train(
+    options: dict | None,
+    steps: int,
+    hsdp: bool = False,
+    bf16: bool = False,
+    compile_blocks: bool = False,
+) -> dict:
     world = dist.get_world_size()
     if hsdp:
         mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
@@ -96,9 +103,13 @@ def _train(options: dict | None, steps: int, hsdp: bool = False, bf16: bool = Fa
     with mock.patch.object(cgx2.fsdp, "allreduce_", counting):
         losses = train_mlp(model, steps)
     shards = [p.to_local().detach().clone() for p in model.parameters()]
-    return {"losses": losses, "shards": shards, "replica_calls": len(replica_calls),
-            "gathered": sum(getattr(g, "bytes_sent", 0) for g in gathers),
-            "scattered": sum(c.bytes_sent for c in comms)}  # fmt: skip
+    return {
+        "losses": losses,
+        "shards": shards,
+        "replica_calls": len(replica_calls),
+        "gathered": sum(getattr(g, "bytes_sent", 0) for g in gathers),
+        "scattered": sum(c.bytes_sent for c in comms),
+    }
 
 
 def _replica_allreduce(op: str) -> dict:
@@ -113,8 +124,7 @@ def _replica_allreduce(op: str) -> dict:
         cgx2.manual_seed(5)
         QuantizedReplicaGroup(dist.group.WORLD, 4, 128).allreduce([got], opts).wait()
         cgx2.manual_seed(5)
-        model = cgx2.collectives.allreduce(x, 4, 128, dist.group.WORLD, op) if op != "max" \
-            else None  # fmt: skip
+        model = cgx2.collectives.allreduce(x, 4, 128, dist.group.WORLD, op) if op != "max" else None
     exact = x.clone()
     dist.all_reduce(exact, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
     if op == "avg":

@@ -56,10 +56,13 @@ def test_codec_refuses_tensors_without_flat_values(layout):
         (lambda p: cgx2.dequantize(p, 100, 4, skip_incomplete=1), TypeError, "skip_incomplete"),
         (lambda p: cgx2.quantize(torch.randn(9), 4, seed=1.5), TypeError, "seed must be an int"),
         (lambda p: cgx2.quantize(torch.randn(9), 4, seed=2**64), ValueError, "seed must be in"),
-        (lambda p: cgx2.quantize(torch.randn(9), 4, skip_incomplete="no"), TypeError,
-         "skip_incomplete must be a bool"),
+        (
+            lambda p: cgx2.quantize(torch.randn(9), 4, skip_incomplete="no"),
+            TypeError,
+            "skip_incomplete must be a bool",
+        ),
     ],
-)  # fmt: skip
+)
 def test_codec_arguments_of_the_wrong_kind_are_named(call, error, match):
     payload = cgx2.quantize(torch.randn(100), 4, seed=1)
     with pytest.raises(error, match=match):
@@ -296,8 +299,11 @@ def _outside_the_group() -> list[str]:
 
 def test_a_rank_outside_the_group_is_told_so(dist2):
     member, outsider = dist2.run(_outside_the_group)
-    assert member == ["returned torch.Size([2000])", "returned torch.Size([2000])",
-                      "in place: unchanged True, warned None"]  # fmt: skip
+    assert member == [
+        "returned torch.Size([2000])",
+        "returned torch.Size([2000])",
+        "in place: unchanged True, warned None",
+    ]
     for message in outsider[:2]:
         assert message.startswith("group: this rank (global rank 1) is not a member of the group")
     assert outsider[2] == "in place: unchanged True, warned True"

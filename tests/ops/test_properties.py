@@ -21,8 +21,16 @@ import cgx2
 WORLD = 2
 FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 REFUSED_DTYPES = (torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64)
-LAYOUTS = ("contiguous", "transposed", "sliced", "strided", "offset", "expanded", "negative",
-           "channels_last")  # fmt: skip
+LAYOUTS = (
+    "contiguous",
+    "transposed",
+    "sliced",
+    "strided",
+    "offset",
+    "expanded",
+    "negative",
+    "channels_last",
+)
 DISTRIBUTIONS = ("normal", "constant", "huge", "overflow", "subnormal", "nonfinite", "mixed")
 EXAMPLES = 100  # each a batch of cases, one dispatch to the pool
 SUBNORMAL_STEP = 1.5e-45  # what rounding an fp32 subnormal step costs, a level (guarantees.md)
@@ -126,8 +134,12 @@ def _run_cases(cases: list[dict]) -> list[dict]:
         result = {"dense": dense}
         try:
             with cgx2.config.tuned(crossover_bytes=0, pipeline_bytes=case["pipeline_bytes"]):
-                kwargs = {"bits": case["bits"], "op": case["op"],
-                          "bucket_size": case["bucket_size"], "seed": case["seed"]}  # fmt: skip
+                kwargs = {
+                    "bits": case["bits"],
+                    "op": case["op"],
+                    "bucket_size": case["bucket_size"],
+                    "seed": case["seed"],
+                }
                 if case["inplace"]:
                     returned = cgx2.quantized_allreduce_(t, **kwargs)
                     result["same_object"] = returned is t
@@ -232,10 +244,12 @@ def _cases(draw: st.DrawFn) -> dict:
         shape = tuple(min(s, 7) for s in shape)
     bucket_kind = draw(st.sampled_from(("listed",) * 6 + ("any",) * 6 + ("refused",)))
     bucket_size = draw(
-        st.sampled_from((1, 2, 3, 7, 64, 100, 512)) if bucket_kind == "listed"
-        else st.integers(1, 700) if bucket_kind == "any"
+        st.sampled_from((1, 2, 3, 7, 64, 100, 512))
+        if bucket_kind == "listed"
+        else st.integers(1, 700)
+        if bucket_kind == "any"
         else st.sampled_from((0, -4, 2**21))
-    )  # fmt: skip
+    )
     first = draw(st.sampled_from(DISTRIBUTIONS))
     # Both ranks alike half the time: how sums overflow (and constant buckets stay exact).
     second = first if draw(st.booleans()) else draw(st.sampled_from(DISTRIBUTIONS))

@@ -50,11 +50,14 @@ def _compiled_and_opcheck() -> tuple[bool, bool]:
 
     with cgx2.config.tuned(crossover_bytes=0):
         same = torch.equal(torch.compile(f, fullgraph=True)(x), f(x))
-        torch.library.opcheck(torch.ops.cgx.quantized_reduce_scatter.default,
-                              (x, 4, 512, world, name, "avg", 7))  # fmt: skip
+        torch.library.opcheck(
+            torch.ops.cgx.quantized_reduce_scatter.default, (x, 4, 512, world, name, "avg", 7)
+        )
         out = torch.empty(1000, 3)
-        torch.library.opcheck(torch.ops.cgx.quantized_reduce_scatter_out.default,
-                              (x, out, 4, 512, world, name, "sum", 7))  # fmt: skip
+        torch.library.opcheck(
+            torch.ops.cgx.quantized_reduce_scatter_out.default,
+            (x, out, 4, 512, world, name, "sum", 7),
+        )
     return same, True
 
 
