@@ -219,7 +219,8 @@ def env_quantization_bits(default: int, environ: Mapping[str, str] | None = None
     env = os.environ if environ is None else environ
     if env.get("CGX_COMPRESSION_QUANTIZATION_BITS", "").strip() == "":
         return default
-    return compression_from_env(env)[0]
+    bits, _ = compression_from_env(env)
+    return bits
 
 
 def _bytes(env: Mapping[str, str], var: str, auto: str = "auto") -> int | None:

@@ -84,8 +84,12 @@ class Launcher:
         the integers the kernel specializes on)."""
         if not self.direct():
             return None
-        found = self.variants.get(self._key(args, constexprs)[0])
-        return None if found is None else Bound(found[0], grid, found[1])
+        key, _ = self._key(args, constexprs)
+        found = self.variants.get(key)
+        if found is None:
+            return None
+        compiled, tail = found
+        return Bound(compiled, grid, tail)
 
     @staticmethod
     def _key(args: Sequence[Any], constexprs: dict[str, Any]) -> tuple[tuple, list]:

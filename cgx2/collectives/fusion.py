@@ -7,6 +7,7 @@ two layers and the padding moves no bucket's min or max (CGX's layer-aware fusio
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,7 @@ from . import policy
 from .allreduce import allreduce_
 
 __all__ = [
+    "Fused",
     "allreduce_fused_",
     "fuse_padded",
     "fusion_batches",
@@ -28,7 +30,14 @@ __all__ = [
 ]
 
 
-def fuse_padded(layers: Sequence[torch.Tensor], bucket_size: int) -> tuple[torch.Tensor, list[int]]:
+class Fused(NamedTuple):
+    """Layers concatenated into one buffer, each padded to whole buckets."""
+
+    buffer: torch.Tensor
+    starts: list[int]  # where each layer starts in ``buffer``
+
+
+def fuse_padded(layers: Sequence[torch.Tensor], bucket_size: int) -> Fused:
     """Concatenate the flattened ``layers``, each padded to whole buckets; return the buffer
     and where each layer starts in it."""
     parts, starts, at = [], [], 0
@@ -41,13 +50,13 @@ def fuse_padded(layers: Sequence[torch.Tensor], bucket_size: int) -> tuple[torch
         starts.append(at)
         at += flat.numel() + pad
     if layers[0].device.type != "cpu" or not cpu_threads.beside_compute():
-        return torch.cat(parts), starts  # one kernel, on torch's threads
+        return Fused(torch.cat(parts), starts)  # one kernel, on torch's threads
     fused = torch.empty(at, dtype=layers[0].dtype)
     at = 0
     for part in parts:  # on cgx2's threads: torch.cat on a worker would run on it alone
         cpu_threads.copy_(fused[at : at + part.numel()], part)
         at += part.numel()
-    return fused, starts
+    return Fused(fused, starts)
 
 
 def padded_numel(numel: int, bucket_size: int) -> int:
@@ -116,7 +125,7 @@ def allreduce_fused_(
     compress goes plain: :func:`.policy.compresses`). With ``errors`` (a list), each layer's
     first-stage error (``error`` of :func:`.allreduce.allreduce_`, zeros when nothing was
     quantized) is appended to it, flat, in layer order."""
-    world = group_size_and_rank(group)[0]
+    world, _ = group_size_and_rank(group)
     numel = sum(padded_numel(x.numel(), bucket_size) for x in layers)
     if not policy.compresses(layers[0], group, bits, bucket_size, numel):
         bits = UNCOMPRESSED_BITS  # decided once here, for the reduction and the count alike

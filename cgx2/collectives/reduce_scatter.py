@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -69,13 +70,22 @@ def _group_key(seed: int, rank: int, group: int) -> int:
     return derive_key(seed, _STAGE_REDUCE_SCATTER, rank, group)
 
 
-def _fused_rows(rows: torch.Tensor, compressed: list[Segment],
-                bucket_size: int) -> tuple[torch.Tensor, list[int], int]:  # fmt: skip
+class _FusedRows(NamedTuple):
     """Every row's compressed segments, each padded to whole buckets, rows one after another:
-    chunk j of the flat result is row j. Returns it, the segments' starts and the row size."""
+    chunk j of ``flat`` is row j."""
+
+    flat: torch.Tensor
+    starts: list[int]  # where each segment starts in a row
+    width: int  # values in a row
+
+
+def _fused_rows(rows: torch.Tensor, compressed: list[Segment], bucket_size: int) -> _FusedRows:
     fused = [fuse_padded([row[o : o + k] for o, k, _ in compressed], bucket_size) for row in rows]
-    starts, width = fused[0][1], fused[0][0].numel()
-    return torch.cat([f for f, _ in fused]), starts, width
+    return _FusedRows(
+        flat=torch.cat([f.buffer for f in fused]),
+        starts=fused[0].starts,
+        width=fused[0].buffer.numel(),
+    )
 
 
 def reduce_scatter(

@@ -78,7 +78,7 @@ def reference_reduce_scatter(
     outputs = [torch.zeros(n, dtype=inputs[0].dtype) for _ in range(world)]
     for g, (b, chosen) in enumerate(width_groups(compressed, bits, widths)):
         fused = [_fused_rows(x.reshape(world, n).cpu(), list(chosen), bucket_size) for x in inputs]
-        starts, width = fused[0][1], fused[0][2]
+        starts, width = fused[0].starts, fused[0].width
         layout = ChunkedLayout(
             numel=world * width,
             num_chunks=world,
@@ -86,11 +86,13 @@ def reference_reduce_scatter(
             bits=b,
             bucket_size=bucket_size,
         )
-        sent = [maxmin.encode_chunks(f, layout, _group_key(seed, r, g), r)
-                for r, (f, _, _) in enumerate(fused)]  # fmt: skip
+        sent = [
+            maxmin.encode_chunks(f.flat, layout, _group_key(seed, r, g), r)
+            for r, f in enumerate(fused)
+        ]
         for j in range(world):
             received = torch.stack([sent[r][j] for r in range(world)])
-            own = fused[j][0][j * width : (j + 1) * width]
+            own = fused[j].flat[j * width : (j + 1) * width]
             reduced = maxmin.decode_sum(received, width, own, j, scale, b, bucket_size)
             for (o, k, _), at in zip(chosen, starts, strict=True):
                 outputs[j][o : o + k] = reduced[at : at + k]

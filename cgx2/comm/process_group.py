@@ -101,8 +101,11 @@ def _timeout_s(group: dist.ProcessGroup) -> float:
 def group_store(group: dist.ProcessGroup) -> dist.Store | None:
     """The c10d store ``group`` was made with (torch gives each group a prefix of its own), or
     None where torch does not know the group."""
-    entry = dist.distributed_c10d._world.pg_map.get(group)
-    return None if entry is None else entry[1]
+    entry = dist.distributed_c10d._world.pg_map.get(group)  # (backend, store)
+    if entry is None:
+        return None
+    _, store = entry
+    return store
 
 
 def group_size_and_rank(group: dist.ProcessGroup) -> tuple[int, int]:
