@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -24,6 +24,23 @@ from .cgx_hook import CGXState, cgx_hook
 __all__ = ["bucket_layout", "compress"]
 
 logger = logging.getLogger("cgx2")
+
+
+class _Bucket(NamedTuple):
+    """One of DDP's buckets, as the hook will pad it."""
+
+    dtype: torch.dtype
+    device: torch.device
+    numel: int  # values to quantize
+
+
+class _Decision(NamedTuple):
+    """The policy's answer for a bucket, with what it was decided by."""
+
+    compresses: bool
+    crossover: int | None  # None where it was not read
+    regime: str  # "" where it was not read
+
 
 _T = TypeVar("_T")
 
@@ -79,14 +96,18 @@ def compress(ddp_model: DistributedDataParallel, bits: int | None = None,
                      error_feedback=error_feedback, start_iter=start_iter)  # fmt: skip
     buckets = bucket_layout(ddp_model)
     # Per bucket: its dtype, device and values to quantize, as the hook will pad them.
-    sizes = [(params[0].dtype, params[0].device, _to_quantize(state, index, params))
-             for index, params in enumerate(buckets)]  # fmt: skip
+    sizes = [
+        _Bucket(
+            dtype=params[0].dtype, device=params[0].device, numel=_to_quantize(state, index, params)
+        )
+        for index, params in enumerate(buckets)
+    ]
     state._plans.clear()  # the hook plans DDP's buckets afresh
     _agree(state, group, sizes)
     decided = [_on_hooks_thread(group, device, lambda d=dtype, v=device, n=numel:
                                 _compresses(state, group, d, v, n))
                for dtype, device, numel in sizes]  # fmt: skip
-    registered = any(yes for yes, _, _ in decided)
+    registered = any(d.compresses for d in decided)
     logger.info("%s", _said(state, group, sizes, decided, registered))
     if not registered:
         return None
@@ -137,8 +158,7 @@ def _to_quantize(state: CGXState, index: int, params: Sequence[nn.Parameter]) ->
     return sum(padded_numel(n, state.bucket_size) for _, n in plan.compressed)
 
 
-def _agree(state: CGXState, group: dist.ProcessGroup,
-           sizes: list[tuple[torch.dtype, torch.device, int]]) -> None:  # fmt: skip
+def _agree(state: CGXState, group: dist.ProcessGroup, sizes: list[_Bucket]) -> None:
     """Raise :class:`DisagreementError` on every rank unless all hold the same settings and
     buckets: what the decision reads, so that ranks that pass decide alike."""
     mesh = None if state.mesh is None else list(state.mesh.mesh.shape)
@@ -148,7 +168,7 @@ def _agree(state: CGXState, group: dist.ProcessGroup,
                 "replan_every": state.replan_every, "error_feedback": state.errors is not None,
                 "start_iter": state.start_iter,
                 "buckets": [[str(dtype), numel] for dtype, _, numel in sizes]}  # fmt: skip
-    agreement.check_settings(group, "cgx2.ddp.compress", settings, sizes[0][1])
+    agreement.check_settings(group, "cgx2.ddp.compress", settings, sizes[0].device)
 
 
 def _on_hooks_thread(group: dist.ProcessGroup, device: torch.device, fn: Callable[[], _T]) -> _T:
@@ -168,32 +188,43 @@ def _on_hooks_thread(group: dist.ProcessGroup, device: torch.device, fn: Callabl
     return found[0]
 
 
-def _compresses(state: CGXState, group: dist.ProcessGroup, dtype: torch.dtype,
-                device: torch.device, numel: int) -> tuple[bool, int | None, str]:  # fmt: skip
+def _compresses(
+    state: CGXState, group: dist.ProcessGroup, dtype: torch.dtype, device: torch.device, numel: int
+) -> _Decision:
     """The policy's answer for a bucket of ``numel`` values to quantize, as the hook asks it,
     with the crossover and regime it was decided by (None, "" where it did not read them)."""
     if numel == 0:
-        return False, None, ""
+        return _Decision(compresses=False, crossover=None, regime="")
     t = torch.empty(0, dtype=dtype, device=device)
     yes = policy.compresses(t, group, state.bits, state.bucket_size, numel)
     if state.bits == UNCOMPRESSED_BITS or dist.get_world_size(group) == 1:
-        return yes, None, ""  # plain without a crossover: never measure for it
-    return yes, policy.crossover_bytes(device, dtype, group), policy.group_regime(device, group)
+        # Plain without a crossover: never measure for it.
+        return _Decision(compresses=yes, crossover=None, regime="")
+    return _Decision(
+        compresses=yes,
+        crossover=policy.crossover_bytes(device, dtype, group),
+        regime=policy.group_regime(device, group),
+    )
 
 
-def _said(state: CGXState, group: dist.ProcessGroup,
-          sizes: list[tuple[torch.dtype, torch.device, int]],
-          decided: list[tuple[bool, int | None, str]], registered: bool) -> str:  # fmt: skip
+def _said(
+    state: CGXState,
+    group: dist.ProcessGroup,
+    sizes: list[_Bucket],
+    decided: list[_Decision],
+    registered: bool,
+) -> str:
     """What :func:`compress` decided, and why, in one line, the same on every rank."""
     n = len(sizes)
-    largest = max(range(n), key=lambda i: sizes[i][2] * sizes[i][0].itemsize)
+    largest = max(range(n), key=lambda i: sizes[i].numel * sizes[i].dtype.itemsize)
     dtype, _, numel = sizes[largest]
     _, crossover, where = decided[largest]
     nbytes = numel * dtype.itemsize
     if registered:
+        compressing = sum(d.compresses for d in decided)
         return (
-            f"cgx2.ddp.compress: registered cgx_hook at {state.bits} bits: "
-            f"{sum(d[0] for d in decided)} of DDP's {n} buckets compress (the largest holds "
+            f"cgx2.ddp.compress: registered cgx_hook at {state.bits} bits: {compressing} of "
+            f"DDP's {n} buckets compress (the largest holds "
             f"{nbytes} bytes of {dtype} to quantize; the {where} regime quantizes from "
             f"{crossover} bytes)"
         )
