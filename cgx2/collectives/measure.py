@@ -16,6 +16,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm import group_info, process_group
+from .allreduce import allreduce
+from .hierarchical import hierarchical_allreduce
 
 __all__ = [
     "BITS", "BUCKET_SIZE", "CPU_MARGIN", "beside_margin", "crossover", "crossover_on_link",
@@ -128,8 +130,6 @@ def crossover_on_link(dtype: torch.dtype, group: dist.ProcessGroup,
     did not win by that margin (all ranks hold the same times, so decide alike). The plain
     side is the group's own allreduce. The caller (:mod:`.policy`) makes the quantized calls
     compress meanwhile."""
-    from .allreduce import allreduce  # (the allreduce routes by the policy, which calls this)
-
     device = torch.device("cpu") if device is None else device
     margin = beside_margin(device.type)
 
@@ -171,9 +171,6 @@ def mesh_against_flat(dtype: torch.dtype, group: dist.ProcessGroup, mesh: Device
     was faster than the flat quantized one over ``group``, timed now in turn on every rank
     (so all get the same answer): a few seconds at most, once per group and settings. Every
     rank calls this, alike."""
-    from .allreduce import allreduce
-    from .hierarchical import hierarchical_allreduce
-
     device = torch.device("cpu") if device is None else device
     faster, shown = {}, []
     for nbytes in MESH_SIZES if sizes is None else sizes:

@@ -17,6 +17,7 @@ import json
 import logging
 import weakref
 from types import ModuleType
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -230,10 +231,8 @@ def _calibrated_mesh(device_type: str, dtype: torch.dtype, group: dist.ProcessGr
 def _time_mesh(dtype: torch.dtype, group: dist.ProcessGroup, mesh: DeviceMesh, bits: int,
                bucket_size: int, intra_broadcast: bool,
                device: torch.device) -> dict[int, bool]:  # fmt: skip
-    from . import measure
-
     try:
-        return measure.mesh_against_flat(dtype, group, mesh, bits, bucket_size, intra_broadcast,
+        return _measurer().mesh_against_flat(dtype, group, mesh, bits, bucket_size, intra_broadcast,
                                          device=device)  # fmt: skip
     except RuntimeError as e:
         raise RuntimeError(
@@ -242,6 +241,50 @@ def _time_mesh(dtype: torch.dtype, group: dist.ProcessGroup, mesh: DeviceMesh, b
             "tensors, which every rank makes alike) failed: do the ranks make the same calls? "
             f"CGX2_NODE_MESH=0 or 1 spares this measurement: {e}"
         ) from e
+
+
+class LinkMeasurer(Protocol):
+    """What measures on a group's link at first use (:mod:`.measure`): it runs the quantized
+    collectives, which are built on this module, so it is handed down (:func:`measure_with`)
+    rather than imported."""
+
+    def crossover_on_link(
+        self, dtype: torch.dtype, group: dist.ProcessGroup, *, device: torch.device
+    ) -> tuple[int | None, int | None]: ...
+
+    def mesh_against_flat(
+        self,
+        dtype: torch.dtype,
+        group: dist.ProcessGroup,
+        mesh: DeviceMesh,
+        bits: int,
+        bucket_size: int,
+        intra_broadcast: bool,
+        *,
+        device: torch.device,
+    ) -> dict[int, bool]: ...
+
+
+class _Measuring:
+    """Holds the :class:`LinkMeasurer` in use: one per process, set once where the package is
+    assembled (:mod:`cgx2.collectives`), above both it and this module."""
+
+    measurer: LinkMeasurer | None = None
+
+
+def measure_with(measurer: LinkMeasurer) -> None:
+    """Measure at first use with ``measurer`` (:mod:`cgx2.collectives` hands down
+    :mod:`.measure`)."""
+    _Measuring.measurer = measurer
+
+
+def _measurer() -> LinkMeasurer:
+    if _Measuring.measurer is None:
+        raise RuntimeError(
+            "cgx2: nothing measures on the link at first use: import cgx2.collectives, which "
+            "hands the policy its measurer"
+        )
+    return _Measuring.measurer
 
 
 def calibration_key(device_type: str, backend: str, dtype: torch.dtype) -> str:
@@ -454,8 +497,7 @@ def _measure_now(dtype: torch.dtype, group: dist.ProcessGroup, key: tuple,
                  device: torch.device) -> tuple[int | None, int | None]:  # fmt: skip
     """The crossovers measured on ``group``'s link now (:func:`.measure.crossover_on_link`),
     at the first compressible call of ``dtype`` on ``device``, which every rank makes alike."""
-    from . import measure
-
+    measure = _measurer()
     _MEASURED[key] = (0, 0)  # the measurement's own calls compress (and must not measure again)
     try:
         return measure.crossover_on_link(dtype, group, device=device)

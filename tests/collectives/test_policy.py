@@ -1012,7 +1012,6 @@ def _nccl_across_hosts_agrees(rank_ms: dict) -> list:
     CPU's; the plain and quantized calls stand in, each rank timing them as ``rank_ms`` says
     (a clock of their own): the real measurement of the policy, its barriers and the slowest
     rank's times, decides."""
-    import sys
     import types
     from unittest import mock
 
@@ -1046,7 +1045,7 @@ def _nccl_across_hosts_agrees(rank_ms: dict) -> list:
             mock.patch.object(measure, "first_use_sizes", lambda d: (MiB, 4 * MiB)),
             mock.patch.object(measure, "time", stopwatch),
             mock.patch.object(measure.process_group, "allreduce_plain_", plain),
-            mock.patch.object(sys.modules["cgx2.collectives.allreduce"], "allreduce", quantized),
+            mock.patch.object(measure, "allreduce", quantized),
         ):  # fmt: skip
             found = [policy.crossover_bytes(CUDA, torch.float32, group) for _ in range(2)]
         dist.destroy_process_group(group)
