@@ -8,6 +8,7 @@ A layer (parameter) is compressed when it has more than one dimension and at lea
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -282,9 +283,13 @@ class CGXState:
         are not the parameters it held last (DDP rebuilt its buckets)."""
         addresses = tuple(map(id, params))
         cached = self._bucket_ids.get(index)
-        if cached is None or cached[0] != addresses:
-            cached = self._bucket_ids[index] = (addresses, self.param_ids(params))
-        return cached[1]
+        if cached is not None:
+            held, ids = cached
+            if held == addresses:
+                return ids
+        ids = self.param_ids(params)
+        self._bucket_ids[index] = (addresses, ids)
+        return ids
 
     def _record(self, index: int, ids: tuple[int, ...], last: bool) -> None:
         """Note bucket ``index``'s parameters; the pass's layout is kept at its last bucket."""
@@ -507,6 +512,23 @@ def _plain_(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return policy.transport(t.device, group).allreduce_plain_(t, group, "avg")
 
 
+class _Arrived(NamedTuple):
+    """A parameter's gradient as it arrived after a checkpoint was loaded."""
+
+    view: torch.Tensor  # the gradient's view in a live bucket
+    param: torch.Tensor
+    live: int  # that bucket's index
+
+
+@dataclass(slots=True)
+class _Waiting:
+    """A live bucket waiting for the checkpoint's buckets that hold its layers."""
+
+    left: int  # the checkpoint's buckets still to reduce
+    future: torch.futures.Future[torch.Tensor]
+    buffer: torch.Tensor
+
+
 class _Resume:
     """The first backward pass after :meth:`CGXState.load_state_dict`: DDP's buckets arrive as
     laid out now, and the layers are reduced as the checkpoint's buckets grouped them, each
@@ -517,16 +539,16 @@ class _Resume:
         self.layout = layout
         self.reduced = 0  # the layout's buckets handed to a reduction so far
         self.bucket_of = {p: at for at, (_, ids) in enumerate(layout) for p in ids}
-        self.arrived: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # param: its
-        # gradient's view in a live bucket, the parameter, and that bucket's index
-        self.waiting: dict[int, list] = {}  # live bucket: [layout buckets left, future, buffer]
+        self.arrived: dict[int, _Arrived] = {}  # by parameter number
+        self.waiting: dict[int, _Waiting] = {}  # by live bucket index
 
     def ready(self) -> list[int]:
         """The layout's buckets whose parameters have all arrived, not yet handed over."""
         start = self.reduced
-        while self.reduced < len(self.layout) and all(
-            p in self.arrived for p in self.layout[self.reduced][1]
-        ):
+        while self.reduced < len(self.layout):
+            _, ids = self.layout[self.reduced]
+            if not all(p in self.arrived for p in ids):
+                break
             self.reduced += 1
         return list(range(start, self.reduced))
 
@@ -573,16 +595,19 @@ def _resume_bucket(
         )
     offset = 0
     for p, param, grad in zip(ids, params, bucket.gradients(), strict=True):
-        resume.arrived[p] = (buffer[offset : offset + grad.numel()], param, live)
+        resume.arrived[p] = _Arrived(
+            view=buffer[offset : offset + grad.numel()], param=param, live=live
+        )
         offset += grad.numel()
     owners = {resume.bucket_of[p] for p in ids}
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future(
         devices=[buffer.device] if buffer.is_cuda else None
     )
-    resume.waiting[live] = [len(owners), future, buffer]
+    resume.waiting[live] = _Waiting(left=len(owners), future=future, buffer=buffer)
     ready = resume.ready()
     if bucket.is_last() and resume.reduced < len(resume.layout):
-        missing = [p for p in resume.layout[resume.reduced][1] if p not in resume.arrived]
+        _, held = resume.layout[resume.reduced]
+        missing = [p for p in held if p not in resume.arrived]
         raise ValueError(
             f"CGXState.load_state_dict: the checkpoint's bucket {resume.reduced} holds "
             f"parameters this model's DDP never handed over ({len(missing)} of them): load a "
@@ -598,9 +623,9 @@ def _resume_bucket(
             for at in ready:
                 _reduce_as_saved_(state, group, resume, at, warm)
         except BaseException as e:
-            for _, waiting, _ in list(resume.waiting.values()):
-                if not waiting.done():
-                    waiting.set_exception(e)
+            for waiting in list(resume.waiting.values()):
+                if not waiting.future.done():
+                    waiting.future.set_exception(e)
             raise
         return buffer
 
@@ -616,8 +641,8 @@ def _resume_bucket(
     side.wait_stream(torch.cuda.current_stream(buffer.device))
     with torch.cuda.stream(side):
         reduce()
-    for _, _, waiting_buffer in list(resume.waiting.values()):
-        waiting_buffer.record_stream(side)
+    for waiting in list(resume.waiting.values()):
+        waiting.buffer.record_stream(side)
     return future
 
 
@@ -627,8 +652,8 @@ def _reduce_as_saved_(state: CGXState, group: dist.ProcessGroup, resume: _Resume
     into one buffer laid out as that bucket was, reduced, and copied back; then set the
     futures of the live buckets it completes."""
     index, ids = resume.layout[at]
-    views = [resume.arrived[p][0] for p in ids]
-    params = [resume.arrived[p][1] for p in ids]
+    views = [resume.arrived[p].view for p in ids]
+    params = [resume.arrived[p].param for p in ids]
     plan = state._plan(index, tuple(tuple(p.shape) for p in params))
     keys = None
     if state.errors is not None and plan.compressed:
@@ -637,8 +662,8 @@ def _reduce_as_saved_(state: CGXState, group: dist.ProcessGroup, resume: _Resume
     _reduce_bucket_(state, group, buffer, plan, keys, warm, index)
     for view, reduced in zip(views, buffer.split([v.numel() for v in views]), strict=True):
         view.copy_(reduced)
-    for live in {resume.arrived[p][2] for p in ids}:
+    for live in {resume.arrived[p].live for p in ids}:
         waiting = resume.waiting[live]
-        waiting[0] -= 1
-        if waiting[0] == 0:
-            waiting[1].set_result(waiting[2])
+        waiting.left -= 1
+        if waiting.left == 0:
+            waiting.future.set_result(waiting.buffer)
