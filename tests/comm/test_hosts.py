@@ -23,10 +23,13 @@ def _command(script: Path | str, port: int) -> list[str]:
     # Both hosts share the machine's hostname (which resolves to localhost), so torchrun is
     # told which host serves the rendezvous (is_host) and each host's address (--local-addr),
     # as on servers whose names do not resolve to their addresses.
-    return ["bash", "-c",
-            f"exec {sys.executable} -m torch.distributed.run --nnodes 2 --nproc-per-node 2 "
-            f"--rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:{port} --rdzv-id hosts "
-            f"--rdzv-conf is_host=$((HOST == 0)) --local-addr $HOST_ADDR {script}"]  # fmt: skip
+    return [
+        "bash",
+        "-c",
+        f"exec {sys.executable} -m torch.distributed.run --nnodes 2 --nproc-per-node 2 "
+        f"--rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:{port} --rdzv-id hosts "
+        f"--rdzv-conf is_host=$((HOST == 0)) --local-addr $HOST_ADDR {script}",
+    ]
 
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -55,10 +58,18 @@ def test_four_ranks_on_two_hosts_agree(netlab):
             assert by_rank[0] != by_rank[1]
         else:
             assert set(by_rank.values()) == {"True"}, (name, by_rank)
-    assert {"allreduce_is_model", "hierarchical_digest_same", "backend_digest_same",
-            "ddp_compiled_params_same", "gqsgd_params_same", "hsdp_replica", "spans_hosts",
-            "node_on_shm", "mesh_choice_same", "backend_ddp_params_same"
-            } <= set(checks)  # fmt: skip
+    assert {
+        "allreduce_is_model",
+        "hierarchical_digest_same",
+        "backend_digest_same",
+        "ddp_compiled_params_same",
+        "gqsgd_params_same",
+        "hsdp_replica",
+        "spans_hosts",
+        "node_on_shm",
+        "mesh_choice_same",
+        "backend_ddp_params_same",
+    } <= set(checks)
 
 
 @pytest.mark.slow
@@ -78,8 +89,10 @@ def test_a_host_killed_mid_training_makes_the_other_raise_within_the_timeout(net
             survivor.wait(timeout=10 + 50)  # the group's timeout, and torchrun's own teardown
         except subprocess.TimeoutExpired:
             os.killpg(survivor.pid, signal.SIGKILL)
-            pytest.fail("the surviving host's ranks hung after its peer host died: "
-                        + err.read_text()[-3000:])  # fmt: skip
+            pytest.fail(
+                "the surviving host's ranks hung after its peer host died: "
+                + err.read_text()[-3000:]
+            )
         elapsed = time.monotonic() - killed
     stderr = err.read_text()
     assert survivor.returncode != 0, stderr[-2000:]
@@ -89,8 +102,10 @@ def test_a_host_killed_mid_training_makes_the_other_raise_within_the_timeout(net
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_ddp.py"
 # Eager: compiled DDP across the hosts is test_four_ranks_on_two_hosts_agree's.
-EXAMPLE_ARGS = ["--steps", "5", "--text-bytes", "100000", "--device", "cpu", "--dim", "64",
-                "--layers", "1", "--log-every", "100", "--hook", "standard_dithering"]  # fmt: skip
+EXAMPLE_ARGS = (
+    "--steps 5 --text-bytes 100000 --device cpu --dim 64 --layers 1 --log-every 100 "
+    "--hook standard_dithering"
+).split()
 
 
 @pytest.mark.slow
@@ -104,10 +119,11 @@ def test_the_training_example_across_hosts_trains_as_on_one_host(netlab, tmp_pat
         command[-1] += " " + " ".join([*EXAMPLE_ARGS, "--json", str(across)])
         results = lab.run(command, env=ENV, timeout=300)
     assert [r.returncode for r in results] == [0, 0], results[0].stderr[-3000:]
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-                           "--master-port", str(port + 1), str(EXAMPLE), *EXAMPLE_ARGS,
-                           "--json", str(alone)], env=ENV, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4"]
+    command = [*torchrun, "--master-port", str(port + 1), str(EXAMPLE), *EXAMPLE_ARGS]
+    done = subprocess.run(
+        [*command, "--json", str(alone)], env=ENV, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     a, b = (json.loads(path.read_text()) for path in (across, alone))
     assert a["world_size"] == b["world_size"] == 4

@@ -51,18 +51,30 @@ def _reference_bytes(cases) -> list[tuple[bool, bool, bool]]:
             assert policy.route(x, group, bits, 512).transport is process_group
             over_gloo = collectives.allreduce(x, bits, 512, group, op, seed=7)
         want = reference_allreduce(inputs, bits, 512, seed=7, reduce_op=op)
-        found.append((torch.equal(got.view(torch.uint8), want.view(torch.uint8)),
-                      torch.equal(got.view(torch.uint8), over_gloo.view(torch.uint8)),
-                      shm.serves(group)))  # fmt: skip
+        found.append(
+            (
+                torch.equal(got.view(torch.uint8), want.view(torch.uint8)),
+                torch.equal(got.view(torch.uint8), over_gloo.view(torch.uint8)),
+                shm.serves(group),
+            )
+        )
     return found
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_scatter_reduce_allgather_is_the_references_bytes(dist2, dist4, world):
     pool = dist2 if world == 2 else dist4
-    cases = [(bits, dtype, n, op) for bits, dtype in ((4, torch.float32), (2, torch.bfloat16),
-                                                      (8, torch.float16), (3, torch.float64))
-             for n in (1, 513, 70_001) for op in ("sum", "avg")]  # fmt: skip
+    cases = [
+        (bits, dtype, n, op)
+        for bits, dtype in (
+            (4, torch.float32),
+            (2, torch.bfloat16),
+            (8, torch.float16),
+            (3, torch.float64),
+        )
+        for n in (1, 513, 70_001)
+        for op in ("sum", "avg")
+    ]
     results = pool.run(_reference_bytes, cases)
     for rank_results in results:
         assert all(all(r) for r in rank_results), rank_results
@@ -83,8 +95,12 @@ def _plain_sums(n: int) -> list[bool]:
             got = shm.allreduce_plain_(x.clone(), dist.group.WORLD, "sum")
         found.append(torch.equal(got, want))
     ints = torch.arange(10, dtype=torch.int64) * (dist.get_rank() + 1)
-    found.append(torch.equal(shm.allreduce_plain_(ints, dist.group.WORLD, "sum"),
-                             torch.arange(10) * sum(range(1, world + 1))))  # fmt: skip
+    found.append(
+        torch.equal(
+            shm.allreduce_plain_(ints, dist.group.WORLD, "sum"),
+            torch.arange(10) * sum(range(1, world + 1)),
+        )
+    )
     return found
 
 
@@ -147,8 +163,9 @@ def test_a_segment_is_created_0600_whatever_the_umask_and_opened_by_descriptor()
         lib.Segment.open(os.getpid(), 1 << 20, 8192, segment.inode)  # no such descriptor
 
 
-@pytest.mark.parametrize("mode, message", [(0o644, "open to other users"),
-                                           (0o660, "open to other users")])  # fmt: skip
+@pytest.mark.parametrize(
+    "mode, message", [(0o644, "open to other users"), (0o660, "open to other users")]
+)
 def test_a_segment_others_could_write_is_refused(mode, message):
     lib = extension.load()
     with tempfile.TemporaryFile() as f:
@@ -257,8 +274,10 @@ def _a_segment_a_rank_cannot_open() -> tuple[bool, list[str]]:
         logging.getLogger("cgx2").removeHandler(handler)
     served = shm.serves(group)
     dist.destroy_process_group(group)
-    return (torch.equal(got, torch.full((1000,), 3.0)) and not served,
-            [r.getMessage() for r in records if "unavailable" in r.getMessage()])  # fmt: skip
+    return (
+        torch.equal(got, torch.full((1000,), 3.0)) and not served,
+        [r.getMessage() for r in records if "unavailable" in r.getMessage()],
+    )
 
 
 def test_a_segment_that_cannot_be_opened_leaves_the_process_group(dist2):
@@ -280,8 +299,11 @@ def _quantized_calls(group: dist.ProcessGroup, seeds: range) -> list[bool]:
         got = {}
         for transport in ("shm", "process_group"):
             # In pieces: a piece's exchange is on the wire while the one before it is summed.
-            with tuned(transport=transport, crossover_bytes=0,
-                       pipeline_bytes=8 * 512 * dist.get_world_size()):  # fmt: skip
+            with tuned(
+                transport=transport,
+                crossover_bytes=0,
+                pipeline_bytes=8 * 512 * dist.get_world_size(),
+            ):
                 got[transport] = collectives.allreduce(x, 4, 512, group, seed=seed)
         found.append(torch.equal(got["shm"], got["process_group"]))
     return found
@@ -347,8 +369,9 @@ def _after_a_failure_on_rank_1() -> tuple[str, list[bool]]:
     found = []
     for i in range(2 * shm.SLOTS):
         shm.all_gather(out, torch.full((1000,), rank + i + 1.0), group, async_op=False)
-        found.append(torch.equal(out, torch.stack([torch.full((1000,), r + i + 1.0)
-                                                   for r in range(2)])))  # fmt: skip
+        found.append(
+            torch.equal(out, torch.stack([torch.full((1000,), r + i + 1.0) for r in range(2)]))
+        )
     dist.destroy_process_group(group)
     return outcome, found
 

@@ -51,8 +51,9 @@ def test_the_nccl_transport_without_nccl_falls_back():
 def test_a_module_lacking_a_call_is_not_a_transport():
     import types
 
-    partial = types.SimpleNamespace(**{n: getattr(process_group, n)
-                                       for n in ("all_to_all", "all_gather", "wait")})  # fmt: skip
+    partial = types.SimpleNamespace(
+        **{n: getattr(process_group, n) for n in ("all_to_all", "all_gather", "wait")}
+    )
     assert not isinstance(partial, Transport)
 
 
@@ -69,8 +70,9 @@ def _gathers_in_parts(n: int) -> list[bool]:
         send = (torch.arange(n) * (rank + 1) % 251).to(dtype)
         want = torch.cat([(torch.arange(n) * (r + 1) % 251).to(dtype) for r in range(world)])
         out = torch.full((world * n,), 255, dtype=dtype)
-        spy = mock.patch.object(process_group, "all_gather_in_parts",
-                                wraps=process_group.all_gather_in_parts)  # fmt: skip
+        spy = mock.patch.object(
+            process_group, "all_gather_in_parts", wraps=process_group.all_gather_in_parts
+        )
         with mock.patch.object(process_group, "GLOO_SPLIT_BYTES", 1024), spy as split:
             process_group.wait(process_group.all_gather(out, send, group, async_op=False))
             found += [torch.equal(out, want), split.call_args.args[3] == 4]
@@ -107,8 +109,10 @@ def _async_plain(n: int) -> list[bool]:
         running = [process_group.allreduce_plain_async_(t, group, op) for t in (a, b)]
         found += [f.wait() is t for f, t in zip(running, (a, b), strict=True)]
         found += [torch.equal(a, want_a), torch.equal(b, want_b)]
-        total = sum(torch.randn(n, generator=torch.Generator().manual_seed(r)) * (r + 1)
-                    for r in range(world))  # fmt: skip
+        total = sum(
+            torch.randn(n, generator=torch.Generator().manual_seed(r)) * (r + 1)
+            for r in range(world)
+        )
         found.append(torch.allclose(a, total / world if op == "avg" else total, atol=1e-5))
     # Where shared memory serves the group (one host), its copies run at once.
     c = torch.ones(n)
@@ -141,8 +145,11 @@ def _average_of_three(n: int) -> list[bool]:
     process_group.allreduce_plain_async_(running, three, "avg").wait()
     summed_first = x.clone()
     dist.all_reduce(summed_first, group=three)
-    return [torch.equal(waited, ddp), torch.equal(running, ddp),
-            not torch.equal(summed_first.div_(3), ddp)]  # fmt: skip
+    return [
+        torch.equal(waited, ddp),
+        torch.equal(running, ddp),
+        not torch.equal(summed_first.div_(3), ddp),
+    ]
 
 
 def test_the_plain_average_divides_first_as_ddps_own(dist4):

@@ -57,8 +57,9 @@ def _collective(scenario: str) -> None:
         model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256))
         for layer in (model[0], model[2]):
             fully_shard(layer, mesh=init_device_mesh("cpu", (2,)))
-        cgx2.fsdp.compress(fully_shard(model, mesh=init_device_mesh("cpu", (2,))), bits=4,
-                           min_size=16)  # fmt: skip
+        cgx2.fsdp.compress(
+            fully_shard(model, mesh=init_device_mesh("cpu", (2,))), bits=4, min_size=16
+        )
         for _ in range(2):  # a peer that dies after a reduce-scatter fails the next collective
             model(torch.randn(8, 256)).sum().backward()
     else:
@@ -71,8 +72,9 @@ def _rank(rank: int, port: int, scenario: str, fault: str, transport: str, resul
     torch.set_num_threads(1)
     os.environ["CGX2_TRANSPORT"] = transport
     timeout = datetime.timedelta(seconds=TIMEOUT_S)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2, timeout=timeout)  # fmt: skip
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timeout
+    )
     from cgx2.comm import process_group, shm
 
     _collective(scenario)  # both alive: it works
@@ -105,17 +107,23 @@ def _rank(rank: int, port: int, scenario: str, fault: str, transport: str, resul
 
 # Over the process group a killed peer is seen alike in every scenario (gloo's socket closes
 # at once): one scenario stands for them all. Stopped peers, and shared memory, each their own.
-CASES = [(scenario, fault, transport) for transport in ("shm", "process_group")
-         for fault in ("killed", "stopped") for scenario in SCENARIOS
-         if transport == "shm" or fault == "stopped" or scenario == "op"]  # fmt: skip
+CASES = [
+    (scenario, fault, transport)
+    for transport in ("shm", "process_group")
+    for fault in ("killed", "stopped")
+    for scenario in SCENARIOS
+    if transport == "shm" or fault == "stopped" or scenario == "op"
+]
 
 
 @pytest.mark.parametrize(("scenario", "fault", "transport"), CASES)
 def test_the_survivor_raises_within_the_timeout(scenario, fault, transport):
     ctx = _context()
     results, port = ctx.Queue(), _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, scenario, fault, transport, results))
-             for r in range(2)]  # fmt: skip
+    procs = [
+        ctx.Process(target=_rank, args=(r, port, scenario, fault, transport, results))
+        for r in range(2)
+    ]
     for p in procs:
         p.start()
     try:
@@ -145,8 +153,9 @@ def test_the_survivor_raises_within_the_timeout(scenario, fault, transport):
 def _rank_that_stops_before_the_call(rank: int, port: int, results) -> None:
     torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=TIMEOUT_S)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2, timeout=timeout)  # fmt: skip
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timeout
+    )
     import cgx2
 
     cgx2.quantized_allreduce(torch.randn(1 << 16), 4)  # both alive: it works
@@ -170,8 +179,10 @@ def test_a_peer_that_never_arrives_fails_the_argument_check_within_the_timeout()
     """The agreement check (through the group's store) waits the group's timeout, no longer."""
     ctx = _context()
     results, port = ctx.Queue(), _free_port()
-    procs = [ctx.Process(target=_rank_that_stops_before_the_call, args=(r, port, results))
-             for r in range(2)]  # fmt: skip
+    procs = [
+        ctx.Process(target=_rank_that_stops_before_the_call, args=(r, port, results))
+        for r in range(2)
+    ]
     for p in procs:
         p.start()
     try:
@@ -190,8 +201,9 @@ def _rank_killed_while_segments_grow(rank: int, port: int, step: str, results) -
     lags there (stopped); the parent kills both, as a job is killed."""
     torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=60)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2, timeout=timeout)  # fmt: skip
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timeout
+    )
     from cgx2.comm import shm
 
     shm.allreduce_plain_(torch.ones(16), dist.group.WORLD, "sum")  # segments of small slots
@@ -216,8 +228,10 @@ def test_a_job_killed_while_its_segments_grow_leaves_nothing_in_dev_shm(step):
     ctx = _context()
     results, port = ctx.Queue(), _free_port()
     before = set(glob.glob("/dev/shm/cgx2-*"))
-    procs = [ctx.Process(target=_rank_killed_while_segments_grow, args=(r, port, step, results))
-             for r in range(2)]  # fmt: skip
+    procs = [
+        ctx.Process(target=_rank_killed_while_segments_grow, args=(r, port, step, results))
+        for r in range(2)
+    ]
     for p in procs:
         p.start()
     try:

@@ -21,9 +21,9 @@ def test_training_scripts_exit_cleanly(mode):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(port), str(EXAMPLE), "--steps", "3", "--text-bytes", "100000",
-           "--device", "cpu", "--mode", mode, "--log-every", "100"]  # fmt: skip
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    args = f"--steps 3 --text-bytes 100000 --device cpu --mode {mode} --log-every 100".split()
+    cmd = [*torchrun, "--master-port", str(port), str(EXAMPLE), *args]
     for run in range(RUNS):
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0 and "terminate called" not in done.stderr, (

@@ -63,8 +63,7 @@ def _process_footprint() -> tuple[int, int, int]:
 def _soak(calls: int, steps: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     x = torch.randn(1 << 16)
     torch.manual_seed(0)
-    model = DDP(nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 4)),
-                bucket_cap_mb=0.1)  # fmt: skip
+    model = DDP(nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 4)), bucket_cap_mb=0.1)
     model.register_comm_hook(CGXState(None, 16, {"bits": 4}, start_iter=0), cgx_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
 

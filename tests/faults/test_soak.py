@@ -42,8 +42,10 @@ def _plan(thread: int) -> list[tuple[int, int, str]]:
     """The calls of one thread, alike on every rank: every size and width in the first ones."""
     rng = random.Random(thread)
     first = [(n, bits, "sum") for n in SIZES for bits in (2, 4, 8)]
-    rest = [(rng.choices(SIZES, WEIGHTS)[0], rng.choice((2, 4, 8)), rng.choice(("sum", "avg")))
-            for _ in range(CALLS // 2 - len(first))]  # fmt: skip
+    rest = [
+        (rng.choices(SIZES, WEIGHTS)[0], rng.choice((2, 4, 8)), rng.choice(("sum", "avg")))
+        for _ in range(CALLS // 2 - len(first))
+    ]
     return first + rest
 
 
@@ -93,8 +95,15 @@ def _soak() -> dict[str, object]:
     served = all(shm.serves(g) for g in groups)
     for g in groups:
         dist.destroy_process_group(g)
-    return {"errors": errors, "hung": hung, "warm": warm, "end": end, "kept": kept, "peak": peak,
-            "served": served}  # fmt: skip
+    return {
+        "errors": errors,
+        "hung": hung,
+        "warm": warm,
+        "end": end,
+        "kept": kept,
+        "peak": peak,
+        "served": served,
+    }
 
 
 def test_ten_thousand_calls_on_two_groups_from_two_threads_stay_flat():

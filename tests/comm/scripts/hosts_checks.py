@@ -41,8 +41,10 @@ def main() -> None:
         # Hierarchical: the node's plain reduce-scatter and all-gather by shared memory.
         mesh = hierarchical.node_mesh("cpu")
         say("node_on_shm", shm.serves(mesh.get_group("intra")))
-        say("hierarchical_digest_same", digest(cgx2.hierarchical_allreduce(inputs(rank), 4, mesh,
-                                                                            seed=3)))  # fmt: skip
+        say(
+            "hierarchical_digest_same",
+            digest(cgx2.hierarchical_allreduce(inputs(rank), 4, mesh, seed=3)),
+        )
         # The cgx backend, set up by CGX_* variables.
         os.environ["CGX_COMPRESSION_QUANTIZATION_BITS"] = "4"
         group = dist.new_group(backend="cgx")
@@ -84,8 +86,9 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-def train_ddp(rank: int, group: dist.ProcessGroup | None = None,
-              hook: tuple | None = None) -> torch.Tensor:  # fmt: skip
+def train_ddp(
+    rank: int, group: dist.ProcessGroup | None = None, hook: tuple | None = None
+) -> torch.Tensor:
     """DDP over ``group`` (None: the world) with ``hook`` (its state and function; None: DDP's
     own allreduce, which the cgx backend quantizes): the parameters after three steps."""
     torch.manual_seed(0)
