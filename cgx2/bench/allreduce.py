@@ -93,7 +93,8 @@ class Timer:
         return (time.perf_counter() - t0) * 1e3 / self.calls
 
     def __call__(self, fn: Callable[[], Any]) -> float:
-        return self.interleaved(fn)[0]
+        (ms,) = self.interleaved(fn)
+        return ms
 
     def interleaved(self, *fns: Callable[[], Any]) -> list[float]:
         """Each function's time, the calls taken in turn (a, b, a, b, ...), so that clock and
@@ -202,35 +203,49 @@ def _bench_size(
         plain_paired_ms, auto_ms = timer.interleaved(plain_avg, auto)
         graphs.clear()  # those auto replayed (CGX2_CUDA_GRAPHS=auto), before the next size
         auto_path = "quantized" if _compresses(x, bits, args) else "plain"
-        graphs_auto = None
+        graphs_auto_path = graphs_plain_paired_ms = graphs_auto_ms = None
         if args.cuda_graphs:  # in place with graphs, plain below the graphs' crossover
             with _graphs_on():
-                graphs_auto = (
-                    "quantized" if _compresses(x, bits, args) else "plain",
-                    *timer.interleaved(plain_avg, auto),
-                )  # fmt: skip
-        rows.append({
-            "dtype": dtype_name, "bytes": nbytes, "size": size_name(nbytes), "numel": n,
-            "bits": bits, "bucket_size": args.bucket_size,
-            "payload_bytes_per_rank": layout.payload_nbytes,
-            "plain_ms": plain_ms, "plain_busbw": _busbw(nbytes, plain_ms, world),
-            "cgx2_ms": cgx_ms, "cgx2_busbw": _busbw(nbytes, cgx_ms, world),
-            "cast_bf16_ms": cast_ms, "sol_ms": sol_ms, "sol_all_to_all_ms": sol_a2a_ms,
-            "auto_ms": auto_ms, "auto_path": auto_path, "plain_paired_ms": plain_paired_ms,
-            "auto_vs_plain": plain_paired_ms / auto_ms,
-            "speedup_vs_plain": plain_ms / cgx_ms,
-            "fraction_of_sol": sol_ms / cgx_ms,
-            "cast_speedup_vs_plain": None if cast_ms is None else plain_ms / cast_ms,
-            "cgx2_shm_ms": shm_ms, "shm_plain_ms": shm_plain_ms,
-            "shm_plain_speedup": None if shm_plain_ms is None else plain_ms / shm_plain_ms,
-            "hier_ms": hier_ms, "hier_vs_flat": None if hier_ms is None else cgx_ms / hier_ms,
-            "cgx2_graphs_ms": graphs_ms,
-            "graphs_speedup_vs_plain": None if graphs_ms is None else plain_ms / graphs_ms,
-            "graphs_fraction_of_sol": None if graphs_ms is None else sol_ms / graphs_ms,
-            "graphs_auto_path": graphs_auto and graphs_auto[0],
-            "graphs_auto_ms": graphs_auto and graphs_auto[2],
-            "graphs_auto_vs_plain": graphs_auto and graphs_auto[1] / graphs_auto[2],
-        })  # fmt: skip
+                graphs_auto_path = "quantized" if _compresses(x, bits, args) else "plain"
+                graphs_plain_paired_ms, graphs_auto_ms = timer.interleaved(plain_avg, auto)
+        rows.append(
+            {
+                "dtype": dtype_name,
+                "bytes": nbytes,
+                "size": size_name(nbytes),
+                "numel": n,
+                "bits": bits,
+                "bucket_size": args.bucket_size,
+                "payload_bytes_per_rank": layout.payload_nbytes,
+                "plain_ms": plain_ms,
+                "plain_busbw": _busbw(nbytes, plain_ms, world),
+                "cgx2_ms": cgx_ms,
+                "cgx2_busbw": _busbw(nbytes, cgx_ms, world),
+                "cast_bf16_ms": cast_ms,
+                "sol_ms": sol_ms,
+                "sol_all_to_all_ms": sol_a2a_ms,
+                "auto_ms": auto_ms,
+                "auto_path": auto_path,
+                "plain_paired_ms": plain_paired_ms,
+                "auto_vs_plain": plain_paired_ms / auto_ms,
+                "speedup_vs_plain": plain_ms / cgx_ms,
+                "fraction_of_sol": sol_ms / cgx_ms,
+                "cast_speedup_vs_plain": None if cast_ms is None else plain_ms / cast_ms,
+                "cgx2_shm_ms": shm_ms,
+                "shm_plain_ms": shm_plain_ms,
+                "shm_plain_speedup": None if shm_plain_ms is None else plain_ms / shm_plain_ms,
+                "hier_ms": hier_ms,
+                "hier_vs_flat": None if hier_ms is None else cgx_ms / hier_ms,
+                "cgx2_graphs_ms": graphs_ms,
+                "graphs_speedup_vs_plain": None if graphs_ms is None else plain_ms / graphs_ms,
+                "graphs_fraction_of_sol": None if graphs_ms is None else sol_ms / graphs_ms,
+                "graphs_auto_path": graphs_auto_path,
+                "graphs_auto_ms": graphs_auto_ms,
+                "graphs_auto_vs_plain": (
+                    None if graphs_auto_ms is None else graphs_plain_paired_ms / graphs_auto_ms
+                ),
+            }
+        )
     return rows
 
 
@@ -462,9 +477,9 @@ def _main(args: argparse.Namespace) -> int:
             name = dist.get_backend()
             cols = columns(BACKEND_NAMES.get(name, name), args.cuda_graphs, args.shm,
                            args.hierarchical)  # fmt: skip
-            print(format_table(report["rows"], [c[:3] for c in cols]))
+            print(format_table(report["rows"], [(key, head, spec) for key, head, spec, _ in cols]))
             print("\nColumns:")
-            print(format_legend([(c[1], c[3]) for c in cols]))
+            print(format_legend([(head, meaning) for _, head, _, meaning in cols]))
             env = report["env"]
             print(
                 f"\n{env['device']} x{env['world_size']}, {name}, regime {env['regime']}, "

@@ -265,10 +265,10 @@ def format_report(data: dict[str, Any]) -> str:
         ("speedup", f"speedup vs {name}", ".2f", "plain ms / cgx2 ms: above 1, cgx2 is faster"),
     ]  # fmt: skip
     lines = [
-        format_table(rows, [c[:3] for c in columns]),
+        format_table(rows, [(key, head, spec) for key, head, spec, _ in columns]),
         "",
         "Columns (each time: the median over iterations of the slowest rank's):",
-        format_legend([(c[1], c[3]) for c in columns]),
+        format_legend([(head, meaning) for _, head, _, meaning in columns]),
         "",
         f"{data['device_name']} x{data['world_size']}, {name}, torch {data['torch']}.",
         "cgx2 compresses from (the smallest size from which it was faster at every larger one):",
