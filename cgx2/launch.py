@@ -10,20 +10,32 @@ import logging
 import os
 import zlib
 from collections.abc import MutableMapping
+from typing import NamedTuple
 
 __all__ = ["setup_mpi_env"]
 
 log = logging.getLogger("cgx2")
 
-# (world size, rank, local rank, local size) variables of each MPI launcher.
+
+class _Variables(NamedTuple):
+    """The variables in which an MPI launcher says where a process runs."""
+
+    size: str
+    rank: str
+    local_rank: str
+    local_size: str
+
+
 _LAUNCHERS = {
-    "Open MPI": (
-        "OMPI_COMM_WORLD_SIZE",
-        "OMPI_COMM_WORLD_RANK",
-        "OMPI_COMM_WORLD_LOCAL_RANK",
-        "OMPI_COMM_WORLD_LOCAL_SIZE",
+    "Open MPI": _Variables(
+        size="OMPI_COMM_WORLD_SIZE",
+        rank="OMPI_COMM_WORLD_RANK",
+        local_rank="OMPI_COMM_WORLD_LOCAL_RANK",
+        local_size="OMPI_COMM_WORLD_LOCAL_SIZE",
     ),
-    "MPICH": ("PMI_SIZE", "PMI_RANK", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    "MPICH": _Variables(
+        size="PMI_SIZE", rank="PMI_RANK", local_rank="MPI_LOCALRANKID", local_size="MPI_LOCALNRANKS"
+    ),
 }
 DEFAULT_PORT = 29500
 
@@ -33,7 +45,7 @@ def setup_mpi_env(environ: MutableMapping[str, str] | None = None) -> bool:
     found. Variables already set are kept. Across several nodes ``MASTER_ADDR`` cannot be
     guessed, so a ``RuntimeError`` asks for it."""
     env = os.environ if environ is None else environ
-    found = [(n, v) for n, v in _LAUNCHERS.items() if v[0] in env and v[1] in env]
+    found = [(n, v) for n, v in _LAUNCHERS.items() if v.size in env and v.rank in env]
     if not found:
         return False
     name, (size_var, rank_var, local_rank_var, local_size_var) = found[0]
