@@ -80,7 +80,7 @@ def rank_errors(matrix: torch.Tensor, ranks: Sequence[int], seed: int = 0) -> to
         # manual_seed reseeds every device's generator: fork them all (the user's streams)
         with torch.random.fork_rng(devices=range(torch.cuda.device_count())):
             torch.manual_seed(seed)
-            s = torch.svd_lowrank(m, q=q, niter=4)[1]
+            _, s, _ = torch.svd_lowrank(m, q=q, niter=4)
     captured = torch.cumsum(s[:top].double().square(), 0)
     return (total - captured[[min(r, top) - 1 for r in ranks]]).clamp(min=0)
 
