@@ -12,7 +12,6 @@ here.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import logging
 import weakref
@@ -27,7 +26,7 @@ from .. import config, cpu_threads
 from ..checks import UNCOMPRESSED_BITS
 from ..comm import GroupInfo, group_info, nccl, process_group, shm
 from ..comm import store as stored
-from . import calibration_file, decision, graphs
+from . import calibration_file, decision, graphs, regimes
 from .decision import (
     CPU_ACROSS_NODES_PIECE_NUMEL,
     CROSSOVER_BYTES,
@@ -37,6 +36,7 @@ from .decision import (
     PIECE_NUMEL_PAIR,
     Route,
 )
+from .regimes import detect_regime, group_regime, regime, spans_hosts
 
 __all__ = [
     "CALIBRATION_FORMAT",
@@ -73,90 +73,6 @@ CALIBRATION_FORMAT = calibration_file.FORMAT
 _STORE_KEY = "cgx2/calibration/"
 
 
-def detect_regime(device: torch.device, backend: str = "nccl", cuda_on_nccl: bool = True) -> str:
-    """``cpu`` (CPU tensors), ``socket`` (several nodes, NCCL limited to sockets, or CUDA
-    tensors on a group whose CUDA collectives are not NCCL's: gloo moves them through host
-    memory and TCP), ``shm`` (NCCL without peer-to-peer) or ``nvlink`` (GPUs that reach each
-    other directly; also assumed when one GPU is visible per process: it compresses least)."""
-    if device.type != "cuda":
-        return "cpu"
-    if not cuda_on_nccl:
-        return "socket"
-    launch = config.launch()
-    if launch.spans_nodes:
-        return "socket"
-    if launch.nccl_p2p_disabled:
-        return "socket" if launch.nccl_shm_disabled else "shm"
-    return "nvlink" if _peers_reachable() else "shm"
-
-
-@functools.cache
-def _peers_reachable() -> bool:
-    """Whether every visible GPU reaches every other directly (NVLink or PCIe P2P)."""
-    n = torch.cuda.device_count()
-    return all(
-        torch.cuda.can_device_access_peer(a, b) for a in range(n) for b in range(n) if a != b
-    )
-
-
-@functools.cache
-def regime(device: torch.device, backend: str = "nccl", cuda_on_nccl: bool = True) -> str:
-    """:func:`detect_regime`, once per device and backend: NCCL too reads its variables once."""
-    return detect_regime(device, backend, cuda_on_nccl)
-
-
-def group_regime(device: torch.device, group: dist.ProcessGroup | None = None) -> str:
-    """The regime of ``device``'s tensors over ``group`` (None: the default group, where one
-    exists): what :func:`route` decides by."""
-    if group is None and dist.is_initialized():
-        group = dist.group.WORLD
-    return _carrier(device, None if group is None else group_info(group))[2]
-
-
-def _carrier(device: torch.device, info: GroupInfo | None) -> tuple[str, bool, str]:
-    """The group's backend, whether NCCL carries its CUDA tensors, and the regime of
-    ``device``'s tensors over it (no group: NCCL's)."""
-    backend = "nccl" if info is None else info.backend
-    nccl = True if info is None else info.cuda_on_nccl
-    return backend, nccl, regime(device, backend, nccl)
-
-
-def spans_hosts(group: dist.ProcessGroup | None) -> bool:
-    """Whether ``group``'s ranks (None: the default group's) lie on several hosts, as the
-    launcher says: ``LOCAL_WORLD_SIZE`` below ``WORLD_SIZE``, and the group's global ranks on
-    more than one host, the launcher numbering them host by host (torchrun and
-    :mod:`cgx2.launch` do; the node mesh assumes it too). Every rank reads the same variables
-    and ranks, so all answer alike, without communicating."""
-    launch = config.launch()
-    if not launch.spans_nodes:
-        return False
-    ranks = _global_ranks(group)
-    if ranks is None:  # a group torch.distributed does not know (a stand-in): the job's
-        return True
-    local = launch.local_world_size
-    return len({rank // local for rank in ranks}) > 1
-
-
-def _global_ranks(group: dist.ProcessGroup | None) -> list[int] | None:
-    """``group``'s ranks in the default group (None: all of them), or None where
-    ``torch.distributed`` does not know the group."""
-    if group is None or not dist.is_initialized():
-        return None
-    try:
-        return dist.get_process_group_ranks(group)
-    except (ValueError, RuntimeError, KeyError):
-        return None
-
-
-def _in_trace(device: torch.device) -> bool:
-    """Whether the calling code is being traced (``torch.compile``) or captured into a CUDA
-    graph: there nothing may be measured, since measuring runs and waits for collectives."""
-    if torch.compiler.is_compiling():
-        return True
-    capturing = device.type == "cuda" and torch.cuda.is_available()
-    return capturing and torch.cuda.is_current_stream_capturing()
-
-
 def hierarchical(group: dist.ProcessGroup | None, bits: int) -> bool:
     """Whether an entry point that may reduce hierarchically (the DDP hook with
     ``mesh="auto"``, the ``cgx`` backend) builds the node mesh: ``bits`` below 32, the launcher
@@ -190,7 +106,7 @@ def by_node_mesh(t: torch.Tensor, group: dist.ProcessGroup, mesh: DeviceMesh, bi
     forced = _fresh().node_mesh
     if forced is not None:
         return forced
-    backend, nccl, where = _carrier(t.device, group_info(group))
+    backend, nccl, where = regimes.carrier(t.device, group_info(group))
     key = (id(group), t.device, t.dtype, bits, bucket_size, intra_broadcast)
     faster = _MESH_FASTER.get(key)
     if faster is None:
@@ -200,7 +116,7 @@ def by_node_mesh(t: torch.Tensor, group: dist.ProcessGroup, mesh: DeviceMesh, bi
             untimed = t.device.type != "cpu"
             if not timed:
                 return untimed
-            if _in_trace(t.device):
+            if regimes.in_trace(t.device):
                 logger.info("cgx2: the node mesh against the flat allreduce is not timed inside "
                             "a trace or a CUDA graph's capture: %s here, timed at the first "
                             "eager call (make one before compiling or capturing to decide "
@@ -439,7 +355,7 @@ def _measured(device: torch.device, dtype: torch.dtype, info: GroupInfo | None,
     key = (device, dtype, id(group), with_graphs)
     if key in _MEASURED:
         return _MEASURED[key]
-    backend, nccl, where = _carrier(device, info)
+    backend, nccl, where = regimes.carrier(device, info)
     # The cgx backend carries its collectives on NCCL or gloo: their calibration serves it
     # where it has none of its own.
     carrier = "nccl" if device.type == "cuda" and nccl else "gloo"
@@ -450,7 +366,7 @@ def _measured(device: torch.device, dtype: torch.dtype, info: GroupInfo | None,
     if measured is not None:
         chosen, source = (measured[0], measured[1]), "the calibration file"
     elif _measures_on_link(device, backend, nccl, group):
-        if _in_trace(device):
+        if regimes.in_trace(device):
             # Measuring runs collectives and waits for them: not inside a trace or a capture.
             # Not kept: the first eager call measures, on every rank alike.
             logger.info("cgx2: %s regime, %s on %s, inside a trace or a CUDA graph's capture: "
@@ -490,7 +406,7 @@ def _measures_on_link(
         carried = backend in ("gloo", "cgx")  # the cgx backend's CPU calls: gloo's
     else:
         carried = device.type == "cuda" and nccl and backend in ("nccl", "cgx")
-    return carried and spans_hosts(group)
+    return carried and regimes.spans_hosts(group)
 
 
 def _measure_now(dtype: torch.dtype, group: dist.ProcessGroup, key: tuple,
@@ -631,7 +547,7 @@ def _group_facts(
     info = group_info(group)
     tuning = config.tuning()
     return decision.GroupFacts(
-        regime=_carrier(t.device, info)[2],
+        regime=regimes.carrier(t.device, info).regime,
         world=info.size,
         element_size=t.element_size(),
         bucket_size=bucket_size,

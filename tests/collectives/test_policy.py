@@ -16,7 +16,7 @@ from env_vars import setenv
 
 import cgx2
 from cgx2 import comm, config
-from cgx2.collectives import policy
+from cgx2.collectives import policy, regimes
 from cgx2.collectives.policy import crossover_bytes, detect_regime
 
 CUDA = torch.device("cuda", 0)
@@ -37,7 +37,7 @@ def clean_env(monkeypatch):
 
 
 def _regime_is(monkeypatch, where):
-    monkeypatch.setattr(policy, "detect_regime", lambda *args: where)
+    monkeypatch.setattr(regimes, "detect_regime", lambda *args: where)
     policy.clear_caches()
 
 
@@ -45,7 +45,7 @@ def test_regime_is_read_once_per_device(clean_env):
     """The threshold runs before every allreduce: the regime is detected once, while
     CGX2_CROSSOVER_BYTES stays live."""
     calls = []
-    clean_env.setattr(policy, "detect_regime", lambda *args: calls.append(args) or "shm")
+    clean_env.setattr(regimes, "detect_regime", lambda *args: calls.append(args) or "shm")
     for _ in range(3):
         assert crossover_bytes(CUDA, torch.float32) == 16 * MiB
     assert len(calls) == 1
@@ -70,7 +70,7 @@ def test_regime_is_read_once_per_device(clean_env):
 def test_regime_detection(clean_env, env, peers, regime):
     for k, v in env.items():
         clean_env.setenv(k, v)
-    clean_env.setattr(policy, "_peers_reachable", lambda: peers)
+    clean_env.setattr(regimes, "_peers_reachable", lambda: peers)
     assert detect_regime(CUDA) == regime
     assert detect_regime(torch.device("cpu")) == "cpu"
 
@@ -79,7 +79,7 @@ def test_cuda_tensors_on_gloo_cross_host_sockets(clean_env):
     """CUDA tensors on a group whose CUDA collectives are not NCCL's (gloo: no NCCL, e.g. on
     Windows) go through host memory and TCP, whatever the GPUs reach: the socket regime, so
     they are compressed from its crossover rather than NVLink's."""
-    clean_env.setattr(policy, "_peers_reachable", lambda: True)
+    clean_env.setattr(regimes, "_peers_reachable", lambda: True)
     assert detect_regime(CUDA, "nccl", True) == "nvlink"
     assert detect_regime(CUDA, "gloo", False) == "socket"
     assert detect_regime(torch.device("cpu"), "gloo", False) == "cpu"
@@ -722,7 +722,7 @@ def test_the_node_mesh_carries_calls_whose_nearest_measured_size_it_won(clean_en
 
     group = Group(0, 4)
     monkeypatch.setattr(policy, "group_info", lambda g: None)
-    monkeypatch.setattr(policy, "_carrier", lambda device, info: ("gloo", False, "cpu"))
+    monkeypatch.setattr(regimes, "carrier", lambda device, info: ("gloo", False, "cpu"))
     timings = []
 
     def timed(dtype, g, mesh, bits, bucket_size, intra_broadcast, device):
@@ -746,7 +746,7 @@ def test_the_node_mesh_carries_calls_whose_nearest_measured_size_it_won(clean_en
         assert not over(1 * MiB)
     with config.tuned(node_mesh=True):
         assert over(4 * MiB)
-    monkeypatch.setattr(policy, "_carrier", lambda device, info: ("gloo", False, "socket"))
+    monkeypatch.setattr(regimes, "carrier", lambda device, info: ("gloo", False, "socket"))
     cuda = _stand_in_cuda_tensor()  # CUDA tensors through the host (gloo): the mesh, untimed
     assert policy.by_node_mesh(cuda, group, "mesh", 4, 512, False, MiB)
     assert len(timings) == 2
@@ -845,7 +845,7 @@ def _hosts(monkeypatch, world: int, local: int, tmp_path) -> None:
     monkeypatch.setenv("WORLD_SIZE", str(world))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local))
     monkeypatch.setenv("CGX2_CALIBRATION_FILE", str(tmp_path / "none.json"))
-    monkeypatch.setattr(policy, "_peers_reachable", lambda: True)
+    monkeypatch.setattr(regimes, "_peers_reachable", lambda: True)
     config.reload()
     policy.clear_caches()
 
@@ -907,12 +907,12 @@ def test_nccl_inside_one_host_keeps_the_tables(clean_env, tmp_path, world, local
                                                expected):  # fmt: skip
     _hosts(clean_env, world, local, tmp_path)
     calls = _measuring(clean_env)
-    clean_env.setattr(policy, "_global_ranks", lambda group: ranks)
+    clean_env.setattr(regimes, "_global_ranks", lambda group: ranks)
     with _nccl_group(len(ranks or range(world))) as group:
         assert crossover_bytes(CUDA, torch.float32, group) == expected
         assert not policy.spans_hosts(group)
     assert calls == []
-    clean_env.setattr(policy, "_global_ranks", lambda group: [1, 2])  # across hosts 0 and 1
+    clean_env.setattr(regimes, "_global_ranks", lambda group: [1, 2])  # across hosts 0 and 1
     if local < world:
         with _nccl_group(2) as group:
             assert crossover_bytes(CUDA, torch.float32, group) == 256 << 10
