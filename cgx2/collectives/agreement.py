@@ -120,17 +120,11 @@ def check(group: dist.ProcessGroup, operation: str, t: torch.Tensor,
         copied = found.to("cpu", non_blocking=True)  # the host's copy arrives in stream order
         ready = torch.cuda.Event()
         ready.record()
+        pending = _Pending(
+            rows=copied, ready=ready, names=names, shown=shown, operation=operation, rank=rank
+        )
         with _PENDING_LOCK:
-            _PENDING.setdefault(group, deque()).append(
-                _Pending(
-                    copied=copied,
-                    ready=ready,
-                    names=names,
-                    shown=shown,
-                    operation=operation,
-                    rank=rank,
-                )
-            )
+            _PENDING.setdefault(group, deque()).append(pending)
         return agreed
     if route is not None and _differ_in(rows, names.index(SETTINGS)):
         # Every rank sees the same rows, so all make this second exchange: each rank's settings.
