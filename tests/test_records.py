@@ -1,0 +1,71 @@
+"""Records are built by name: every dataclass or NamedTuple of the package with more than three
+fields is constructed with keyword arguments, and every keyword names one of its fields."""
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "cgx2"
+
+BY_POSITION_YET = {"cgx2/collectives/policy.py"}
+"""Files whose records are still built by position: the policy, which its split rewrites."""
+
+
+def _trees() -> dict[str, ast.Module]:
+    root = PACKAGE.parent
+    return {str(p.relative_to(root)): ast.parse(p.read_text()) for p in PACKAGE.rglob("*.py")}
+
+
+def _records(trees: dict[str, ast.Module]) -> dict[str, set[str]]:
+    """Each record's name and the fields its constructor takes (a name defined twice: both)."""
+    records: dict[str, set[str]] = {}
+    for tree in trees.values():
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            decorators = [ast.unparse(d) for d in node.decorator_list]
+            bases = [ast.unparse(b) for b in node.bases]
+            if not any("dataclass" in d for d in decorators) and "NamedTuple" not in bases:
+                continue
+            fields = {
+                s.target.id
+                for s in node.body
+                if isinstance(s, ast.AnnAssign)
+                and isinstance(s.target, ast.Name)
+                and "ClassVar" not in ast.unparse(s.annotation)
+                and not (s.value is not None and "init=False" in ast.unparse(s.value))
+            }
+            records.setdefault(node.name, set()).update(fields)
+    return records
+
+
+def _calls(trees: dict[str, ast.Module], records: dict[str, set[str]]):
+    for path, tree in trees.items():
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            name = getattr(func, "id", None) or getattr(func, "attr", None)
+            if name in records:
+                yield path, node, name
+
+
+def test_records_of_more_than_three_fields_are_built_by_keyword():
+    trees = _trees()
+    records = _records(trees)
+    positional = [
+        f"{path}:{node.lineno} {name}(...) with {len(node.args)} positional arguments"
+        for path, node, name in _calls(trees, records)
+        if len(records[name]) > 3 and node.args and path not in BY_POSITION_YET
+    ]
+    assert not positional, "\n".join(positional)
+
+
+def test_every_keyword_of_a_records_construction_names_one_of_its_fields():
+    trees = _trees()
+    records = _records(trees)
+    unknown = [
+        f"{path}:{node.lineno} {name}(...): {sorted(extra)}"
+        for path, node, name in _calls(trees, records)
+        if (extra := {k.arg for k in node.keywords if k.arg} - records[name])
+    ]
+    assert not unknown, "\n".join(unknown)
