@@ -110,11 +110,10 @@ class ChunkedLayout:
         """Even split at bucket boundaries: chunk j owns buckets [j*k, (j+1)*k). Layouts are
         immutable, so one object (with its computed sizes) serves every call."""
         buckets = -(-numel // bucket_size)
-        chunk = -(-buckets // num_chunks) * bucket_size if num_chunks > 1 else numel
         return cls(
             numel=numel,
             num_chunks=num_chunks,
-            chunk_numel=chunk,
+            chunk_numel=-(-buckets // num_chunks) * bucket_size if num_chunks > 1 else numel,
             bits=bits,
             bucket_size=bucket_size,
             skip_incomplete=skip_incomplete,
