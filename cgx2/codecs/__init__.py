@@ -13,7 +13,7 @@ import functools
 import importlib
 import logging
 from types import ModuleType
-from typing import cast
+from typing import TypeVar, cast
 
 import torch
 
@@ -34,6 +34,8 @@ __all__ = [
 
 log = logging.getLogger("cgx2")
 
+_C = TypeVar("_C", Codec, GlobalNormCodec)
+
 
 @functools.cache
 def triton_kernels(module: str) -> ModuleType | None:
@@ -46,16 +48,16 @@ def triton_kernels(module: str) -> ModuleType | None:
         return None
 
 
-def codec_for(device: torch.device, kernels: str, reference: ModuleType) -> ModuleType:
+def codec_for(device: torch.device, kernels: str, reference: _C) -> _C:
     """The Triton ``kernels`` module for CUDA tensors where Triton imports, else
-    ``reference`` (both write the same bytes)."""
+    ``reference`` (both write the same bytes: the kernels implement its protocol)."""
     if device.type == "cuda":
         module = triton_kernels(kernels)
         if module is not None:
-            return module
+            return cast(_C, module)
     return reference
 
 
 def maxmin_codec(device: torch.device) -> Codec:
     """The max-min implementation for tensors on ``device``."""
-    return cast(Codec, codec_for(device, "maxmin_triton", maxmin))
+    return codec_for(device, "maxmin_triton", cast(Codec, maxmin))

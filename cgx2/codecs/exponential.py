@@ -227,4 +227,4 @@ def decode_sum(codes: torch.Tensor, scale: torch.Tensor | None = None) -> torch.
 def exponential_codec(device: torch.device) -> GlobalNormCodec:
     """The implementation for tensors on ``device`` (same codes either way): the Triton
     kernels for CUDA where Triton imports, this module elsewhere."""
-    return cast(GlobalNormCodec, codec_for(device, "exponential_triton", sys.modules[__name__]))
+    return codec_for(device, "exponential_triton", cast(GlobalNormCodec, sys.modules[__name__]))
