@@ -6,7 +6,7 @@ points call; :mod:`.fusion` and :mod:`.hierarchical` build on them; :mod:`.refer
 them bit for bit.
 """
 
-from . import measure, policy
+from . import crossovers, measure, policy
 from .allreduce import allreduce, allreduce_, exchange
 from .fusion import (
     allreduce_fused_,
@@ -21,7 +21,7 @@ from .reference import reference_allreduce, reference_reduce_scatter
 
 # The policy measures a link at first use with collectives built on it: handed down here, where
 # both are known, so that no module imports one above it, inside a function or not.
-policy.measure_with(measure)
+crossovers.measure_with(measure)
 
 __all__ = [
     "Segment",

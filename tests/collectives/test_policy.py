@@ -16,7 +16,7 @@ from env_vars import setenv
 
 import cgx2
 from cgx2 import comm, config
-from cgx2.collectives import policy, regimes
+from cgx2.collectives import crossovers, policy, regimes
 from cgx2.collectives.policy import crossover_bytes, detect_regime
 
 CUDA = torch.device("cuda", 0)
@@ -729,7 +729,7 @@ def test_the_node_mesh_carries_calls_whose_nearest_measured_size_it_won(clean_en
         timings.append((dtype, g, mesh, bits, bucket_size, intra_broadcast))
         return {1 * MiB: True, 4 * MiB: False, 16 * MiB: True}
 
-    monkeypatch.setattr(policy, "_time_mesh", timed)
+    monkeypatch.setattr(crossovers, "time_mesh", timed)
     x = torch.zeros(1)
 
     def over(nbytes: int, bits: int = 4) -> bool:
@@ -978,7 +978,7 @@ def test_the_node_mesh_on_gpus_is_chosen_against_the_flat_allreduce_by_timing(cl
         timings.append((dtype, mesh, bits, device))
         return {1 * MiB: False, 4 * MiB: True, 16 * MiB: True}
 
-    clean_env.setattr(policy, "_time_mesh", timed)
+    clean_env.setattr(crossovers, "time_mesh", timed)
 
     def over(group, nbytes: int) -> bool:
         return policy.by_node_mesh(_stand_in_cuda_tensor(), group, "mesh", 4, 512, False,
