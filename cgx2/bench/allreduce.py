@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import logging
 import os
 import statistics
 import time
@@ -30,8 +29,8 @@ from .report import (
     format_legend,
     format_table,
     parse_sizes,
-    refused_single_process,
     size_name,
+    started,
     write_json,
 )
 
@@ -437,9 +436,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.WARNING)
-    if refused_single_process(PROG):
+    args = started(PROG, parse_args, argv)
+    if args is None:
         return 2
     with config.tuned(**settings_from_flags(args)):
         return _main(args)

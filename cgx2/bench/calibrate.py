@@ -45,8 +45,8 @@ from .report import (
     format_legend,
     format_table,
     parse_sizes,
-    refused_single_process,
     size_name,
+    started,
 )
 
 __all__ = ["calibrate", "crossover", "crossovers", "default_sizes", "main", "node_mesh_tables",
@@ -344,9 +344,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.WARNING)
-    if refused_single_process(PROG):
+    args = started(PROG, parse_args, argv)
+    if args is None:
         return 2
     device = torch.device(args.device)
     if device.type == "cuda":  # ranks may share GPUs (over gloo): more ranks than GPUs

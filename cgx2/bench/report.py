@@ -7,11 +7,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import logging
 import os
 import platform
 import re
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -33,6 +35,7 @@ __all__ = [
     "refused_single_process",
     "require_processes",
     "size_name",
+    "started",
     "write_json",
 ]
 
@@ -97,6 +100,18 @@ def refused_single_process(prog: str) -> bool:
     if refusal:
         print(refusal, file=sys.stderr)
     return refusal is not None
+
+
+def started(
+    prog: str,
+    parse_args: Callable[[list[str] | None], argparse.Namespace],
+    argv: list[str] | None,
+) -> argparse.Namespace | None:
+    """A distributed tool's start: its arguments parsed, warnings logged, or None where it must
+    refuse to run (:func:`refused_single_process`; the caller exits 2)."""
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    return None if refused_single_process(prog) else args
 
 
 def add_out_argument(p: argparse.ArgumentParser) -> None:
