@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..codecs import ChunkedLayout, maxmin_codec
-from ..comm import group_info
+from ..comm import Transport, group_info
 from ..seeding import derive_key, extend_key
 from . import policy
 
@@ -90,9 +90,14 @@ def ring_allreduce(route: policy.Route, flat: torch.Tensor, out: torch.Tensor, b
         codec.decode_chunks(gathered[k], layouts[k], result.dtype, out=result)
 
 
-def _pipelined(transport, group: dist.ProcessGroup, count: int,
-               buffers: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-               after: Callable[[int], None], phase: str) -> None:  # fmt: skip
+def _pipelined(
+    transport: Transport,
+    group: dist.ProcessGroup,
+    count: int,
+    buffers: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    after: Callable[[int], None],
+    phase: str,
+) -> None:
     """One hop of every piece: piece k's shift starts before piece k - 1's result is used, so
     that coding one overlaps sending the next (two in flight at most: the shared-memory
     transport's slots bound it)."""
