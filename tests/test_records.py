@@ -6,9 +6,6 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "cgx2"
 
-BY_POSITION_YET = {"cgx2/collectives/policy.py"}
-"""Files whose records are still built by position: the policy, which its split rewrites."""
-
 
 def _trees() -> dict[str, ast.Module]:
     root = PACKAGE.parent
@@ -55,7 +52,7 @@ def test_records_of_more_than_three_fields_are_built_by_keyword():
     positional = [
         f"{path}:{node.lineno} {name}(...) with {len(node.args)} positional arguments"
         for path, node, name in _calls(trees, records)
-        if len(records[name]) > 3 and node.args and path not in BY_POSITION_YET
+        if len(records[name]) > 3 and node.args
     ]
     assert not positional, "\n".join(positional)
 
