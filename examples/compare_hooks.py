@@ -100,8 +100,9 @@ def table(report: dict) -> str:
         sent = r["bytes_sent"]
         size = "-" if sent is None else f"{sent / 1e6:.1f}"
         ratio = "-" if not sent else f"{r['bytes_plain'] / sent:.2f}× less"
-        lines.append(f"| {r['hook']} | {r['final_loss']:.4f} | {size} | {ratio} | "
-                     f"{r['step_ms']:.1f} |")  # fmt: skip
+        lines.append(
+            f"| {r['hook']} | {r['final_loss']:.4f} | {size} | {ratio} | {r['step_ms']:.1f} |"
+        )
     return "\n".join(lines)
 
 
@@ -115,8 +116,11 @@ def plot(report: dict, path: Path) -> None:
     for r in report["runs"]:
         ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=r["hook"], linewidth=1)
     env = report["env"]
-    ax.set(xlabel="step", ylabel="training loss (mean over ranks)",
-           title=f"DDP hooks, {env['world_size']} x {env['device']}")  # fmt: skip
+    ax.set(
+        xlabel="step",
+        ylabel="training loss (mean over ranks)",
+        title=f"DDP hooks, {env['world_size']} x {env['device']}",
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -126,8 +130,10 @@ def plot(report: dict, path: Path) -> None:
 def write(report: dict, out_dir: str) -> Path:
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")
     env = report["env"]
-    stem = Path(out_dir) / f"compare_hooks_{env['device'].lower().replace(' ', '-')}_" \
-                           f"w{env['world_size']}_{stamp}"  # fmt: skip
+    stem = (
+        Path(out_dir) / f"compare_hooks_{env['device'].lower().replace(' ', '-')}_"
+        f"w{env['world_size']}_{stamp}"
+    )
     stem.parent.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".json").write_text(json.dumps(report, indent=1))
     plot(report, stem.with_suffix(".png"))

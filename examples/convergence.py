@@ -66,12 +66,18 @@ COMPRESSORS: dict[str, tuple[str, Callable | None, Callable | None]] = {
     "thc": ("THC", gq.thc_hook, GlobalQSGDState),
     "qsgd": ("QSGD", gq.qsgd_hook, GlobalQSGDState),
     "exp": ("exponential dithering", gq.exponential_dithering_hook, GlobalQSGDState),
-    "powersgd": ("PowerSGD rank 4", gq.powerSGD_hook,
-                 lambda g: PowerSGDState(g, 4, start_powerSGD_iter=10)),
-    "lgreco": ("L-GreCo PowerSGD", lgreco_hook,
-               lambda g: LGreCoState(g, 4, start_powerSGD_iter=10, replan_every=50)),
+    "powersgd": (
+        "PowerSGD rank 4",
+        gq.powerSGD_hook,
+        lambda g: PowerSGDState(g, 4, start_powerSGD_iter=10),
+    ),
+    "lgreco": (
+        "L-GreCo PowerSGD",
+        lgreco_hook,
+        lambda g: LGreCoState(g, 4, start_powerSGD_iter=10, replan_every=50),
+    ),
     "fsdp4": ("FSDP2, 4-bit reduce-scatter", None, None),
-}  # fmt: skip
+}
 SEEDED = ("plain", "cgx4")  # the ones --seeds repeats
 
 
@@ -100,8 +106,9 @@ def schedule(step: int, steps: int, warmup: int) -> float:
 
 def fingerprint(args: argparse.Namespace, world: int) -> str:
     """What makes two runs of one compressor and seed the same run."""
-    keys = ("dim", "layers", "heads", "context", "batch_size", "steps", "warmup", "lr",
-            "train_bytes", "eval_every", "eval_batches")  # fmt: skip
+    keys = (
+        "dim layers heads context batch_size steps warmup lr train_bytes eval_every eval_batches"
+    ).split()
     what = {k: getattr(args, k) for k in keys} | {"world": world}
     if args.optimizer != "adamw":  # (runs from before the option: AdamW's, unmarked)
         what["optimizer"] = args.optimizer
@@ -132,8 +139,9 @@ def _bytes_sent(name: str, state: object, plain: int) -> int:
 
 
 @torch.no_grad()
-def held_out_loss(model: nn.Module, held: torch.Tensor, args: argparse.Namespace,
-                  device: str) -> float:  # fmt: skip
+def held_out_loss(
+    model: nn.Module, held: torch.Tensor, args: argparse.Namespace, device: str
+) -> float:
     """Mean loss on ``--eval-batches`` fixed batches of held-out text (every rank the same)."""
     model.eval()
     gen = torch.Generator().manual_seed(12345)
@@ -145,8 +153,13 @@ def held_out_loss(model: nn.Module, held: torch.Tensor, args: argparse.Namespace
     return total / args.eval_batches
 
 
-def run_one(name: str, seed: int, args: argparse.Namespace, device: str,
-            data: tuple[torch.Tensor, torch.Tensor]) -> dict | None:  # fmt: skip
+def run_one(
+    name: str,
+    seed: int,
+    args: argparse.Namespace,
+    device: str,
+    data: tuple[torch.Tensor, torch.Tensor],
+) -> dict | None:
     """Train ``name`` with ``seed`` (from its checkpoint, where one is left): its result, or
     None where ``--time-limit`` stopped it (its checkpoint saved)."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -185,23 +198,38 @@ def run_one(name: str, seed: int, args: argparse.Namespace, device: str,
         losses.append(loss)
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             sent = _bytes_sent(name, state, plain_step * (step + 1))
-            evals.append({"step": step + 1, "loss": held_out_loss(model, held, args, device),
-                          "bytes_sent": sent})  # fmt: skip
+            evals.append(
+                {
+                    "step": step + 1,
+                    "loss": held_out_loss(model, held, args, device),
+                    "bytes_sent": sent,
+                }
+            )
             if progress is not None:
-                progress(f"{name} seed {seed}: step {step + 1}/{args.steps}  train "
-                         f"{losses[-1]:.4f}  held out {evals[-1]['loss']:.4f}")  # fmt: skip
+                progress(
+                    f"{name} seed {seed}: step {step + 1}/{args.steps}  train "
+                    f"{losses[-1]:.4f}  held out {evals[-1]['loss']:.4f}"
+                )
             now = time.time()
             interval_s, interval_start = now - interval_start, now
             if step + 1 < args.steps and _out_of_time(args, interval_s):
                 ckpt.parent.mkdir(parents=True, exist_ok=True)
-                torch.save({
-                    "fingerprint": fingerprint(args, world), "step": step + 1,
-                    "model": model.state_dict(), "optimizer": opt.state_dict(),
-                    "schedule": sched.state_dict(), "data_order": gen.get_state(),
-                    "compression": _compression_state(name, model, state),
-                    "seed_state": cgx2.seeding.get_state(),
-                    "losses": losses, "evals": evals, "times": times,
-                }, ckpt)  # fmt: skip
+                torch.save(
+                    {
+                        "fingerprint": fingerprint(args, world),
+                        "step": step + 1,
+                        "model": model.state_dict(),
+                        "optimizer": opt.state_dict(),
+                        "schedule": sched.state_dict(),
+                        "data_order": gen.get_state(),
+                        "compression": _compression_state(name, model, state),
+                        "seed_state": cgx2.seeding.get_state(),
+                        "losses": losses,
+                        "evals": evals,
+                        "times": times,
+                    },
+                    ckpt,
+                )
                 if progress is not None:
                     progress.close()
                 return None
@@ -210,13 +238,21 @@ def run_one(name: str, seed: int, args: argparse.Namespace, device: str,
     ckpt.unlink(missing_ok=True)
     final = evals[-1]["loss"]
     return {
-        "compressor": name, "what": COMPRESSORS[name][0], "seed": seed, "params": params,
-        "fingerprint": fingerprint(args, world), "train_losses": losses, "evals": evals,
-        "final_held_out_loss": final, "final_held_out_ppl": math.exp(final),
-        "bytes_per_step": None if evals[-1]["bytes_sent"] is None
+        "compressor": name,
+        "what": COMPRESSORS[name][0],
+        "seed": seed,
+        "params": params,
+        "fingerprint": fingerprint(args, world),
+        "train_losses": losses,
+        "evals": evals,
+        "final_held_out_loss": final,
+        "final_held_out_ppl": math.exp(final),
+        "bytes_per_step": None
+        if evals[-1]["bytes_sent"] is None
         else evals[-1]["bytes_sent"] / args.steps,
-        "plain_bytes_per_step": plain_step, "step_ms": 1e3 * sorted(times)[len(times) // 2],
-    }  # fmt: skip
+        "plain_bytes_per_step": plain_step,
+        "step_ms": 1e3 * sorted(times)[len(times) // 2],
+    }
 
 
 def _run_path(out: Path, name: str, seed: int) -> Path:
@@ -255,9 +291,12 @@ def pending_runs(args: argparse.Namespace, world: int) -> list[tuple[str, int]]:
     """The (compressor, seed) runs not yet in ``--out``; SystemExit if a run there is of
     other settings."""
     out, done_as = Path(args.out), fingerprint(args, world)
-    todo = [(name, seed) for name in args.compressors
-            for seed in (range(args.seeds) if name in SEEDED else [0])
-            if args.only_seed is None or seed == args.only_seed]  # fmt: skip
+    todo = [
+        (name, seed)
+        for name in args.compressors
+        for seed in (range(args.seeds) if name in SEEDED else [0])
+        if args.only_seed is None or seed == args.only_seed
+    ]
     pending = []
     for name, seed in todo:
         path = _run_path(out, name, seed)
@@ -284,8 +323,11 @@ def run_all(args: argparse.Namespace) -> dict:
         result = run_one(name, seed, args, device, data)
         if result is None:  # out of time: checkpointed, to be resumed by a rerun
             if dist.get_rank() == 0:
-                print(f"{name}, seed {seed}: stopped for --time-limit, its checkpoint in "
-                      f"{checkpoint_path(out, name, seed, 0).parent}", file=sys.stderr)  # fmt: skip
+                print(
+                    f"{name}, seed {seed}: stopped for --time-limit, its checkpoint in "
+                    f"{checkpoint_path(out, name, seed, 0).parent}",
+                    file=sys.stderr,
+                )
             break
         if dist.get_rank() == 0:
             result["env"] = environment(torch.device(device), dist.get_world_size())
@@ -316,16 +358,24 @@ def summarize(out: Path) -> dict:
         rs = by[name]
         loss = mean(rs)
         sent = [r["bytes_per_step"] for r in rs if r["bytes_per_step"] is not None]
-        paired = [(r["final_held_out_loss"] - plain_by_seed[r["seed"]]) / plain_by_seed[r["seed"]]
-                  for r in rs if r["seed"] in plain_by_seed]  # fmt: skip
-        rows.append({
-            "compressor": name, "what": COMPRESSORS[name][0], "seeds": len(rs),
-            "held_out_loss": loss, "ppl": math.exp(loss),
-            "vs_plain": None if base is None else (loss - base) / base,
-            "vs_plain_same_seed": sum(paired) / len(paired) if paired else None,
-            "mb_per_step": sent[0] / 1e6 if sent else None,
-            "step_ms": sum(r["step_ms"] for r in rs) / len(rs),
-        })  # fmt: skip
+        paired = [
+            (r["final_held_out_loss"] - plain_by_seed[r["seed"]]) / plain_by_seed[r["seed"]]
+            for r in rs
+            if r["seed"] in plain_by_seed
+        ]
+        rows.append(
+            {
+                "compressor": name,
+                "what": COMPRESSORS[name][0],
+                "seeds": len(rs),
+                "held_out_loss": loss,
+                "ppl": math.exp(loss),
+                "vs_plain": None if base is None else (loss - base) / base,
+                "vs_plain_same_seed": sum(paired) / len(paired) if paired else None,
+                "mb_per_step": sent[0] / 1e6 if sent else None,
+                "step_ms": sum(r["step_ms"] for r in rs) / len(rs),
+            }
+        )
     return {"rows": rows, "plain_spread": spread, "plain_mean": base, "runs": runs}
 
 
@@ -335,18 +385,24 @@ def table(summary: dict) -> str:
     def pct(x: float | None) -> str:
         return "-" if x is None else f"{100 * x:+.2f}%"
 
-    lines = ["| compressor | seeds | held-out loss | perplexity | vs plain | vs plain, same seed "
-             "| MB/step a rank | step ms |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    lines = [
+        "| compressor | seeds | held-out loss | perplexity | vs plain | vs plain, same seed "
+        "| MB/step a rank | step ms |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in summary["rows"]:
         mb = "-" if r["mb_per_step"] is None else f"{r['mb_per_step']:.2f}"
         paired = pct(r.get("vs_plain_same_seed"))
-        lines.append(f"| {r['what']} | {r['seeds']} | {r['held_out_loss']:.4f} | "
-                     f"{r['ppl']:.3f} | {pct(r['vs_plain'])} | {paired} | {mb} | "
-                     f"{r['step_ms']:.1f} |")  # fmt: skip
+        lines.append(
+            f"| {r['what']} | {r['seeds']} | {r['held_out_loss']:.4f} | "
+            f"{r['ppl']:.3f} | {pct(r['vs_plain'])} | {paired} | {mb} | "
+            f"{r['step_ms']:.1f} |"
+        )
     if spread is not None:
-        lines.append(f"\nplain DDP's seed spread (max - min held-out loss): {spread:.4f} "
-                     f"({100 * spread / summary['plain_mean']:.2f}% of its mean)")  # fmt: skip
+        lines.append(
+            f"\nplain DDP's seed spread (max - min held-out loss): {spread:.4f} "
+            f"({100 * spread / summary['plain_mean']:.2f}% of its mean)"
+        )
     return "\n".join(lines)
 
 
@@ -362,8 +418,10 @@ def plot(summary: dict, out: Path) -> list[Path]:
     colours = {n: plt.get_cmap("tab20")(i % 20) for i, n in enumerate(names)}
     styles = ("-", "--", ":", "-.")
     paths = []
-    for x_key, label, name in (("step", "step", "loss_by_step.png"),
-                               ("bytes_sent", "MB a rank sent", "loss_by_bytes.png")):  # fmt: skip
+    for x_key, label, name in (
+        ("step", "step", "loss_by_step.png"),
+        ("bytes_sent", "MB a rank sent", "loss_by_bytes.png"),
+    ):
         fig, axes = plt.subplots(1, 2, figsize=(13, 5))
         for r in sorted(summary["runs"], key=lambda r: (names.index(r["compressor"]), r["seed"])):
             points = [(e[x_key], e["loss"]) for e in r["evals"] if e[x_key] is not None]
@@ -372,9 +430,14 @@ def plot(summary: dict, out: Path) -> list[Path]:
             xs = [p[0] / (1e6 if x_key == "bytes_sent" else 1) for p in points]
             late = len(points) // 2
             for ax, first in ((axes[0], 0), (axes[1], late)):
-                ax.plot(xs[first:], [p[1] for p in points[first:]], linewidth=1.2,
-                        color=colours[r["compressor"]], linestyle=styles[r["seed"] % 4],
-                        label=f"{r['what']} (seed {r['seed']})")  # fmt: skip
+                ax.plot(
+                    xs[first:],
+                    [p[1] for p in points[first:]],
+                    linewidth=1.2,
+                    color=colours[r["compressor"]],
+                    linestyle=styles[r["seed"] % 4],
+                    label=f"{r['what']} (seed {r['seed']})",
+                )
         for ax in axes:
             if x_key == "bytes_sent":
                 ax.set_xscale("log")
@@ -392,22 +455,34 @@ def plot(summary: dict, out: Path) -> list[Path]:
 
 def init_group(args: argparse.Namespace, **kwargs: int) -> None:
     """NCCL for --device cuda unless --backend gloo (ranks sharing one GPU); gloo on CPUs."""
-    dist.init_process_group("nccl" if args.device == "cuda" and args.backend == "nccl"
-                            else "gloo", **kwargs)  # fmt: skip
+    dist.init_process_group(
+        "nccl" if args.device == "cuda" and args.backend == "nccl" else "gloo", **kwargs
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("--compressors", default=",".join(COMPRESSORS),
-                   help=f"comma-separated, of: {', '.join(COMPRESSORS)}")  # fmt: skip
+    p.add_argument(
+        "--compressors",
+        default=",".join(COMPRESSORS),
+        help=f"comma-separated, of: {', '.join(COMPRESSORS)}",
+    )
     p.add_argument("--seeds", type=int, default=1, help="seeds of plain DDP and CGX 4-bit")
-    p.add_argument("--only-seed", type=int, metavar="K",
-                   help="run only seed K of those (several processes sharing a study)")  # fmt: skip
+    p.add_argument(
+        "--only-seed",
+        type=int,
+        metavar="K",
+        help="run only seed K of those (several processes sharing a study)",
+    )
     p.add_argument("--steps", type=int, default=2000, help="training steps a run")
     p.add_argument("--warmup", type=int, default=100, help="steps of linear warm-up")
     p.add_argument("--lr", type=float, default=1e-3, help="the peak learning rate")
-    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
-                   help="AdamW (weight decay 0.1) or SGD with momentum 0.9")  # fmt: skip
+    p.add_argument(
+        "--optimizer",
+        choices=("adamw", "sgd"),
+        default="adamw",
+        help="AdamW (weight decay 0.1) or SGD with momentum 0.9",
+    )
     p.add_argument("--batch-size", type=int, default=16, help="sequences a rank and step")
     p.add_argument("--context", type=int, default=256, help="tokens (bytes) a sequence")
     p.add_argument("--dim", type=int, default=384, help="model width")
@@ -417,16 +492,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=100, help="steps between held-out losses")
     p.add_argument("--eval-batches", type=int, default=8, help="held-out batches an evaluation")
     p.add_argument("--world-size", type=int, default=2, help="processes to spawn without torchrun")
-    p.add_argument("--time-limit", type=float, default=0, metavar="SECONDS",
-                   help="stop a run that would not finish within this many seconds of the "
-                        "start at a held-out evaluation, checkpointed; a rerun resumes it "
-                        "(0: no limit)")  # fmt: skip
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="auto: cuda if available")  # fmt: skip
-    p.add_argument("--backend", choices=("nccl", "gloo"), default="nccl",
-                   help="for --device cuda: gloo lets ranks share one GPU")  # fmt: skip
-    p.add_argument("--out", default="cgx2-results/convergence",
-                   help="the runs' folder: finished runs there are skipped")  # fmt: skip
+    p.add_argument(
+        "--time-limit",
+        type=float,
+        default=0,
+        metavar="SECONDS",
+        help="stop a run that would not finish within this many seconds of the "
+        "start at a held-out evaluation, checkpointed; a rerun resumes it "
+        "(0: no limit)",
+    )
+    p.add_argument(
+        "--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda if available"
+    )
+    p.add_argument(
+        "--backend",
+        choices=("nccl", "gloo"),
+        default="nccl",
+        help="for --device cuda: gloo lets ranks share one GPU",
+    )
+    p.add_argument(
+        "--out",
+        default="cgx2-results/convergence",
+        help="the runs' folder: finished runs there are skipped",
+    )
     args = p.parse_args(argv)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"

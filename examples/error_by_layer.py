@@ -38,8 +38,13 @@ def kind(name: str) -> str:
     return re.sub(r"blocks\.\d+\.", "blocks.*.", name)
 
 
-def gradients(model: nn.Module, train: torch.Tensor, args: argparse.Namespace,
-              gen: torch.Generator, device: str) -> list[dict[str, torch.Tensor]]:  # fmt: skip
+def gradients(
+    model: nn.Module,
+    train: torch.Tensor,
+    args: argparse.Namespace,
+    gen: torch.Generator,
+    device: str,
+) -> list[dict[str, torch.Tensor]]:
     """Each rank's gradient (a batch of its own), by parameter name."""
     per_rank = []
     for _ in range(args.ranks):
@@ -51,16 +56,25 @@ def gradients(model: nn.Module, train: torch.Tensor, args: argparse.Namespace,
     return per_rank
 
 
-def errors(model: nn.Module, per_rank: list[dict[str, torch.Tensor]], args: argparse.Namespace,
-           seed: int) -> list[dict]:  # fmt: skip
+def errors(
+    model: nn.Module, per_rank: list[dict[str, torch.Tensor]], args: argparse.Namespace, seed: int
+) -> list[dict]:
     """Per kind of layer: values, squared norm of the mean gradient, squared error per width."""
     kinds: dict[str, dict] = {}
     for name, p in model.named_parameters():
         grads = [g[name].float().cpu() for g in per_rank]
         mean = sum(grads) / len(grads)
-        row = kinds.setdefault(kind(name), {"layer": kind(name), "values": 0, "norm2": 0.0,
-                                            "noise2": 0.0, "compressed": False,
-                                            "err2": {}})  # fmt: skip
+        row = kinds.setdefault(
+            kind(name),
+            {
+                "layer": kind(name),
+                "values": 0,
+                "norm2": 0.0,
+                "noise2": 0.0,
+                "compressed": False,
+                "err2": {},
+            },
+        )
         row["values"] += p.numel()
         row["norm2"] += float(mean.square().sum())
         # The mean's own sampling error (its squared standard error, from the ranks' spread):
@@ -82,17 +96,26 @@ def rows_of(kinds: list[dict], bits: list[int]) -> list[dict]:
     err2 = sum(k["err2"].get(narrowest, 0.0) for k in kinds)
     rows = []
     for k in sorted(kinds, key=lambda k: -k["err2"].get(narrowest, 0.0)):
-        row = {"layer": k["layer"], "values": k["values"], "grad_share": k["norm2"] / norm2,
-               "error_share": k["err2"].get(narrowest, 0.0) / err2 if err2 else 0.0,
-               "compressed": k["compressed"],
-               "batch_noise": (k["noise2"] / k["norm2"]) ** 0.5}  # fmt: skip
+        row = {
+            "layer": k["layer"],
+            "values": k["values"],
+            "grad_share": k["norm2"] / norm2,
+            "error_share": k["err2"].get(narrowest, 0.0) / err2 if err2 else 0.0,
+            "compressed": k["compressed"],
+            "batch_noise": (k["noise2"] / k["norm2"]) ** 0.5,
+        }
         for b in bits:
             e = k["err2"].get(b)
             row[f"rel_err_{b}"] = None if e is None else (e / k["norm2"]) ** 0.5
         rows.append(row)
-    whole = {"layer": "the whole gradient", "values": sum(k["values"] for k in kinds),
-             "grad_share": 1.0, "error_share": 1.0 if err2 else 0.0, "compressed": None,
-             "batch_noise": (sum(k["noise2"] for k in kinds) / norm2) ** 0.5}  # fmt: skip
+    whole = {
+        "layer": "the whole gradient",
+        "values": sum(k["values"] for k in kinds),
+        "grad_share": 1.0,
+        "error_share": 1.0 if err2 else 0.0,
+        "compressed": None,
+        "batch_noise": (sum(k["noise2"] for k in kinds) / norm2) ** 0.5,
+    }
     for b in bits:
         whole[f"rel_err_{b}"] = (sum(k["err2"].get(b, 0.0) for k in kinds) / norm2) ** 0.5
     return [*rows, whole]
@@ -113,8 +136,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=6)
     p.add_argument("--train-bytes", type=int, default=20_000_000)
     p.add_argument("--bucket-size", type=int, default=512)
-    p.add_argument("--layer-min-size", type=int, default=1024,
-                   help="smaller layers are sent exact, as CGXState's")  # fmt: skip
+    p.add_argument(
+        "--layer-min-size",
+        type=int,
+        default=1024,
+        help="smaller layers are sent exact, as CGXState's",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     report.add_out_argument(p)
@@ -157,21 +184,31 @@ def main(argv: list[str] | None = None) -> dict:
             progress(f"step {step + 1}/{args.steps}: train loss {loss.item():.4f}")
     progress.close()
     narrowest = min(args.bits)
-    columns = [("layer", "layer", ""), ("values", "values", ","),
-               ("grad_share", "grad share", ".1%"),
-               ("error_share", f"{narrowest}-bit error share", ".1%")]  # fmt: skip
+    columns = [
+        ("layer", "layer", ""),
+        ("values", "values", ","),
+        ("grad_share", "grad share", ".1%"),
+        ("error_share", f"{narrowest}-bit error share", ".1%"),
+    ]
     columns += [("batch_noise", "batch noise", ".3f")]
     columns += [(f"rel_err_{b}", f"rel. err {b}-bit", ".3f") for b in args.bits]
     for m in measured:
         print(f"\nafter {m['step']} steps:")
         print(report.format_table(m["rows"], columns))
-    print(report.format_legend([
-        ("grad share", "the layer's share of the mean gradient's squared norm"),
-        ("error share", f"its share of the {narrowest}-bit allreduce's squared error"),
-        ("batch noise", "the mean gradient's standard error from the ranks' spread, / ||mean||: "
-                        "the noise of SGD's batches, for scale"),
-        ("rel. err", "||allreduced - mean|| / ||mean|| over the layer (- : sent exact)"),
-    ]))  # fmt: skip
+    print(
+        report.format_legend(
+            [
+                ("grad share", "the layer's share of the mean gradient's squared norm"),
+                ("error share", f"its share of the {narrowest}-bit allreduce's squared error"),
+                (
+                    "batch noise",
+                    "the mean gradient's standard error from the ranks' spread, / ||mean||: "
+                    "the noise of SGD's batches, for scale",
+                ),
+                ("rel. err", "||allreduced - mean|| / ||mean|| over the layer (- : sent exact)"),
+            ]
+        )
+    )
     env = report.environment(torch.device(device), args.ranks)
     result = {"env": env, "args": vars(args), "measured": measured}
     path = report.write_json("error_by_layer", result, args.out)

@@ -20,8 +20,11 @@ def init_default(args: argparse.Namespace, **kwargs: int) -> None:
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo", **kwargs)
 
 
-def launch(run: Callable[[argparse.Namespace], dict], args: argparse.Namespace,
-           init: Callable[..., None] = init_default) -> dict | None:  # fmt: skip
+def launch(
+    run: Callable[[argparse.Namespace], dict],
+    args: argparse.Namespace,
+    init: Callable[..., None] = init_default,
+) -> dict | None:
     """Call ``run(args)`` on every rank; return rank 0's result there (None elsewhere)."""
     if "RANK" in os.environ:
         if args.device == "cuda":  # more ranks than GPUs share them (a gloo group only)
@@ -38,14 +41,25 @@ def launch(run: Callable[[argparse.Namespace], dict], args: argparse.Namespace,
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     queue = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_worker, (args.world_size, port, args, queue, run, init, sys.orig_argv),
-                       args.world_size, start_method="spawn")  # fmt: skip
+    mp.start_processes(
+        _worker,
+        (args.world_size, port, args, queue, run, init, sys.orig_argv),
+        args.world_size,
+        start_method="spawn",
+    )
     return queue.get()
 
 
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: Any,
-            run: Callable[[argparse.Namespace], dict], init: Callable[..., None],
-            argv: list[str]) -> None:  # fmt: skip
+def _worker(
+    rank: int,
+    world: int,
+    port: int,
+    args: argparse.Namespace,
+    queue: Any,
+    run: Callable[[argparse.Namespace], dict],
+    init: Callable[..., None],
+    argv: list[str],
+) -> None:
     # The command a result records (cgx2.bench.report.environment) is this one, not spawn's.
     sys.orig_argv = argv
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

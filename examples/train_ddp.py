@@ -92,8 +92,13 @@ def batch(
     return seq[:, :-1], seq[:, 1:]
 
 
-def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
-               log_group: dist.ProcessGroup) -> tuple[float, float]:  # fmt: skip
+def train_step(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    log_group: dist.ProcessGroup,
+) -> tuple[float, float]:
     """One optimizer step of ``model`` on ``(x, y)``: its seconds (the GPU's work included) and
     its loss averaged over the ranks (through ``log_group``, apart from the gradients'
     collectives, after the step's timing)."""
@@ -204,26 +209,40 @@ def init_process_group(args: argparse.Namespace, **kwargs: int) -> None:
 def _graphs_said(counts: dict[str, int] | None) -> str:
     if counts is None:
         return ""
-    return (f"; CUDA graphs: {counts['captures']} captured, {counts['replays']} replays, "
-            f"{counts['eager']} calls eager")  # fmt: skip
+    return (
+        f"; CUDA graphs: {counts['captures']} captured, {counts['replays']} replays, "
+        f"{counts['eager']} calls eager"
+    )
 
 
 def report(result: dict, json_path: str | None) -> None:
     sent, plain = result["bytes_sent"], result["bytes_uncompressed"]
-    saved = f", sent {sent / 1e6:.2f} MB vs {plain / 1e6:.2f} MB uncompressed " \
-            f"({plain / max(sent, 1):.2f}x less)" if sent else ""  # fmt: skip
-    print(f"{result['bits']}-bit DDP ({result['mode']}), {result['world_size']} x "
-          f"{result['device']}, "
-          f"{result['params'] / 1e6:.2f}M params: loss {result['first_loss']:.3f} -> "
-          f"{result['final_loss']:.3f} (mean of the last steps), "
-          f"{result['step_ms']:.0f} ms/step{saved}"
-          f"{_graphs_said(result['cuda_graphs'])}")  # fmt: skip
+    saved = (
+        f", sent {sent / 1e6:.2f} MB vs {plain / 1e6:.2f} MB uncompressed "
+        f"({plain / max(sent, 1):.2f}x less)"
+        if sent
+        else ""
+    )
+    print(
+        f"{result['bits']}-bit DDP ({result['mode']}), {result['world_size']} x "
+        f"{result['device']}, "
+        f"{result['params'] / 1e6:.2f}M params: loss {result['first_loss']:.3f} -> "
+        f"{result['final_loss']:.3f} (mean of the last steps), "
+        f"{result['step_ms']:.0f} ms/step{saved}"
+        f"{_graphs_said(result['cuda_graphs'])}"
+    )
     if json_path:
         Path(json_path).write_text(json.dumps(result, indent=1))
 
 
-HOOKS = ("cgx", "standard_dithering", "standard_dithering_4bit", "thc", "qsgd",
-         "exponential_dithering")  # fmt: skip
+HOOKS = (
+    "cgx",
+    "standard_dithering",
+    "standard_dithering_4bit",
+    "thc",
+    "qsgd",
+    "exponential_dithering",
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -242,11 +261,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="hook",
         help="cgx_hook on DDP, or plain DDP on the cgx backend",
     )
-    p.add_argument("--hook", choices=HOOKS, default="cgx",
-                   help="hook mode's hook: CGX's, or a Global-QSGD hook")  # fmt: skip
+    p.add_argument(
+        "--hook",
+        choices=HOOKS,
+        default="cgx",
+        help="hook mode's hook: CGX's, or a Global-QSGD hook",
+    )
     p.add_argument("--compile", action="store_true", help="torch.compile the model under DDP")
-    p.add_argument("--flat", action="store_true",
-                   help="cgx hook across nodes: the flat allreduce, not the node mesh")  # fmt: skip
+    p.add_argument(
+        "--flat",
+        action="store_true",
+        help="cgx hook across nodes: the flat allreduce, not the node mesh",
+    )
     p.add_argument("--steps", type=int, default=200, help="training steps")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per rank and step")
     p.add_argument("--context", type=int, default=64, help="tokens (bytes) per sequence")
@@ -260,12 +286,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda if available"
     )
-    p.add_argument("--amp", choices=("none", "bf16"), default="none",
-                   help="bf16 autocast (fp32 weights and gradients): a lighter step, as in "
-                   "most training today, where communication weighs more")  # fmt: skip
+    p.add_argument(
+        "--amp",
+        choices=("none", "bf16"),
+        default="none",
+        help="bf16 autocast (fp32 weights and gradients): a lighter step, as in "
+        "most training today, where communication weighs more",
+    )
     p.add_argument("--log-every", type=int, default=10, help="steps between progress lines")
-    p.add_argument("--verbose", action="store_true",
-                   help="log on rank 0 what cgx2 times and chooses at first use")  # fmt: skip
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="log on rank 0 what cgx2 times and chooses at first use",
+    )
     p.add_argument("--json", help="write the result (losses, bytes, timing) here")
     args = p.parse_args(argv)
     if args.device == "auto":

@@ -46,8 +46,13 @@ class CountedAllGather(AllGather):
     def allocate(self, size: tuple, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return self.inner.allocate(size, dtype=dtype, device=device)
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
-                 group: dist.ProcessGroup, async_op: bool = False) -> dist.Work | None:  # fmt: skip
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> dist.Work | None:
         before = getattr(self.inner, "bytes_sent", None)
         work = self.inner(output_tensor, input_tensor, group, async_op)
         # Uncompressed, each rank's row goes to every other rank (a ring's bytes too).
@@ -80,22 +85,27 @@ def train(args: argparse.Namespace) -> dict:
     if world % args.replicas:
         raise SystemExit(f"--replicas {args.replicas} does not divide {world} ranks")
     if args.replicas > 1:  # HSDP: each replica shards over world / replicas ranks
-        mesh = init_device_mesh("cuda" if cuda else "cpu", (args.replicas, world // args.replicas),
-                                mesh_dim_names=("replicate", "shard"))  # fmt: skip
+        mesh = init_device_mesh(
+            "cuda" if cuda else "cpu",
+            (args.replicas, world // args.replicas),
+            mesh_dim_names=("replicate", "shard"),
+        )
     else:
         mesh = init_device_mesh("cuda" if cuda else "cpu", (world,))
     torch.manual_seed(args.seed)
     model = CharTransformer(args.context, args.dim, args.layers, args.heads).to(device)
     params = sum(p.numel() for p in model.parameters())
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if args.bf16 else None,
-                                  reduce_dtype=torch.float32)  # fmt: skip
+    policy = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16 if args.bf16 else None, reduce_dtype=torch.float32
+    )
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     comms = []
     if args.bits != 32:
-        comms = cgx2.fsdp.compress(model, args.bits, args.bucket_size, args.min_size,
-                                   param_bits=args.param_bits)  # fmt: skip
+        comms = cgx2.fsdp.compress(
+            model, args.bits, args.bucket_size, args.min_size, param_bits=args.param_bits
+        )
     gathers = count_all_gathers(model) if comms else []
     if args.compile:
         for block in model.blocks:
@@ -150,18 +160,24 @@ def train(args: argparse.Namespace) -> dict:
 
 def report(result: dict, json_path: str | None) -> None:
     sent, plain = result["bytes_sent"], result["bytes_uncompressed"]
-    saved = f", sent {sent / 1e6:.1f} MB vs {plain / 1e6:.1f} MB uncompressed " \
-            f"({plain / max(sent, 1):.2f}x less)" if sent else ""  # fmt: skip
+    saved = (
+        f", sent {sent / 1e6:.1f} MB vs {plain / 1e6:.1f} MB uncompressed "
+        f"({plain / max(sent, 1):.2f}x less)"
+        if sent
+        else ""
+    )
     if sent and result.get("all_gather_bytes_sent") is not None:
         saved += " (reduce-scatter and parameter all-gather)"
     elif sent:
         saved += " (reduce-scatter only: this torch cannot count the all-gather)"
     params = result["args"].get("param_bits")
-    print(f"{result['bits']}-bit FSDP2{f' ({params}-bit parameters)' if params else ''}, "
-          f"{result['world_size']} x {result['device']}, "
-          f"{result['params'] / 1e6:.1f}M params: loss {result['first_loss']:.3f} -> "
-          f"{result['final_loss']:.3f}, {result['step_ms']:.0f} ms/step, "
-          f"{result['tokens_per_s']:.0f} tokens/s{saved}")  # fmt: skip
+    print(
+        f"{result['bits']}-bit FSDP2{f' ({params}-bit parameters)' if params else ''}, "
+        f"{result['world_size']} x {result['device']}, "
+        f"{result['params'] / 1e6:.1f}M params: loss {result['first_loss']:.3f} -> "
+        f"{result['final_loss']:.3f}, {result['step_ms']:.0f} ms/step, "
+        f"{result['tokens_per_s']:.0f} tokens/s{saved}"
+    )
     if json_path:
         Path(json_path).write_text(json.dumps(result, indent=1))
 

@@ -86,19 +86,38 @@ def test_direct_construction_validates():
 def test_tuning_reads_every_cgx2_variable():
     from cgx2.config import TuningConfig
 
-    found = TuningConfig.from_env({
-        "CGX2_CROSSOVER_BYTES": "4M", "CGX2_CUDA_GRAPHS": "on", "CGX2_PIPELINE_BYTES": "64MiB",
-        "CGX2_PAIR_GATHER": "0", "CGX2_CALIBRATION_FILE": "/x/c.json", "CGX2_DIRECT_LAUNCH": "no",
-        "CGX2_NATIVE": "false", "CGX2_CACHE_DIR": "/c", "CGX2_COMM_WORKER": "0",
-        "CGX2_TRANSPORT": "SHM", "CGX2_ALGORITHM": "ring", "CGX2_CHECK_AGREEMENT": "Deferred",
-        "CGX2_NODE_MESH": "0",
-    })  # fmt: skip
+    found = TuningConfig.from_env(
+        {
+            "CGX2_CROSSOVER_BYTES": "4M",
+            "CGX2_CUDA_GRAPHS": "on",
+            "CGX2_PIPELINE_BYTES": "64MiB",
+            "CGX2_PAIR_GATHER": "0",
+            "CGX2_CALIBRATION_FILE": "/x/c.json",
+            "CGX2_DIRECT_LAUNCH": "no",
+            "CGX2_NATIVE": "false",
+            "CGX2_CACHE_DIR": "/c",
+            "CGX2_COMM_WORKER": "0",
+            "CGX2_TRANSPORT": "SHM",
+            "CGX2_ALGORITHM": "ring",
+            "CGX2_CHECK_AGREEMENT": "Deferred",
+            "CGX2_NODE_MESH": "0",
+        }
+    )
     assert found == TuningConfig(
-        crossover_bytes=4 << 20, cuda_graphs=True, pipeline_bytes=64 << 20, pair_gather=False,
-        comm_worker=False, calibration_file="/x/c.json", direct_launch=False,
-        native_codec=False, cache_dir="/c", transport="shm", algorithm="ring",
-        check_agreement="deferred", node_mesh=False,
-    )  # fmt: skip
+        crossover_bytes=4 << 20,
+        cuda_graphs=True,
+        pipeline_bytes=64 << 20,
+        pair_gather=False,
+        comm_worker=False,
+        calibration_file="/x/c.json",
+        direct_launch=False,
+        native_codec=False,
+        cache_dir="/c",
+        transport="shm",
+        algorithm="ring",
+        check_agreement="deferred",
+        node_mesh=False,
+    )
     default = TuningConfig.from_env({"CGX2_CACHE_DIR": "/c"})
     assert default.crossover_bytes is None and default.pipeline_bytes is None
     assert default.comm_worker and default.pair_gather and default.node_mesh is None
@@ -112,11 +131,19 @@ def test_tuning_reads_every_cgx2_variable():
 
 @pytest.mark.parametrize(
     ("var", "value"),
-    [("CGX2_PIPELINE_BYTES", "0"), ("CGX2_CROSSOVER_BYTES", "-1"), ("CGX2_CROSSOVER_BYTES", "4 TB"),
-     ("CGX2_PAIR_GATHER", "maybe"), ("CGX2_NATIVE", "2"), ("CGX2_COMM_WORKER", "x"),
-     ("CGX2_TRANSPORT", "tcp"), ("CGX2_ALGORITHM", "tree"), ("CGX2_CHECK_AGREEMENT", "later"),
-     ("CGX2_NODE_MESH", "flat")],
-)  # fmt: skip
+    [
+        ("CGX2_PIPELINE_BYTES", "0"),
+        ("CGX2_CROSSOVER_BYTES", "-1"),
+        ("CGX2_CROSSOVER_BYTES", "4 TB"),
+        ("CGX2_PAIR_GATHER", "maybe"),
+        ("CGX2_NATIVE", "2"),
+        ("CGX2_COMM_WORKER", "x"),
+        ("CGX2_TRANSPORT", "tcp"),
+        ("CGX2_ALGORITHM", "tree"),
+        ("CGX2_CHECK_AGREEMENT", "later"),
+        ("CGX2_NODE_MESH", "flat"),
+    ],
+)
 def test_a_bad_cgx2_variable_is_named(var, value):
     from cgx2.config import TuningConfig
 
@@ -127,8 +154,9 @@ def test_a_bad_cgx2_variable_is_named(var, value):
 def test_launch_variables_and_a_bad_one_named():
     from cgx2.config import LaunchConfig
 
-    launch = LaunchConfig.from_env({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4",
-                                    "NCCL_P2P_DISABLE": "1"})  # fmt: skip
+    launch = LaunchConfig.from_env(
+        {"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "NCCL_P2P_DISABLE": "1"}
+    )
     assert launch.spans_nodes and launch.nccl_p2p_disabled and not launch.nccl_shm_disabled
     assert not LaunchConfig.from_env({}).spans_nodes
     with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE='two'"):
@@ -153,5 +181,10 @@ def test_parse_bytes():
     from cgx2.config import parse_bytes
 
     assert [parse_bytes(t) for t in ("12", "64K", "1M", "2GiB", "3 MB")] == [
-        12, 64 << 10, 1 << 20, 2 << 30, 3 << 20]  # fmt: skip
+        12,
+        64 << 10,
+        1 << 20,
+        2 << 30,
+        3 << 20,
+    ]
     assert parse_bytes("lots") is None and parse_bytes("-1") is None

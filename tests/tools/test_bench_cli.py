@@ -75,8 +75,8 @@ def test_kernels_interpreted_on_cpu(tmp_path: Path) -> None:
     if not _interpreter_walks_strided_loops(tmp_path):
         pytest.skip("this Triton's interpreter cannot run a loop from the program id")
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "cgx2.bench", "kernels", "--numel", "8192", "--bits", "4",
-           "--dtypes", "fp32"]  # fmt: skip
+    kernels = "kernels --numel 8192 --bits 4 --dtypes fp32".split()
+    cmd = [sys.executable, "-m", "cgx2.bench", *kernels]
     proc = subprocess.run(
         [*cmd, "--out", str(out)],
         capture_output=True,
@@ -140,9 +140,14 @@ def test_one_process_is_refused(tmp_path: Path, command: list[str]) -> None:
         text=True,
         timeout=120,
         cwd=tmp_path,
-        env=_env(CUDA_VISIBLE_DEVICES="", RANK=None, WORLD_SIZE=None, LOCAL_WORLD_SIZE=None,
-                 CGX2_CALIBRATION_FILE=str(tmp_path / "calibration.json")),
-    )  # fmt: skip
+        env=_env(
+            CUDA_VISIBLE_DEVICES="",
+            RANK=None,
+            WORLD_SIZE=None,
+            LOCAL_WORLD_SIZE=None,
+            CGX2_CALIBRATION_FILE=str(tmp_path / "calibration.json"),
+        ),
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "this is one process" in proc.stderr
     assert "torchrun --nproc-per-node 2 -m cgx2.bench" in proc.stderr
@@ -197,7 +202,10 @@ def test_flags_set_only_what_they_name_the_variables_the_rest(monkeypatch) -> No
     assert settings_from_flags(parse_args([])) == {}
     flags = ["--pipeline-mb", "8", "--no-pair-gather", "--no-direct-launch"]
     assert settings_from_flags(parse_args(flags)) == {
-        "pipeline_bytes": 8 << 20, "pair_gather": False, "direct_launch": False}  # fmt: skip
+        "pipeline_bytes": 8 << 20,
+        "pair_gather": False,
+        "direct_launch": False,
+    }
     monkeypatch.setenv("CGX2_PIPELINE_BYTES", "4M")
     config.reload()
     try:
@@ -246,8 +254,11 @@ def test_allreduce_bench_under_torchrun(tmp_path: Path) -> None:
     assert lines[header_at + 2].split()[:3] == ["fp32", "64K", "4"]
     # A legend under the table explains every column, in the table's order.
     legend_at = lines.index("Columns:")
-    legend = [line.split(":")[0].strip() for line in lines[legend_at + 1 :]
-              if line.startswith("  ") and not line.startswith("   ")]  # fmt: skip
+    legend = [
+        line.split(":")[0].strip()
+        for line in lines[legend_at + 1 :]
+        if line.startswith("  ") and not line.startswith("   ")
+    ]
     assert legend == headers
     text = " ".join(proc.stdout.split())
     assert "SoL ms: speed of light:" in text and "with no encoding or decoding" in text

@@ -76,9 +76,19 @@ def test_calibrate_under_torchrun_writes_the_policy_file(tmp_path: Path) -> None
     assert proc.returncode == 0, proc.stderr
 
     data = json.loads(out.read_text())
-    assert set(data) == {"format", "created", "torch", "device_name", "world_size", "backend",
-                         "device_type", "crossover_bytes", "beside_crossover_bytes",
-                         "measurements", "node_mesh_faster"}  # fmt: skip
+    assert set(data) == {
+        "format",
+        "created",
+        "torch",
+        "device_name",
+        "world_size",
+        "backend",
+        "device_type",
+        "crossover_bytes",
+        "beside_crossover_bytes",
+        "measurements",
+        "node_mesh_faster",
+    }
     assert data["node_mesh_faster"] == {}  # one node: no mesh to choose
     assert data["format"] == "cgx2-calibration/1"
     created = datetime.datetime.fromisoformat(data["created"])
@@ -93,10 +103,14 @@ def test_calibrate_under_torchrun_writes_the_policy_file(tmp_path: Path) -> None
         assert set(m) == {"dtype", "bytes", "plain_s", "compressed_s"}
         assert 0 < m["plain_s"] < 60 and 0 < m["compressed_s"] < 60
     fp32, bf16 = data["measurements"][:2], data["measurements"][2:]
-    assert data["crossover_bytes"] == {"cpu/gloo/fp32": crossover(fp32),
-                                       "cpu/gloo/16bit": crossover(bf16)}  # fmt: skip
-    beside = {"cpu/gloo/fp32": crossover(fp32, CPU_MARGIN),
-              "cpu/gloo/16bit": crossover(bf16, CPU_MARGIN)}  # fmt: skip
+    assert data["crossover_bytes"] == {
+        "cpu/gloo/fp32": crossover(fp32),
+        "cpu/gloo/16bit": crossover(bf16),
+    }
+    beside = {
+        "cpu/gloo/fp32": crossover(fp32, CPU_MARGIN),
+        "cpu/gloo/16bit": crossover(bf16, CPU_MARGIN),
+    }
     assert data["beside_crossover_bytes"] == beside  # DDP's hooks, beside the backward pass
     assert [p.name for p in out.parent.iterdir()] == ["calibration.json"]
 
@@ -104,11 +118,14 @@ def test_calibrate_under_torchrun_writes_the_policy_file(tmp_path: Path) -> None
     lines = proc.stdout.splitlines()
     assert proc.stdout.count("speedup vs gloo") == 2  # the header and its legend line
     header_at = next(i for i, line in enumerate(lines) if "speedup vs gloo" in line)
-    assert lines[header_at].split() == ["size", "dtype", "plain", "ms", "cgx2", "ms",
-                                        "speedup", "vs", "gloo"]  # fmt: skip
+    assert lines[header_at].split() == "size dtype plain ms cgx2 ms speedup vs gloo".split()
     body = [line.split() for line in lines[header_at + 2 : header_at + 6]]
-    assert [row[:2] for row in body] == [["64K", "fp32"], ["1M", "fp32"], ["64K", "bf16"],
-                                         ["1M", "bf16"]]  # fmt: skip
+    assert [row[:2] for row in body] == [
+        ["64K", "fp32"],
+        ["1M", "fp32"],
+        ["64K", "bf16"],
+        ["1M", "bf16"],
+    ]
     for row, m in zip(body, data["measurements"], strict=True):
         assert float(row[2]) == pytest.approx(1e3 * m["plain_s"], abs=6e-4)
         assert float(row[4]) == pytest.approx(m["plain_s"] / m["compressed_s"], abs=6e-3)
@@ -138,8 +155,7 @@ def _calibrate_across_nodes() -> list:
         mock.patch.object(module, "node_mesh", return_value="mesh"),
         mock.patch.object(module, "mesh_against_flat", return_value=won) as timed,
     ):
-        data = module.calibrate([M, 4 * M], ["fp32"], warmup=0, iters=1,
-                                device=torch.device("cpu"))  # fmt: skip
+        data = module.calibrate([M, 4 * M], ["fp32"], warmup=0, iters=1, device=torch.device("cpu"))
     return [data["node_mesh_faster"], timed.call_args.args[2:], module.format_report(data)]
 
 
@@ -160,17 +176,27 @@ def test_a_new_calibration_keeps_what_the_earlier_file_measured_elsewhere(tmp_pa
     from cgx2.collectives.policy import CALIBRATION_FORMAT
 
     path = tmp_path / "c.json"
-    path.write_text(json.dumps({
-        "format": CALIBRATION_FORMAT, "crossover_bytes": {"cuda/nccl/fp32": 1, "cpu/gloo/fp32": 2},
-        "node_mesh_faster": {"cpu/gloo/16bit": {"1048576": True}},
-    }))  # fmt: skip
-    new = {"format": CALIBRATION_FORMAT, "crossover_bytes": {"cpu/gloo/fp32": 3},
-           "beside_crossover_bytes": {},
-           "node_mesh_faster": {"cpu/gloo/fp32": {"1": False}}}  # fmt: skip
+    path.write_text(
+        json.dumps(
+            {
+                "format": CALIBRATION_FORMAT,
+                "crossover_bytes": {"cuda/nccl/fp32": 1, "cpu/gloo/fp32": 2},
+                "node_mesh_faster": {"cpu/gloo/16bit": {"1048576": True}},
+            }
+        )
+    )
+    new = {
+        "format": CALIBRATION_FORMAT,
+        "crossover_bytes": {"cpu/gloo/fp32": 3},
+        "beside_crossover_bytes": {},
+        "node_mesh_faster": {"cpu/gloo/fp32": {"1": False}},
+    }
     merged = keep_other_crossovers(new, path)
     assert merged["crossover_bytes"] == {"cuda/nccl/fp32": 1, "cpu/gloo/fp32": 3}
-    assert merged["node_mesh_faster"] == {"cpu/gloo/16bit": {"1048576": True},
-                                          "cpu/gloo/fp32": {"1": False}}  # fmt: skip
+    assert merged["node_mesh_faster"] == {
+        "cpu/gloo/16bit": {"1048576": True},
+        "cpu/gloo/fp32": {"1": False},
+    }
     assert keep_other_crossovers(new, tmp_path / "absent.json") == new
 
 
@@ -188,8 +214,9 @@ def test_the_file_written_is_one_the_policy_reads_and_no_larger(tmp_path: Path) 
 
 
 @pytest.mark.parametrize("case", ["world-writable", "deep"])
-def test_an_earlier_file_the_policy_would_refuse_adds_nothing(tmp_path: Path, caplog,
-                                                              case: str) -> None:  # fmt: skip
+def test_an_earlier_file_the_policy_would_refuse_adds_nothing(
+    tmp_path: Path, caplog, case: str
+) -> None:
     from cgx2.bench.calibrate import keep_other_crossovers
     from cgx2.collectives.policy import CALIBRATION_FORMAT
 
@@ -197,8 +224,9 @@ def test_an_earlier_file_the_policy_would_refuse_adds_nothing(tmp_path: Path, ca
     if case == "deep":
         path.write_text("[" * 100_000 + "]" * 100_000)
     else:
-        path.write_text(json.dumps({"format": CALIBRATION_FORMAT,
-                                    "crossover_bytes": {"cuda/nccl/fp32": 1}}))  # fmt: skip
+        path.write_text(
+            json.dumps({"format": CALIBRATION_FORMAT, "crossover_bytes": {"cuda/nccl/fp32": 1}})
+        )
         path.chmod(0o666)
     new = {"format": CALIBRATION_FORMAT, "crossover_bytes": {"cpu/gloo/fp32": 3}}
     assert keep_other_crossovers(new, path) == new
@@ -228,5 +256,7 @@ def test_calibrate_times_the_node_mesh_on_gpus_across_hosts() -> None:
         assert timed.call_args.kwargs == {"device": cuda}
         several.return_value = False
         assert module.node_mesh_tables([M], ["fp32"], 0, 1, cuda, group, "nccl") == {}
-    assert tables == {"cuda/nccl/fp32": {str(M): False, str(4 * M): True},
-                      "cuda/nccl/16bit": {str(M): False, str(4 * M): True}}  # fmt: skip
+    assert tables == {
+        "cuda/nccl/fp32": {str(M): False, str(4 * M): True},
+        "cuda/nccl/16bit": {str(M): False, str(4 * M): True},
+    }

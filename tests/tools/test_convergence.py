@@ -12,14 +12,15 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).parents[2] / "examples" / "convergence.py"
-TINY = ["--dim", "32", "--layers", "1", "--heads", "2", "--context", "32", "--batch-size", "8",
-        "--steps", "40", "--warmup", "10", "--lr", "3e-3", "--eval-every", "20",
-        "--eval-batches", "2", "--train-bytes", "300000", "--device", "cpu"]  # fmt: skip
+TINY = (
+    "--dim 32 --layers 1 --heads 2 --context 32 --batch-size 8 --steps 40 --warmup 10 --lr 3e-3 "
+    "--eval-every 20 --eval-batches 2 --train-bytes 300000 --device cpu"
+).split()
 
 
 def _command(out: Path, *extra: str) -> list[str]:
-    return [sys.executable, str(SCRIPT), *TINY, "--compressors", "plain,cgx4", "--out", str(out),
-            *extra]  # fmt: skip
+    compressors = ["--compressors", "plain,cgx4"]
+    return [sys.executable, str(SCRIPT), *TINY, *compressors, "--out", str(out), *extra]
 
 
 def _run(out: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -30,24 +31,36 @@ def _run(out: Path, *extra: str) -> subprocess.CompletedProcess:
 def test_a_small_study_writes_its_results_and_losses_fall(tmp_path, capsys):
     out = tmp_path / "study"
     # plain uninterrupted, beside (most of a run is starting processes: they overlap)
-    whole = subprocess.Popen(_command(tmp_path / "whole", "--compressors", "plain"),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    whole = subprocess.Popen(
+        _command(tmp_path / "whole", "--compressors", "plain"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     # Out of time at the first evaluation: plain stops there, checkpointed; cgx4 never starts.
     stopped = _run(out, "--time-limit", "0.001")
     assert stopped.returncode == 0, stopped.stderr[-3000:]
     assert "plain, seed 0: stopped for --time-limit" in stopped.stderr
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
-        "plain_seed0_rank0.pt", "plain_seed0_rank1.pt"]  # fmt: skip
+        "plain_seed0_rank0.pt",
+        "plain_seed0_rank1.pt",
+    ]
     assert not list(out.glob("run_*.json"))
     done = _run(out)  # plain resumed from step 20, then cgx4
     assert done.returncode == 0, done.stderr[-3000:]
     assert not list((out / "checkpoints").iterdir())
     assert "| CGX 4-bit | 1 |" in done.stdout and "| plain DDP | 1 |" in done.stdout
-    for name in ("run_plain_seed0.json", "run_cgx4_seed0.json", "summary.json",
-                 "loss_by_step.png", "loss_by_bytes.png"):  # fmt: skip
+    for name in (
+        "run_plain_seed0.json",
+        "run_cgx4_seed0.json",
+        "summary.json",
+        "loss_by_step.png",
+        "loss_by_bytes.png",
+    ):
         assert (out / name).stat().st_size > 0, name
-    runs = {name: json.loads((out / f"run_{name}_seed0.json").read_text())
-            for name in ("plain", "cgx4")}  # fmt: skip
+    runs = {
+        name: json.loads((out / f"run_{name}_seed0.json").read_text()) for name in ("plain", "cgx4")
+    }
     for r in runs.values():
         assert "convergence.py" in r["env"]["command"]  # the study's command, not spawn's
         assert len(r["train_losses"]) == 40 and [e["step"] for e in r["evals"]] == [20, 40]
@@ -87,11 +100,22 @@ def _load_script():
 
 def test_the_summary_compares_with_plains_mean_and_with_plains_run_of_the_same_seed(tmp_path):
     convergence = _load_script()
-    finals = {("plain", 0): 1.00, ("plain", 1): 1.10, ("cgx4", 0): 1.02, ("cgx4", 1): 1.10,
-              ("cgx2", 0): 1.21}  # fmt: skip
+    finals = {
+        ("plain", 0): 1.00,
+        ("plain", 1): 1.10,
+        ("cgx4", 0): 1.02,
+        ("cgx4", 1): 1.10,
+        ("cgx2", 0): 1.21,
+    }
     for (name, seed), loss in finals.items():
-        run = {"compressor": name, "seed": seed, "final_held_out_loss": loss, "evals": [],
-               "bytes_per_step": 100.0, "step_ms": 1.0}  # fmt: skip
+        run = {
+            "compressor": name,
+            "seed": seed,
+            "final_held_out_loss": loss,
+            "evals": [],
+            "bytes_per_step": 100.0,
+            "step_ms": 1.0,
+        }
         (tmp_path / f"run_{name}_seed{seed}.json").write_text(json.dumps(run))
     summary = convergence.summarize(tmp_path)
     rows = {r["compressor"]: r for r in summary["rows"]}
@@ -109,8 +133,19 @@ def test_the_optimizer_marks_a_run_only_when_it_is_not_adamw():
     adamw = convergence.parse_args(["--steps", "10"])
     sgd = convergence.parse_args(["--steps", "10", "--optimizer", "sgd"])
     # AdamW's runs keep the fingerprint they had before the option existed
-    keys = ("dim", "layers", "heads", "context", "batch_size", "steps", "warmup", "lr",
-            "train_bytes", "eval_every", "eval_batches")  # fmt: skip
+    keys = (
+        "dim",
+        "layers",
+        "heads",
+        "context",
+        "batch_size",
+        "steps",
+        "warmup",
+        "lr",
+        "train_bytes",
+        "eval_every",
+        "eval_batches",
+    )
     legacy = {k: getattr(adamw, k) for k in keys} | {"world": 2}
     want = hashlib.sha1(json.dumps(legacy, sort_keys=True).encode()).hexdigest()[:12]
     assert convergence.fingerprint(adamw, 2) == want

@@ -108,8 +108,8 @@ def test_demo_runs_across_two_hosts_over_a_1gbit_link(netlab, tmp_path: Path) ->
     the time saved and the JSON name the hosts and the link (the times themselves are
     BENCHMARKS.md's, not a test's)."""
     out = tmp_path / "hosts.json"
-    cmd = [sys.executable, "-m", "cgx2.demo", "--hosts", "2", "--link", "1gbit", "--sizes", "4M",
-           "--bits", "4", "--iters", "3", "--json", str(out)]  # fmt: skip
+    args = "--hosts 2 --link 1gbit --sizes 4M --bits 4 --iters 3".split()
+    cmd = [sys.executable, "-m", "cgx2.demo", *args, "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 hosts joined by 1gbit links" in proc.stdout

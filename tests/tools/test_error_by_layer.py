@@ -10,8 +10,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
 import error_by_layer
 
-TINY = ["--dim", "32", "--layers", "1", "--heads", "2", "--context", "32", "--batch-size", "4",
-        "--train-bytes", "200000", "--steps", "3"]  # fmt: skip
+TINY = (
+    "--dim 32 --layers 1 --heads 2 --context 32 --batch-size 4 --train-bytes 200000 --steps 3"
+).split()
 
 
 def test_each_layer_errs_more_at_fewer_bits_and_exact_layers_not_at_all(tmp_path, capsys):

@@ -28,8 +28,10 @@ DETAILS_HEADER = (
 
 
 def _details_row(section: str, name: str, unit: str, value: str) -> str:
-    return (f'"0","541","python3.12","127.0.0.1","_k","1","7","(32, 1, 1)","(2112, 1, 1)","0",'
-            f'"9.0","{section}","{name}","{unit}","{value}"')  # fmt: skip
+    return (
+        f'"0","541","python3.12","127.0.0.1","_k","1","7","(32, 1, 1)","(2112, 1, 1)","0",'
+        f'"9.0","{section}","{name}","{unit}","{value}"'
+    )
 
 
 def test_details_metrics_and_units() -> None:
@@ -47,10 +49,17 @@ def test_details_metrics_and_units() -> None:
     ]
     text = "\n".join([DETAILS_HEADER, *(_details_row(*r) for r in rows)])
     got = kp.parse_details(text)
-    assert got == pytest.approx({
-        "duration": 31.49, "sm_frequency": 1.96, "dram_pct": 65.9, "issued_ipc": 2.81,
-        "grid": 2112, "registers": 80, "achieved_occupancy_pct": 21.69,
-    })  # fmt: skip
+    assert got == pytest.approx(
+        {
+            "duration": 31.49,
+            "sm_frequency": 1.96,
+            "dram_pct": 65.9,
+            "issued_ipc": 2.81,
+            "grid": 2112,
+            "registers": 80,
+            "achieved_occupancy_pct": 21.69,
+        }
+    )
 
 
 SOURCE_HEADER = (
@@ -83,10 +92,14 @@ def test_source_without_a_sass_table_is_refused() -> None:
 
 @pytest.mark.parametrize(
     ("spec", "message"),
-    [("dse:fp16:4", "KERNEL:DTYPE:BITS"), ("scan:fp32:4", "KERNEL:DTYPE:BITS"),
-     ("dse:fp32", "KERNEL:DTYPE:BITS"), ("dse:fp32:9", "bits must be 1-8"),
-     ("encode:bf16:x", "bits must be 1-8")],
-)  # fmt: skip
+    [
+        ("dse:fp16:4", "KERNEL:DTYPE:BITS"),
+        ("scan:fp32:4", "KERNEL:DTYPE:BITS"),
+        ("dse:fp32", "KERNEL:DTYPE:BITS"),
+        ("dse:fp32:9", "bits must be 1-8"),
+        ("encode:bf16:x", "bits must be 1-8"),
+    ],
+)
 def test_bad_kernel_specs_name_the_problem(spec: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         kp.parse_spec(spec)

@@ -16,8 +16,11 @@ def test_open_mpi_on_one_node():
     env = dict(OMPI_ONE_NODE)
     assert setup_mpi_env(env)
     assert (env["WORLD_SIZE"], env["RANK"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == (
-        "4", "2", "2", "4",
-    )  # fmt: skip
+        "4",
+        "2",
+        "2",
+        "4",
+    )
     assert env["MASTER_ADDR"] == "127.0.0.1"
     assert env["MASTER_PORT"] == str(DEFAULT_PORT)
 

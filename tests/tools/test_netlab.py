@@ -140,10 +140,9 @@ def test_gpu_hosts_split_the_gpus_and_tell_nccl_they_are_hosts_apart():
     assert {e["NCCL_SOCKET_IFNAME"] for e in envs} == {IFNAME}  # the shaped link
     assert {e["NCCL_IB_DISABLE"] for e in envs} == {"1"}
     # four hosts of one GPU each, out of the caller's own list of devices
-    four = Lab(4, gpus_per_host=1, gpus=["3", "2", "GPU-a", "7"])
-    assert [four.environment(h)["CUDA_VISIBLE_DEVICES"] for h in range(4)] == [
-        "3", "2", "GPU-a", "7"
-    ]  # fmt: skip
+    gpus = ["3", "2", "GPU-a", "7"]
+    four = Lab(4, gpus_per_host=1, gpus=gpus)
+    assert [four.environment(h)["CUDA_VISIBLE_DEVICES"] for h in range(4)] == gpus
     assert len({four.environment(h)["NCCL_HOSTID"] for h in range(4)}) == 4
     # CPU hosts get none of it
     cpu = Lab(2).environment(1)
@@ -202,8 +201,8 @@ def test_the_command_line_says_its_defaults(capsys):
 
 
 def test_gpu_hosts_run_with_their_devices_and_nccls_variables(netlab):
-    cli = [sys.executable, "-m", "cgx2.testing.netlab", "--hosts", "2", "--gpus-per-host", "2",
-           "--gpus", "4", "--"]  # fmt: skip
+    hosts = "--hosts 2 --gpus-per-host 2 --gpus 4 --".split()
+    cli = [sys.executable, "-m", "cgx2.testing.netlab", *hosts]
     show = "echo $HOST $CUDA_VISIBLE_DEVICES $NCCL_HOSTID $NCCL_SOCKET_IFNAME; ip -o link show"
     done = subprocess.run([*cli, "bash", "-c", show], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
@@ -218,16 +217,26 @@ def test_the_nccl_hosts_stage_gives_each_layouts_hosts_their_gpus(netlab, tmp_pa
     """bench/nccl_hosts.sh, dry (fake GPUs, the commands echoed from inside each host): 4 GPUs
     make 2 hosts x 2 and 4 x 1, each host its own GPUs and NCCL host, HSDP only on 2 x 2."""
     script = Path(__file__).parents[2] / "bench" / "nccl_hosts.sh"
-    env = {**os.environ, "DRY_RUN": "1", "NGPU": "4", "NCCL_HOST_RATES": "1gbit",
-           "NCCL_HOST_RUNS": "bench hsdp_bf16_b4p8", "RESULTS_DIR": str(tmp_path)}  # fmt: skip
-    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    env = {
+        **os.environ,
+        "DRY_RUN": "1",
+        "NGPU": "4",
+        "NCCL_HOST_RATES": "1gbit",
+        "NCCL_HOST_RUNS": "bench hsdp_bf16_b4p8",
+        "RESULTS_DIR": str(tmp_path),
+    }
+    done = subprocess.run(
+        ["bash", str(script)], env=env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     hosts = [line.split() for line in done.stdout.splitlines() if line.startswith("host ")]
     seen = {(line[1], line[2], line[3], " ".join(line[4:])) for line in hosts}
     runs = [line.split()[1:4] for line in done.stdout.splitlines() if line.startswith("== ")]
-    assert runs == [["2x2", "1gbit", "bench"], ["4x1", "1gbit", "bench"],
-                    ["2x2", "1gbit", "hsdp_bf16_b4p8"]]  # fmt: skip
+    assert runs == [
+        ["2x2", "1gbit", "bench"],
+        ["4x1", "1gbit", "bench"],
+        ["2x2", "1gbit", "hsdp_bf16_b4p8"],
+    ]
     assert len(hosts) == 2 + 4 + 2
     for host, _, hostid, rest in seen:
         assert hostid == f"NCCL_HOSTID=cgx2n-host{host[:-1]}"

@@ -16,8 +16,8 @@ EXAMPLE = Path(__file__).parents[2] / "examples" / "train_ddp.py"
 
 def _run(tmp_path: Path, bits: int, steps: int, mode: str = "hook") -> dict:
     out = tmp_path / f"bits{bits}_{mode}.json"
-    cmd = [sys.executable, str(EXAMPLE), "--bits", str(bits), "--steps", str(steps),
-           "--json", str(out), "--log-every", "20", "--mode", mode, "--device", "cpu"]  # fmt: skip
+    args = f"--bits {bits} --steps {steps} --log-every 20 --mode {mode} --device cpu".split()
+    cmd = [sys.executable, str(EXAMPLE), *args, "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"{bits}-bit DDP ({mode}), 2 x cpu" in proc.stdout
@@ -46,9 +46,9 @@ def test_mpirun_launch_needs_no_setup(tmp_path):
     """CGX's way: `mpirun -np 2 python train.py` on the cgx backend, no RANK/MASTER_* set by
     the user."""
     out = tmp_path / "mpi.json"
-    cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", sys.executable,
-           str(EXAMPLE), "--steps", "3", "--json", str(out), "--mode", "backend",
-           "--device", "cpu"]  # fmt: skip
+    mpirun = "mpirun --allow-run-as-root --oversubscribe -np 2".split()
+    args = "--steps 3 --mode backend --device cpu".split()
+    cmd = [*mpirun, sys.executable, str(EXAMPLE), *args, "--json", str(out)]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -72,11 +72,11 @@ def test_two_node_torchrun_on_one_machine(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
     # Across nodes the backend would time where compression pays on this loopback: never.
     env["CGX2_CROSSOVER_BYTES"] = "0"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-           "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "cgx2-test",
-           str(EXAMPLE), "--steps", "3", "--json", str(out), "--mode", mode,
-           "--amp", "bf16", "--device", "cpu"]  # fmt: skip
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2"]
+    rendezvous = f"--rdzv-backend c10d --rdzv-endpoint 127.0.0.1:{port} --rdzv-id cgx2-test"
+    args = f"--steps 3 --mode {mode} --amp bf16 --device cpu".split()
+    cmd = [*torchrun, "--nproc-per-node", "1", *rendezvous.split(), str(EXAMPLE), *args]
+    cmd += ["--json", str(out)]
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
     procs = [subprocess.Popen(cmd, env=env, **pipes) for _ in range(2)]
     for p in procs:
@@ -96,9 +96,9 @@ def test_fsdp_example_runs_compressed(tmp_path):
     results = {}
     for extra in ([], ["--param-bits", "8"]):
         out = tmp_path / f"fsdp{len(extra)}.json"
-        cmd = [sys.executable, str(EXAMPLE.with_name("train_fsdp.py")), "--bits", "4", "--dim",
-               "64", "--layers", "2", "--heads", "4", "--context", "64", "--steps", "6",
-               "--no-compile", "--json", str(out), "--device", "cpu", *extra]  # fmt: skip
+        fsdp = [sys.executable, str(EXAMPLE.with_name("train_fsdp.py"))]
+        model = "--bits 4 --dim 64 --layers 2 --heads 4 --context 64 --steps 6 --no-compile"
+        cmd = [*fsdp, *model.split(), "--json", str(out), "--device", "cpu", *extra]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "4-bit FSDP2" in proc.stdout and ", 2 x cpu" in proc.stdout
@@ -129,9 +129,9 @@ def test_fsdp_example_runs_compressed(tmp_path):
 def test_compare_hooks_writes_table_json_and_plot(tmp_path):
     """examples/compare_hooks.py at a tiny size: every hook trains, and the table, the JSON and
     the PNG plot are written."""
-    cmd = [sys.executable, str(EXAMPLE.with_name("compare_hooks.py")), "--steps", "5", "--dim",
-           "32", "--layers", "1", "--heads", "2", "--context", "32", "--batch-size", "8",
-           "--out-dir", str(tmp_path), "--device", "cpu"]  # fmt: skip
+    model = "--steps 5 --dim 32 --layers 1 --heads 2 --context 32 --batch-size 8"
+    cmd = [sys.executable, str(EXAMPLE.with_name("compare_hooks.py")), *model.split()]
+    cmd += ["--out-dir", str(tmp_path), "--device", "cpu"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     [json_path] = tmp_path.glob("compare_hooks_*.json")

@@ -33,11 +33,20 @@ def _run(tmp_path: Path, args: list[str], timeout: float = 180) -> subprocess.Co
     hide = tmp_path / "no_triton"
     hide.mkdir(exist_ok=True)
     (hide / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    env = _env(TRITON_INTERPRET=None, CUDA_VISIBLE_DEVICES="",
-               CGX2_CALIBRATION_FILE=str(tmp_path / "calibration.json"))  # fmt: skip
+    env = _env(
+        TRITON_INTERPRET=None,
+        CUDA_VISIBLE_DEVICES="",
+        CGX2_CALIBRATION_FILE=str(tmp_path / "calibration.json"),
+    )
     env["PYTHONPATH"] = f"{hide}:{env['PYTHONPATH']}"
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=tmp_path, env=env)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=tmp_path,
+        env=env,
+    )
 
 
 def test_triton_is_hidden(tmp_path: Path) -> None:
@@ -86,8 +95,16 @@ def test_demo_runs(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_bench_runs_under_torchrun(tmp_path: Path) -> None:
-    launch = ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-              "127.0.0.1", "--master-port", str(_free_port())]  # fmt: skip
+    launch = [
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(_free_port()),
+    ]
     bench = ["-m", "cgx2.bench", "--sizes", "64K", "--dtypes", "fp32", "--bits", "4"]
     proc = _run(tmp_path, [*launch, *bench, "--iters", "1", "--warmup", "0"])
     assert proc.returncode == 0, proc.stderr
