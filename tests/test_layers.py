@@ -9,6 +9,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "cgx2"
 
+# One line a layer, as docs/design.md draws them: the formatter would put a module a line.
 LAYERS = {
     "cgx2.checks": 0, "cgx2.config": 0, "cgx2.seeding": 0, "cgx2.launch": 0, "cgx2.extension": 0,
     "cgx2.scratch": 0, "cgx2.cpu_threads": 0,

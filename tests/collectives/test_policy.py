@@ -25,8 +25,14 @@ MiB = 1 << 20
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    for var in ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-                "CGX2_CROSSOVER_BYTES", "CGX2_CUDA_GRAPHS"):  # fmt: skip
+    for var in (
+        "NCCL_P2P_DISABLE",
+        "NCCL_SHM_DISABLE",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "CGX2_CROSSOVER_BYTES",
+        "CGX2_CUDA_GRAPHS",
+    ):
         monkeypatch.delenv(var, raising=False)
     config.reload()
     policy.clear_caches()
@@ -175,8 +181,11 @@ def test_a_calibration_files_crossovers_beside_the_step_serve_the_hooks(clean_en
     from cgx2 import cpu_threads
 
     _regime_is(clean_env, "nvlink")
-    path = _calibration_file(tmp_path / "c.json", {"cuda/nccl/fp32": 1024, "cuda/nccl/16bit": 8},
-                             beside={"cuda/nccl/fp32": None})  # fmt: skip
+    path = _calibration_file(
+        tmp_path / "c.json",
+        {"cuda/nccl/fp32": 1024, "cuda/nccl/16bit": 8},
+        beside={"cuda/nccl/fp32": None},
+    )
     seen = []
 
     def on_worker() -> None:
@@ -279,8 +288,12 @@ def _cgx_backend_measures_at_first_use(calibration: str) -> list:
         process_group, "allreduce_plain_", wraps=process_group.allreduce_plain_
     )
     try:
-        with _each_rank_a_node(), config.tuned(calibration_file=calibration), exact as plain, \
-                setenv(CGX_COMPRESSION_QUANTIZATION_BITS="4"):  # fmt: skip
+        with (
+            _each_rank_a_node(),
+            config.tuned(calibration_file=calibration),
+            exact as plain,
+            setenv(CGX_COMPRESSION_QUANTIZATION_BITS="4"),
+        ):
             group = dist.new_group(backend="cgx")
             x = torch.randn(1 << 20, generator=torch.Generator().manual_seed(dist.get_rank()))
             dist.all_reduce(x, group=group)
@@ -386,8 +399,9 @@ def test_settings_that_change_no_measurement_keep_the_measured_crossovers(dist2)
         "not json",
     ],
 )
-def test_an_unusable_calibration_file_is_ignored_with_a_warning(clean_env, tmp_path, caplog,
-                                                               content):  # fmt: skip
+def test_an_unusable_calibration_file_is_ignored_with_a_warning(
+    clean_env, tmp_path, caplog, content
+):
     _regime_is(clean_env, "shm")
     path = tmp_path / "c.json"
     path.write_text(content)
@@ -472,8 +486,13 @@ def _bad_calibration(case: str, directory: str) -> dict:
         _write_bad_calibration(case, path)
     else:
         with open(path, "w") as f:
-            json.dump({"format": policy.CALIBRATION_FORMAT,
-                       "crossover_bytes": {"cpu/gloo/fp32": 1 << 30}}, f)  # fmt: skip
+            json.dump(
+                {
+                    "format": policy.CALIBRATION_FORMAT,
+                    "crossover_bytes": {"cpu/gloo/fp32": 1 << 30},
+                },
+                f,
+            )
     dist.barrier()
     warned: list[str] = []
     handler = logging.Handler(logging.WARNING)
@@ -511,21 +530,31 @@ def test_an_unusable_calibration_file_gives_every_rank_the_same_warning(dist2, t
     ("content", "reason"),
     [
         (b'{"format": "cgx2-calibration/1", "crossover_bytes": {"cpu/gloo/fp32": NaN}}', "NaN"),
-        (b'{"format": "cgx2-calibration/1", "crossover_bytes": {}, "crossover_bytes": {}}',
-         "names a key twice"),
-        (b'{"format": "cgx2-calibration/1", "crossover_bytes": {"cpu/gloo/fp32": 1'
-         + b"0" * 30 + b"}}", "too large"),
+        (
+            b'{"format": "cgx2-calibration/1", "crossover_bytes": {}, "crossover_bytes": {}}',
+            "names a key twice",
+        ),
+        (
+            b'{"format": "cgx2-calibration/1", "crossover_bytes": {"cpu/gloo/fp32": 1'
+            + b"0" * 30
+            + b"}}",
+            "too large",
+        ),
         (b"\xff\xfe", "not UTF-8"),
         (b'{"format": "cgx2-calibration/1", "crossover_bytes": {"fp32": 1}}', "device/backend"),
-        (b'{"format": "cgx2-calibration/1", "crossover_bytes": {},'
-         b' "node_mesh_faster": {"cpu/gloo/fp32": {"1M": true}}}', "other than sizes"),
+        (
+            b'{"format": "cgx2-calibration/1", "crossover_bytes": {},'
+            b' "node_mesh_faster": {"cpu/gloo/fp32": {"1M": true}}}',
+            "other than sizes",
+        ),
         (b'{"format": "cgx2-calibration/1"}', "no 'crossover_bytes'"),
         (b"[1, 2]", "a JSON list, not an object"),
         (b'{"a": ' * 9 + b"1" + b"}" * 9, "nests deeper than 8"),
     ],
-)  # fmt: skip
-def test_the_calibration_file_is_parsed_with_bounds_and_its_schema_checked(tmp_path, content,
-                                                                           reason):  # fmt: skip
+)
+def test_the_calibration_file_is_parsed_with_bounds_and_its_schema_checked(
+    tmp_path, content, reason
+):
     from cgx2.collectives import calibration_file
 
     path = tmp_path / "c.json"
@@ -534,8 +563,11 @@ def test_the_calibration_file_is_parsed_with_bounds_and_its_schema_checked(tmp_p
     with pytest.raises(calibration_file.CalibrationFileError, match=reason):
         calibration_file.load(str(path))
     assert calibration_file.load(str(tmp_path / "absent.json")) is None
-    nested = {"format": policy.CALIBRATION_FORMAT, "crossover_bytes": {"cpu/gloo/fp32": None},
-              "measurements": [{"a": [[1]]}]}  # fmt: skip
+    nested = {
+        "format": policy.CALIBRATION_FORMAT,
+        "crossover_bytes": {"cpu/gloo/fp32": None},
+        "measurements": [{"a": [[1]]}],
+    }
     path.write_text(json.dumps(nested))
     assert calibration_file.load(str(path)) == nested
 
@@ -551,13 +583,21 @@ def _node_mesh_from_rank_0s_calibration(directory: str) -> list[object]:
     path = os.path.join(directory, f"mesh{rank}.json")
     won = {str(1 << 20): rank == 0, str(16 << 20): rank != 0}
     with open(path, "w") as f:
-        json.dump({"format": policy.CALIBRATION_FORMAT, "crossover_bytes": {},
-                   "node_mesh_faster": {"cpu/gloo/fp32": won}}, f)  # fmt: skip
+        json.dump(
+            {
+                "format": policy.CALIBRATION_FORMAT,
+                "crossover_bytes": {},
+                "node_mesh_faster": {"cpu/gloo/fp32": won},
+            },
+            f,
+        )
     timing = mock.patch.object(measure, "mesh_against_flat", side_effect=AssertionError("timed"))
     with config.tuned(calibration_file=path), timing:
         group = dist.new_group()
-        chosen = [policy.by_node_mesh(torch.zeros(n), group, None, 4, 512, False)
-                  for n in (1 << 17, 1 << 18, 1 << 22, 1 << 24)]  # fmt: skip
+        chosen = [
+            policy.by_node_mesh(torch.zeros(n), group, None, 4, 512, False)
+            for n in (1 << 17, 1 << 18, 1 << 22, 1 << 24)
+        ]
         dist.destroy_process_group(group)
     return chosen
 
@@ -646,8 +686,9 @@ def test_group_info_is_looked_up_once_per_group_and_dropped_with_it(monkeypatch,
     """A cgx group's plain allreduce is its own exact one; whether NCCL carries its CUDA
     tensors decides its regime and whether CUDA graphs may replay on it."""
     backends, sizes = [], []
-    monkeypatch.setattr(comm.process_group.dist, "get_backend",
-                        lambda group: backends.append(group) or "cgx")  # fmt: skip
+    monkeypatch.setattr(
+        comm.process_group.dist, "get_backend", lambda group: backends.append(group) or "cgx"
+    )
 
     class CGXGroup(dist.ProcessGroup):
         def size(self):
@@ -903,8 +944,7 @@ def test_nccl_across_hosts_measures_the_crossover_once_at_first_use(clean_env, t
         (4, 2, [2, 3], 4 * MiB),
     ],
 )
-def test_nccl_inside_one_host_keeps_the_tables(clean_env, tmp_path, world, local, ranks,
-                                               expected):  # fmt: skip
+def test_nccl_inside_one_host_keeps_the_tables(clean_env, tmp_path, world, local, ranks, expected):
     _hosts(clean_env, world, local, tmp_path)
     calls = _measuring(clean_env)
     clean_env.setattr(regimes, "_global_ranks", lambda group: ranks)
@@ -924,8 +964,9 @@ def test_the_calibration_files_cuda_entries_win_over_measuring(clean_env, tmp_pa
     they serve; a width the file lacks is measured."""
     _hosts(clean_env, 4, 2, tmp_path)
     calls = _measuring(clean_env)
-    path = _calibration_file(tmp_path / "c.json", {"cuda/nccl/fp32": 12345},
-                             beside={"cuda/nccl/fp32": 23456})  # fmt: skip
+    path = _calibration_file(
+        tmp_path / "c.json", {"cuda/nccl/fp32": 12345}, beside={"cuda/nccl/fp32": 23456}
+    )
     with config.tuned(calibration_file=path), _nccl_group() as group:
         assert crossover_bytes(CUDA, torch.float32, group) == 12345
         assert calls == []
@@ -961,12 +1002,12 @@ def _stand_in_cuda_tensor(numel: int = 1):
     """What the policy reads of a CUDA tensor of ``numel`` fp32 values."""
     import types
 
-    return types.SimpleNamespace(device=CUDA, dtype=torch.float32, numel=lambda: numel,
-                                 element_size=lambda: 4)  # fmt: skip
+    return types.SimpleNamespace(
+        device=CUDA, dtype=torch.float32, numel=lambda: numel, element_size=lambda: 4
+    )
 
 
-def test_the_node_mesh_on_gpus_is_chosen_against_the_flat_allreduce_by_timing(clean_env,
-                                                                             tmp_path):  # fmt: skip
+def test_the_node_mesh_on_gpus_is_chosen_against_the_flat_allreduce_by_timing(clean_env, tmp_path):
     """CUDA tensors on NCCL across hosts of several GPUs: the mesh (NVLink inside a host,
     quantized between) carries the sizes where it was timed faster, once per group and
     settings; the calibration file's cuda table spares the timing; inside a trace the mesh,
@@ -981,8 +1022,9 @@ def test_the_node_mesh_on_gpus_is_chosen_against_the_flat_allreduce_by_timing(cl
     clean_env.setattr(crossovers, "time_mesh", timed)
 
     def over(group, nbytes: int) -> bool:
-        return policy.by_node_mesh(_stand_in_cuda_tensor(), group, "mesh", 4, 512, False,
-                                   nbytes // 4)  # fmt: skip
+        return policy.by_node_mesh(
+            _stand_in_cuda_tensor(), group, "mesh", 4, 512, False, nbytes // 4
+        )
 
     with _nccl_group() as group:
         with clean_env.context() as patch:
@@ -998,8 +1040,11 @@ def test_the_node_mesh_on_gpus_is_chosen_against_the_flat_allreduce_by_timing(cl
             assert not over(group, 16 * MiB)
     path = tmp_path / "mesh.json"
     won = {"cuda/nccl/fp32": {str(MiB): True, str(16 * MiB): False}}
-    path.write_text(json.dumps({"format": policy.CALIBRATION_FORMAT, "crossover_bytes": {},
-                                "node_mesh_faster": won}))  # fmt: skip
+    path.write_text(
+        json.dumps(
+            {"format": policy.CALIBRATION_FORMAT, "crossover_bytes": {}, "node_mesh_faster": won}
+        )
+    )
     with config.tuned(calibration_file=str(path)), _nccl_group(backend="cgx") as group:
         assert over(group, MiB) and not over(group, 16 * MiB)
     with _nccl_group(backend="gloo", cuda_on_nccl=False) as group:
@@ -1031,8 +1076,9 @@ def _nccl_across_hosts_agrees(rank_ms: dict) -> list:
 
     real = measure.crossover_on_link
 
-    def on_the_cpu(dtype, group, sizes=None, warmup=1, iters=3, larger=measure.LARGER_SIZE,
-                   device=None):  # fmt: skip
+    def on_the_cpu(
+        dtype, group, sizes=None, warmup=1, iters=3, larger=measure.LARGER_SIZE, device=None
+    ):
         assert device == CUDA
         return real(dtype, group, sizes, warmup, iters, larger, torch.device("cpu"))
 
@@ -1046,7 +1092,7 @@ def _nccl_across_hosts_agrees(rank_ms: dict) -> list:
             mock.patch.object(measure, "time", stopwatch),
             mock.patch.object(measure.process_group, "allreduce_plain_", plain),
             mock.patch.object(measure, "allreduce", quantized),
-        ):  # fmt: skip
+        ):
             found = [policy.crossover_bytes(CUDA, torch.float32, group) for _ in range(2)]
         dist.destroy_process_group(group)
     return [found, called.call_count, set(seen)]
