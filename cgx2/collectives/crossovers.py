@@ -59,8 +59,13 @@ def _read_calibration(path: str) -> dict[str, dict]:
     beside = data.get("beside_crossover_bytes", {})
     mesh = data.get("node_mesh_faster", {})
     timed = f"; the node mesh faster than the flat allreduce: {mesh}" if mesh else ""
-    logger.info("cgx2: crossovers from %s: %s (beside the training step: %s)%s", path,
-                crossovers, beside or "the same", timed)  # fmt: skip
+    logger.info(
+        "cgx2: crossovers from %s: %s (beside the training step: %s)%s",
+        path,
+        crossovers,
+        beside or "the same",
+        timed,
+    )
     return {
         "crossovers": {key: [value, beside.get(key, value)] for key, value in crossovers.items()},
         "node_mesh": mesh,
@@ -115,12 +120,18 @@ def _say_ignored(found: dict[str, object], group: dist.ProcessGroup | None) -> N
     if found.get("ignored"):
         path, reason = found["ignored"]
         whose = "" if group is None else f" (rank 0's, for the ranks of {group.group_name!r})"
-        logger.warning("cgx2: ignoring the calibration file %s%s: it %s; the built-in "
-                       "crossovers serve instead", path, whose, reason)  # fmt: skip
+        logger.warning(
+            "cgx2: ignoring the calibration file %s%s: it %s; the built-in "
+            "crossovers serve instead",
+            path,
+            whose,
+            reason,
+        )
 
 
-def calibrated_mesh(device_type: str, dtype: torch.dtype, group: dist.ProcessGroup,
-                     backend: str, nccl: bool) -> dict[int, bool] | None:  # fmt: skip
+def calibrated_mesh(
+    device_type: str, dtype: torch.dtype, group: dist.ProcessGroup, backend: str, nccl: bool
+) -> dict[int, bool] | None:
     """The calibration file's node mesh against the flat allreduce for ``device_type``
     tensors of ``dtype`` on ``group``, whose backend is ``backend`` (the ``cgx`` backend's:
     its carrier's, NCCL where ``nccl`` says it carries CUDA tensors, else gloo), where it has
@@ -134,12 +145,21 @@ def calibrated_mesh(device_type: str, dtype: torch.dtype, group: dist.ProcessGro
     return None
 
 
-def time_mesh(dtype: torch.dtype, group: dist.ProcessGroup, mesh: DeviceMesh, bits: int,
-               bucket_size: int, intra_broadcast: bool,
-               device: torch.device) -> dict[int, bool]:  # fmt: skip
+def time_mesh(
+    dtype: torch.dtype,
+    group: dist.ProcessGroup,
+    mesh: DeviceMesh,
+    bits: int,
+    bucket_size: int,
+    intra_broadcast: bool,
+    device: torch.device,
+) -> dict[int, bool]:
+    """Whether the node ``mesh`` beat the flat allreduce over ``group``, by size, timed now
+    (:func:`.measure.mesh_against_flat`), at the first such call, which every rank makes alike."""
     try:
-        return _measurer().mesh_against_flat(dtype, group, mesh, bits, bucket_size, intra_broadcast,
-                                         device=device)  # fmt: skip
+        return _measurer().mesh_against_flat(
+            dtype, group, mesh, bits, bucket_size, intra_broadcast, device=device
+        )
     except RuntimeError as e:
         raise RuntimeError(
             f"cgx2: timing the node mesh against the flat allreduce on group "
@@ -193,9 +213,13 @@ def _measurer() -> LinkMeasurer:
     return _Measuring.measurer
 
 
-def measured(device: torch.device, dtype: torch.dtype, info: GroupInfo | None,
-              group: dist.ProcessGroup | None,
-              with_graphs: bool) -> tuple[int | None, int | None]:  # fmt: skip
+def measured(
+    device: torch.device,
+    dtype: torch.dtype,
+    info: GroupInfo | None,
+    group: dist.ProcessGroup | None,
+    with_graphs: bool,
+) -> tuple[int | None, int | None]:
     """The crossovers for calls alone and beside the training step (the same but where
     measured at first use on CPUs)."""
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
@@ -218,10 +242,15 @@ def measured(device: torch.device, dtype: torch.dtype, info: GroupInfo | None,
         if regimes.in_trace(device):
             # Measuring runs collectives and waits for them: not inside a trace or a capture.
             # Not kept: the first eager call measures, on every rank alike.
-            logger.info("cgx2: %s regime, %s on %s, inside a trace or a CUDA graph's capture: "
-                        "the built-in table's crossover (%s) until an eager call measures the "
-                        "link (make one before compiling or capturing to decide there)", where,
-                        dtype, backend, "never" if entry is None else f"{entry} bytes")  # fmt: skip
+            logger.info(
+                "cgx2: %s regime, %s on %s, inside a trace or a CUDA graph's capture: "
+                "the built-in table's crossover (%s) until an eager call measures the "
+                "link (make one before compiling or capturing to decide there)",
+                where,
+                dtype,
+                backend,
+                "never" if entry is None else f"{entry} bytes",
+            )
             return entry, entry
         # The codec's cost against the link's saving depends on both: only measuring knows
         # them (BENCHMARKS.md, "CPU hosts over Ethernet"; loopback's tables say nothing of a
@@ -232,9 +261,15 @@ def measured(device: torch.device, dtype: torch.dtype, info: GroupInfo | None,
     said = ["never" if n is None else f"{n} bytes" for n in chosen]
     logger.info(
         "cgx2: %s regime, %s on %s%s: quantized from %s%s (%s; CGX2_CROSSOVER_BYTES=0 always "
-        "compresses)", where, dtype, backend, ", CUDA graphs" if with_graphs else "", said[0],
-        f", beside the training step from {said[1]}" if said[1] != said[0] else "", source,
-    )  # fmt: skip
+        "compresses)",
+        where,
+        dtype,
+        backend,
+        ", CUDA graphs" if with_graphs else "",
+        said[0],
+        f", beside the training step from {said[1]}" if said[1] != said[0] else "",
+        source,
+    )
     decided.MEASURED[key] = chosen
     if group is not None:
         weakref.finalize(group, decided.MEASURED.pop, key, None)
@@ -258,8 +293,9 @@ def _measures_on_link(
     return carried and regimes.spans_hosts(group)
 
 
-def _measure_now(dtype: torch.dtype, group: dist.ProcessGroup, key: tuple,
-                 device: torch.device) -> tuple[int | None, int | None]:  # fmt: skip
+def _measure_now(
+    dtype: torch.dtype, group: dist.ProcessGroup, key: tuple, device: torch.device
+) -> tuple[int | None, int | None]:
     """The crossovers measured on ``group``'s link now (:func:`.measure.crossover_on_link`),
     at the first compressible call of ``dtype`` on ``device``, which every rank makes alike."""
     measure = _measurer()

@@ -1,19 +1,19 @@
 """The one place that decides a call's route: compress or plain, how chunks are swapped, how
-large the pipeline's pieces are, and whether a CUDA graph replays it.
+large the pipeline's pieces are, and whether a CUDA graph replays it. Every entry point asks here.
 
-It reads the group's backend and the tensor's device, the interconnect ("regime"), and the
-crossovers: those ``python -m cgx2.bench calibrate`` measured on this machine where a file of
-them exists (rank 0's copy, so ranks decide alike), else, for a group across hosts (CPU
-tensors, and CUDA tensors on NCCL), those measured on its link at first use, else the
-built-in tables, measured on H200s (BENCHMARKS.md, "The crossover"). Every entry point asks
-here.
+The decision itself is :mod:`.decision`'s, a function of plain facts; this module gathers them
+and keeps what it decided (:mod:`.decided`): the interconnect ("regime", :mod:`.regimes`), the
+transport (:mod:`.transports`) and the crossovers (:mod:`.crossovers`): those
+``python -m cgx2.bench calibrate`` measured on this machine where a file of them exists (rank
+0's copy, so ranks decide alike), else, for a group across hosts (CPU tensors, and CUDA tensors
+on NCCL), those measured on its link at first use, else the built-in tables, measured on H200s
+(BENCHMARKS.md, "The crossover").
 """
 
 from __future__ import annotations
 
 import logging
 import weakref
-from types import ModuleType
 
 import torch
 import torch.distributed as dist
@@ -21,8 +21,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .. import config, cpu_threads
 from ..checks import UNCOMPRESSED_BITS
-from ..comm import group_info, nccl, process_group, shm
-from . import calibration_file, crossovers, decided, decision, graphs, regimes
+from ..comm import group_info
+from . import calibration_file, crossovers, decided, decision, graphs, regimes, transports
 from .crossovers import calibration, calibration_key
 from .decision import (
     CPU_ACROSS_NODES_PIECE_NUMEL,
@@ -34,6 +34,7 @@ from .decision import (
     Route,
 )
 from .regimes import detect_regime, group_regime, regime, spans_hosts
+from .transports import runs_on_worker, transport
 
 __all__ = [
     "CALIBRATION_FORMAT",
@@ -84,9 +85,15 @@ def hierarchical(group: dist.ProcessGroup | None, bits: int) -> bool:
     return (group.size() if group is not None else dist.get_world_size()) == launch.world_size
 
 
-def by_node_mesh(t: torch.Tensor, group: dist.ProcessGroup, mesh: DeviceMesh, bits: int,
-                 bucket_size: int, intra_broadcast: bool,
-                 numel: int | None = None) -> bool:  # fmt: skip
+def by_node_mesh(
+    t: torch.Tensor,
+    group: dist.ProcessGroup,
+    mesh: DeviceMesh,
+    bits: int,
+    bucket_size: int,
+    intra_broadcast: bool,
+    numel: int | None = None,
+) -> bool:
     """Whether a compressed allreduce of ``t`` (or of ``numel`` of its values) over ``group``,
     for which :func:`hierarchical` built the node ``mesh``, goes over the mesh rather than
     flat. ``CGX2_NODE_MESH`` decides where set. Otherwise CPU tensors, and CUDA tensors on
@@ -112,13 +119,17 @@ def by_node_mesh(t: torch.Tensor, group: dist.ProcessGroup, mesh: DeviceMesh, bi
             if not timed:
                 return untimed
             if regimes.in_trace(t.device):
-                logger.info("cgx2: the node mesh against the flat allreduce is not timed inside "
-                            "a trace or a CUDA graph's capture: %s here, timed at the first "
-                            "eager call (make one before compiling or capturing to decide "
-                            "there)", "the mesh" if untimed else "flat")  # fmt: skip
+                logger.info(
+                    "cgx2: the node mesh against the flat allreduce is not timed inside "
+                    "a trace or a CUDA graph's capture: %s here, timed at the first "
+                    "eager call (make one before compiling or capturing to decide "
+                    "there)",
+                    "the mesh" if untimed else "flat",
+                )
                 return untimed
-            faster = crossovers.time_mesh(t.dtype, group, mesh, bits, bucket_size, intra_broadcast,
-                                t.device)  # fmt: skip
+            faster = crossovers.time_mesh(
+                t.dtype, group, mesh, bits, bucket_size, intra_broadcast, t.device
+            )
         decided.MESH_FASTER[key] = faster
         weakref.finalize(group, decided.MESH_FASTER.pop, key, None)
     return decision.nearest_size(faster, (t.numel() if numel is None else numel) * t.element_size())
@@ -130,8 +141,9 @@ def clear_caches() -> None:
     decided.clear()
 
 
-def crossover_bytes(device: torch.device, dtype: torch.dtype,
-                    group: dist.ProcessGroup | None = None) -> int | None:  # fmt: skip
+def crossover_bytes(
+    device: torch.device, dtype: torch.dtype, group: dist.ProcessGroup | None = None
+) -> int | None:
     """The smallest tensor, in bytes, that is compressed on ``device`` over ``group`` (None:
     never): ``CGX2_CROSSOVER_BYTES`` (read at every call) or :func:`cgx2.config.tuned`'s value,
     else the calibration file's (:func:`calibration`), else, for a group across hosts, the
@@ -151,8 +163,9 @@ def _pick(pair: tuple[int | None, int | None]) -> int | None:
     return decision.for_thread(pair, cpu_threads.beside_compute())
 
 
-def compresses(t: torch.Tensor, group: dist.ProcessGroup, bits: int, bucket_size: int,
-               numel: int | None = None) -> bool:  # fmt: skip
+def compresses(
+    t: torch.Tensor, group: dist.ProcessGroup, bits: int, bucket_size: int, numel: int | None = None
+) -> bool:
     """Whether a collective of ``t`` (or of ``numel`` values of its dtype on its device) over
     ``group`` at ``bits`` is quantized (:func:`route`): ``bits`` below 32, more than one
     rank, something to send, and at least the crossover's bytes."""
@@ -186,37 +199,6 @@ def uses_pair_gather(world: int, where: str) -> bool:
     collective path rather than its point-to-point one, which was the slower outside NVLink
     and the faster over it (BENCHMARKS.md, "Two ranks swap by all-gather")."""
     return decision.pair_gather(world, where, config.tuning().pair_gather)
-
-
-def transport(device: torch.device, group: dist.ProcessGroup) -> ModuleType:
-    """What moves the bytes of ``device``'s tensors over ``group`` (docs/transports.md):
-    ``CGX2_TRANSPORT`` where it names one (``nccl``: cgx2's grouped send/receive on the NCCL
-    group's communicator, opt-in until measured on several GPUs); else (``auto``) shared memory
-    (:mod:`cgx2.comm.shm`, which itself falls back to the process group for a group that spans
-    hosts) where ``CGX_INNER_COMMUNICATOR_TYPE`` is SHM and the process group would cross host
-    memory anyway: CPU tensors, and CUDA tensors on a group whose CUDA collectives are not
-    NCCL's. NCCL keeps CUDA tensors: its transfers are queued on the GPU, the shared-memory
-    ones wait on the host. Without the compiled extension, the process group."""
-    chosen = config.tuning().transport
-    if chosen == "nccl":  # CUDA tensors on NCCL groups; anything else falls to the group's
-        return nccl if nccl.available() else process_group
-    if chosen == "process_group" or not shm.available():
-        return process_group
-    if chosen == "shm":
-        return shm
-    if config.CGXConfig.from_env().inner_communicator != "SHM":
-        return process_group
-    cuda_on_nccl = device.type == "cuda" and group_info(group).cuda_on_nccl
-    return process_group if cuda_on_nccl else shm
-
-
-def runs_on_worker(t: torch.Tensor, group: dist.ProcessGroup) -> bool:
-    """Whether an entry point that returns a future (DDP's hooks) runs the collectives of
-    ``t`` over ``group`` on the group's worker thread (:func:`cgx2.comm.worker.submit`): where
-    they would hold the calling thread until the bytes have crossed (gloo's, for CPU tensors
-    and for CUDA tensors staged through host memory) and ``CGX2_COMM_WORKER`` allows it.
-    NCCL's are enqueued on a stream and return at once."""
-    return config.tuning().comm_worker and not (t.is_cuda and group_info(group).cuda_on_nccl)
 
 
 def route(
@@ -269,7 +251,7 @@ def _group_facts(
         element_size=t.element_size(),
         bucket_size=bucket_size,
         nccl_cuda=t.is_cuda and info.cuda_on_nccl,
-        transport=transport(t.device, group),
+        transport=transports.transport(t.device, group),
         pair_gather=tuning.pair_gather,
         pipeline_bytes=tuning.pipeline_bytes,
         spans_nodes=config.launch().spans_nodes,

@@ -1,0 +1,46 @@
+"""What moves a group's bytes (the transport registry: the process group, shared memory, NCCL)
+and on which thread an entry point that returns a future runs its collectives.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+import torch.distributed as dist
+
+from .. import config
+from ..comm import group_info, nccl, process_group, shm
+
+__all__ = ["runs_on_worker", "transport"]
+
+
+def transport(device: torch.device, group: dist.ProcessGroup) -> ModuleType:
+    """What moves the bytes of ``device``'s tensors over ``group`` (docs/transports.md):
+    ``CGX2_TRANSPORT`` where it names one (``nccl``: cgx2's grouped send/receive on the NCCL
+    group's communicator, opt-in until measured on several GPUs); else (``auto``) shared memory
+    (:mod:`cgx2.comm.shm`, which itself falls back to the process group for a group that spans
+    hosts) where ``CGX_INNER_COMMUNICATOR_TYPE`` is SHM and the process group would cross host
+    memory anyway: CPU tensors, and CUDA tensors on a group whose CUDA collectives are not
+    NCCL's. NCCL keeps CUDA tensors: its transfers are queued on the GPU, the shared-memory
+    ones wait on the host. Without the compiled extension, the process group."""
+    chosen = config.tuning().transport
+    if chosen == "nccl":  # CUDA tensors on NCCL groups; anything else falls to the group's
+        return nccl if nccl.available() else process_group
+    if chosen == "process_group" or not shm.available():
+        return process_group
+    if chosen == "shm":
+        return shm
+    if config.CGXConfig.from_env().inner_communicator != "SHM":
+        return process_group
+    cuda_on_nccl = device.type == "cuda" and group_info(group).cuda_on_nccl
+    return process_group if cuda_on_nccl else shm
+
+
+def runs_on_worker(t: torch.Tensor, group: dist.ProcessGroup) -> bool:
+    """Whether an entry point that returns a future (DDP's hooks) runs the collectives of
+    ``t`` over ``group`` on the group's worker thread (:func:`cgx2.comm.worker.submit`): where
+    they would hold the calling thread until the bytes have crossed (gloo's, for CPU tensors
+    and for CUDA tensors staged through host memory) and ``CGX2_COMM_WORKER`` allows it.
+    NCCL's are enqueued on a stream and return at once."""
+    return config.tuning().comm_worker and not (t.is_cuda and group_info(group).cuda_on_nccl)
