@@ -155,3 +155,23 @@ def test_the_built_in_crossovers_and_the_nearest_measured_size():
     assert decision.nearest_size(faster, 0) is True
     assert decision.nearest_size(faster, 3 * MiB) is True
     assert decision.nearest_size(faster, 5 * MiB) is False
+
+
+def test_the_decision_reads_nothing_but_its_facts():
+    """decision.py imports neither the configuration, the process groups' state, the
+    environment nor torch: what it decides comes from its arguments alone."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse(Path(decision.__file__).read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            names = {f"{node.module}.{alias.name}" for alias in node.names}
+            imported |= {"." * node.level + name for name in names}
+    allowed = {"__future__.annotations", "dataclasses", "json", "math", "zlib"}
+    allowed |= {"collections.abc.Mapping", "dataclasses.dataclass", "dataclasses.field"}
+    allowed |= {"types.ModuleType", "..checks.UNCOMPRESSED_BITS", "..comm.process_group"}
+    assert imported <= allowed, imported - allowed
