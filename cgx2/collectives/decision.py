@@ -320,13 +320,11 @@ def may_compress(routes: Routes, bits: int) -> bool:
 
 def compresses(routes: Routes, bits: int, nbytes: int, crossover: int | None) -> bool:
     """Whether a call of ``bits`` and ``nbytes`` over the group of ``routes`` is quantized,
-    ``crossover`` being the smallest bytes compressed (None: never)."""
-    return (
-        may_compress(routes, bits)
-        and nbytes > 0
-        and crossover is not None
-        and (nbytes >= crossover)
-    )
+    ``crossover`` being the smallest bytes compressed (None: never): :func:`may_compress`,
+    something to send, and at least the crossover's bytes."""
+    if bits == UNCOMPRESSED_BITS or routes.size == 1 or nbytes == 0 or crossover is None:
+        return False
+    return nbytes >= crossover
 
 
 def compressed_route(routes: Routes, graphs_replay: bool, beside: bool) -> Route:

@@ -207,20 +207,22 @@ def route(
     """The whole route of a collective of ``t`` (or ``numel`` of its values) over ``group``:
     decided once per group, device, dtype and bucket size, but for what the size and
     ``CGX2_CROSSOVER_BYTES`` (read at every call) decide; this runs before every call."""
-    decided.fresh()
+    _fresh()
     key = (id(group), t.device, t.dtype, bucket_size)
-    routes = decided.ROUTES.get(key)
+    routes = _ROUTES.get(key)
     if routes is None:
-        routes = decided.ROUTES[key] = decision.plan(_group_facts(t, group, bucket_size))
-        weakref.finalize(group, decided.ROUTES.pop, key, None)
+        routes = _ROUTES[key] = decision.plan(_group_facts(t, group, bucket_size))
+        weakref.finalize(group, _ROUTES.pop, key, None)
     if not decision.may_compress(routes, bits):
         return routes.plain
     numel = t.numel() if numel is None else numel
     threshold = config.crossover_override()
+    beside = None
     if threshold is None:  # asked only here: a plain call never measures
         with_graphs = config.tuning().cuda_graphs is True
         measured = crossovers.measured(t.device, t.dtype, group_info(group), group, with_graphs)
-        threshold = _pick(measured)
+        beside = cpu_threads.beside_compute()
+        threshold = decision.for_thread(measured, beside)
     elif id(group) not in decided.CALIBRATIONS:
         # Read at the same call as on ranks without the variable (whose crossovers come from
         # the first rank's file): ranks whose CGX2_CROSSOVER_BYTES differ then reach the
@@ -231,7 +233,14 @@ def route(
         return routes.plain
     # NCCL's CUDA tensors only (where routes.graphs is not None)
     replay = routes.graphs is not None and _graphed(nbytes) and graphs.usable(t)
-    return decision.compressed_route(routes, replay, cpu_threads.beside_compute())
+    if beside is None:
+        beside = cpu_threads.beside_compute()
+    return decision.compressed_route(routes, replay, beside)
+
+
+# The caches (never rebound, only cleared), named here once: route runs before every call.
+_fresh = decided.fresh
+_ROUTES = decided.ROUTES
 
 
 def _graphed(nbytes: int) -> bool:
