@@ -2,6 +2,7 @@
 environment and no I/O (cgx2.collectives.decision)."""
 
 import json
+import os
 import zlib
 
 import pytest
@@ -175,3 +176,54 @@ def test_the_decision_reads_nothing_but_its_facts():
     allowed |= {"collections.abc.Mapping", "dataclasses.dataclass", "dataclasses.field"}
     allowed |= {"types.ModuleType", "..checks.UNCOMPRESSED_BITS", "..comm.process_group"}
     assert imported <= allowed, imported - allowed
+
+
+@pytest.mark.parametrize("env", [{}, {"CGX2_ALGORITHM": "ring"}, {"CGX2_PIPELINE_BYTES": "3M"}])
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_the_policy_routes_as_the_decision_decides_from_the_facts_it_gathers(
+    monkeypatch, tmp_path, env, world
+):
+    """policy.route gathers a call's facts (regime, transport, settings, crossovers) and
+    routes as decision.decide does from them: on a stand-in gloo group of CPU tensors."""
+    import torch
+    import torch.distributed as dist
+
+    from cgx2 import comm, config
+    from cgx2.collectives import policy
+
+    for var in [v for v in os.environ if v.startswith(("CGX", "WORLD_SIZE", "LOCAL_WORLD"))]:
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("CGX2_CALIBRATION_FILE", str(tmp_path / "none.json"))
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    config.reload()
+    policy.clear_caches()
+    group = dist.ProcessGroup(0, world)
+    comm.process_group._INFO[id(group)] = comm.GroupInfo("gloo", world, 0, False, False, 1800.0)
+    try:
+        tuning = config.tuning()
+        cpu = torch.device("cpu")
+        facts = GroupFacts(
+            regime=policy.group_regime(cpu, group),
+            world=world,
+            element_size=4,
+            bucket_size=512,
+            transport=policy.transport(cpu, group),
+            pair_gather=tuning.pair_gather,
+            pipeline_bytes=tuning.pipeline_bytes,
+            spans_nodes=False,
+            algorithm=tuning.algorithm,
+            check_agreement=tuning.check_agreement,
+            wire_settings=config.wire_settings(),
+        )
+        crossover = policy.crossover_bytes(cpu, torch.float32, group)
+        for numel in (0, 16, MiB):
+            for bits in (2, 4, 32):
+                call = _call(facts, numel, bits=bits, crossovers=(crossover, crossover))
+                route = policy.route(torch.zeros(1), group, bits, 512, numel)
+                assert route == decision.decide(call)
+    finally:
+        del comm.process_group._INFO[id(group)]
+        monkeypatch.undo()
+        config.reload()
+        policy.clear_caches()
