@@ -10,10 +10,9 @@ import math
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from types import ModuleType
 
 from ..checks import UNCOMPRESSED_BITS
-from ..comm import process_group
+from ..comm import Transport, process_group
 
 __all__ = [
     "CPU_ACROSS_NODES_PIECE_NUMEL",
@@ -120,7 +119,7 @@ class Route:
     graphs: bool
     gather_in_place: bool
     check: str = ""
-    transport: ModuleType = process_group
+    transport: Transport = process_group
     ring: bool = False
     settings: str = "{}"
     fingerprint: int = 0
@@ -147,7 +146,7 @@ class GroupFacts:
     element_size: int
     bucket_size: int
     nccl_cuda: bool = False
-    transport: ModuleType = process_group
+    transport: Transport = process_group
     pair_gather: bool = True
     pipeline_bytes: int | None = None
     spans_nodes: bool = False

@@ -4,18 +4,16 @@ and on which thread an entry point that returns a future runs its collectives.
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
 import torch.distributed as dist
 
 from .. import config
-from ..comm import group_info, nccl, process_group, shm
+from ..comm import Transport, group_info, nccl, process_group, shm
 
 __all__ = ["runs_on_worker", "transport"]
 
 
-def transport(device: torch.device, group: dist.ProcessGroup) -> ModuleType:
+def transport(device: torch.device, group: dist.ProcessGroup) -> Transport:
     """What moves the bytes of ``device``'s tensors over ``group`` (docs/transports.md):
     ``CGX2_TRANSPORT`` where it names one (``nccl``: cgx2's grouped send/receive on the NCCL
     group's communicator, opt-in until measured on several GPUs); else (``auto``) shared memory
