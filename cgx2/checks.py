@@ -116,8 +116,11 @@ def check_writable(t: torch.Tensor, name: str = "tensor") -> torch.Tensor:
             f"or use the functional form"
         )
     # Dynamo cannot trace is_inference(); a compiled graph fails on such a write itself.
-    if (not torch.compiler.is_compiling() and t.is_inference()
-            and not torch.is_inference_mode_enabled()):  # fmt: skip
+    if (
+        not torch.compiler.is_compiling()
+        and t.is_inference()
+        and not torch.is_inference_mode_enabled()
+    ):
         raise ValueError(
             f"{name} is an inference tensor: an in-place collective can write into it only "
             f"inside torch.inference_mode(); clone it, or use the functional form"
@@ -209,8 +212,9 @@ def check_group(group: object, op: str, name: str = "group") -> dist.ProcessGrou
             f"(dist.new_group returned GroupMember.NON_GROUP_MEMBER here); {op} returns a "
             f"result, so as torch's functional collectives, only the group's ranks may call it"
         )
-    raise TypeError(f"{name} must be a torch.distributed.ProcessGroup or None, got "
-                    f"{type(group).__name__}")  # fmt: skip
+    raise TypeError(
+        f"{name} must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}"
+    )
 
 
 def warn_if_not_member(group: object, op: str) -> bool:

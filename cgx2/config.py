@@ -93,8 +93,9 @@ def _bool_or_auto(env: Mapping[str, str], var: str) -> bool | None:
     try:
         return _bool(env, var, False)
     except ValueError:
-        raise ValueError(f"{var}={raw!r} is invalid: expected auto, 0/1, true/false, yes/no or "
-                         "on/off") from None  # fmt: skip
+        raise ValueError(
+            f"{var}={raw!r} is invalid: expected auto, 0/1, true/false, yes/no or on/off"
+        ) from None
 
 
 def _check_mode(env: Mapping[str, str], var: str) -> str:
@@ -113,8 +114,9 @@ def _check_mode(env: Mapping[str, str], var: str) -> str:
         ) from None
 
 
-def _choice(env: Mapping[str, str], var: str, default: str, allowed: tuple[str, ...],
-            upper: bool = True) -> str:  # fmt: skip
+def _choice(
+    env: Mapping[str, str], var: str, default: str, allowed: tuple[str, ...], upper: bool = True
+) -> str:
     raw = env.get(var)
     if raw is None or raw.strip() == "":
         return default

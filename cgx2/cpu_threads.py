@@ -66,9 +66,12 @@ def lend(threads: int) -> None:
 @functools.cache
 def _pool(workers: int) -> ThreadPoolExecutor:
     # count(), not torch's count of this thread: a worker's is 1, the process's is lent to it.
-    return ThreadPoolExecutor(workers, thread_name_prefix="cgx2-cpu",
-                              initializer=_torch_on_this_thread_alone,
-                              initargs=(count(),))  # fmt: skip
+    return ThreadPoolExecutor(
+        workers,
+        thread_name_prefix="cgx2-cpu",
+        initializer=_torch_on_this_thread_alone,
+        initargs=(count(),),
+    )
 
 
 # A forked child has none of its parent's threads: it starts pools of its own.

@@ -160,8 +160,14 @@ def _measure(rank: int, world: int, args: argparse.Namespace) -> list[Row]:
     return rows
 
 
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results: Any,
-            address: str = "127.0.0.1") -> None:  # fmt: skip
+def _worker(
+    rank: int,
+    world: int,
+    port: int,
+    args: argparse.Namespace,
+    results: Any,
+    address: str = "127.0.0.1",
+) -> None:
     os.environ["MASTER_ADDR"] = address
     os.environ["MASTER_PORT"] = str(port)
     # Share the cores between the ranks instead of oversubscribing them.
@@ -191,8 +197,14 @@ class _ResultFile:
 
 def _in_host(args: argparse.Namespace) -> int:
     """One rank of a ``--hosts`` run, inside its host (the lab's variables name it)."""
-    _worker(int(os.environ["HOST"]), int(os.environ["NHOSTS"]), int(os.environ["MASTER_PORT"]),
-            args, _ResultFile(args.in_host), os.environ["MASTER_ADDR"])  # fmt: skip
+    _worker(
+        int(os.environ["HOST"]),
+        int(os.environ["NHOSTS"]),
+        int(os.environ["MASTER_PORT"]),
+        args,
+        _ResultFile(args.in_host),
+        os.environ["MASTER_ADDR"],
+    )
     return 0
 
 
@@ -203,38 +215,61 @@ def _across_hosts(args: argparse.Namespace) -> dict[str, Any] | None:
 
     reason = netlab.unavailable()
     if reason:
-        print(f"cgx2 demo: --hosts makes hosts of Linux network namespaces joined by links "
-              f"shaped with tc, which needs root and iproute2 (ip, tc); here: {reason}. "
-              "Without --hosts the demo runs on this host.", file=sys.stderr)  # fmt: skip
+        print(
+            f"cgx2 demo: --hosts makes hosts of Linux network namespaces joined by links "
+            f"shaped with tc, which needs root and iproute2 (ip, tc); here: {reason}. "
+            "Without --hosts the demo runs on this host.",
+            file=sys.stderr,
+        )
         return None
     sizes = ",".join(str(n) for n in args.sizes)
     bits = ",".join(str(b) for b in args.bits)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rank0.json")
-        command = [sys.executable, "-m", "cgx2.demo", "--in-host", out, "--sizes", sizes,
-                   "--bits", bits, "--dtype", args.dtype, "--iters", str(args.iters)]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "cgx2.demo",
+            "--in-host",
+            out,
+            "--sizes",
+            sizes,
+            "--bits",
+            bits,
+            "--dtype",
+            args.dtype,
+            "--iters",
+            str(args.iters),
+        ]
         env = {**os.environ, "MASTER_PORT": str(free_port())}
         with netlab.Lab(hosts=args.hosts, link=netlab.Link(rate=args.link)) as lab:
             done = lab.run(command, env=env, timeout=3600)
         failed = [(i, r) for i, r in enumerate(done) if r.returncode != 0]
         if failed or not os.path.exists(out):
             host, result = failed[0] if failed else (0, done[0])
-            print(f"cgx2 demo: host {host} failed (exit {result.returncode}):\n"
-                  f"{result.stderr[-3000:]}", file=sys.stderr)  # fmt: skip
+            print(
+                f"cgx2 demo: host {host} failed (exit {result.returncode}):\n"
+                f"{result.stderr[-3000:]}",
+                file=sys.stderr,
+            )
             return None
         return json.loads(Path(out).read_text())
 
 
 def format_link_note(rows: list[dict[str, Any]], hosts: int, link: str) -> str:
     """What the link saved: each size and width, gloo's time against cgx2's."""
-    lines = [f"{hosts} hosts (network namespaces on this machine), one rank each, each host's "
-             f"link shaped to {link} each way; the ranks share this machine's cores for the "
-             "coding. Time saved over the link:"]  # fmt: skip
+    lines = [
+        f"{hosts} hosts (network namespaces on this machine), one rank each, each host's "
+        f"link shaped to {link} each way; the ranks share this machine's cores for the "
+        "coding. Time saved over the link:"
+    ]
     for r in rows:
         saved = r["plain_ms"] - r["cgx2_ms"]
-        lines.append(f"  {r['size']:>5} at {r['bits']} bits: gloo {r['plain_ms']:.1f} ms, cgx2 "
-                     f"{r['cgx2_ms']:.1f} ms: {saved:.1f} ms {'saved' if saved >= 0 else 'lost'} "
-                     f"({r['plain_ms'] / r['cgx2_ms']:.2f}x)")  # fmt: skip
+        lines.append(
+            f"  {r['size']:>5} at {r['bits']} bits: gloo {r['plain_ms']:.1f} ms, cgx2 "
+            f"{r['cgx2_ms']:.1f} ms: {saved:.1f} ms {'saved' if saved >= 0 else 'lost'} "
+            f"({r['plain_ms'] / r['cgx2_ms']:.2f}x)"
+        )
     return "\n".join(lines)
 
 
@@ -255,15 +290,20 @@ COLUMNS = [
     ("gloo ms", "gloo's own allreduce of the tensor (torch.distributed.all_reduce)"),
     ("cgx2 ms", "cgx2.quantized_allreduce of the tensor"),
     ("speedup vs gloo", "gloo ms / cgx2 ms: above 1, cgx2 is faster"),
-    ("sent MB gloo", "bytes one rank sends in gloo's ring allreduce, 2(W-1)/W of the tensor "
-                     "for W ranks (MB = 1e6 bytes)"),
-    ("sent MB cgx2", "bytes one rank sends in cgx2's all_to_all and all_gather of the "
-                     "compressed chunks"),
+    (
+        "sent MB gloo",
+        "bytes one rank sends in gloo's ring allreduce, 2(W-1)/W of the tensor "
+        "for W ranks (MB = 1e6 bytes)",
+    ),
+    (
+        "sent MB cgx2",
+        "bytes one rank sends in cgx2's all_to_all and all_gather of the compressed chunks",
+    ),
     ("sent less", "sent MB gloo / sent MB cgx2"),
     ("max abs err", "the largest error of cgx2's result against the exact sum (in fp64)"),
     ("rel. error", "the error's norm over the exact sum's norm"),
     ("identical on all ranks", "whether every rank got the same bits"),
-]  # fmt: skip
+]
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
@@ -327,9 +367,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="directory for the JSON results, created if missing; '' writes none",
     )
     p.add_argument("--json", metavar="FILE", help="write the JSON results to this file instead")
-    p.add_argument("--hosts", type=int, default=0,
-                   help="run one rank in each of this many hosts (network namespaces) joined "
-                        "by --link links instead (root, iproute2)")  # fmt: skip
+    p.add_argument(
+        "--hosts",
+        type=int,
+        default=0,
+        help="run one rank in each of this many hosts (network namespaces) joined "
+        "by --link links instead (root, iproute2)",
+    )
     p.add_argument("--link", default="1gbit", help="with --hosts: each link's rate (tc's units)")
     p.add_argument("--in-host", help=argparse.SUPPRESS)  # a --hosts rank: where to put results
     return p
@@ -352,9 +396,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.hosts:
         if args.hosts < 2:
             parser.error("--hosts must be at least 2")
-        print(f"cgx2 demo: {args.hosts} hosts joined by {args.link} links, one rank each, "
-              f"gloo, {args.dtype}, {args.iters} timed iters after 1 warm-up", file=sys.stderr,
-              flush=True)  # fmt: skip
+        print(
+            f"cgx2 demo: {args.hosts} hosts joined by {args.link} links, one rank each, "
+            f"gloo, {args.dtype}, {args.iters} timed iters after 1 warm-up",
+            file=sys.stderr,
+            flush=True,
+        )
         found = _across_hosts(args)
         if found is None:
             return 2

@@ -30,13 +30,18 @@ def load() -> ModuleType | None:
         log.warning(
             "cgx2: the compiled extension cgx2._C is missing (%s): the CPU codec runs in torch "
             "and the shared-memory transport is off (collectives use the process group). "
-            "Reinstall cgx2 where a C++ compiler is present to build it.", e
-        )  # fmt: skip
+            "Reinstall cgx2 where a C++ compiler is present to build it.",
+            e,
+        )
         return None
     found = getattr(module, "ABI_VERSION", None)
     if found != ABI_VERSION:
-        log.warning("cgx2: ignoring cgx2._C at %s: it was built from other sources (ABI %s, "
-                    "expected %s); reinstall cgx2 to rebuild it", module.__file__, found,
-                    ABI_VERSION)  # fmt: skip
+        log.warning(
+            "cgx2: ignoring cgx2._C at %s: it was built from other sources (ABI %s, "
+            "expected %s); reinstall cgx2 to rebuild it",
+            module.__file__,
+            found,
+            ABI_VERSION,
+        )
         return None
     return module

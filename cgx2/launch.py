@@ -68,6 +68,10 @@ def setup_mpi_env(environ: MutableMapping[str, str] | None = None) -> bool:
         env["MASTER_PORT"] = str(DEFAULT_PORT + (zlib.crc32(job.encode()) % 1000 if job else 0))
     log.info(
         "%s: rank %s of %s, master %s:%s",
-        name, env["RANK"], env["WORLD_SIZE"], env["MASTER_ADDR"], env["MASTER_PORT"],
-    )  # fmt: skip
+        name,
+        env["RANK"],
+        env["WORLD_SIZE"],
+        env["MASTER_ADDR"],
+        env["MASTER_PORT"],
+    )
     return True

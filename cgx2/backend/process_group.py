@@ -120,8 +120,12 @@ class CGXProcessGroup(dist.ProcessGroup):
         worker, which leaves a collective running and goes on (its future follows the
         collective's). Every collective of the pass goes there, in the order made: one made
         on autograd's thread meanwhile could start before one still queued, on some ranks."""
-        if (not tensors or tensors[0].is_cuda or torch._C._current_graph_task_id() == -1
-                or not policy.runs_on_worker(tensors[0], self)):  # fmt: skip
+        if (
+            not tensors
+            or tensors[0].is_cuda
+            or torch._C._current_graph_task_id() == -1
+            or not policy.runs_on_worker(tensors[0], self)
+        ):
             return call()
         future = worker.submit(self, lambda: call().get_future(), list(tensors))
         return torch._C._distributed_c10d._create_work_from_future(future)
@@ -141,15 +145,31 @@ class CGXProcessGroup(dist.ProcessGroup):
         compressible = self._compressible(t, op, bits)
         # What cannot be compressed takes the plain route without asking where compression
         # would pay (which may measure it, at the first call of a dtype).
-        route = policy.route(t, self, bits if compressible else UNCOMPRESSED_BITS, bucket_size,
-                             padded_numel(t.numel(), bucket_size))  # fmt: skip
+        route = policy.route(
+            t,
+            self,
+            bits if compressible else UNCOMPRESSED_BITS,
+            bucket_size,
+            padded_numel(t.numel(), bucket_size),
+        )
         compress = compressible and route.compress
         agreed = None
         if route.check:  # before either path: ranks that disagree would take different ones
-            fields = {"reduce_op": op, "bits": bits, "bucket_size": bucket_size,
-                      "minimal_size": self.config.minimal_size, "compressed": compress}  # fmt: skip
-            agreed = agreement.check(self, "all_reduce on the cgx backend", t, fields,
-                                     deferred=route.check == "deferred", route=route)  # fmt: skip
+            fields = {
+                "reduce_op": op,
+                "bits": bits,
+                "bucket_size": bucket_size,
+                "minimal_size": self.config.minimal_size,
+                "compressed": compress,
+            }
+            agreed = agreement.check(
+                self,
+                "all_reduce on the cgx backend",
+                t,
+                fields,
+                deferred=route.check == "deferred",
+                route=route,
+            )
         if compress:
             with self._side_stream(tensors):
                 self._compress(tensors, bits, bucket_size, op)
@@ -243,8 +263,9 @@ class CGXProcessGroup(dist.ProcessGroup):
             self._meshes[device_type] = node_mesh(device_type) if several else None
         return self._meshes[device_type]
 
-    def _compress(self, tensors: Sequence[torch.Tensor], bits: int, bucket_size: int,
-                  op: str) -> None:  # fmt: skip
+    def _compress(
+        self, tensors: Sequence[torch.Tensor], bits: int, bucket_size: int, op: str
+    ) -> None:
         if any(t.is_neg() for t in tensors):
             # The codecs read the stored values: a negative view's are the negation of its own.
             views = list(tensors)
@@ -258,16 +279,18 @@ class CGXProcessGroup(dist.ProcessGroup):
         self.bytes_uncompressed += ring_bytes_sent(numel * tensors[0].element_size(), self.size())
         mesh = self.node_mesh(tensors[0].device.type, bits)
         intra_broadcast = self.config.intra_broadcast
-        if mesh is None or not policy.by_node_mesh(tensors[0], self, mesh, bits, bucket_size,
-                                                   intra_broadcast, numel):  # fmt: skip
+        if mesh is None or not policy.by_node_mesh(
+            tensors[0], self, mesh, bits, bucket_size, intra_broadcast, numel
+        ):
             self.bytes_sent += allreduce_fused_(tensors, bits, bucket_size, self, op)
         else:
             self.bytes_sent += hierarchical_allreduce_fused_(
                 list(tensors), bits, bucket_size, mesh, op, intra_broadcast
             )
 
-    def _rides_shared_memory(self, tensors: list[torch.Tensor], op: dist.ReduceOp,
-                             floats: bool) -> bool:  # fmt: skip
+    def _rides_shared_memory(
+        self, tensors: list[torch.Tensor], op: dist.ReduceOp, floats: bool
+    ) -> bool:
         """Whether a plain allreduce goes through shared memory (the policy's transport for
         the tensor, a group on one host): one contiguous tensor, summed or averaged (floats)."""
         if len(tensors) != 1 or not tensors[0].is_contiguous() or tensors[0].numel() == 0:
@@ -305,53 +328,73 @@ class CGXProcessGroup(dist.ProcessGroup):
     def broadcast(self, tensors: list[torch.Tensor], opts: dist.BroadcastOptions) -> dist.Work:
         return self._issue(tensors, lambda: self.backend_for(tensors[0]).broadcast(tensors, opts))
 
-    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
-                  opts: dist.AllgatherOptions) -> dist.Work:  # fmt: skip
+    def allgather(
+        self,
+        outputs: list[list[torch.Tensor]],
+        inputs: list[torch.Tensor],
+        opts: dist.AllgatherOptions,
+    ) -> dist.Work:
         return self._issue(
             inputs, lambda: self.backend_for(inputs[0]).allgather(outputs, inputs, opts)
         )
 
-    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor,
-                        opts: dist.AllgatherOptions) -> dist.Work:  # fmt: skip
+    def _allgather_base(
+        self, output: torch.Tensor, input: torch.Tensor, opts: dist.AllgatherOptions
+    ) -> dist.Work:
         return self._issue(
             [input], lambda: self.backend_for(input)._allgather_base(output, input, opts)
         )
 
     all_gather_single = _allgather_base
 
-    def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor],
-                                        inputs: list[torch.Tensor],
-                                        opts: dist.AllgatherOptions) -> dist.Work:  # fmt: skip
+    def allgather_into_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: dist.AllgatherOptions
+    ) -> dist.Work:
         works = [self._allgather_base(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
         return _Works(works, outputs)
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
-    def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]],
-                       opts: dist.ReduceScatterOptions) -> dist.Work:  # fmt: skip
+    def reduce_scatter(
+        self,
+        outputs: list[torch.Tensor],
+        inputs: list[list[torch.Tensor]],
+        opts: dist.ReduceScatterOptions,
+    ) -> dist.Work:
         return self._issue(
             outputs, lambda: self.backend_for(outputs[0]).reduce_scatter(outputs, inputs, opts)
         )
 
-    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor,
-                             opts: dist.ReduceScatterOptions) -> dist.Work:  # fmt: skip
+    def _reduce_scatter_base(
+        self, output: torch.Tensor, input: torch.Tensor, opts: dist.ReduceScatterOptions
+    ) -> dist.Work:
         return self._issue(
             [input], lambda: self.backend_for(input)._reduce_scatter_base(output, input, opts)
         )
 
     reduce_scatter_single = _reduce_scatter_base
 
-    def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor],
-                                        inputs: list[torch.Tensor],
-                                        opts: dist.ReduceScatterOptions) -> dist.Work:  # fmt: skip
-        works = [self._reduce_scatter_base(o, i, opts)
-                 for o, i in zip(outputs, inputs, strict=True)]  # fmt: skip
+    def reduce_scatter_tensor_coalesced(
+        self,
+        outputs: list[torch.Tensor],
+        inputs: list[torch.Tensor],
+        opts: dist.ReduceScatterOptions,
+    ) -> dist.Work:
+        works = [
+            self._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs, strict=True)
+        ]
         return _Works(works, outputs)
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
-    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, out_splits: list[int],
-                      in_splits: list[int], opts: dist.AllToAllOptions) -> dist.Work:  # fmt: skip
+    def alltoall_base(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        out_splits: list[int],
+        in_splits: list[int],
+        opts: dist.AllToAllOptions,
+    ) -> dist.Work:
         return self._issue(
             [input],
             lambda: self.backend_for(input).alltoall_base(

@@ -105,8 +105,9 @@ class Timer:
         for _ in range(self.iters):
             for fn, out in zip(fns, times, strict=True):
                 out.append(self._once(fn))
-        medians = torch.tensor([statistics.median(t) for t in times], dtype=torch.float64,
-                               device=self.device)  # fmt: skip
+        medians = torch.tensor(
+            [statistics.median(t) for t in times], dtype=torch.float64, device=self.device
+        )
         dist.all_reduce(medians, op=dist.ReduceOp.MAX)  # the slowest rank's
         return medians.tolist()
 
@@ -179,8 +180,11 @@ def _bench_size(
             cgx_ms = timer(quantized)
             hier_ms = None
             if args.hierarchical:
-                hier_ms = timer(lambda bits=bits: cgx2.hierarchical_allreduce(
-                    x, bits, args.mesh, op="sum", bucket_size=args.bucket_size))  # fmt: skip
+                hier_ms = timer(
+                    lambda bits=bits: cgx2.hierarchical_allreduce(
+                        x, bits, args.mesh, op="sum", bucket_size=args.bucket_size
+                    )
+                )
             graphs_ms = None
         if args.cuda_graphs:
             with config.tuned(crossover_bytes=0), _graphs_on():
@@ -278,8 +282,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     args.mesh = collectives.node_mesh(device.type) if args.hierarchical else None
     # One untimed pass at the smallest size first: the run's start (first calls of each
     # collective, dtype and codec, on every rank) would otherwise weigh on the first row.
-    _bench_size(Timer(device, 0, 1, args.calls), min(args.sizes), args.dtypes[0], args, device,
-                lambda _: None)  # fmt: skip
+    _bench_size(
+        Timer(device, 0, 1, args.calls),
+        min(args.sizes),
+        args.dtypes[0],
+        args,
+        device,
+        lambda _: None,
+    )
     progress = Progress()
     rows = [
         row
@@ -292,8 +302,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {"env": environment(device, dist.get_world_size()), "args": vars(args), "rows": rows}
 
 
-def columns(backend: str, cuda_graphs: bool = False, shm: bool = False,
-            hierarchical: bool = False) -> list[tuple[str, str, str, str]]:  # fmt: skip
+def columns(
+    backend: str, cuda_graphs: bool = False, shm: bool = False, hierarchical: bool = False
+) -> list[tuple[str, str, str, str]]:
     """The table's columns, ``(row key, header, format spec, meaning)``, named after the
     process group's ``backend`` (as the table prints it: NCCL, gloo...); ``shm``: the
     shared-memory transport's too; ``hierarchical``: the node mesh's allreduce's."""
@@ -301,64 +312,128 @@ def columns(backend: str, cuda_graphs: bool = False, shm: bool = False,
         ("dtype", "dtype", "", "the tensor's element type"),
         ("size", "size", "", "the tensor's size in bytes (K, M, G: KiB, MiB, GiB)"),
         ("bits", "bits", "d", "bits per value that cgx2 sends"),
-        ("plain_ms", f"{backend} ms", ".3f",
-         f"{backend}'s own allreduce of the tensor (torch.distributed.all_reduce)"),
-        ("plain_busbw", f"{backend} GB/s", ".2f",
-         "its bus bandwidth as nccl-tests counts it: size / time * 2(W-1)/W for W ranks"),
-        ("cgx2_ms", "cgx2 ms", ".3f",
-         "cgx2.quantized_allreduce of the tensor, compressing at every size, launched eagerly "
-         "(CGX2_CUDA_GRAPHS=0)"),
-        ("cgx2_busbw", "cgx2 GB/s", ".2f",
-         "its bus bandwidth, counted on the uncompressed size as above"),
-        ("cast_bf16_ms", "bf16 cast ms", ".3f",
-         f"cast to bf16, {backend}'s allreduce, cast back: what torch's bf16_compress_hook "
-         "does (fp32 tensors only)"),
-        ("sol_ms", "SoL ms", ".3f",
-         "speed of light: the collectives cgx2's allreduce calls, run bare on a payload of "
-         "the compressed size, with no encoding or decoding: an all_to_all plus an "
-         "all_gather (between two ranks off NVLink, two all_gathers, as the pipeline does "
-         "there). cgx2 cannot be faster than this"),
-        ("sol_all_to_all_ms", "a2a SoL ms", ".3f",
-         "the same, always as an all_to_all plus an all_gather"),
-        ("speedup_vs_plain", f"speedup vs {backend}", ".2f",
-         f"{backend} ms / cgx2 ms: above 1, cgx2 is faster"),
-        ("fraction_of_sol", "% of SoL", ".0%",
-         "SoL ms / cgx2 ms: how close cgx2 comes to its speed of light"),
-        ("auto_path", "auto", "",
-         "the path cgx2.quantized_allreduce_ (in place, as the DDP hook and the cgx backend "
-         "call it) chose at this size: quantized (replaying a CUDA graph up to "
-         f"{policy.GRAPHS_AUTO_MAX_BYTES >> 20} MiB on NCCL), or plain below the crossover "
-         "where compression does not pay"),
-        ("auto_vs_plain", "auto speedup", ".2f",
-         f"{backend}'s average (its allreduce, then a division where it has no AVG, as DDP's "
-         "hook does) / auto's time, the two timed in turn"),
-    ]  # fmt: skip
+        (
+            "plain_ms",
+            f"{backend} ms",
+            ".3f",
+            f"{backend}'s own allreduce of the tensor (torch.distributed.all_reduce)",
+        ),
+        (
+            "plain_busbw",
+            f"{backend} GB/s",
+            ".2f",
+            "its bus bandwidth as nccl-tests counts it: size / time * 2(W-1)/W for W ranks",
+        ),
+        (
+            "cgx2_ms",
+            "cgx2 ms",
+            ".3f",
+            "cgx2.quantized_allreduce of the tensor, compressing at every size, launched eagerly "
+            "(CGX2_CUDA_GRAPHS=0)",
+        ),
+        (
+            "cgx2_busbw",
+            "cgx2 GB/s",
+            ".2f",
+            "its bus bandwidth, counted on the uncompressed size as above",
+        ),
+        (
+            "cast_bf16_ms",
+            "bf16 cast ms",
+            ".3f",
+            f"cast to bf16, {backend}'s allreduce, cast back: what torch's bf16_compress_hook "
+            "does (fp32 tensors only)",
+        ),
+        (
+            "sol_ms",
+            "SoL ms",
+            ".3f",
+            "speed of light: the collectives cgx2's allreduce calls, run bare on a payload of "
+            "the compressed size, with no encoding or decoding: an all_to_all plus an "
+            "all_gather (between two ranks off NVLink, two all_gathers, as the pipeline does "
+            "there). cgx2 cannot be faster than this",
+        ),
+        (
+            "sol_all_to_all_ms",
+            "a2a SoL ms",
+            ".3f",
+            "the same, always as an all_to_all plus an all_gather",
+        ),
+        (
+            "speedup_vs_plain",
+            f"speedup vs {backend}",
+            ".2f",
+            f"{backend} ms / cgx2 ms: above 1, cgx2 is faster",
+        ),
+        (
+            "fraction_of_sol",
+            "% of SoL",
+            ".0%",
+            "SoL ms / cgx2 ms: how close cgx2 comes to its speed of light",
+        ),
+        (
+            "auto_path",
+            "auto",
+            "",
+            "the path cgx2.quantized_allreduce_ (in place, as the DDP hook and the cgx backend "
+            "call it) chose at this size: quantized (replaying a CUDA graph up to "
+            f"{policy.GRAPHS_AUTO_MAX_BYTES >> 20} MiB on NCCL), or plain below the crossover "
+            "where compression does not pay",
+        ),
+        (
+            "auto_vs_plain",
+            "auto speedup",
+            ".2f",
+            f"{backend}'s average (its allreduce, then a division where it has no AVG, as DDP's "
+            "hook does) / auto's time, the two timed in turn",
+        ),
+    ]
     if shm:
         cols += [
-            ("cgx2_shm_ms", "cgx2 shm ms", ".3f",
-             "cgx2 ms with shared memory moving the bytes (CGX2_TRANSPORT=shm; "
-             "docs/transports.md)"),
-            ("shm_plain_ms", "shm plain ms", ".3f",
-             "the uncompressed allreduce through shared memory"),
+            (
+                "cgx2_shm_ms",
+                "cgx2 shm ms",
+                ".3f",
+                "cgx2 ms with shared memory moving the bytes (CGX2_TRANSPORT=shm; "
+                "docs/transports.md)",
+            ),
+            (
+                "shm_plain_ms",
+                "shm plain ms",
+                ".3f",
+                "the uncompressed allreduce through shared memory",
+            ),
             ("shm_plain_speedup", "shm plain speedup", ".2f", f"{backend} ms / shm plain ms"),
-        ]  # fmt: skip
+        ]
     if hierarchical:
         cols += [
-            ("hier_ms", "hier ms", ".3f",
-             "cgx2.hierarchical_allreduce: plain inside each host, quantized between hosts "
-             "(the node mesh the DDP hook and the cgx backend use across nodes)"),
+            (
+                "hier_ms",
+                "hier ms",
+                ".3f",
+                "cgx2.hierarchical_allreduce: plain inside each host, quantized between hosts "
+                "(the node mesh the DDP hook and the cgx backend use across nodes)",
+            ),
             ("hier_vs_flat", "hier vs flat", ".2f", "cgx2 ms / hier ms: above 1, the mesh wins"),
-        ]  # fmt: skip
+        ]
     if cuda_graphs:
         cols += [
-            ("cgx2_graphs_ms", "graphs ms", ".3f",
-             "cgx2 ms with the allreduce replayed as a CUDA graph (CGX2_CUDA_GRAPHS=1)"),
+            (
+                "cgx2_graphs_ms",
+                "graphs ms",
+                ".3f",
+                "cgx2 ms with the allreduce replayed as a CUDA graph (CGX2_CUDA_GRAPHS=1)",
+            ),
             ("graphs_speedup_vs_plain", "graphs speedup", ".2f", f"{backend} ms / graphs ms"),
             ("graphs_fraction_of_sol", "graphs % of SoL", ".0%", "SoL ms / graphs ms"),
             ("graphs_auto_path", "graphs auto", "", "auto's path with CUDA graphs"),
-            ("graphs_auto_vs_plain", "graphs auto speedup", ".2f",
-             f"{backend}'s allreduce time / auto's with CUDA graphs, timed in turn"),
-        ]  # fmt: skip
+            (
+                "graphs_auto_vs_plain",
+                "graphs auto speedup",
+                ".2f",
+                f"{backend}'s allreduce time / auto's with CUDA graphs, timed in turn",
+            ),
+        ]
     return cols
 
 
@@ -467,14 +542,16 @@ def _main(args: argparse.Namespace) -> int:
     if args.pipeline_bytes is None:  # values a piece (of any dtype), as the pipeline cuts them
         probe = torch.empty(0, device=device or torch.device("cpu"))
         with config.tuned(crossover_bytes=0):
-            args.piece_numel = policy.route(probe, dist.group.WORLD, 4, args.bucket_size,
-                                            numel=1).piece_numel  # fmt: skip
+            args.piece_numel = policy.route(
+                probe, dist.group.WORLD, 4, args.bucket_size, numel=1
+            ).piece_numel
     try:
         report = run(args)
         if dist.get_rank() == 0:
             name = dist.get_backend()
-            cols = columns(BACKEND_NAMES.get(name, name), args.cuda_graphs, args.shm,
-                           args.hierarchical)  # fmt: skip
+            cols = columns(
+                BACKEND_NAMES.get(name, name), args.cuda_graphs, args.shm, args.hierarchical
+            )
             print(format_table(report["rows"], [(key, head, spec) for key, head, spec, _ in cols]))
             print("\nColumns:")
             print(format_legend([(head, meaning) for _, head, _, meaning in cols]))
@@ -482,9 +559,12 @@ def _main(args: argparse.Namespace) -> int:
             print(
                 f"\n{env['device']} x{env['world_size']}, {name}, regime {env['regime']}, "
                 f"torch {env['torch']}, NCCL {env.get('nccl', '-')}, "
-                + ("one call per timed window" if args.calls == 1
-                   else f"{args.calls} calls back to back per timed window")
-            )  # fmt: skip
+                + (
+                    "one call per timed window"
+                    if args.calls == 1
+                    else f"{args.calls} calls back to back per timed window"
+                )
+            )
             if args.out:
                 print(f"results: {write_json('allreduce', report, args.out)}")
     finally:

@@ -49,8 +49,15 @@ from .report import (
     started,
 )
 
-__all__ = ["calibrate", "crossover", "crossovers", "default_sizes", "main", "node_mesh_tables",
-           "write_calibration"]  # fmt: skip
+__all__ = [
+    "calibrate",
+    "crossover",
+    "crossovers",
+    "default_sizes",
+    "main",
+    "node_mesh_tables",
+    "write_calibration",
+]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_CLASS = {"fp32": "fp32", "bf16": "16bit", "fp16": "16bit"}
@@ -141,11 +148,18 @@ def calibrate(
                 plain_s, compressed_s = timed_in_turn(
                     (plain, compressed), warmup, iters, device, control
                 )
-                measurements.append({"dtype": dtype_name, "bytes": nbytes,
-                                     "plain_s": plain_s, "compressed_s": compressed_s})  # fmt: skip
+                measurements.append(
+                    {
+                        "dtype": dtype_name,
+                        "bytes": nbytes,
+                        "plain_s": plain_s,
+                        "compressed_s": compressed_s,
+                    }
+                )
                 del x, buf
-    node_mesh_faster = node_mesh_tables(sizes, dtypes, warmup, iters, device,
-                                        group or dist.group.WORLD, backend, progress)  # fmt: skip
+    node_mesh_faster = node_mesh_tables(
+        sizes, dtypes, warmup, iters, device, group or dist.group.WORLD, backend, progress
+    )
     if control is not group:
         dist.destroy_process_group(control)
     return {
@@ -194,9 +208,18 @@ def node_mesh_tables(
         for dtype_name in dtypes:
             if progress is not None:
                 progress(f"{dtype_name}: the node mesh against the flat allreduce")
-            faster = mesh_against_flat(DTYPES[dtype_name], group, mesh, BITS, BUCKET_SIZE,
-                                       intra_broadcast, sizes, warmup, iters,
-                                       device=device)  # fmt: skip
+            faster = mesh_against_flat(
+                DTYPES[dtype_name],
+                group,
+                mesh,
+                BITS,
+                BUCKET_SIZE,
+                intra_broadcast,
+                sizes,
+                warmup,
+                iters,
+                device=device,
+            )
             key = policy.calibration_key(device.type, backend, DTYPES[dtype_name])
             tables[key] = {str(n): won for n, won in faster.items()}
     return tables
@@ -252,18 +275,27 @@ def format_report(data: dict[str, Any]) -> str:
     """The table of the measurements, its legend, and the crossovers found."""
     name = BACKEND_NAMES.get(data["backend"], data["backend"])
     rows = [
-        {"size": size_name(m["bytes"]), "dtype": m["dtype"], "plain_ms": 1e3 * m["plain_s"],
-         "cgx2_ms": 1e3 * m["compressed_s"], "speedup": m["plain_s"] / m["compressed_s"]}
+        {
+            "size": size_name(m["bytes"]),
+            "dtype": m["dtype"],
+            "plain_ms": 1e3 * m["plain_s"],
+            "cgx2_ms": 1e3 * m["compressed_s"],
+            "speedup": m["plain_s"] / m["compressed_s"],
+        }
         for m in data["measurements"]
-    ]  # fmt: skip
+    ]
     columns = [
         ("size", "size", "", "the tensor's size in bytes (K, M, G: KiB, MiB, GiB)"),
         ("dtype", "dtype", "", "the tensor's element type"),
         ("plain_ms", "plain ms", ".3f", f"{name}'s own allreduce of the tensor"),
-        ("cgx2_ms", "cgx2 ms", ".3f",
-         f"cgx2.quantized_allreduce at {BITS} bits, bucket {BUCKET_SIZE}, always compressing"),
+        (
+            "cgx2_ms",
+            "cgx2 ms",
+            ".3f",
+            f"cgx2.quantized_allreduce at {BITS} bits, bucket {BUCKET_SIZE}, always compressing",
+        ),
         ("speedup", f"speedup vs {name}", ".2f", "plain ms / cgx2 ms: above 1, cgx2 is faster"),
-    ]  # fmt: skip
+    ]
     lines = [
         format_table(rows, [(key, head, spec) for key, head, spec, _ in columns]),
         "",
@@ -283,8 +315,11 @@ def format_report(data: dict[str, Any]) -> str:
         lines.append(line)
     for key, table in data.get("node_mesh_faster", {}).items():
         won = [size_name(int(n)) for n, mesh_won in table.items() if mesh_won]
-        lines.append(f"  {key} across nodes: the node mesh at " + (", ".join(won) or "no size")
-                     + ", the flat allreduce elsewhere")  # fmt: skip
+        lines.append(
+            f"  {key} across nodes: the node mesh at "
+            + (", ".join(won) or "no size")
+            + ", the flat allreduce elsewhere"
+        )
     return "\n".join(lines)
 
 
@@ -356,8 +391,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rank0 = dist.get_rank() == 0
         progress = Progress()
-        data = calibrate(args.sizes, args.dtypes, args.warmup, args.iters, device,
-                         progress=progress if rank0 else None)  # fmt: skip
+        data = calibrate(
+            args.sizes,
+            args.dtypes,
+            args.warmup,
+            args.iters,
+            device,
+            progress=progress if rank0 else None,
+        )
         progress.close()
         if rank0:
             print(format_report(data))

@@ -349,8 +349,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import triton  # noqa: F401
     except ImportError:
-        print(f"{PROG}: it times the Triton kernels, and Triton is not installed "
-              "(pip install triton)", file=sys.stderr)  # fmt: skip
+        print(
+            f"{PROG}: it times the Triton kernels, and Triton is not installed "
+            "(pip install triton)",
+            file=sys.stderr,
+        )
         return 2
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     if interpret:

@@ -151,8 +151,16 @@ class Progress:
             self._width = 0
 
 
-_NCCL_VARS = ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_NVLS_ENABLE", "NCCL_IB_DISABLE",
-              "NCCL_SOCKET_IFNAME", "NCCL_HOSTID", "NCCL_ALGO", "NCCL_PROTO")  # fmt: skip
+_NCCL_VARS = (
+    "NCCL_P2P_DISABLE",
+    "NCCL_SHM_DISABLE",
+    "NCCL_NVLS_ENABLE",
+    "NCCL_IB_DISABLE",
+    "NCCL_SOCKET_IFNAME",
+    "NCCL_HOSTID",
+    "NCCL_ALGO",
+    "NCCL_PROTO",
+)
 
 
 def _cgx2_vars() -> dict[str, str]:
@@ -231,9 +239,9 @@ def format_table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]
     """A plain right-aligned table; columns are (key, header, format spec)."""
     cells = [[h for _, h, _ in columns]]
     for row in rows:
-        cells.append([
-            "-" if row.get(k) is None else format(row[k], spec) for k, _, spec in columns
-        ])  # fmt: skip
+        cells.append(
+            ["-" if row.get(k) is None else format(row[k], spec) for k, _, spec in columns]
+        )
     widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))

@@ -28,48 +28,97 @@ class Codec(Protocol):
     is coded with stream ``j``. ``key`` is a 64-bit int (an implementation may take more).
     A ``[K, P]`` buffer of rows may be a view with a longer row pitch, each row contiguous."""
 
-    def chunked_layout(self, numel: int, num_chunks: int, bits: int, bucket_size: int,
-                       skip_incomplete: bool = False) -> ChunkedLayout:  # fmt: skip
+    def chunked_layout(
+        self,
+        numel: int,
+        num_chunks: int,
+        bits: int,
+        bucket_size: int,
+        skip_incomplete: bool = False,
+    ) -> ChunkedLayout:
         """The payload layout of ``numel`` values cut into ``num_chunks`` chunks at bucket
         boundaries: the size of every buffer below."""
         ...
 
-    def encode(self, x: torch.Tensor, bits: int, bucket_size: int, key: int, stream: int = 0,
-               skip_incomplete: bool = False, out: torch.Tensor | None = None,
-               nearest: bool = False) -> torch.Tensor:  # fmt: skip
+    def encode(
+        self,
+        x: torch.Tensor,
+        bits: int,
+        bucket_size: int,
+        key: int,
+        stream: int = 0,
+        skip_incomplete: bool = False,
+        out: torch.Tensor | None = None,
+        nearest: bool = False,
+    ) -> torch.Tensor:
         """Flat ``x`` (any float dtype) as one payload (written into ``out`` when given);
         ``nearest``: levels rounded to the nearest, not stochastically (``key`` unused)."""
         ...
 
-    def decode(self, payload: torch.Tensor, numel: int, bits: int, bucket_size: int,
-               dtype: torch.dtype = torch.float32, skip_incomplete: bool = False,
-               ) -> torch.Tensor:  # fmt: skip
+    def decode(
+        self,
+        payload: torch.Tensor,
+        numel: int,
+        bits: int,
+        bucket_size: int,
+        dtype: torch.dtype = torch.float32,
+        skip_incomplete: bool = False,
+    ) -> torch.Tensor:
         """Inverse of :meth:`encode`: ``numel`` values in ``dtype``."""
         ...
 
-    def encode_chunks(self, x: torch.Tensor, layout: ChunkedLayout, key: int,
-                      skip_chunk: int = -1, *, out: torch.Tensor | None = None,
-                      ) -> torch.Tensor:  # fmt: skip
+    def encode_chunks(
+        self,
+        x: torch.Tensor,
+        layout: ChunkedLayout,
+        key: int,
+        skip_chunk: int = -1,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Each chunk of flat ``x`` into its row; row ``skip_chunk`` (the caller's own chunk,
         kept in full precision) is not written."""
         ...
 
-    def decode_chunks(self, payloads: torch.Tensor, layout: ChunkedLayout, dtype: torch.dtype,
-                      out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    def decode_chunks(
+        self,
+        payloads: torch.Tensor,
+        layout: ChunkedLayout,
+        dtype: torch.dtype,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Inverse of :meth:`encode_chunks`: the flat tensor of ``layout.numel`` values."""
         ...
 
-    def decode_sum(self, payloads: torch.Tensor, numel: int, own: torch.Tensor | None,
-                   own_index: int, scale: float | None, bits: int, bucket_size: int,
-                   skip_incomplete: bool = False) -> torch.Tensor:  # fmt: skip
+    def decode_sum(
+        self,
+        payloads: torch.Tensor,
+        numel: int,
+        own: torch.Tensor | None,
+        own_index: int,
+        scale: float | None,
+        bits: int,
+        bucket_size: int,
+        skip_incomplete: bool = False,
+    ) -> torch.Tensor:
         """``(own + the other rows decoded) * scale`` in fp32, summed in row order; row
         ``own_index`` is not read (``own`` stands for it); ``scale`` None means 1."""
         ...
 
-    def decode_sum_encode(self, payloads: torch.Tensor, numel: int, own: torch.Tensor | None,
-                          own_index: int, scale: float | None, bits: int, bucket_size: int,
-                          key: int, stream: int = 0, skip_incomplete: bool = False,
-                          out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    def decode_sum_encode(
+        self,
+        payloads: torch.Tensor,
+        numel: int,
+        own: torch.Tensor | None,
+        own_index: int,
+        scale: float | None,
+        bits: int,
+        bucket_size: int,
+        key: int,
+        stream: int = 0,
+        skip_incomplete: bool = False,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """:meth:`decode_sum` encoded once more (the reduced chunk of an allreduce), fused
         where the implementation can; with ``scale``, own and each row times ``scale`` summed
         (the plain allreduce's AVG divides first), and a bucket whose sum overflowed coded
@@ -84,8 +133,9 @@ class GlobalNormCodec(Protocol):
     the codes). The linear global-norm codecs, whose integer levels add up in an all-reduce
     instead, are :mod:`cgx2.codecs.global_norm`'s functions."""
 
-    def encode(self, g: torch.Tensor, norm: torch.Tensor | None, bits: int, key: int,
-               stream: int = 0) -> torch.Tensor:  # fmt: skip
+    def encode(
+        self, g: torch.Tensor, norm: torch.Tensor | None, bits: int, key: int, stream: int = 0
+    ) -> torch.Tensor:
         """Flat integer codes of ``g / norm`` (``norm`` None: of ``g``)."""
         ...
 
@@ -99,8 +149,11 @@ class GlobalNormCodec(Protocol):
 
 
 def _members(protocol: type) -> list[str]:
-    return sorted(name for name in protocol.__dict__ if callable(protocol.__dict__[name])
-                  and not name.startswith("_"))  # fmt: skip
+    return sorted(
+        name
+        for name in protocol.__dict__
+        if callable(protocol.__dict__[name]) and not name.startswith("_")
+    )
 
 
 def mismatches(implementation: object, protocol: type) -> list[str]:
@@ -116,8 +169,9 @@ def mismatches(implementation: object, protocol: type) -> list[str]:
             continue
         wanted = list(inspect.signature(getattr(protocol, name)).parameters.values())[1:]
         have = inspect.signature(found).parameters
-        positional = [p for p in have.values() if p.kind in (p.POSITIONAL_ONLY,
-                                                             p.POSITIONAL_OR_KEYWORD)]  # fmt: skip
+        positional = [
+            p for p in have.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
         taken = set()
         for i, want in enumerate(wanted):
             if want.kind == want.POSITIONAL_OR_KEYWORD:
@@ -133,8 +187,9 @@ def mismatches(implementation: object, protocol: type) -> list[str]:
                     continue
             taken.add(got.name)
             if want.default is not want.empty and got.default != want.default:
-                problems.append(f"{name}: {want.name}'s default must be {want.default!r}, "
-                                f"got {got.default!r}")  # fmt: skip
+                problems.append(
+                    f"{name}: {want.name}'s default must be {want.default!r}, got {got.default!r}"
+                )
         for extra in have.values():
             if extra.name in taken or extra.kind in (extra.VAR_POSITIONAL, extra.VAR_KEYWORD):
                 continue

@@ -73,8 +73,13 @@ class Launcher:
         """Whether launches may bypass Triton's dispatch now (a tested Triton, not turned off,
         not interpreting, no launch hooks)."""
         enter, leave = self.runtime.launch_enter_hook, self.runtime.launch_exit_hook
-        return (bool(_TESTED) and tuning().direct_launch and not self.runtime.interpret
-                and not enter.calls and not leave.calls)  # fmt: skip
+        return (
+            bool(_TESTED)
+            and tuning().direct_launch
+            and not self.runtime.interpret
+            and not enter.calls
+            and not leave.calls
+        )
 
     def bound(self, grid: Sequence[int], *args: Any, **constexprs: Any) -> Bound | None:
         """The compiled variant that these arguments launch, bound to ``grid`` and the
@@ -126,16 +131,29 @@ class Launcher:
                 self.names = [p.name for p in self.kernel.params]
                 self.defaults = {p.name: p.default for p in self.kernel.params if p.has_default}
             # The parameters after the positional ones (constexprs), fixed by the key.
-            tail = [constexprs[name] if name in constexprs else self.defaults[name]
-                    for name in self.names[len(args) :]]  # fmt: skip
+            tail = [
+                constexprs[name] if name in constexprs else self.defaults[name]
+                for name in self.names[len(args) :]
+            ]
             self.variants[key] = compiled, tail
             return
         compiled, tail = found
         stream = torch._C._cuda_getCurrentRawStream(key[0])
         grid_1 = grid[1] if len(grid) > 1 else 1
         grid_2 = grid[2] if len(grid) > 2 else 1
-        compiled.run(grid[0], grid_1, grid_2, stream, compiled.function, compiled.packed_metadata,
-                     None, None, None, *values, *tail)  # fmt: skip
+        compiled.run(
+            grid[0],
+            grid_1,
+            grid_2,
+            stream,
+            compiled.function,
+            compiled.packed_metadata,
+            None,
+            None,
+            None,
+            *values,
+            *tail,
+        )
 
 
 class Bound:
@@ -150,5 +168,14 @@ class Bound:
 
     def run(self, stream: int, *values: Any) -> None:
         compiled = self.compiled
-        compiled.run(*self.grid, stream, compiled.function, compiled.packed_metadata, None, None,
-                     None, *values, *self.tail)  # fmt: skip
+        compiled.run(
+            *self.grid,
+            stream,
+            compiled.function,
+            compiled.packed_metadata,
+            None,
+            None,
+            None,
+            *values,
+            *self.tail,
+        )

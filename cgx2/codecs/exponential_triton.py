@@ -220,14 +220,34 @@ def _decode_kernel(
     offs = start + tl.arange(0, BLOCK)
     if start + BLOCK <= n:
         _decode_block(
-            codes_ptr, scale_ptr, out_ptr, offs, n, rows, row_stride,
-            NAN_CODE, SUBNORMAL_LEVELS, SUM, HAS_SCALE, False,
-        )  # fmt: skip
+            codes_ptr,
+            scale_ptr,
+            out_ptr,
+            offs,
+            n,
+            rows,
+            row_stride,
+            NAN_CODE,
+            SUBNORMAL_LEVELS,
+            SUM,
+            HAS_SCALE,
+            False,
+        )
     else:
         _decode_block(
-            codes_ptr, scale_ptr, out_ptr, offs, n, rows, row_stride,
-            NAN_CODE, SUBNORMAL_LEVELS, SUM, HAS_SCALE, True,
-        )  # fmt: skip
+            codes_ptr,
+            scale_ptr,
+            out_ptr,
+            offs,
+            n,
+            rows,
+            row_stride,
+            NAN_CODE,
+            SUBNORMAL_LEVELS,
+            SUM,
+            HAS_SCALE,
+            True,
+        )
 
 
 def encode(

@@ -17,9 +17,16 @@ import torch
 from .packing import pack_stream, unpack_stream
 
 __all__ = [
-    "average_rows", "dequantize", "level_dtype", "levels_per_side", "offset_levels",
-    "pack_offset_levels", "quantize", "rounding_uniforms", "unpack_offset_sums",
-]  # fmt: skip
+    "average_rows",
+    "dequantize",
+    "level_dtype",
+    "levels_per_side",
+    "offset_levels",
+    "pack_offset_levels",
+    "quantize",
+    "rounding_uniforms",
+    "unpack_offset_sums",
+]
 
 INT_DTYPES = (torch.int8, torch.int32)  # neither NCCL nor gloo reduces int16
 OFFSET_BITS = 4  # the packed wire's field width
@@ -68,8 +75,9 @@ def rounding_uniforms(like: torch.Tensor, key: int) -> torch.Tensor:
     return torch.rand(like.shape, generator=g, device=like.device, dtype=torch.float32)
 
 
-def quantize(g: torch.Tensor, norm: torch.Tensor, levels: int, key: int,
-             dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+def quantize(
+    g: torch.Tensor, norm: torch.Tensor, levels: int, key: int, dtype: torch.dtype
+) -> torch.Tensor:
     """``floor(g * fp32(L / norm) + u)`` in ``dtype``, clamped to [-L, L] (``g * L / norm`` can
     round a hair past L); 0 everywhere when ``norm`` is 0. ``u`` is
     :func:`rounding_uniforms` of ``key``. ``norm`` is a one-element fp32 tensor."""
@@ -97,8 +105,9 @@ def pack_offset_levels(q: torch.Tensor, levels: int, bits: int = OFFSET_BITS) ->
     return pack_stream(q.reshape(-1).to(torch.int32) + levels, bits)
 
 
-def unpack_offset_sums(packed: torch.Tensor, numel: int, levels: int, world: int,
-                       bits: int = OFFSET_BITS) -> torch.Tensor:  # fmt: skip
+def unpack_offset_sums(
+    packed: torch.Tensor, numel: int, levels: int, world: int, bits: int = OFFSET_BITS
+) -> torch.Tensor:
     """The sums of ``world`` ranks' levels from their summed :func:`pack_offset_levels`
     fields, as int32: each field minus ``world * L``."""
     return unpack_stream(packed, bits, numel).to(torch.int32) - world * levels

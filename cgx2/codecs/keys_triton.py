@@ -24,8 +24,15 @@ def _splitmix64(x):
 
 
 @triton.jit(do_not_specialize=["rank", "pieces"])  # rank 1 would be a constexpr int
-def _piece_keys_kernel(seed_ptr, out_ptr, rank, pieces, SCATTER: tl.constexpr,
-                       GATHER: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+def _piece_keys_kernel(
+    seed_ptr,
+    out_ptr,
+    rank,
+    pieces,
+    SCATTER: tl.constexpr,
+    GATHER: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     seed = tl.load(seed_ptr).to(tl.uint64, bitcast=True)
     base = _splitmix64(seed)
     scatter = _splitmix64(_splitmix64(base ^ SCATTER) ^ rank.to(tl.uint64))
@@ -40,14 +47,16 @@ def _piece_keys_kernel(seed_ptr, out_ptr, rank, pieces, SCATTER: tl.constexpr,
         tl.store(out_ptr + 2 * i + 1, g.to(tl.int64, bitcast=True), mask=mask)
 
 
-def piece_keys(seed: torch.Tensor, rank: int, pieces: int, scatter_stage: int,
-               gather_stage: int) -> torch.Tensor:  # fmt: skip
+def piece_keys(
+    seed: torch.Tensor, rank: int, pieces: int, scatter_stage: int, gather_stage: int
+) -> torch.Tensor:
     """int64 ``[2 * pieces]``: at ``2i``, ``derive_key(s, scatter_stage, rank, i)``, at
     ``2i + 1``, ``derive_key(s, gather_stage, i)``, where ``s`` is the int64 in ``seed`` (one
     value on the device, read when the kernel runs), as unsigned 64-bit keys' bits."""
     if seed.dtype != torch.int64 or seed.numel() != 1:
         raise ValueError("seed must hold one int64")
     out = torch.empty(2 * pieces, dtype=torch.int64, device=seed.device)
-    _piece_keys_kernel[(1,)](seed, out, rank, pieces, SCATTER=scatter_stage,
-                             GATHER=gather_stage, BLOCK=_BLOCK)  # fmt: skip
+    _piece_keys_kernel[(1,)](
+        seed, out, rank, pieces, SCATTER=scatter_stage, GATHER=gather_stage, BLOCK=_BLOCK
+    )
     return out

@@ -37,9 +37,14 @@ from .packing import pack_levels, unpack_levels
 from .philox import bucket_halves
 
 __all__ = [
-    "chunked_layout", "decode", "decode_chunks", "decode_sum", "decode_sum_encode", "encode",
+    "chunked_layout",
+    "decode",
+    "decode_chunks",
+    "decode_sum",
+    "decode_sum_encode",
+    "encode",
     "encode_chunks",
-]  # fmt: skip
+]
 
 _NAN = float("nan")  # stored as 0x7FC00000, the kernels' NaN too
 
@@ -107,9 +112,16 @@ def _encode(
         return payload
     rows, covered = _bucket_rows(v, layout)
     nbytes = layout.levels_nbytes
-    if not nearest and native.encode_rows(rows, bits, key, stream, covered, payload[: 8 * nq],
-                                          payload[levels_at : levels_at + nbytes],
-                                          saturate):  # fmt: skip
+    if not nearest and native.encode_rows(
+        rows,
+        bits,
+        key,
+        stream,
+        covered,
+        payload[: 8 * nq],
+        payload[levels_at : levels_at + nbytes],
+        saturate,
+    ):
         return payload
     lmax = float((1 << bits) - 1)
     # + 0.0 turns -0.0 into +0.0: which zero min/max pick differs between devices. A NaN
@@ -256,9 +268,16 @@ def _decode_values(
     meta = payload[: 8 * nq].view(torch.float32).view(nq, 2)
     levels_at = layout.levels_offset
     levels = payload[levels_at : levels_at + layout.levels_nbytes]
-    if native.decode_rows(meta, levels, nq, bsz, layout.bits, out[:covered],
-                          None if base is None else base[:covered],
-                          1.0 if factor is None else factor):  # fmt: skip
+    if native.decode_rows(
+        meta,
+        levels,
+        nq,
+        bsz,
+        layout.bits,
+        out[:covered],
+        None if base is None else base[:covered],
+        1.0 if factor is None else factor,
+    ):
         return out
     packed = torch.zeros(nq * layout.bucket_stride, dtype=torch.uint8, device=payload.device)
     packed[: layout.levels_nbytes] = levels
@@ -342,8 +361,14 @@ def decode_sum(
     precision). ``scale`` None means 1 (SUM); AVG passes fp32(1/W).
     """
     layout = MaxMinLayout.of(numel, bits, bucket_size, skip_incomplete)
-    return sum_rows(payloads, numel, own, own_index, scale,
-                    lambda out, base, row: _decode_values(row, layout, out, base))  # fmt: skip
+    return sum_rows(
+        payloads,
+        numel,
+        own,
+        own_index,
+        scale,
+        lambda out, base, row: _decode_values(row, layout, out, base),
+    )
 
 
 def decode_sum_encode(
@@ -376,8 +401,13 @@ def decode_sum_encode(
     return encoded
 
 
-def _scaled_sum(payloads: torch.Tensor, layout: MaxMinLayout, own: torch.Tensor | None,
-                own_index: int, factor: float) -> torch.Tensor:  # fmt: skip
+def _scaled_sum(
+    payloads: torch.Tensor,
+    layout: MaxMinLayout,
+    own: torch.Tensor | None,
+    own_index: int,
+    factor: float,
+) -> torch.Tensor:
     """``own * factor`` plus each other row's values times ``factor``, in fp32 in row order:
     as many passes as :func:`decode_sum` takes with its scale."""
     acc = scratch.take(layout.numel, torch.float32, payloads.device)
@@ -423,8 +453,9 @@ def unsaturate_input(payload: torch.Tensor, own: torch.Tensor, layout: MaxMinLay
 _NAN_PAIR = torch.tensor([_NAN, _NAN], dtype=torch.float32).view(torch.uint8)
 
 
-def chunked_layout(numel: int, num_chunks: int, bits: int, bucket_size: int,
-                   skip_incomplete: bool = False) -> ChunkedLayout:  # fmt: skip
+def chunked_layout(
+    numel: int, num_chunks: int, bits: int, bucket_size: int, skip_incomplete: bool = False
+) -> ChunkedLayout:
     """The payload layout of the chunked functions: :meth:`ChunkedLayout.split`."""
     return ChunkedLayout.split(numel, num_chunks, bits, bucket_size, skip_incomplete)
 

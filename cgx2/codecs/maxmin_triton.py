@@ -24,9 +24,14 @@ from .direct_launch import Launcher
 from .layout import ChunkedLayout, MaxMinLayout
 
 __all__ = [
-    "chunked_layout", "decode", "decode_chunks", "decode_sum", "decode_sum_encode", "encode",
+    "chunked_layout",
+    "decode",
+    "decode_chunks",
+    "decode_sum",
+    "decode_sum_encode",
+    "encode",
     "encode_chunks",
-]  # fmt: skip
+]
 
 chunked_layout = maxmin.chunked_layout  # one payload layout: the reference's
 
@@ -202,9 +207,15 @@ def _tile(q, qmask, quant, c, B: tl.constexpr, BLOCK: tl.constexpr, FULL: tl.con
 
 @triton.jit
 def _group_grid(
-    q, qmask, quant, c, B: tl.constexpr, BLOCK: tl.constexpr, FULL: tl.constexpr,
+    q,
+    qmask,
+    quant,
+    c,
+    B: tl.constexpr,
+    BLOCK: tl.constexpr,
+    FULL: tl.constexpr,
     AS_TILE: tl.constexpr = True,
-):  # fmt: skip
+):
     """Group indices [BUCKETS, BLOCK // 8] of a tile (global: bucket q's groups are
     q * ceil(B / 8) + g) and which groups hold data. ``AS_TILE``: laid out over the threads
     as :func:`_tile` lays out its groups, a warp apart. Seen contiguous, Triton gave each
@@ -278,9 +289,17 @@ def _pack_store(
 
 @triton.jit
 def _load_fields(
-    ptr, q, qmask, quant, c, BITS: tl.constexpr, B: tl.constexpr, BLOCK: tl.constexpr,
-    FULL: tl.constexpr, AS_TILE: tl.constexpr = True,
-):  # fmt: skip
+    ptr,
+    q,
+    qmask,
+    quant,
+    c,
+    BITS: tl.constexpr,
+    B: tl.constexpr,
+    BLOCK: tl.constexpr,
+    FULL: tl.constexpr,
+    AS_TILE: tl.constexpr = True,
+):
     """A tile's packed groups [BUCKETS, BLOCK // 8], one field each (see :func:`_pack_store`;
     ``AS_TILE`` as in :func:`_group_grid`)."""
     wt = tl.uint64 if BITS > 4 else tl.uint32
@@ -301,9 +320,13 @@ def _byte_float(word, byte):
     if _INTERPRET:
         return ((word >> (byte * 8).to(tl.uint32)) & 0xFF) | 0x4B000000
     return tl.inline_asm_elementwise(
-        "prmt.b32 $0, $1, 0x4B000000, $2;", "=r,r,r", [word, 0x7440 + byte], dtype=tl.uint32,
-        is_pure=True, pack=1,
-    )  # fmt: skip
+        "prmt.b32 $0, $1, 0x4B000000, $2;",
+        "=r,r,r",
+        [word, 0x7440 + byte],
+        dtype=tl.uint32,
+        is_pure=True,
+        pack=1,
+    )
 
 
 @triton.jit
@@ -464,8 +487,9 @@ def _levels(v, valid, h, lo_p, scale, pre, BITS: tl.constexpr):
 
 
 @triton.jit
-def _saturated_levels(v, valid, h, lo_p, scale, pre, sat, m, sat_scale, a_lo, a_hi,
-                      BITS: tl.constexpr):  # fmt: skip
+def _saturated_levels(
+    v, valid, h, lo_p, scale, pre, sat, m, sat_scale, a_lo, a_hi, BITS: tl.constexpr
+):
     """:func:`_levels` of a tile where some buckets are saturated (``sat``): theirs from
     ``(v / 2 - m) * sat_scale`` held to ``[a_lo, a_hi]``, +-Inf at the end levels exactly."""
     L: tl.constexpr = (1 << BITS) - 1
@@ -480,10 +504,33 @@ def _saturated_levels(v, valid, h, lo_p, scale, pre, sat, m, sat_scale, a_lo, a_
 
 @triton.jit
 def _quantize_store_saturated(
-    ptr, v0, v1, valid0, valid1, lo_p, scale, pre, keep, sat, m, sat_scale, a_lo, a_hi, q,
-    qmask, quant, c, stream, k0, k1, BITS: tl.constexpr, B: tl.constexpr,
-    BUCKETS: tl.constexpr, BLOCK: tl.constexpr, FULL: tl.constexpr,
-):  # fmt: skip
+    ptr,
+    v0,
+    v1,
+    valid0,
+    valid1,
+    lo_p,
+    scale,
+    pre,
+    keep,
+    sat,
+    m,
+    sat_scale,
+    a_lo,
+    a_hi,
+    q,
+    qmask,
+    quant,
+    c,
+    stream,
+    k0,
+    k1,
+    BITS: tl.constexpr,
+    B: tl.constexpr,
+    BUCKETS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    FULL: tl.constexpr,
+):
     """:func:`_quantize_store` of a tile where some buckets are saturated."""
     h0, h1 = _random_halves(k0, k1, q, stream, c, BUCKETS, BLOCK)
     l0 = _saturated_levels(v0, valid0, h0, lo_p, scale, pre, sat, m, sat_scale, a_lo, a_hi, BITS)
@@ -568,18 +615,54 @@ def _encode_loaded(
     lo, hi = _stats(v0, v1, valid0, valid1)
     lo, step, scale, finite, pre, lo_p = _params(lo, hi, BITS)
     _quantize_store(
-        lev_ptr, v0, v1, valid0, valid1, lo_p, scale, pre, finite, q, qmask, quant, 0, stream,
-        key0, key1, BITS, B, BUCKETS, BLOCK, FULL, NEAREST,
-    )  # fmt: skip
+        lev_ptr,
+        v0,
+        v1,
+        valid0,
+        valid1,
+        lo_p,
+        scale,
+        pre,
+        finite,
+        q,
+        qmask,
+        quant,
+        0,
+        stream,
+        key0,
+        key1,
+        BITS,
+        B,
+        BUCKETS,
+        BLOCK,
+        FULL,
+        NEAREST,
+    )
     _store_meta(meta_ptr, q, qmask, lo, _finite_top(lo, step, hi, BITS))
 
 
 @triton.jit
 def _encode_sum_loaded(
-    v0, v1, valid0, valid1, own_ptr, lev_ptr, meta_ptr, q, nq, quant, stream, key0, key1,
-    BITS: tl.constexpr, B: tl.constexpr, BUCKETS: tl.constexpr, BLOCK: tl.constexpr,
-    FULL: tl.constexpr, HAS_OWN: tl.constexpr,
-):  # fmt: skip
+    v0,
+    v1,
+    valid0,
+    valid1,
+    own_ptr,
+    lev_ptr,
+    meta_ptr,
+    q,
+    nq,
+    quant,
+    stream,
+    key0,
+    key1,
+    BITS: tl.constexpr,
+    B: tl.constexpr,
+    BUCKETS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    FULL: tl.constexpr,
+    HAS_OWN: tl.constexpr,
+):
     """:func:`_encode_loaded` of a sum, whose buckets that overflowed are coded saturated
     (unless own's values there are not all finite: input +-Inf, which stays NaN). A tile
     with such a bucket stores its levels twice, the second time saturated, and loads own's
@@ -588,9 +671,28 @@ def _encode_sum_loaded(
     lo, hi = _stats(v0, v1, valid0, valid1)
     stored_lo, step, scale, finite, pre, lo_p = _params(lo, hi, BITS)
     _quantize_store(
-        lev_ptr, v0, v1, valid0, valid1, lo_p, scale, pre, finite, q, qmask, quant, 0, stream,
-        key0, key1, BITS, B, BUCKETS, BLOCK, FULL,
-    )  # fmt: skip
+        lev_ptr,
+        v0,
+        v1,
+        valid0,
+        valid1,
+        lo_p,
+        scale,
+        pre,
+        finite,
+        q,
+        qmask,
+        quant,
+        0,
+        stream,
+        key0,
+        key1,
+        BITS,
+        B,
+        BUCKETS,
+        BLOCK,
+        FULL,
+    )
     step = _finite_top(stored_lo, step, hi, BITS)
     sat = _saturating(lo, hi, finite, BITS)
     if tl.max(sat.to(tl.int32), axis=0) > 0:  # the tile's levels once more, saturated
@@ -601,9 +703,33 @@ def _encode_sum_loaded(
         stored_lo = tl.where(sat, m, stored_lo)
         step = tl.where(sat, -s, step)
         _quantize_store_saturated(
-            lev_ptr, v0, v1, valid0, valid1, lo_p, scale, pre, finite | sat, sat, m, sat_scale,
-            a_lo, a_hi, q, qmask, quant, 0, stream, key0, key1, BITS, B, BUCKETS, BLOCK, FULL,
-        )  # fmt: skip
+            lev_ptr,
+            v0,
+            v1,
+            valid0,
+            valid1,
+            lo_p,
+            scale,
+            pre,
+            finite | sat,
+            sat,
+            m,
+            sat_scale,
+            a_lo,
+            a_hi,
+            q,
+            qmask,
+            quant,
+            0,
+            stream,
+            key0,
+            key1,
+            BITS,
+            B,
+            BUCKETS,
+            BLOCK,
+            FULL,
+        )
     _store_meta(meta_ptr, q, qmask, stored_lo, step)
 
 
@@ -639,16 +765,45 @@ def _encode_wide(
     for t in range(NUM_TILES):
         v0, v1, valid0, valid1 = _load_tile(x_ptr, q, qmask, quant, t * BLOCK, B, BLOCK, FULL)
         _quantize_store(
-            lev_ptr, v0, v1, valid0, valid1, lo_p, scale, pre, finite, q, qmask, quant,
+            lev_ptr,
+            v0,
+            v1,
+            valid0,
+            valid1,
+            lo_p,
+            scale,
+            pre,
+            finite,
+            q,
+            qmask,
+            quant,
             t * BLOCK,
-            stream, key0, key1, BITS, B, BUCKETS, BLOCK, FULL, NEAREST,
-        )  # fmt: skip
+            stream,
+            key0,
+            key1,
+            BITS,
+            B,
+            BUCKETS,
+            BLOCK,
+            FULL,
+            NEAREST,
+        )
     _store_meta(meta_ptr, q, qmask, lo, _finite_top(lo, step, hi, BITS))
 
 
 @triton.jit
-def _zero_gaps(row_ptr, start, numel, chunk_numel, nq, quant, levels_at, BITS: tl.constexpr,
-               B: tl.constexpr, SKIP_INCOMPLETE: tl.constexpr):  # fmt: skip
+def _zero_gaps(
+    row_ptr,
+    start,
+    numel,
+    chunk_numel,
+    nq,
+    quant,
+    levels_at,
+    BITS: tl.constexpr,
+    B: tl.constexpr,
+    SKIP_INCOMPLETE: tl.constexpr,
+):
     """Zero a payload row's gaps: after the (lo, step) pairs and raw tail up to the levels,
     and after the levels up to the payload's end (each under 16 bytes: layout.ALIGN)."""
     offs = tl.arange(0, 16)
@@ -700,8 +855,18 @@ def _encode_kernel(
     row = j.to(tl.int64) * row_nbytes
     if ZERO_GAPS:
         if pid == 0:
-            _zero_gaps(out_u8 + row, start, numel, chunk_numel, nq, quant, levels_at, BITS, B,
-                       SKIP_INCOMPLETE)  # fmt: skip
+            _zero_gaps(
+                out_u8 + row,
+                start,
+                numel,
+                chunk_numel,
+                nq,
+                quant,
+                levels_at,
+                BITS,
+                B,
+                SKIP_INCOMPLETE,
+            )
     x_ptr += start
     lev_ptr = out_u8 + row + levels_at
     meta_ptr = _meta_ptr(out_u8 + row)
@@ -716,32 +881,99 @@ def _encode_kernel(
     if B <= BLOCK:
         if pid < full:
             q = pid * BUCKETS + lanes
-            v0, v1, valid0, valid1 = _load_tile(x_ptr, q, q < full_nq, full_nq * B, 0, B, BLOCK,
-                                                B % BLOCK == 0)  # fmt: skip
+            v0, v1, valid0, valid1 = _load_tile(
+                x_ptr, q, q < full_nq, full_nq * B, 0, B, BLOCK, B % BLOCK == 0
+            )
             for t in range(pid, full, programs):
                 q = tl.cast(t, tl.int64) * BUCKETS + lanes
                 ahead = tl.minimum(t + programs, full - 1).to(tl.int64) * BUCKETS + lanes
-                n0, n1, _, _ = _load_tile(x_ptr, ahead, ahead < full_nq, full_nq * B, 0, B,
-                                          BLOCK, B % BLOCK == 0)  # fmt: skip
-                _encode_loaded(v0, v1, valid0, valid1, lev_ptr, meta_ptr, q, full_nq,
-                               full_nq * B, stream, key0, key1, BITS, B, BUCKETS, BLOCK,
-                               B % BLOCK == 0, NEAREST)  # fmt: skip
+                n0, n1, _, _ = _load_tile(
+                    x_ptr, ahead, ahead < full_nq, full_nq * B, 0, B, BLOCK, B % BLOCK == 0
+                )
+                _encode_loaded(
+                    v0,
+                    v1,
+                    valid0,
+                    valid1,
+                    lev_ptr,
+                    meta_ptr,
+                    q,
+                    full_nq,
+                    full_nq * B,
+                    stream,
+                    key0,
+                    key1,
+                    BITS,
+                    B,
+                    BUCKETS,
+                    BLOCK,
+                    B % BLOCK == 0,
+                    NEAREST,
+                )
                 v0 = n0
                 v1 = n1
         if (full < tiles) & (pid == full % programs):
             q = full.to(tl.int64) * BUCKETS + lanes
             v0, v1, valid0, valid1 = _load_tile(x_ptr, q, q < nq, quant, 0, B, BLOCK, False)
-            _encode_loaded(v0, v1, valid0, valid1, lev_ptr, meta_ptr, q, nq, quant, stream,
-                           key0, key1, BITS, B, BUCKETS, BLOCK, False, NEAREST)  # fmt: skip
+            _encode_loaded(
+                v0,
+                v1,
+                valid0,
+                valid1,
+                lev_ptr,
+                meta_ptr,
+                q,
+                nq,
+                quant,
+                stream,
+                key0,
+                key1,
+                BITS,
+                B,
+                BUCKETS,
+                BLOCK,
+                False,
+                NEAREST,
+            )
     else:
         for t in range(pid, tiles, programs):
             q = tl.cast(t, tl.int64) * BUCKETS + lanes
             if t < full:
-                _encode_wide(x_ptr, lev_ptr, meta_ptr, q, full_nq, full_nq * B, stream, key0,
-                             key1, BITS, B, BUCKETS, BLOCK, B % BLOCK == 0, NEAREST)  # fmt: skip
+                _encode_wide(
+                    x_ptr,
+                    lev_ptr,
+                    meta_ptr,
+                    q,
+                    full_nq,
+                    full_nq * B,
+                    stream,
+                    key0,
+                    key1,
+                    BITS,
+                    B,
+                    BUCKETS,
+                    BLOCK,
+                    B % BLOCK == 0,
+                    NEAREST,
+                )
             else:
-                _encode_wide(x_ptr, lev_ptr, meta_ptr, q, nq, quant, stream, key0, key1,
-                             BITS, B, BUCKETS, BLOCK, False, NEAREST)  # fmt: skip
+                _encode_wide(
+                    x_ptr,
+                    lev_ptr,
+                    meta_ptr,
+                    q,
+                    nq,
+                    quant,
+                    stream,
+                    key0,
+                    key1,
+                    BITS,
+                    B,
+                    BUCKETS,
+                    BLOCK,
+                    False,
+                    NEAREST,
+                )
 
 
 @triton.jit
@@ -810,11 +1042,35 @@ def _decode_kernel(
     if end * B <= quant:
         # Every value of the tile exists: stores with no mask (and a start known to be
         # aligned) vectorize to 16 bytes; a mask, even a provably full one, keeps them scalar.
-        _decode_tiles(lev_ptr, meta_ptr, out_ptr + start, q, end, end * B,
-                      BITS, B, OUT_BF16, B % BLOCK == 0, BUCKETS, BLOCK)  # fmt: skip
+        _decode_tiles(
+            lev_ptr,
+            meta_ptr,
+            out_ptr + start,
+            q,
+            end,
+            end * B,
+            BITS,
+            B,
+            OUT_BF16,
+            B % BLOCK == 0,
+            BUCKETS,
+            BLOCK,
+        )
     else:
-        _decode_tiles(lev_ptr, meta_ptr, out_ptr + start, q, nq, quant,
-                      BITS, B, OUT_BF16, False, BUCKETS, BLOCK)  # fmt: skip
+        _decode_tiles(
+            lev_ptr,
+            meta_ptr,
+            out_ptr + start,
+            q,
+            nq,
+            quant,
+            BITS,
+            B,
+            OUT_BF16,
+            False,
+            BUCKETS,
+            BLOCK,
+        )
 
 
 @triton.jit
@@ -882,17 +1138,36 @@ def _load_sum_inputs(
         own0 = tl.zeros((BUCKETS, BLOCK // 8, 4), tl.float32)
         own1 = tl.zeros((BUCKETS, BLOCK // 8, 4), tl.float32)
     fields, los, steps = _load_rows(
-        in_u8, row_nbytes, own_index, q, qmask, quant, levels_at, c,
-        NUM_ROWS, SKIP_OWN, BITS, B, BLOCK, FULL,
-    )  # fmt: skip
+        in_u8,
+        row_nbytes,
+        own_index,
+        q,
+        qmask,
+        quant,
+        levels_at,
+        c,
+        NUM_ROWS,
+        SKIP_OWN,
+        BITS,
+        B,
+        BLOCK,
+        FULL,
+    )
     return own0, own1, fields, los, steps
 
 
 @triton.jit
 def _sum_loaded(
-    own0, own1, fields, los, steps, scale, ROWS: tl.constexpr, BITS: tl.constexpr,
+    own0,
+    own1,
+    fields,
+    los,
+    steps,
+    scale,
+    ROWS: tl.constexpr,
+    BITS: tl.constexpr,
     HAS_SCALE: tl.constexpr,
-):  # fmt: skip
+):
     """own + the rows decoded, summed in row order, in fp32; with a scale, own and each row's
     values times it (folded into its buckets' post: :func:`.maxmin._scaled_sum`)."""
     acc0 = own0
@@ -948,9 +1223,24 @@ def _decode_sum_encode_wide(
     hi = tl.full((BUCKETS,), float("-inf"), tl.float32)
     for t in range(NUM_TILES):
         own0, own1, fields, los, steps = _load_sum_inputs(
-            in_u8, own_ptr, row_nbytes, own_index, q, qmask, quant, levels_at,
-            t * BLOCK, NUM_ROWS, SKIP_OWN, BITS, B, HAS_OWN, BUCKETS, BLOCK, FULL,
-        )  # fmt: skip
+            in_u8,
+            own_ptr,
+            row_nbytes,
+            own_index,
+            q,
+            qmask,
+            quant,
+            levels_at,
+            t * BLOCK,
+            NUM_ROWS,
+            SKIP_OWN,
+            BITS,
+            B,
+            HAS_OWN,
+            BUCKETS,
+            BLOCK,
+            FULL,
+        )
         v0, v1 = _sum_loaded(own0, own1, fields, los, steps, scale, ROWS, BITS, HAS_SCALE)
         _, valid0, valid1 = _tile(q, qmask, quant, t * BLOCK, B, BLOCK, FULL)
         t_lo, t_hi = _stats(v0, v1, valid0, valid1)
@@ -962,37 +1252,109 @@ def _decode_sum_encode_wide(
     if tl.max(sat.to(tl.int32), axis=0) > 0:  # as _encode_sum_loaded, a tile at a time
         if HAS_OWN:
             for t in range(NUM_TILES):
-                own0, own1, valid0, valid1 = _load_tile(own_ptr, q, qmask, quant, t * BLOCK, B,
-                                                        BLOCK, FULL)  # fmt: skip
+                own0, own1, valid0, valid1 = _load_tile(
+                    own_ptr, q, qmask, quant, t * BLOCK, B, BLOCK, FULL
+                )
                 sat = sat & _all_finite(own0, own1, valid0, valid1)
         m, s, sat_scale, a_lo, a_hi = _saturated_params(lo, hi, BITS)
         stored_lo = tl.where(sat, m, stored_lo)
         step = tl.where(sat, -s, step)
         for t in range(NUM_TILES):
             own0, own1, fields, los, steps = _load_sum_inputs(
-                in_u8, own_ptr, row_nbytes, own_index, q, qmask, quant, levels_at,
-                t * BLOCK, NUM_ROWS, SKIP_OWN, BITS, B, HAS_OWN, BUCKETS, BLOCK, FULL,
-            )  # fmt: skip
+                in_u8,
+                own_ptr,
+                row_nbytes,
+                own_index,
+                q,
+                qmask,
+                quant,
+                levels_at,
+                t * BLOCK,
+                NUM_ROWS,
+                SKIP_OWN,
+                BITS,
+                B,
+                HAS_OWN,
+                BUCKETS,
+                BLOCK,
+                FULL,
+            )
             v0, v1 = _sum_loaded(own0, own1, fields, los, steps, scale, ROWS, BITS, HAS_SCALE)
             _, valid0, valid1 = _tile(q, qmask, quant, t * BLOCK, B, BLOCK, FULL)
             _quantize_store_saturated(
-                lev_ptr, v0, v1, valid0, valid1, lo_p, scale_q, pre, finite | sat, sat, m,
-                sat_scale, a_lo, a_hi, q, qmask, quant, t * BLOCK, stream, key0, key1, BITS,
-                B, BUCKETS, BLOCK, FULL,
-            )  # fmt: skip
+                lev_ptr,
+                v0,
+                v1,
+                valid0,
+                valid1,
+                lo_p,
+                scale_q,
+                pre,
+                finite | sat,
+                sat,
+                m,
+                sat_scale,
+                a_lo,
+                a_hi,
+                q,
+                qmask,
+                quant,
+                t * BLOCK,
+                stream,
+                key0,
+                key1,
+                BITS,
+                B,
+                BUCKETS,
+                BLOCK,
+                FULL,
+            )
     else:
         for t in range(NUM_TILES):
             own0, own1, fields, los, steps = _load_sum_inputs(
-                in_u8, own_ptr, row_nbytes, own_index, q, qmask, quant, levels_at,
-                t * BLOCK, NUM_ROWS, SKIP_OWN, BITS, B, HAS_OWN, BUCKETS, BLOCK, FULL,
-            )  # fmt: skip
+                in_u8,
+                own_ptr,
+                row_nbytes,
+                own_index,
+                q,
+                qmask,
+                quant,
+                levels_at,
+                t * BLOCK,
+                NUM_ROWS,
+                SKIP_OWN,
+                BITS,
+                B,
+                HAS_OWN,
+                BUCKETS,
+                BLOCK,
+                FULL,
+            )
             v0, v1 = _sum_loaded(own0, own1, fields, los, steps, scale, ROWS, BITS, HAS_SCALE)
             _, valid0, valid1 = _tile(q, qmask, quant, t * BLOCK, B, BLOCK, FULL)
             _quantize_store(
-                lev_ptr, v0, v1, valid0, valid1, lo_p, scale_q, pre, finite, q, qmask, quant,
+                lev_ptr,
+                v0,
+                v1,
+                valid0,
+                valid1,
+                lo_p,
+                scale_q,
+                pre,
+                finite,
+                q,
+                qmask,
+                quant,
                 t * BLOCK,
-                stream, key0, key1, BITS, B, BUCKETS, BLOCK, FULL,
-            )  # fmt: skip
+                stream,
+                key0,
+                key1,
+                BITS,
+                B,
+                BUCKETS,
+                BLOCK,
+                FULL,
+            )
     _store_meta(meta_ptr, q, qmask, stored_lo, step)
 
 
@@ -1037,25 +1399,69 @@ def _decode_sum_encode_kernel(
         if pid < full:
             q = pid * BUCKETS + lanes
             own0, own1, fields, los, steps = _load_sum_inputs(
-                in_u8, own_ptr, row_nbytes, own_index, q, q < full_nq, full_nq * B,
-                levels_at, 0, NUM_ROWS, SKIP_OWN, BITS, B, HAS_OWN, BUCKETS, BLOCK,
+                in_u8,
+                own_ptr,
+                row_nbytes,
+                own_index,
+                q,
+                q < full_nq,
+                full_nq * B,
+                levels_at,
+                0,
+                NUM_ROWS,
+                SKIP_OWN,
+                BITS,
+                B,
+                HAS_OWN,
+                BUCKETS,
+                BLOCK,
                 B % BLOCK == 0,
-            )  # fmt: skip
+            )
             for t in range(pid, full, programs):
                 q = tl.cast(t, tl.int64) * BUCKETS + lanes
                 ahead = tl.minimum(t + programs, full - 1).to(tl.int64) * BUCKETS + lanes
                 next0, next1, next_fields, next_los, next_steps = _load_sum_inputs(
-                    in_u8, own_ptr, row_nbytes, own_index, ahead, ahead < full_nq,
-                    full_nq * B, levels_at, 0, NUM_ROWS, SKIP_OWN, BITS, B, HAS_OWN, BUCKETS,
-                    BLOCK, B % BLOCK == 0,
-                )  # fmt: skip
-                v0, v1 = _sum_loaded(own0, own1, fields, los, steps, scale, ROWS, BITS,
-                                     HAS_SCALE)  # fmt: skip
-                _, valid0, valid1 = _tile(q, q < full_nq, full_nq * B, 0, B, BLOCK,
-                                          B % BLOCK == 0)  # fmt: skip
-                _encode_sum_loaded(v0, v1, valid0, valid1, own_ptr, lev_ptr, meta_ptr, q,
-                                   full_nq, full_nq * B, stream, key0, key1, BITS, B, BUCKETS,
-                                   BLOCK, B % BLOCK == 0, HAS_OWN)  # fmt: skip
+                    in_u8,
+                    own_ptr,
+                    row_nbytes,
+                    own_index,
+                    ahead,
+                    ahead < full_nq,
+                    full_nq * B,
+                    levels_at,
+                    0,
+                    NUM_ROWS,
+                    SKIP_OWN,
+                    BITS,
+                    B,
+                    HAS_OWN,
+                    BUCKETS,
+                    BLOCK,
+                    B % BLOCK == 0,
+                )
+                v0, v1 = _sum_loaded(own0, own1, fields, los, steps, scale, ROWS, BITS, HAS_SCALE)
+                _, valid0, valid1 = _tile(q, q < full_nq, full_nq * B, 0, B, BLOCK, B % BLOCK == 0)
+                _encode_sum_loaded(
+                    v0,
+                    v1,
+                    valid0,
+                    valid1,
+                    own_ptr,
+                    lev_ptr,
+                    meta_ptr,
+                    q,
+                    full_nq,
+                    full_nq * B,
+                    stream,
+                    key0,
+                    key1,
+                    BITS,
+                    B,
+                    BUCKETS,
+                    BLOCK,
+                    B % BLOCK == 0,
+                    HAS_OWN,
+                )
                 own0 = next0
                 own1 = next1
                 fields = next_fields
@@ -1064,29 +1470,102 @@ def _decode_sum_encode_kernel(
         if (full < tiles) & (pid == full % programs):
             q = full.to(tl.int64) * BUCKETS + lanes
             own0, own1, fields, los, steps = _load_sum_inputs(
-                in_u8, own_ptr, row_nbytes, own_index, q, q < nq, quant, levels_at, 0,
-                NUM_ROWS, SKIP_OWN, BITS, B, HAS_OWN, BUCKETS, BLOCK, False,
-            )  # fmt: skip
+                in_u8,
+                own_ptr,
+                row_nbytes,
+                own_index,
+                q,
+                q < nq,
+                quant,
+                levels_at,
+                0,
+                NUM_ROWS,
+                SKIP_OWN,
+                BITS,
+                B,
+                HAS_OWN,
+                BUCKETS,
+                BLOCK,
+                False,
+            )
             v0, v1 = _sum_loaded(own0, own1, fields, los, steps, scale, ROWS, BITS, HAS_SCALE)
             _, valid0, valid1 = _tile(q, q < nq, quant, 0, B, BLOCK, False)
-            _encode_sum_loaded(v0, v1, valid0, valid1, own_ptr, lev_ptr, meta_ptr, q, nq,
-                               quant, stream, key0, key1, BITS, B, BUCKETS, BLOCK, False,
-                               HAS_OWN)  # fmt: skip
+            _encode_sum_loaded(
+                v0,
+                v1,
+                valid0,
+                valid1,
+                own_ptr,
+                lev_ptr,
+                meta_ptr,
+                q,
+                nq,
+                quant,
+                stream,
+                key0,
+                key1,
+                BITS,
+                B,
+                BUCKETS,
+                BLOCK,
+                False,
+                HAS_OWN,
+            )
     else:
         for t in range(pid, tiles, programs):
             q = tl.cast(t, tl.int64) * BUCKETS + lanes
             if t < full:
                 _decode_sum_encode_wide(
-                    in_u8, own_ptr, lev_ptr, meta_ptr, row_nbytes, own_index, scale, q,
-                    full_nq, full_nq * B, levels_at, stream, key0, key1, NUM_ROWS, SKIP_OWN,
-                    BITS, B, HAS_OWN, HAS_SCALE, BUCKETS, BLOCK, B % BLOCK == 0,
-                )  # fmt: skip
+                    in_u8,
+                    own_ptr,
+                    lev_ptr,
+                    meta_ptr,
+                    row_nbytes,
+                    own_index,
+                    scale,
+                    q,
+                    full_nq,
+                    full_nq * B,
+                    levels_at,
+                    stream,
+                    key0,
+                    key1,
+                    NUM_ROWS,
+                    SKIP_OWN,
+                    BITS,
+                    B,
+                    HAS_OWN,
+                    HAS_SCALE,
+                    BUCKETS,
+                    BLOCK,
+                    B % BLOCK == 0,
+                )
             else:
                 _decode_sum_encode_wide(
-                    in_u8, own_ptr, lev_ptr, meta_ptr, row_nbytes, own_index, scale, q,
-                    nq, quant, levels_at, stream, key0, key1, NUM_ROWS, SKIP_OWN, BITS, B,
-                    HAS_OWN, HAS_SCALE, BUCKETS, BLOCK, False,
-                )  # fmt: skip
+                    in_u8,
+                    own_ptr,
+                    lev_ptr,
+                    meta_ptr,
+                    row_nbytes,
+                    own_index,
+                    scale,
+                    q,
+                    nq,
+                    quant,
+                    levels_at,
+                    stream,
+                    key0,
+                    key1,
+                    NUM_ROWS,
+                    SKIP_OWN,
+                    BITS,
+                    B,
+                    HAS_OWN,
+                    HAS_SCALE,
+                    BUCKETS,
+                    BLOCK,
+                    False,
+                )
 
 
 # --------------------------------------------------------------------------- launchers
@@ -1158,20 +1637,42 @@ def _row_pitch(rows: torch.Tensor) -> int:
     return rows.stride(0)
 
 
-def _encode_call(flat: torch.Tensor, rows: torch.Tensor, layout: ChunkedLayout,
-                 key: int | torch.Tensor, stream0: int, skip_chunk: int, zero_gaps: bool,
-                 nearest: bool = False) -> tuple[tuple[int, int], tuple, dict]:  # fmt: skip
+def _encode_call(
+    flat: torch.Tensor,
+    rows: torch.Tensor,
+    layout: ChunkedLayout,
+    key: int | torch.Tensor,
+    stream0: int,
+    skip_chunk: int,
+    zero_gaps: bool,
+    nearest: bool = False,
+) -> tuple[tuple[int, int], tuple, dict]:
     """The encode kernel's grid, positional arguments and constexprs."""
     launch = _launch("encode", layout.bucket_size, flat.dtype)
     max_nq = -(-layout.chunk_numel // layout.bucket_size)
     grid = (_programs(-(-max_nq // launch["BUCKETS"])), layout.num_chunks)
     k0, k1, keys, in_memory = _key_args(key, rows)
-    args = (flat, rows, layout.numel, layout.chunk_numel, _row_pitch(rows), k0, k1, keys, stream0,
-            skip_chunk)  # fmt: skip
-    constexprs = dict(BITS=layout.bits, B=layout.bucket_size,
-                      SKIP_INCOMPLETE=layout.skip_incomplete,
-                      ALIGN=math.gcd(layout.chunk_numel, 16), KEYS_IN_MEMORY=in_memory,
-                      ZERO_GAPS=zero_gaps, **launch)  # fmt: skip
+    args = (
+        flat,
+        rows,
+        layout.numel,
+        layout.chunk_numel,
+        _row_pitch(rows),
+        k0,
+        k1,
+        keys,
+        stream0,
+        skip_chunk,
+    )
+    constexprs = dict(
+        BITS=layout.bits,
+        B=layout.bucket_size,
+        SKIP_INCOMPLETE=layout.skip_incomplete,
+        ALIGN=math.gcd(layout.chunk_numel, 16),
+        KEYS_IN_MEMORY=in_memory,
+        ZERO_GAPS=zero_gaps,
+        **launch,
+    )
     if nearest:  # absent otherwise: the variants compiled so far stay the ones launched
         constexprs["NEAREST"] = True
     return grid, args, constexprs
@@ -1203,8 +1704,9 @@ def encode_chunks(
         rows = x.new_zeros((layout.num_chunks, layout.payload_nbytes), dtype=torch.uint8)
     if rows.numel() == 0:
         return rows
-    grid, args, constexprs = _encode_call(flat, rows, layout, key, stream0, skip_chunk, zero_gaps,
-                                          nearest)  # fmt: skip
+    grid, args, constexprs = _encode_call(
+        flat, rows, layout, key, stream0, skip_chunk, zero_gaps, nearest
+    )
     _launch_encode(grid, *args, **constexprs)
     for j in range(layout.num_chunks if layout.skip_incomplete else 0):
         chunk = layout.chunk(j)
@@ -1214,16 +1716,22 @@ def encode_chunks(
     return rows
 
 
-def _decode_call(payloads: torch.Tensor, out: torch.Tensor, layout: ChunkedLayout,
-                 dtype: torch.dtype) -> tuple[tuple[int, int], tuple, dict]:  # fmt: skip
+def _decode_call(
+    payloads: torch.Tensor, out: torch.Tensor, layout: ChunkedLayout, dtype: torch.dtype
+) -> tuple[tuple[int, int], tuple, dict]:
     """The decode kernel's grid, positional arguments and constexprs."""
     launch = _launch("decode", layout.bucket_size, dtype)
     max_nq = -(-layout.chunk_numel // layout.bucket_size)
     grid = (-(-max_nq // launch["BUCKETS"]), layout.num_chunks)
     args = (payloads, out, layout.numel, layout.chunk_numel, _row_pitch(payloads))
-    constexprs = dict(BITS=layout.bits, B=layout.bucket_size,
-                      SKIP_INCOMPLETE=layout.skip_incomplete, OUT_BF16=dtype == torch.bfloat16,
-                      ALIGN=math.gcd(layout.chunk_numel, 16), **launch)  # fmt: skip
+    constexprs = dict(
+        BITS=layout.bits,
+        B=layout.bucket_size,
+        SKIP_INCOMPLETE=layout.skip_incomplete,
+        OUT_BF16=dtype == torch.bfloat16,
+        ALIGN=math.gcd(layout.chunk_numel, 16),
+        **launch,
+    )
     return grid, args, constexprs
 
 
@@ -1265,14 +1773,30 @@ def encode(
     if fast:  # the public op's case: once launched, the same variant again with no dispatch
         device = x.get_device()
         found = _BOUND_ENCODE.get((x.numel(), x.dtype, bits, bucket_size, device))
-        if (found is not None and x.is_contiguous() and x.data_ptr() % 16 == 0
-                and device == torch._C._cuda_getDevice() and _launch_encode.direct()):  # fmt: skip
+        if (
+            found is not None
+            and x.is_contiguous()
+            and x.data_ptr() % 16 == 0
+            and device == torch._C._cuda_getDevice()
+            and _launch_encode.direct()
+        ):
             bound, n, nbytes = found
             payload = x.new_empty(nbytes, dtype=torch.uint8)
             k0, k1 = _key(key)
             address = payload.data_ptr()
-            bound.run(torch._C._cuda_getCurrentRawStream(device), x.data_ptr(), address, n, n,
-                      nbytes, k0, k1, address, stream, -1)  # fmt: skip
+            bound.run(
+                torch._C._cuda_getCurrentRawStream(device),
+                x.data_ptr(),
+                address,
+                n,
+                n,
+                nbytes,
+                k0,
+                k1,
+                address,
+                stream,
+                -1,
+            )
             return payload
     n = x.numel()
     layout = ChunkedLayout.split(n, 1, bits, bucket_size, skip_incomplete)
@@ -1313,12 +1837,23 @@ def decode(
     if fast:
         device = payload.get_device()
         found = _BOUND_DECODE.get((numel, dtype, bits, bucket_size, device))
-        if (found is not None and payload.is_contiguous() and payload.data_ptr() % 16 == 0
-                and device == torch._C._cuda_getDevice() and _launch_decode.direct()):  # fmt: skip
+        if (
+            found is not None
+            and payload.is_contiguous()
+            and payload.data_ptr() % 16 == 0
+            and device == torch._C._cuda_getDevice()
+            and _launch_decode.direct()
+        ):
             bound, nbytes = found
             out = payload.new_empty(numel, dtype=dtype)
-            bound.run(torch._C._cuda_getCurrentRawStream(device), payload.data_ptr(),
-                      out.data_ptr(), numel, numel, nbytes)  # fmt: skip
+            bound.run(
+                torch._C._cuda_getCurrentRawStream(device),
+                payload.data_ptr(),
+                out.data_ptr(),
+                numel,
+                numel,
+                nbytes,
+            )
             return out
     layout = ChunkedLayout.split(numel, 1, bits, bucket_size, skip_incomplete)
     nbytes = layout.payload_nbytes
@@ -1345,11 +1880,15 @@ def decode_sum(
     """Same contract (and bits) as :func:`cgx2.codecs.maxmin.decode_sum`: each row decoded by
     the kernel, the fp32 sum taken in the same row order by torch."""
     return maxmin.sum_rows(
-        payloads, numel, own, own_index, scale,
+        payloads,
+        numel,
+        own,
+        own_index,
+        scale,
         lambda out, base, row: torch.add(
             base, decode(row, numel, bits, bucket_size, torch.float32, skip_incomplete), out=out
         ),
-    )  # fmt: skip
+    )
 
 
 def decode_sum_encode(

@@ -36,9 +36,16 @@ def _usable(*tensors: torch.Tensor) -> bool:
     )
 
 
-def encode_rows(rows: torch.Tensor, bits: int, key: int, stream: int, covered: int,
-                meta: torch.Tensor, levels: torch.Tensor,
-                saturate: bool = False) -> bool:  # fmt: skip
+def encode_rows(
+    rows: torch.Tensor,
+    bits: int,
+    key: int,
+    stream: int,
+    covered: int,
+    meta: torch.Tensor,
+    levels: torch.Tensor,
+    saturate: bool = False,
+) -> bool:
     """Encode fp32 ``rows`` ``[nq, B]`` into ``meta`` (the payload's ``8 nq`` bytes of
     (lo, step) fp32 pairs) and ``levels`` (its levels region), both uint8, as
     :func:`cgx2.codecs.maxmin.encode` does (``saturate``: a sum's overflow coded saturated,
@@ -48,15 +55,31 @@ def encode_rows(rows: torch.Tensor, bits: int, key: int, stream: int, covered: i
     if lib is None or not _usable(rows, meta, levels) or rows.dtype != torch.float32:
         return False
     nq, bucket = rows.shape
-    args = (bucket, bits, key & (2**64 - 1), stream & (2**64 - 1), covered, meta.data_ptr(),
-            levels.data_ptr(), levels.numel(), saturate)  # fmt: skip
+    args = (
+        bucket,
+        bits,
+        key & (2**64 - 1),
+        stream & (2**64 - 1),
+        covered,
+        meta.data_ptr(),
+        levels.data_ptr(),
+        levels.numel(),
+        saturate,
+    )
     split(lambda a, b: lib.maxmin_encode(rows.data_ptr(), a, b, *args), nq, _MIN_BUCKETS_PER_THREAD)
     return True
 
 
-def decode_rows(meta: torch.Tensor, levels: torch.Tensor, nq: int, bucket: int, bits: int,
-                out: torch.Tensor, base: torch.Tensor | None = None,
-                factor: float = 1.0) -> bool:  # fmt: skip
+def decode_rows(
+    meta: torch.Tensor,
+    levels: torch.Tensor,
+    nq: int,
+    bucket: int,
+    bits: int,
+    out: torch.Tensor,
+    base: torch.Tensor | None = None,
+    factor: float = 1.0,
+) -> bool:
     """Decode ``nq`` buckets into ``out`` (its ``numel`` values; fp32, or bf16 rounded as
     :func:`cgx2.codecs.maxmin._cast` does) as the reference does, each times ``factor`` (an
     fp32 value, folded into its bucket's post) and added to ``base``'s value where given
@@ -71,7 +94,14 @@ def decode_rows(meta: torch.Tensor, levels: torch.Tensor, nq: int, bucket: int, 
     if lib is None or not suits or not _usable(*tensors):
         return False
     head = (meta.data_ptr(), levels.data_ptr(), levels.numel())
-    tail = (bucket, bits, out.numel(), 0 if base is None else base.data_ptr(), out.data_ptr(),
-            out.dtype == torch.bfloat16, factor)  # fmt: skip
+    tail = (
+        bucket,
+        bits,
+        out.numel(),
+        0 if base is None else base.data_ptr(),
+        out.data_ptr(),
+        out.dtype == torch.bfloat16,
+        factor,
+    )
     split(lambda a, b: lib.maxmin_decode(*head, a, b, *tail), nq, _MIN_BUCKETS_PER_THREAD)
     return True

@@ -41,8 +41,13 @@ def check_replan_every(replan_every: object) -> int:
     return replan_every
 
 
-def plan_widths(errors: Sequence[torch.Tensor], numels: Sequence[int], options: Sequence[int],
-                bits: int, group: dist.ProcessGroup) -> tuple[int, ...]:  # fmt: skip
+def plan_widths(
+    errors: Sequence[torch.Tensor],
+    numels: Sequence[int],
+    options: Sequence[int],
+    bits: int,
+    group: dist.ProcessGroup,
+) -> tuple[int, ...]:
     """Widths for layers whose :func:`layer_errors` rows are ``errors``: the rows summed over
     ``group`` (one small allreduce, so that every rank plans the same widths: a rank with
     another plan would misread its peers' payloads), then :func:`plan_bits` within the error
@@ -70,9 +75,16 @@ def layer_errors(layer: torch.Tensor, bucket_size: int, options: Sequence[int]) 
     return spread / steps.to(flat.device)
 
 
-def plan_bits(errors: Sequence[Sequence[float]], numels: Sequence[int], options: Sequence[int],
-              budget: float, resolution: int = 1000, baseline: int | None = None, *,
-              costs: Sequence[Sequence[float]] | None = None) -> list[int]:  # fmt: skip
+def plan_bits(
+    errors: Sequence[Sequence[float]],
+    numels: Sequence[int],
+    options: Sequence[int],
+    budget: float,
+    resolution: int = 1000,
+    baseline: int | None = None,
+    *,
+    costs: Sequence[Sequence[float]] | None = None,
+) -> list[int]:
     """Bits per layer minimising the bytes sent (numel * bits / 8) subject to the sum of the
     chosen ``errors[layer][option]`` staying within ``budget``: a knapsack dynamic program
     over the budget cut into ``resolution`` steps, errors rounded up. ``baseline`` (a width

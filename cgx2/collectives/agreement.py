@@ -74,10 +74,15 @@ _PENDING: weakref.WeakKeyDictionary[dist.ProcessGroup, deque[_Pending]] = (
 _PENDING_LOCK = threading.Lock()
 
 
-def check(group: dist.ProcessGroup, operation: str, t: torch.Tensor,
-          fields: dict[str, int | str | bool | float | Sequence | None],
-          *, deferred: bool = False,
-          route: Route | None = None) -> torch.Tensor | None:  # fmt: skip
+def check(
+    group: dist.ProcessGroup,
+    operation: str,
+    t: torch.Tensor,
+    fields: dict[str, int | str | bool | float | Sequence | None],
+    *,
+    deferred: bool = False,
+    route: Route | None = None,
+) -> torch.Tensor | None:
     """Raise :class:`DisagreementError` on every rank of ``group`` unless all called
     ``operation`` with the same ``t.numel()``, ``t.dtype`` and ``fields`` (named values; the
     message names those that differ, rank by rank).
@@ -96,8 +101,11 @@ def check(group: dist.ProcessGroup, operation: str, t: torch.Tensor,
         return None  # a captured graph replays its collectives without the host: none to compare
     if route is not None:
         crossover = config.crossover_override()
-        fields = {**fields, CROSSOVER: -1 if crossover is None else crossover,
-                  SETTINGS: route.fingerprint}  # fmt: skip
+        fields = {
+            **fields,
+            CROSSOVER: -1 if crossover is None else crossover,
+            SETTINGS: route.fingerprint,
+        }
     # Only an answer that lands on a GPU is worth not waiting for; only floats take NaN.
     deferred = deferred and t.is_cuda and t.is_floating_point()
     names = ["numel", "dtype", *fields]
@@ -137,8 +145,9 @@ def check(group: dist.ProcessGroup, operation: str, t: torch.Tensor,
     return None
 
 
-def check_settings(group: dist.ProcessGroup, operation: str, settings: Mapping[str, object],
-                   device: torch.device) -> None:  # fmt: skip
+def check_settings(
+    group: dist.ProcessGroup, operation: str, settings: Mapping[str, object], device: torch.device
+) -> None:
     """Raise :class:`DisagreementError` on every rank of ``group`` unless all hold the same
     ``settings`` (named values: what changes the bytes of ``operation``) and the same
     variables that change them (:func:`cgx2.config.wire_settings`, ``CGX2_CROSSOVER_BYTES``);
@@ -154,8 +163,9 @@ def check_settings(group: dist.ProcessGroup, operation: str, settings: Mapping[s
     world, rank = info.size, info.rank
     on_gpu = device.type == "cuda" and dist.get_backend(group) == "nccl"
     store = None if on_gpu or world > STORE_MAX_RANKS else group_store(group)
-    rows = _share(group, operation, values, store, device if on_gpu else torch.device("cpu"),
-                  world, rank)  # fmt: skip
+    rows = _share(
+        group, operation, values, store, device if on_gpu else torch.device("cpu"), world, rank
+    )
     if isinstance(rows, list):
         called = [name for name, _ in rows]
         if len(set(called)) > 1:
@@ -198,9 +208,15 @@ SETTINGS = "settings"
 _SETTINGS_BYTES = 2048  # each rank's settings in the second exchange: a fixed size for GPUs too
 
 
-def _share(group: dist.ProcessGroup, operation: str, values: list[int], store: dist.Store | None,
-           device: torch.device, world: int,
-           rank: int) -> list[tuple[str, list[int]]] | torch.Tensor:  # fmt: skip
+def _share(
+    group: dist.ProcessGroup,
+    operation: str,
+    values: list[int],
+    store: dist.Store | None,
+    device: torch.device,
+    world: int,
+    rank: int,
+) -> list[tuple[str, list[int]]] | torch.Tensor:
     """Every rank's ``values``: on the host (``store`` given: :func:`_exchange_on_host`), or
     by an all-gather on ``device`` (a ``[world, len(values)]`` tensor there)."""
     try:
@@ -239,8 +255,9 @@ def _settings_of(row: list[int] | tuple[str, list[int]]) -> dict[str, object]:
     return found if isinstance(found, dict) else {"settings": text}
 
 
-def settle(agreed: torch.Tensor | None, result: torch.Tensor,
-           group: dist.ProcessGroup) -> torch.Tensor:  # fmt: skip
+def settle(
+    agreed: torch.Tensor | None, result: torch.Tensor, group: dist.ProcessGroup
+) -> torch.Tensor:
     """``result`` of a call checked with ``deferred=True`` (``agreed``, its answer), made NaN
     in place where the ranks disagreed (on every rank alike: they all hold the same answer),
     then :func:`raise_pending`. Returns ``result``; nothing to do where ``agreed`` is None."""
@@ -286,9 +303,14 @@ _CALLS: weakref.WeakKeyDictionary[dist.ProcessGroup, itertools.count] = weakref.
 _EARLY: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[int, bytes]] = weakref.WeakKeyDictionary()
 
 
-def _exchange_on_host(store: dist.Store, group: dist.ProcessGroup, operation: str,
-                      values: list[int], world: int,
-                      rank: int) -> list[tuple[str, list[int]]]:  # fmt: skip
+def _exchange_on_host(
+    store: dist.Store,
+    group: dist.ProcessGroup,
+    operation: str,
+    values: list[int],
+    world: int,
+    rank: int,
+) -> list[tuple[str, list[int]]]:
     """Every rank's ``(operation, values)`` of this call on ``group``, by rank: through the
     group's peer sockets where its ranks could make them, else its store; waiting up to the
     group's timeout."""
@@ -337,9 +359,15 @@ def _numbered(entries: list[bytes], n: int, rank: int) -> list[bytes]:
     return found
 
 
-def _through_queues(store: dist.Store, n: int, mine: bytes, world: int, rank: int,
-                    wait_s: float | None,
-                    early: dict[int, bytes] | None = None) -> list[bytes]:  # fmt: skip
+def _through_queues(
+    store: dist.Store,
+    n: int,
+    mine: bytes,
+    world: int,
+    rank: int,
+    wait_s: float | None,
+    early: dict[int, bytes] | None = None,
+) -> list[bytes]:
     """Each rank pushes ``mine`` (with its rank and call number) to every peer's queue and pops
     one entry a peer from its own: a round trip a peer, and nothing left behind. A peer is a
     call ahead only where call n ended in a disagreement (every rank raises, no collective
@@ -363,8 +391,9 @@ def _through_queues(store: dist.Store, n: int, mine: bytes, world: int, rank: in
     return _numbered(list(found.values()), n, rank)
 
 
-def _through_keys(store: dist.Store, n: int, mine: bytes, world: int, rank: int,
-                  wait_s: float | None) -> list[bytes]:  # fmt: skip
+def _through_keys(
+    store: dist.Store, n: int, mine: bytes, world: int, rank: int, wait_s: float | None
+) -> list[bytes]:
     """Each rank sets its key of call n, then reads all ranks' keys of call n. Before that it
     deletes its key of call n - 2: every peer has read it, since each has set its key of call
     n - 1, read at call n - 1 here."""
@@ -377,8 +406,13 @@ def _through_keys(store: dist.Store, n: int, mine: bytes, world: int, rank: int,
     return store.multi_get(keys)
 
 
-def _raise_if_different(rows: list[list[int]] | list[tuple[str, list[int]]], names: list[str],
-                        shown: dict[str, object], operation: str, rank: int) -> None:  # fmt: skip
+def _raise_if_different(
+    rows: list[list[int]] | list[tuple[str, list[int]]],
+    names: list[str],
+    shown: dict[str, object],
+    operation: str,
+    rank: int,
+) -> None:
     if all(row == rows[0] for row in rows):
         return
     if isinstance(rows[0], tuple):  # through the store: which collective each rank called
@@ -415,10 +449,11 @@ def _settings_differing(settings: str | list[dict[str, object]], rank: int) -> t
     keys = list(dict.fromkeys(k for found in settings for k in found))
     differ = [k for k in keys if len({json.dumps(found.get(k)) for found in settings}) > 1]
     described = ", ".join(
-        f"{k}=[" + ", ".join(f"rank {r}: {_show(k, found.get(k))}" for r, found in
-                             enumerate(settings)) + "]"
+        f"{k}=["
+        + ", ".join(f"rank {r}: {_show(k, found.get(k))}" for r, found in enumerate(settings))
+        + "]"
         for k in differ
-    )  # fmt: skip
+    )
     return described, ", ".join(f"{k}={_show(k, settings[rank].get(k))}" for k in differ)
 
 

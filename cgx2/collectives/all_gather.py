@@ -23,8 +23,14 @@ from .reduce_scatter import Segment, _plan, _split
 __all__ = ["all_gather"]
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, bits: int,
-               bucket_size: int, segments: Sequence[Segment] | None = None) -> int:  # fmt: skip
+def all_gather(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup,
+    bits: int,
+    bucket_size: int,
+    segments: Sequence[Segment] | None = None,
+) -> int:
     """All-gather ``input`` (this rank's row) into ``output`` (W rows of ``input.numel()``, in
     rank order), its ``segments`` marked compressed sent as ``bits``-bit max-min payloads
     rounded to the nearest level, the others exactly; everything exactly where compression
@@ -49,8 +55,14 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGro
     row_bytes = -(-(head + exact_bytes) // 16) * 16
     send = torch.zeros(row_bytes, dtype=torch.uint8, device=input.device)
     codec = maxmin_codec(input.device)
-    codec.encode(flat_in.index_select(0, plan.gather), bits, bucket_size, 0,
-                 out=send[: layout.nbytes], nearest=True)  # fmt: skip
+    codec.encode(
+        flat_in.index_select(0, plan.gather),
+        bits,
+        bucket_size,
+        0,
+        out=send[: layout.nbytes],
+        nearest=True,
+    )
     if exact_bytes:
         send[head : head + exact_bytes] = flat_in.index_select(0, plan.exact).view(torch.uint8)
     recv = torch.empty(world, send.numel(), dtype=torch.uint8, device=input.device)
@@ -62,8 +74,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGro
             f"rank {rank}) failed: {e}"
         ) from e
     for r in range(world):
-        values = codec.decode(recv[r, : layout.nbytes], fused, bits, bucket_size,
-                              output.dtype)  # fmt: skip
+        values = codec.decode(recv[r, : layout.nbytes], fused, bits, bucket_size, output.dtype)
         rows[r].index_copy_(0, plan.out, values.index_select(0, plan.src))
         if exact_bytes:
             exact = recv[r, head : head + exact_bytes].view(output.dtype)

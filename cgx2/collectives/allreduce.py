@@ -26,9 +26,17 @@ STAGE_GATHER = 2
 """The random stream of the second (each reduced chunk, before the all-gather)."""
 
 
-def allreduce(t: torch.Tensor, bits: int, bucket_size: int, group: dist.ProcessGroup,
-              reduce_op: str = "sum", seed: int | None = None, skip_incomplete: bool = False,
-              *, check_agreement: bool = False) -> torch.Tensor:  # fmt: skip
+def allreduce(
+    t: torch.Tensor,
+    bits: int,
+    bucket_size: int,
+    group: dist.ProcessGroup,
+    reduce_op: str = "sum",
+    seed: int | None = None,
+    skip_incomplete: bool = False,
+    *,
+    check_agreement: bool = False,
+) -> torch.Tensor:
     """Allreduce (``"sum"``/``"avg"``) of ``t`` across ``group``, quantized to ``bits`` where
     :func:`.policy.route` says compression pays, else the plain allreduce, exactly. Returns a
     new tensor of ``t``'s shape and dtype, bit-identical on every rank; ``t`` is unchanged.
@@ -52,15 +60,32 @@ def allreduce(t: torch.Tensor, bits: int, bucket_size: int, group: dist.ProcessG
         )
         return agreement.settle(agreed, out, group)
     out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-    _run_pieces(route, t.reshape(-1), out.view(-1), bits, bucket_size, group, reduce_op, seed,
-                skip_incomplete)  # fmt: skip
+    _run_pieces(
+        route,
+        t.reshape(-1),
+        out.view(-1),
+        bits,
+        bucket_size,
+        group,
+        reduce_op,
+        seed,
+        skip_incomplete,
+    )
     return agreement.settle(agreed, out, group)
 
 
-def allreduce_(t: torch.Tensor, bits: int, bucket_size: int, group: dist.ProcessGroup,
-               reduce_op: str = "sum", seed: int | None = None, skip_incomplete: bool = False,
-               *, error: torch.Tensor | None = None,
-               check_agreement: bool = False) -> torch.Tensor:  # fmt: skip
+def allreduce_(
+    t: torch.Tensor,
+    bits: int,
+    bucket_size: int,
+    group: dist.ProcessGroup,
+    reduce_op: str = "sum",
+    seed: int | None = None,
+    skip_incomplete: bool = False,
+    *,
+    error: torch.Tensor | None = None,
+    check_agreement: bool = False,
+) -> torch.Tensor:
     """:func:`allreduce` in place: the result (the same bytes) is written into ``t`` and ``t``
     is returned. No copy is made where ``t`` is contiguous, below the crossover either.
 
@@ -77,8 +102,18 @@ def allreduce_(t: torch.Tensor, bits: int, bucket_size: int, group: dist.Process
     if not t.is_contiguous():
         if error is not None:
             raise ValueError("tensor must be contiguous for an allreduce that returns its error")
-        return t.copy_(allreduce(t, bits, bucket_size, group, reduce_op, seed, skip_incomplete,
-                                 check_agreement=check_agreement))  # fmt: skip
+        return t.copy_(
+            allreduce(
+                t,
+                bits,
+                bucket_size,
+                group,
+                reduce_op,
+                seed,
+                skip_incomplete,
+                check_agreement=check_agreement,
+            )
+        )
     route = policy.route(t, group, bits, bucket_size)
     agreed = None
     if check_agreement and route.check:
@@ -86,26 +121,56 @@ def allreduce_(t: torch.Tensor, bits: int, bucket_size: int, group: dist.Process
     if not route.compress:
         if error is not None:
             error.zero_()
-        return agreement.settle(agreed, route.transport.allreduce_plain_(t, group, reduce_op),
-                                group)  # fmt: skip
+        return agreement.settle(
+            agreed, route.transport.allreduce_plain_(t, group, reduce_op), group
+        )
     flat = t.view(-1)
-    _run_pieces(route, flat, flat, bits, bucket_size, group, reduce_op, seed, skip_incomplete,
-                None if error is None else error.view(-1))  # fmt: skip
+    _run_pieces(
+        route,
+        flat,
+        flat,
+        bits,
+        bucket_size,
+        group,
+        reduce_op,
+        seed,
+        skip_incomplete,
+        None if error is None else error.view(-1),
+    )
     return agreement.settle(agreed, t, group)
 
 
-def _check_agreement(route: policy.Route, t: torch.Tensor, bits: int, bucket_size: int,
-                     group: dist.ProcessGroup, reduce_op: str,
-                     skip_incomplete: bool) -> torch.Tensor | None:  # fmt: skip
-    fields = {"bits": bits, "bucket_size": bucket_size, "reduce_op": reduce_op,
-              "skip_incomplete": skip_incomplete, "compressed": route.compress}  # fmt: skip
-    return agreement.check(group, "quantized_allreduce", t, fields,
-                           deferred=route.check == "deferred", route=route)  # fmt: skip
+def _check_agreement(
+    route: policy.Route,
+    t: torch.Tensor,
+    bits: int,
+    bucket_size: int,
+    group: dist.ProcessGroup,
+    reduce_op: str,
+    skip_incomplete: bool,
+) -> torch.Tensor | None:
+    fields = {
+        "bits": bits,
+        "bucket_size": bucket_size,
+        "reduce_op": reduce_op,
+        "skip_incomplete": skip_incomplete,
+        "compressed": route.compress,
+    }
+    return agreement.check(
+        group, "quantized_allreduce", t, fields, deferred=route.check == "deferred", route=route
+    )
 
 
-def exchange(recv: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup, world: int,
-             rank: int, pair_gather: bool, async_op: bool = True,
-             transport: Transport = process_group) -> dist.Work | None:  # fmt: skip
+def exchange(
+    recv: torch.Tensor,
+    send: torch.Tensor,
+    group: dist.ProcessGroup,
+    world: int,
+    rank: int,
+    pair_gather: bool,
+    async_op: bool = True,
+    transport: Transport = process_group,
+) -> dist.Work | None:
     """Start sending row j of ``send`` (``[world, P]``) to rank j, each rank's row for us
     landing in its row of ``recv``; our own row of ``recv`` is left undefined (nobody reads
     it). With ``pair_gather`` (two ranks: :func:`.policy.uses_pair_gather`), that is an
@@ -115,24 +180,47 @@ def exchange(recv: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup, w
     return transport.all_to_all(recv, send, group, async_op)
 
 
-def _run_pieces(route: policy.Route, flat: torch.Tensor, out: torch.Tensor, bits: int,
-                bucket_size: int, group: dist.ProcessGroup, reduce_op: str, seed: int | None,
-                skip_incomplete: bool, error: torch.Tensor | None = None) -> None:  # fmt: skip
+def _run_pieces(
+    route: policy.Route,
+    flat: torch.Tensor,
+    out: torch.Tensor,
+    bits: int,
+    bucket_size: int,
+    group: dist.ProcessGroup,
+    reduce_op: str,
+    seed: int | None,
+    skip_incomplete: bool,
+    error: torch.Tensor | None = None,
+) -> None:
     """The pipelined scatter-reduce-allgather of ``flat`` into ``out`` (which may be
     ``flat``: a piece is written only after its last read); ``error`` as in
     :func:`allreduce_`. Where the route says so, a CUDA graph's replay."""
     seed = next_seed() if seed is None else seed
     if route.ring and error is None:  # the ring's error is not one rank's to feed back
-        ring.ring_allreduce(route, flat, out, bits, bucket_size, group, reduce_op, seed,
-                            skip_incomplete)  # fmt: skip
+        ring.ring_allreduce(
+            route, flat, out, bits, bucket_size, group, reduce_op, seed, skip_incomplete
+        )
         return
     if not route.graphs:
-        _pipeline(_make_run(route, flat, bits, bucket_size, group, reduce_op, skip_incomplete,
-                            seed), flat, out, error)  # fmt: skip
+        _pipeline(
+            _make_run(route, flat, bits, bucket_size, group, reduce_op, skip_incomplete, seed),
+            flat,
+            out,
+            error,
+        )
         return
-    signature = (flat.data_ptr(), out.data_ptr(), 0 if error is None else error.data_ptr(),
-                 flat.numel(), flat.dtype, bits, bucket_size, reduce_op, skip_incomplete,
-                 route)  # fmt: skip
+    signature = (
+        flat.data_ptr(),
+        out.data_ptr(),
+        0 if error is None else error.data_ptr(),
+        flat.numel(),
+        flat.dtype,
+        bits,
+        bucket_size,
+        reduce_op,
+        skip_incomplete,
+        route,
+    )
 
     def pipeline(device_seed: torch.Tensor) -> None:
         # Seed 0: the host's keys go unused; the kernels read those derived from device_seed.
@@ -175,8 +263,7 @@ def _make_run(
     )
 
 
-def _pipeline(run: _Run, flat: torch.Tensor, out: torch.Tensor,
-              error: torch.Tensor | None) -> None:  # fmt: skip
+def _pipeline(run: _Run, flat: torch.Tensor, out: torch.Tensor, error: torch.Tensor | None) -> None:
     step = run.step
     starts = range(0, flat.numel(), step)
     if len(starts) == 1:  # narrow() and slicing cost microseconds of host time each
@@ -184,8 +271,9 @@ def _pipeline(run: _Run, flat: torch.Tensor, out: torch.Tensor,
         pieces[0].error = error
         pieces[0].overlap = error is not None
     else:
-        pieces = [_Piece(run, _part(flat, s, step), _part(out, s, step), i)
-                  for i, s in enumerate(starts)]  # fmt: skip
+        pieces = [
+            _Piece(run, _part(flat, s, step), _part(out, s, step), i) for i, s in enumerate(starts)
+        ]
         if error is not None:
             for piece, s in zip(pieces, starts, strict=True):
                 piece.error = _part(error, s, step)
@@ -252,8 +340,9 @@ class _Piece:
 
     def __init__(self, run: _Run, x: torch.Tensor, out: torch.Tensor, index: int) -> None:
         self.run, self.x, self.out, self.index = run, x, out, index
-        self.layout = ChunkedLayout.split(x.numel(), run.world, run.bits, run.bucket_size,
-                                          run.skip_incomplete)  # fmt: skip
+        self.layout = ChunkedLayout.split(
+            x.numel(), run.world, run.bits, run.bucket_size, run.skip_incomplete
+        )
         self.error: torch.Tensor | None = None
         # Buffers of the CPU path's scratch (:mod:`cgx2.scratch`), given back once done with.
         self.send = self.recv = self.reduced = self.gathered = None
@@ -270,8 +359,16 @@ class _Piece:
         run.codec.encode_chunks(self.x, layout, key, skip_chunk=run.rank, out=send)
         self.send = send
         self.recv = scratch.take(nbytes, torch.uint8, self.x.device).view(send.shape)
-        self.work = exchange(self.recv, send, run.group, run.world, run.rank, run.pair_gather,
-                             self.overlap, run.transport)  # fmt: skip
+        self.work = exchange(
+            self.recv,
+            send,
+            run.group,
+            run.world,
+            run.rank,
+            run.pair_gather,
+            self.overlap,
+            run.transport,
+        )
         if self.error is not None:
             # Decoding what was sent (while it travels) gives exactly what the owners add, in
             # fp32 as they sum; our own chunk (its row unwritten, decoded to garbage) stays
@@ -298,10 +395,18 @@ class _Piece:
         else:
             reduced = scratch.take(nbytes, torch.uint8, self.x.device)
         run.codec.decode_sum_encode(
-            self.recv, size, self.x.narrow(0, start, size), run.rank, run.scale, run.bits,
-            run.bucket_size, run.gather_key_of(self.index), run.rank,
-            layout.skip_incomplete, out=reduced,
-        )  # fmt: skip
+            self.recv,
+            size,
+            self.x.narrow(0, start, size),
+            run.rank,
+            run.scale,
+            run.bits,
+            run.bucket_size,
+            run.gather_key_of(self.index),
+            run.rank,
+            layout.skip_incomplete,
+            out=reduced,
+        )
         scratch.give(self.recv)
         self.recv = None
         self.reduced = None if run.gather_in_place else reduced

@@ -136,8 +136,9 @@ def _parse(raw: bytes) -> object:
         return out
 
     try:
-        return json.loads(text, parse_constant=constant, parse_int=integer,
-                          object_pairs_hook=unique)  # fmt: skip
+        return json.loads(
+            text, parse_constant=constant, parse_int=integer, object_pairs_hook=unique
+        )
     except ValueError as e:  # json.JSONDecodeError is one
         raise CalibrationFileError(f"is not JSON of a calibration file: {e}") from None
 
@@ -173,10 +174,12 @@ def check(data: object) -> dict[str, Any]:
     for key, table in mesh.items():
         _check_key("node_mesh_faster", key)
         if not isinstance(table, dict) or not all(
-            isinstance(size, str) and size.isdigit() and len(size) <= _MAX_DIGITS
+            isinstance(size, str)
+            and size.isdigit()
+            and len(size) <= _MAX_DIGITS
             and isinstance(won, bool)
             for size, won in table.items()
-        ):  # fmt: skip
+        ):
             raise CalibrationFileError(
                 f"'node_mesh_faster' gives {key!r} something other than sizes (decimal "
                 "strings) to booleans"

@@ -64,8 +64,9 @@ def padded_numel(numel: int, bucket_size: int) -> int:
     return numel + (-numel % bucket_size)
 
 
-def fusion_batches(numels: Sequence[int], element_size: int, bucket_size: int,
-                   limit_bytes: int) -> list[list[int]]:  # fmt: skip
+def fusion_batches(
+    numels: Sequence[int], element_size: int, bucket_size: int, limit_bytes: int
+) -> list[list[int]]:
     """Cut tensors, in order, into batches of at most ``limit_bytes`` once padded; a tensor
     larger than the limit goes alone, and ``limit_bytes`` = 0 puts every tensor alone."""
     batches: list[list[int]] = []
@@ -81,8 +82,9 @@ def fusion_batches(numels: Sequence[int], element_size: int, bucket_size: int,
     return batches
 
 
-def quantized_bytes_sent(numel: int, world: int, bits: int, bucket_size: int,
-                         skip_incomplete: bool = False) -> int:  # fmt: skip
+def quantized_bytes_sent(
+    numel: int, world: int, bits: int, bucket_size: int, skip_incomplete: bool = False
+) -> int:
     """Bytes one rank sends in :func:`cgx2.collectives.allreduce` of ``numel``
     values: W-1 chunks to their owners, then its reduced chunk to W-1 ranks."""
     layout = ChunkedLayout.split(numel, world, bits, bucket_size, skip_incomplete)
@@ -94,8 +96,9 @@ def ring_bytes_sent(nbytes: int, world: int) -> int:
     return 2 * (world - 1) * nbytes // world
 
 
-def reduce_fused_(layers: Sequence[torch.Tensor], bucket_size: int,
-                  reduce: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:  # fmt: skip
+def reduce_fused_(
+    layers: Sequence[torch.Tensor], bucket_size: int, reduce: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
     """Apply ``reduce`` to the layers fused and padded to whole buckets (one contiguous layer
     of whole buckets is reduced as it is), and write the result back into each layer. Returns
     the fused buffer ``reduce`` received."""

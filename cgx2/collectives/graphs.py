@@ -120,8 +120,13 @@ def clear() -> None:
         _GRAPHS.clear()
 
 
-def run(group: dist.ProcessGroup, signature: tuple, seed: int, device: torch.device,
-        pipeline: Callable[[torch.Tensor], None]) -> None:  # fmt: skip
+def run(
+    group: dist.ProcessGroup,
+    signature: tuple,
+    seed: int,
+    device: torch.device,
+    pipeline: Callable[[torch.Tensor], None],
+) -> None:
     """Run ``pipeline(device_seed)``, which must take its random keys from the call seed in
     ``device_seed`` (one int64 on ``device``, holding ``seed`` when the launches run) and be
     the same launches over ``group`` for the same ``signature`` (the tensors' addresses among
@@ -233,8 +238,9 @@ def _write(device_seed: torch.Tensor, seed: int) -> None:
 _STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
-def _capture(pipeline: Callable[[torch.Tensor], None],
-             device_seed: torch.Tensor) -> torch.cuda.CUDAGraph:  # fmt: skip
+def _capture(
+    pipeline: Callable[[torch.Tensor], None], device_seed: torch.Tensor
+) -> torch.cuda.CUDAGraph:
     """``pipeline(device_seed)`` captured (not run) into a graph with its own memory pool, on a
     side stream as ``torch.cuda.graph`` does; other threads' CUDA calls may go on meanwhile."""
     device = device_seed.device
@@ -261,5 +267,7 @@ def _capture(pipeline: Callable[[torch.Tensor], None],
 def _give_up() -> None:
     global _failed
     _failed = True
-    logger.warning("cgx2: capturing the allreduce into a CUDA graph failed; launching "
-                   "eagerly from now on", exc_info=True)  # fmt: skip
+    logger.warning(
+        "cgx2: capturing the allreduce into a CUDA graph failed; launching eagerly from now on",
+        exc_info=True,
+    )

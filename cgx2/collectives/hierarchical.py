@@ -26,8 +26,11 @@ from .allreduce import allreduce
 from .fusion import quantized_bytes_sent, reduce_fused_, ring_bytes_sent
 
 __all__ = [
-    "MESH_DIMS", "hierarchical_allreduce", "hierarchical_allreduce_fused_", "node_mesh",
-]  # fmt: skip
+    "MESH_DIMS",
+    "hierarchical_allreduce",
+    "hierarchical_allreduce_fused_",
+    "node_mesh",
+]
 
 MESH_DIMS = ("inter", "intra")
 
@@ -110,9 +113,10 @@ def hierarchical_allreduce_fused_(
     them: the plain reduce-scatter and all-gather inside the node, and the quantized
     allreduce of a 1/L shard between nodes."""
     fused = reduce_fused_(
-        layers, bucket_size,
+        layers,
+        bucket_size,
         lambda x: hierarchical_allreduce(x, bits, mesh, op, bucket_size, intra_broadcast),
-    )  # fmt: skip
+    )
     nodes, local = mesh.size(0), mesh.size(1)
     shard = -(-fused.numel() // local)
     return ring_bytes_sent(fused.numel() * fused.element_size(), local) + quantized_bytes_sent(

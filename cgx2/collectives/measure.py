@@ -20,9 +20,16 @@ from .allreduce import allreduce
 from .hierarchical import hierarchical_allreduce
 
 __all__ = [
-    "BITS", "BUCKET_SIZE", "CPU_MARGIN", "beside_margin", "crossover", "crossover_on_link",
-    "first_use_sizes", "mesh_against_flat", "timed_in_turn",
-]  # fmt: skip
+    "BITS",
+    "BUCKET_SIZE",
+    "CPU_MARGIN",
+    "beside_margin",
+    "crossover",
+    "crossover_on_link",
+    "first_use_sizes",
+    "mesh_against_flat",
+    "timed_in_turn",
+]
 
 logger = logging.getLogger("cgx2")
 
@@ -82,9 +89,13 @@ def crossover(measurements: Sequence[dict[str, Any]], margin: float = 1.0) -> in
     return found
 
 
-def timed_in_turn(fns: Sequence[Callable[[], Any]], warmup: int, iters: int,
-                  device: torch.device,
-                  control: dist.ProcessGroup | None) -> list[float]:  # fmt: skip
+def timed_in_turn(
+    fns: Sequence[Callable[[], Any]],
+    warmup: int,
+    iters: int,
+    device: torch.device,
+    control: dist.ProcessGroup | None,
+) -> list[float]:
     """Each function's median time in seconds over ``iters`` calls after ``warmup``, the calls
     taken in turn (so that drift favours none), each started together on all ranks; each call's
     time is the slowest rank's, so every rank returns the same medians."""
@@ -117,10 +128,15 @@ def _cuda_on_nccl(group: dist.ProcessGroup | None) -> bool:
     return group_info(dist.group.WORLD if group is None else group).cuda_on_nccl
 
 
-def crossover_on_link(dtype: torch.dtype, group: dist.ProcessGroup,
-                      sizes: Sequence[int] | None = None, warmup: int = 1, iters: int = 3,
-                      larger: int | None = LARGER_SIZE, device: torch.device | None = None,
-                      ) -> tuple[int | None, int | None]:  # fmt: skip
+def crossover_on_link(
+    dtype: torch.dtype,
+    group: dist.ProcessGroup,
+    sizes: Sequence[int] | None = None,
+    warmup: int = 1,
+    iters: int = 3,
+    larger: int | None = LARGER_SIZE,
+    device: torch.device | None = None,
+) -> tuple[int | None, int | None]:
     """The crossovers of ``device``'s tensors (None: the CPU's) of ``dtype`` over ``group``
     (gloo's or the cgx backend's for CPU tensors, NCCL's or the cgx backend's over it for CUDA
     tensors; every rank calls this, alike), measured now: a few seconds at most, once per
@@ -137,10 +153,15 @@ def crossover_on_link(dtype: torch.dtype, group: dist.ProcessGroup,
         x = torch.randn(nbytes // dtype.itemsize, device=device).to(dtype)
         buf = x.clone()
         plain_s, compressed_s = timed_in_turn(
-            (lambda: process_group.allreduce_plain_(buf, group, "sum"),  # exact on cgx too
-             lambda: allreduce(x, BITS, BUCKET_SIZE, group)),
-            warmup, iters, x.device, group,
-        )  # fmt: skip
+            (
+                lambda: process_group.allreduce_plain_(buf, group, "sum"),  # exact on cgx too
+                lambda: allreduce(x, BITS, BUCKET_SIZE, group),
+            ),
+            warmup,
+            iters,
+            x.device,
+            group,
+        )
         return {"bytes": nbytes, "plain_s": plain_s, "compressed_s": compressed_s}
 
     # The caller routes these calls through compression.
@@ -153,18 +174,33 @@ def crossover_on_link(dtype: torch.dtype, group: dist.ProcessGroup,
     said = ["never" if n is None else f"{n} bytes" for n in (alone, beside)]
     logger.info(
         "cgx2: measured on this job's link (group %r, %s %s, %d-bit): %s; quantized from %s "
-        "(beside the training step: from %s)", group.group_name, device.type, dtype, BITS,
-        ", ".join(f"{m['bytes'] / (1 << 20):g} MiB plain {1e3 * m['plain_s']:.2f} ms, "
-                  f"quantized {1e3 * m['compressed_s']:.2f} ms" for m in measurements), *said,
-    )  # fmt: skip
+        "(beside the training step: from %s)",
+        group.group_name,
+        device.type,
+        dtype,
+        BITS,
+        ", ".join(
+            f"{m['bytes'] / (1 << 20):g} MiB plain {1e3 * m['plain_s']:.2f} ms, "
+            f"quantized {1e3 * m['compressed_s']:.2f} ms"
+            for m in measurements
+        ),
+        *said,
+    )
     return alone, beside
 
 
-def mesh_against_flat(dtype: torch.dtype, group: dist.ProcessGroup, mesh: DeviceMesh, bits: int,
-                      bucket_size: int, intra_broadcast: bool,
-                      sizes: Sequence[int] | None = None, warmup: int = 1,
-                      iters: int = 3,
-                      device: torch.device | None = None) -> dict[int, bool]:  # fmt: skip
+def mesh_against_flat(
+    dtype: torch.dtype,
+    group: dist.ProcessGroup,
+    mesh: DeviceMesh,
+    bits: int,
+    bucket_size: int,
+    intra_broadcast: bool,
+    sizes: Sequence[int] | None = None,
+    warmup: int = 1,
+    iters: int = 3,
+    device: torch.device | None = None,
+) -> dict[int, bool]:
     """For each of ``sizes`` (bytes; None: :data:`MESH_SIZES`), whether the node ``mesh``'s
     allreduce (:func:`.hierarchical.hierarchical_allreduce`: plain inside a host, NVLink's
     on GPUs, quantized between hosts) of ``device``'s tensors (None: the CPU's) of ``dtype``
@@ -176,15 +212,28 @@ def mesh_against_flat(dtype: torch.dtype, group: dist.ProcessGroup, mesh: Device
     for nbytes in MESH_SIZES if sizes is None else sizes:
         x = torch.randn(nbytes // dtype.itemsize, device=device).to(dtype)
         flat_s, mesh_s = timed_in_turn(
-            (lambda x=x: allreduce(x, bits, bucket_size, group),
-             lambda x=x: hierarchical_allreduce(x, bits, mesh, "sum", bucket_size,
-                                                intra_broadcast)),
-            warmup, iters, x.device, group,
-        )  # fmt: skip
+            (
+                lambda x=x: allreduce(x, bits, bucket_size, group),
+                lambda x=x: hierarchical_allreduce(
+                    x, bits, mesh, "sum", bucket_size, intra_broadcast
+                ),
+            ),
+            warmup,
+            iters,
+            x.device,
+            group,
+        )
         faster[nbytes] = mesh_s < flat_s
         shown.append(f"{nbytes >> 20} MiB flat {1e3 * flat_s:.1f} ms, mesh {1e3 * mesh_s:.1f} ms")
     won = ", ".join(f"{n >> 20} MiB" for n, mesh_won in faster.items() if mesh_won)
-    logger.info("cgx2: the node mesh against the flat allreduce on this job's link (group %r, "
-                "%s %s, %d-bit): %s; the mesh at %s", group.group_name, device.type, dtype, bits,
-                ", ".join(shown), won or "no size")  # fmt: skip
+    logger.info(
+        "cgx2: the node mesh against the flat allreduce on this job's link (group %r, "
+        "%s %s, %d-bit): %s; the mesh at %s",
+        group.group_name,
+        device.type,
+        dtype,
+        bits,
+        ", ".join(shown),
+        won or "no size",
+    )
     return faster

@@ -44,8 +44,9 @@ Group = tuple[int, tuple[Segment, ...]]
 """(bits, compressed segments) of one width group: its segments are fused and coded together."""
 
 
-def width_groups(compressed: Sequence[Segment], bits: int,
-                 widths: Sequence[int] | None = None) -> tuple[Group, ...]:  # fmt: skip
+def width_groups(
+    compressed: Sequence[Segment], bits: int, widths: Sequence[int] | None = None
+) -> tuple[Group, ...]:
     """The compressed segments grouped by width, narrowest first (one group of ``bits`` when
     ``widths``, one per compressed segment in order, is None)."""
     if widths is None:
@@ -119,10 +120,22 @@ def reduce_scatter(
         compressed, exact, groups = [], [(0, n, False)], ()
     agreed = None
     if check_agreement and route.check:
-        fields = {"bits": bits, "bucket_size": bucket_size, "scale": scale, "segments": segments,
-                  "widths": widths, "compressed": bool(compressed)}  # fmt: skip
-        agreed = agreement.check(group, "quantized_reduce_scatter", input, fields,
-                                 deferred=route.check == "deferred", route=route)  # fmt: skip
+        fields = {
+            "bits": bits,
+            "bucket_size": bucket_size,
+            "scale": scale,
+            "segments": segments,
+            "widths": widths,
+            "compressed": bool(compressed),
+        }
+        agreed = agreement.check(
+            group,
+            "quantized_reduce_scatter",
+            input,
+            fields,
+            deferred=route.check == "deferred",
+            route=route,
+        )
     sent = 0
     plan = _plan(n, world, tuple(s for _, s in groups), tuple(exact), bucket_size, input.device)
     if compressed:
@@ -154,8 +167,9 @@ def reduce_scatter(
         # would only add NCCL's stream switch and events (tens of microseconds a call).
         transport = route.transport
         try:
-            transport.wait(exchange(recv, send, group, world, rank, route.pair_gather, False,
-                                    transport))  # fmt: skip
+            transport.wait(
+                exchange(recv, send, group, world, rank, route.pair_gather, False, transport)
+            )
         except RuntimeError as e:  # a transport's error (a peer died or stalled): say where
             raise RuntimeError(
                 f"cgx2: the quantized reduce-scatter of {input.numel()} values over {world} "
@@ -197,8 +211,14 @@ class _Plan:
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(n: int, world: int, groups: tuple[tuple[Segment, ...], ...],
-          exact: tuple[Segment, ...], bucket_size: int, device: torch.device) -> _Plan:  # fmt: skip
+def _plan(
+    n: int,
+    world: int,
+    groups: tuple[tuple[Segment, ...], ...],
+    exact: tuple[Segment, ...],
+    bucket_size: int,
+    device: torch.device,
+) -> _Plan:
     empty = torch.empty(0, dtype=torch.int64)
     gathers, src, out, widths, base = [], [], [], [], 0
     for compressed in groups:

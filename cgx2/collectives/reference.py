@@ -52,9 +52,18 @@ def reference_allreduce(
             start, size = layout.chunk_start(j), layout.chunk_size(j)
             received = torch.stack([sent[r][j] for r in range(world)])
             maxmin.decode_sum_encode(
-                received, size, pieces[j][start : start + size], j, scale, bits, bucket_size,
-                derive_key(seed, STAGE_GATHER, index), j, skip_incomplete, out=reduced[j],
-            )  # fmt: skip
+                received,
+                size,
+                pieces[j][start : start + size],
+                j,
+                scale,
+                bits,
+                bucket_size,
+                derive_key(seed, STAGE_GATHER, index),
+                j,
+                skip_incomplete,
+                out=reduced[j],
+            )
         maxmin.decode_chunks(reduced, layout, x0.dtype, out=out[s : s + pieces[0].numel()])
     return out.view(x0.shape)
 

@@ -62,10 +62,15 @@ class ReplayWatch:
     behind them (an event records everything enqueued on its stream before it).
     """
 
-    def __init__(self, poll_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
-                 thread: bool = True, new_event: Callable[[], Any] = _cuda_event,
-                 raw_stream: Callable[[int], int] = _raw_stream,
-                 stream: Callable[[int], Any] = _cuda_stream) -> None:  # fmt: skip
+    def __init__(
+        self,
+        poll_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+        thread: bool = True,
+        new_event: Callable[[], Any] = _cuda_event,
+        raw_stream: Callable[[int], int] = _raw_stream,
+        stream: Callable[[int], Any] = _cuda_stream,
+    ) -> None:
         self.poll_s, self.clock, self.thread = poll_s, clock, thread
         self.new_event, self.raw_stream, self.stream = new_event, raw_stream, stream
         self._replays: deque[_Watch] = deque()
@@ -110,8 +115,9 @@ class ReplayWatch:
     def check(self) -> None:
         """Forget finished replays; abort the group of the oldest overdue one."""
         with self._lock:
-            while self._replays and (self._replays[0].group() is None
-                                     or self._replays[0].done.query()):  # fmt: skip
+            while self._replays and (
+                self._replays[0].group() is None or self._replays[0].done.query()
+            ):
                 watch = self._replays.popleft()
                 if watch.more and watch.group() is not None:  # re-armed behind the later ones
                     watch.more = False
@@ -128,9 +134,11 @@ class ReplayWatch:
             self._open = {w.key: w for w in self._replays}
         if group is None:
             return
-        why = (f"cgx2: a quantized allreduce replayed as a CUDA graph on group {late.name!r} did "
-               f"not finish within the group's timeout ({late.timeout_s:.0f} s): a peer died or "
-               "stalled. The group was aborted; make a new one (or restart the job)")  # fmt: skip
+        why = (
+            f"cgx2: a quantized allreduce replayed as a CUDA graph on group {late.name!r} did "
+            f"not finish within the group's timeout ({late.timeout_s:.0f} s): a peer died or "
+            "stalled. The group was aborted; make a new one (or restart the job)"
+        )
         self._aborted[id(group)] = why
         weakref.finalize(group, self._aborted.pop, id(group), None)
         logger.error("%s", why)

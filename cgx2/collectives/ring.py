@@ -27,9 +27,17 @@ STAGE_RING = 3
 """The random stream of the ring's quantizations (each hop's and the reduced chunks')."""
 
 
-def ring_allreduce(route: policy.Route, flat: torch.Tensor, out: torch.Tensor, bits: int,
-                   bucket_size: int, group: dist.ProcessGroup, reduce_op: str, seed: int,
-                   skip_incomplete: bool) -> None:  # fmt: skip
+def ring_allreduce(
+    route: policy.Route,
+    flat: torch.Tensor,
+    out: torch.Tensor,
+    bits: int,
+    bucket_size: int,
+    group: dist.ProcessGroup,
+    reduce_op: str,
+    seed: int,
+    skip_incomplete: bool,
+) -> None:
     """The ring allreduce (``"sum"``/``"avg"``) of ``flat`` into ``out`` (which may be
     ``flat``) over ``group``, by ``route.transport``'s :meth:`shift`. Chunk j of a piece is
     coded with stream j; hop h of rank r's piece k with key (seed, ring, r, k, h)."""
@@ -40,8 +48,9 @@ def ring_allreduce(route: policy.Route, flat: torch.Tensor, out: torch.Tensor, b
     step = route.piece_numel
     starts = range(0, flat.numel(), step)
     pieces = [(flat[s : s + step], out[s : s + step]) for s in starts]
-    layouts = [ChunkedLayout.split(x.numel(), world, bits, bucket_size, skip_incomplete)
-               for x, _ in pieces]  # fmt: skip
+    layouts = [
+        ChunkedLayout.split(x.numel(), world, bits, bucket_size, skip_incomplete) for x, _ in pieces
+    ]
     rank_key = derive_key(seed, STAGE_RING, rank)
 
     def chunk(k: int, j: int) -> torch.Tensor:
@@ -56,8 +65,15 @@ def ring_allreduce(route: policy.Route, flat: torch.Tensor, out: torch.Tensor, b
     for k in range(len(pieces)):
         payload = empty_rows(k, 1)[0]
         if layouts[k].chunk_size(rank):  # a tensor of fewer buckets than ranks has empty ones
-            codec.encode(chunk(k, rank), bits, bucket_size, extend_key(rank_key, k, 0), rank,
-                         skip_incomplete, payload)  # fmt: skip
+            codec.encode(
+                chunk(k, rank),
+                bits,
+                bucket_size,
+                extend_key(rank_key, k, 0),
+                rank,
+                skip_incomplete,
+                payload,
+            )
         sending.append(payload)
     gathered = [empty_rows(k, world) for k in range(len(pieces))]
     for hop in range(world - 1):
@@ -65,27 +81,41 @@ def ring_allreduce(route: policy.Route, flat: torch.Tensor, out: torch.Tensor, b
         last = hop == world - 2
         received = [empty_rows(k, 2) for k in range(len(pieces))]  # row 1: ours, never read
 
-        def add_ours(k: int, held: int = held, last: bool = last, received=received,
-                     hop: int = hop) -> None:  # fmt: skip
+        def add_ours(
+            k: int, held: int = held, last: bool = last, received=received, hop: int = hop
+        ) -> None:
             # The last hop completes chunk r + 1: encoded into its row of the all-gather.
             target = gathered[k][held] if last else empty_rows(k, 1)[0]
             sending[k] = target
             if not layouts[k].chunk_size(held):
                 return
             codec.decode_sum_encode(
-                received[k], layouts[k].chunk_size(held), chunk(k, held), 1,
-                scale if last else None, bits, bucket_size,
-                extend_key(rank_key, k, hop + 1), held, skip_incomplete, out=target,
-            )  # fmt: skip
+                received[k],
+                layouts[k].chunk_size(held),
+                chunk(k, held),
+                1,
+                scale if last else None,
+                bits,
+                bucket_size,
+                extend_key(rank_key, k, hop + 1),
+                held,
+                skip_incomplete,
+                out=target,
+            )
 
         buffers = lambda k, r=received: (r[k][0], sending[k])
         _pipelined(transport, group, len(pieces), buffers, add_ours, "reduce-scatter")
     # The all-gather: hop h forwards chunk (r + 1 - h), receives chunk (r - h).
     for hop in range(world - 1):
         send_row, recv_row = (rank + 1 - hop) % world, (rank - hop) % world
-        _pipelined(transport, group, len(pieces),
-                   lambda k, s=send_row, r=recv_row: (gathered[k][r], gathered[k][s]),
-                   lambda k: None, "all-gather")  # fmt: skip
+        _pipelined(
+            transport,
+            group,
+            len(pieces),
+            lambda k, s=send_row, r=recv_row: (gathered[k][r], gathered[k][s]),
+            lambda k: None,
+            "all-gather",
+        )
     for k, (_, result) in enumerate(pieces):
         codec.decode_chunks(gathered[k], layouts[k], result.dtype, out=result)
 

@@ -20,19 +20,22 @@ class Transport(Protocol):
     ``all_gather`` calls return a Work to :meth:`wait` on (or None where the call already
     finished on the caller's stream); every wait honours the group's timeout."""
 
-    def all_to_all(self, out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
-                   async_op: bool = True) -> dist.Work | None:  # fmt: skip
+    def all_to_all(
+        self, out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup, async_op: bool = True
+    ) -> dist.Work | None:
         """Row j of ``send`` (``[world, P]``) to rank j; rank j's row for us into row j of
         ``out``. Our own row of ``out`` is undefined afterwards (nobody reads it)."""
         ...
 
-    def all_gather(self, out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
-                   async_op: bool = True) -> dist.Work | None:  # fmt: skip
+    def all_gather(
+        self, out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup, async_op: bool = True
+    ) -> dist.Work | None:
         """Every rank's ``send`` into its slot of ``out``, in rank order."""
         ...
 
-    def shift(self, out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
-              async_op: bool = True) -> dist.Work | None:  # fmt: skip
+    def shift(
+        self, out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup, async_op: bool = True
+    ) -> dist.Work | None:
         """``send`` to the next rank of the ring (rank + 1); the previous rank's into ``out``."""
         ...
 
@@ -40,19 +43,22 @@ class Transport(Protocol):
         """Wait for a call's Work, if it returned one."""
         ...
 
-    def allreduce_plain_(self, t: torch.Tensor, group: dist.ProcessGroup,
-                         reduce_op: str) -> torch.Tensor:  # fmt: skip
+    def allreduce_plain_(
+        self, t: torch.Tensor, group: dist.ProcessGroup, reduce_op: str
+    ) -> torch.Tensor:
         """The uncompressed allreduce (``"sum"``/``"avg"``) of contiguous ``t``, in place."""
         ...
 
-    def allreduce_plain_async_(self, t: torch.Tensor, group: dist.ProcessGroup,
-                               reduce_op: str) -> torch.futures.Future[torch.Tensor]:  # fmt: skip
+    def allreduce_plain_async_(
+        self, t: torch.Tensor, group: dist.ProcessGroup, reduce_op: str
+    ) -> torch.futures.Future[torch.Tensor]:
         """:meth:`allreduce_plain_` started, not waited for: a future of ``t``, set once it
         holds the result (already set where the transport cannot leave the call running)."""
         ...
 
-    def reduce_scatter_plain(self, out: torch.Tensor, inp: torch.Tensor,
-                             group: dist.ProcessGroup) -> None:  # fmt: skip
+    def reduce_scatter_plain(
+        self, out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup
+    ) -> None:
         """The uncompressed reduce-scatter (sum) of ``inp`` (``world`` equal chunks) into
         ``out`` (this rank's chunk)."""
         ...

@@ -79,22 +79,33 @@ def _serves(t: torch.Tensor, group: dist.ProcessGroup) -> bool:
     return t.is_cuda and group_info(group).cuda_on_nccl and available()
 
 
-def _transfers(group: dist.ProcessGroup, sends: list[tuple[int, int, int]],
-               receives: list[tuple[int, int, int]], operation: str) -> None:  # fmt: skip
+def _transfers(
+    group: dist.ProcessGroup,
+    sends: list[tuple[int, int, int]],
+    receives: list[tuple[int, int, int]],
+    operation: str,
+) -> None:
     """One grouped set of transfers, each (address, bytes, peer) sent or received."""
     try:
         extension.load().nccl_transfers(
-            _comm(group), _stream(),
-            [a for a, _, _ in sends], [n for _, n, _ in sends], [p for _, _, p in sends],
-            [a for a, _, _ in receives], [n for _, n, _ in receives], [p for _, _, p in receives],
-        )  # fmt: skip
+            _comm(group),
+            _stream(),
+            [a for a, _, _ in sends],
+            [n for _, n, _ in sends],
+            [p for _, _, p in sends],
+            [a for a, _, _ in receives],
+            [n for _, n, _ in receives],
+            [p for _, _, p in receives],
+        )
     except RuntimeError as e:
-        raise RuntimeError(f"cgx2: the NCCL transport's {operation} on group "
-                           f"{group.group_name!r}: {e}") from e  # fmt: skip
+        raise RuntimeError(
+            f"cgx2: the NCCL transport's {operation} on group {group.group_name!r}: {e}"
+        ) from e
 
 
-def all_to_all(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
-               async_op: bool = True) -> dist.Work | None:  # fmt: skip
+def all_to_all(
+    out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup, async_op: bool = True
+) -> dist.Work | None:
     """Row j of ``send`` (``[world, P]``, contiguous) to rank j; rank j's row for us into row
     j of ``out``, but for our own (left as it was: nobody reads it)."""
     if not _serves(send, group):
@@ -104,13 +115,18 @@ def all_to_all(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
     row = send.numel() * send.element_size() // world
     sent, got = send.data_ptr(), out.data_ptr()
     peers = [p for p in range(world) if p != rank]
-    _transfers(group, [(sent + p * row, row, p) for p in peers],
-               [(got + p * row, row, p) for p in peers], "all_to_all")  # fmt: skip
+    _transfers(
+        group,
+        [(sent + p * row, row, p) for p in peers],
+        [(got + p * row, row, p) for p in peers],
+        "all_to_all",
+    )
     return None
 
 
-def all_gather(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
-               async_op: bool = True) -> dist.Work | None:  # fmt: skip
+def all_gather(
+    out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup, async_op: bool = True
+) -> dist.Work | None:
     """Every rank's ``send`` (contiguous) into its slot of ``out``, in rank order."""
     if not _serves(send, group):
         return process_group.all_gather(out, send, group, async_op)
@@ -119,30 +135,38 @@ def all_gather(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
     lib = extension.load()
     if lib.nccl_has_all_gather():  # one collective: less host time than grouped transfers
         try:
-            lib.nccl_all_gather(_comm(group), _stream(),
-                                send.data_ptr(), out.data_ptr(), nbytes)  # fmt: skip
+            lib.nccl_all_gather(_comm(group), _stream(), send.data_ptr(), out.data_ptr(), nbytes)
         except RuntimeError as e:
-            raise RuntimeError(f"cgx2: the NCCL transport's all_gather on group "
-                               f"{group.group_name!r}: {e}") from e  # fmt: skip
+            raise RuntimeError(
+                f"cgx2: the NCCL transport's all_gather on group {group.group_name!r}: {e}"
+            ) from e
         return None
     got = out.data_ptr()
     peers = [p for p in range(world) if p != rank]
-    _transfers(group, [(send.data_ptr(), nbytes, p) for p in peers],
-               [(got + p * nbytes, nbytes, p) for p in peers], "all_gather")  # fmt: skip
+    _transfers(
+        group,
+        [(send.data_ptr(), nbytes, p) for p in peers],
+        [(got + p * nbytes, nbytes, p) for p in peers],
+        "all_gather",
+    )
     if got + rank * nbytes != send.data_ptr():
         out.view(world, -1)[rank].copy_(send.reshape(-1))
     return None
 
 
-def shift(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
-          async_op: bool = True) -> dist.Work | None:  # fmt: skip
+def shift(
+    out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup, async_op: bool = True
+) -> dist.Work | None:
     """``send`` to the next rank of the ring (rank + 1); the previous rank's into ``out``."""
     if not _serves(send, group):
         return process_group.shift(out, send, group, async_op)
     world, rank = group_size_and_rank(group)
-    _transfers(group, [(send.data_ptr(), send.numel() * send.element_size(), (rank + 1) % world)],
-               [(out.data_ptr(), out.numel() * out.element_size(), (rank - 1) % world)],
-               "shift")  # fmt: skip
+    _transfers(
+        group,
+        [(send.data_ptr(), send.numel() * send.element_size(), (rank + 1) % world)],
+        [(out.data_ptr(), out.numel() * out.element_size(), (rank - 1) % world)],
+        "shift",
+    )
     return None
 
 
@@ -157,8 +181,9 @@ def allreduce_plain_(t: torch.Tensor, group: dist.ProcessGroup, reduce_op: str) 
     return process_group.allreduce_plain_(t, group, reduce_op)
 
 
-def allreduce_plain_async_(t: torch.Tensor, group: dist.ProcessGroup,
-                           reduce_op: str) -> torch.futures.Future[torch.Tensor]:  # fmt: skip
+def allreduce_plain_async_(
+    t: torch.Tensor, group: dist.ProcessGroup, reduce_op: str
+) -> torch.futures.Future[torch.Tensor]:
     """The process group's, as :func:`allreduce_plain_`."""
     return process_group.allreduce_plain_async_(t, group, reduce_op)
 

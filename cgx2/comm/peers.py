@@ -150,8 +150,10 @@ def _connect(group: dist.ProcessGroup) -> PeerSockets | None:
                 sock.close()
         if rank == 0:
             reasons = "; ".join(f"rank {r}: {a}" for r, a in failed.items())
-            logger.info("cgx2: no peer sockets on this group (%s); its ranks compare through "
-                        "its store", reasons)  # fmt: skip
+            logger.info(
+                "cgx2: no peer sockets on this group (%s); its ranks compare through its store",
+                reasons,
+            )
         return None
     for sock in sockets:
         if sock is not None:
@@ -160,8 +162,15 @@ def _connect(group: dist.ProcessGroup) -> PeerSockets | None:
     return PeerSockets(sockets, rank, timeout)
 
 
-def _reach(store: dist.Store, listener: socket.socket, sockets: list[socket.socket | None],
-           secret: bytes, rank: int, world: int, patience: float) -> str:  # fmt: skip
+def _reach(
+    store: dist.Store,
+    listener: socket.socket,
+    sockets: list[socket.socket | None],
+    secret: bytes,
+    rank: int,
+    world: int,
+    patience: float,
+) -> str:
     """Connect to the lower ranks and accept the higher ones into ``sockets``; what went
     wrong, or ""."""
     for peer in range(rank):

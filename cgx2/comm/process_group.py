@@ -146,8 +146,9 @@ def _direct(group: dist.ProcessGroup) -> bool:
     return not torch.compiler.is_compiling() and isinstance(group, dist.ProcessGroup)
 
 
-def all_to_all(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
-               async_op: bool = True) -> dist.Work | None:  # fmt: skip
+def all_to_all(
+    out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup, async_op: bool = True
+) -> dist.Work | None:
     """Start ``dist.all_to_all_single(out, send, async_op=async_op)`` of equal splits. The
     Work, if any, must be waited on (gloo returns one even when ``async_op`` is False)."""
     if _direct(group):
@@ -162,8 +163,9 @@ Ethernet")."""
 GLOO_SPLITS = 4
 
 
-def all_gather(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
-               async_op: bool = True) -> dist.Work | None:  # fmt: skip
+def all_gather(
+    out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup, async_op: bool = True
+) -> dist.Work | None:
     """Start the all-gather of every rank's ``send`` into ``out``; its Work as
     :func:`all_to_all`'s."""
     if _direct(group):
@@ -187,8 +189,9 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a_start < b_start + b.numel() * b.element_size() and b_start < a_end
 
 
-def all_gather_in_parts(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
-                        splits: int) -> dist.Work:  # fmt: skip
+def all_gather_in_parts(
+    out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup, splits: int
+) -> dist.Work:
     """The all-gather of a 1-D ``send`` into ``out`` (``world`` slots of its size, none of them
     ``send``'s memory) as ``splits`` concurrent ones over consecutive parts of ``send``, each
     landing in its part of every rank's slot (gloo's list form takes the slots as views). The
@@ -199,8 +202,9 @@ def all_gather_in_parts(out: torch.Tensor, send: torch.Tensor, group: dist.Proce
     works = []
     for start in range(0, numel, step):
         parts = [slot[start : start + step] for slot in slots]
-        works.append(group.allgather([parts], [send[start : start + step]],
-                                     _ALL_GATHER_OPTIONS[True]))  # fmt: skip
+        works.append(
+            group.allgather([parts], [send[start : start + step]], _ALL_GATHER_OPTIONS[True])
+        )
     return _AllWorks(works)
 
 
@@ -228,16 +232,22 @@ def allreduce_plain_(t: torch.Tensor, group: dist.ProcessGroup, reduce_op: str) 
     return t
 
 
-def allreduce_plain_async_(t: torch.Tensor, group: dist.ProcessGroup,
-                           reduce_op: str) -> torch.futures.Future[torch.Tensor]:  # fmt: skip
+def allreduce_plain_async_(
+    t: torch.Tensor, group: dist.ProcessGroup, reduce_op: str
+) -> torch.futures.Future[torch.Tensor]:
     """:func:`allreduce_plain_` of a CPU ``t`` left running on gloo's threads, as DDP's own
     allreduce is: a future of ``t``, set once the sum has landed. AVG divides first, on the
     calling thread (a thread of gloo's dividing afterwards would compete with the backward
     pass). Elsewhere (NCCL, the cgx backend, a traced call) the call runs at once and the
     future is already set."""
     info = None if group is dist.GroupMember.NON_GROUP_MEMBER else group_info(group)
-    if (info is None or info.has_exact_allreduce or t.is_cuda or torch.compiler.is_compiling()
-            or not isinstance(group, dist.ProcessGroup)):  # fmt: skip
+    if (
+        info is None
+        or info.has_exact_allreduce
+        or t.is_cuda
+        or torch.compiler.is_compiling()
+        or not isinstance(group, dist.ProcessGroup)
+    ):
         done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         done.set_result(allreduce_plain_(t, group, reduce_op))
         return done
@@ -252,15 +262,20 @@ def allreduce_plain_async_(t: torch.Tensor, group: dist.ProcessGroup,
     return work.get_future().then(reduced)
 
 
-def shift(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
-          async_op: bool = True) -> dist.Work | None:  # fmt: skip
+def shift(
+    out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup, async_op: bool = True
+) -> dist.Work | None:
     """Send ``send`` to the next rank of the ring (rank + 1) while the previous one's lands in
     ``out``: one grouped send/receive (``dist.batch_isend_irecv``)."""
     world, rank = group_size_and_rank(group)
     following = dist.get_global_rank(group, (rank + 1) % world)
     preceding = dist.get_global_rank(group, (rank - 1) % world)
-    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, following, group),
-                                    dist.P2POp(dist.irecv, out, preceding, group)])  # fmt: skip
+    works = dist.batch_isend_irecv(
+        [
+            dist.P2POp(dist.isend, send, following, group),
+            dist.P2POp(dist.irecv, out, preceding, group),
+        ]
+    )
     work = _AllWorks(works)
     if async_op:
         return work

@@ -111,8 +111,15 @@ def _host_identity() -> str:
 class _Channel:
     """One group's segments, flags and sequence of calls."""
 
-    def __init__(self, group: dist.ProcessGroup, lib: Any, store: dist.Store, prefix: str,
-                 pids: list[int], starts: list[int]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        lib: Any,
+        store: dist.Store,
+        prefix: str,
+        pids: list[int],
+        starts: list[int],
+    ) -> None:
         self.lib, self.store, self.prefix = lib, store, prefix
         self.world, self.rank = group_size_and_rank(group)
         self.name = group.group_name
@@ -171,8 +178,11 @@ class _Channel:
                 try:
                     for r, announced in enumerate(statuses):
                         _, fd, inode = announced.split()
-                        segments.append(mine if r == self.rank else self.lib.Segment.open(
-                            self.pids[r], int(fd), total, int(inode)))  # fmt: skip
+                        segments.append(
+                            mine
+                            if r == self.rank
+                            else self.lib.Segment.open(self.pids[r], int(fd), total, int(inode))
+                        )
                 except OSError as e:
                     status = f"rank {self.rank}: {e}"
                 failed = [s for s in self._agree("mapped", status) if s != "ok"]
@@ -215,8 +225,10 @@ class _Channel:
         """The next call's epoch, slot and every rank's segment (the ones it must use, even
         after a later call grows them), once this rank may write the slot."""
         if self.broken is not None:
-            raise ShmError(f"cgx2: the shared-memory transport of group {self.name!r} failed "
-                           f"earlier: {self.broken}")  # fmt: skip
+            raise ShmError(
+                f"cgx2: the shared-memory transport of group {self.name!r} failed "
+                f"earlier: {self.broken}"
+            )
         self.seq += 1
         slot, last = self.seq % SLOTS, self.seq - SLOTS
         if last in self.pending:
@@ -254,17 +266,20 @@ class _Channel:
             for kind in (_WRITTEN, _REDUCED, _CONSUMED):
                 self.signal(views, kind, slot, epoch)
 
-    def check_peers(self, views: list[torch.Tensor], slot: int, epoch: int, operation: str,
-                    nbytes: int) -> None:  # fmt: skip
+    def check_peers(
+        self, views: list[torch.Tensor], slot: int, epoch: int, operation: str, nbytes: int
+    ) -> None:
         """After a wait for the peers' payloads: raise where a peer gave this call up, or
         where its slot holds another operation or size (the ranks' calls no longer match)."""
         epoch &= _EPOCH_MASK
         tag = _tag(operation, nbytes)
         for r in self.peer_ranks:
             if self.lib.load_flag(self._flag(views, r, _VOID, slot)) == epoch:
-                raise ShmError(f"cgx2: the shared-memory transport: rank {r} of group "
-                               f"{self.name!r} failed during {operation} (call {epoch}; this "
-                               f"is rank {self.rank}); the group goes on")  # fmt: skip
+                raise ShmError(
+                    f"cgx2: the shared-memory transport: rank {r} of group "
+                    f"{self.name!r} failed during {operation} (call {epoch}; this "
+                    f"is rank {self.rank}); the group goes on"
+                )
             theirs = self.lib.load_flag(self._flag(views, r, _TAG, slot))
             if theirs != tag:
                 self.broken = (
@@ -285,21 +300,35 @@ class _Channel:
     def signal(self, views: list[torch.Tensor], kind: int, slot: int, epoch: int) -> None:
         self.lib.signal_flag(self._flag(views, self.rank, kind, slot), epoch & _EPOCH_MASK)
 
-    def wait_peers(self, kind: int, slot: int, epoch: int, operation: str,
-                   views: list[torch.Tensor] | None = None) -> None:  # fmt: skip
+    def wait_peers(
+        self,
+        kind: int,
+        slot: int,
+        epoch: int,
+        operation: str,
+        views: list[torch.Tensor] | None = None,
+    ) -> None:
         views = self.views if views is None else views
         peers = self.peer_ranks
         status, index = self.lib.wait_flags(
-            [self._flag(views, r, kind, slot) for r in peers], epoch & _EPOCH_MASK,
-            self.timeout, [self.pids[r] for r in peers], [self.starts[r] for r in peers],
-        )  # fmt: skip
+            [self._flag(views, r, kind, slot) for r in peers],
+            epoch & _EPOCH_MASK,
+            self.timeout,
+            [self.pids[r] for r in peers],
+            [self.starts[r] for r in peers],
+        )
         if status == 0:
             return
         peer = peers[index]
-        why = (f"exited (pid {self.pids[peer]})" if status == _GONE else
-               f"did not arrive within the group's timeout ({self.timeout:g} s)")  # fmt: skip
-        self.broken = (f"rank {peer} of group {self.name!r} {why} during {operation} "
-                       f"(call {epoch}; this is rank {self.rank})")  # fmt: skip
+        why = (
+            f"exited (pid {self.pids[peer]})"
+            if status == _GONE
+            else f"did not arrive within the group's timeout ({self.timeout:g} s)"
+        )
+        self.broken = (
+            f"rank {peer} of group {self.name!r} {why} during {operation} "
+            f"(call {epoch}; this is rank {self.rank})"
+        )
         raise ShmError(f"cgx2: the shared-memory transport: {self.broken}")
 
 
@@ -331,13 +360,19 @@ def _open(group: dist.ProcessGroup) -> _Channel | None:
         count = _OPENED.get(group.group_name, 0)
         _OPENED[group.group_name] = count + 1
     prefix = f"cgx2/shm/{group.group_name}/{count}"
-    mine = {"host": _host_identity(), "pid": os.getpid(),
-            "start": lib.process_start_time(os.getpid())}  # fmt: skip
+    mine = {
+        "host": _host_identity(),
+        "pid": os.getpid(),
+        "start": lib.process_start_time(os.getpid()),
+    }
     channel = _Channel(group, lib, store, prefix, [], [])
     peers = [json.loads(a) for a in channel._agree("hello", json.dumps(mine))]
     if len({p["host"] for p in peers}) > 1:
-        log.info("cgx2: group %r spans hosts: its collectives use the process group's "
-                 "transport, not shared memory", group.group_name)  # fmt: skip
+        log.info(
+            "cgx2: group %r spans hosts: its collectives use the process group's "
+            "transport, not shared memory",
+            group.group_name,
+        )
         return None
     channel.pids = [p["pid"] for p in peers]
     channel.starts = [p["start"] for p in peers]
@@ -376,8 +411,12 @@ def serves(group: dist.ProcessGroup) -> bool:
 
 
 def _fall_back(group: dist.ProcessGroup, channel: _Channel, why: str) -> None:
-    log.warning("cgx2: the shared-memory transport of group %r is unavailable (%s); its "
-                "collectives use the process group", channel.name, why)  # fmt: skip
+    log.warning(
+        "cgx2: the shared-memory transport of group %r is unavailable (%s); its "
+        "collectives use the process group",
+        channel.name,
+        why,
+    )
     channel.close()
     _CHANNELS[id(group)] = None
 
@@ -430,10 +469,14 @@ def _finish_reads(device: torch.device) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
-def _exchange(group: dist.ProcessGroup, send: torch.Tensor, operation: str,
-              receive: Callable[[_Channel, list[torch.Tensor], int, int], None],
-              fallback: Callable[[], dist.Work | None],
-              async_op: bool) -> dist.Work | None:  # fmt: skip
+def _exchange(
+    group: dist.ProcessGroup,
+    send: torch.Tensor,
+    operation: str,
+    receive: Callable[[_Channel, list[torch.Tensor], int, int], None],
+    fallback: Callable[[], dist.Work | None],
+    async_op: bool,
+) -> dist.Work | None:
     """Write ``send`` into this rank's slot and return the Work that ``receive``s the peers'."""
     channel = _channel(group)
     if channel is None:
@@ -474,8 +517,9 @@ def _exchange(group: dist.ProcessGroup, send: torch.Tensor, operation: str,
     return None
 
 
-def all_to_all(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
-               async_op: bool = True) -> dist.Work | None:  # fmt: skip
+def all_to_all(
+    out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup, async_op: bool = True
+) -> dist.Work | None:
     """Row j of ``send`` (``[world, P]``, contiguous) to rank j; rank j's row for us into row
     j of ``out``: each rank reads its row from the others' slots."""
 
@@ -490,8 +534,9 @@ def all_to_all(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
     return _exchange(group, send, "all_to_all", receive, fallback, async_op)
 
 
-def all_gather(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
-               async_op: bool = True) -> dist.Work | None:  # fmt: skip
+def all_gather(
+    out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup, async_op: bool = True
+) -> dist.Work | None:
     """Every rank's ``send`` (contiguous) into its slot of ``out``, in rank order."""
 
     def receive(channel: _Channel, views: list[torch.Tensor], slot: int, nbytes: int) -> None:
@@ -504,15 +549,17 @@ def all_gather(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
     return _exchange(group, send, "all_gather", receive, fallback, async_op)
 
 
-def shift(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
-          async_op: bool = True) -> dist.Work | None:  # fmt: skip
+def shift(
+    out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup, async_op: bool = True
+) -> dist.Work | None:
     """Send ``send`` (contiguous) to the next rank of the ring (rank + 1) while the previous
     one's lands in ``out``: each rank reads its predecessor's slot."""
 
     def receive(channel: _Channel, views: list[torch.Tensor], slot: int, nbytes: int) -> None:
         preceding = (channel.rank - 1) % channel.world
-        out.reshape(-1).view(torch.uint8).copy_(channel.region(views, preceding, slot, nbytes),
-                                                non_blocking=out.is_cuda)  # fmt: skip
+        out.reshape(-1).view(torch.uint8).copy_(
+            channel.region(views, preceding, slot, nbytes), non_blocking=out.is_cuda
+        )
 
     fallback = lambda: process_group.shift(out, send, group, async_op)
     return _exchange(group, send, "shift", receive, fallback, async_op)
@@ -539,8 +586,9 @@ def allreduce_plain_(t: torch.Tensor, group: dist.ProcessGroup, reduce_op: str) 
     return t
 
 
-def allreduce_plain_async_(t: torch.Tensor, group: dist.ProcessGroup,
-                           reduce_op: str) -> torch.futures.Future[torch.Tensor]:  # fmt: skip
+def allreduce_plain_async_(
+    t: torch.Tensor, group: dist.ProcessGroup, reduce_op: str
+) -> torch.futures.Future[torch.Tensor]:
     """:func:`allreduce_plain_`, whose copies run on the calling thread: done at once, but for a
     group shared memory does not serve, whose process group's call is left running."""
     channel = _channel(group) if group is not dist.GroupMember.NON_GROUP_MEMBER else None
@@ -561,8 +609,15 @@ def _reduce_piece(channel: _Channel, piece: torch.Tensor, reduce_op: str) -> Non
         raise
 
 
-def _reduce_slot(channel: _Channel, piece: torch.Tensor, reduce_op: str, epoch: int, slot: int,
-                 views: list[torch.Tensor], nbytes: int) -> None:  # fmt: skip
+def _reduce_slot(
+    channel: _Channel,
+    piece: torch.Tensor,
+    reduce_op: str,
+    epoch: int,
+    slot: int,
+    views: list[torch.Tensor],
+    nbytes: int,
+) -> None:
     operation, world, rank = "allreduce", channel.world, channel.rank
     if piece.is_cuda:
         channel.register_cuda()
@@ -624,8 +679,15 @@ def reduce_scatter_plain(out: torch.Tensor, inp: torch.Tensor, group: dist.Proce
             raise
 
 
-def _reduce_scatter_slot(channel: _Channel, out: torch.Tensor, inp: torch.Tensor, epoch: int,
-                         slot: int, views: list[torch.Tensor], nbytes: int) -> None:  # fmt: skip
+def _reduce_scatter_slot(
+    channel: _Channel,
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    epoch: int,
+    slot: int,
+    views: list[torch.Tensor],
+    nbytes: int,
+) -> None:
     if inp.is_cuda:
         channel.register_cuda()
     m = out.numel()

@@ -29,8 +29,11 @@ class StoreTimeout(RuntimeError):
 def wait(store: dist.Store, keys: Sequence[str], timeout_s: float) -> None:
     """Return once every key of ``keys`` is set in ``store``; :class:`StoreTimeout` naming the
     missing ones after ``timeout_s``. Other threads' calls on the store run meanwhile."""
-    _until(lambda: store.check(list(keys)), timeout_s,
-           lambda: [k for k in keys if not store.check([k])])  # fmt: skip
+    _until(
+        lambda: store.check(list(keys)),
+        timeout_s,
+        lambda: [k for k in keys if not store.check([k])],
+    )
 
 
 def get(store: dist.Store, key: str, timeout_s: float) -> bytes:

@@ -28,9 +28,12 @@ class _Worker:
 
     def __init__(self) -> None:
         # Made on the caller's thread: its intra-op count is the one the codec gets.
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cgx2-comm",
-                                           initializer=cpu_threads.lend,
-                                           initargs=(torch.get_num_threads(),))  # fmt: skip
+        self.executor = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="cgx2-comm",
+            initializer=cpu_threads.lend,
+            initargs=(torch.get_num_threads(),),
+        )
         self.streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def stream(self, device: torch.device) -> torch.cuda.Stream:
@@ -61,9 +64,11 @@ def _retire(key: int) -> None:
         worker.executor.shutdown(wait=False)
 
 
-def submit(group: dist.ProcessGroup,
-           fn: Callable[[], torch.Tensor | torch.futures.Future[torch.Tensor]],
-           tensors: Sequence[torch.Tensor]) -> torch.futures.Future[torch.Tensor]:  # fmt: skip
+def submit(
+    group: dist.ProcessGroup,
+    fn: Callable[[], torch.Tensor | torch.futures.Future[torch.Tensor]],
+    tensors: Sequence[torch.Tensor],
+) -> torch.futures.Future[torch.Tensor]:
     """Run ``fn()`` on ``group``'s worker after everything submitted before it, and return a
     future of its result; if ``fn`` raises, waiting on the future raises a ``RuntimeError``
     that quotes the exception and where it came from. On CPU tensors ``fn`` may return a
@@ -116,8 +121,9 @@ def submit(group: dist.ProcessGroup,
     return future.then(_result)
 
 
-def _follow(future: torch.futures.Future[torch.Tensor],
-            running: torch.futures.Future[torch.Tensor]) -> None:  # fmt: skip
+def _follow(
+    future: torch.futures.Future[torch.Tensor], running: torch.futures.Future[torch.Tensor]
+) -> None:
     """Set ``future`` as ``running`` (done) ended: its value, or its exception."""
     try:
         result = running.value()

@@ -127,8 +127,10 @@ class CGXState:
             several = policy.hierarchical(process_group, self.bits)
             if several and (adaptive_bits is not None or error_feedback):
                 # Neither combines with the mesh yet: the flat allreduce serves them.
-                logger.info("cgx2: CGXState with adaptive_bits or error_feedback on several "
-                            "nodes uses the flat allreduce, not the node mesh")  # fmt: skip
+                logger.info(
+                    "cgx2: CGXState with adaptive_bits or error_feedback on several "
+                    "nodes uses the flat allreduce, not the node mesh"
+                )
                 several = False
             mesh = node_mesh() if several else None
         elif mesh is not None and not isinstance(mesh, DeviceMesh):
@@ -244,8 +246,9 @@ class CGXState:
             t, group, self.mesh, self.bits, self.bucket_size, self.intra_broadcast, numel
         )
 
-    def layer_bits(self, index: int, layers: Sequence[torch.Tensor],
-                   group: dist.ProcessGroup) -> tuple[int, ...]:  # fmt: skip
+    def layer_bits(
+        self, index: int, layers: Sequence[torch.Tensor], group: dist.ProcessGroup
+    ) -> tuple[int, ...]:
         """Bits for each compressed layer of bucket ``index`` (adaptive mode), re-planned every
         ``replan_every`` calls from statistics all ranks share."""
         calls = self._calls.get(index, 0)
@@ -408,13 +411,21 @@ def _agree(state: CGXState, group: dist.ProcessGroup, buffer: torch.Tensor) -> N
     hold the settings that decide the bucket's bytes alike: once, at the hook's first call
     (on the calling thread, so that DDP raises the error itself), which every rank makes."""
     mesh = None if state.mesh is None else list(state.mesh.mesh.shape)
-    settings = {"bits": state.bits, "bucket_size": state.bucket_size,
-                "layer_min_size": state.layer_min_size, "skip_incomplete": state.skip_incomplete,
-                "intra_broadcast": state.intra_broadcast, "mesh": mesh,
-                "mesh_by_policy": state._mesh_by_policy, "adaptive_bits": state.adaptive_bits,
-                "replan_every": state.replan_every, "error_feedback": state.errors is not None,
-                "start_iter": state.start_iter, "iteration": state.iteration,
-                "dtype": buffer.dtype}  # fmt: skip
+    settings = {
+        "bits": state.bits,
+        "bucket_size": state.bucket_size,
+        "layer_min_size": state.layer_min_size,
+        "skip_incomplete": state.skip_incomplete,
+        "intra_broadcast": state.intra_broadcast,
+        "mesh": mesh,
+        "mesh_by_policy": state._mesh_by_policy,
+        "adaptive_bits": state.adaptive_bits,
+        "replan_every": state.replan_every,
+        "error_feedback": state.errors is not None,
+        "start_iter": state.start_iter,
+        "iteration": state.iteration,
+        "dtype": buffer.dtype,
+    }
     agreement.check_settings(group, "cgx_hook", settings, buffer.device)
     state._agreed = True
 
@@ -425,15 +436,26 @@ def _reduce_parameter_grad_(state: CGXState, grad: torch.Tensor) -> None:
     group = state.process_group if state.process_group is not None else dist.group.WORLD
     if state.bits != UNCOMPRESSED_BITS and grad.dim() > 1 and grad.numel() >= state.layer_min_size:
         torch.ops.cgx.quantized_allreduce_(  # DDP gives every rank the same parameters
-            grad, state.bits, state.bucket_size, group.group_name, "avg", -1,
-            state.skip_incomplete, False,
-        )  # fmt: skip
+            grad,
+            state.bits,
+            state.bucket_size,
+            group.group_name,
+            "avg",
+            -1,
+            state.skip_incomplete,
+            False,
+        )
     else:
         grad.copy_(funcol.all_reduce(grad / dist.get_world_size(group), "sum", group))
 
 
-def _allreduce_layers_(state: CGXState, layers: list[torch.Tensor], bits: int,
-                       group: dist.ProcessGroup, keys: list[int] | None) -> int:  # fmt: skip
+def _allreduce_layers_(
+    state: CGXState,
+    layers: list[torch.Tensor],
+    bits: int,
+    group: dist.ProcessGroup,
+    keys: list[int] | None,
+) -> int:
     """:func:`cgx2.collectives.allreduce_fused_` of ``layers`` at ``bits``; with ``keys``, each
     layer's first-stage error becomes its residual. Returns the bytes this rank sent."""
     errors: list[torch.Tensor] | None = None if keys is None else []
@@ -479,9 +501,12 @@ def _reduce_bucket_(
             for bits in sorted(set(widths)):
                 chosen = [i for i, b in enumerate(widths) if b == bits]
                 state.bytes_sent += _allreduce_layers_(
-                    state, [layers[i] for i in chosen], bits, group,
+                    state,
+                    [layers[i] for i in chosen],
+                    bits,
+                    group,
                     None if keys is None else [keys[i] for i in chosen],
-                )  # fmt: skip
+                )
         else:
             state.bytes_sent += _allreduce_layers_(state, layers, state.bits, group, keys)
         if plan.exact:
@@ -557,9 +582,10 @@ def _checked_layout(layout: object) -> tuple[Layout, dict[int, tuple[int, ...]]]
     """:meth:`CGXState.state_dict`'s ``layout`` as a :data:`Layout` and each parameter's
     shape, or a ``TypeError``/``ValueError`` naming it."""
     try:
-        entries = [(int(index), [int(p) for p in ids], [tuple(int(d) for d in shape)
-                                                        for shape in shapes])
-                   for index, ids, shapes in layout]  # fmt: skip
+        entries = [
+            (int(index), [int(p) for p in ids], [tuple(int(d) for d in shape) for shape in shapes])
+            for index, ids, shapes in layout
+        ]
     except (TypeError, ValueError):
         raise TypeError(
             "CGXState state: 'layout' must be a list of [bucket index, [parameter numbers], "
@@ -585,8 +611,11 @@ def _resume_bucket(
     reduced, in the checkpoint's order (:class:`_Resume`)."""
     buffer, live = bucket.buffer(), bucket.index()
     ids = state.param_ids(params)
-    unknown = [i for i, (p, param) in enumerate(zip(ids, params, strict=True))
-               if p not in resume.bucket_of or state._shapes[p] != tuple(param.shape)]  # fmt: skip
+    unknown = [
+        i
+        for i, (p, param) in enumerate(zip(ids, params, strict=True))
+        if p not in resume.bucket_of or state._shapes[p] != tuple(param.shape)
+    ]
     if unknown:
         raise ValueError(
             f"CGXState.load_state_dict: the checkpoint's buckets do not hold the parameter of "
@@ -646,8 +675,9 @@ def _resume_bucket(
     return future
 
 
-def _reduce_as_saved_(state: CGXState, group: dist.ProcessGroup, resume: _Resume, at: int,
-                      warm: bool) -> None:  # fmt: skip
+def _reduce_as_saved_(
+    state: CGXState, group: dist.ProcessGroup, resume: _Resume, at: int, warm: bool
+) -> None:
     """Reduce the checkpoint's bucket ``at`` as the run that saved it did: its layers copied
     into one buffer laid out as that bucket was, reduced, and copied back; then set the
     futures of the live buckets it completes."""

@@ -45,11 +45,18 @@ class _Decision(NamedTuple):
 _T = TypeVar("_T")
 
 
-def compress(ddp_model: DistributedDataParallel, bits: int | None = None,
-             bucket_size: int | None = None, layer_min_size: int = 1024, *,
-             mesh: DeviceMesh | str | None = "auto", adaptive_bits: Sequence[int] | None = None,
-             replan_every: int = 100, error_feedback: bool = False,
-             start_iter: int = 1) -> CGXState | None:  # fmt: skip
+def compress(
+    ddp_model: DistributedDataParallel,
+    bits: int | None = None,
+    bucket_size: int | None = None,
+    layer_min_size: int = 1024,
+    *,
+    mesh: DeviceMesh | str | None = "auto",
+    adaptive_bits: Sequence[int] | None = None,
+    replan_every: int = 100,
+    error_feedback: bool = False,
+    start_iter: int = 1,
+) -> CGXState | None:
     """Register :func:`cgx2.ddp.cgx_hook` on ``ddp_model`` where compression pays for at least
     one of its buckets, else leave DDP's own allreduce: a hook that sends every bucket plain
     still costs DDP's hook machinery, which DDP's own allreduce does not. Call it after
@@ -91,9 +98,16 @@ def compress(ddp_model: DistributedDataParallel, bits: int | None = None,
     if bucket_size is not None:
         compression_params["bucket_size"] = check_bucket_size(bucket_size, "bucket_size")
     group = ddp_model.process_group
-    state = CGXState(group, layer_min_size, compression_params, mesh=mesh,
-                     adaptive_bits=adaptive_bits, replan_every=replan_every,
-                     error_feedback=error_feedback, start_iter=start_iter)  # fmt: skip
+    state = CGXState(
+        group,
+        layer_min_size,
+        compression_params,
+        mesh=mesh,
+        adaptive_bits=adaptive_bits,
+        replan_every=replan_every,
+        error_feedback=error_feedback,
+        start_iter=start_iter,
+    )
     buckets = bucket_layout(ddp_model)
     # Per bucket: its dtype, device and values to quantize, as the hook will pad them.
     sizes = [
@@ -104,9 +118,12 @@ def compress(ddp_model: DistributedDataParallel, bits: int | None = None,
     ]
     state._plans.clear()  # the hook plans DDP's buckets afresh
     _agree(state, group, sizes)
-    decided = [_on_hooks_thread(group, device, lambda d=dtype, v=device, n=numel:
-                                _compresses(state, group, d, v, n))
-               for dtype, device, numel in sizes]  # fmt: skip
+    decided = [
+        _on_hooks_thread(
+            group, device, lambda d=dtype, v=device, n=numel: _compresses(state, group, d, v, n)
+        )
+        for dtype, device, numel in sizes
+    ]
     registered = any(d.compresses for d in decided)
     logger.info("%s", _said(state, group, sizes, decided, registered))
     if not registered:
@@ -162,12 +179,18 @@ def _agree(state: CGXState, group: dist.ProcessGroup, sizes: list[_Bucket]) -> N
     """Raise :class:`DisagreementError` on every rank unless all hold the same settings and
     buckets: what the decision reads, so that ranks that pass decide alike."""
     mesh = None if state.mesh is None else list(state.mesh.mesh.shape)
-    settings = {"bits": state.bits, "bucket_size": state.bucket_size,
-                "layer_min_size": state.layer_min_size, "skip_incomplete": state.skip_incomplete,
-                "mesh": mesh, "adaptive_bits": state.adaptive_bits,
-                "replan_every": state.replan_every, "error_feedback": state.errors is not None,
-                "start_iter": state.start_iter,
-                "buckets": [[str(dtype), numel] for dtype, _, numel in sizes]}  # fmt: skip
+    settings = {
+        "bits": state.bits,
+        "bucket_size": state.bucket_size,
+        "layer_min_size": state.layer_min_size,
+        "skip_incomplete": state.skip_incomplete,
+        "mesh": mesh,
+        "adaptive_bits": state.adaptive_bits,
+        "replan_every": state.replan_every,
+        "error_feedback": state.errors is not None,
+        "start_iter": state.start_iter,
+        "buckets": [[str(dtype), numel] for dtype, _, numel in sizes],
+    }
     agreement.check_settings(group, "cgx2.ddp.compress", settings, sizes[0].device)
 
 
@@ -233,13 +256,17 @@ def _said(
     elif dist.get_world_size(group) == 1:
         why = "a group of one rank has nothing to send"
     elif numel == 0:
-        why = (f"no layer has more than one dimension and layer_min_size={state.layer_min_size} "
-               "values or more")  # fmt: skip
+        why = (
+            f"no layer has more than one dimension and layer_min_size={state.layer_min_size} "
+            "values or more"
+        )
     else:
         at = "never" if crossover is None else f"from {crossover} bytes"
-        why = (f"none of its {n} buckets reaches the crossover (the largest holds {nbytes} "
-               f"bytes of {dtype} to quantize; the {where} regime quantizes {at}; "
-               "CGX2_CROSSOVER_BYTES=0 always compresses)")  # fmt: skip
+        why = (
+            f"none of its {n} buckets reaches the crossover (the largest holds {nbytes} "
+            f"bytes of {dtype} to quantize; the {where} regime quantizes {at}; "
+            "CGX2_CROSSOVER_BYTES=0 always compresses)"
+        )
     return (
         "cgx2.ddp.compress: kept DDP's own allreduce, no hook: "
         f"{why}; a hook that sends every bucket plain would cost DDP's hook machinery for "

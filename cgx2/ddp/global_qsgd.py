@@ -92,8 +92,12 @@ class GlobalQSGDState:
         """``bits``, the residuals and cgx2's seed stream, so that a resumed run rounds
         identically."""
         errors = None if self.errors is None else self.errors.state_dict()
-        return {"bits": self.bits, "bytes_sent": self.bytes_sent,
-                "seed_state": seeding.get_state(), "error_feedback": errors}  # fmt: skip
+        return {
+            "bits": self.bits,
+            "bytes_sent": self.bytes_sent,
+            "seed_state": seeding.get_state(),
+            "error_feedback": errors,
+        }
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:
         self.bits = state["bits"]
@@ -139,8 +143,12 @@ def _agree(state: GlobalQSGDState, hook: str, g: torch.Tensor) -> None:
     group = _group(state)
     if state._agreed is None and hook in _AGREED.get(group, ()):
         return
-    settings = {"hook": hook, "bits": state.bits, "error_feedback": state.errors is not None,
-                "dtype": g.dtype}  # fmt: skip
+    settings = {
+        "hook": hook,
+        "bits": state.bits,
+        "error_feedback": state.errors is not None,
+        "dtype": g.dtype,
+    }
     agreement.check_settings(group, "a Global-QSGD hook", settings, g.device)
     if state._agreed is None:
         _AGREED.setdefault(group, set()).add(hook)
@@ -159,8 +167,10 @@ def _global_norm(g: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return norm
 
 
-def linear_levels(g: torch.Tensor, state: GlobalQSGDState,
-                  ) -> tuple[torch.Tensor, torch.Tensor, int, int]:  # fmt: skip
+def linear_levels(
+    g: torch.Tensor,
+    state: GlobalQSGDState,
+) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """This rank's integer levels of ``g / global norm`` (stochastically rounded, within
     [-L, L]), the global norm, L and W."""
     group = _group(state)
@@ -202,22 +212,25 @@ def _parameter_server_levels(q: torch.Tensor, group: dist.ProcessGroup) -> None:
     dist.broadcast(q, src=server, group=group)
 
 
-def standard_dithering(g: torch.Tensor, state: GlobalQSGDState, *,
-                       residual: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def standard_dithering(
+    g: torch.Tensor, state: GlobalQSGDState, *, residual: torch.Tensor | None = None
+) -> torch.Tensor:
     """The average of ``g`` over the group by standard dithering (see the hook); ``residual``,
     when given, receives ``g`` minus this rank's decoded contribution."""
     return _linear_average(g, state, residual, _allreduce_levels)
 
 
-def thc(g: torch.Tensor, state: GlobalQSGDState, *,
-        residual: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def thc(
+    g: torch.Tensor, state: GlobalQSGDState, *, residual: torch.Tensor | None = None
+) -> torch.Tensor:
     """The average of ``g`` by THC's levels and parameter-server sum (see the hook);
     ``residual`` as in :func:`standard_dithering`."""
     return _linear_average(g, state, residual, _parameter_server_levels)
 
 
-def qsgd(g: torch.Tensor, state: GlobalQSGDState, *,
-         residual: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def qsgd(
+    g: torch.Tensor, state: GlobalQSGDState, *, residual: torch.Tensor | None = None
+) -> torch.Tensor:
     """The average of ``g`` by QSGD with local norms and an all-gather (see the hook);
     ``residual`` as in :func:`standard_dithering`."""
     group = _group(state)
@@ -235,8 +248,9 @@ def qsgd(g: torch.Tensor, state: GlobalQSGDState, *,
     return global_norm.average_rows(all_q, all_norms, levels)
 
 
-def exponential_dithering(g: torch.Tensor, state: GlobalQSGDState, *,
-                          residual: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def exponential_dithering(
+    g: torch.Tensor, state: GlobalQSGDState, *, residual: torch.Tensor | None = None
+) -> torch.Tensor:
     """The average of ``g`` by exponential dithering (see the hook); ``residual`` as in
     :func:`standard_dithering`."""
     group = _group(state)
@@ -306,8 +320,10 @@ def standard_dithering_hook(
     return _reduce_bucket(bucket, _state(state), standard_dithering)
 
 
-def levels_4bit(g: torch.Tensor, state: GlobalQSGDState,
-                ) -> tuple[torch.Tensor, torch.Tensor, int, int]:  # fmt: skip
+def levels_4bit(
+    g: torch.Tensor,
+    state: GlobalQSGDState,
+) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """This rank's levels of ``g / global norm`` for the packed 4-bit wire, L = floor(15 / 2W)
     a side: W nibbles of level + L (each 0..2L) add up to at most 2LW <= 15, so a byte-wise
     sum never carries from one nibble into the next. Stochastically rounded, so unbiased:
@@ -320,8 +336,9 @@ def levels_4bit(g: torch.Tensor, state: GlobalQSGDState,
     return q, norm, levels, world
 
 
-def standard_dithering_4bit(g: torch.Tensor, state: GlobalQSGDState, *,
-                            residual: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def standard_dithering_4bit(
+    g: torch.Tensor, state: GlobalQSGDState, *, residual: torch.Tensor | None = None
+) -> torch.Tensor:
     """The average of ``g`` by standard dithering on packed 4-bit levels (see the hook);
     ``residual``, when given, receives ``g`` minus this rank's decoded contribution."""
     q, norm, levels, world = levels_4bit(g, state)

@@ -306,11 +306,18 @@ class PowerSGDState(LGreCoState):
         compression_stats_logging_frequency: int = 10_000,
         batch_tensors_with_same_shape: bool = False,
     ) -> None:
-        super().__init__(process_group, matrix_approximation_rank, start_powerSGD_iter,
-                         min_compression_rate, use_error_feedback, warm_start,
-                         orthogonalization_epsilon, random_seed,
-                         compression_stats_logging_frequency,
-                         ranks=(matrix_approximation_rank,))  # fmt: skip
+        super().__init__(
+            process_group,
+            matrix_approximation_rank,
+            start_powerSGD_iter,
+            min_compression_rate,
+            use_error_feedback,
+            warm_start,
+            orthogonalization_epsilon,
+            random_seed,
+            compression_stats_logging_frequency,
+            ranks=(matrix_approximation_rank,),
+        )
         self.batch_tensors_with_same_shape = batch_tensors_with_same_shape
 
 
@@ -349,14 +356,18 @@ def _agree(state: LGreCoState, group: dist.ProcessGroup, buffer: torch.Tensor) -
     rank must draw the same Q): once, at the hook's first call, which every rank makes."""
     _, keys, pos, _, _ = state.rng.get_state()
     settings = {
-        "matrix_approximation_rank": state.matrix_approximation_rank, "ranks": state.ranks,
-        "replan_every": state.replan_every, "start_powerSGD_iter": state.start_powerSGD_iter,
+        "matrix_approximation_rank": state.matrix_approximation_rank,
+        "ranks": state.ranks,
+        "replan_every": state.replan_every,
+        "start_powerSGD_iter": state.start_powerSGD_iter,
         "min_compression_rate": state.min_compression_rate,
-        "use_error_feedback": state.use_error_feedback, "warm_start": state.warm_start,
-        "orthogonalization_epsilon": state.orthogonalization_epsilon, "iter": state.iter,
+        "use_error_feedback": state.use_error_feedback,
+        "warm_start": state.warm_start,
+        "orthogonalization_epsilon": state.orthogonalization_epsilon,
+        "iter": state.iter,
         "random_seed": f"the generator at {zlib.crc32(keys.tobytes()):08x}/{pos}",
         "dtype": buffer.dtype,
-    }  # fmt: skip
+    }
     agreement.check_settings(group, "powerSGD_hook", settings, buffer.device)
     state._agreed = True
 

@@ -45,8 +45,10 @@ class QuantizedPartial(Partial):
         check_bits(bits)
         check_bucket_size(bucket_size)
         if reduce_op not in ("sum", "avg"):
-            raise ValueError(f"reduce_op must be 'sum' or 'avg' (QuantizedPartial's reduction), "
-                             f"got {reduce_op!r}")  # fmt: skip
+            raise ValueError(
+                f"reduce_op must be 'sum' or 'avg' (QuantizedPartial's reduction), "
+                f"got {reduce_op!r}"
+            )
         super().__init__(reduce_op)
         # Frozen like every placement: fields are set once, here.
         object.__setattr__(self, "bits", bits)
@@ -58,11 +60,13 @@ class QuantizedPartial(Partial):
             tensor.contiguous(), self.bits, self.bucket_size, name, self.reduce_op, -1, False
         ).view(tensor.shape)
 
-    def _reduce_shard_value(self, tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: int,
-                            shard_spec: Placement) -> torch.Tensor:  # fmt: skip
+    def _reduce_shard_value(
+        self, tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: int, shard_spec: Placement
+    ) -> torch.Tensor:
         if not isinstance(shard_spec, Shard):
-            raise NotImplementedError(f"QuantizedPartial reduces to Shard or Replicate, not "
-                                      f"{shard_spec}")  # fmt: skip
+            raise NotImplementedError(
+                f"QuantizedPartial reduces to Shard or Replicate, not {shard_spec}"
+            )
         if mesh.get_coordinate() is None:  # not a rank of this mesh: nothing to reduce
             return tensor
         world = mesh.size(mesh_dim)
@@ -92,8 +96,10 @@ class QuantizedPartial(Partial):
         return hash(("QuantizedPartial", self.reduce_op, self.bits, self.bucket_size))
 
     def __repr__(self) -> str:
-        return (f"QuantizedPartial(bits={self.bits}, bucket_size={self.bucket_size}, "
-                f"reduce_op={self.reduce_op!r})")  # fmt: skip
+        return (
+            f"QuantizedPartial(bits={self.bits}, bucket_size={self.bucket_size}, "
+            f"reduce_op={self.reduce_op!r})"
+        )
 
     def __str__(self) -> str:
         return f"QP({self.reduce_op}, {self.bits}b, {self.bucket_size})"
@@ -115,8 +121,18 @@ def _register_as_opaque() -> None:
     if is_opaque is None or not is_opaque(Partial):
         return
     real = opaque_object.MemberType.USE_REAL
-    members = {name: real for name in ("is_shard", "is_partial", "is_replicate", "__eq__",
-                                       "reduce_op", "bits", "bucket_size")}  # fmt: skip
+    members = {
+        name: real
+        for name in (
+            "is_shard",
+            "is_partial",
+            "is_replicate",
+            "__eq__",
+            "reduce_op",
+            "bits",
+            "bucket_size",
+        )
+    }
     opaque_object.register_opaque_type(QuantizedPartial, typ="value", members=members)
 
 

@@ -34,24 +34,45 @@ class QuantizedRowwiseParallel(RowwiseParallel):
         ...                                "down": QuantizedRowwiseParallel(bits=8)})
     """
 
-    def __init__(self, bits: int = 8, bucket_size: int = 512, *,
-                 input_layouts: Placement | None = None,
-                 output_layouts: Placement | None = None,
-                 use_local_output: bool = True) -> None:  # fmt: skip
-        super().__init__(input_layouts=input_layouts, output_layouts=output_layouts,
-                         use_local_output=use_local_output)  # fmt: skip
+    def __init__(
+        self,
+        bits: int = 8,
+        bucket_size: int = 512,
+        *,
+        input_layouts: Placement | None = None,
+        output_layouts: Placement | None = None,
+        use_local_output: bool = True,
+    ) -> None:
+        super().__init__(
+            input_layouts=input_layouts,
+            output_layouts=output_layouts,
+            use_local_output=use_local_output,
+        )
         self.placement = QuantizedPartial(bits, bucket_size, "sum")
 
-    def _prepare_output_fn(self, output_layouts: Sequence[Placement], use_local_output: bool,
-                           mod: nn.Module, outputs: DTensor,
-                           device_mesh: DeviceMesh) -> object:  # fmt: skip
+    def _prepare_output_fn(
+        self,
+        output_layouts: Sequence[Placement],
+        use_local_output: bool,
+        mod: nn.Module,
+        outputs: DTensor,
+        device_mesh: DeviceMesh,
+    ) -> object:
         # The layer's sum is pending as torch's Partial: the same local values, marked as ours.
-        placements = [self.placement if p.is_partial() and p.reduce_op == "sum" else p
-                      for p in outputs.placements]  # fmt: skip
+        placements = [
+            self.placement if p.is_partial() and p.reduce_op == "sum" else p
+            for p in outputs.placements
+        ]
         if list(placements) != list(outputs.placements):
             local = outputs.to_local(grad_placements=[Replicate()] * len(placements))
-            outputs = DTensor.from_local(local, device_mesh, placements, run_check=False,
-                                         shape=outputs.shape, stride=outputs.stride())  # fmt: skip
+            outputs = DTensor.from_local(
+                local,
+                device_mesh,
+                placements,
+                run_check=False,
+                shape=outputs.shape,
+                stride=outputs.stride(),
+            )
         if outputs.placements != tuple(output_layouts):
             outputs = outputs.redistribute(placements=output_layouts)
         return outputs.to_local() if use_local_output else outputs

@@ -35,9 +35,15 @@ from ..collectives.reference import reference_reduce_scatter
 from ..comm import CompletedWork
 from ..config import CGXConfig, env_quantization_bits
 
-__all__ = ["QuantizedAllGather", "QuantizedReduceScatter", "compress", "compression_state_dict",
-           "load_compression_state_dict", "reduce_scatter_quantized",
-           "reference_reduce_scatter"]  # fmt: skip
+__all__ = [
+    "QuantizedAllGather",
+    "QuantizedReduceScatter",
+    "compress",
+    "compression_state_dict",
+    "load_compression_state_dict",
+    "reduce_scatter_quantized",
+    "reference_reduce_scatter",
+]
 
 
 def premul_factor(op: dist.ReduceOp) -> float:
@@ -64,10 +70,14 @@ class QuantizedReduceScatter(ReduceScatter):
     ``widths`` holds the plan in force (None before the first).
     """
 
-    def __init__(self, bits: int = 4, bucket_size: int = 512,
-                 row_params: list[tuple[int, bool]] | None = None,
-                 adaptive_bits: Sequence[int] | None = None,
-                 replan_every: int = 100) -> None:  # fmt: skip
+    def __init__(
+        self,
+        bits: int = 4,
+        bucket_size: int = 512,
+        row_params: list[tuple[int, bool]] | None = None,
+        adaptive_bits: Sequence[int] | None = None,
+        replan_every: int = 100,
+    ) -> None:
         self.bits = check_bits(bits)
         self.bucket_size = check_bucket_size(bucket_size)
         self.row_params = row_params or []
@@ -106,8 +116,9 @@ class QuantizedReduceScatter(ReduceScatter):
         self.calls = int(state["calls"])
         self.bytes_sent = int(state["bytes_sent"])
 
-    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype,
-                 device: torch.device) -> torch.Tensor:  # fmt: skip
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
     def _segments(self, n: int) -> list[Segment] | None:
@@ -119,8 +130,9 @@ class QuantizedReduceScatter(ReduceScatter):
             at += k
         return segments
 
-    def _widths(self, segments: list[Segment], input: torch.Tensor,
-                group: dist.ProcessGroup) -> tuple[int, ...] | None:  # fmt: skip
+    def _widths(
+        self, segments: list[Segment], input: torch.Tensor, group: dist.ProcessGroup
+    ) -> tuple[int, ...] | None:
         """The compressed segments' widths for this call, re-planned when due; None where the
         reduction would not be compressed anyway."""
         compressed = [s for s in segments if s[2]]
@@ -136,8 +148,9 @@ class QuantizedReduceScatter(ReduceScatter):
             self.widths = self._plan(compressed, input, group)
         return self.widths
 
-    def _plan(self, compressed: list[Segment], input: torch.Tensor,
-              group: dist.ProcessGroup) -> tuple[int, ...]:  # fmt: skip
+    def _plan(
+        self, compressed: list[Segment], input: torch.Tensor, group: dist.ProcessGroup
+    ) -> tuple[int, ...]:
         """Widths from this call's gradients. A segment's error is measured where it is
         quantized: on the W−1 rows this rank encodes (its own row stays exact), each row's
         slice padded to whole buckets with its last value as the codec pads it. The table is
@@ -157,14 +170,25 @@ class QuantizedReduceScatter(ReduceScatter):
         numels = [padded_numel(k, self.bucket_size) for _, k, _ in compressed]
         return plan_widths(errors, numels, options, self.bits, group)
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
-                 group: dist.ProcessGroup, op: dist.ReduceOp,
-                 async_op: bool = False) -> dist.Work | None:  # fmt: skip
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: dist.ReduceOp,
+        async_op: bool = False,
+    ) -> dist.Work | None:
         if not self._agreed:
-            settings = {"bits": self.bits, "bucket_size": self.bucket_size,
-                        "row_params": self.row_params, "adaptive_bits": self.adaptive_bits,
-                        "replan_every": self.replan_every, "calls": self.calls,
-                        "widths": self.widths, "dtype": input_tensor.dtype}  # fmt: skip
+            settings = {
+                "bits": self.bits,
+                "bucket_size": self.bucket_size,
+                "row_params": self.row_params,
+                "adaptive_bits": self.adaptive_bits,
+                "replan_every": self.replan_every,
+                "calls": self.calls,
+                "widths": self.widths,
+                "dtype": input_tensor.dtype,
+            }
             agreement.check_settings(
                 group, "cgx2.fsdp's reduce-scatter", settings, input_tensor.device
             )
@@ -187,9 +211,16 @@ class QuantizedReduceScatter(ReduceScatter):
                 widths = self._widths(segments, input_tensor, group)
         # Positional (seed None: the next of cgx2's stream), as wrappers of this function pass.
         self.bytes_sent += reduce_scatter_quantized(
-            output_tensor, input_tensor, group, self.bits, self.bucket_size, scale, segments,
-            None, widths,
-        )  # fmt: skip
+            output_tensor,
+            input_tensor,
+            group,
+            self.bits,
+            self.bucket_size,
+            scale,
+            segments,
+            None,
+            widths,
+        )
         if async_op:
             return CompletedWork([output_tensor])
         return None
@@ -206,23 +237,37 @@ class QuantizedAllGather(AllGather):
     parameters the optimizer updates are never quantized. ``bytes_sent`` counts this rank's.
     """
 
-    def __init__(self, bits: int = 8, bucket_size: int = 512,
-                 row_params: list[tuple[int, bool]] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        bits: int = 8,
+        bucket_size: int = 512,
+        row_params: list[tuple[int, bool]] | None = None,
+    ) -> None:
         self.bits = check_bits(bits)
         self.bucket_size = check_bucket_size(bucket_size)
         self.row_params = row_params or []
         self.bytes_sent = 0
         self._agreed = False  # whether the ranks' settings were compared (at the first call)
 
-    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype,
-                 device: torch.device) -> torch.Tensor:  # fmt: skip
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
-                 group: dist.ProcessGroup, async_op: bool = False) -> dist.Work | None:  # fmt: skip
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> dist.Work | None:
         if not self._agreed:
-            settings = {"bits": self.bits, "bucket_size": self.bucket_size,
-                        "row_params": self.row_params, "dtype": input_tensor.dtype}  # fmt: skip
+            settings = {
+                "bits": self.bits,
+                "bucket_size": self.bucket_size,
+                "row_params": self.row_params,
+                "dtype": input_tensor.dtype,
+            }
             agreement.check_settings(group, "cgx2.fsdp's all-gather", settings, input_tensor.device)
             self._agreed = True
         segments = None
@@ -235,8 +280,9 @@ class QuantizedAllGather(AllGather):
                 at += k
         else:
             segments = [(0, input_tensor.numel(), False)]
-        self.bytes_sent += all_gather_quantized(output_tensor, input_tensor, group, self.bits,
-                                                self.bucket_size, segments)  # fmt: skip
+        self.bytes_sent += all_gather_quantized(
+            output_tensor, input_tensor, group, self.bits, self.bucket_size, segments
+        )
         return CompletedWork([output_tensor]) if async_op else None
 
 
@@ -255,18 +301,26 @@ class QuantizedReplicaGroup(dist.ProcessGroup):
         return self.inner.group_name
 
     def getBackendName(self) -> str:  # the C++ method name, which the binding looks up
-        return self.inner._get_backend_name() if hasattr(self.inner, "_get_backend_name") \
-            else dist.get_backend(self.inner)  # fmt: skip
+        return (
+            self.inner._get_backend_name()
+            if hasattr(self.inner, "_get_backend_name")
+            else dist.get_backend(self.inner)
+        )
 
-    def allreduce(self, tensors: list[torch.Tensor],
-                  opts: dist.AllreduceOptions | None = None) -> dist.Work:  # fmt: skip
+    def allreduce(
+        self, tensors: list[torch.Tensor], opts: dist.AllreduceOptions | None = None
+    ) -> dist.Work:
         opts = dist.AllreduceOptions() if opts is None else opts
         op = reduce_op_name(opts.reduceOp)
         if len(tensors) != 1 or op is None or not tensors[0].is_floating_point():
             return self.inner.allreduce(tensors, opts)
         if not self._agreed:
-            settings = {"bits": self.bits, "bucket_size": self.bucket_size, "op": op,
-                        "dtype": tensors[0].dtype}  # fmt: skip
+            settings = {
+                "bits": self.bits,
+                "bucket_size": self.bucket_size,
+                "op": op,
+                "dtype": tensors[0].dtype,
+            }
             agreement.check_settings(
                 self.inner, "cgx2.fsdp's replica all-reduce", settings, tensors[0].device
             )
@@ -278,10 +332,16 @@ class QuantizedReplicaGroup(dist.ProcessGroup):
         return getattr(self.inner, name)
 
 
-def compress(model: nn.Module, bits: int | None = None, bucket_size: int | None = None,
-             min_size: int = 1024, adaptive_bits: Sequence[int] | None = None,
-             replan_every: int = 100, param_bits: int | None = None,
-             replica_bits: int | None = None) -> list[QuantizedReduceScatter]:  # fmt: skip
+def compress(
+    model: nn.Module,
+    bits: int | None = None,
+    bucket_size: int | None = None,
+    min_size: int = 1024,
+    adaptive_bits: Sequence[int] | None = None,
+    replan_every: int = 100,
+    param_bits: int | None = None,
+    replica_bits: int | None = None,
+) -> list[QuantizedReduceScatter]:
     """Set a :class:`QuantizedReduceScatter` on every FSDP2 module of ``model`` (call it after
     ``fully_shard``). Parameters with one dimension or fewer than ``min_size`` values are
     reduced exactly, as CGX's ``layer_min_size``. ``bits``/``bucket_size`` default to
@@ -317,17 +377,21 @@ def compress(model: nn.Module, bits: int | None = None, bucket_size: int | None 
         if group is None:  # a module with no parameters of its own
             continue
         row_params = [
-            (p.padded_sharded_param_size.numel(),
-             len(p._orig_size) > 1 and p._orig_size.numel() >= min_size)
+            (
+                p.padded_sharded_param_size.numel(),
+                len(p._orig_size) > 1 and p._orig_size.numel() >= min_size,
+            )
             for p in group.fsdp_params
-        ]  # fmt: skip
+        ]
         comm = QuantizedReduceScatter(bits, bucket_size, row_params, adaptive_bits, replan_every)
         module.set_custom_reduce_scatter(comm)
         comms.append(comm)
         if param_bits is not None:
             if not hasattr(module, "set_custom_all_gather"):
-                raise RuntimeError("param_bits needs FSDPModule.set_custom_all_gather, which "
-                                   f"torch {torch.__version__} lacks")  # fmt: skip
+                raise RuntimeError(
+                    "param_bits needs FSDPModule.set_custom_all_gather, which "
+                    f"torch {torch.__version__} lacks"
+                )
             module.set_custom_all_gather(QuantizedAllGather(param_bits, bucket_size, row_params))
         _quantize_replicas(group, replica_bits, bucket_size)
     if not comms:
@@ -374,12 +438,14 @@ def load_compression_state_dict(model: nn.Module, state: Mapping[str, object]) -
     by :func:`compress` on a model sharded as the saved one was)."""
     check_module(model)
     if not isinstance(state, Mapping):
-        raise TypeError(f"state must be a Mapping (compression_state_dict's), got "
-                        f"{type(state).__name__}")  # fmt: skip
+        raise TypeError(
+            f"state must be a Mapping (compression_state_dict's), got {type(state).__name__}"
+        )
     missing = [key for key in ("reduce_scatters", "seed_state") if key not in state]
     if missing:
-        raise ValueError(f"state lacks {', '.join(map(repr, missing))}: not a "
-                         f"compression_state_dict")  # fmt: skip
+        raise ValueError(
+            f"state lacks {', '.join(map(repr, missing))}: not a compression_state_dict"
+        )
     comms = dict(_named_comms(model))
     saved = state["reduce_scatters"]
     if not isinstance(saved, Mapping) or set(saved) != set(comms):

@@ -40,8 +40,14 @@ def resolve_group(group_name: str) -> dist.ProcessGroup:
     return _resolve_process_group(group_name)
 
 
-def _check(t: torch.Tensor, bits: int, bucket_size: int, reduce_op: object,
-           op_name: str = "reduce_op", tensor_name: str = "input") -> str:  # fmt: skip
+def _check(
+    t: torch.Tensor,
+    bits: int,
+    bucket_size: int,
+    reduce_op: object,
+    op_name: str = "reduce_op",
+    tensor_name: str = "input",
+) -> str:
     """Every argument checked, once per call; the normalised reduce op."""
     check_collective_tensor(t, tensor_name)
     check_bits(bits)
@@ -61,15 +67,20 @@ def _quantized_allreduce_op(
 ) -> torch.Tensor:
     reduce_op = _check(input, bits, bucket_size, reduce_op)
     # A negative view's bit is torch's to apply: the codecs read the stored values.
-    return collectives.allreduce(input.resolve_neg(), bits, bucket_size,
-                                 resolve_group(group_name), reduce_op,
-                                 None if seed < 0 else seed, skip_incomplete,
-                                 check_agreement=True)  # fmt: skip
+    return collectives.allreduce(
+        input.resolve_neg(),
+        bits,
+        bucket_size,
+        resolve_group(group_name),
+        reduce_op,
+        None if seed < 0 else seed,
+        skip_incomplete,
+        check_agreement=True,
+    )
 
 
 @_quantized_allreduce_op.register_fake
-def _(input, bits, bucket_size=512, group_name="", reduce_op="sum", seed=-1,
-      skip_incomplete=False):  # fmt: skip
+def _(input, bits, bucket_size=512, group_name="", reduce_op="sum", seed=-1, skip_incomplete=False):
     _check(input, bits, bucket_size, reduce_op)
     return torch.empty_like(input, memory_format=torch.contiguous_format)
 
@@ -107,26 +118,65 @@ def _quantized_allreduce_inplace_op(
     # reducer under compiled autograd), one round trip a parameter fewer.
     reduce_op = _check(input, bits, bucket_size, reduce_op)
     check_writable(input, "input")
-    _allreduce_into(input, bits, bucket_size, resolve_group(group_name), reduce_op,
-                    None if seed < 0 else seed, skip_incomplete, check_agreement)  # fmt: skip
+    _allreduce_into(
+        input,
+        bits,
+        bucket_size,
+        resolve_group(group_name),
+        reduce_op,
+        None if seed < 0 else seed,
+        skip_incomplete,
+        check_agreement,
+    )
 
 
-def _allreduce_into(t: torch.Tensor, bits: int, bucket_size: int, group: dist.ProcessGroup,
-                    reduce_op: str, seed: int | None, skip_incomplete: bool,
-                    check_agreement: bool) -> torch.Tensor:  # fmt: skip
+def _allreduce_into(
+    t: torch.Tensor,
+    bits: int,
+    bucket_size: int,
+    group: dist.ProcessGroup,
+    reduce_op: str,
+    seed: int | None,
+    skip_incomplete: bool,
+    check_agreement: bool,
+) -> torch.Tensor:
     """The in-place allreduce of a checked ``t``; a negative view's values (the codecs read the
     stored ones) reduced as a copy and written back through the view."""
     if t.is_neg():
-        out = collectives.allreduce(t.resolve_neg(), bits, bucket_size, group, reduce_op, seed,
-                                    skip_incomplete, check_agreement=check_agreement)  # fmt: skip
+        out = collectives.allreduce(
+            t.resolve_neg(),
+            bits,
+            bucket_size,
+            group,
+            reduce_op,
+            seed,
+            skip_incomplete,
+            check_agreement=check_agreement,
+        )
         return t.copy_(out)
-    return collectives.allreduce_(t, bits, bucket_size, group, reduce_op, seed, skip_incomplete,
-                                  check_agreement=check_agreement)  # fmt: skip
+    return collectives.allreduce_(
+        t,
+        bits,
+        bucket_size,
+        group,
+        reduce_op,
+        seed,
+        skip_incomplete,
+        check_agreement=check_agreement,
+    )
 
 
 @_quantized_allreduce_inplace_op.register_fake
-def _(input, bits, bucket_size=512, group_name="", reduce_op="sum", seed=-1,
-      skip_incomplete=False, check_agreement=True):  # fmt: skip
+def _(
+    input,
+    bits,
+    bucket_size=512,
+    group_name="",
+    reduce_op="sum",
+    seed=-1,
+    skip_incomplete=False,
+    check_agreement=True,
+):
     _check(input, bits, bucket_size, reduce_op)
 
 
@@ -159,11 +209,24 @@ def quantized_allreduce(
     if torch.compiler.is_compiling() or (tensor.requires_grad and torch.is_grad_enabled()):
         # The op: traced when compiling; eagerly, its autograd formula gives the backward.
         return torch.ops.cgx.quantized_allreduce(
-            tensor, bits, bucket_size, group.group_name, reduce_op,
-            -1 if seed is None else seed, skip_incomplete,
-        )  # fmt: skip
-    return collectives.allreduce(tensor.resolve_neg(), bits, bucket_size, group, reduce_op, seed,
-                                 skip_incomplete, check_agreement=True)  # fmt: skip
+            tensor,
+            bits,
+            bucket_size,
+            group.group_name,
+            reduce_op,
+            -1 if seed is None else seed,
+            skip_incomplete,
+        )
+    return collectives.allreduce(
+        tensor.resolve_neg(),
+        bits,
+        bucket_size,
+        group,
+        reduce_op,
+        seed,
+        skip_incomplete,
+        check_agreement=True,
+    )
 
 
 def quantized_allreduce_(
@@ -193,14 +256,18 @@ def quantized_allreduce_(
     group = check_group(group, "quantized_allreduce_")
     if torch.compiler.is_compiling():
         torch.ops.cgx.quantized_allreduce_(
-            tensor, bits, bucket_size, group.group_name, reduce_op,
-            -1 if seed is None else seed, skip_incomplete,
-        )  # fmt: skip
+            tensor,
+            bits,
+            bucket_size,
+            group.group_name,
+            reduce_op,
+            -1 if seed is None else seed,
+            skip_incomplete,
+        )
         return tensor
     if tensor.requires_grad and torch.is_grad_enabled():
         raise RuntimeError(
             "quantized_allreduce_ writes into a tensor that requires grad, and has no gradient: "
             "use quantized_allreduce (differentiable), or call it under torch.no_grad()"
         )
-    return _allreduce_into(tensor, bits, bucket_size, group, reduce_op, seed, skip_incomplete,
-                           True)  # fmt: skip
+    return _allreduce_into(tensor, bits, bucket_size, group, reduce_op, seed, skip_incomplete, True)

@@ -99,8 +99,14 @@ def _(x, bits, bucket_size=512, seed=-1, skip_incomplete=False):
     return x.new_empty(nbytes, dtype=torch.uint8)
 
 
-def _check_payload(payload: torch.Tensor, numel: int, bits: int, bucket_size: int,
-                   dtype: torch.dtype, skip_incomplete: bool) -> int:  # fmt: skip
+def _check_payload(
+    payload: torch.Tensor,
+    numel: int,
+    bits: int,
+    bucket_size: int,
+    dtype: torch.dtype,
+    skip_incomplete: bool,
+) -> int:
     if not isinstance(payload, torch.Tensor):
         raise TypeError(f"payload must be a torch.Tensor, got {type(payload).__name__}")
     if payload.layout is not torch.strided or payload.is_nested:
@@ -145,8 +151,13 @@ _LIB.impl("quantize", _quantize, "CompositeExplicitAutograd")
 _LIB.impl("dequantize", _dequantize, "CompositeExplicitAutograd")
 
 
-def quantize(x: torch.Tensor, bits: int, bucket_size: int = 512, seed: int = -1,
-             skip_incomplete: bool = False) -> torch.Tensor:  # fmt: skip
+def quantize(
+    x: torch.Tensor,
+    bits: int,
+    bucket_size: int = 512,
+    seed: int = -1,
+    skip_incomplete: bool = False,
+) -> torch.Tensor:
     """Max-min quantize the values of ``x`` (flattened) into a uint8 payload: the op
     ``torch.ops.cgx.quantize`` (:func:`_quantize` documents it), called directly when eager."""
     if torch.compiler.is_compiling():
@@ -154,9 +165,14 @@ def quantize(x: torch.Tensor, bits: int, bucket_size: int = 512, seed: int = -1,
     return _quantize(x, bits, bucket_size, seed, skip_incomplete)
 
 
-def dequantize(payload: torch.Tensor, numel: int, bits: int, bucket_size: int = 512,
-               dtype: torch.dtype = torch.float32,
-               skip_incomplete: bool = False) -> torch.Tensor:  # fmt: skip
+def dequantize(
+    payload: torch.Tensor,
+    numel: int,
+    bits: int,
+    bucket_size: int = 512,
+    dtype: torch.dtype = torch.float32,
+    skip_incomplete: bool = False,
+) -> torch.Tensor:
     """Decode a payload made by :func:`quantize` into a flat tensor of ``numel`` values: the
     op ``torch.ops.cgx.dequantize``, called directly when eager."""
     if torch.compiler.is_compiling():

@@ -30,17 +30,34 @@ def _output_shape(input: torch.Tensor, group_size: int) -> list[int]:
     return [input.shape[0] // group_size, *input.shape[1:]]
 
 
-def _run(out: torch.Tensor, input: torch.Tensor, bits: int, bucket_size: int, group_size: int,
-         group_name: str, reduce_op: str, seed: int) -> None:  # fmt: skip
+def _run(
+    out: torch.Tensor,
+    input: torch.Tensor,
+    bits: int,
+    bucket_size: int,
+    group_size: int,
+    group_name: str,
+    reduce_op: str,
+    seed: int,
+) -> None:
     group = resolve_group(group_name)
     if dist.get_world_size(group) != group_size:
-        raise ValueError(f"group_size {group_size} is not the size of group {group_name!r} "
-                         f"({dist.get_world_size(group)})")  # fmt: skip
+        raise ValueError(
+            f"group_size {group_size} is not the size of group {group_name!r} "
+            f"({dist.get_world_size(group)})"
+        )
     scale = 1.0 / group_size if reduce_op == "avg" else None
     # A negative view's bit is torch's to apply: the codecs read the stored values.
-    collectives.reduce_scatter(out.view(-1), input.resolve_neg().contiguous().view(-1), group, bits,
-                               bucket_size, scale, seed=None if seed < 0 else seed,
-                               check_agreement=True)  # fmt: skip
+    collectives.reduce_scatter(
+        out.view(-1),
+        input.resolve_neg().contiguous().view(-1),
+        group,
+        bits,
+        bucket_size,
+        scale,
+        seed=None if seed < 0 else seed,
+        check_agreement=True,
+    )
 
 
 @torch.library.custom_op("cgx::quantized_reduce_scatter", mutates_args=(), tags=SEEDED_OP_TAGS)
@@ -85,8 +102,9 @@ def _backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
 _quantized_reduce_scatter_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-@torch.library.custom_op("cgx::quantized_reduce_scatter_out", mutates_args=("out",),
-                         tags=SEEDED_OP_TAGS)  # fmt: skip
+@torch.library.custom_op(
+    "cgx::quantized_reduce_scatter_out", mutates_args=("out",), tags=SEEDED_OP_TAGS
+)
 def _quantized_reduce_scatter_out_op(
     input: torch.Tensor,
     out: torch.Tensor,
@@ -106,18 +124,31 @@ def _(input, out, bits, bucket_size, group_size, group_name="", reduce_op="sum",
     _check_out(input, out, bits, bucket_size, group_size, reduce_op)
 
 
-def _check_out(input: torch.Tensor, out: torch.Tensor, bits: int, bucket_size: int,
-               group_size: int, reduce_op: str) -> str:  # fmt: skip
+def _check_out(
+    input: torch.Tensor,
+    out: torch.Tensor,
+    bits: int,
+    bucket_size: int,
+    group_size: int,
+    reduce_op: str,
+) -> str:
     reduce_op = _check(input, bits, bucket_size, reduce_op)
     shape = _output_shape(input, group_size)
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
     if out.device != input.device:
         raise ValueError(f"out must be on the input's device ({input.device}), got {out.device}")
-    if (list(out.shape) != shape or out.dtype != input.dtype or not out.is_contiguous()
-            or out.is_neg() or out.layout is not torch.strided):  # fmt: skip
-        raise ValueError(f"out must be a contiguous {input.dtype} tensor of shape {tuple(shape)}, "
-                         f"got {out.dtype} {tuple(out.shape)}")  # fmt: skip
+    if (
+        list(out.shape) != shape
+        or out.dtype != input.dtype
+        or not out.is_contiguous()
+        or out.is_neg()
+        or out.layout is not torch.strided
+    ):
+        raise ValueError(
+            f"out must be a contiguous {input.dtype} tensor of shape {tuple(shape)}, "
+            f"got {out.dtype} {tuple(out.shape)}"
+        )
     return reduce_op
 
 
@@ -152,8 +183,14 @@ def quantized_reduce_scatter(
     if out is not None:
         check_float_tensor(out, "out")
     group = check_group(group, "quantized_reduce_scatter")
-    args = (bits, bucket_size, dist.get_world_size(group), group.group_name, reduce_op,
-            -1 if seed is None else seed)  # fmt: skip
+    args = (
+        bits,
+        bucket_size,
+        dist.get_world_size(group),
+        group.group_name,
+        reduce_op,
+        -1 if seed is None else seed,
+    )
     if out is None:
         return torch.ops.cgx.quantized_reduce_scatter(tensor, *args)
     torch.ops.cgx.quantized_reduce_scatter_out(tensor, out, *args)

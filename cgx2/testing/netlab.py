@@ -118,8 +118,9 @@ class Lab:
         n = self.gpus_per_host
         if n is None:
             if self.gpus is not None:
-                raise ValueError("gpus names the GPUs to split among the hosts: it needs "
-                                 "gpus_per_host")  # fmt: skip
+                raise ValueError(
+                    "gpus names the GPUs to split among the hosts: it needs gpus_per_host"
+                )
             return None
         if isinstance(n, bool) or not isinstance(n, int):
             raise TypeError(f"gpus_per_host must be an int, got {type(n).__name__}")
@@ -164,14 +165,23 @@ class Lab:
         interface: not loopback, nor an RDMA NIC, which every namespace sees)."""
         if not 0 <= host < self.hosts:
             raise ValueError(f"host must be in 0..{self.hosts - 1}, got {host}")
-        env = {"HOST": str(host), "NHOSTS": str(self.hosts), "HOST_ADDR": self.address(host),
-               "MASTER_ADDR": self.address(0), "GLOO_SOCKET_IFNAME": IFNAME,
-               "LINK_RATE": self.link.rate, "LINK_BURST": self.link.burst}  # fmt: skip
+        env = {
+            "HOST": str(host),
+            "NHOSTS": str(self.hosts),
+            "HOST_ADDR": self.address(host),
+            "MASTER_ADDR": self.address(0),
+            "GLOO_SOCKET_IFNAME": IFNAME,
+            "LINK_RATE": self.link.rate,
+            "LINK_BURST": self.link.burst,
+        }
         if self._devices is not None:
-            env |= {"GPUS_PER_HOST": str(self.gpus_per_host),
-                    "CUDA_VISIBLE_DEVICES": self._devices[host],
-                    "NCCL_HOSTID": f"{PREFIX}-host{host}", "NCCL_SOCKET_IFNAME": IFNAME,
-                    "NCCL_IB_DISABLE": "1"}  # fmt: skip
+            env |= {
+                "GPUS_PER_HOST": str(self.gpus_per_host),
+                "CUDA_VISIBLE_DEVICES": self._devices[host],
+                "NCCL_HOSTID": f"{PREFIX}-host{host}",
+                "NCCL_SOCKET_IFNAME": IFNAME,
+                "NCCL_IB_DISABLE": "1",
+            }
         return env
 
     # -- life ---------------------------------------------------------------------------------
@@ -199,8 +209,24 @@ class Lab:
         for i, name in enumerate(self.names):
             ip("netns", "add", name)
             port = f"p{i}"
-            ip("-n", name, "link", "add", IFNAME, "mtu", str(self.link.mtu), "type", "veth",
-               "peer", "name", port, "mtu", str(self.link.mtu), "netns", self._switch)  # fmt: skip
+            ip(
+                "-n",
+                name,
+                "link",
+                "add",
+                IFNAME,
+                "mtu",
+                str(self.link.mtu),
+                "type",
+                "veth",
+                "peer",
+                "name",
+                port,
+                "mtu",
+                str(self.link.mtu),
+                "netns",
+                self._switch,
+            )
             ip("-n", self._switch, "link", "set", port, "master", "br0", "up")
             ip("-n", name, "addr", "add", f"{self.address(i)}/24", "dev", IFNAME)
             ip("-n", name, "link", "set", IFNAME, "up")
@@ -209,8 +235,15 @@ class Lab:
             self._shape(self._switch, port)  # its receiving
 
     def _shape(self, namespace: str, device: str) -> None:
-        tbf = ["tbf", "rate", self.link.rate, "burst", str(self.link.burst_bytes()), "latency",
-               "100ms"]  # fmt: skip
+        tbf = [
+            "tbf",
+            "rate",
+            self.link.rate,
+            "burst",
+            str(self.link.burst_bytes()),
+            "latency",
+            "100ms",
+        ]
         if self.link.delay is None and self.link.loss is None:
             self._run_tc("-n", namespace, "qdisc", "add", "dev", device, "root", *tbf)
             return
@@ -220,15 +253,19 @@ class Lab:
         if self.link.loss is not None:
             netem += ["loss", f"{self.link.loss}%"]
         try:
-            self._run_tc("-n", namespace, "qdisc", "add", "dev", device, "root", "handle", "1:",
-                         *netem)  # fmt: skip
+            self._run_tc(
+                "-n", namespace, "qdisc", "add", "dev", device, "root", "handle", "1:", *netem
+            )
         except RuntimeError as e:
             if "kind is unknown" in str(e):
-                raise RuntimeError("cgx2.netlab: this kernel has no netem (sch_netem): a link's "
-                                   "delay and loss need it; its rate does not") from e  # fmt: skip
+                raise RuntimeError(
+                    "cgx2.netlab: this kernel has no netem (sch_netem): a link's "
+                    "delay and loss need it; its rate does not"
+                ) from e
             raise
-        self._run_tc("-n", namespace, "qdisc", "add", "dev", device, "parent", "1:", "handle",
-                     "2:", *tbf)  # fmt: skip
+        self._run_tc(
+            "-n", namespace, "qdisc", "add", "dev", device, "parent", "1:", "handle", "2:", *tbf
+        )
 
     def close(self) -> None:
         """Kill whatever still runs in the namespaces and remove them (idempotent)."""
@@ -242,8 +279,12 @@ class Lab:
     def kill(self, host: int, sig: int = signal.SIGKILL) -> int:
         """Send ``sig`` to every process in host ``host`` (a host that dies: torchrun's
         workers too, which run in sessions of their own). Returns how many got it."""
-        pids = subprocess.run([self._ip, "netns", "pids", self.names[host]],
-                              env=self._tool_env, capture_output=True, text=True)  # fmt: skip
+        pids = subprocess.run(
+            [self._ip, "netns", "pids", self.names[host]],
+            env=self._tool_env,
+            capture_output=True,
+            text=True,
+        )
         sent = 0
         for pid in pids.stdout.split():
             try:
@@ -253,8 +294,13 @@ class Lab:
                 pass
         return sent
 
-    def popen(self, host: int, command: Sequence[str], env: Mapping[str, str] | None = None,
-              **kwargs: object) -> subprocess.Popen:  # fmt: skip
+    def popen(
+        self,
+        host: int,
+        command: Sequence[str],
+        env: Mapping[str, str] | None = None,
+        **kwargs: object,
+    ) -> subprocess.Popen:
         """Start ``command`` in host ``host`` with :meth:`environment` added to ``env`` (default:
         this process's), in a process group of its own."""
         full = {**(os.environ if env is None else env), **self.environment(host)}
@@ -262,16 +308,21 @@ class Lab:
         if self.iproute_root:  # ip runs with its own libraries, the command with the caller's
             prefix += ["env", f"LD_LIBRARY_PATH={full.get('LD_LIBRARY_PATH', '')}"]
             full = {**full, "LD_LIBRARY_PATH": self._tool_env["LD_LIBRARY_PATH"]}
-        return subprocess.Popen([*prefix, *command], env=full, start_new_session=True,
-                                **kwargs)  # type: ignore[arg-type]  # fmt: skip
+        return subprocess.Popen([*prefix, *command], env=full, start_new_session=True, **kwargs)  # type: ignore[arg-type]
 
-    def run(self, command: Sequence[str], env: Mapping[str, str] | None = None,
-            timeout: float | None = None) -> list[subprocess.CompletedProcess]:  # fmt: skip
+    def run(
+        self,
+        command: Sequence[str],
+        env: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> list[subprocess.CompletedProcess]:
         """``command`` in every host at once; each one's exit status and output (stdout and
         stderr, text). Past ``timeout`` seconds, every command still running is killed and
         reports -9."""
-        procs = [self.popen(i, command, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True) for i in range(self.hosts)]  # fmt: skip
+        procs = [
+            self.popen(i, command, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for i in range(self.hosts)
+        ]
         deadline = None if timeout is None else time.monotonic() + timeout
         results = []
         try:
@@ -424,9 +475,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "GLOO_SOCKET_IFNAME, LINK_RATE and LINK_BURST, and with --gpus-per-host also "
         "GPUS_PER_HOST, CUDA_VISIBLE_DEVICES, NCCL_HOSTID, NCCL_SOCKET_IFNAME and "
         "NCCL_IB_DISABLE (docs/hosts.md). Needs root and iproute2.",
-    )  # fmt: skip
-    p.add_argument("--hosts", type=int, default=2,
-                   help="how many hosts (namespaces), 1..200 (default: %(default)s)")  # fmt: skip
+    )
+    p.add_argument(
+        "--hosts",
+        type=int,
+        default=2,
+        help="how many hosts (namespaces), 1..200 (default: %(default)s)",
+    )
     p.add_argument(
         "--rate",
         default="10gbit",
@@ -439,17 +494,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--delay", default=None, help="one-way delay, e.g. 1ms (default: none)")
     p.add_argument("--loss", type=float, default=None, help="packet loss, percent (default: none)")
-    p.add_argument("--mtu", type=int, default=1500,
-                   help="the hosts' interfaces' MTU, bytes (default: %(default)s)")  # fmt: skip
-    p.add_argument("--gpus-per-host", type=int, default=None,
-                   help="GPU hosts: host h gets GPUs h*N .. h*N+N-1, and NCCL sees hosts joined "
-                   "by the link (default: none, CPU hosts)")  # fmt: skip
-    p.add_argument("--gpus", default=None,
-                   help="the GPUs to split: a count, or CUDA_VISIBLE_DEVICES entries, comma-"
-                   "separated (default: CUDA_VISIBLE_DEVICES, else nvidia-smi -L's)")  # fmt: skip
+    p.add_argument(
+        "--mtu",
+        type=int,
+        default=1500,
+        help="the hosts' interfaces' MTU, bytes (default: %(default)s)",
+    )
+    p.add_argument(
+        "--gpus-per-host",
+        type=int,
+        default=None,
+        help="GPU hosts: host h gets GPUs h*N .. h*N+N-1, and NCCL sees hosts joined "
+        "by the link (default: none, CPU hosts)",
+    )
+    p.add_argument(
+        "--gpus",
+        default=None,
+        help="the GPUs to split: a count, or CUDA_VISIBLE_DEVICES entries, comma-"
+        "separated (default: CUDA_VISIBLE_DEVICES, else nvidia-smi -L's)",
+    )
     p.add_argument("--timeout", type=float, default=None, help="seconds before killing it all")
-    p.add_argument("--iproute-root", default=os.environ.get("IPROUTE_ROOT"),
-                   help="where dpkg -x unpacked iproute2, on an image without ip")  # fmt: skip
+    p.add_argument(
+        "--iproute-root",
+        default=os.environ.get("IPROUTE_ROOT"),
+        help="where dpkg -x unpacked iproute2, on an image without ip",
+    )
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ...")
     args = p.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
