@@ -266,15 +266,6 @@ class CGXProcessGroup(dist.ProcessGroup):
     def _compress(
         self, tensors: Sequence[torch.Tensor], bits: int, bucket_size: int, op: str
     ) -> None:
-        if any(t.is_neg() for t in tensors):
-            # The codecs read the stored values: a negative view's are the negation of its own.
-            views = list(tensors)
-            tensors = [t.resolve_neg() for t in views]
-            self._compress(tensors, bits, bucket_size, op)
-            for view, values in zip(views, tensors, strict=True):
-                if values is not view:
-                    view.copy_(values)
-            return
         numel = sum(t.numel() for t in tensors)
         self.bytes_uncompressed += ring_bytes_sent(numel * tensors[0].element_size(), self.size())
         mesh = self.node_mesh(tensors[0].device.type, bits)

@@ -50,6 +50,7 @@ def allreduce(
     (:mod:`.agreement`): for the entry points users call. DDP's and FSDP's hooks leave it
     off: their wrappers make every rank's buckets alike.
     """
+    t = t.resolve_neg()  # the codecs and the process group read stored values, not the view's
     route = policy.route(t, group, bits, bucket_size)
     agreed = None
     if check_agreement and route.check:
@@ -99,9 +100,12 @@ def allreduce_(
         error.shape != t.shape or error.dtype != t.dtype or not error.is_contiguous()
     ):
         raise ValueError("error must be a contiguous tensor of the input's shape and dtype")
-    if not t.is_contiguous():
+    if not t.is_contiguous() or t.is_neg():  # reduced as a copy, written back through the view
         if error is not None:
-            raise ValueError("tensor must be contiguous for an allreduce that returns its error")
+            raise ValueError(
+                "tensor must be contiguous, not a negative view, for an allreduce that returns "
+                "its error"
+            )
         return t.copy_(
             allreduce(
                 t,

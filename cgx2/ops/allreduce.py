@@ -66,9 +66,8 @@ def _quantized_allreduce_op(
     skip_incomplete: bool = False,
 ) -> torch.Tensor:
     reduce_op = _check(input, bits, bucket_size, reduce_op)
-    # A negative view's bit is torch's to apply: the codecs read the stored values.
     return collectives.allreduce(
-        input.resolve_neg(),
+        input,
         bits,
         bucket_size,
         resolve_group(group_name),
@@ -118,49 +117,13 @@ def _quantized_allreduce_inplace_op(
     # reducer under compiled autograd), one round trip a parameter fewer.
     reduce_op = _check(input, bits, bucket_size, reduce_op)
     check_writable(input, "input")
-    _allreduce_into(
+    collectives.allreduce_(
         input,
         bits,
         bucket_size,
         resolve_group(group_name),
         reduce_op,
         None if seed < 0 else seed,
-        skip_incomplete,
-        check_agreement,
-    )
-
-
-def _allreduce_into(
-    t: torch.Tensor,
-    bits: int,
-    bucket_size: int,
-    group: dist.ProcessGroup,
-    reduce_op: str,
-    seed: int | None,
-    skip_incomplete: bool,
-    check_agreement: bool,
-) -> torch.Tensor:
-    """The in-place allreduce of a checked ``t``; a negative view's values (the codecs read the
-    stored ones) reduced as a copy and written back through the view."""
-    if t.is_neg():
-        out = collectives.allreduce(
-            t.resolve_neg(),
-            bits,
-            bucket_size,
-            group,
-            reduce_op,
-            seed,
-            skip_incomplete,
-            check_agreement=check_agreement,
-        )
-        return t.copy_(out)
-    return collectives.allreduce_(
-        t,
-        bits,
-        bucket_size,
-        group,
-        reduce_op,
-        seed,
         skip_incomplete,
         check_agreement=check_agreement,
     )
@@ -218,7 +181,7 @@ def quantized_allreduce(
             skip_incomplete,
         )
     return collectives.allreduce(
-        tensor.resolve_neg(),
+        tensor,
         bits,
         bucket_size,
         group,
@@ -270,4 +233,6 @@ def quantized_allreduce_(
             "quantized_allreduce_ writes into a tensor that requires grad, and has no gradient: "
             "use quantized_allreduce (differentiable), or call it under torch.no_grad()"
         )
-    return _allreduce_into(tensor, bits, bucket_size, group, reduce_op, seed, skip_incomplete, True)
+    return collectives.allreduce_(
+        tensor, bits, bucket_size, group, reduce_op, seed, skip_incomplete, check_agreement=True
+    )
