@@ -174,6 +174,19 @@ def run(args: argparse.Namespace) -> dict:
                 f"  step {step + 1}/{total} ({phase}) {(time.perf_counter() - t0) * 1e3:.0f} ms",
                 flush=True,
             )
+    # The step without communication (DDP's no_sync: no bucket leaves the rank), the compute
+    # half of the step's speed of light (bench/nccl_hosts_summary.py adds the link's half).
+    compute = []
+    for _ in range(args.compute_steps):
+        x, y = synthetic_batch(args, gen, device)
+        sync(device)
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        with ddp.no_sync():
+            loss_fn(ddp(x), y).backward()
+        opt.step()
+        sync(device)
+        compute.append(time.perf_counter() - t0)
     mean_loss = loss.detach().float().cpu()
     dist.all_reduce(mean_loss)
     ratio = None
@@ -213,6 +226,7 @@ def run(args: argparse.Namespace) -> dict:
         "bytes_sent_ratio": ratio,
         "step_ms": step_ms,
         "median_ms": statistics.median(step_ms),
+        "compute_ms": statistics.median(compute) * 1e3 if compute else None,
         "loss": mean_loss.item() / world,
     }
 
@@ -252,6 +266,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     p.add_argument("--steps", type=int, default=5, help="timed steps")
+    p.add_argument(
+        "--compute-steps",
+        type=int,
+        default=3,
+        help="steps timed after the rest under DDP's no_sync (no communication): the compute "
+        "half of the step's speed of light",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--profile",
@@ -268,8 +289,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--out", default="cgx2-results", help="folder for the JSON result")
     args = p.parse_args(argv)
-    if args.steps < 1 or args.warmup < 0:
-        p.error("--steps must be >= 1 and --warmup >= 0")
+    if args.steps < 1 or args.warmup < 0 or args.compute_steps < 0:
+        p.error("--steps must be >= 1, --warmup and --compute-steps >= 0")
     if args.backend == "nccl" and args.device != "cuda":
         p.error("--backend nccl needs --device cuda")
     if args.hook == "powersgd" and args.warmup < 2:

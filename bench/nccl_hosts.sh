@@ -124,12 +124,15 @@ EOF
 # A run's program and arguments, given its name and its folder; empty: not this layout's.
 program() {  # name folder layout
   local name=$1 dir=$2 layout=$3 bits pbits dtype
-  args=()
+  args=() run_env=()
   case $name in
     bench) args=(-m cgx2.bench --backend "$backend" --out "$dir" $BENCH_ARGS) ;;
     mlp_plain) args=(bench/ddp_gloo_cuda.py --hook plain) ;;
     mlp_cgx4) args=(bench/ddp_gloo_cuda.py --hook cgx --bits 4 --name cgx4) ;;
     mlp_cgx8) args=(bench/ddp_gloo_cuda.py --hook cgx --bits 8 --name cgx8) ;;
+    mlp_cgx4_flat|mlp_cgx4_mesh)  # the node mesh off or on (CGX2_NODE_MESH), not measured
+      run_env=(CGX2_NODE_MESH=$([ "$name" = mlp_cgx4_mesh ] && echo 1 || echo 0))
+      args=(bench/ddp_gloo_cuda.py --hook cgx --bits 4 --name "${name#mlp_}") ;;
     mlp_bf16) args=(bench/ddp_gloo_cuda.py --hook bf16) ;;
     mlp_powersgd) args=(bench/ddp_gloo_cuda.py --hook powersgd) ;;
     mlp_compress) args=(bench/ddp_gloo_cuda.py --hook compress --bits 4) ;;
@@ -173,14 +176,31 @@ save() {
   [ -n "${TAR_TO:-}" ] && tar czf "$TAR_TO/nccl_hosts.tgz" -C "$(dirname "$DIR")" "$(basename "$DIR")"
   return 0
 }
-# First every layout's and rate's main runs, then the compiled and HSDP ones.
-for pass in main late; do
-  for layout in $LAYOUTS; do
-    hosts=${layout%x*} per_host=${layout#*x}
-    for rate in $RATES; do
-      for name in $RUNS; do
-        case $name in *_compile|hsdp_*) late=late ;; *) late=main ;; esac
-        [ "$late" = "$pass" ] || continue
+# What to run: NCCL_HOST_PLAN's items in its order, else first every layout's and rate's main
+# runs, then the compiled and HSDP ones.
+plan=()
+if [ -n "${NCCL_HOST_PLAN:-}" ]; then
+  IFS=';' read -ra items <<< "$NCCL_HOST_PLAN"
+  for item in "${items[@]}"; do
+    read -ra words <<< "$item"
+    [ ${#words[@]} -ge 3 ] || { echo "nccl_hosts.sh: plan item '$item': LAYOUT RATE RUN..." >&2; exit 2; }
+    for name in "${words[@]:2}"; do plan+=("${words[0]} ${words[1]} $name"); done
+  done
+else
+  for pass in main late; do
+    for layout in $LAYOUTS; do
+      for rate in $RATES; do
+        for name in $RUNS; do
+          case $name in *_compile|hsdp_*) late=late ;; *) late=main ;; esac
+          [ "$late" = "$pass" ] && plan+=("$layout $rate $name")
+        done
+      done
+    done
+  done
+fi
+for item in "${plan[@]}"; do
+        read -r layout rate name <<< "$item"
+        hosts=${layout%x*} per_host=${layout#*x}
         folder=$DIR/${layout}_$rate/$name  # the run's log and JSON
         program "$name" "$folder" "$layout"
         [ ${#args[@]} -eq 0 ] && continue
@@ -188,10 +208,26 @@ for pass in main late; do
         elapsed=$((SECONDS - start))
         # A run may take RUN_TIMEOUT, and no more than 60 s past the budget.
         timeout=$((BUDGET_S + 60 - elapsed)); [ "$timeout" -gt "$RUN_TIMEOUT" ] && timeout=$RUN_TIMEOUT
-        # shellcheck disable=SC2046  # gpu_flags: one word each
-        cmd=(python3 -m cgx2.testing.netlab --hosts "$hosts" $(gpu_flags "$per_host")
-             --rate "$rate" "${iproute[@]}" --timeout "$timeout"
-             -- env RANKS_PER_HOST="$per_host" bash -c "$launch" python3 "${args[@]}")
+        if [ "$hosts" = 1 ]; then
+          # One server: no lab, its GPUs over NVLink (rate nvlink), NCCL's shared memory (shm)
+          # or its sockets on loopback (socket), as DESIGN.md's regimes.
+          case $rate in
+            nvlink) regime=() ;;
+            shm) regime=(NCCL_P2P_DISABLE=1) ;;
+            socket) regime=(NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1) ;;
+            *) echo "nccl_hosts.sh: one host's rate is nvlink, shm or socket, not $rate" >&2; exit 2 ;;
+          esac
+          devices=$(seq -s, 0 $((per_host - 1)))
+          cmd=(timeout "$timeout" env "${regime[@]}" "${run_env[@]}" CUDA_VISIBLE_DEVICES="$devices"
+               LINK_RATE="$rate" python3 -m torch.distributed.run --standalone
+               --nproc-per-node "$per_host" "${args[@]}")
+          [ -n "$DRY" ] && cmd=(echo "host 0:" "${cmd[@]}")
+        else
+          # shellcheck disable=SC2046  # gpu_flags: one word each
+          cmd=(python3 -m cgx2.testing.netlab --hosts "$hosts" $(gpu_flags "$per_host")
+               --rate "$rate" "${iproute[@]}" --timeout "$timeout"
+               -- env RANKS_PER_HOST="$per_host" "${run_env[@]}" bash -c "$launch" python3 "${args[@]}")
+        fi
         command=$(printf '%q ' "${cmd[@]}")
         if [ "$elapsed" -ge "$BUDGET_S" ]; then
           echo "== $layout $rate $name: skipped (${elapsed} s, past BUDGET_S=$BUDGET_S)"
@@ -215,9 +251,6 @@ for pass in main late; do
           tail -n 15 "$folder/run.log" | sed 's/^/   /'
         fi
         save
-      done
-    done
-  done
 done
 
 python3 bench/nccl_hosts_summary.py "$DIR" || status=1

@@ -16,6 +16,8 @@ from typing import Any
 MLP_RUNS = [
     ("mlp_plain", "plain DDP"),
     ("mlp_cgx4", "cgx_hook 4-bit"),
+    ("mlp_cgx4_flat", "cgx_hook 4-bit, flat (CGX2_NODE_MESH=0)"),
+    ("mlp_cgx4_mesh", "cgx_hook 4-bit, node mesh (CGX2_NODE_MESH=1)"),
     ("mlp_cgx8", "cgx_hook 8-bit"),
     ("mlp_bf16", "torch bf16_compress_hook"),
     ("mlp_powersgd", "torch PowerSGD, rank 4"),
@@ -57,6 +59,20 @@ def delivered(bench: dict[str, Any] | None, rate: str) -> dict[str, Any] | None:
         "gbit_s": gbit,
         "of_rate": None if not link else gbit * 1e9 / link,
     }
+
+
+def light(
+    run: dict[str, Any], sent: float | None, link: dict[str, Any] | None, world: int
+) -> float | None:
+    """A DDP step's speed of light, ms: the longer of its compute (the step under no_sync) and
+    its bytes over the link, the bytes of an allreduce of the fp32 gradients times ``sent``
+    at NCCL's measured bus bandwidth (an allreduce of B bytes moves 2 (W - 1) / W B a rank).
+    None where a part is unknown, or on one host (no link bounds it)."""
+    compute = run.get("compute_ms")
+    if compute is None or sent is None or not link or not run.get("params") or not run.get("hosts"):
+        return None
+    wire = run["params"] * 4 * sent * 2 * (world - 1) / world
+    return max(compute, wire / (link["busbw_gbs"] * 1e9) * 1e3)
 
 
 def params(results: object) -> str:
@@ -112,91 +128,107 @@ def section(folder: Path, layout: str, rate: str, runs: dict[str, dict]) -> tupl
         data["allreduce"] = bench["rows"]
     else:
         lines.append(f"allreduce table: {failed('bench')}")
-    mlp = {name: load(folder / name, "ddp_*.json") for name, _ in MLP_RUNS}
-    lines += [
-        "",
-        f"| DDP step, MLP{params(mlp.values())} | median ms | vs plain DDP | bytes vs plain |",
-        "| --- | ---: | ---: | ---: |",
-    ]
-    plain = (mlp["mlp_plain"] or {}).get("median_ms")
-    for name, label in MLP_RUNS:
-        r = mlp[name]
-        if r is None and name in ("mlp_compress", "mlp_allreduce") and name not in runs:
-            continue  # not asked for
-        if r is None:
-            lines.append(f"| {label} | {failed(name)} | | |")
-            continue
-        sent = r.get("bytes_sent_ratio")
-        lines.append(
-            f"| {label} | {r['median_ms']:.1f} | {ratio(plain, r['median_ms'])} "
-            f"| {'-' if sent is None else f'{sent:.3f}'} |"
-        )
-    data["mlp"] = {
-        n: r and {"median_ms": r["median_ms"], "bytes_sent_ratio": r.get("bytes_sent_ratio")}
-        for n, r in mlp.items()
-    }
-    ddp = {
-        f"{b}{tag}": load(folder / f"ddp_{b}{tag}", "*.json")
-        for b in ("b32", "b4")
-        for tag in ("", "_compile")
-    }
-    lines += [
-        "",
-        f"| train_ddp.py{params(ddp.values())} | plain DDP ms | cgx_hook 4-bit ms | speedup |",
-        "| --- | ---: | ---: | ---: |",
-    ]
-    data["train_ddp"] = {}
-    for tag, label in (("", "eager"), ("_compile", "--compile")):
-        b32, b4 = ddp[f"b32{tag}"], ddp[f"b4{tag}"]
-        p, q = (b32 or {}).get("step_ms"), (b4 or {}).get("step_ms")
-        p_text = ms(p) if b32 else failed(f"ddp_b32{tag}")
-        q_text = ms(q) if b4 else failed(f"ddp_b4{tag}")
-        lines.append(f"| {label} | {p_text} | {q_text} | {ratio(p, q)} |")
-        data["train_ddp"][label] = {"plain_ms": p, "cgx4_ms": q}
-    fsdp = {
-        (prefix, b): load(folder / f"{prefix}_{b}", "*.json")
-        for prefix, _ in FSDP_ROWS
-        for b in ("b32", "b4", "b4p8")
-    }
-    lines += [
-        "",
-        f"| train_fsdp.py{params(fsdp.values())} | FSDP2's own ms "
-        "| 4-bit reduce-scatter ms | + 8-bit parameters ms "
-        "| sent vs uncompressed (+ 8-bit) |",
-        "| --- | ---: | ---: | ---: | ---: |",
-    ]
-    data["train_fsdp"] = {}
-    for prefix, label in FSDP_ROWS:
-        got = {b: fsdp[(prefix, b)] for b in ("b32", "b4", "b4p8")}
-        if prefix.startswith("hsdp") and not any(n.startswith(prefix) for n in runs):
-            continue
-        own = (got["b32"] or {}).get("step_ms")
-        cells = [ms(own) if got["b32"] else failed(f"{prefix}_b32")]
-        for b in ("b4", "b4p8"):
-            r = got[b]
-            cells.append(
-                f"{r['step_ms']:.1f} ({ratio(own, r['step_ms'])})" if r else failed(f"{prefix}_{b}")
-            )
-        sent = [
-            ratio(r["bytes_uncompressed"], r["bytes_sent"]) + " less"
-            for r in (got["b4"], got["b4p8"])
-            if r and r.get("bytes_sent")
+    if any(n.startswith("mlp_") for n in runs):
+        mlp = {name: load(folder / name, "ddp_*.json") for name, _ in MLP_RUNS}
+        lines += [
+            "",
+            f"| DDP step, MLP{params(mlp.values())} | median ms | vs plain DDP | bytes vs plain "
+            "| of light |",
+            "| --- | ---: | ---: | ---: | ---: |",
         ]
-        lines.append(f"| {label} | {' | '.join(cells)} | {' / '.join(sent) or '-'} |")
-        data["train_fsdp"][prefix] = {
-            b: r
-            and {
-                k: r.get(k)
-                for k in (
-                    "step_ms",
-                    "bytes_sent",
-                    "bytes_uncompressed",
-                    "all_gather_bytes_sent",
-                    "all_gather_bytes_uncompressed",
-                )
+        plain = (mlp["mlp_plain"] or {}).get("median_ms")
+        data["mlp"] = {}
+        for name, label in MLP_RUNS:
+            r = mlp[name]
+            if r is None and name not in runs:
+                continue  # not asked for
+            if r is None:
+                lines.append(f"| {label} | {failed(name)} | | | |")
+                continue
+            sent = r.get("bytes_sent_ratio")
+            if name in ("mlp_plain", "mlp_allreduce"):
+                sent = 1.0
+            elif name == "mlp_bf16":
+                sent = 0.5
+            bound = light(r, sent, link, int(hosts) * int(per_host))
+            of_light = "-" if bound is None else f"{bound / r['median_ms']:.0%}"
+            lines.append(
+                f"| {label} | {r['median_ms']:.1f} | {ratio(plain, r['median_ms'])} "
+                f"| {'-' if sent is None else f'{sent:.3f}'} "
+                f"| {of_light} |"
+            )
+            data["mlp"][name] = {
+                "median_ms": r["median_ms"],
+                "compute_ms": r.get("compute_ms"),
+                "bytes_sent_ratio": sent,
+                "light_ms": bound,
             }
-            for b, r in got.items()
+    if any(n.startswith("ddp_") for n in runs):
+        ddp = {
+            f"{b}{tag}": load(folder / f"ddp_{b}{tag}", "*.json")
+            for b in ("b32", "b4")
+            for tag in ("", "_compile")
         }
+        lines += [
+            "",
+            f"| train_ddp.py{params(ddp.values())} | plain DDP ms | cgx_hook 4-bit ms | speedup |",
+            "| --- | ---: | ---: | ---: |",
+        ]
+        data["train_ddp"] = {}
+        for tag, label in (("", "eager"), ("_compile", "--compile")):
+            b32, b4 = ddp[f"b32{tag}"], ddp[f"b4{tag}"]
+            p, q = (b32 or {}).get("step_ms"), (b4 or {}).get("step_ms")
+            p_text = ms(p) if b32 else failed(f"ddp_b32{tag}")
+            q_text = ms(q) if b4 else failed(f"ddp_b4{tag}")
+            lines.append(f"| {label} | {p_text} | {q_text} | {ratio(p, q)} |")
+            data["train_ddp"][label] = {"plain_ms": p, "cgx4_ms": q}
+    if any(n.startswith(("fsdp_", "hsdp_")) for n in runs):
+        fsdp = {
+            (prefix, b): load(folder / f"{prefix}_{b}", "*.json")
+            for prefix, _ in FSDP_ROWS
+            for b in ("b32", "b4", "b4p8")
+        }
+        lines += [
+            "",
+            f"| train_fsdp.py{params(fsdp.values())} | FSDP2's own ms "
+            "| 4-bit reduce-scatter ms | + 8-bit parameters ms "
+            "| sent vs uncompressed (+ 8-bit) |",
+            "| --- | ---: | ---: | ---: | ---: |",
+        ]
+        data["train_fsdp"] = {}
+        for prefix, label in FSDP_ROWS:
+            got = {b: fsdp[(prefix, b)] for b in ("b32", "b4", "b4p8")}
+            if prefix.startswith("hsdp") and not any(n.startswith(prefix) for n in runs):
+                continue
+            own = (got["b32"] or {}).get("step_ms")
+            cells = [ms(own) if got["b32"] else failed(f"{prefix}_b32")]
+            for b in ("b4", "b4p8"):
+                r = got[b]
+                cells.append(
+                    f"{r['step_ms']:.1f} ({ratio(own, r['step_ms'])})"
+                    if r
+                    else failed(f"{prefix}_{b}")
+                )
+            sent = [
+                ratio(r["bytes_uncompressed"], r["bytes_sent"]) + " less"
+                for r in (got["b4"], got["b4p8"])
+                if r and r.get("bytes_sent")
+            ]
+            lines.append(f"| {label} | {' | '.join(cells)} | {' / '.join(sent) or '-'} |")
+            data["train_fsdp"][prefix] = {
+                b: r
+                and {
+                    k: r.get(k)
+                    for k in (
+                        "step_ms",
+                        "bytes_sent",
+                        "bytes_uncompressed",
+                        "all_gather_bytes_sent",
+                        "all_gather_bytes_uncompressed",
+                    )
+                }
+                for b, r in got.items()
+            }
     return "\n".join(lines), data
 
 
@@ -221,17 +253,16 @@ def main(argv: list[str]) -> int:
         "",
         f"`{machine['command']}`; the lab's hosts are network namespaces of one machine "
         "(NCCL's sockets over veth top out near 20 Gbit/s: faster links are stood for by "
-        "the shm and NVLink regimes).",
+        "the shm and NVLink regimes). One host's sections name its regime (nvlink, shm, "
+        "socket) in place of a rate. Of light: the step's speed of light (its compute, timed "
+        "under DDP's no_sync, or its bytes over the delivered rate, the longer) over its time.",
         "",
     ]
     summary = {"machine": machine, "sections": []}
-    for layout in machine["layouts"]:
-        for rate in machine["rates"]:
-            if (layout, rate) not in by_place:
-                continue
-            text, data = section(top / f"{layout}_{rate}", layout, rate, by_place[(layout, rate)])
-            parts += [text, ""]
-            summary["sections"].append(data)
+    for (layout, rate), place in by_place.items():  # in the order they ran
+        text, data = section(top / f"{layout}_{rate}", layout, rate, place)
+        parts += [text, ""]
+        summary["sections"].append(data)
     failed = [f"{r['layout']} {r['rate']} {r['run']}" for r in runs if r["rc"]]
     skipped = [f"{r['layout']} {r['rate']} {r['run']}" for r in runs if r["rc"] is None]
     if failed:
