@@ -2,10 +2,9 @@
 served by :mod:`cgx2.ddp.lgreco` under Global-QSGD's names and arguments."""
 
 import math
+from typing import Any
 
-import torch.distributed as dist
-
-from cgx2.ddp.lgreco import LGreCoState, powerSGD_hook
+from cgx2.ddp.lgreco import LGreCoState, powersgd_arguments, powerSGD_hook
 
 __all__ = ["LGreCoState", "PowerSGDState", "powerSGD_hook"]
 
@@ -17,34 +16,11 @@ class PowerSGDState(LGreCoState):
 
     __slots__ = ()
 
+    @powersgd_arguments(adjust_freq=(int, 100), adjust_beta=(float, 2), adjust_gamma=(float, 0.5))
     def __init__(
-        self,
-        process_group: dist.ProcessGroup | None,
-        matrix_approximation_rank: int = 1,
-        start_powerSGD_iter: int = 1_000,
-        min_compression_rate: float = 2,
-        use_error_feedback: bool = True,
-        warm_start: bool = True,
-        orthogonalization_epsilon: float = 0,
-        random_seed: int = 0,
-        compression_stats_logging_frequency: int = 10_000,
-        adjust_freq: int = 100,
-        adjust_beta: float = 2,
-        adjust_gamma: float = 0.5,
+        self, settings: dict[str, Any], adjust_freq: int, adjust_beta: float, adjust_gamma: float
     ) -> None:
-        rank = matrix_approximation_rank
+        rank = settings["matrix_approximation_rank"]
         low = max(1, math.floor(rank * adjust_gamma))
         high = max(rank, math.ceil(rank * adjust_beta))
-        super().__init__(
-            process_group,
-            rank,
-            start_powerSGD_iter,
-            min_compression_rate,
-            use_error_feedback,
-            warm_start,
-            orthogonalization_epsilon,
-            random_seed,
-            compression_stats_logging_frequency,
-            ranks=range(low, high + 1),
-            replan_every=adjust_freq,
-        )
+        super().__init__(**settings, ranks=range(low, high + 1), replan_every=adjust_freq)

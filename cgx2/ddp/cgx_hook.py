@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import seeding
 from ..checks import UNCOMPRESSED_BITS, check_bits, check_bucket_size
@@ -25,6 +24,7 @@ from ..collectives.hierarchical import hierarchical_allreduce_fused_, node_mesh
 from ..comm import worker
 from ..config import CGXConfig
 from .error_feedback import ErrorFeedback
+from .param_numbers import ParamNumbers
 
 __all__ = ["CGXState", "cgx_hook"]
 
@@ -157,8 +157,7 @@ class CGXState:
         self._calls: dict[int, int] = {}
         self._plans: dict[int, _Plan] = {}
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
-        self._param_ids: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self._next_param_id = 0
+        self._param_numbers = ParamNumbers()
         # Per bucket index, its parameters' addresses and numbers: a weak lookup a parameter
         # costs about a microsecond, a step of a large model a fraction of a millisecond.
         self._bucket_ids: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
@@ -267,16 +266,29 @@ class CGXState:
             self._streams[device] = torch.cuda.Stream(device)
         return self._streams[device]
 
+    def _settings(self) -> dict[str, object]:
+        """The settings that decide how a bucket is reduced: what ranks compare before the
+        first (the hook's and :func:`cgx2.ddp.compress`'s checks add their own)."""
+        return {
+            "bits": self.bits,
+            "bucket_size": self.bucket_size,
+            "layer_min_size": self.layer_min_size,
+            "skip_incomplete": self.skip_incomplete,
+            "mesh": None if self.mesh is None else list(self.mesh.mesh.shape),
+            "adaptive_bits": self.adaptive_bits,
+            "replan_every": self.replan_every,
+            "error_feedback": self.errors is not None,
+            "start_iter": self.start_iter,
+        }
+
     def param_ids(self, params: Sequence[torch.Tensor]) -> tuple[int, ...]:
         """Each parameter's number: the order in which the hook first met it, which DDP's
         first iteration fixes (the model's parameter order) in a resumed run as in the run
         that saved it. Parameters are held weakly."""
         ids = []
         for p in params:
-            number = self._param_ids.get(p)
-            if number is None:
-                number = self._param_ids[p] = self._next_param_id
-                self._next_param_id += 1
+            number, new = self._param_numbers.number(p)
+            if new:
                 self._shapes.setdefault(number, tuple(p.shape))
             ids.append(number)
         return tuple(ids)
@@ -410,19 +422,10 @@ def _agree(state: CGXState, group: dist.ProcessGroup, buffer: torch.Tensor) -> N
     """Raise :class:`cgx2.collectives.agreement.DisagreementError` on every rank unless all
     hold the settings that decide the bucket's bytes alike: once, at the hook's first call
     (on the calling thread, so that DDP raises the error itself), which every rank makes."""
-    mesh = None if state.mesh is None else list(state.mesh.mesh.shape)
     settings = {
-        "bits": state.bits,
-        "bucket_size": state.bucket_size,
-        "layer_min_size": state.layer_min_size,
-        "skip_incomplete": state.skip_incomplete,
+        **state._settings(),
         "intra_broadcast": state.intra_broadcast,
-        "mesh": mesh,
         "mesh_by_policy": state._mesh_by_policy,
-        "adaptive_bits": state.adaptive_bits,
-        "replan_every": state.replan_every,
-        "error_feedback": state.errors is not None,
-        "start_iter": state.start_iter,
         "iteration": state.iteration,
         "dtype": buffer.dtype,
     }

@@ -178,17 +178,8 @@ def _to_quantize(state: CGXState, index: int, params: Sequence[nn.Parameter]) ->
 def _agree(state: CGXState, group: dist.ProcessGroup, sizes: list[_Bucket]) -> None:
     """Raise :class:`DisagreementError` on every rank unless all hold the same settings and
     buckets: what the decision reads, so that ranks that pass decide alike."""
-    mesh = None if state.mesh is None else list(state.mesh.mesh.shape)
     settings = {
-        "bits": state.bits,
-        "bucket_size": state.bucket_size,
-        "layer_min_size": state.layer_min_size,
-        "skip_incomplete": state.skip_incomplete,
-        "mesh": mesh,
-        "adaptive_bits": state.adaptive_bits,
-        "replan_every": state.replan_every,
-        "error_feedback": state.errors is not None,
-        "start_iter": state.start_iter,
+        **state._settings(),
         "buckets": [[str(dtype), numel] for dtype, _, numel in sizes],
     }
     agreement.check_settings(group, "cgx2.ddp.compress", settings, sizes[0].device)

@@ -7,7 +7,8 @@ from collections.abc import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
-from torch.utils.weak import WeakIdKeyDictionary
+
+from .param_numbers import ParamNumbers
 
 __all__ = ["ErrorFeedback"]
 
@@ -34,17 +35,14 @@ class ErrorFeedback:
     """
 
     def __init__(self) -> None:
-        self._keys: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self._next_key = 0
+        self._numbers = ParamNumbers()
         self._residuals: dict[int, torch.Tensor] = {}
         self._shapes: dict[int, tuple[int, ...]] = {}
 
     def key(self, param: torch.Tensor) -> int:
         """``param``'s stable key (a new one the first time it is seen)."""
-        key = self._keys.get(param)
-        if key is None:
-            key = self._keys[param] = self._next_key
-            self._next_key += 1
+        key, new = self._numbers.number(param)
+        if new:
             shape = self._shapes.setdefault(key, tuple(param.shape))
             if shape != tuple(param.shape):
                 raise ValueError(

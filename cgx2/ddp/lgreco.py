@@ -13,9 +13,12 @@ with one rank in ``ranks`` it reproduces torch's ``powerSGD_hook`` bit for bit.
 """
 
 # No ``from __future__ import annotations``: DDP checks the hooks' annotations as objects.
+import functools
+import inspect
+import itertools
 import zlib
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -27,11 +30,11 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
     _orthogonalize,
     _should_compress,
 )
-from torch.utils.weak import WeakIdKeyDictionary
 
 from ..collectives import agreement
 from ..collectives.adaptive import plan_bits
 from ..collectives.fusion import ring_bytes_sent
+from .param_numbers import ParamNumbers
 
 __all__ = ["LGreCoState", "PowerSGDState", "lgreco_hook", "powerSGD_hook", "rank_errors"]
 
@@ -103,8 +106,7 @@ class LGreCoState(torch_powersgd.PowerSGDState):
 
     __slots__ = [
         "_agreed",
-        "_keys",
-        "_next_key",
+        "_numbers",
         "bytes_sent",
         "layer_ranks",
         "plan_errors",
@@ -143,31 +145,24 @@ class LGreCoState(torch_powersgd.PowerSGDState):
         self.layer_ranks: dict[int, int] = {}  # parameter number -> its planned rank
         # bucket -> (planned error, the baseline's error) at its last plan, for inspection
         self.plan_errors: dict[int, tuple[float, float]] = {}
-        self._keys = WeakIdKeyDictionary()
-        self._next_key = 0
+        self._numbers = ParamNumbers()
         self._agreed = False  # whether the ranks' settings were compared (at the first call)
 
     def __getstate__(self) -> dict[str, Any]:
         # torch's reads ``self.__slots__``: here this class's alone, so gather the MRO's. The
         # parameter numbers are held weakly and not pickled: they are given again in order.
         slots = [s for cls in type(self).__mro__ for s in getattr(cls, "__slots__", ())]
-        state = {s: getattr(self, s) for s in slots if s not in ("process_group", "_keys")}
-        return state | {"_next_key": 0, "_agreed": False}  # compared again where it is loaded
+        state = {s: getattr(self, s) for s in slots if s not in ("process_group", "_numbers")}
+        return state | {"_agreed": False}  # compared again where it is loaded
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        self._keys = WeakIdKeyDictionary()
+        # "_next_key": what states pickled before ParamNumbers held their numbers carry
+        super().__setstate__({k: v for k, v in state.items() if k != "_next_key"})
+        self._numbers = ParamNumbers()
 
     def keys(self, params: Sequence[torch.Tensor]) -> list[int]:
         """Each parameter's number (a new one, in order, the first time it is seen)."""
-        out = []
-        for p in params:
-            key = self._keys.get(p)
-            if key is None:
-                key = self._keys[p] = self._next_key
-                self._next_key += 1
-            out.append(key)
-        return out
+        return self._numbers.numbers(params)
 
     def plan(
         self,
@@ -282,6 +277,37 @@ class LGreCoState(torch_powersgd.PowerSGDState):
         self.total_numel_after_compression = state["numel_after"]
 
 
+def powersgd_arguments(
+    **options: tuple[Any, Any],
+) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Decorate the ``__init__(self, settings, **options)`` of a state compatible with torch's
+    ``PowerSGDState``: it is called with torch's arguments (``process_group`` to
+    ``compression_stats_logging_frequency``, as :class:`LGreCoState` spells them) and then
+    ``options`` (name: (annotation, default)), positionally or by name, and receives torch's
+    by name in ``settings``. Its signature shows them all, as if written out."""
+    inherited = inspect.signature(LGreCoState.__init__).parameters.values()
+    torch_arguments = list(itertools.takewhile(lambda p: p.name != "ranks", inherited))
+    own = [
+        inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=d, annotation=a)
+        for name, (a, d) in options.items()
+    ]
+    signature = inspect.Signature([*torch_arguments, *own], return_annotation=None)
+
+    def decorate(init: Callable[..., None]) -> Callable[..., None]:
+        @functools.wraps(init)
+        def __init__(self: LGreCoState, *args: Any, **kwargs: Any) -> None:
+            bound = signature.bind(self, *args, **kwargs)
+            bound.apply_defaults()
+            settings = dict(bound.arguments)
+            del settings["self"]
+            init(self, settings, **{name: settings.pop(name) for name in options})
+
+        __init__.__signature__ = signature  # type: ignore[attr-defined]
+        return __init__
+
+    return decorate
+
+
 class PowerSGDState(LGreCoState):
     """torch's ``PowerSGDState``, one rank for every layer: with :func:`powerSGD_hook` it is
     torch's PowerSGD bit for bit (the same P, Q, residuals and random Q), but its state is
@@ -293,31 +319,9 @@ class PowerSGDState(LGreCoState):
 
     __slots__ = ()
 
-    def __init__(
-        self,
-        process_group: dist.ProcessGroup | None,
-        matrix_approximation_rank: int = 1,
-        start_powerSGD_iter: int = 1_000,
-        min_compression_rate: float = 2,
-        use_error_feedback: bool = True,
-        warm_start: bool = True,
-        orthogonalization_epsilon: float = 0,
-        random_seed: int = 0,
-        compression_stats_logging_frequency: int = 10_000,
-        batch_tensors_with_same_shape: bool = False,
-    ) -> None:
-        super().__init__(
-            process_group,
-            matrix_approximation_rank,
-            start_powerSGD_iter,
-            min_compression_rate,
-            use_error_feedback,
-            warm_start,
-            orthogonalization_epsilon,
-            random_seed,
-            compression_stats_logging_frequency,
-            ranks=(matrix_approximation_rank,),
-        )
+    @powersgd_arguments(batch_tensors_with_same_shape=(bool, False))
+    def __init__(self, settings: dict[str, Any], batch_tensors_with_same_shape: bool) -> None:
+        super().__init__(**settings, ranks=(settings["matrix_approximation_rank"],))
         self.batch_tensors_with_same_shape = batch_tensors_with_same_shape
 
 
