@@ -16,7 +16,7 @@ from .. import extension
 from ..config import tuning
 from ..cpu_threads import split
 
-__all__ = ["decode_rows", "encode_rows", "library"]
+__all__ = ["decode_rows", "encode_rows", "library", "rotate"]
 
 
 def library() -> ModuleType | None:
@@ -104,4 +104,31 @@ def decode_rows(
         factor,
     )
     split(lambda a, b: lib.maxmin_decode(*head, a, b, *tail), nq, _MIN_BUCKETS_PER_THREAD)
+    return True
+
+
+# Blocks of the rotation per thread at least (a block is 128 values by default).
+_MIN_BLOCKS_PER_THREAD = 2048
+
+
+def rotate(
+    src: torch.Tensor, out: torch.Tensor, block: int, key: int, scale: float, inverse: bool
+) -> bool:
+    """The Hadamard rotation (or with ``inverse`` its inverse) of fp32 ``src`` into ``out``
+    (fp32 of the same size; it may be ``src``), as :mod:`cgx2.codecs.rotation` defines it
+    (``scale`` its fp32(1/sqrt(block))); False (nothing written) where the C loops are
+    unavailable."""
+    lib = library()
+    if lib is None or not hasattr(lib, "hadamard_rotate") or not _usable(src, out):
+        return False
+    if src.dtype != torch.float32 or out.dtype != torch.float32:
+        return False
+    n = src.numel()
+    args = (n, block, key & (2**64 - 1), scale, inverse)
+    blocks = -(-n // block)
+    split(
+        lambda a, b: lib.hadamard_rotate(src.data_ptr(), out.data_ptr(), a, b, *args),
+        blocks,
+        _MIN_BLOCKS_PER_THREAD,
+    )
     return True
