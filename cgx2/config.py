@@ -546,3 +546,49 @@ def triton_interpret() -> bool:
     """Whether ``TRITON_INTERPRET`` asks Triton to interpret kernels, as Triton reads it (for
     Tritons without ``triton.knobs``)."""
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def sources(environ: Mapping[str, str] | None = None) -> dict[str, tuple[object, str]]:
+    """Every ``CGX_*`` and ``CGX2_*`` setting, by variable: ``(value, source)``, the value as
+    :class:`CGXConfig` and :class:`TuningConfig` read it (from ``os.environ`` unless given)
+    and where it came from: ``"environment"``, ``"tuned"`` (:func:`tuned`'s override, for
+    ``os.environ`` only) or ``"default"``. A variable that does not parse gives its text and
+    ``"environment (invalid: why)"``; a ``CGX_``/``CGX2_`` variable cgx2 does not read, its
+    text and ``"environment (not read by cgx2)"``. For ``python -m cgx2.env``."""
+    env = os.environ if environ is None else environ
+    named = {**WIRE_SETTINGS, **COMPARED_PER_CALL}
+    others = {  # NOT_COMPARED's fields, whose table gives reasons, not variables
+        "cuda_graphs": "CGX2_CUDA_GRAPHS",
+        "check_agreement": "CGX2_CHECK_AGREEMENT",
+        "comm_worker": "CGX2_COMM_WORKER",
+        "calibration_file": "CGX2_CALIBRATION_FILE",
+        "cache_dir": "CGX2_CACHE_DIR",
+        "direct_launch": "CGX2_DIRECT_LAUNCH",
+        "native_codec": "CGX2_NATIVE",
+        "cross_communicator": "CGX_CROSS_COMMUNICATOR_TYPE",
+    }
+    overrides = _overrides if environ is None else {}
+    found: dict[str, tuple[object, str]] = {}
+    for section in (CGXConfig, TuningConfig):
+        # Defaults, but where one depends on another setting (the calibration file's lies in
+        # the cache directory).
+        defaults = section.from_env({k: v for k, v in env.items() if k == "CGX2_CACHE_DIR"})
+        for field in dataclasses.fields(section):
+            prefix = "CGX_" if section is CGXConfig else "CGX2_"
+            variable = named.get(field.name) or others.get(field.name)
+            variable = variable or prefix + field.name.upper()
+            raw = env.get(variable, "")
+            if field.name in overrides:
+                found[variable] = (overrides[field.name], "tuned")
+            elif raw.strip() == "":
+                found[variable] = (getattr(defaults, field.name), "default")
+            else:
+                try:
+                    value = getattr(section.from_env({variable: raw}), field.name)
+                    found[variable] = (value, "environment")
+                except ValueError as e:
+                    found[variable] = (raw, f"environment (invalid: {e})")
+    for variable in sorted(env):
+        if variable.startswith(("CGX_", "CGX2_")) and variable not in found:
+            found[variable] = (env[variable], "environment (not read by cgx2)")
+    return found
