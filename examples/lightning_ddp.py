@@ -1,0 +1,146 @@
+"""Train with PyTorch Lightning's DDP, the gradients compressed by cgx2's DDP hooks (CGX's
+cgx_hook, or Global-QSGD's standard dithering), and report the bytes sent and whether the ranks
+agree on the trained parameters:
+
+    python examples/lightning_ddp.py --devices 4                    # GPUs: Lightning starts them
+    python examples/lightning_ddp.py --hook gqsgd --devices 4       # Global-QSGD's hook
+    torchrun --nproc-per-node 2 examples/lightning_ddp.py --accelerator cpu --steps 5  # 2 CPUs
+
+On GPUs the hook goes in through Lightning's own arguments, ``DDPStrategy(ddp_comm_state=...,
+ddp_comm_hook=...)``. Lightning registers those only when the device is CUDA (its
+``DDPStrategy._register_ddp_hooks``), so on CPUs a callback registers the hook on the DDP model
+Lightning made (``--via callback``; it works on GPUs too). The model and text are
+train_ddp.py's (a byte-level transformer on Python's standard library: nothing to download).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DDPStrategy
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from recipe_report import report
+from train_ddp import CharTransformer, load_text
+
+from cgx2.ddp import CGXState, GlobalQSGDState, cgx_hook, standard_dithering_hook
+
+
+class LitLM(L.LightningModule):
+    """train_ddp.py's byte-level transformer as a LightningModule."""
+
+    def __init__(self, context: int, dim: int, layers: int, heads: int, lr: float) -> None:
+        super().__init__()
+        self.model = CharTransformer(context, dim, layers, heads)
+        self.lr = lr
+
+    def training_step(self, batch: tuple[torch.Tensor, ...], _: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self.model(x).flatten(0, 1).float(), y.flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+class CompressGradients(Callback):
+    """Registers a DDP communication hook on the ``DistributedDataParallel`` model Lightning
+    made (it is made in the strategy's setup, before ``on_fit_start``), on any device."""
+
+    def __init__(self, state: object, hook: object) -> None:
+        self.state, self.hook = state, hook
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        trainer.strategy.model.register_comm_hook(self.state, self.hook)
+
+
+def windows(text: torch.Tensor, count: int, context: int, seed: int) -> TensorDataset:
+    """``count`` (input, next bytes) windows of ``text`` at random offsets."""
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, text.numel() - context - 1, (count,), generator=gen)
+    seq = text[starts[:, None] + torch.arange(context + 1)].long()
+    return TensorDataset(seq[:, :-1], seq[:, 1:])
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hook", choices=("cgx", "gqsgd", "none"), default="cgx")
+    p.add_argument("--bits", type=int, default=4)
+    p.add_argument(
+        "--via",
+        choices=("strategy", "callback"),
+        default=None,
+        help="how the hook goes in (default: strategy on GPUs, callback on CPUs)",
+    )
+    p.add_argument("--accelerator", default="auto", help="Lightning's: gpu, cpu, auto")
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--batch-size", type=int, default=8, help="per rank")
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--json", help="write the ranks' bytes and parameter digests here")
+    args = p.parse_args(argv)
+
+    L.seed_everything(0, verbose=False)
+    if args.hook == "cgx":
+        # The first backward pass is sent exact (start_iter=1, as CGX did); layers under
+        # 1024 values (biases, norms) always.
+        state, hook = CGXState(None, 1024, {"bits": args.bits, "bucket_size": 512}), cgx_hook
+    elif args.hook == "gqsgd":
+        state, hook = GlobalQSGDState(None, bits=args.bits), standard_dithering_hook
+    else:
+        state = hook = None
+    cuda = args.accelerator in ("gpu", "cuda") or (
+        args.accelerator == "auto" and torch.cuda.is_available()
+    )
+    via = args.via or ("strategy" if cuda else "callback")
+    callbacks = []
+    if hook is None:
+        strategy = DDPStrategy()
+    elif via == "strategy":  # Lightning's own arguments: registered on CUDA devices only
+        strategy = DDPStrategy(ddp_comm_state=state, ddp_comm_hook=hook)
+    else:
+        strategy = DDPStrategy()
+        callbacks.append(CompressGradients(state, hook))
+    trainer = L.Trainer(
+        accelerator=args.accelerator,
+        devices=args.devices,
+        strategy=strategy,
+        callbacks=callbacks,
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    module = LitLM(args.context, args.dim, args.layers, args.heads, args.lr)
+    data = windows(
+        load_text(1 << 20), args.steps * args.batch_size * trainer.world_size, args.context, seed=0
+    )
+    trainer.fit(module, DataLoader(data, batch_size=args.batch_size))  # sharded by Lightning
+    world, numel = trainer.world_size, sum(p.numel() for p in module.parameters())
+    # Global-QSGD's state counts only what it sent; uncompressed, DDP's ring allreduce sends
+    # 2 (W - 1) / W of every fp32 gradient each step.
+    plain = trainer.global_step * 2 * (world - 1) * 4 * numel // world
+    report(
+        args.json,
+        module,
+        hook=args.hook,
+        via=via,
+        steps=trainer.global_step,
+        bytes_sent=getattr(state, "bytes_sent", 0),
+        bytes_uncompressed=getattr(state, "bytes_uncompressed", plain if state else 0),
+    )
+
+
+if __name__ == "__main__":
+    main()
