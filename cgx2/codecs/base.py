@@ -14,6 +14,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from .layout import ChunkedLayout
+from .rotation import Rotation
 
 __all__ = ["Codec", "GlobalNormCodec", "mismatches"]
 
@@ -26,7 +27,13 @@ class Codec(Protocol):
     :class:`~cgx2.codecs.layout.MaxMinLayout` payloads). Every implementation writes the
     reference's bytes (:mod:`cgx2.codecs.maxmin`) given the same key and stream; chunk ``j``
     is coded with stream ``j``. ``key`` is a 64-bit int (an implementation may take more).
-    A ``[K, P]`` buffer of rows may be a view with a longer row pitch, each row contiguous."""
+    A ``[K, P]`` buffer of rows may be a view with a longer row pitch, each row contiguous.
+
+    ``rotation`` (keyword, default None: no rotation) codes the values' randomized Hadamard
+    rotation (:class:`~cgx2.codecs.rotation.Rotation`, docs/wire-format.md "Rotation"):
+    encoders code the rotated values, decoders rotate back, and the decode-sum-encode of an
+    allreduce's reduced chunk sums in the rotated domain and stays there. Every rank passes
+    the same rotation."""
 
     def chunked_layout(
         self,
@@ -50,6 +57,8 @@ class Codec(Protocol):
         skip_incomplete: bool = False,
         out: torch.Tensor | None = None,
         nearest: bool = False,
+        *,
+        rotation: Rotation | None = None,
     ) -> torch.Tensor:
         """Flat ``x`` (any float dtype) as one payload (written into ``out`` when given);
         ``nearest``: levels rounded to the nearest, not stochastically (``key`` unused)."""
@@ -63,6 +72,8 @@ class Codec(Protocol):
         bucket_size: int,
         dtype: torch.dtype = torch.float32,
         skip_incomplete: bool = False,
+        *,
+        rotation: Rotation | None = None,
     ) -> torch.Tensor:
         """Inverse of :meth:`encode`: ``numel`` values in ``dtype``."""
         ...
@@ -75,6 +86,7 @@ class Codec(Protocol):
         skip_chunk: int = -1,
         *,
         out: torch.Tensor | None = None,
+        rotation: Rotation | None = None,
     ) -> torch.Tensor:
         """Each chunk of flat ``x`` into its row; row ``skip_chunk`` (the caller's own chunk,
         kept in full precision) is not written."""
@@ -86,6 +98,8 @@ class Codec(Protocol):
         layout: ChunkedLayout,
         dtype: torch.dtype,
         out: torch.Tensor | None = None,
+        *,
+        rotation: Rotation | None = None,
     ) -> torch.Tensor:
         """Inverse of :meth:`encode_chunks`: the flat tensor of ``layout.numel`` values."""
         ...
@@ -100,9 +114,12 @@ class Codec(Protocol):
         bits: int,
         bucket_size: int,
         skip_incomplete: bool = False,
+        *,
+        rotation: Rotation | None = None,
     ) -> torch.Tensor:
         """``(own + the other rows decoded) * scale`` in fp32, summed in row order; row
-        ``own_index`` is not read (``own`` stands for it); ``scale`` None means 1."""
+        ``own_index`` is not read (``own`` stands for it); ``scale`` None means 1. With
+        ``rotation``: own rotated plus the rows, times scale, rotated back."""
         ...
 
     def decode_sum_encode(
@@ -118,11 +135,14 @@ class Codec(Protocol):
         stream: int = 0,
         skip_incomplete: bool = False,
         out: torch.Tensor | None = None,
+        *,
+        rotation: Rotation | None = None,
     ) -> torch.Tensor:
         """:meth:`decode_sum` encoded once more (the reduced chunk of an allreduce), fused
         where the implementation can; with ``scale``, own and each row times ``scale`` summed
         (the plain allreduce's AVG divides first), and a bucket whose sum overflowed coded
-        saturated (:mod:`.maxmin`)."""
+        saturated (:mod:`.maxmin`). With ``rotation``: own rotated plus the rows, encoded
+        with no further rotation (the final :meth:`decode_chunks` rotates back)."""
         ...
 
 

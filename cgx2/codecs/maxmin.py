@@ -19,6 +19,8 @@ finite values decode to finite ones. Zeros are stored as +0.0. A reduced chunk's
 (:func:`decode_sum_encode`) whose sum overflowed to +-Inf is coded saturated, at half scale:
 +-Inf take the end levels, which decode to +-Inf, and finite values the levels between,
 which decode to finite ones (``_saturated_params``; docs/wire-format.md).
+With ``rotation`` (:class:`~.rotation.Rotation`), every function codes the randomized Hadamard
+rotation of the values and decodes through its inverse (docs/wire-format.md, "Rotation").
 The byte layout is in :mod:`.layout`. Runs on any device; used on the CPU and in tests. On
 CPU tensors the per-bucket loops of encode and decode run as C (:mod:`.native`) where a
 compiler builds it; these torch lines stay the definition, which tests hold the C to.
@@ -35,6 +37,7 @@ from . import native
 from .layout import ChunkedLayout, MaxMinLayout
 from .packing import pack_levels, unpack_levels
 from .philox import bucket_halves
+from .rotation import Rotation, hadamard_rotate, hadamard_unrotate
 
 __all__ = [
     "chunked_layout",
@@ -79,13 +82,37 @@ def encode(
     skip_incomplete: bool = False,
     out: torch.Tensor | None = None,
     nearest: bool = False,
+    *,
+    rotation: Rotation | None = None,
 ) -> torch.Tensor:
     """Quantize flat ``x`` (any float dtype) into a uint8 payload (see :mod:`.layout`).
 
     ``nearest``: round each level to the nearest (``h`` fixed at half of ``2**F``: ties up)
     instead of stochastically; ``key`` and ``stream`` are then unused. Within half a step,
-    biased: for values read as they are (weights), not summed (gradients)."""
-    return _encode(x, bits, bucket_size, key, stream, skip_incomplete, out, nearest)
+    biased: for values read as they are (weights), not summed (gradients). ``rotation``: the
+    payload of the rotated values."""
+    if rotation is None:
+        return _encode(x, bits, bucket_size, key, stream, skip_incomplete, out, nearest)
+    rotated = _rotated(x, rotation, bucket_size)
+    payload = _encode(rotated, bits, bucket_size, key, stream, skip_incomplete, out, nearest)
+    scratch.give(rotated)
+    return payload
+
+
+def _rotated(x: torch.Tensor, rotation: Rotation, bucket_size: int) -> torch.Tensor:
+    """``x`` rotated, in fp32, in a buffer of :mod:`cgx2.scratch` (the caller gives it back)."""
+    rotation.check(bucket_size)
+    out = scratch.take(x.numel(), torch.float32, x.device)
+    return hadamard_rotate(x, rotation.key, rotation.block, out=out)
+
+
+def _unrotate_into(values: torch.Tensor, rotation: Rotation, out: torch.Tensor) -> None:
+    """The inverse rotation of fp32 ``values`` (overwritten) written into ``out``, any float
+    dtype (cast as :func:`_cast`)."""
+    hadamard_unrotate(values, rotation.key, rotation.block, out=values)
+    if out.data_ptr() == values.data_ptr() and out.dtype == torch.float32:
+        return
+    out.copy_(values if out.dtype == torch.float32 else _cast(values, out.dtype))
 
 
 def _encode(
@@ -298,10 +325,20 @@ def decode(
     bucket_size: int,
     dtype: torch.dtype = torch.float32,
     skip_incomplete: bool = False,
+    *,
+    rotation: Rotation | None = None,
 ) -> torch.Tensor:
     """Inverse of :func:`encode`: a flat tensor of ``numel`` values in ``dtype``."""
     layout = MaxMinLayout.of(numel, bits, bucket_size, skip_incomplete)
-    return _decode_values(payload, layout, torch.empty(numel, dtype=dtype, device=payload.device))
+    out = torch.empty(numel, dtype=dtype, device=payload.device)
+    if rotation is None:
+        return _decode_values(payload, layout, out)
+    rotation.check(bucket_size)
+    values = out if dtype == torch.float32 else scratch.take(numel, torch.float32, out.device)
+    _unrotate_into(_decode_values(payload, layout, values), rotation, out)
+    if values is not out:
+        scratch.give(values)
+    return out
 
 
 def _cast(f32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -354,21 +391,32 @@ def decode_sum(
     bits: int,
     bucket_size: int,
     skip_incomplete: bool = False,
+    *,
+    rotation: Rotation | None = None,
 ) -> torch.Tensor:
     """``(own + sum of the other rows' decodings) * scale`` in fp32, summed in row order.
 
     ``payloads`` is ``[K, P]``; row ``own_index`` is not decoded (``own`` stands for it in full
-    precision). ``scale`` None means 1 (SUM); AVG passes fp32(1/W).
+    precision). ``scale`` None means 1 (SUM); AVG passes fp32(1/W). ``rotation``: the sum of
+    ``own`` rotated and the rows, times ``scale``, rotated back.
     """
     layout = MaxMinLayout.of(numel, bits, bucket_size, skip_incomplete)
-    return sum_rows(
+    own_r = own if rotation is None or own is None else _rotated(own, rotation, bucket_size)
+    if rotation is not None:
+        rotation.check(bucket_size)
+    acc = sum_rows(
         payloads,
         numel,
-        own,
+        own_r,
         own_index,
         scale,
         lambda out, base, row: _decode_values(row, layout, out, base),
     )
+    if rotation is not None:
+        hadamard_unrotate(acc, rotation.key, rotation.block, out=acc)
+        if own_r is not None:
+            scratch.give(own_r)
+    return acc
 
 
 def decode_sum_encode(
@@ -383,13 +431,36 @@ def decode_sum_encode(
     stream: int = 0,
     skip_incomplete: bool = False,
     out: torch.Tensor | None = None,
+    *,
+    rotation: Rotation | None = None,
 ) -> torch.Tensor:
     """Encode :func:`decode_sum` of the rows once more (the reduced chunk of the allreduce);
     with ``scale`` (AVG), each row's values times ``scale`` (own's too) summed instead, as the
     plain allreduce divides before it sums: a sum past FLT_MAX whose mean is not stays finite.
     A bucket of the sum that overflowed to +-Inf is coded saturated (see the module doc),
-    unless ``own`` holds a non-finite value there: +-Inf of the input, which stays NaN."""
+    unless ``own`` holds a non-finite value there: +-Inf of the input, which stays NaN.
+    ``rotation``: ``own`` rotated stands for ``own``, and the sum, in the rotated domain, is
+    encoded with no further rotation (the final decode rotates back)."""
     layout = MaxMinLayout.of(numel, bits, bucket_size, skip_incomplete)
+    if rotation is not None and own is not None:
+        own = _rotated(own, rotation, bucket_size)
+        encoded = decode_sum_encode(
+            payloads,
+            numel,
+            own,
+            own_index,
+            scale,
+            bits,
+            bucket_size,
+            key,
+            stream,
+            skip_incomplete,
+            out,
+        )
+        scratch.give(own)
+        return encoded
+    if rotation is not None:
+        rotation.check(bucket_size)
     if scale is None:
         acc = decode_sum(payloads, numel, own, own_index, None, bits, bucket_size, skip_incomplete)
     else:
@@ -466,10 +537,13 @@ def encode_chunks(
     key: int,
     skip_chunk: int = -1,
     out: torch.Tensor | None = None,
+    *,
+    rotation: Rotation | None = None,
 ) -> torch.Tensor:
     """Encode each chunk of flat ``x`` into row j of ``[K, P]`` with stream j; row
     ``skip_chunk`` is left zero (its owner keeps that chunk in full precision). Given ``out``
-    (uint8 ``[K, P]``), the rows are written there and row ``skip_chunk`` is not touched."""
+    (uint8 ``[K, P]``), the rows are written there and row ``skip_chunk`` is not touched.
+    ``rotation``: each chunk rotated as a payload of its own (its values counted from 0)."""
     flat = x.reshape(-1)
     shape = (layout.num_chunks, layout.payload_nbytes)
     rows = torch.zeros(shape, dtype=torch.uint8, device=x.device) if out is None else out
@@ -477,7 +551,16 @@ def encode_chunks(
         if j != skip_chunk and layout.chunk_size(j):
             start = layout.chunk_start(j)
             chunk = flat[start : start + layout.chunk_size(j)]
-            encode(chunk, layout.bits, layout.bucket_size, key, j, layout.skip_incomplete, rows[j])
+            encode(
+                chunk,
+                layout.bits,
+                layout.bucket_size,
+                key,
+                j,
+                layout.skip_incomplete,
+                rows[j],
+                rotation=rotation,
+            )
     return rows
 
 
@@ -486,14 +569,28 @@ def decode_chunks(
     layout: ChunkedLayout,
     dtype: torch.dtype,
     out: torch.Tensor | None = None,
+    *,
+    rotation: Rotation | None = None,
 ) -> torch.Tensor:
     """Inverse of :func:`encode_chunks`: the flat tensor of ``layout.numel`` values (written
     into ``out``, a contiguous tensor of that size and ``dtype``, when given)."""
     if out is None:
         out = torch.empty(layout.numel, dtype=dtype, device=payloads.device)
+    if rotation is not None:
+        rotation.check(layout.bucket_size)
     for j in range(layout.num_chunks):
         size = layout.chunk_size(j)
-        if size:
-            start = layout.chunk_start(j)
-            _decode_values(payloads[j], layout.chunk(j), out[start : start + size])
+        if not size:
+            continue
+        start = layout.chunk_start(j)
+        target = out[start : start + size]
+        if rotation is None:
+            _decode_values(payloads[j], layout.chunk(j), target)
+            continue
+        values = target if out.dtype == torch.float32 else None
+        if values is None:
+            values = scratch.take(size, torch.float32, out.device)
+        _unrotate_into(_decode_values(payloads[j], layout.chunk(j), values), rotation, target)
+        if values is not target:
+            scratch.give(values)
     return out
