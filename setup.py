@@ -13,7 +13,15 @@ if sys.platform.startswith("linux"):  # futexes, /proc and POSIX shared memory
     extensions.append(
         Pybind11Extension(
             "cgx2._C",
-            sorted(["csrc/module.cc", "csrc/maxmin_codec.cc", "csrc/nccl.cc", "csrc/shm.cc"]),
+            sorted(
+                [
+                    "csrc/module.cc",
+                    "csrc/maxmin_codec.cc",
+                    "csrc/nccl.cc",
+                    "csrc/rotation.cc",
+                    "csrc/shm.cc",
+                ]
+            ),
             cxx_std=17,
             # No fused multiply-adds and no fast math: the codec's loops round each operation
             # as IEEE fp32, as the torch reference does, so their bytes are the reference's.

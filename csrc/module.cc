@@ -7,6 +7,7 @@
 #include <system_error>
 
 #include "maxmin_codec.h"
+#include "rotation.h"
 #include "nccl.h"
 #include "shm.h"
 
@@ -56,6 +57,14 @@ PYBIND11_MODULE(_C, m) {
                             q_begin, q_end, bucket, bits, covered,
                             base == 0 ? nullptr : at<const float>(base), at<void>(out),
                             bf16 ? 1 : 0, factor);
+      },
+      py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "hadamard_rotate",
+      [](uintptr_t src, uintptr_t dst, int64_t b_begin, int64_t b_end, int64_t n, int64_t block,
+         uint64_t key, float scale, bool inverse) {
+        cgx2::hadamard_rotate(at<const float>(src), at<float>(dst), b_begin, b_end, n, block,
+                              key, scale, inverse ? 1 : 0);
       },
       py::call_guard<py::gil_scoped_release>());
   m.def("maxmin_simd", &cgx2::maxmin_simd, py::arg("enable") = -1,
