@@ -187,7 +187,7 @@ def run(args: argparse.Namespace) -> dict:
         opt.step()
         sync(device)
         compute.append(time.perf_counter() - t0)
-    mean_loss = loss.detach().float().cpu()
+    mean_loss = loss.detach().float()  # on the rank's device: NCCL reduces no CPU tensor
     dist.all_reduce(mean_loss)
     ratio = None
     if state is not None and state.bytes_uncompressed > sent[1]:
@@ -227,7 +227,7 @@ def run(args: argparse.Namespace) -> dict:
         "step_ms": step_ms,
         "median_ms": statistics.median(step_ms),
         "compute_ms": statistics.median(compute) * 1e3 if compute else None,
-        "loss": mean_loss.item() / world,
+        "loss": mean_loss.cpu().item() / world,
     }
 
 

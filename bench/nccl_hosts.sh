@@ -219,7 +219,7 @@ for item in "${plan[@]}"; do
           esac
           devices=$(seq -s, 0 $((per_host - 1)))
           cmd=(timeout "$timeout" env "${regime[@]}" "${run_env[@]}" CUDA_VISIBLE_DEVICES="$devices"
-               LINK_RATE="$rate" python3 -m torch.distributed.run --standalone
+               python3 -m torch.distributed.run --standalone
                --nproc-per-node "$per_host" "${args[@]}")
           [ -n "$DRY" ] && cmd=(echo "host 0:" "${cmd[@]}")
         else
