@@ -45,33 +45,38 @@ def load(folder: Path, pattern: str) -> dict[str, Any] | None:
     return json.loads(found[-1].read_text()) if found else None
 
 
-def delivered(bench: dict[str, Any] | None, rate: str) -> dict[str, Any] | None:
-    """NCCL's fp32 allreduce bus bandwidth at the largest size, against the link's rate."""
+def delivered(bench: dict[str, Any] | None, rate: str, hosts: int) -> dict[str, Any] | None:
+    """What NCCL's fp32 allreduce at the largest size moved over each host's link, against the
+    link's rate: an allreduce of B bytes among H hosts sends at least 2 (H - 1) / H B over each
+    host's link (reduced inside a host first), so B / t times that; with one GPU a host this is
+    NCCL's bus bandwidth, with several it leaves out the hops over NVLink inside a host."""
     rows = [r for r in (bench or {}).get("rows", []) if r.get("dtype") == "fp32"]
-    if not rows:
+    if not rows or hosts < 2:
         return None
     row = max(rows, key=lambda r: (r["bytes"], -r["plain_ms"]))
-    gbit = row["plain_busbw"] * 8
+    link_gbs = row["bytes"] / (row["plain_ms"] * 1e-3) * 2 * (hosts - 1) / hosts / 1e9
+    gbit = link_gbs * 8
     link = bits_per_second(rate)
     return {
         "size": row["size"],
-        "busbw_gbs": row["plain_busbw"],
+        "busbw_gbs": link_gbs,
+        "nccl_busbw_gbs": row["plain_busbw"],
         "gbit_s": gbit,
         "of_rate": None if not link else gbit * 1e9 / link,
     }
 
 
 def light(
-    run: dict[str, Any], sent: float | None, link: dict[str, Any] | None, world: int
+    run: dict[str, Any], sent: float | None, link: dict[str, Any] | None, hosts: int
 ) -> float | None:
     """A DDP step's speed of light, ms: the longer of its compute (the step under no_sync) and
-    its bytes over the link, the bytes of an allreduce of the fp32 gradients times ``sent``
-    at NCCL's measured bus bandwidth (an allreduce of B bytes moves 2 (W - 1) / W B a rank).
+    its bytes over the link: what an allreduce of the fp32 gradients times ``sent`` must send
+    over each host's link (2 (H - 1) / H of it) at the rate NCCL's allreduce delivered there.
     None where a part is unknown, or on one host (no link bounds it)."""
     compute = run.get("compute_ms")
     if compute is None or sent is None or not link or not run.get("params") or not run.get("hosts"):
         return None
-    wire = run["params"] * 4 * sent * 2 * (world - 1) / world
+    wire = run["params"] * 4 * sent * 2 * (hosts - 1) / hosts
     return max(compute, wire / (link["busbw_gbs"] * 1e9) * 1e3)
 
 
@@ -94,13 +99,13 @@ def ms(value: float | None) -> str:
 def section(folder: Path, layout: str, rate: str, runs: dict[str, dict]) -> tuple[str, dict]:
     hosts, per_host = layout.split("x")
     bench = load(folder / "bench", "allreduce_*.json")
-    link = delivered(bench, rate)
+    link = delivered(bench, rate, int(hosts))
     head = f"### {hosts} hosts x {per_host} GPU{'s' if per_host != '1' else ''}, {rate} links"
     if link:
         share = f", {link['of_rate']:.0%} of the rate" if link["of_rate"] else ""
         head += (
-            f": delivered {link['gbit_s']:.1f} Gbit/s{share} (NCCL's fp32 allreduce bus "
-            f"bandwidth, {link['busbw_gbs']:.2f} GB/s at {link['size']})"
+            f": delivered {link['gbit_s']:.1f} Gbit/s{share} (NCCL's fp32 "
+            f"allreduce at {link['size']}: {link['busbw_gbs']:.2f} GB/s over each host's link)"
         )
     else:
         head += ": delivered rate unknown (no allreduce table)"
@@ -150,7 +155,7 @@ def section(folder: Path, layout: str, rate: str, runs: dict[str, dict]) -> tupl
                 sent = 1.0
             elif name == "mlp_bf16":
                 sent = 0.5
-            bound = light(r, sent, link, int(hosts) * int(per_host))
+            bound = light(r, sent, link, int(hosts))
             of_light = "-" if bound is None else f"{bound / r['median_ms']:.0%}"
             lines.append(
                 f"| {label} | {r['median_ms']:.1f} | {ratio(plain, r['median_ms'])} "
