@@ -13,6 +13,7 @@ import cgx2.config
 from cgx2.codecs import Codec, GlobalNormCodec, exponential, maxmin, maxmin_codec, triton_kernels
 from cgx2.codecs.base import mismatches
 from cgx2.codecs.exponential import exponential_codec
+from cgx2.codecs.rotation import Rotation
 
 MAXMIN = [
     pytest.param("maxmin", id="torch+C"),
@@ -54,11 +55,11 @@ def test_the_codec_for_a_device():
 
 
 def test_mismatches_names_what_a_caller_could_not_pass():
-    def encode_chunks(x, layout, key, skip_chunk=-1, stream0=0, out=None): ...
-    def decode_chunks(payloads, dtype, layout, out=None): ...  # swapped
+    def encode_chunks(x, layout, key, skip_chunk=-1, stream0=0, out=None, *, rotation=None): ...
+    def decode_chunks(payloads, dtype, layout, out=None, *, rotation=None): ...  # swapped
     def decode_sum(
         payloads, numel, own, own_index, scale, bits, bucket_size, skip_incomplete=True, extra=None
-    ): ...
+    ): ...  # no rotation
     def decode_sum_encode(
         payloads,
         numel,
@@ -73,6 +74,7 @@ def test_mismatches_names_what_a_caller_could_not_pass():
         *,
         out=None,
         needed,
+        rotation=None,
     ): ...
 
     fake = types.SimpleNamespace(
@@ -87,36 +89,41 @@ def test_mismatches_names_what_a_caller_could_not_pass():
         "decode: missing",
         "decode_chunks: parameter 1 must be 'layout'",
         "decode_chunks: parameter 2 must be 'dtype'",
+        "decode_sum: no keyword parameter 'rotation'",
         "decode_sum: skip_incomplete's default must be False, got True",
         "decode_sum_encode: its own parameter 'needed' needs a default",
         "decode_sum_encode: parameter 10 must be 'out'",  # keyword-only here, positional there
     ]  # encode_chunks' stream0 has a default and out is taken by name: it conforms
 
 
+@pytest.mark.parametrize("rotated", [False, True], ids=["plain", "rotated"])
 @pytest.mark.parametrize("name", MAXMIN)
-def test_the_chunked_path_writes_the_references_bytes(name):
+def test_the_chunked_path_writes_the_references_bytes(name, rotated):
     """What an allreduce does through the protocol: encode the chunks, decode-sum-encode one,
-    decode; the torch reference (packing.py's levels) with the C loops off is the answer."""
+    decode; the torch reference (packing.py's levels) with the C loops off is the answer.
+    Rotated: blocks of 32 in buckets of 64, a part block at the end of the last chunk."""
     codec = _maxmin(name)
     device = "cuda" if name == "maxmin_triton" and torch.cuda.is_available() else "cpu"
     world, bits, bucket, numel = 3, 4, 64, 1000
     x = torch.randn(world, numel, generator=torch.Generator().manual_seed(1)).to(device)
 
+    rotation = {"rotation": Rotation(key=0xFEDCBA9876543210, block=32)} if rotated else {}
+
     def run(c):
         layout = c.chunked_layout(numel, world, bits, bucket)
         rows = torch.zeros(world, world, layout.payload_nbytes, dtype=torch.uint8, device=device)
         for w in range(world):  # row w of rank w stays zero: its owner keeps it
-            c.encode_chunks(x[w], layout, key=7 + w, skip_chunk=w, out=rows[w])
+            c.encode_chunks(x[w], layout, key=7 + w, skip_chunk=w, out=rows[w], **rotation)
         own = 1
         size, start = layout.chunk_size(own), layout.chunk_start(own)
         mine = x[own, start : start + size]
         reduced = torch.zeros(world, layout.payload_nbytes, dtype=torch.uint8, device=device)
         # rows[:, own] is chunk own from every rank: a view with a pitch of world rows
-        c.decode_sum_encode(
-            rows[:, own], size, mine, own, 1 / world, bits, bucket, 11, own, out=reduced[own]
-        )
-        summed = c.decode_sum(rows[:, own], size, mine, own, None, bits, bucket)
-        decoded = c.decode_chunks(reduced[:, : layout.payload_nbytes], layout, torch.float32)
+        args = (rows[:, own], size, mine, own, 1 / world, bits, bucket, 11, own)
+        c.decode_sum_encode(*args, out=reduced[own], **rotation)
+        summed = c.decode_sum(rows[:, own], size, mine, own, None, bits, bucket, **rotation)
+        payloads = reduced[:, : layout.payload_nbytes]
+        decoded = c.decode_chunks(payloads, layout, torch.float32, **rotation)
         return rows, reduced, summed, decoded
 
     with cgx2.config.tuned(native_codec=False):
