@@ -4,7 +4,7 @@ What the collectives call is the :class:`~.base.Codec` protocol; :func:`maxmin_c
 implementation for a device: the Triton kernels for CUDA tensors (when Triton is installed),
 the torch reference (:mod:`.maxmin`, C loops on the CPU) everywhere else. All write the same
 bytes; levels are packed by :mod:`.packing`. Global-QSGD's codecs: :mod:`.global_norm`,
-:mod:`.exponential`.
+:mod:`.exponential`. Max-min's optional randomized Hadamard rotation: :mod:`.rotation`.
 """
 
 from __future__ import annotations
@@ -20,15 +20,18 @@ import torch
 from . import maxmin
 from .base import Codec, GlobalNormCodec
 from .layout import ChunkedLayout, MaxMinLayout
+from .rotation import Rotation, rotation_for
 
 __all__ = [
     "ChunkedLayout",
     "Codec",
     "GlobalNormCodec",
     "MaxMinLayout",
+    "Rotation",
     "codec_for",
     "maxmin",
     "maxmin_codec",
+    "rotation_for",
     "triton_kernels",
 ]
 
