@@ -46,23 +46,27 @@ def _calls(trees: dict[str, ast.Module], records: dict[str, set[str]]):
                 yield path, node, name
 
 
-def test_records_of_more_than_three_fields_are_built_by_keyword():
+def _constructions():
+    """Each call that builds a record: its file, the call, the record's name and fields."""
     trees = _trees()
     records = _records(trees)
+    for path, node, name in _calls(trees, records):
+        yield path, node, name, records[name]
+
+
+def test_records_of_more_than_three_fields_are_built_by_keyword():
     positional = [
         f"{path}:{node.lineno} {name}(...) with {len(node.args)} positional arguments"
-        for path, node, name in _calls(trees, records)
-        if len(records[name]) > 3 and node.args
+        for path, node, name, fields in _constructions()
+        if len(fields) > 3 and node.args
     ]
     assert not positional, "\n".join(positional)
 
 
 def test_every_keyword_of_a_records_construction_names_one_of_its_fields():
-    trees = _trees()
-    records = _records(trees)
     unknown = [
         f"{path}:{node.lineno} {name}(...): {sorted(extra)}"
-        for path, node, name in _calls(trees, records)
-        if (extra := {k.arg for k in node.keywords if k.arg} - records[name])
+        for path, node, name, fields in _constructions()
+        if (extra := {k.arg for k in node.keywords if k.arg} - fields)
     ]
     assert not unknown, "\n".join(unknown)

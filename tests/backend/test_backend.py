@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import toy_task
 from env_vars import setenv
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -274,14 +275,9 @@ def _empty_collectives(bits: str | None) -> list[tuple[str, object]]:
     return out
 
 
-class _Net(nn.Module):
+class _Net(toy_task.TwoLayers):
     def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(64, 96)
-        self.fc2 = nn.Linear(96, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.relu(self.fc1(x)))
+        super().__init__(64, 96)
 
 
 def _train(group: dist.ProcessGroup, hook_bits: int | None, steps: int) -> dict:
@@ -295,12 +291,7 @@ def _train(group: dist.ProcessGroup, hook_bits: int | None, steps: int) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses, grads = [], []
     for step in range(steps):
-        g = torch.Generator().manual_seed(100 * (step % 3) + rank)
-        x = torch.randn(32, 64, generator=g)
-        y = (x[:, :4].argmax(dim=1) + (x[:, 4] > 0).long()) % 4
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
+        loss = toy_task.backward(model, opt, *toy_task.batch(100 * (step % 3) + rank, (32, 64)))
         grads.append({n: p.grad.clone() for n, p in model.module.named_parameters()})
         opt.step()
         losses.append(loss.item())

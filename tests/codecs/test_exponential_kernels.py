@@ -8,6 +8,7 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
+from fp32_edges import EDGES, INF, NAN, NON_FINITE
 
 import cgx2
 from cgx2.codecs import exponential as ref
@@ -21,32 +22,6 @@ import triton.language as tl  # noqa: E402
 _codes = tri._codes
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KEY = 0xFEDCBA98_76543210  # both halves >= 2**31
-NAN, INF = float("nan"), float("inf")
-EDGES = [
-    0.0,
-    -0.0,
-    1.0,
-    -1.0,
-    0.5,
-    0.75,
-    -0.3,
-    1e-3,
-    1 - 2**-24,
-    1 + 2**-23,
-    2.0,
-    -3.5,
-    2.0**-126,
-    -1.5 * 2**-126,
-    2.0**-126 - 2.0**-149,
-    1e-40,
-    -(2.0**-149),
-    3 * 2.0**-149,
-    2.0**-100 * (1 + 2**-23),
-    2.0**-100 * (1 - 2**-24),
-    -(2.0**-60),
-    2.0**-127,
-]
-NON_FINITE = [NAN, INF, -INF]
 
 
 def _x(n: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from toy_task import backward, batch
 
 import cgx2
 from cgx2.collectives.adaptive import layer_errors, plan_bits
@@ -80,12 +81,7 @@ def _train(adaptive: bool, steps: int) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses, grads = [], []
     for step in range(steps):
-        g = torch.Generator().manual_seed(10 * (step % 8) + rank)
-        x = torch.randn(64, 32, generator=g)
-        y = (x[:, :4].argmax(dim=1) + (x[:, 4] > 0).long()) % 4
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
+        loss = backward(model, opt, *batch(10 * (step % 8) + rank))
         grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
         opt.step()
         losses.append(loss.item())

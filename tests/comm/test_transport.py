@@ -57,6 +57,13 @@ def test_a_module_lacking_a_call_is_not_a_transport():
     assert not isinstance(partial, Transport)
 
 
+def _every_rank_found_all(pools: tuple, fn: object, *args: object) -> None:
+    """``fn(*args)`` run by every rank of each pool: each rank's list of checks all true."""
+    for pool in pools:
+        for rank_found in pool.run(fn, *args):
+            assert all(rank_found), rank_found
+
+
 def _gathers_in_parts(n: int) -> list[bool]:
     """gloo's all-gather of more than GLOO_SPLIT_BYTES, run as several concurrent ones: every
     rank's bytes land in its slot, whatever the dtype and however the parts divide; an input
@@ -86,9 +93,7 @@ def _gathers_in_parts(n: int) -> list[bool]:
 
 
 def test_gloo_all_gathers_split_into_concurrent_parts(dist2, dist4):
-    for pool in (dist2, dist4):
-        for rank_found in pool.run(_gathers_in_parts, 10_001):
-            assert all(rank_found), rank_found
+    _every_rank_found_all((dist2, dist4), _gathers_in_parts, 10_001)
 
 
 def _async_plain(n: int) -> list[bool]:
@@ -123,9 +128,7 @@ def _async_plain(n: int) -> list[bool]:
 
 
 def test_the_plain_allreduce_left_running_is_the_one_waited_for(dist2, dist4):
-    for pool in (dist2, dist4):
-        for rank_found in pool.run(_async_plain, 10_001):
-            assert all(rank_found), rank_found
+    _every_rank_found_all((dist2, dist4), _async_plain, 10_001)
 
 
 def _average_of_three(n: int) -> list[bool]:

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from toy_task import shard
 
 import cgx2
 from cgx2.ddp import CGXState, cgx_hook
@@ -62,19 +63,14 @@ def _ddp(compiled: bool, hook: bool = True) -> tuple[list[float], dict, int]:
 
 def _fsdp(compiled: bool) -> tuple[list[float], dict, int]:
     from torch._dynamo.utils import counters
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     import cgx2.fsdp
 
     torch._dynamo.reset()
     counters.clear()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(0)
     model = _Net()
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    shard(model, model.blocks)
     comms = cgx2.fsdp.compress(model, bits=4, bucket_size=64, min_size=1024)
     if compiled:
         for block in model.blocks:

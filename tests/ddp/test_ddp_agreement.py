@@ -8,24 +8,19 @@ import pytest
 import torch
 import torch.distributed as dist
 from env_vars import setenv
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from toy_task import TwoLayers
 
 from cgx2 import config
 from cgx2.collectives import agreement
 from cgx2.ddp import CGXState, GlobalQSGDState, PowerSGDState, cgx_hook, global_qsgd, lgreco_hook
 
 
-class _Net(nn.Module):
+class _Net(TwoLayers):
     """A compressed 288 x 64 layer, small exact ones around it: several buckets."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(288, 64)
-        self.fc2 = nn.Linear(64, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.relu(self.fc1(x)))
+        super().__init__(288, 64)
 
 
 def _hooked(hook: str, settings: dict) -> tuple[object, object]:

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from toy_task import backward, batch
 
 import cgx2
 from cgx2.codecs import global_norm
@@ -80,12 +81,7 @@ def _train(hook_name: str, steps: int) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.5)
     losses, grads = [], []
     for step in range(steps):
-        g = torch.Generator().manual_seed(10 * (step % 4) + rank)
-        x = torch.randn(64, 32, generator=g)
-        y = x[:, :4].argmax(dim=1)
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
+        loss = backward(model, opt, *batch(10 * (step % 4) + rank, sign_column=None))
         grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
         opt.step()
         losses.append(loss.item())

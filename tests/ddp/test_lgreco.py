@@ -74,29 +74,37 @@ def _train(kind: str, steps: int, kw: dict | None = None) -> dict:
     return out
 
 
-def _resume(load: bool) -> dict:
-    """7 steps, a checkpoint, 5 more; then a fresh model, optimizer and state from the
-    checkpoint (the hook's state only if ``load``) run the same 5 steps."""
-    kw = {"matrix_approximation_rank": 4, "replan_every": 3}
-    model, state, opt = _make("lgreco", **kw)
-    for s in range(7):
+def _save_and_resume(make, steps: int, more: int, load: bool) -> tuple[list, list, object, object]:
+    """``steps`` steps of what ``make()`` builds (a DDP model, its hook's state, an optimizer),
+    a checkpoint, ``more`` steps; then fresh ones from the checkpoint (the hook's state only if
+    ``load``) run the same ``more`` steps. Their gradients, and the first state and the fresh."""
+    model, first, opt = make()
+    for s in range(steps):
         _step(model, opt, s)
     buffer = io.BytesIO()
     torch.save(
-        {"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()}, buffer
+        {"model": model.state_dict(), "opt": opt.state_dict(), "hook": first.state_dict()}, buffer
     )
-    straight = [_step(model, opt, s)[1] for s in range(7, 12)]
-    pickled = pickle.loads(pickle.dumps(state))  # torch's pickling path keeps our fields
+    straight = [_step(model, opt, s)[1] for s in range(steps, steps + more)]
     buffer.seek(0)
     checkpoint = torch.load(buffer)  # weights_only: tensors and plain values only
-    model, state, opt = _make("lgreco", **kw)
+    model, state, opt = make()
     model.load_state_dict(checkpoint["model"])
     opt.load_state_dict(checkpoint["opt"])
     if load:
         state.load_state_dict(checkpoint["hook"])
     else:  # compress from the same step: only the plans, P, Q and residuals are lost
         state.iter = checkpoint["hook"]["iter"]
-    resumed = [_step(model, opt, s)[1] for s in range(7, 12)]
+    resumed = [_step(model, opt, s)[1] for s in range(steps, steps + more)]
+    return straight, resumed, first, state
+
+
+def _resume(load: bool) -> dict:
+    """7 steps, a checkpoint, 5 more; then a fresh model, optimizer and state from the
+    checkpoint (the hook's state only if ``load``) run the same 5 steps."""
+    kw = {"matrix_approximation_rank": 4, "replan_every": 3}
+    straight, resumed, first, state = _save_and_resume(lambda: _make("lgreco", **kw), 7, 5, load)
+    pickled = pickle.loads(pickle.dumps(first))  # torch's pickling path keeps our fields
     return {
         "straight": straight,
         "resumed": resumed,
@@ -234,24 +242,7 @@ def _resume_powersgd(load: bool) -> dict:
         model.register_comm_hook(state, powerSGD_hook)
         return model, state, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
-    model, state, opt = make()
-    for s in range(5):
-        _step(model, opt, s)
-    buffer = io.BytesIO()
-    torch.save(
-        {"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()}, buffer
-    )
-    straight = [_step(model, opt, s)[1] for s in range(5, 9)]
-    buffer.seek(0)
-    checkpoint = torch.load(buffer)
-    model, state, opt = make()
-    model.load_state_dict(checkpoint["model"])
-    opt.load_state_dict(checkpoint["opt"])
-    if load:
-        state.load_state_dict(checkpoint["hook"])
-    else:
-        state.iter = checkpoint["hook"]["iter"]
-    resumed = [_step(model, opt, s)[1] for s in range(5, 9)]
+    straight, resumed, _, _ = _save_and_resume(make, 5, 4, load)
     return {"straight": straight, "resumed": resumed}
 
 

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from toy_task import backward, batch, shard
 
 import cgx2
 import cgx2.fsdp
@@ -61,12 +62,7 @@ def train_mlp(model: nn.Module, steps: int) -> list[float]:
     cgx2.manual_seed(1)
     losses = []
     for step in range(steps):
-        g = torch.Generator().manual_seed(10 * (step % 5) + rank)
-        x = torch.randn(64, 32, generator=g)
-        y = (x[:, :4].argmax(dim=1) + (x[:, 5] > 0).long()) % 4
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
+        loss = backward(model, opt, *batch(10 * (step % 5) + rank, sign_column=5))
         opt.step()
         mean = loss.detach().float().clone()
         dist.all_reduce(mean)
@@ -75,13 +71,10 @@ def train_mlp(model: nn.Module, steps: int) -> list[float]:
 
 
 def _train_fsdp(bits: int | None, steps: int, mp: bool = False, divide: float | None = None):
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(0)
     model = _MLP()
     policy = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16) if mp else MixedPrecisionPolicy()
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+    shard(model, model.layers, mp_policy=policy)
     if divide is not None:  # per module: the root owns no parameters
         for layer in model.layers:
             layer.set_gradient_divide_factor(divide)
@@ -218,12 +211,9 @@ def _settings_differ(kind: str, steps: int = 1) -> tuple[str, str, int]:
     from cgx2.collectives import agreement
 
     rank = dist.get_rank()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(0)
     model = _MLP()
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    shard(model, model.layers)
     settings = {"bits": 4, "min_size": 1024}
     if kind is not None:
         settings[kind] = {"bits": (4, 8), "min_size": (1024, 100_000)}[kind][rank]

@@ -8,8 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from toy_task import backward, batch, shard
 
 import cgx2
 from cgx2.codecs import MaxMinLayout
@@ -75,12 +74,9 @@ class _Net(nn.Module):
 
 
 def _model(adaptive: bool, replan_every: int) -> tuple[nn.Module, list[QuantizedReduceScatter]]:
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(0)
     model = _Net()
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    shard(model, model.blocks)
     comms = compress(
         model,
         bits=4,
@@ -93,13 +89,7 @@ def _model(adaptive: bool, replan_every: int) -> tuple[nn.Module, list[Quantized
 
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> float:
-    rank = dist.get_rank()
-    g = torch.Generator().manual_seed(10 * (step % 8) + rank)
-    x = torch.randn(64, 32, generator=g)
-    y = (x[:, :4].argmax(dim=1) + (x[:, 4] > 0).long()) % 4
-    opt.zero_grad()
-    loss = nn.functional.cross_entropy(model(x), y)
-    loss.backward()
+    loss = backward(model, opt, *batch(10 * (step % 8) + dist.get_rank()))
     opt.step()
     mean = loss.detach().clone()
     dist.all_reduce(mean)

@@ -40,6 +40,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _run(
+    command: list[str], cwd: Path | None = None, timeout: int = 120, **env: str | None
+) -> subprocess.CompletedProcess:
+    """``command`` run to its end in ``cwd``, its output captured as text, with :func:`_env`'s
+    environment and ``env``'s overrides."""
+    return subprocess.run(
+        command, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=_env(**env)
+    )
+
+
+def _torchrun(args: list[str], cwd: Path, **env: str | None) -> subprocess.CompletedProcess:
+    """:func:`_run` of ``args`` under torchrun: two processes, on a free local port."""
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    launch += ["--master-addr", "127.0.0.1", "--master-port", str(_free_port())]
+    return _run([*launch, *args], cwd, timeout=300, **env)
+
+
 def _one_json(out_dir: Path, kind: str) -> dict:
     (path,) = out_dir.glob(f"{kind}_*.json")
     return json.loads(path.read_text())
@@ -77,14 +94,7 @@ def test_kernels_interpreted_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "out"
     kernels = "kernels --numel 8192 --bits 4 --dtypes fp32".split()
     cmd = [sys.executable, "-m", "cgx2.bench", *kernels]
-    proc = subprocess.run(
-        [*cmd, "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-        env=_env(TRITON_INTERPRET="1"),
-    )
+    proc = _run([*cmd, "--out", str(out)], tmp_path, timeout=300, TRITON_INTERPRET="1")
     assert proc.returncode == 0, proc.stderr
     assert KERNELS_HEADER in proc.stdout.splitlines()
     assert "time encode" in proc.stderr  # progress goes to stderr, not into the table
@@ -108,13 +118,11 @@ def test_kernels_interpreted_on_cpu(tmp_path: Path) -> None:
     [(["kernels"], "CUDA"), (["--cuda-graphs"], "--cuda-graphs needs CUDA")],
 )
 def test_gpu_only_runs_refuse_without_cuda(tmp_path: Path, args: list[str], message: str) -> None:
-    proc = subprocess.run(
+    proc = _run(
         [sys.executable, "-m", "cgx2.bench", *args, "--out", str(tmp_path / "out")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-        env=_env(TRITON_INTERPRET=None, CUDA_VISIBLE_DEVICES=""),
+        tmp_path,
+        TRITON_INTERPRET=None,
+        CUDA_VISIBLE_DEVICES="",
     )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert message in proc.stderr
@@ -134,19 +142,14 @@ def test_allreduce_bench_refuses_empty_windows(args: list[str]) -> None:
 def test_one_process_is_refused(tmp_path: Path, command: list[str]) -> None:
     """Without torchrun (one process) the bench would time nothing but a copy: it says how to
     start it, exits 2 and writes nothing."""
-    proc = subprocess.run(
+    proc = _run(
         [sys.executable, "-m", "cgx2.bench", *command, "--sizes", "64K"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-        env=_env(
-            CUDA_VISIBLE_DEVICES="",
-            RANK=None,
-            WORLD_SIZE=None,
-            LOCAL_WORLD_SIZE=None,
-            CGX2_CALIBRATION_FILE=str(tmp_path / "calibration.json"),
-        ),
+        tmp_path,
+        CUDA_VISIBLE_DEVICES="",
+        RANK=None,
+        WORLD_SIZE=None,
+        LOCAL_WORLD_SIZE=None,
+        CGX2_CALIBRATION_FILE=str(tmp_path / "calibration.json"),
     )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "this is one process" in proc.stderr
@@ -157,13 +160,7 @@ def test_one_process_is_refused(tmp_path: Path, command: list[str]) -> None:
 
 @pytest.mark.parametrize("command", [[], ["kernels"], ["calibrate"]])
 def test_help_states_units_and_defaults_without_markup(command: list[str]) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "cgx2.bench", *command, "--help"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=_env(),
-    )
+    proc = _run([sys.executable, "-m", "cgx2.bench", *command, "--help"])
     assert proc.returncode == 0, proc.stderr
     text = " ".join(proc.stdout.split())
     assert "``" not in text and ":func:" not in text and ":mod:" not in text
@@ -234,18 +231,9 @@ def test_progress_is_plain_lines_off_a_terminal() -> None:
 
 @pytest.mark.slow
 def test_allreduce_bench_under_torchrun(tmp_path: Path) -> None:
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    launch += ["--master-addr", "127.0.0.1", "--master-port", str(_free_port())]
     bench = ["-m", "cgx2.bench", "--sizes", "64K", "--dtypes", "fp32", "--bits", "4"]
     bench += ["--iters", "1", "--warmup", "0", "--calls", "3"]
-    proc = subprocess.run(
-        [*launch, *bench],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-        env=_env(CUDA_VISIBLE_DEVICES=""),
-    )
+    proc = _torchrun(bench, tmp_path, CUDA_VISIBLE_DEVICES="")
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     header_at = next(i for i, line in enumerate(lines) if "speedup vs gloo" in line)

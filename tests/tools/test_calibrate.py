@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import datetime
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from test_bench_cli import _env, _free_port
+from test_bench_cli import _torchrun
 
 from cgx2.bench.calibrate import crossover, crossovers, default_sizes, write_calibration
 from cgx2.collectives.measure import CPU_MARGIN
@@ -62,17 +60,9 @@ def test_write_is_atomic_and_leaves_no_temporary(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_calibrate_under_torchrun_writes_the_policy_file(tmp_path: Path) -> None:
     out = tmp_path / "cache" / "calibration.json"
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    launch += ["--master-addr", "127.0.0.1", "--master-port", str(_free_port())]
     cmd = ["-m", "cgx2.bench", "calibrate", "--sizes", "64K,1M", "--iters", "2", "--warmup", "1"]
-    proc = subprocess.run(
-        [*launch, *cmd],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-        env=_env(CUDA_VISIBLE_DEVICES="", CGX2_CALIBRATION_FILE=str(out)),  # the default --out
-    )
+    # CGX2_CALIBRATION_FILE: the default --out
+    proc = _torchrun(cmd, tmp_path, CUDA_VISIBLE_DEVICES="", CGX2_CALIBRATION_FILE=str(out))
     assert proc.returncode == 0, proc.stderr
 
     data = json.loads(out.read_text())
