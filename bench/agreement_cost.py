@@ -11,11 +11,12 @@ agreement_cost_<device>_<regime>_w<W>_<date>.json.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
+from common import timed_ms
 
 import cgx2
 from cgx2 import collectives
@@ -36,14 +37,7 @@ def timed(x: torch.Tensor, iters: int, modes: list[str]) -> dict[str, list[float
 
     for i in range(len(modes) * iters):
         mode = modes[(i + i // len(modes)) % len(modes)]  # no mode always follows another
-        dist.barrier()
-        if x.is_cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        run(mode)
-        if x.is_cuda:
-            torch.cuda.synchronize()
-        calls[mode].append((time.perf_counter() - start) * 1e3)
+        calls[mode].append(timed_ms(functools.partial(run, mode), x.is_cuda))
     return calls
 
 

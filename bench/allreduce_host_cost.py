@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from common import add_host_cost_options
 
 import cgx2
 from cgx2 import collectives
@@ -112,10 +113,7 @@ def _profile(fn: Callable[[], object], calls: int, device: torch.device, top: in
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=report.HelpFormatter)
-    p.add_argument("--numel", type=int, default=65536)
-    p.add_argument("--calls", type=int, default=500, help="calls a round")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--bits", type=int, default=4)
+    add_host_cost_options(p, calls=500, rounds=5)
     p.add_argument("--label", default="tree", help="names this cgx2 tree in the JSON")
     p.add_argument(
         "--profile",

@@ -16,6 +16,7 @@ os.environ["CGX2_CROSSOVER_BYTES"] = "0"
 
 import torch
 import torch.distributed as dist
+from common import ranks_failed, say
 
 import cgx2
 from cgx2 import collectives, config
@@ -190,16 +191,14 @@ def _check_graphs(rank: int, world: int) -> int:
         _tune(pipeline_bytes=piece)
         graphs.clear()
         if rank == 0:
-            print(
-                f"{'ok  ' if ok else 'FAIL'} CUDA graphs: bits={bits} {str(dtype)[6:]} n={n} "
-                f"{op} piece={piece or 'regime'} error={with_error}: 5 calls (eager, capture, "
+            say(
+                ok,
+                f"CUDA graphs: bits={bits} {str(dtype)[6:]} n={n} {op} "
+                f"piece={piece or 'regime'} error={with_error}: 5 calls (eager, capture, "
                 f"3 replays) == eager launches, seeds apart differ={differ}, "
                 f"graphs captured={captured}",
-                flush=True,
             )
-        flag = torch.tensor([0 if ok else 1], device="cuda")
-        dist.all_reduce(flag)
-        failures += int(flag.item())
+        failures += ranks_failed(ok)
     _settings.close()
     return failures
 
@@ -247,15 +246,13 @@ def main() -> int:
             ok = ok and _error_matches(x.cpu(), error.cpu(), bits, skip, world, rank)
             err = got.double() - sum(i.double() for i in inputs) / (world if op == "avg" else 1)
             cut = "regime" if piece is None else piece or "64M"
-            print(
-                f"{'ok  ' if ok else 'FAIL'} bits={bits} {str(dtype)[6:]} n={n} {op} "
-                f"skip={skip} piece={cut}: ranks and in-place identical={same}, "
-                f"differ from model={int(diff.sum())}, max|err|={err.abs().max():.4g}",
-                flush=True,
+            say(
+                ok,
+                f"bits={bits} {str(dtype)[6:]} n={n} {op} skip={skip} piece={cut}: ranks and "
+                f"in-place identical={same}, differ from model={int(diff.sum())}, "
+                f"max|err|={err.abs().max():.4g}",
             )
-        flag = torch.tensor([0 if ok else 1], device="cuda")
-        dist.all_reduce(flag)
-        failures += int(flag.item())
+        failures += ranks_failed(ok)
     _settings.close()
     failures += _check_fallback(rank, world)
     failures += _check_graphs(rank, world)

@@ -19,6 +19,7 @@ os.environ.update(CGX_COMPRESSION_QUANTIZATION_BITS="4", CGX2_CROSSOVER_BYTES="0
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from common import finish_checks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -206,18 +207,14 @@ def main() -> int:
     dist.init_process_group("cgx")
     rank, world = dist.get_rank(), dist.get_world_size()
     ok = checks(rank, world)
-    flag = torch.tensor([0 if all(ok.values()) else 1], device="cuda")
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if rank == 0:
-        for name, good in ok.items():
-            print(f"{'ok  ' if good else 'FAIL'} {name}")
-        print(
+    return finish_checks(
+        ok,
+        lambda failed: (
             f"cgx backend check on {world} x {torch.cuda.get_device_name()}, torch "
             f"{torch.__version__}: {sum(ok.values())} of {len(ok)} ok on rank 0, "
-            f"{'all ranks ok' if flag.item() == 0 else 'FAILURES on some rank'}"
-        )
-    dist.destroy_process_group()
-    return int(flag.item())
+            f"{'FAILURES on some rank' if failed else 'all ranks ok'}"
+        ),
+    )
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import sys
 # Before torch/triton are imported: the repo root goes on sys.path (so `import cgx2` works without
 # installing), and `--device cpu` needs Triton's interpreter.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(1, os.path.join(sys.path[0], "tests"))  # the suite's edge values: fp32_edges
 if any(
     a == "--device=cpu" or (p == "--device" and a == "cpu")
     for p, a in zip(sys.argv, sys.argv[1:], strict=False)
@@ -26,6 +27,8 @@ from collections.abc import Callable
 
 import torch
 import triton.testing
+from fp32_edges import EDGES as FP32_EDGES
+from fp32_edges import INF, NON_FINITE
 
 from cgx2.codecs import exponential as ref
 from cgx2.codecs import exponential_triton as tri
@@ -33,33 +36,7 @@ from cgx2.codecs import exponential_triton as tri
 KEY = 0xDEADBEEF_CAFEF00D  # both 32-bit halves >= 2**31
 SMALL_KEY = 0x12345678_00000042  # both < 2**31: Triton passes them as int32, another signature
 STREAM = 3
-NAN, INF = float("nan"), float("inf")
-EDGES = [
-    0.0,
-    -0.0,
-    1.0,
-    -1.0,
-    0.5,
-    0.75,
-    -0.3,
-    1e-3,
-    1 - 2**-24,
-    1 + 2**-23,
-    2.0,
-    -3.5,
-    2.0**-126,
-    -1.5 * 2**-126,
-    2.0**-126 - 2.0**-149,
-    1e-40,
-    -(2.0**-149),
-    3 * 2.0**-149,
-    2.0**-100 * (1 + 2**-23),
-    2.0**-100 * (1 - 2**-24),
-    2.0**-127,
-    NAN,
-    INF,
-    -INF,
-]
+EDGES = [*FP32_EDGES, *NON_FINITE]  # the test suite's, ahead of the random values
 M64 = 64 * 1024 * 1024
 
 

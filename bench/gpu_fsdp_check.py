@@ -17,6 +17,7 @@ os.environ["CGX2_CROSSOVER_BYTES"] = "0"  # quantize whatever the size
 
 import torch
 import torch.distributed as dist
+from common import finish_checks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -125,17 +126,13 @@ def main() -> int:
             f"{what}: 4-bit loss (mean of the last 10 steps) within 2% of the first loss from "
             f"plain's ({late_four:.4f} vs {late_plain:.4f}, first {plain[0]:.4f})"
         ] = abs(late_four - late_plain) <= 0.02 * plain[0] and late_plain < 0.5 * plain[0]
-    failed = torch.tensor([0 if all(ok.values()) else 1], device="cuda")
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-    if rank == 0:
-        for name, good in ok.items():
-            print(f"{'ok  ' if good else 'FAIL'} {name}")
-        print(
+    return finish_checks(
+        ok,
+        lambda failed: (
             f"FSDP2 check on {world} x {torch.cuda.get_device_name()}, torch "
-            f"{torch.__version__}: {'all ok' if failed.item() == 0 else 'FAILURES'}"
-        )
-    dist.destroy_process_group()
-    return int(failed.item())
+            f"{torch.__version__}: {'FAILURES' if failed else 'all ok'}"
+        ),
+    )
 
 
 if __name__ == "__main__":

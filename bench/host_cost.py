@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from common import add_host_cost_options
 
 import cgx2
 from cgx2.bench import report
@@ -38,10 +39,7 @@ def _per_call_us(fn: Callable[[], object], calls: int, device: torch.device) -> 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=report.HelpFormatter)
-    p.add_argument("--numel", type=int, default=65536)
-    p.add_argument("--calls", type=int, default=2000, help="calls a round")
-    p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--bits", type=int, default=4)
+    add_host_cost_options(p, calls=2000, rounds=7)
     p.add_argument(
         "--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu"
     )

@@ -9,11 +9,12 @@ GPU). Rank 0 prints a table and writes transports_<device>_<regime>_w<W>_<date>.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
+from common import timed_ms
 
 import cgx2
 from cgx2 import collectives
@@ -41,14 +42,8 @@ def timed(x: torch.Tensor, iters: int, bits: int, settings: list) -> dict[str, l
     for i in range(iters):
         order = settings[i % len(settings) :] + settings[: i % len(settings)]
         for name, transport, compressed, algorithm in order:
-            dist.barrier()
-            if x.is_cuda:
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            _call(x, transport, compressed, algorithm, bits)
-            if x.is_cuda:
-                torch.cuda.synchronize()
-            calls[name].append((time.perf_counter() - start) * 1e3)
+            call = functools.partial(_call, x, transport, compressed, algorithm, bits)
+            calls[name].append(timed_ms(call, x.is_cuda))
     return calls
 
 
