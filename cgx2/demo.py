@@ -35,6 +35,7 @@ from cgx2.bench.report import (
     size_name,
 )
 from cgx2.codecs import ChunkedLayout, native
+from cgx2.collectives import policy
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 BUCKET_SIZE = 512
@@ -45,24 +46,87 @@ CODECS = {
     True: "its CPU codec's C loops (cgx2.codecs.native)",
     False: "its CPU codec's torch code (no C compiler was found, or CGX2_NATIVE=0)",
 }
-NOTE = (
-    "Note: all ranks run on one CPU host, so gloo moves bytes over loopback, which is not "
-    "bandwidth-bound, and cgx2 encodes and decodes on the CPU with {codec}; its Triton "
-    "kernels are for GPUs. The time columns therefore do not show where cgx2 wins: here it "
-    "took {slow} the time of gloo's allreduce. The sent-bytes columns are what it saves on a "
-    "real network, where an allreduce is limited by those bytes; the error columns are the "
-    "price paid for them."
-)
+TRANSPORTS = {
+    "shm": "shared memory, as CGX_INNER_COMMUNICATOR_TYPE=SHM (the default) asks",
+    "process_group": "gloo too",
+}
+EVEN = 0.1
+"""Speedups within this fraction of 1 count as even: two runs of a row differ by about as much."""
+MAX_ITERS = 100
+"""The most timed iterations of a row, however short its calls."""
 
 
-def format_note(rows: list[dict[str, Any]], native_codec: bool) -> str:
-    """The closing note: which codec ran, and the measured range of cgx2 time / plain time."""
-    ratios = [r["cgx2_ms"] / r["plain_ms"] for r in rows if r["plain_ms"] > 0]
-    lo, hi = (min(ratios), max(ratios)) if ratios else (float("nan"), float("nan"))
-    slow = f"{lo:.1f}x" if f"{lo:.1f}" == f"{hi:.1f}" else f"{lo:.1f}x to {hi:.1f}x"
-    return textwrap.fill(
-        NOTE.format(slow=slow, codec=CODECS[native_codec]), 100, break_on_hyphens=False
+def _speedup(row: dict[str, Any]) -> float:
+    return row["plain_ms"] / row["cgx2_ms"]
+
+
+def _rows_said(rows: list[dict[str, Any]]) -> str:
+    """``1M at 2 bits 1.53x, 4M at 4 bits 3.65x``."""
+    return ", ".join(f"{r['size']} at {r['bits']} bits {_speedup(r):.2f}x" for r in rows)
+
+
+def format_verdict(rows: list[dict[str, Any]], native_codec: bool, transport: str) -> str:
+    """The closing lines, read from ``rows`` as measured: where cgx2 was faster than gloo,
+    where slower, where even, and why in one sentence."""
+    won = [r for r in rows if _speedup(r) > 1 + EVEN]
+    lost = [r for r in rows if _speedup(r) < 1 - EVEN]
+    even = [r for r in rows if r not in won and r not in lost]
+    said = [f"faster than gloo in {len(won) or 'none'} of the {len(rows)} rows"]
+    if won:
+        said[0] += f" ({_rows_said(won)})"
+    if lost:
+        said.append(f"slower in {len(lost)} ({_rows_said(lost)})")
+    if even:
+        said.append(f"even, within {EVEN:.0%}, in {len(even)} ({_rows_said(even)})")
+    ratios = [r["compression_ratio"] for r in rows]
+    lo, hi = f"{min(ratios):.1f}x", f"{max(ratios):.1f}x"
+    more = lo if lo == hi else f"{lo} to {hi}"
+    carried = TRANSPORTS.get(transport, transport)
+    why = (
+        "Why: on one host no network limits either call, so each row weighs cgx2's coding on "
+        f"the CPU, with {CODECS[native_codec]}, against gloo's copying of {more} as many bytes "
+        f"through loopback TCP (cgx2 moved its own through {carried}): cgx2 wins where those "
+        "copies cost more than its coding, and loses where they do not."
     )
+    network = (
+        "On a real network the sent-bytes columns decide instead, since an allreduce there is "
+        "limited by its bytes (python -m cgx2.demo --hosts 2 --link 1gbit, as root, shapes "
+        "one); the error columns are the price paid for them."
+    )
+    return "\n".join(
+        textwrap.fill(text, 100, break_on_hyphens=False)
+        for text in ("Measured here, cgx2 was " + "; ".join(said) + ".", why, network)
+    )
+
+
+def format_error_note(rows: list[dict[str, Any]]) -> str:
+    """What the error columns mean, at the fewest bits measured: a rel. error above 1 is an
+    error larger than the sum itself, and why so few bits are that coarse."""
+    fewest = min(r["bits"] for r in rows)
+    at = [r for r in rows if r["bits"] == fewest]
+    worst = max(r["rel_error"] for r in at)
+    spread = statistics.mean(r["bucket_range_sd"] for r in at)
+    step = spread / (2**fewest - 1)
+    levels = 2**fewest
+    if worst > 1:
+        meaning = (
+            f"At {fewest} bits the rel. error is {worst:.2f}: the error is larger than the exact "
+            "sum itself, so one call's result is mostly rounding noise."
+        )
+    else:
+        meaning = (
+            f"At {fewest} bits the rel. error is {worst:.2f}: the error's norm is "
+            f"{worst:.0%} of the exact sum's."
+        )
+    why = (
+        f"{fewest} bits give {levels} levels per bucket of {BUCKET_SIZE} values, so a level's "
+        f"step is 1/{levels - 1} of the bucket's range, here {step:.1f} standard deviations of "
+        "the values, and stochastic rounding moves each value by up to a step (the result is "
+        "quantized twice: each rank's chunks, then their sum). The rounding is unbiased, so the "
+        "error averages out over training steps (cgx2.ddp's hooks also feed it back), but "
+        "where one call must be close, use more bits: each bit halves the step."
+    )
+    return textwrap.fill(f"{meaning} {why}", 100, break_on_hyphens=False)
 
 
 @dataclass
@@ -82,6 +146,9 @@ class Row:
     max_abs_error: float
     rel_error: float
     identical: bool
+    iters: int
+    bucket_range_sd: float
+    transport: str
 
 
 def parse_bits(text: str) -> list[int]:
@@ -101,25 +168,47 @@ def sent_bytes(numel: int, elem_size: int, bits: int, world: int) -> tuple[int, 
     return plain, 2 * (world - 1) * payload
 
 
-def _timed(fn: Any, iters: int) -> tuple[float, Any]:
-    """Median wall time (ms) of ``fn()`` over ``iters`` calls, each started after a barrier,
-    after one untimed warm-up call; returns it with the last result."""
-    out = fn()
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times), out
+def _timed(fns: list[Any], iters: int, seconds: float) -> tuple[list[float], int, list[Any]]:
+    """Median wall time (ms) of each of ``fns``, the slowest rank's, called in turn (a, b, a,
+    b, ...: drift cannot favour one), each call started after a barrier, after one untimed
+    warm-up call each. At least ``iters`` iterations, and more until ``seconds`` have passed
+    on rank 0 (up to :data:`MAX_ITERS`): a median of a few short calls moves a lot between
+    runs. Returns the medians, the iterations and the last results."""
+    outs = [fn() for fn in fns]
+    times: list[list[float]] = [[] for _ in fns]
+    start = time.perf_counter()
+    done = torch.zeros(1, dtype=torch.uint8)
+    while not done.item():
+        for i, fn in enumerate(fns):
+            dist.barrier()
+            t0 = time.perf_counter()
+            outs[i] = fn()
+            times[i].append(time.perf_counter() - t0)
+        n = len(times[0])
+        if n >= iters:  # rank 0's clock decides for all: every rank runs as many
+            done.fill_(n >= MAX_ITERS or time.perf_counter() - start >= seconds)
+            dist.broadcast(done, 0)
+    medians = torch.tensor([statistics.median(t) for t in times], dtype=torch.float64)
+    dist.all_reduce(medians, op=dist.ReduceOp.MAX)
+    return [1e3 * m for m in medians.tolist()], len(times[0]), outs
 
 
 def _bit_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32 if t.element_size() == 4 else torch.int16)
 
 
+def _bucket_range_sd(x: torch.Tensor) -> float:
+    """The mean range of ``x``'s buckets in standard deviations of its values: what one
+    quantization step is a fraction of."""
+    whole = x.numel() // BUCKET_SIZE * BUCKET_SIZE
+    buckets = x[:whole].float().view(-1, BUCKET_SIZE)
+    spread = (buckets.amax(1) - buckets.amin(1)).mean()
+    return (spread / x.float().std()).item()
+
+
 def _measure(rank: int, world: int, args: argparse.Namespace) -> list[Row]:
     dtype = DTYPES[args.dtype]
+    group = dist.group.WORLD
     rows = []
     for nbytes in args.sizes:
         numel = nbytes // dtype.itemsize
@@ -127,14 +216,20 @@ def _measure(rank: int, world: int, args: argparse.Namespace) -> list[Row]:
         x = torch.randn(numel, generator=gen).to(dtype)
         exact = x.double()
         dist.all_reduce(exact)  # fp64 sum of the inputs as given: the reference
-        plain_ms, _ = _timed(lambda x=x: dist.all_reduce(x.clone()), args.iters)
         for bits in args.bits:
             if rank == 0:
                 print(f"size {size_name(nbytes)} bits {bits} ...", file=sys.stderr, flush=True)
-            cgx2_ms, out = _timed(
-                lambda x=x, b=bits: cgx2.quantized_allreduce(x, bits=b, bucket_size=BUCKET_SIZE),
-                args.iters,
-            )
+            route = policy.route(x, group, bits, BUCKET_SIZE)
+            transport = route.transport.__name__.rsplit(".", 1)[-1]
+
+            def plain(x: torch.Tensor = x) -> None:
+                dist.all_reduce(x.clone())
+
+            def quantized(x: torch.Tensor = x, bits: int = bits) -> torch.Tensor:
+                return cgx2.quantized_allreduce(x, bits=bits, bucket_size=BUCKET_SIZE)
+
+            timed = _timed([plain, quantized], args.iters, args.seconds)
+            (plain_ms, cgx2_ms), iters, (_, out) = timed
             gathered = [torch.empty_like(out) for _ in range(world)]
             dist.all_gather(gathered, out)
             identical = all(torch.equal(_bit_view(g), _bit_view(out)) for g in gathered)
@@ -155,6 +250,9 @@ def _measure(rank: int, world: int, args: argparse.Namespace) -> list[Row]:
                     max_abs_error=err.abs().max().item(),
                     rel_error=(err.norm() / exact.norm()).item(),
                     identical=identical,
+                    iters=iters,
+                    bucket_range_sd=_bucket_range_sd(x),
+                    transport=transport if route.compress else "plain",
                 )
             )
     return rows
@@ -240,6 +338,8 @@ def _across_hosts(args: argparse.Namespace) -> dict[str, Any] | None:
             args.dtype,
             "--iters",
             str(args.iters),
+            "--seconds",
+            str(args.seconds),
         ]
         env = {**os.environ, "MASTER_PORT": str(free_port())}
         with netlab.Lab(hosts=args.hosts, link=netlab.Link(rate=args.link)) as lab:
@@ -271,6 +371,16 @@ def format_link_note(rows: list[dict[str, Any]], hosts: int, link: str) -> str:
             f"({r['plain_ms'] / r['cgx2_ms']:.2f}x)"
         )
     return "\n".join(lines)
+
+
+def _iters_said(args: argparse.Namespace) -> str:
+    more = f", more within {args.seconds:g} s a row" if args.seconds else ""
+    return f"at least {args.iters} timed iterations{more}"
+
+
+def _iters_range(rows: list[dict[str, Any]]) -> str:
+    lo, hi = min(r["iters"] for r in rows), max(r["iters"] for r in rows)
+    return str(lo) if lo == hi else f"{lo} to {hi}"
 
 
 def _native_codec() -> bool:
@@ -359,7 +469,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--bits", type=parse_bits, default="2,4,8", help="bits per value, comma-separated, 1 to 8"
     )
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="the tensors' dtype")
-    p.add_argument("--iters", type=int, default=3, help="timed iterations after 1 warm-up")
+    p.add_argument(
+        "--iters",
+        type=int,
+        default=7,
+        help="timed iterations of each call at least, after 1 warm-up; more where they fit in "
+        "--seconds (the median is taken)",
+    )
+    p.add_argument(
+        "--seconds",
+        type=float,
+        default=1.0,
+        help="time to spend on each row's timed iterations, gloo's and cgx2's taken in turn "
+        f"(at most {MAX_ITERS} iterations; 0: exactly --iters)",
+    )
     p.add_argument(
         "--out",
         metavar="DIR",
@@ -386,6 +509,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--world-size must be at least 2")
     if args.iters < 1:
         parser.error("--iters must be at least 1")
+    if args.seconds < 0:
+        parser.error("--seconds must be at least 0")
     itemsize = DTYPES[args.dtype].itemsize
     for nbytes in args.sizes:
         if nbytes % itemsize:
@@ -398,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--hosts must be at least 2")
         print(
             f"cgx2 demo: {args.hosts} hosts joined by {args.link} links, one rank each, "
-            f"gloo, {args.dtype}, {args.iters} timed iters after 1 warm-up",
+            f"gloo, {args.dtype}, {_iters_said(args)} after 1 warm-up",
             file=sys.stderr,
             flush=True,
         )
@@ -416,7 +541,8 @@ def main(argv: list[str] | None = None) -> int:
     where = f"{world} hosts joined by {args.link} links" if args.hosts else f"{world} ranks"
     print(
         f"cgx2 quantized allreduce vs plain allreduce: {where}, gloo, {args.dtype}, bucket "
-        f"{BUCKET_SIZE}, median of {args.iters}\n"
+        f"{BUCKET_SIZE}, the slowest rank's median of {_iters_range(rows)} iterations, gloo's "
+        "and cgx2's in turn\n"
     )
     print(format_table(rows))
     print("\nColumns:")
@@ -425,7 +551,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.hosts:
         print(format_link_note(rows, args.hosts, args.link))
     else:
-        print(format_note(rows, found["native_codec"]))
+        print(format_verdict(rows, found["native_codec"], rows[0]["transport"]))
+    print()
+    print(format_error_note(rows))
 
     if args.json or args.out:
         report = {
@@ -438,6 +566,7 @@ def main(argv: list[str] | None = None) -> int:
             "dtype": args.dtype,
             "bucket_size": BUCKET_SIZE,
             "iters": args.iters,
+            "seconds": args.seconds,
             "native_codec": found["native_codec"],
             "command": shlex.join(getattr(sys, "orig_argv", [sys.executable, *sys.argv])),
             "rows": rows,
@@ -465,7 +594,7 @@ def _on_this_host(args: argparse.Namespace) -> dict[str, Any] | None:
     results = ctx.SimpleQueue()
     print(
         f"cgx2 demo: {args.world_size} ranks, gloo on 127.0.0.1, {args.dtype}, "
-        f"{args.iters} timed iters after 1 warm-up",
+        f"{_iters_said(args)} after 1 warm-up",
         file=sys.stderr,
         flush=True,
     )
