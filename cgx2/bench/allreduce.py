@@ -8,8 +8,11 @@ import argparse
 import contextlib
 import os
 import statistics
+import textwrap
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,6 +31,7 @@ from .report import (
     environment,
     format_legend,
     format_table,
+    matplotlib_missing,
     parse_sizes,
     size_name,
     started,
@@ -151,18 +155,26 @@ def _bench_size(
         recv = torch.empty_like(send)
         gathered = torch.empty(world * layout.payload_nbytes, dtype=torch.uint8, device=device)
 
-        with config.tuned(crossover_bytes=0):  # the route the quantized call takes
-            pair_gather = policy.route(x, dist.group.WORLD, bits, args.bucket_size).pair_gather
+        # The route the timed quantized call takes (cgx2_ms): the light goes the same way,
+        # through the same transport, or it could be slower than the call it bounds.
+        with config.tuned(crossover_bytes=0, cuda_graphs=False):
+            route = policy.route(x, dist.group.WORLD, bits, args.bucket_size)
+        pair_gather, transport = route.pair_gather, route.transport
 
-        def speed_of_light(send=send, recv=recv, gathered=gathered, pair=pair_gather) -> None:
-            # The collectives the pipeline itself calls (the process group's own, directly,
-            # on the caller's stream: the least host time); pair=False: all_to_all +
-            # all_gather, whatever the world size.
-            group = dist.group.WORLD
-            comm.wait(collectives.exchange(recv, send, group, world, rank, pair, async_op=False))
-            # In place, as the pipeline gathers on NCCL (its own slot as the input).
-            slot = gathered.view(world, -1)[rank] if x.is_cuda else recv[0]
-            comm.wait(comm.all_gather(gathered, slot, group, async_op=False))
+        def speed_of_light(
+            send=send, recv=recv, gathered=gathered, pair=pair_gather, route=route
+        ) -> None:
+            # The collectives the pipeline itself calls, through its transport, each once on
+            # the whole payload; pair=False: all_to_all + all_gather, whatever the world size.
+            group, moves = dist.group.WORLD, route.transport
+            moves.wait(
+                collectives.exchange(
+                    recv, send, group, world, rank, pair, async_op=False, transport=moves
+                )
+            )
+            # In place where the pipeline gathers in place (NCCL: its own slot as the input).
+            slot = gathered.view(world, -1)[rank] if route.gather_in_place else recv[0]
+            moves.wait(moves.all_gather(gathered, slot, group, async_op=False))
 
         def quantized(bits: int = bits) -> None:
             cgx2.quantized_allreduce(x, bits, op="avg", bucket_size=args.bucket_size)
@@ -205,11 +217,11 @@ def _bench_size(
         # with the backend's average, since below the crossover the two differ by microseconds.
         plain_paired_ms, auto_ms = timer.interleaved(plain_avg, auto)
         graphs.clear()  # those auto replayed (CGX2_CUDA_GRAPHS=auto), before the next size
-        auto_path = "quantized" if _compresses(x, bits, args) else "plain"
+        auto_path = _path(auto_buf, bits, args)
         graphs_auto_path = graphs_plain_paired_ms = graphs_auto_ms = None
         if args.cuda_graphs:  # in place with graphs, plain below the graphs' crossover
             with _graphs_on():
-                graphs_auto_path = "quantized" if _compresses(x, bits, args) else "plain"
+                graphs_auto_path = _path(auto_buf, bits, args)
                 graphs_plain_paired_ms, graphs_auto_ms = timer.interleaved(plain_avg, auto)
         rows.append(
             {
@@ -227,8 +239,11 @@ def _bench_size(
                 "cast_bf16_ms": cast_ms,
                 "sol_ms": sol_ms,
                 "sol_all_to_all_ms": sol_a2a_ms,
+                "transport": _name(transport),
+                "pair_gather": pair_gather,
                 "auto_ms": auto_ms,
                 "auto_path": auto_path,
+                "auto_crossover_bytes": policy.crossover_bytes(device, dtype, dist.group.WORLD),
                 "plain_paired_ms": plain_paired_ms,
                 "auto_vs_plain": plain_paired_ms / auto_ms,
                 "speedup_vs_plain": plain_ms / cgx_ms,
@@ -252,9 +267,17 @@ def _bench_size(
     return rows
 
 
-def _compresses(x: torch.Tensor, bits: int, args: argparse.Namespace) -> bool:
-    """Whether the policy compresses ``x`` on the default group: what "auto" runs."""
-    return policy.compresses(x, dist.group.WORLD, bits, args.bucket_size)
+def _path(buf: torch.Tensor, bits: int, args: argparse.Namespace) -> str:
+    """The path "auto" took: the route the policy gives ``buf``'s in-place call on the
+    default group, under the settings that call ran with (the same thread, after it ran:
+    a crossover measured at its first use is the one it took)."""
+    route = policy.route(buf, dist.group.WORLD, bits, args.bucket_size)
+    return "quantized" if route.compress else "plain"
+
+
+def _name(transport: Any) -> str:
+    """A transport module's short name: ``shm``, ``nccl``, ``process_group``."""
+    return getattr(transport, "__name__", str(transport)).rsplit(".", 1)[-1]
 
 
 @contextlib.contextmanager
@@ -302,12 +325,53 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {"env": environment(device, dist.get_world_size()), "args": vars(args), "rows": rows}
 
 
+@dataclass(frozen=True)
+class Run:
+    """What the legend is written for, so that it says only what applies to this run: the
+    device, the regime, what moved the quantized call's bytes and how two ranks swapped them,
+    and the crossover auto went by (said in words, with where it came from)."""
+
+    device_type: str = "cuda"
+    nccl: bool = True
+    regime: str = "nvlink"
+    transport: str = "process_group"
+    pair_gather: bool = False
+    crossover: str = ""
+
+
+TRANSPORT_WORDS = {
+    "process_group": "the process group's own collectives",
+    "shm": "shared memory between the ranks (cgx2's shm transport)",
+    "nccl": "cgx2's NCCL send/receive",
+}
+
+
 def columns(
-    backend: str, cuda_graphs: bool = False, shm: bool = False, hierarchical: bool = False
+    backend: str,
+    cuda_graphs: bool = False,
+    shm: bool = False,
+    hierarchical: bool = False,
+    run: Run | None = None,
 ) -> list[tuple[str, str, str, str]]:
     """The table's columns, ``(row key, header, format spec, meaning)``, named after the
     process group's ``backend`` (as the table prints it: NCCL, gloo...); ``shm``: the
-    shared-memory transport's too; ``hierarchical``: the node mesh's allreduce's."""
+    shared-memory transport's too; ``hierarchical``: the node mesh's allreduce's; ``run``:
+    the device, regime and route the meanings are written for (a GPU run on NCCL if None)."""
+    run = Run() if run is None else run
+    cuda = run.device_type == "cuda"
+    moved = TRANSPORT_WORDS.get(run.transport, run.transport)
+    swap = (
+        "two all_gathers (two ranks swap their chunks by all_gather"
+        + (", as the pipeline does off NVLink)" if cuda else ")")
+        if run.pair_gather
+        else "an all_to_all plus an all_gather"
+    )
+    graphs_said = (
+        f", replaying a CUDA graph up to {policy.GRAPHS_AUTO_MAX_BYTES >> 20} MiB"
+        if cuda and run.nccl
+        else ""
+    )
+    crossover = f" The crossover here: {run.crossover}" if run.crossover else ""
     cols = [
         ("dtype", "dtype", "", "the tensor's element type"),
         ("size", "size", "", "the tensor's size in bytes (K, M, G: KiB, MiB, GiB)"),
@@ -328,8 +392,9 @@ def columns(
             "cgx2_ms",
             "cgx2 ms",
             ".3f",
-            "cgx2.quantized_allreduce of the tensor, compressing at every size, launched eagerly "
-            "(CGX2_CUDA_GRAPHS=0)",
+            "cgx2.quantized_allreduce of the tensor, compressing at every size"
+            + (", launched eagerly (CGX2_CUDA_GRAPHS=0)" if cuda else "")
+            + f"; its bytes moved by {moved}",
         ),
         (
             "cgx2_busbw",
@@ -348,17 +413,23 @@ def columns(
             "sol_ms",
             "SoL ms",
             ".3f",
-            "speed of light: the collectives cgx2's allreduce calls, run bare on a payload of "
-            "the compressed size, with no encoding or decoding: an all_to_all plus an "
-            "all_gather (between two ranks off NVLink, two all_gathers, as the pipeline does "
-            "there). cgx2 cannot be faster than this",
+            "speed of light: the collectives cgx2's allreduce calls, through the same transport "
+            f"and timed the same way, run bare on a payload of the compressed size, once each, "
+            f"with no encoding or decoding: {swap}. cgx2 cannot be faster than this but by "
+            "timing noise, or where its pipeline's smaller transfers move faster than one large "
+            "one (said below the table where it happened)",
         ),
-        (
-            "sol_all_to_all_ms",
-            "a2a SoL ms",
-            ".3f",
-            "the same, always as an all_to_all plus an all_gather",
-        ),
+    ]
+    if run.pair_gather:
+        cols.append(
+            (
+                "sol_all_to_all_ms",
+                "a2a SoL ms",
+                ".3f",
+                "the same, as an all_to_all plus an all_gather",
+            )
+        )
+    cols += [
         (
             "speedup_vs_plain",
             f"speedup vs {backend}",
@@ -376,16 +447,16 @@ def columns(
             "auto",
             "",
             "the path cgx2.quantized_allreduce_ (in place, as the DDP hook and the cgx backend "
-            "call it) chose at this size: quantized (replaying a CUDA graph up to "
-            f"{policy.GRAPHS_AUTO_MAX_BYTES >> 20} MiB on NCCL), or plain below the crossover "
-            "where compression does not pay",
+            "call it) took at this size, as the policy routed it: quantized at and above the "
+            f"crossover{graphs_said}, plain below it.{crossover}",
         ),
         (
             "auto_vs_plain",
             "auto speedup",
             ".2f",
-            f"{backend}'s average (its allreduce, then a division where it has no AVG, as DDP's "
-            "hook does) / auto's time, the two timed in turn",
+            f"{backend}'s average (its allreduce"
+            + (", then a division where it has no AVG, as DDP's hook does" if not run.nccl else "")
+            + ") / auto's time, the two timed in turn",
         ),
     ]
     if shm:
@@ -488,7 +559,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "allreduces CUDA tensors over gloo (ranks sharing a GPU, hosts without NCCL)",
     )
     add_out_argument(p)
+    p.add_argument(
+        "--plot",
+        metavar="PNG",
+        help="also draw cgx2's speedup against the tensor's size, per dtype and bits, into "
+        "this PNG (needs matplotlib)",
+    )
     args = p.parse_args(argv)
+    if args.plot:
+        missing = matplotlib_missing("--plot")
+        if missing:
+            p.error(missing)
     if args.backend == "nccl" and not torch.cuda.is_available():
         p.error("--backend nccl needs CUDA GPUs")
     args.dtypes = args.dtypes.split(",")
@@ -548,25 +629,173 @@ def _main(args: argparse.Namespace) -> int:
     try:
         report = run(args)
         if dist.get_rank() == 0:
-            name = dist.get_backend()
-            cols = columns(
-                BACKEND_NAMES.get(name, name), args.cuda_graphs, args.shm, args.hierarchical
-            )
-            print(format_table(report["rows"], [(key, head, spec) for key, head, spec, _ in cols]))
-            print("\nColumns:")
-            print(format_legend([(head, meaning) for _, head, _, meaning in cols]))
-            env = report["env"]
-            print(
-                f"\n{env['device']} x{env['world_size']}, {name}, regime {env['regime']}, "
-                f"torch {env['torch']}, NCCL {env.get('nccl', '-')}, "
-                + (
-                    "one call per timed window"
-                    if args.calls == 1
-                    else f"{args.calls} calls back to back per timed window"
-                )
-            )
-            if args.out:
-                print(f"results: {write_json('allreduce', report, args.out)}")
+            _print_report(report, args)
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def _print_report(report: dict[str, Any], args: argparse.Namespace) -> None:
+    """Rank 0's table, the legend of what applies to this run, what in the rows needs saying
+    (a % of SoL above 100, auto slower than the plain allreduce), the run, and the files."""
+    name = dist.get_backend()
+    backend = BACKEND_NAMES.get(name, name)
+    rows, env = report["rows"], report["env"]
+    device = torch.device("cuda", torch.cuda.current_device()) if name == "nccl" else None
+    device = device or (torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    run = Run(
+        device_type=device.type,
+        nccl=name == "nccl",
+        regime=env["regime"],
+        transport=rows[0]["transport"],
+        pair_gather=rows[0]["pair_gather"],
+        crossover=crossover_words(rows, device, name, env["regime"]),
+    )
+    cols = columns(backend, args.cuda_graphs, args.shm, args.hierarchical, run)
+    print(format_table(rows, [(key, head, spec) for key, head, spec, _ in cols]))
+    print("\nColumns:")
+    print(format_legend([(head, meaning) for _, head, _, meaning in cols]))
+    notes = row_notes(rows, backend)
+    if notes:
+        print()
+        print("\n".join(textwrap.fill(note, 100, break_on_hyphens=False) for note in notes))
+    nccl = f", NCCL {env['nccl']}" if "nccl" in env else ""
+    print(
+        f"\n{env['device']} x{env['world_size']}, {name}, regime {env['regime']}, "
+        f"torch {env['torch']}{nccl}, "
+        + (
+            "one call per timed window"
+            if args.calls == 1
+            else f"{args.calls} calls back to back per timed window"
+        )
+    )
+    if args.out:
+        print(f"results: {write_json('allreduce', report, args.out)}")
+    if args.plot:
+        print(f"plot: {plot([report], args.plot)}")
+
+
+def crossover_words(
+    rows: list[dict[str, Any]], device: torch.device, backend: str, regime: str
+) -> str:
+    """The crossover auto went by, per dtype, and where it came from, in words."""
+    override = config.crossover_override()
+    found = policy.calibration(dist.group.WORLD)
+    said = []
+    for dtype_name in dict.fromkeys(r["dtype"] for r in rows):
+        (value,) = {r["auto_crossover_bytes"] for r in rows if r["dtype"] == dtype_name}
+        key = policy.calibration_key(device.type, backend, DTYPES[dtype_name])
+        if override is not None:
+            source = "CGX2_CROSSOVER_BYTES"
+        elif key in found:
+            source = f"the calibration file's {key}"
+        elif config.launch().spans_nodes:
+            source = "measured on the link at first use, or the built-in table"
+        else:
+            source = f"the built-in table's for the {regime} regime"
+        size = "never" if value is None else "every size" if value == 0 else _bytes_said(value)
+        said.append(f"{dtype_name} {size} ({source})")
+    text = "; ".join(said) + "."
+    if regime == "cpu" and override is None and all(r["auto_crossover_bytes"] == 0 for r in rows):
+        text += (
+            " On CPU tensors the built-in table compresses every size, since the link between "
+            "CPU hosts is not known here; on one host the plain allreduce can be the faster "
+            "(auto speedup below 1): python -m cgx2.bench calibrate measures where compression "
+            "pays on this machine, and the policy then goes by that."
+        )
+    return text
+
+
+def _bytes_said(nbytes: int) -> str:
+    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= div and nbytes % div == 0:
+            return f"from {nbytes // div} {unit}"
+    return f"from {nbytes} bytes"
+
+
+EVEN = 0.1
+"""Ratios within this fraction of 1 are timing noise here, not a win or a loss."""
+
+
+def _where(rows: list[dict[str, Any]], key: str, spec: str = ".2f") -> str:
+    return ", ".join(f"{r['dtype']} {r['size']} {r['bits']}-bit {r[key]:{spec}}" for r in rows)
+
+
+def row_notes(rows: list[dict[str, Any]], backend: str) -> list[str]:
+    """What the rows show that the legend alone would contradict: a % of SoL above 100, auto
+    slower than the plain allreduce where it quantized, or plain where cgx2 was faster."""
+    notes = []
+    above = [r for r in rows if r["fraction_of_sol"] > 1]
+    if above:
+        where = _where(above, "fraction_of_sol", ".0%")
+        notes.append(
+            f"% of SoL above 100% in {len(above)} rows ({where}): "
+            "cgx2's pipeline moved its payload in pieces, overlapping each other and the coding, "
+            "faster than the bare collectives moved it at once; within "
+            f"{EVEN:.0%} of 100% that is timing noise."
+        )
+    lost = [r for r in rows if r["auto_path"] == "quantized" and r["auto_vs_plain"] < 1 - EVEN]
+    if lost:
+        notes.append(
+            f"auto quantized and was slower than {backend} in {len(lost)} rows (auto speedup: "
+            f"{_where(lost, 'auto_vs_plain')}): there the crossover is below where compression "
+            "pays on this machine; python -m cgx2.bench calibrate measures where it pays."
+        )
+    missed = [r for r in rows if r["auto_path"] == "plain" and r["speedup_vs_plain"] > 1 + EVEN]
+    if missed:
+        notes.append(
+            f"auto sent plain in {len(missed)} rows where cgx2 was faster (speedup: "
+            f"{_where(missed, 'speedup_vs_plain')}): there the crossover is above where "
+            "compression pays on this machine; python -m cgx2.bench calibrate measures it."
+        )
+    return notes
+
+
+def plot(reports: list[dict[str, Any]], path: str | Path) -> Path:
+    """A PNG at ``path`` of cgx2's speedup over the plain allreduce against the tensor's size:
+    one panel per regime (and device, and link where hosts were joined by one), one line per
+    dtype and bits, solid for cgx2 compressing at every size, dashed for auto. Needs
+    matplotlib (:func:`cgx2.bench.report.matplotlib_missing`); imported here only."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: a file is all that is wanted
+    from matplotlib import pyplot as plt
+
+    panels: dict[str, list[dict[str, Any]]] = {}
+    for report in reports:
+        env = report["env"]
+        link = env.get("link")
+        where = f"{env['regime']}" + (f", {link['hosts']} hosts at {link['rate']}" if link else "")
+        title = f"{where}: {env['device']} x{env['world_size']}"
+        panels.setdefault(title, []).extend(report["rows"])
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.8), squeeze=False)
+    for ax, (title, rows) in zip(axes[0], panels.items(), strict=True):
+        lines = sorted({(r["dtype"], r["bits"]) for r in rows})
+        for index, (dtype_name, bits) in enumerate(lines):
+            mine = sorted(
+                (r for r in rows if (r["dtype"], r["bits"]) == (dtype_name, bits)),
+                key=lambda r: r["bytes"],
+            )
+            sizes = [r["bytes"] for r in mine]
+            color = f"C{index % 10}"
+            label = f"{dtype_name} {bits}-bit"
+            ax.plot(sizes, [r["speedup_vs_plain"] for r in mine], "o-", color=color, label=label)
+            if all(r.get("auto_vs_plain") is not None for r in mine):
+                auto = [r["auto_vs_plain"] for r in mine]
+                ax.plot(sizes, auto, "x--", color=color, alpha=0.6, label=f"{label} auto")
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({r["bytes"] for r in rows}))
+        ax.set_xticklabels([size_name(n) for n in sorted({r["bytes"] for r in rows})])
+        ax.set_xlabel("tensor size (bytes)")
+        ax.set_ylabel("plain ms / cgx2 ms")
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("cgx2's quantized allreduce against the plain one (above 1: cgx2 is faster)")
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, format="png", dpi=100)
+    plt.close(fig)
+    return out

@@ -31,6 +31,7 @@ __all__ = [
     "environment",
     "format_legend",
     "format_table",
+    "matplotlib_missing",
     "parse_sizes",
     "refused_single_process",
     "require_processes",
@@ -260,3 +261,17 @@ def format_legend(columns: list[tuple[str, str]]) -> str:
         )
         for header, meaning in columns
     )
+
+
+def matplotlib_missing(flag: str) -> str | None:
+    """Why ``flag`` cannot draw here (matplotlib cannot be imported), or None where it can.
+    Imported only when asked: cgx2 needs matplotlib for nothing else."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as e:
+        return (
+            f"{flag} draws with matplotlib, which cannot be imported here ({e}): "
+            "pip install matplotlib (or pip install -e '.[test]'), or leave out "
+            f"{flag}; the JSON results hold the same numbers"
+        )
+    return None
