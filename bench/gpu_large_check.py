@@ -43,6 +43,15 @@ def _worst(decoded: torch.Tensor, exact: torch.Tensor, bits: int) -> tuple[float
     return worst, over
 
 
+def _record(
+    rows: list[dict], op: str, said: str, decoded: torch.Tensor, want: torch.Tensor, bits: int
+) -> None:
+    """``decoded``'s worst error against the bound around ``want``: a row of ``rows``, a line."""
+    worst, over = _worst(decoded, want, bits)
+    rows.append({"op": op, "bits": bits, "worst_over_bound": worst, "over": over})
+    print(f"{said}: worst |err|/bound {worst:.3f}, {over} values over the bound", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--numel", type=int, default=2**31 + 4099)
@@ -58,13 +67,11 @@ def main() -> None:
     rows = []
     for bits in (int(b) for b in args.bits.split(",")):
         payload = tri.encode(x, bits, BUCKET, key=0xDEADBEEF_CAFEF00D)
-        worst, over = _worst(tri.decode(payload, args.numel, bits, BUCKET), x, bits)
-        rows.append({"op": "encode+decode", "bits": bits, "worst_over_bound": worst, "over": over})
-        print(
-            f"encode+decode, {bits} bits, n={args.numel}: worst |err|/bound {worst:.3f}, "
-            f"{over} values over the bound",
-            flush=True,
+        decoded = tri.decode(payload, args.numel, bits, BUCKET)
+        _record(
+            rows, "encode+decode", f"encode+decode, {bits} bits, n={args.numel}", decoded, x, bits
         )
+        del decoded
         # Row 0 stands for our own chunk (skipped); row 1 is z's payload.
         pz = tri.encode(z, bits, BUCKET, key=0x12345678_9ABCDEF1)
         summed = x + tri.decode(pz, args.numel, bits, BUCKET)
@@ -79,13 +86,9 @@ def main() -> None:
             key=0x0F0F0F0F_F0F0F0F0,
         )
         del payload, pz
-        worst, over = _worst(tri.decode(out, args.numel, bits, BUCKET), summed, bits)
-        rows.append({"op": "dse+decode", "bits": bits, "worst_over_bound": worst, "over": over})
-        print(
-            f"decode-sum-encode+decode, {bits} bits: worst |err|/bound {worst:.3f}, "
-            f"{over} values over the bound",
-            flush=True,
-        )
+        decoded = tri.decode(out, args.numel, bits, BUCKET)
+        _record(rows, "dse+decode", f"decode-sum-encode+decode, {bits} bits", decoded, summed, bits)
+        del decoded
         del out, summed
         torch.cuda.empty_cache()
     failed = any(r["over"] for r in rows)
