@@ -1,12 +1,14 @@
-"""Train a small character-level transformer with DDP and cgx2's 4-bit gradients.
+"""Train a small byte-level transformer with DDP and cgx2's 4-bit gradients.
 
 The text is Python's own standard library source, so nothing is downloaded. CPU with gloo by
 default (2 processes), CUDA with NCCL when present; under torchrun it uses the launcher's
 processes. --mode hook registers cgx_hook (--hook picks a Global-QSGD hook instead);
 --mode backend runs plain DDP on the cgx backend (CGX's other way in); --compile compiles the
-model under DDP. Logs loss, step time and the bytes sent against uncompressed DDP:
+model under DDP. Logs loss, step time and the bytes sent against uncompressed DDP; --compare
+trains plain DDP first, from the same seed, and reports the step time against it:
 
     python examples/train_ddp.py --bits 4 --steps 200            # spawns 2 CPU processes
+    python examples/train_ddp.py --bits 4 --compare              # and against plain DDP
     torchrun --nproc-per-node 4 examples/train_ddp.py --bits 4     # one process per GPU
     mpirun -np 2 python examples/train_ddp.py --mode backend      # CGX's launcher
 """
@@ -196,6 +198,17 @@ def train(args: argparse.Namespace) -> dict:
     }
 
 
+def train_compared(args: argparse.Namespace) -> dict:
+    """:func:`train` of plain DDP (the same model, seed and batches, no hook), then of
+    ``args``' compressed DDP, in the same processes: the result of the second, with the first's
+    as ``"plain"`` and the ratio of their median step times as ``"speedup_vs_plain"``."""
+    plain = train(argparse.Namespace(**{**vars(args), "bits": 32, "compare": False}))
+    result = train(args)
+    result["plain"] = {k: plain[k] for k in ("first_loss", "final_loss", "step_ms", "losses")}
+    result["speedup_vs_plain"] = plain["step_ms"] / result["step_ms"]
+    return result
+
+
 def init_process_group(args: argparse.Namespace, **kwargs: int) -> None:
     """gloo/NCCL, or the ``cgx`` backend with the flags passed as CGX's variables."""
     if args.mode == "backend":
@@ -231,6 +244,15 @@ def report(result: dict, json_path: str | None) -> None:
         f"{result['step_ms']:.0f} ms/step{saved}"
         f"{_graphs_said(result['cuda_graphs'])}"
     )
+    plain = result.get("plain")
+    if plain is not None:
+        ratio = result["speedup_vs_plain"]
+        said = f"{ratio:.2f}x as fast" if ratio >= 1 else f"{1 / ratio:.2f}x as slow"
+        print(
+            f"plain DDP, same seed and batches: loss {plain['first_loss']:.3f} -> "
+            f"{plain['final_loss']:.3f}, {plain['step_ms']:.0f} ms/step; "
+            f"{result['bits']}-bit DDP was {said} (median step, plain ms / cgx2 ms = {ratio:.2f})"
+        )
     if json_path:
         Path(json_path).write_text(json.dumps(result, indent=1))
 
@@ -299,8 +321,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="log on rank 0 what cgx2 times and chooses at first use",
     )
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="train plain DDP first (same seed, batches and steps), then report the compressed "
+        "run's median step time against it",
+    )
     p.add_argument("--json", help="write the result (losses, bytes, timing) here")
     args = p.parse_args(argv)
+    if args.compare and (args.mode != "hook" or args.bits == 32):
+        p.error("--compare times a hook against plain DDP on the same group: --mode hook, bits 1-8")
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if not (1 <= args.bits <= 8 or args.bits == 32):
@@ -310,7 +340,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    result = launch(train, args, init_process_group)
+    result = launch(train_compared if args.compare else train, args, init_process_group)
     if result is not None:
         report(result, args.json)
 

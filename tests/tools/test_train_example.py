@@ -144,3 +144,39 @@ def test_compare_hooks_writes_table_json_and_plot(tmp_path):
     # 5 steps, the first exact (CGXState's start_iter): 1 + 4/7.7 of plain's bytes at most
     assert runs["cgx 4-bit"]["bytes_sent"] * 3 < runs["plain (default_hook)"]["bytes_sent"]
     assert 0 < runs["L-GreCo PowerSGD"]["bytes_sent"] < runs["plain (default_hook)"]["bytes_sent"]
+
+
+def test_help_says_byte_level_and_compare() -> None:
+    """The help is the README's: a byte-level model; --compare is offered, and refused where
+    it would compare plain DDP with itself."""
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())
+    assert "byte-level transformer" in text and "character-level" not in text
+    assert "--compare train plain DDP first" in text
+    cmd = [sys.executable, str(EXAMPLE), "--compare", "--bits", "32"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--compare times a hook against plain DDP" in proc.stderr
+
+
+@pytest.mark.slow
+def test_compare_reports_time_against_plain_ddp(tmp_path):
+    """--compare trains plain DDP and then the hook from the same seed in the same processes,
+    and prints and records the ratio of their median step times."""
+    out = tmp_path / "compare.json"
+    model = "--dim 32 --layers 1 --heads 2 --context 32 --batch-size 4 --steps 4 --device cpu"
+    cmd = [sys.executable, str(EXAMPLE), "--bits", "4", "--compare", *model.split()]
+    proc = subprocess.run([*cmd, "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    plain = result["plain"]
+    assert plain["first_loss"] == pytest.approx(result["first_loss"], rel=1e-6)  # same seed
+    assert len(plain["losses"]) == len(result["losses"]) == 4
+    assert result["speedup_vs_plain"] == pytest.approx(plain["step_ms"] / result["step_ms"])
+    ratio = result["speedup_vs_plain"]
+    assert f"plain ms / cgx2 ms = {ratio:.2f}" in proc.stdout
+    said = f"{ratio:.2f}x as fast" if ratio >= 1 else f"{1 / ratio:.2f}x as slow"
+    assert f"4-bit DDP was {said}" in proc.stdout
+    assert 0 < result["bytes_sent"] < result["bytes_uncompressed"]
