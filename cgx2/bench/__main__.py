@@ -1,11 +1,16 @@
-"""``python -m cgx2.bench [allreduce|kernels|calibrate] ...``: see :mod:`cgx2.bench`."""
+"""``python -m cgx2.bench [allreduce|kernels|calibrate|plot] ...``: see :mod:`cgx2.bench`."""
 
 import sys
 
 
 def main(argv: list[str]) -> int:
-    command = argv[0] if argv and argv[0] in ("allreduce", "kernels", "calibrate") else None
+    commands = ("allreduce", "kernels", "calibrate", "plot")
+    command = argv[0] if argv and argv[0] in commands else None
     rest = argv[1:] if command else argv
+    if command == "plot":  # no process group: it draws saved results
+        from .allreduce import plot_main
+
+        return plot_main(rest)
     if command == "kernels":
         from .kernels import main as kernels_main
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import statistics
 import textwrap
@@ -54,6 +55,7 @@ Rank 0 prints a table, a legend of its columns, and the path of the JSON file it
 Other benchmarks:
   python -m cgx2.bench kernels --help     the codec's GPU kernels against a device copy
   python -m cgx2.bench calibrate --help   measure where compression pays on this machine
+  python -m cgx2.bench plot --help        draw saved results as a PNG (as --plot does)
 """
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -753,23 +755,22 @@ def row_notes(rows: list[dict[str, Any]], backend: str) -> list[str]:
 
 def plot(reports: list[dict[str, Any]], path: str | Path) -> Path:
     """A PNG at ``path`` of cgx2's speedup over the plain allreduce against the tensor's size:
-    one panel per regime (and device, and link where hosts were joined by one), one line per
-    dtype and bits, solid for cgx2 compressing at every size, dashed for auto. Needs
+    one panel per report (a run: one regime, device and link), one line per dtype and bits,
+    solid for cgx2 compressing at every size, dashed for auto. Needs
     matplotlib (:func:`cgx2.bench.report.matplotlib_missing`); imported here only."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display: a file is all that is wanted
     from matplotlib import pyplot as plt
 
-    panels: dict[str, list[dict[str, Any]]] = {}
-    for report in reports:
+    panels = []
+    for report in reports:  # a run is of one regime: a panel each
         env = report["env"]
         link = env.get("link")
         where = f"{env['regime']}" + (f", {link['hosts']} hosts at {link['rate']}" if link else "")
-        title = f"{where}: {env['device']} x{env['world_size']}"
-        panels.setdefault(title, []).extend(report["rows"])
+        panels.append((f"{where}: {env['device']} x{env['world_size']}", report["rows"]))
     fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.8), squeeze=False)
-    for ax, (title, rows) in zip(axes[0], panels.items(), strict=True):
+    for ax, (title, rows) in zip(axes[0], panels, strict=True):
         lines = sorted({(r["dtype"], r["bits"]) for r in rows})
         for index, (dtype_name, bits) in enumerate(lines):
             mine = sorted(
@@ -784,6 +785,7 @@ def plot(reports: list[dict[str, Any]], path: str | Path) -> Path:
                 auto = [r["auto_vs_plain"] for r in mine]
                 ax.plot(sizes, auto, "x--", color=color, alpha=0.6, label=f"{label} auto")
         ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_ylim(bottom=0)  # a ratio's axis from 0: its lines are not magnified
         ax.set_xscale("log", base=2)
         ax.set_xticks(sorted({r["bytes"] for r in rows}))
         ax.set_xticklabels([size_name(n) for n in sorted({r["bytes"] for r in rows})])
@@ -799,3 +801,37 @@ def plot(reports: list[dict[str, Any]], path: str | Path) -> Path:
     fig.savefig(out, format="png", dpi=100)
     plt.close(fig)
     return out
+
+
+PLOT_DESCRIPTION = """\
+Draws results that python -m cgx2.bench wrote (its JSON under --out) as a PNG: cgx2's speedup
+over the plain allreduce against the tensor's size, a panel per run (one regime each), a line
+per dtype and bits (solid: compressing at every size; dashed: auto). Needs matplotlib.
+
+  python -m cgx2.bench plot cgx2-results/allreduce_*.json --plot speedup.png
+"""
+
+
+def plot_main(argv: list[str] | None = None) -> int:
+    """``python -m cgx2.bench plot RESULT.json... --plot PNG``: :func:`plot` of saved runs."""
+    p = argparse.ArgumentParser(
+        prog=f"{PROG} plot", description=PLOT_DESCRIPTION, formatter_class=HelpFormatter
+    )
+    p.add_argument("results", nargs="+", metavar="RESULT.json", help="allreduce results")
+    p.add_argument("--plot", metavar="PNG", required=True, help="the PNG to write")
+    args = p.parse_args(argv)
+    missing = matplotlib_missing("plot")
+    if missing:
+        p.error(missing)
+    reports = []
+    for name in args.results:
+        try:
+            report = json.loads(Path(name).read_text())
+        except (OSError, ValueError) as e:
+            p.error(f"{name}: cannot be read as JSON: {e}")
+        rows = report.get("rows") if isinstance(report, dict) else None
+        if not rows or "speedup_vs_plain" not in rows[0] or "env" not in report:
+            p.error(f"{name}: not the results of python -m cgx2.bench (allreduce)")
+        reports.append(report)
+    print(f"plot: {plot(reports, args.plot)}")
+    return 0

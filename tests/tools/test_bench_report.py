@@ -100,6 +100,28 @@ def test_plot_without_matplotlib_says_what_to_install(monkeypatch, capsys) -> No
     assert "pip install matplotlib" in err
 
 
+def test_plot_command_draws_saved_results(tmp_path: Path, capsys) -> None:
+    """``python -m cgx2.bench plot RESULT.json... --plot PNG`` draws saved runs, a panel each,
+    and refuses a file that is not the allreduce bench's results."""
+    from cgx2.bench.__main__ import main
+
+    saved = []
+    for regime in ("cpu", "socket"):
+        saved.append(tmp_path / f"allreduce_{regime}.json")
+        saved[-1].write_text(json.dumps(_report(regime, (1 << 20, 4 << 20))))
+    png = tmp_path / "saved.png"
+    assert main(["plot", *map(str, saved), "--plot", str(png)]) == 0
+    assert capsys.readouterr().out == f"plot: {png}\n"
+    assert png.read_bytes()[:8] == PNG
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"rows": [{"op": "encode"}]}))
+    with pytest.raises(SystemExit) as exc:
+        main(["plot", str(other), "--plot", str(tmp_path / "no.png")])
+    assert exc.value.code == 2
+    assert "not the results of python -m cgx2.bench (allreduce)" in capsys.readouterr().err
+    assert not (tmp_path / "no.png").exists()
+
+
 @pytest.mark.slow
 def test_cpu_run_under_torchrun_tells_the_truth(tmp_path: Path) -> None:
     """Two gloo ranks: no GPU words, the light through the call's transport, a % of SoL above
