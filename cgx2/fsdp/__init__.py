@@ -179,20 +179,9 @@ class QuantizedReduceScatter(ReduceScatter):
         async_op: bool = False,
     ) -> dist.Work | None:
         if not self._agreed:
-            settings = {
-                "bits": self.bits,
-                "bucket_size": self.bucket_size,
-                "row_params": self.row_params,
-                "adaptive_bits": self.adaptive_bits,
-                "replan_every": self.replan_every,
-                "calls": self.calls,
-                "widths": self.widths,
-                "dtype": input_tensor.dtype,
-            }
-            agreement.check_settings(
-                group, "cgx2.fsdp's reduce-scatter", settings, input_tensor.device
-            )
-            self._agreed = True
+            more = {"adaptive_bits": self.adaptive_bits, "replan_every": self.replan_every}
+            more |= {"calls": self.calls, "widths": self.widths}
+            _agree(self, group, "cgx2.fsdp's reduce-scatter", input_tensor, more)
         world = dist.get_world_size(group)
         if op == dist.ReduceOp.SUM:
             scale = None
@@ -224,6 +213,22 @@ class QuantizedReduceScatter(ReduceScatter):
         if async_op:
             return CompletedWork([output_tensor])
         return None
+
+
+def _agree(
+    comm: QuantizedReduceScatter | QuantizedAllGather,
+    group: dist.ProcessGroup,
+    operation: str,
+    input_tensor: torch.Tensor,
+    more: dict[str, object],
+) -> None:
+    """Raise :class:`cgx2.collectives.agreement.DisagreementError` on every rank unless all
+    hold ``comm``'s settings (its width, buckets and rows, ``more``, the input's dtype) alike:
+    at its first call, which every rank makes."""
+    settings = {"bits": comm.bits, "bucket_size": comm.bucket_size, "row_params": comm.row_params}
+    settings |= more | {"dtype": input_tensor.dtype}
+    agreement.check_settings(group, operation, settings, input_tensor.device)
+    comm._agreed = True
 
 
 class QuantizedAllGather(AllGather):
@@ -262,14 +267,7 @@ class QuantizedAllGather(AllGather):
         async_op: bool = False,
     ) -> dist.Work | None:
         if not self._agreed:
-            settings = {
-                "bits": self.bits,
-                "bucket_size": self.bucket_size,
-                "row_params": self.row_params,
-                "dtype": input_tensor.dtype,
-            }
-            agreement.check_settings(group, "cgx2.fsdp's all-gather", settings, input_tensor.device)
-            self._agreed = True
+            _agree(self, group, "cgx2.fsdp's all-gather", input_tensor, {})
         segments = None
         if self.bits != UNCOMPRESSED_BITS and sum(k for k, _ in self.row_params) == (
             input_tensor.numel()
