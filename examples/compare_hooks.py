@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cli import add_model_options, add_run_options, parse
 from launch import launch
 from train_ddp import CharTransformer, batch, load_text, train_step
 
@@ -143,25 +144,12 @@ def write(report: dict, out_dir: str) -> Path:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--steps", type=int, default=100, help="training steps per hook")
-    p.add_argument("--batch-size", type=int, default=16, help="sequences per rank and step")
-    p.add_argument("--context", type=int, default=64, help="tokens (bytes) per sequence")
-    p.add_argument("--dim", type=int, default=128, help="model width")
-    p.add_argument("--layers", type=int, default=2, help="transformer blocks")
-    p.add_argument("--heads", type=int, default=4, help="attention heads")
-    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
-    p.add_argument("--seed", type=int, default=0, help="weights, batches and rounding")
-    p.add_argument("--text-bytes", type=int, default=2_000_000, help="bytes of training text")
-    p.add_argument("--world-size", type=int, default=2, help="processes to spawn without torchrun")
-    p.add_argument(
-        "--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda if available"
-    )
+    add_model_options(p, batch_size=16, context=64, dim=128, layers=2, heads=4, lr=3e-3)
+    add_run_options(p, text_bytes=2_000_000)
     p.add_argument(
         "--out-dir", default="cgx2-results", help="where the JSON and PNG go, created if missing"
     )
-    args = p.parse_args(argv)
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    return args
+    return parse(p, argv)
 
 
 def main(argv: list[str] | None = None) -> None:

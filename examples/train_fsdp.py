@@ -28,6 +28,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cli import add_model_options, add_run_options, parse, sent_said
 from launch import launch
 from train_ddp import CharTransformer, batch, load_text, train_step
 
@@ -160,12 +161,7 @@ def train(args: argparse.Namespace) -> dict:
 
 def report(result: dict, json_path: str | None) -> None:
     sent, plain = result["bytes_sent"], result["bytes_uncompressed"]
-    saved = (
-        f", sent {sent / 1e6:.1f} MB vs {plain / 1e6:.1f} MB uncompressed "
-        f"({plain / max(sent, 1):.2f}x less)"
-        if sent
-        else ""
-    )
+    saved = sent_said(sent, plain, digits=1)
     if sent and result.get("all_gather_bytes_sent") is not None:
         saved += " (reduce-scatter and parameter all-gather)"
     elif sent:
@@ -190,13 +186,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bucket-size", type=int, default=512, help="values sharing one scale")
     p.add_argument("--min-size", type=int, default=1024, help="smaller or 1-D params: exact")
     p.add_argument("--steps", type=int, default=30, help="training steps")
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank and step")
-    p.add_argument("--context", type=int, default=1024, help="tokens (bytes) per sequence")
-    p.add_argument("--dim", type=int, default=768, help="model width")
-    p.add_argument("--layers", type=int, default=12, help="transformer blocks")
-    p.add_argument("--heads", type=int, default=12, help="attention heads")
-    p.add_argument("--lr", type=float, default=6e-4, help="AdamW learning rate")
-    p.add_argument("--seed", type=int, default=0, help="weights, batches and rounding")
+    add_model_options(p, batch_size=8, context=1024, dim=768, layers=12, heads=12, lr=6e-4)
     p.add_argument("--bf16", action="store_true", help="bf16 parameters (fp32 reduction)")
     p.add_argument(
         "--no-compile",
@@ -204,16 +194,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_false",
         help="run eagerly, without torch.compile",
     )
-    p.add_argument("--text-bytes", type=int, default=4_000_000, help="bytes of training text")
-    p.add_argument("--world-size", type=int, default=2, help="processes to spawn without torchrun")
-    p.add_argument(
-        "--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda if available"
-    )
+    add_run_options(p, text_bytes=4_000_000)
     p.add_argument("--log-every", type=int, default=5, help="steps between progress lines")
     p.add_argument("--json", help="write the result here")
-    args = p.parse_args(argv)
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    args = parse(p, argv)
     if not (1 <= args.bits <= 8 or args.bits == 32):
         p.error("--bits must be in 1..8, or 32")
     if args.param_bits is not None and not (1 <= args.param_bits <= 8 and args.bits != 32):
