@@ -19,9 +19,10 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .. import config
-from . import maxmin
+from . import maxmin, rotation
 from .direct_launch import Launcher
 from .layout import ChunkedLayout, MaxMinLayout
+from .rotation import Rotation
 
 __all__ = [
     "chunked_layout",
@@ -124,6 +125,168 @@ def _group_halves(a, b, BUCKETS: tl.constexpr, G: tl.constexpr):
     """[BUCKETS, G, 4]: the low and high halves of word a, then of word b."""
     halves = tl.join(tl.join(a & 0xFFFF, b & 0xFFFF), tl.join(a >> 16, b >> 16))  # [.., k, h]
     return tl.reshape(halves, (BUCKETS, G, 4))
+
+
+# --------------------------------------------------------------------------- rotation
+# The randomized Hadamard rotation (:mod:`.rotation` defines it), in registers: a tile's
+# whole blocks rotated after loading, before the statistics (encode, own's values in
+# decode-sum-encode), or after decoding, before the store (decode, inversely). ``ROT`` is the
+# block, 0 for none: the unrotated kernels compile as they did. Blocks divide the bucket and
+# never exceed the tile (the launch makes ``BLOCK`` at least ``ROT``), so a tile holds whole
+# blocks; only the payload's trailing ``n % ROT`` values, at and past ``rot_end``, stay as
+# they are.
+
+_SIGN_C2 = tl.constexpr(rotation._SIGN_C2)
+_SIGN_C3 = tl.constexpr(rotation._SIGN_C3)
+_SIGN_GROUP = tl.constexpr(rotation.SIGN_GROUP)
+
+
+@triton.jit
+def _sign_words(i, sk0, sk1):
+    """The Philox word holding the sign of value ``i`` (int64, its index in the payload) at
+    bit ``i & 31``: word ``(i >> 5) & 3`` of the call at counter ``(g_lo, g_hi, C2, C3)``,
+    ``g = i >> 7`` (:mod:`.rotation`)."""
+    g = i // _SIGN_GROUP
+    zero = tl.zeros(i.shape, tl.uint32)
+    c0 = (g & 0xFFFFFFFF).to(tl.uint32)
+    c1 = (g >> 32).to(tl.uint32)
+    r0, r1, r2, r3 = _philox(c0, c1, zero + _SIGN_C2, zero + _SIGN_C3, sk0, sk1)
+    w = (i >> 5) & 3
+    return tl.where(w == 0, r0, tl.where(w == 1, r1, tl.where(w == 2, r2, r3)))
+
+
+@triton.jit
+def _sign_of_bit(bit):
+    """+1.0 for bit 0, -1.0 for bit 1 (uint32), by the sign bit alone."""
+    return ((bit << 31) | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _tile_signs(q, c, sk0, sk1, base, B: tl.constexpr, BLOCK: tl.constexpr, GROUPED: tl.constexpr):
+    """The signs (+-1.0) of a tile's halves (:func:`_tile`), values ``base + q * B + col``.
+    ``GROUPED`` (every group's first index a multiple of 8): a group's eight signs are one
+    byte of one Philox word, one call a group, as stochastic rounding's; else one call a
+    value."""
+    G: tl.constexpr = BLOCK // 8
+    if GROUPED:
+        first = base + q[:, None] * B + c + 8 * tl.arange(0, G)[None, :]
+        byte = (_sign_words(first, sk0, sk1) >> (first & 31).to(tl.uint32)) & 0xFF
+        slot = tl.arange(0, 4).to(tl.uint32)[None, None, :]
+        s0 = _sign_of_bit((byte[:, :, None] >> slot) & 1)
+        s1 = _sign_of_bit((byte[:, :, None] >> (slot + 4)) & 1)
+    else:
+        col = c + 8 * tl.arange(0, G)[:, None] + tl.arange(0, 4)[None, :]
+        i0 = base + q[:, None, None] * B + col[None, :, :]
+        i1 = i0 + 4
+        s0 = _sign_of_bit((_sign_words(i0, sk0, sk1) >> (i0 & 31).to(tl.uint32)) & 1)
+        s1 = _sign_of_bit((_sign_words(i1, sk0, sk1) >> (i1 & 31).to(tl.uint32)) & 1)
+    return s0, s1
+
+
+@triton.jit
+def _butterfly_slots(v, H: tl.constexpr):
+    """One butterfly stage among each group's four slots of a half, [BUCKETS, G, 4]: slots
+    j and j + H (j & H == 0, H 1 or 2) become (a + b, a - b)."""
+    S0: tl.constexpr = v.shape[0]
+    S1: tl.constexpr = v.shape[1]
+    w = tl.reshape(v, (S0, S1, 2, 2))  # [.., slot // 2, slot % 2]
+    if H == 2:
+        w = tl.permute(w, (0, 1, 3, 2))
+    a, b = tl.split(w)
+    w = tl.join(a + b, a - b)
+    if H == 2:
+        w = tl.permute(w, (0, 1, 3, 2))
+    return tl.reshape(w, (S0, S1, 4))
+
+
+@triton.jit
+def _butterfly_groups(v, M: tl.constexpr):
+    """One butterfly stage between groups g and g + M (g & M == 0) of a half, [BUCKETS, G,
+    4]: the stage h = 8 M of the values."""
+    S0: tl.constexpr = v.shape[0]
+    S1: tl.constexpr = v.shape[1]
+    w = tl.permute(tl.reshape(v, (S0, S1 // (2 * M), 2, M, 4)), (0, 1, 3, 4, 2))
+    a, b = tl.split(w)
+    w = tl.permute(tl.join(a + b, a - b), (0, 1, 4, 2, 3))
+    return tl.reshape(w, (S0, S1, 4))
+
+
+@triton.jit
+def _butterflies(v0, v1, ROT: tl.constexpr):
+    """The unnormalized Walsh-Hadamard transform of each block of ``ROT`` values of a tile's
+    halves, in the reference's stage order h = 1, 2, ..., ROT / 2: h = 1 and 2 within a
+    group's halves, h = 4 between the halves, h = 8 and up between groups."""
+    if ROT >= 2:
+        v0 = _butterfly_slots(v0, 1)
+        v1 = _butterfly_slots(v1, 1)
+    if ROT >= 4:
+        v0 = _butterfly_slots(v0, 2)
+        v1 = _butterfly_slots(v1, 2)
+    if ROT >= 8:
+        a = v0 + v1
+        v1 = v0 - v1
+        v0 = a
+    if ROT >= 16:
+        LOG: tl.constexpr = ROT.bit_length() - 1
+        for k in tl.static_range(LOG - 3):
+            v0 = _butterfly_groups(v0, 1 << k)
+            v1 = _butterfly_groups(v1, 1 << k)
+    return v0, v1
+
+
+@triton.jit
+def _rotation_scale(ROT: tl.constexpr):
+    """fp32(1 / sqrt(ROT)) (:func:`.rotation.rotation_scale`), from its bits: 2**-(k/2) for
+    ROT = 2**k, k even, else fp32(1/sqrt(2)) (0x3F3504F3) times 2**-((k-1)/2), exactly."""
+    K: tl.constexpr = ROT.bit_length() - 1
+    ODD: tl.constexpr = K % 2
+    BITS: tl.constexpr = (0x3F3504F3 - ((K - 1) // 2 << 23)) * ODD + ((127 - K // 2) << 23) * (
+        1 - ODD
+    )
+    return tl.full((), BITS, tl.uint32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _rotate_tile(
+    v0,
+    v1,
+    q,
+    c,
+    sk0,
+    sk1,
+    base,
+    rot_end,
+    B: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROT: tl.constexpr,
+    INVERSE: tl.constexpr,
+    GROUPED: tl.constexpr,
+    CANONICAL_NAN: tl.constexpr,
+):
+    """A tile's halves (fp32) rotated, or with ``INVERSE`` rotated back, where their index in
+    the payload, ``base + q * B + col``, is below ``rot_end`` (the end of the last whole
+    block); the values at and past it as they are. Each step one fp32 operation in the
+    reference's order. ``CANONICAL_NAN``: every NaN out is 0x7FC00000, the reference's
+    (hardware's NaN bits differ), for values stored; a NaN only coded needs no such care."""
+    s0, s1 = _tile_signs(q, c, sk0, sk1, base, B, BLOCK, GROUPED)
+    scale = _rotation_scale(ROT)
+    if INVERSE:
+        r0, r1 = _butterflies(v0, v1, ROT)
+        r0 = (r0 * scale) * s0
+        r1 = (r1 * scale) * s1
+    else:
+        r0, r1 = _butterflies(v0 * s0, v1 * s1, ROT)
+        r0 = r0 * scale
+        r1 = r1 * scale
+    col = c + 8 * tl.arange(0, BLOCK // 8)[:, None] + tl.arange(0, 4)[None, :]
+    i0 = base + q[:, None, None] * B + col[None, :, :]
+    nan = (tl.zeros(r0.shape, tl.uint32) + 0x7FC00000).to(tl.float32, bitcast=True)
+    r0 = tl.where(i0 < rot_end, r0, v0)
+    r1 = tl.where(i0 + 4 < rot_end, r1, v1)
+    if CANONICAL_NAN:
+        r0 = tl.where(r0 != r0, nan, r0)
+        r1 = tl.where(r1 != r1, nan, r1)
+    return r0, r1
 
 
 @triton.jit
@@ -609,9 +772,18 @@ def _encode_loaded(
     BLOCK: tl.constexpr,
     FULL: tl.constexpr,
     NEAREST: tl.constexpr = False,
+    sk0=0,
+    sk1=0,
+    rot_end=0,
+    ROT: tl.constexpr = 0,
 ):
-    """Encode buckets q (B <= BLOCK) from their loaded values."""
+    """Encode buckets q (B <= BLOCK) from their loaded values (``ROT``: rotated first, the
+    signs' key ``sk0, sk1``; see :func:`_rotate_tile`)."""
     qmask = q < nq
+    if ROT > 0:
+        v0, v1 = _rotate_tile(
+            v0, v1, q, 0, sk0, sk1, 0, rot_end, B, BLOCK, ROT, False, B % 8 == 0, False
+        )
     lo, hi = _stats(v0, v1, valid0, valid1)
     lo, step, scale, finite, pre, lo_p = _params(lo, hi, BITS)
     _quantize_store(
@@ -662,8 +834,13 @@ def _encode_sum_loaded(
     BLOCK: tl.constexpr,
     FULL: tl.constexpr,
     HAS_OWN: tl.constexpr,
+    sk0=0,
+    sk1=0,
+    rot_end=0,
+    ROT: tl.constexpr = 0,
 ):
-    """:func:`_encode_loaded` of a sum, whose buckets that overflowed are coded saturated
+    """:func:`_encode_loaded` of a sum (``ROT``: own's values are rotated, for the check of
+    their finiteness too), whose buckets that overflowed are coded saturated
     (unless own's values there are not all finite: input +-Inf, which stays NaN). A tile
     with such a bucket stores its levels twice, the second time saturated, and loads own's
     values again: a branch before the levels, or own's values kept, cost every tile."""
@@ -698,6 +875,10 @@ def _encode_sum_loaded(
     if tl.max(sat.to(tl.int32), axis=0) > 0:  # the tile's levels once more, saturated
         if HAS_OWN:
             own0, own1, _, _ = _load_tile(own_ptr, q, qmask, quant, 0, B, BLOCK, FULL)
+            if ROT > 0:
+                own0, own1 = _rotate_tile(
+                    own0, own1, q, 0, sk0, sk1, 0, rot_end, B, BLOCK, ROT, False, B % 8 == 0, False
+                )
             sat = sat & _all_finite(own0, own1, valid0, valid1)
         m, s, sat_scale, a_lo, a_hi = _saturated_params(lo, hi, BITS)
         stored_lo = tl.where(sat, m, stored_lo)
@@ -750,20 +931,33 @@ def _encode_wide(
     BLOCK: tl.constexpr,
     FULL: tl.constexpr,
     NEAREST: tl.constexpr = False,
+    sk0=0,
+    sk1=0,
+    rot_end=0,
+    ROT: tl.constexpr = 0,
 ):
-    """Encode buckets q wider than BLOCK, a tile at a time: statistics, then levels."""
+    """Encode buckets q wider than BLOCK, a tile at a time: statistics, then levels (each tile
+    rotated, given ``ROT``, as it is loaded)."""
     qmask = q < nq
     NUM_TILES: tl.constexpr = (B + BLOCK - 1) // BLOCK
     lo = tl.full((BUCKETS,), float("inf"), tl.float32)
     hi = tl.full((BUCKETS,), float("-inf"), tl.float32)
     for t in range(NUM_TILES):
         v0, v1, valid0, valid1 = _load_tile(x_ptr, q, qmask, quant, t * BLOCK, B, BLOCK, FULL)
+        if ROT > 0:
+            v0, v1 = _rotate_tile(
+                v0, v1, q, t * BLOCK, sk0, sk1, 0, rot_end, B, BLOCK, ROT, False, B % 8 == 0, False
+            )
         t_lo, t_hi = _stats(v0, v1, valid0, valid1)
         lo = _min_with_nan(lo, t_lo)
         hi = tl.maximum(hi, t_hi)
     lo, step, scale, finite, pre, lo_p = _params(lo, hi, BITS)
     for t in range(NUM_TILES):
         v0, v1, valid0, valid1 = _load_tile(x_ptr, q, qmask, quant, t * BLOCK, B, BLOCK, FULL)
+        if ROT > 0:
+            v0, v1 = _rotate_tile(
+                v0, v1, q, t * BLOCK, sk0, sk1, 0, rot_end, B, BLOCK, ROT, False, B % 8 == 0, False
+            )
         _quantize_store(
             lev_ptr,
             v0,
@@ -819,8 +1013,8 @@ def _zero_gaps(
     tl.store(row_ptr + levels_end + offs, zeros, mask=levels_end + offs < end)
 
 
-@triton.jit(do_not_specialize=["numel", "chunk_numel", "k0", "k1", "stream0", "skip_chunk"])
-def _encode_kernel(
+@triton.jit
+def _encode_program(
     x_ptr,
     out_u8,
     numel,
@@ -831,6 +1025,9 @@ def _encode_kernel(
     keys_ptr,
     stream0,
     skip_chunk,
+    sign_k0,
+    sign_k1,
+    signs_ptr,
     BITS: tl.constexpr,
     B: tl.constexpr,
     SKIP_INCOMPLETE: tl.constexpr,
@@ -838,14 +1035,18 @@ def _encode_kernel(
     KEYS_IN_MEMORY: tl.constexpr,
     BUCKETS: tl.constexpr,
     BLOCK: tl.constexpr,
-    ZERO_GAPS: tl.constexpr = False,
-    NEAREST: tl.constexpr = False,
+    ZERO_GAPS: tl.constexpr,
+    NEAREST: tl.constexpr,
+    ROT: tl.constexpr,
+    SIGNS_IN_MEMORY: tl.constexpr,
 ):
     """Program i encodes tiles i, i + P, ... of chunk program_id(1) (P programs per chunk).
     Buckets that fit a tile are loaded one tile ahead, so that the next tile's loads are in
     flight while this one is coded. ``ZERO_GAPS``: program 0 of each chunk also zeroes the
     alignment gaps before and after the levels (a payload allocated uninitialized: one
-    memset launch fewer). ``NEAREST``: levels rounded to the nearest, not stochastically."""
+    memset launch fewer). ``NEAREST``: levels rounded to the nearest, not stochastically.
+    ``ROT``: each chunk's values rotated first (:func:`_rotate_tile`), the signs' key
+    ``sign_k0, sign_k1`` or the int64 at ``signs_ptr``."""
     j = tl.program_id(1)
     start, nq, quant, levels_at = _geometry(j, numel, chunk_numel, B, SKIP_INCOMPLETE, ALIGN)
     nq = tl.where(j == skip_chunk, 0, nq)
@@ -872,6 +1073,12 @@ def _encode_kernel(
     meta_ptr = _meta_ptr(out_u8 + row)
     key0, key1 = _load_key(k0, k1, keys_ptr, KEYS_IN_MEMORY)
     stream = stream0 + j
+    sk0 = 0
+    sk1 = 0
+    rot_end = 0
+    if ROT > 0:  # the chunk's last whole block ends there
+        sk0, sk1 = _load_key(sign_k0, sign_k1, signs_ptr, SIGNS_IN_MEMORY)
+        rot_end = tl.minimum(tl.maximum(numel - start, 0), chunk_numel) // ROT * ROT
     lanes = tl.arange(0, BUCKETS).to(tl.int64)
     tiles = ((nq + BUCKETS - 1) // BUCKETS).to(tl.int32)
     # Tiles of complete buckets come first: given bounds that are multiples of the tile, the
@@ -909,6 +1116,10 @@ def _encode_kernel(
                     BLOCK,
                     B % BLOCK == 0,
                     NEAREST,
+                    sk0,
+                    sk1,
+                    rot_end,
+                    ROT,
                 )
                 v0 = n0
                 v1 = n1
@@ -934,6 +1145,10 @@ def _encode_kernel(
                 BLOCK,
                 False,
                 NEAREST,
+                sk0,
+                sk1,
+                rot_end,
+                ROT,
             )
     else:
         for t in range(pid, tiles, programs):
@@ -955,6 +1170,10 @@ def _encode_kernel(
                     BLOCK,
                     B % BLOCK == 0,
                     NEAREST,
+                    sk0,
+                    sk1,
+                    rot_end,
+                    ROT,
                 )
             else:
                 _encode_wide(
@@ -973,7 +1192,130 @@ def _encode_kernel(
                     BLOCK,
                     False,
                     NEAREST,
+                    sk0,
+                    sk1,
+                    rot_end,
+                    ROT,
                 )
+
+
+@triton.jit(do_not_specialize=["numel", "chunk_numel", "k0", "k1", "stream0", "skip_chunk"])
+def _encode_kernel(
+    x_ptr,
+    out_u8,
+    numel,
+    chunk_numel,
+    row_nbytes,
+    k0,
+    k1,
+    keys_ptr,
+    stream0,
+    skip_chunk,
+    BITS: tl.constexpr,
+    B: tl.constexpr,
+    SKIP_INCOMPLETE: tl.constexpr,
+    ALIGN: tl.constexpr,
+    KEYS_IN_MEMORY: tl.constexpr,
+    BUCKETS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ZERO_GAPS: tl.constexpr = False,
+    NEAREST: tl.constexpr = False,
+):
+    """:func:`_encode_program` with no rotation."""
+    _encode_program(
+        x_ptr,
+        out_u8,
+        numel,
+        chunk_numel,
+        row_nbytes,
+        k0,
+        k1,
+        keys_ptr,
+        stream0,
+        skip_chunk,
+        0,
+        0,
+        keys_ptr,
+        BITS,
+        B,
+        SKIP_INCOMPLETE,
+        ALIGN,
+        KEYS_IN_MEMORY,
+        BUCKETS,
+        BLOCK,
+        ZERO_GAPS,
+        NEAREST,
+        0,
+        False,
+    )
+
+
+@triton.jit(
+    do_not_specialize=[
+        "numel",
+        "chunk_numel",
+        "k0",
+        "k1",
+        "stream0",
+        "skip_chunk",
+        "sign_k0",
+        "sign_k1",
+    ]
+)
+def _encode_rotated_kernel(
+    x_ptr,
+    out_u8,
+    numel,
+    chunk_numel,
+    row_nbytes,
+    k0,
+    k1,
+    keys_ptr,
+    stream0,
+    skip_chunk,
+    sign_k0,
+    sign_k1,
+    signs_ptr,
+    BITS: tl.constexpr,
+    B: tl.constexpr,
+    SKIP_INCOMPLETE: tl.constexpr,
+    ALIGN: tl.constexpr,
+    KEYS_IN_MEMORY: tl.constexpr,
+    BUCKETS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROT: tl.constexpr,
+    SIGNS_IN_MEMORY: tl.constexpr,
+    ZERO_GAPS: tl.constexpr = False,
+    NEAREST: tl.constexpr = False,
+):
+    """:func:`_encode_program` of the rotated values: a kernel of its own, so that the
+    unrotated one keeps its parameters and launches."""
+    _encode_program(
+        x_ptr,
+        out_u8,
+        numel,
+        chunk_numel,
+        row_nbytes,
+        k0,
+        k1,
+        keys_ptr,
+        stream0,
+        skip_chunk,
+        sign_k0,
+        sign_k1,
+        signs_ptr,
+        BITS,
+        B,
+        SKIP_INCOMPLETE,
+        ALIGN,
+        KEYS_IN_MEMORY,
+        BUCKETS,
+        BLOCK,
+        ZERO_GAPS,
+        NEAREST,
+        ROT,
+        SIGNS_IN_MEMORY,
+    )
 
 
 @triton.jit
@@ -990,7 +1332,12 @@ def _decode_tiles(
     FULL: tl.constexpr,
     BUCKETS: tl.constexpr,
     BLOCK: tl.constexpr,
+    sk0=0,
+    sk1=0,
+    rot_end=0,
+    ROT: tl.constexpr = 0,
 ):
+    """Decode buckets q, a tile at a time (``ROT``: each rotated back before it is cast)."""
     qmask = q < nq
     lo = tl.load(meta_ptr + 2 * q, mask=qmask, other=0.0)[:, None, None]
     signed_step = tl.load(meta_ptr + 2 * q + 1, mask=qmask, other=0.0)[:, None, None]
@@ -1004,6 +1351,10 @@ def _decode_tiles(
         e, valid0, valid1 = _tile(q, qmask, quant, c, B, BLOCK, FULL)
         v0 = (lo + step * l0) * post
         v1 = (lo + step * l1) * post
+        if ROT > 0:
+            v0, v1 = _rotate_tile(
+                v0, v1, q, c, sk0, sk1, 0, rot_end, B, BLOCK, ROT, True, B % 8 == 0, True
+            )
         if OUT_BF16:
             v0 = _to_bf16(v0)
             v1 = _to_bf16(v1)
@@ -1015,6 +1366,83 @@ def _decode_tiles(
         else:
             tl.store(out_ptr + e, v0, mask=valid0)
             tl.store(out_ptr + e + 4, v1, mask=valid1)
+
+
+@triton.jit
+def _decode_program(
+    in_u8,
+    out_ptr,
+    numel,
+    chunk_numel,
+    row_nbytes,
+    sign_k0,
+    sign_k1,
+    signs_ptr,
+    BITS: tl.constexpr,
+    B: tl.constexpr,
+    SKIP_INCOMPLETE: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    ALIGN: tl.constexpr,
+    BUCKETS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROT: tl.constexpr,
+    SIGNS_IN_MEMORY: tl.constexpr,
+):
+    """Program (i, j) decodes tile i of chunk j (``ROT``: and rotates it back, the signs' key
+    ``sign_k0, sign_k1`` or the int64 at ``signs_ptr``)."""
+    j = tl.program_id(1)
+    start, nq, quant, levels_at = _geometry(j, numel, chunk_numel, B, SKIP_INCOMPLETE, ALIGN)
+    q = tl.program_id(0).to(tl.int64) * BUCKETS + tl.arange(0, BUCKETS)
+    row = j.to(tl.int64) * row_nbytes
+    lev_ptr = in_u8 + row + levels_at
+    meta_ptr = _meta_ptr(in_u8 + row)
+    end = (tl.program_id(0).to(tl.int64) + 1) * BUCKETS
+    sk0 = 0
+    sk1 = 0
+    rot_end = 0
+    if ROT > 0:  # the chunk's last whole block ends there
+        sk0, sk1 = _load_key(sign_k0, sign_k1, signs_ptr, SIGNS_IN_MEMORY)
+        rot_end = tl.minimum(tl.maximum(numel - start, 0), chunk_numel) // ROT * ROT
+    if end * B <= quant:
+        # Every value of the tile exists: stores with no mask (and a start known to be
+        # aligned) vectorize to 16 bytes; a mask, even a provably full one, keeps them scalar.
+        _decode_tiles(
+            lev_ptr,
+            meta_ptr,
+            out_ptr + start,
+            q,
+            end,
+            end * B,
+            BITS,
+            B,
+            OUT_BF16,
+            B % BLOCK == 0,
+            BUCKETS,
+            BLOCK,
+            sk0,
+            sk1,
+            rot_end,
+            ROT,
+        )
+    else:
+        _decode_tiles(
+            lev_ptr,
+            meta_ptr,
+            out_ptr + start,
+            q,
+            nq,
+            quant,
+            BITS,
+            B,
+            OUT_BF16,
+            False,
+            BUCKETS,
+            BLOCK,
+            sk0,
+            sk1,
+            rot_end,
+            ROT,
+        )
 
 
 @triton.jit(do_not_specialize=["numel", "chunk_numel"])
@@ -1032,45 +1460,68 @@ def _decode_kernel(
     BUCKETS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    j = tl.program_id(1)
-    start, nq, quant, levels_at = _geometry(j, numel, chunk_numel, B, SKIP_INCOMPLETE, ALIGN)
-    q = tl.program_id(0).to(tl.int64) * BUCKETS + tl.arange(0, BUCKETS)
-    row = j.to(tl.int64) * row_nbytes
-    lev_ptr = in_u8 + row + levels_at
-    meta_ptr = _meta_ptr(in_u8 + row)
-    end = (tl.program_id(0).to(tl.int64) + 1) * BUCKETS
-    if end * B <= quant:
-        # Every value of the tile exists: stores with no mask (and a start known to be
-        # aligned) vectorize to 16 bytes; a mask, even a provably full one, keeps them scalar.
-        _decode_tiles(
-            lev_ptr,
-            meta_ptr,
-            out_ptr + start,
-            q,
-            end,
-            end * B,
-            BITS,
-            B,
-            OUT_BF16,
-            B % BLOCK == 0,
-            BUCKETS,
-            BLOCK,
-        )
-    else:
-        _decode_tiles(
-            lev_ptr,
-            meta_ptr,
-            out_ptr + start,
-            q,
-            nq,
-            quant,
-            BITS,
-            B,
-            OUT_BF16,
-            False,
-            BUCKETS,
-            BLOCK,
-        )
+    """:func:`_decode_program` with no rotation."""
+    _decode_program(
+        in_u8,
+        out_ptr,
+        numel,
+        chunk_numel,
+        row_nbytes,
+        0,
+        0,
+        in_u8,
+        BITS,
+        B,
+        SKIP_INCOMPLETE,
+        OUT_BF16,
+        ALIGN,
+        BUCKETS,
+        BLOCK,
+        0,
+        False,
+    )
+
+
+@triton.jit(do_not_specialize=["numel", "chunk_numel", "sign_k0", "sign_k1"])
+def _decode_rotated_kernel(
+    in_u8,
+    out_ptr,
+    numel,
+    chunk_numel,
+    row_nbytes,
+    sign_k0,
+    sign_k1,
+    signs_ptr,
+    BITS: tl.constexpr,
+    B: tl.constexpr,
+    SKIP_INCOMPLETE: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    ALIGN: tl.constexpr,
+    BUCKETS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROT: tl.constexpr,
+    SIGNS_IN_MEMORY: tl.constexpr,
+):
+    """:func:`_decode_program`, rotating back (a kernel of its own, as the encoder's)."""
+    _decode_program(
+        in_u8,
+        out_ptr,
+        numel,
+        chunk_numel,
+        row_nbytes,
+        sign_k0,
+        sign_k1,
+        signs_ptr,
+        BITS,
+        B,
+        SKIP_INCOMPLETE,
+        OUT_BF16,
+        ALIGN,
+        BUCKETS,
+        BLOCK,
+        ROT,
+        SIGNS_IN_MEMORY,
+    )
 
 
 @triton.jit
@@ -1167,11 +1618,24 @@ def _sum_loaded(
     ROWS: tl.constexpr,
     BITS: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    q=0,
+    c=0,
+    sk0=0,
+    sk1=0,
+    rot_end=0,
+    B: tl.constexpr = 8,
+    BLOCK: tl.constexpr = 8,
+    ROT: tl.constexpr = 0,
 ):
     """own + the rows decoded, summed in row order, in fp32; with a scale, own and each row's
-    values times it (folded into its buckets' post: :func:`.maxmin._scaled_sum`)."""
+    values times it (folded into its buckets' post: :func:`.maxmin._scaled_sum`). ``ROT``:
+    own's values (tile ``q, c``) rotated first, as the rows' are."""
     acc0 = own0
     acc1 = own1
+    if ROT > 0:
+        acc0, acc1 = _rotate_tile(
+            own0, own1, q, c, sk0, sk1, 0, rot_end, B, BLOCK, ROT, False, B % 8 == 0, False
+        )
     if HAS_SCALE:
         acc0 = acc0 * scale
         acc1 = acc1 * scale
@@ -1213,9 +1677,14 @@ def _decode_sum_encode_wide(
     BUCKETS: tl.constexpr,
     BLOCK: tl.constexpr,
     FULL: tl.constexpr,
+    sk0=0,
+    sk1=0,
+    rot_end=0,
+    ROT: tl.constexpr = 0,
 ):
     """Buckets q wider than BLOCK, a tile at a time: the sums for the statistics, then again
-    for the levels."""
+    for the levels (``ROT``: own's values rotated, each time they are loaded)."""
+    OWN_ROT: tl.constexpr = ROT * HAS_OWN
     qmask = q < nq
     NUM_TILES: tl.constexpr = (B + BLOCK - 1) // BLOCK
     ROWS: tl.constexpr = NUM_ROWS - SKIP_OWN
@@ -1241,7 +1710,25 @@ def _decode_sum_encode_wide(
             BLOCK,
             FULL,
         )
-        v0, v1 = _sum_loaded(own0, own1, fields, los, steps, scale, ROWS, BITS, HAS_SCALE)
+        v0, v1 = _sum_loaded(
+            own0,
+            own1,
+            fields,
+            los,
+            steps,
+            scale,
+            ROWS,
+            BITS,
+            HAS_SCALE,
+            q,
+            t * BLOCK,
+            sk0,
+            sk1,
+            rot_end,
+            B,
+            BLOCK,
+            OWN_ROT,
+        )
         _, valid0, valid1 = _tile(q, qmask, quant, t * BLOCK, B, BLOCK, FULL)
         t_lo, t_hi = _stats(v0, v1, valid0, valid1)
         lo = _min_with_nan(lo, t_lo)
@@ -1255,6 +1742,23 @@ def _decode_sum_encode_wide(
                 own0, own1, valid0, valid1 = _load_tile(
                     own_ptr, q, qmask, quant, t * BLOCK, B, BLOCK, FULL
                 )
+                if ROT > 0:
+                    own0, own1 = _rotate_tile(
+                        own0,
+                        own1,
+                        q,
+                        t * BLOCK,
+                        sk0,
+                        sk1,
+                        0,
+                        rot_end,
+                        B,
+                        BLOCK,
+                        ROT,
+                        False,
+                        B % 8 == 0,
+                        False,
+                    )
                 sat = sat & _all_finite(own0, own1, valid0, valid1)
         m, s, sat_scale, a_lo, a_hi = _saturated_params(lo, hi, BITS)
         stored_lo = tl.where(sat, m, stored_lo)
@@ -1279,7 +1783,25 @@ def _decode_sum_encode_wide(
                 BLOCK,
                 FULL,
             )
-            v0, v1 = _sum_loaded(own0, own1, fields, los, steps, scale, ROWS, BITS, HAS_SCALE)
+            v0, v1 = _sum_loaded(
+                own0,
+                own1,
+                fields,
+                los,
+                steps,
+                scale,
+                ROWS,
+                BITS,
+                HAS_SCALE,
+                q,
+                t * BLOCK,
+                sk0,
+                sk1,
+                rot_end,
+                B,
+                BLOCK,
+                OWN_ROT,
+            )
             _, valid0, valid1 = _tile(q, qmask, quant, t * BLOCK, B, BLOCK, FULL)
             _quantize_store_saturated(
                 lev_ptr,
@@ -1330,7 +1852,25 @@ def _decode_sum_encode_wide(
                 BLOCK,
                 FULL,
             )
-            v0, v1 = _sum_loaded(own0, own1, fields, los, steps, scale, ROWS, BITS, HAS_SCALE)
+            v0, v1 = _sum_loaded(
+                own0,
+                own1,
+                fields,
+                los,
+                steps,
+                scale,
+                ROWS,
+                BITS,
+                HAS_SCALE,
+                q,
+                t * BLOCK,
+                sk0,
+                sk1,
+                rot_end,
+                B,
+                BLOCK,
+                OWN_ROT,
+            )
             _, valid0, valid1 = _tile(q, qmask, quant, t * BLOCK, B, BLOCK, FULL)
             _quantize_store(
                 lev_ptr,
@@ -1358,8 +1898,8 @@ def _decode_sum_encode_wide(
     _store_meta(meta_ptr, q, qmask, stored_lo, step)
 
 
-@triton.jit(do_not_specialize=["numel", "own_index", "k0", "k1", "stream"])
-def _decode_sum_encode_kernel(
+@triton.jit
+def _decode_sum_encode_program(
     in_u8,
     own_ptr,
     out_u8,
@@ -1371,6 +1911,9 @@ def _decode_sum_encode_kernel(
     k1,
     keys_ptr,
     stream,
+    sign_k0,
+    sign_k1,
+    signs_ptr,
     NUM_ROWS: tl.constexpr,
     SKIP_OWN: tl.constexpr,
     BITS: tl.constexpr,
@@ -1381,15 +1924,26 @@ def _decode_sum_encode_kernel(
     KEYS_IN_MEMORY: tl.constexpr,
     BUCKETS: tl.constexpr,
     BLOCK: tl.constexpr,
+    ROT: tl.constexpr,
+    SIGNS_IN_MEMORY: tl.constexpr,
 ):
     """Program i sums and encodes tiles i, i + P, ... (P programs); as in
-    :func:`_encode_kernel`, the next tile's inputs load while this one is coded."""
+    :func:`_encode_program`, the next tile's inputs load while this one is coded. ``ROT``:
+    own's values rotated (the rows' are), the signs' key ``sign_k0, sign_k1`` or at
+    ``signs_ptr``; the sum is coded as it is, in the rotated domain."""
     _start, nq, quant, levels_at = _geometry(tl.program_id(1), numel, numel, B, SKIP_INCOMPLETE, 1)
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     lev_ptr = out_u8 + levels_at
     meta_ptr = _meta_ptr(out_u8)
     key0, key1 = _load_key(k0, k1, keys_ptr, KEYS_IN_MEMORY)
+    OWN_ROT: tl.constexpr = ROT * HAS_OWN
+    sk0 = 0
+    sk1 = 0
+    rot_end = 0
+    if OWN_ROT > 0:  # the payload's last whole block ends there
+        sk0, sk1 = _load_key(sign_k0, sign_k1, signs_ptr, SIGNS_IN_MEMORY)
+        rot_end = numel // ROT * ROT
     lanes = tl.arange(0, BUCKETS).to(tl.int64)
     tiles = ((nq + BUCKETS - 1) // BUCKETS).to(tl.int32)
     full = (quant // (BUCKETS * B)).to(tl.int32)  # tiles of complete buckets, first
@@ -1439,7 +1993,25 @@ def _decode_sum_encode_kernel(
                     BLOCK,
                     B % BLOCK == 0,
                 )
-                v0, v1 = _sum_loaded(own0, own1, fields, los, steps, scale, ROWS, BITS, HAS_SCALE)
+                v0, v1 = _sum_loaded(
+                    own0,
+                    own1,
+                    fields,
+                    los,
+                    steps,
+                    scale,
+                    ROWS,
+                    BITS,
+                    HAS_SCALE,
+                    q,
+                    0,
+                    sk0,
+                    sk1,
+                    rot_end,
+                    B,
+                    BLOCK,
+                    OWN_ROT,
+                )
                 _, valid0, valid1 = _tile(q, q < full_nq, full_nq * B, 0, B, BLOCK, B % BLOCK == 0)
                 _encode_sum_loaded(
                     v0,
@@ -1461,6 +2033,10 @@ def _decode_sum_encode_kernel(
                     BLOCK,
                     B % BLOCK == 0,
                     HAS_OWN,
+                    sk0,
+                    sk1,
+                    rot_end,
+                    OWN_ROT,
                 )
                 own0 = next0
                 own1 = next1
@@ -1488,7 +2064,25 @@ def _decode_sum_encode_kernel(
                 BLOCK,
                 False,
             )
-            v0, v1 = _sum_loaded(own0, own1, fields, los, steps, scale, ROWS, BITS, HAS_SCALE)
+            v0, v1 = _sum_loaded(
+                own0,
+                own1,
+                fields,
+                los,
+                steps,
+                scale,
+                ROWS,
+                BITS,
+                HAS_SCALE,
+                q,
+                0,
+                sk0,
+                sk1,
+                rot_end,
+                B,
+                BLOCK,
+                OWN_ROT,
+            )
             _, valid0, valid1 = _tile(q, q < nq, quant, 0, B, BLOCK, False)
             _encode_sum_loaded(
                 v0,
@@ -1510,6 +2104,10 @@ def _decode_sum_encode_kernel(
                 BLOCK,
                 False,
                 HAS_OWN,
+                sk0,
+                sk1,
+                rot_end,
+                OWN_ROT,
             )
     else:
         for t in range(pid, tiles, programs):
@@ -1539,6 +2137,10 @@ def _decode_sum_encode_kernel(
                     BUCKETS,
                     BLOCK,
                     B % BLOCK == 0,
+                    sk0,
+                    sk1,
+                    rot_end,
+                    OWN_ROT,
                 )
             else:
                 _decode_sum_encode_wide(
@@ -1565,7 +2167,160 @@ def _decode_sum_encode_kernel(
                     BUCKETS,
                     BLOCK,
                     False,
+                    sk0,
+                    sk1,
+                    rot_end,
+                    OWN_ROT,
                 )
+
+
+@triton.jit(do_not_specialize=["numel", "own_index", "k0", "k1", "stream"])
+def _decode_sum_encode_kernel(
+    in_u8,
+    own_ptr,
+    out_u8,
+    numel,
+    row_nbytes,
+    own_index,
+    scale,
+    k0,
+    k1,
+    keys_ptr,
+    stream,
+    NUM_ROWS: tl.constexpr,
+    SKIP_OWN: tl.constexpr,
+    BITS: tl.constexpr,
+    B: tl.constexpr,
+    SKIP_INCOMPLETE: tl.constexpr,
+    HAS_OWN: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    KEYS_IN_MEMORY: tl.constexpr,
+    BUCKETS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """:func:`_decode_sum_encode_program` with no rotation."""
+    _decode_sum_encode_program(
+        in_u8,
+        own_ptr,
+        out_u8,
+        numel,
+        row_nbytes,
+        own_index,
+        scale,
+        k0,
+        k1,
+        keys_ptr,
+        stream,
+        0,
+        0,
+        keys_ptr,
+        NUM_ROWS,
+        SKIP_OWN,
+        BITS,
+        B,
+        SKIP_INCOMPLETE,
+        HAS_OWN,
+        HAS_SCALE,
+        KEYS_IN_MEMORY,
+        BUCKETS,
+        BLOCK,
+        0,
+        False,
+    )
+
+
+@triton.jit(do_not_specialize=["numel", "own_index", "k0", "k1", "stream", "sign_k0", "sign_k1"])
+def _decode_sum_encode_rotated_kernel(
+    in_u8,
+    own_ptr,
+    out_u8,
+    numel,
+    row_nbytes,
+    own_index,
+    scale,
+    k0,
+    k1,
+    keys_ptr,
+    stream,
+    sign_k0,
+    sign_k1,
+    signs_ptr,
+    NUM_ROWS: tl.constexpr,
+    SKIP_OWN: tl.constexpr,
+    BITS: tl.constexpr,
+    B: tl.constexpr,
+    SKIP_INCOMPLETE: tl.constexpr,
+    HAS_OWN: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    KEYS_IN_MEMORY: tl.constexpr,
+    BUCKETS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROT: tl.constexpr,
+    SIGNS_IN_MEMORY: tl.constexpr,
+):
+    """:func:`_decode_sum_encode_program` with own's values rotated (a kernel of its own, as
+    the encoder's)."""
+    _decode_sum_encode_program(
+        in_u8,
+        own_ptr,
+        out_u8,
+        numel,
+        row_nbytes,
+        own_index,
+        scale,
+        k0,
+        k1,
+        keys_ptr,
+        stream,
+        sign_k0,
+        sign_k1,
+        signs_ptr,
+        NUM_ROWS,
+        SKIP_OWN,
+        BITS,
+        B,
+        SKIP_INCOMPLETE,
+        HAS_OWN,
+        HAS_SCALE,
+        KEYS_IN_MEMORY,
+        BUCKETS,
+        BLOCK,
+        ROT,
+        SIGNS_IN_MEMORY,
+    )
+
+
+@triton.jit(do_not_specialize=["n", "base", "rot_end", "sign_k0", "sign_k1"])
+def _rotate_kernel(
+    x_ptr,
+    out_ptr,
+    n,
+    base,
+    rot_end,
+    sign_k0,
+    sign_k1,
+    signs_ptr,
+    ROT: tl.constexpr,
+    INVERSE: tl.constexpr,
+    SIGNS_IN_MEMORY: tl.constexpr,
+    GROUPED: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """The rotation (or with ``INVERSE`` its inverse) of ``n`` values (any float dtype) into
+    fp32 ``out_ptr`` (which may be ``x_ptr``): values ``base``.. of a payload whose last whole
+    block ends at ``rot_end`` (``base`` a multiple of ``ROT``; ``GROUPED``: of 8 too). For
+    what the coding kernels do not fuse: own's values in the unfused sum, the sum rotated
+    back, raw tails."""
+    q = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
+    e, valid0, valid1 = _tile(q, q >= 0, n, 0, BLOCK, BLOCK, False)
+    v0 = tl.load(x_ptr + e, mask=valid0, other=0.0).to(tl.float32)
+    v1 = tl.load(x_ptr + e + 4, mask=valid1, other=0.0).to(tl.float32)
+    sk0, sk1 = _load_key(sign_k0, sign_k1, signs_ptr, SIGNS_IN_MEMORY)
+    v0, v1 = _rotate_tile(
+        v0, v1, q, 0, sk0, sk1, base, rot_end, BLOCK, BLOCK, ROT, INVERSE, GROUPED, True
+    )
+    tl.store(out_ptr + e, v0, mask=valid0)
+    tl.store(out_ptr + e + 4, v1, mask=valid1)
 
 
 # --------------------------------------------------------------------------- launchers
@@ -1573,15 +2328,25 @@ def _decode_sum_encode_kernel(
 _launch_encode = Launcher(_encode_kernel)
 _launch_decode = Launcher(_decode_kernel)
 _launch_decode_sum_encode = Launcher(_decode_sum_encode_kernel)
+_launch_encode_rotated = Launcher(_encode_rotated_kernel)
+_launch_decode_sum_encode_rotated = Launcher(_decode_sum_encode_rotated_kernel)
+_launch_decode_rotated = Launcher(_decode_rotated_kernel)
+_launch_rotate = Launcher(_rotate_kernel)
+# Values a program of the standalone rotation takes (at least a block).
+_ROTATE_BLOCK = 1024
 
 
-def _launch(kernel: str, bucket_size: int, dtype: torch.dtype) -> dict[str, object]:
+def _launch(
+    kernel: str, bucket_size: int, dtype: torch.dtype, rotation: Rotation | None = None
+) -> dict[str, object]:
     """``kernel``'s launch for values of ``dtype``: its tile (``BUCKETS`` buckets of ``BLOCK``
-    values each), warps and compile options."""
+    values each), warps and compile options; a rotation's blocks fit a tile whole."""
     tile, warps = _SHAPE[kernel, min(dtype.itemsize, 4)]
     # Plain arithmetic: triton.next_power_of_2 and triton.cdiv are @jit functions, whose calls
     # from Python take microseconds each.
     block = min(max(1 << (bucket_size - 1).bit_length(), 8), _MAX_BLOCK)
+    if rotation is not None:
+        block = max(block, rotation.block)
     return {"BUCKETS": max(1, tile // block), "BLOCK": block, "num_warps": warps, **_LAUNCH}
 
 
@@ -1623,6 +2388,54 @@ def _key_args(key: int | torch.Tensor, other: torch.Tensor) -> tuple[int, int, t
     return k0, k1, other, False
 
 
+def _sign_args(rotation: Rotation, other: torch.Tensor) -> tuple[int, int, torch.Tensor, bool]:
+    """The signs' key as :func:`_key_args` passes a key: ``(sign_k0, sign_k1, signs_ptr,
+    SIGNS_IN_MEMORY)``."""
+    if isinstance(rotation.key, torch.Tensor):
+        return _key_args(rotation.key, other)
+    k0, k1 = _key(rotation.key & 0xFFFFFFFFFFFFFFFF)
+    return k0, k1, other, False
+
+
+def _rotated(
+    x: torch.Tensor,
+    rotation: Rotation,
+    payload_numel: int,
+    base: int = 0,
+    inverse: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Flat ``x`` (any float dtype), values ``base``.. of a payload of ``payload_numel``, rotated
+    (or with ``inverse`` rotated back) into fp32 ``out`` (new, or given: it may be ``x``):
+    :mod:`.rotation`'s values, NaN as 0x7FC00000. ``base`` is a multiple of the block."""
+    n = x.numel()
+    if out is None:
+        out = torch.empty(n, dtype=torch.float32, device=x.device)
+    if n == 0:
+        return out
+    block = max(_ROTATE_BLOCK, rotation.block)
+    k0, k1, signs, in_memory = _sign_args(rotation, x)
+    _launch_rotate(
+        (-(-n // block),),
+        x,
+        out,
+        n,
+        base,
+        payload_numel // rotation.block * rotation.block,
+        k0,
+        k1,
+        signs,
+        ROT=rotation.block,
+        INVERSE=inverse,
+        SIGNS_IN_MEMORY=in_memory,
+        GROUPED=base % 8 == 0,
+        BLOCK=block,
+        num_warps=4,
+        **_LAUNCH,
+    )
+    return out
+
+
 def _raw_region(row: torch.Tensor, layout: MaxMinLayout) -> torch.Tensor:
     """The fp32 raw tail of one payload row (empty unless skip_incomplete leaves one)."""
     start = layout.raw_offset // 4
@@ -1646,9 +2459,11 @@ def _encode_call(
     skip_chunk: int,
     zero_gaps: bool,
     nearest: bool = False,
+    rotation: Rotation | None = None,
 ) -> tuple[tuple[int, int], tuple, dict]:
-    """The encode kernel's grid, positional arguments and constexprs."""
-    launch = _launch("encode", layout.bucket_size, flat.dtype)
+    """The encode kernel's grid, positional arguments and constexprs (the rotated kernel's,
+    given a rotation)."""
+    launch = _launch("encode", layout.bucket_size, flat.dtype, rotation)
     max_nq = -(-layout.chunk_numel // layout.bucket_size)
     grid = (_programs(-(-max_nq // launch["BUCKETS"])), layout.num_chunks)
     k0, k1, keys, in_memory = _key_args(key, rows)
@@ -1673,6 +2488,10 @@ def _encode_call(
         ZERO_GAPS=zero_gaps,
         **launch,
     )
+    if rotation is not None:
+        sk0, sk1, signs, signs_in_memory = _sign_args(rotation, rows)
+        args = (*args, sk0, sk1, signs)
+        constexprs.update(ROT=rotation.block, SIGNS_IN_MEMORY=signs_in_memory)
     if nearest:  # absent otherwise: the variants compiled so far stay the ones launched
         constexprs["NEAREST"] = True
     return grid, args, constexprs
@@ -1686,13 +2505,18 @@ def encode_chunks(
     stream0: int = 0,
     out: torch.Tensor | None = None,
     nearest: bool = False,
+    *,
+    rotation: Rotation | None = None,
 ) -> torch.Tensor:
     """Encode each chunk j of flat ``x`` into row j of ``[K, P]`` with stream ``stream0 + j``
     (``nearest``: rounded to the nearest level, as :func:`cgx2.codecs.maxmin.encode`);
     row ``skip_chunk`` is left zero. Given ``out`` (uint8 ``[K, P]``, for the collectives,
     which then need no memset), the rows are written there; row ``skip_chunk`` and the
     padding between a row's regions, which no decoder reads, are not touched. ``key`` may be
-    a one-element int64 tensor on the device that holds it (:func:`_key_args`)."""
+    a one-element int64 tensor on the device that holds it (:func:`_key_args`).
+    ``rotation``: each chunk's values rotated first, in the kernel (:mod:`.rotation`)."""
+    if rotation is not None:
+        rotation.check(layout.bucket_size)
     flat = x if x.dim() == 1 else x.reshape(-1)  # reshape costs host time even then
     # One row whose every byte the kernel writes (gaps too): no memset first.
     zero_gaps = out is None and layout.num_chunks == 1
@@ -1705,22 +2529,31 @@ def encode_chunks(
     if rows.numel() == 0:
         return rows
     grid, args, constexprs = _encode_call(
-        flat, rows, layout, key, stream0, skip_chunk, zero_gaps, nearest
+        flat, rows, layout, key, stream0, skip_chunk, zero_gaps, nearest, rotation
     )
-    _launch_encode(grid, *args, **constexprs)
+    (_launch_encode if rotation is None else _launch_encode_rotated)(grid, *args, **constexprs)
     for j in range(layout.num_chunks if layout.skip_incomplete else 0):
         chunk = layout.chunk(j)
         if chunk.raw_numel and j != skip_chunk:
-            tail = layout.chunk_start(j) + chunk.num_buckets * layout.bucket_size
-            _raw_region(rows[j], chunk).copy_(flat[tail : tail + chunk.raw_numel])
+            quant = chunk.num_buckets * layout.bucket_size
+            tail = layout.chunk_start(j) + quant
+            raw = flat[tail : tail + chunk.raw_numel]
+            if rotation is not None:  # the raw values are rotated ones too
+                raw = _rotated(raw, rotation, chunk.numel, quant)
+            _raw_region(rows[j], chunk).copy_(raw)
     return rows
 
 
 def _decode_call(
-    payloads: torch.Tensor, out: torch.Tensor, layout: ChunkedLayout, dtype: torch.dtype
+    payloads: torch.Tensor,
+    out: torch.Tensor,
+    layout: ChunkedLayout,
+    dtype: torch.dtype,
+    rotation: Rotation | None = None,
 ) -> tuple[tuple[int, int], tuple, dict]:
-    """The decode kernel's grid, positional arguments and constexprs."""
-    launch = _launch("decode", layout.bucket_size, dtype)
+    """The decode kernel's grid, positional arguments and constexprs (the rotated kernel's,
+    given a rotation)."""
+    launch = _launch("decode", layout.bucket_size, dtype, rotation)
     max_nq = -(-layout.chunk_numel // layout.bucket_size)
     grid = (-(-max_nq // launch["BUCKETS"]), layout.num_chunks)
     args = (payloads, out, layout.numel, layout.chunk_numel, _row_pitch(payloads))
@@ -1732,6 +2565,10 @@ def _decode_call(
         ALIGN=math.gcd(layout.chunk_numel, 16),
         **launch,
     )
+    if rotation is not None:
+        sk0, sk1, signs, signs_in_memory = _sign_args(rotation, payloads)
+        args = (*args, sk0, sk1, signs)
+        constexprs.update(ROT=rotation.block, SIGNS_IN_MEMORY=signs_in_memory)
     return grid, args, constexprs
 
 
@@ -1740,20 +2577,28 @@ def decode_chunks(
     layout: ChunkedLayout,
     dtype: torch.dtype,
     out: torch.Tensor | None = None,
+    *,
+    rotation: Rotation | None = None,
 ) -> torch.Tensor:
     """Inverse of :func:`encode_chunks`: the flat tensor of ``layout.numel`` values (written
-    into ``out``, a contiguous tensor of that size and ``dtype``, when given)."""
+    into ``out``, a contiguous tensor of that size and ``dtype``, when given); ``rotation``:
+    each chunk rotated back in the kernel, before the cast to ``dtype``."""
+    if rotation is not None:
+        rotation.check(layout.bucket_size)
     if out is None:
         out = payloads.new_empty(layout.numel, dtype=dtype)
     if layout.numel == 0:
         return out
-    grid, args, constexprs = _decode_call(payloads, out, layout, dtype)
-    _launch_decode(grid, *args, **constexprs)
+    grid, args, constexprs = _decode_call(payloads, out, layout, dtype, rotation)
+    (_launch_decode if rotation is None else _launch_decode_rotated)(grid, *args, **constexprs)
     for j in range(layout.num_chunks if layout.skip_incomplete else 0):
         chunk = layout.chunk(j)
         if chunk.raw_numel:
-            tail = layout.chunk_start(j) + chunk.num_buckets * layout.bucket_size
+            quant = chunk.num_buckets * layout.bucket_size
+            tail = layout.chunk_start(j) + quant
             raw = _raw_region(payloads[j], chunk)
+            if rotation is not None:
+                raw = _rotated(raw, rotation, chunk.numel, quant, inverse=True)
             out[tail : tail + chunk.raw_numel] = maxmin._cast(raw, dtype)
     return out
 
@@ -1767,8 +2612,20 @@ def encode(
     skip_incomplete: bool = False,
     out: torch.Tensor | None = None,
     nearest: bool = False,
+    *,
+    rotation: Rotation | None = None,
 ) -> torch.Tensor:
     """Same contract as :func:`cgx2.codecs.maxmin.encode`."""
+    if rotation is not None:
+        n = x.numel()
+        layout = ChunkedLayout.split(n, 1, bits, bucket_size, skip_incomplete)
+        payload = encode_chunks(
+            x, layout, key, stream0=stream, nearest=nearest, rotation=rotation
+        ).view(-1)
+        if out is None:
+            return payload
+        out[: payload.numel()] = payload
+        return out
     fast = out is None and not skip_incomplete and type(key) is int and x.is_cuda and not nearest
     if fast:  # the public op's case: once launched, the same variant again with no dispatch
         device = x.get_device()
@@ -1831,8 +2688,14 @@ def decode(
     bucket_size: int,
     dtype: torch.dtype = torch.float32,
     skip_incomplete: bool = False,
+    *,
+    rotation: Rotation | None = None,
 ) -> torch.Tensor:
     """Same contract as :func:`cgx2.codecs.maxmin.decode`."""
+    if rotation is not None:
+        layout = ChunkedLayout.split(numel, 1, bits, bucket_size, skip_incomplete)
+        nbytes = layout.payload_nbytes
+        return decode_chunks(payload[:nbytes].view(1, nbytes), layout, dtype, rotation=rotation)
     fast = not skip_incomplete and payload.is_cuda
     if fast:
         device = payload.get_device()
@@ -1876,10 +2739,17 @@ def decode_sum(
     bits: int,
     bucket_size: int,
     skip_incomplete: bool = False,
+    *,
+    rotation: Rotation | None = None,
 ) -> torch.Tensor:
     """Same contract (and bits) as :func:`cgx2.codecs.maxmin.decode_sum`: each row decoded by
-    the kernel, the fp32 sum taken in the same row order by torch."""
-    return maxmin.sum_rows(
+    the kernel, the fp32 sum taken in the same row order by torch. ``rotation``: own's values
+    rotated first (as the rows' are), the sum rotated back."""
+    if rotation is not None:
+        rotation.check(bucket_size)
+        if own is not None:
+            own = _rotated(own.reshape(-1), rotation, numel)
+    acc = maxmin.sum_rows(
         payloads,
         numel,
         own,
@@ -1889,6 +2759,9 @@ def decode_sum(
             base, decode(row, numel, bits, bucket_size, torch.float32, skip_incomplete), out=out
         ),
     )
+    if rotation is None:
+        return acc
+    return _rotated(acc, rotation, numel, inverse=True, out=acc)
 
 
 def decode_sum_encode(
@@ -1903,9 +2776,17 @@ def decode_sum_encode(
     stream: int = 0,
     skip_incomplete: bool = False,
     out: torch.Tensor | None = None,
+    *,
+    rotation: Rotation | None = None,
 ) -> torch.Tensor:
     """Same contract as :func:`cgx2.codecs.maxmin.decode_sum_encode`, fused: the fp32 sum
-    never leaves the chip. ``key`` may be a tensor, as in :func:`encode_chunks`."""
+    never leaves the chip. ``key`` may be a tensor, as in :func:`encode_chunks`.
+    ``rotation``: own's values rotated in the kernel, as the rows' are; the sum is coded as
+    it is (in the rotated domain: the final decode rotates back)."""
+    if rotation is not None:
+        rotation.check(bucket_size)
+        if own is None:  # nothing to rotate: the rows are, and the sum stays so
+            rotation = None
     layout = MaxMinLayout.of(numel, bits, bucket_size, skip_incomplete)
     if out is None:
         out = torch.zeros(layout.nbytes, dtype=torch.uint8, device=payloads.device)
@@ -1913,13 +2794,15 @@ def decode_sum_encode(
         return out
     own_flat = payloads if own is None else own if own.dim() == 1 else own.reshape(-1)
     launch = _launch(
-        "decode_sum_encode", bucket_size, own_flat.dtype if own is not None else torch.float32
+        "decode_sum_encode",
+        bucket_size,
+        own_flat.dtype if own is not None else torch.float32,
+        rotation,
     )
     grid = (_resident_programs(-(-layout.num_buckets // launch["BUCKETS"]), out.device), 1)
     k0, k1, keys, in_memory = _key_args(key, out)
     if layout.num_buckets:
-        _launch_decode_sum_encode(
-            grid,
+        args = (
             payloads,
             own_flat,
             out,
@@ -1931,6 +2814,8 @@ def decode_sum_encode(
             k1,
             keys,
             stream,
+        )
+        constexprs = dict(
             NUM_ROWS=payloads.shape[0],
             SKIP_OWN=0 <= own_index < payloads.shape[0],
             BITS=bits,
@@ -1941,13 +2826,28 @@ def decode_sum_encode(
             KEYS_IN_MEMORY=in_memory,
             **launch,
         )
+        if rotation is None:
+            _launch_decode_sum_encode(grid, *args, **constexprs)
+        else:
+            sk0, sk1, signs, signs_in_memory = _sign_args(rotation, out)
+            _launch_decode_sum_encode_rotated(
+                grid,
+                *args,
+                sk0,
+                sk1,
+                signs,
+                ROT=rotation.block,
+                SIGNS_IN_MEMORY=signs_in_memory,
+                **constexprs,
+            )
     if layout.raw_numel:
         tail = layout.num_buckets * bucket_size
-        acc = (
-            own_flat[tail:numel].to(torch.float32)
-            if own is not None
-            else torch.zeros(layout.raw_numel, dtype=torch.float32, device=out.device)
-        )
+        if own is None:
+            acc = torch.zeros(layout.raw_numel, dtype=torch.float32, device=out.device)
+        elif rotation is None:
+            acc = own_flat[tail:numel].to(torch.float32)
+        else:
+            acc = _rotated(own_flat[tail:numel], rotation, numel, tail)
         factor = None if scale is None else maxmin.fp32_scalar(scale)
         if factor is not None:  # each term scaled, as the reference's _scaled_sum
             acc = acc * factor

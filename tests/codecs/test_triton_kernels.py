@@ -6,6 +6,7 @@ import torch
 import cgx2.config
 from cgx2.codecs import maxmin as ref
 from cgx2.codecs.layout import ChunkedLayout
+from cgx2.codecs.rotation import Rotation, rotation_scale
 
 tri = pytest.importorskip("cgx2.codecs.maxmin_triton", reason="Triton is not installed")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -318,3 +319,165 @@ def test_nearest_rounding_matches_reference(bits, dtype, n, bucket):
     payload = tri.encode(x, bits, bucket, key=0, nearest=True)
     assert _same(payload, expected)
     assert not _same(payload, tri.encode(x, bits, bucket, key=0))  # not the stochastic bytes
+
+
+# ----------------------------------------------------------------- the rotated codec's kernels
+
+ROTATED = [
+    # bits, dtype, n, bucket, block, skip_incomplete: blocks of 128 and others, a last part
+    # block and a last part bucket, raw tails of rotated values, a bucket wider than a tile
+    (4, torch.float32, 1000, 512, 128, False),
+    (2, torch.bfloat16, 4099, 128, 128, False),
+    (3, torch.float16, 1000, 256, 64, True),
+    (8, torch.float32, 5000, 2048, 128, False),
+    (2, torch.float16, 777, 512, 128, True),
+    (3, torch.float32, 700, 384, 128, True),  # a tile wider than the bucket
+    (8, torch.bfloat16, 1500, 128, 16, False),
+    (4, torch.float32, 777, 100, 4, True),  # blocks inside a group: a sign a Philox call
+    (5, torch.float32, 999, 8, 2, False),
+    (4, torch.float32, 3000, 2048, 2048, False),  # a block wider than the widest tile
+]
+
+
+def _rotation(block: int, key: int = 0xFEDCBA9876543210) -> Rotation:
+    return Rotation(key=key, block=block)
+
+
+@pytest.mark.parametrize(("bits", "dtype", "n", "bucket", "block", "skip"), ROTATED)
+def test_rotated_encode_and_decode_match_reference(bits, dtype, n, bucket, block, skip):
+    """The rotation fused into the kernels (encode rotates in registers before the bucket's
+    statistics, decode rotates back before the cast) writes the reference's bytes and
+    values, bit for bit; the unrotated kernels are untouched by it."""
+    x = _x(n, dtype, seed=bits)
+    rot = _rotation(block)
+    args = (x, bits, bucket, 123456789123, 3, skip)
+    expected = ref.encode(*args, rotation=rot)
+    payload = tri.encode(*args, rotation=rot)
+    assert _same(payload, expected)
+    assert not _same(payload, tri.encode(*args))
+    assert _same(tri.encode(*args), ref.encode(*args))
+    decoded = tri.decode(payload, n, bits, bucket, dtype, skip, rotation=rot)
+    assert _same(decoded, ref.decode(expected, n, bits, bucket, dtype, skip, rotation=rot))
+
+
+@pytest.mark.parametrize(("world", "n", "skip"), [(2, 1000, False), (3, 4 * 512 + 7, True)])
+def test_rotated_chunks_match_reference(world, n, skip):
+    """Each chunk rotated as a payload of its own (indices from 0), rows skipped, keys read
+    from device memory (a CUDA graph's) for the rounding and the signs alike."""
+    x = _x(n, torch.bfloat16)
+    layout = ChunkedLayout.split(n, world, 3, 512, skip)
+    rot = _rotation(128, key=(1 << 64) - 1)
+    in_memory = Rotation(key=_key_tensor(rot.key), block=128)
+    for skip_chunk in (-1, world - 1):
+        want = ref.encode_chunks(x, layout, key=77, skip_chunk=skip_chunk, rotation=rot)
+        for key, signs in ((77, rot), (_key_tensor(77), in_memory)):
+            rows = tri.encode_chunks(x, layout, key=key, skip_chunk=skip_chunk, rotation=signs)
+            assert _same(rows, want.to(DEVICE))
+    for signs in (rot, in_memory):
+        assert _same(
+            tri.decode_chunks(rows, layout, torch.float16, rotation=signs),
+            ref.decode_chunks(rows, layout, torch.float16, rotation=rot),
+        )
+
+
+@pytest.mark.parametrize(
+    ("bits", "bucket", "block", "own_index", "scale", "skip", "own_dtype"),
+    [
+        (4, 512, 128, 1, None, False, torch.float32),
+        (2, 512, 128, -1, 0.25, False, None),
+        (8, 2048, 128, 0, 1 / 3, True, torch.bfloat16),
+        (3, 128, 64, 2, 0.5, True, torch.float16),
+        (4, 100, 4, 1, None, True, torch.float32),
+    ],
+)
+def test_rotated_decode_sum_encode_matches_reference(
+    bits, bucket, block, own_index, scale, skip, own_dtype
+):
+    """Decode-sum-encode rotates own's values in the kernel and sums in the rotated domain
+    (the rows are rotated payloads); the unfused sum rotates back: the reference's bytes."""
+    n, rows = 3001, 3
+    rot = _rotation(block, key=31337)
+    payloads = torch.stack(
+        [
+            ref.encode(
+                _x(n, torch.float32, seed=s),
+                bits,
+                bucket,
+                key=s,
+                skip_incomplete=skip,
+                rotation=rot,
+            )
+            for s in range(rows)
+        ]
+    )
+    own = _x(n, own_dtype, seed=99) if own_dtype is not None else None
+    args = (n, own, own_index, scale, bits, bucket, 5, 2, skip)
+    want = ref.decode_sum_encode(payloads, *args, rotation=rot)
+    assert _same(tri.decode_sum_encode(payloads, *args, rotation=rot), want)
+    if own is not None:  # own's values rotated: not the unrotated sum's bytes
+        assert not _same(want, ref.decode_sum_encode(payloads, *args))
+    args = (n, own, own_index, scale, bits, bucket, skip)
+    want = ref.decode_sum(payloads, *args, rotation=rot)
+    assert _same(tri.decode_sum(payloads, *args, rotation=rot), want)
+
+
+@pytest.mark.parametrize("bits", [1, 4, 8])
+def test_rotated_edge_buckets_match_reference(bits):
+    """The edge buckets (non-finite values, spans that overflow or underflow, signed zeros)
+    rotated: NaN written as the reference writes it (0x7FC00000, 0x7FC0 in bf16), and an
+    overflowing sum of rotated values coded saturated as the reference codes it."""
+    bucket = 512
+    x = _edge(bucket, torch.float32)
+    n = x.numel()
+    rot = _rotation(128)
+    expected = ref.encode(x, bits, bucket, key=99, stream=1, rotation=rot)
+    assert _same(tri.encode(x, bits, bucket, key=99, stream=1, rotation=rot), expected)
+    for out in (torch.float32, torch.bfloat16):
+        got = tri.decode(expected, n, bits, bucket, out, rotation=rot)
+        assert _same(got, ref.decode(expected, n, bits, bucket, out, rotation=rot))
+        assert got.isnan().any()
+    payloads = torch.stack([expected, ref.encode(x.flip(0), bits, bucket, key=5, rotation=rot)])
+    args = (n, x, 1, 0.5, bits, bucket, 11, 2)
+    assert _same(
+        tri.decode_sum_encode(payloads, *args, rotation=rot),
+        ref.decode_sum_encode(payloads, *args, rotation=rot),
+    )
+    parts = [p.to(DEVICE) for p in _overflowing(5 * bucket + 7, bucket, seed=bits)]
+    payloads = torch.stack(
+        [ref.encode(p, bits, bucket, key=r, rotation=rot) for r, p in enumerate(parts)]
+    )
+    args = (parts[0].numel(), parts[0], 0, None, bits, bucket, 5, 1)
+    assert _same(
+        tri.decode_sum_encode(payloads, *args, rotation=rot),
+        ref.decode_sum_encode(payloads, *args, rotation=rot),
+    )
+
+
+def test_rotated_nearest_and_strided_programs_match_reference(monkeypatch):
+    """Rounding to the nearest, and any number of programs walking the tiles (the last, part
+    tile to whichever program it falls), rotated as the reference rotates."""
+    n, bits, bucket = 9 * 256 + 37, 4, 256
+    x = _x(n, torch.float32, seed=5)
+    rot = _rotation(128)
+    want = ref.encode(x, bits, bucket, key=0, nearest=True, rotation=rot)
+    assert _same(tri.encode(x, bits, bucket, key=0, nearest=True, rotation=rot), want)
+    for programs in (1, 3):
+        monkeypatch.setattr(tri, "_programs", lambda tiles, p=programs: min(tiles, p))
+        want = ref.encode(x, bits, bucket, key=42, stream=1, rotation=rot)
+        assert _same(tri.encode(x, bits, bucket, key=42, stream=1, rotation=rot), want)
+        payloads = torch.stack([want, ref.encode(x.flip(0), bits, bucket, key=1, rotation=rot)])
+        args = (n, x, 0, 0.5, bits, bucket, 6, 1)
+        assert _same(
+            tri.decode_sum_encode(payloads, *args, rotation=rot),
+            ref.decode_sum_encode(payloads, *args, rotation=rot),
+        )
+
+
+def test_the_rotation_scale_is_the_references_for_every_block():
+    """The kernels' scale, built from its bits, is rotation_scale's fp32(1/sqrt(block))."""
+    for k in range(1, 13):
+        block = 1 << k
+        x = torch.zeros(block, device=DEVICE)
+        x[0] = 1.0  # the transform of e0 is all ones: the rotation gives sign * scale
+        got = tri._rotated(x, Rotation(key=0, block=block), block).abs()
+        assert torch.equal(got.cpu(), torch.full((block,), rotation_scale(block))), block
