@@ -31,11 +31,13 @@ __all__ = [
     "CGXConfig",
     "LaunchConfig",
     "TuningConfig",
+    "cgx",
     "compression_from_env",
     "crossover_override",
     "env_quantization_bits",
     "launch",
     "parse_bytes",
+    "refresh",
     "reload",
     "triton_interpret",
     "tuned",
@@ -258,13 +260,12 @@ def _default_cache_dir() -> str:
 
 @dataclass(frozen=True)
 class TuningConfig:
-    """cgx2's own knobs (``CGX2_*``), read once per process (:func:`tuning`); :func:`tuned`
-    overrides them for a block of code (benchmarks, tests).
+    """cgx2's own knobs (``CGX2_*``), read once per process (:func:`tuning`; :func:`refresh`
+    reads them again); :func:`tuned` overrides them for a block of code (benchmarks, tests).
 
     - ``crossover_bytes`` (``CGX2_CROSSOVER_BYTES``, ``auto``): below this many bytes the
       quantized allreduce runs the plain one; None lets the policy decide (calibration file,
-      else the built-in tables: :mod:`cgx2.collectives.policy`); 0 always compresses. The
-      variable is also read at every call (:func:`crossover_override`), as CGX reads its bits.
+      else the built-in tables: :mod:`cgx2.collectives.policy`); 0 always compresses.
     - ``cuda_graphs`` (``CGX2_CUDA_GRAPHS``, ``auto``): replay GPU allreduces on NCCL as CUDA
       graphs: True (1) for every compressed one, False (0) for none, None (``auto``) for those
       of at most :data:`cgx2.collectives.policy.GRAPHS_AUTO_MAX_BYTES`.
@@ -372,7 +373,7 @@ class TuningConfig:
 @dataclass(frozen=True)
 class LaunchConfig:
     """What the launcher (torchrun, or mpirun through :mod:`cgx2.launch`) and NCCL's own
-    variables say about where this process runs; read at each :func:`launch` call.
+    variables say about where this process runs; read once (:func:`launch`).
 
     - ``world_size`` (``WORLD_SIZE``) and ``local_world_size`` (``LOCAL_WORLD_SIZE``):
       ranks in the job and on this node; None where no launcher set them.
@@ -440,7 +441,7 @@ that change what bytes move between the ranks, which must therefore be alike on 
 the agreement check compares them (:func:`wire_settings`, decided with a call's route)."""
 
 COMPARED_PER_CALL: dict[str, str] = {
-    "crossover_bytes": "CGX2_CROSSOVER_BYTES",  # read at every call (crossover_override)
+    "crossover_bytes": "CGX2_CROSSOVER_BYTES",  # tuned() may change it between calls
     "quantization_bits": "CGX_COMPRESSION_QUANTIZATION_BITS",  # the call's bits
     "bucket_size": "CGX_COMPRESSION_BUCKET_SIZE",  # the call's bucket size
 }
@@ -464,29 +465,73 @@ and this (a test holds it), so that a new setting is not forgotten by the check.
 
 def wire_settings() -> dict[str, object]:
     """:data:`WIRE_SETTINGS`' values in force, by variable: :func:`tuning`'s (with
-    :func:`tuned`'s overrides) and the ``CGX_*`` variables' as they are now."""
-    found = {**dataclasses.asdict(CGXConfig.from_env()), **dataclasses.asdict(tuning())}
+    :func:`tuned`'s overrides) and :func:`cgx`'s."""
+    found = {**dataclasses.asdict(cgx()), **dataclasses.asdict(tuning())}
     return {variable: found[name] for name, variable in WIRE_SETTINGS.items()}
 
 
-_tuning: TuningConfig | None = None
+class _Snapshot:
+    """The settings in force: each section read from the environment at its first use (again
+    after :func:`refresh`), :func:`tuned`'s overrides applied to :class:`TuningConfig`'s."""
+
+    __slots__ = ("cgx", "launch", "tuning")
+
+    def __init__(self) -> None:
+        self.tuning: TuningConfig | None = None
+        self.launch: LaunchConfig | None = None
+        self.cgx: CGXConfig | None = None
+
+
+# The process's settings, read once: the environment is the process's, and nothing reads it per
+# call (refresh() reads it again, tuned() changes it for a block).
+_SNAPSHOT = _Snapshot()
+# tuned()'s overrides, by field, innermost last: changed in place, never rebound (sources()).
 _overrides: dict[str, object] = {}
 
 
 def tuning() -> TuningConfig:
     """The ``CGX2_*`` settings: read from the environment at the first call (or after
-    :func:`reload`), with :func:`tuned`'s overrides applied."""
-    global _tuning
-    if _tuning is None:
+    :func:`refresh`), with :func:`tuned`'s overrides applied. The same object until either
+    changes it: a cache decided under it stays valid while ``tuning() is`` the one it holds."""
+    found = _SNAPSHOT.tuning
+    if found is None:
         found = TuningConfig.from_env()
-        _tuning = dataclasses.replace(found, **_overrides) if _overrides else found
-    return _tuning
+        if _overrides:
+            found = dataclasses.replace(found, **_overrides)
+        _SNAPSHOT.tuning = found
+    return found
+
+
+def launch() -> LaunchConfig:
+    """The launcher's and NCCL's variables (:class:`LaunchConfig`), read at the first call (or
+    after :func:`refresh`)."""
+    found = _SNAPSHOT.launch
+    if found is None:
+        found = _SNAPSHOT.launch = LaunchConfig.from_env()
+    return found
+
+
+def cgx() -> CGXConfig:
+    """CGX's variables (:class:`CGXConfig`), read at the first call (or after :func:`refresh`).
+    The bits and bucket size, which CGX lets a script change at any time, are read where a call
+    takes them (:func:`compression_from_env`)."""
+    found = _SNAPSHOT.cgx
+    if found is None:
+        found = _SNAPSHOT.cgx = CGXConfig.from_env()
+    return found
+
+
+def refresh() -> None:
+    """Take the settings from the environment again at their next use: the one way to make a
+    changed variable count (a script that set one, a test's ``monkeypatch``). A bad value
+    raises there, naming the variable. Caches decided under the old settings are dropped at
+    their next use (:func:`tuning` is a new object)."""
+    _SNAPSHOT.tuning = _SNAPSHOT.launch = _SNAPSHOT.cgx = None
 
 
 def reload() -> TuningConfig:
-    """Read the ``CGX2_*`` variables again (after a script changed them)."""
-    global _tuning
-    _tuning = None
+    """:func:`refresh`, and read the ``CGX2_*`` variables now (after a script changed them)."""
+    refresh()
     return tuning()
 
 
@@ -494,52 +539,24 @@ def reload() -> TuningConfig:
 def tuned(**changes: object) -> Iterator[TuningConfig]:
     """Override :class:`TuningConfig` fields inside a ``with`` block, e.g.
     ``with cgx2.config.tuned(crossover_bytes=0):`` always compresses. Nests."""
-    global _tuning
     unknown = set(changes) - {f.name for f in dataclasses.fields(TuningConfig)}
     if unknown:
         raise TypeError(f"TuningConfig has no field {sorted(unknown)}")
     saved = dict(_overrides)
     _overrides.update(changes)
-    _tuning = None
+    _SNAPSHOT.tuning = None
     try:
         yield tuning()  # validated here
     finally:
         _overrides.clear()
         _overrides.update(saved)
-        _tuning = None
+        _SNAPSHOT.tuning = None
 
 
 def crossover_override() -> int | None:
-    """``CGX2_CROSSOVER_BYTES`` as it is now (a byte count, or None for ``auto``/unset), or
-    :func:`tuned`'s value: read at every call, at a fraction of ``os.environ``'s cost (this
-    runs before every allreduce). ``ValueError`` naming the variable if it is invalid."""
-    if "crossover_bytes" in _overrides:
-        return _overrides["crossover_bytes"]  # type: ignore[return-value]
-    global _crossover_parsed
-    raw = _getenv("CGX2_CROSSOVER_BYTES")
-    if not raw:
-        return None
-    if raw != _crossover_parsed[0]:  # parsed once a value
-        _crossover_parsed = (raw, _bytes({"CGX2_CROSSOVER_BYTES": raw}, "CGX2_CROSSOVER_BYTES"))
-    return _crossover_parsed[1]
-
-
-_crossover_parsed: tuple[str, int | None] = ("", None)
-
-
-def _getenv(name: str) -> str:
-    """``os.environ.get(name, "")`` in a tenth of its time: ``os.environ``'s lookup of a
-    missing name raises and catches a KeyError, its underlying bytes dict does not."""
-    data = getattr(os.environ, "_data", None)
-    if not isinstance(data, dict):
-        return os.environ.get(name, "")
-    value = data.get(os.environ.encodekey(name))
-    return "" if value is None else os.environ.decodevalue(value)
-
-
-def launch() -> LaunchConfig:
-    """The launcher's and NCCL's variables as they are now (:class:`LaunchConfig`)."""
-    return LaunchConfig.from_env()
+    """``CGX2_CROSSOVER_BYTES`` (a byte count, or None for ``auto``/unset), or :func:`tuned`'s
+    value: :func:`tuning`'s ``crossover_bytes``."""
+    return tuning().crossover_bytes
 
 
 def triton_interpret() -> bool:

@@ -1,4 +1,5 @@
-"""Shared fixtures: gloo process pools of 2 and 4 ranks, and Triton on the CPU."""
+"""Shared fixtures: gloo process pools of 2 and 4 ranks, Triton on the CPU, and a monkeypatch
+whose changes to the environment reach cgx2's settings (read once)."""
 
 import os
 import tempfile
@@ -14,6 +15,33 @@ if not torch.cuda.is_available():
 
 import pytest
 from dist_pool import DistPool
+
+import cgx2.config
+
+
+class _MonkeyPatch(pytest.MonkeyPatch):
+    """pytest's ``monkeypatch`` whose changes to the environment reach cgx2's settings, which
+    cgx2 reads once (:func:`cgx2.config.refresh` takes them again, at their next use)."""
+
+    def setenv(self, name: str, value: str, prepend: str | None = None) -> None:
+        super().setenv(name, value, prepend)
+        cgx2.config.refresh()
+
+    def delenv(self, name: str, raising: bool = True) -> None:
+        super().delenv(name, raising)
+        cgx2.config.refresh()
+
+    def undo(self) -> None:
+        super().undo()
+        cgx2.config.refresh()
+
+
+@pytest.fixture
+def monkeypatch():
+    """pytest's own fixture, whose environment reaches cgx2 (:class:`_MonkeyPatch`)."""
+    patch = _MonkeyPatch()
+    yield patch
+    patch.undo()
 
 
 @pytest.fixture(scope="session")

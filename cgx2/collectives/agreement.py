@@ -25,13 +25,10 @@ answer reaches the host, at the latest by the next checked call on the group.
 
 from __future__ import annotations
 
-import itertools
 import json
 import struct
 import threading
-import weakref
 import zlib
-from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -40,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from .. import config
-from ..comm import all_gather_single, group_info, group_store, peers
+from ..comm import all_gather_single, group_info, group_state, group_store, peers
 from ..comm import store as stored
 
 if TYPE_CHECKING:
@@ -68,10 +65,9 @@ class _Pending:
     rank: int
 
 
-_PENDING: weakref.WeakKeyDictionary[dist.ProcessGroup, deque[_Pending]] = (
-    weakref.WeakKeyDictionary()
-)
-_PENDING_LOCK = threading.Lock()
+# Guards each group's sequence of checks and deferred answers (its GroupState's agreement_*):
+# a hook's worker and the caller may check on one group. Held for no wait.
+_LOCK = threading.Lock()
 
 
 def check(
@@ -131,8 +127,8 @@ def check(
         pending = _Pending(
             rows=copied, ready=ready, names=names, shown=shown, operation=operation, rank=rank
         )
-        with _PENDING_LOCK:
-            _PENDING.setdefault(group, deque()).append(pending)
+        with _LOCK:
+            group_state(group).agreement_pending.append(pending)
         return agreed
     if route is not None and _differ_in(rows, names.index(SETTINGS)):
         # Every rank sees the same rows, so all make this second exchange: each rank's settings.
@@ -271,8 +267,8 @@ def settle(
 def raise_pending(group: dist.ProcessGroup) -> None:
     """Raise :class:`DisagreementError` for the oldest deferred check on ``group`` whose answer
     has reached the host and shows ranks that disagree; forget those that agreed. Never waits."""
-    with _PENDING_LOCK:
-        pending = _PENDING.get(group)
+    pending = group_state(group).agreement_pending
+    with _LOCK:
         done = []
         while pending and pending[0].ready.query():
             done.append(pending.popleft())
@@ -298,10 +294,6 @@ QUEUE_MAX_RANKS = 4
 """Groups up to this size exchange through the store's queues, one pop a peer; larger ones
 through keys, whose three round trips (delete, wait, read) do not grow with the ranks."""
 
-_CALLS: weakref.WeakKeyDictionary[dist.ProcessGroup, itertools.count] = weakref.WeakKeyDictionary()
-# Queued entries of a peer's next call, popped early (_through_queues).
-_EARLY: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[int, bytes]] = weakref.WeakKeyDictionary()
-
 
 def _exchange_on_host(
     store: dist.Store,
@@ -314,8 +306,9 @@ def _exchange_on_host(
     """Every rank's ``(operation, values)`` of this call on ``group``, by rank: through the
     group's peer sockets where its ranks could make them, else its store; waiting up to the
     group's timeout."""
-    with _PENDING_LOCK:
-        n = next(_CALLS.setdefault(group, itertools.count()))
+    state = group_state(group)
+    with _LOCK:
+        n = next(state.agreement_calls)
     mine = operation.encode() + b"\0" + struct.pack(f"<{len(values)}q", *values)
     sockets = peers.connected(group)
     if sockets is not None:
@@ -325,7 +318,7 @@ def _exchange_on_host(
         # threads' calls on other groups may need meanwhile (:mod:`cgx2.comm.store`).
         wait_s = group_info(group).timeout_s
         if world <= QUEUE_MAX_RANKS and hasattr(store, "queue_push"):
-            early = _EARLY.setdefault(group, {})
+            early = state.agreement_early  # a peer's entries of a later call, popped early
             found = _through_queues(store, n, mine, world, rank, wait_s, early)
         else:
             found = _through_keys(store, n, mine, world, rank, wait_s)

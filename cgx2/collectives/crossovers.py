@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import weakref
 from typing import Protocol
 
 import torch
@@ -14,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from .. import config
-from ..comm import GroupInfo
+from ..comm import GroupInfo, GroupState
 from ..comm import store as stored
 from . import calibration_file, decided, decision, regimes
 
@@ -82,12 +81,13 @@ def calibration(group: dist.ProcessGroup | None = None) -> dict[str, list[int | 
 
 
 def calibration_tables(group: dist.ProcessGroup | None) -> dict[str, dict]:
-    """:func:`_read_calibration` of the group's first rank's file (:func:`calibration`)."""
-    key = id(group)
-    path = decided.fresh().calibration_file
-    found = decided.CALIBRATIONS.get(key)
+    """:func:`_read_calibration` of the group's first rank's file (:func:`calibration`), kept
+    in the group's state."""
+    state = decided.state(group)
+    found = state.calibration
     if found is not None:
         return found
+    path = config.tuning().calibration_file
     if group is None or not dist.is_initialized():
         found = _read_calibration(path)
         _say_ignored(found, None)
@@ -109,9 +109,7 @@ def calibration_tables(group: dist.ProcessGroup | None) -> dict[str, dict]:
                     f"CGX2_CROSSOVER_BYTES?): {e}"
                 ) from e
         _say_ignored(found, group)
-    decided.CALIBRATIONS[key] = found
-    if group is not None:
-        weakref.finalize(group, decided.CALIBRATIONS.pop, key, None)
+    state.calibration = found
     return found
 
 
@@ -214,6 +212,7 @@ def _measurer() -> LinkMeasurer:
 
 
 def measured(
+    state: GroupState,
     device: torch.device,
     dtype: torch.dtype,
     info: GroupInfo | None,
@@ -221,21 +220,23 @@ def measured(
     with_graphs: bool,
 ) -> tuple[int | None, int | None]:
     """The crossovers for calls alone and beside the training step (the same but where
-    measured at first use on CPUs)."""
+    measured at first use on CPUs) of ``group``, whose state (:func:`.decided.state`) is
+    ``state`` and :class:`GroupInfo` ``info``: decided once, and kept there."""
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
         # One key for "cuda" and the GPU it means: the measurement's tensors carry the index.
         device = torch.device("cuda", torch.cuda.current_device())
-    key = (device, dtype, id(group), with_graphs)
-    if key in decided.MEASURED:
-        return decided.MEASURED[key]
-    backend, nccl, where = regimes.carrier(device, info)
+    key = (device, dtype, with_graphs)
+    chosen = state.crossovers.get(key)
+    if chosen is not None:
+        return chosen
+    backend, nccl, regime = regimes.carrier(device, info)
     # The cgx backend carries its collectives on NCCL or gloo: their calibration serves it
     # where it has none of its own.
     carrier = "nccl" if device.type == "cuda" and nccl else "gloo"
     found = calibration(group)
     keys = [calibration_key(device.type, name, dtype) for name in dict.fromkeys((backend, carrier))]
     measured = next((found[k] for k in keys if k in found), None)
-    entry = decision.table_crossover(where, dtype.itemsize, with_graphs)
+    entry = decision.table_crossover(regime, dtype.itemsize, with_graphs)
     if measured is not None:
         chosen, source = (measured[0], measured[1]), "the calibration file"
     elif _measures_on_link(device, backend, nccl, group):
@@ -246,7 +247,7 @@ def measured(
                 "cgx2: %s regime, %s on %s, inside a trace or a CUDA graph's capture: "
                 "the built-in table's crossover (%s) until an eager call measures the "
                 "link (make one before compiling or capturing to decide there)",
-                where,
+                regime,
                 dtype,
                 backend,
                 "never" if entry is None else f"{entry} bytes",
@@ -255,24 +256,23 @@ def measured(
         # The codec's cost against the link's saving depends on both: only measuring knows
         # them (BENCHMARKS.md, "CPU hosts over Ethernet"; loopback's tables say nothing of a
         # link between GPU hosts).
-        chosen, source = _measure_now(dtype, group, key, device), "measured on this job's link"
+        chosen = _measure_now(state, dtype, group, key, device)
+        source = "measured on this job's link"
     else:
         chosen, source = (entry, entry), "the built-in table"
-    said = ["never" if n is None else f"{n} bytes" for n in chosen]
+    alone, beside_step = ("never" if n is None else f"{n} bytes" for n in chosen)
     logger.info(
         "cgx2: %s regime, %s on %s%s: quantized from %s%s (%s; CGX2_CROSSOVER_BYTES=0 always "
         "compresses)",
-        where,
+        regime,
         dtype,
         backend,
         ", CUDA graphs" if with_graphs else "",
-        said[0],
-        f", beside the training step from {said[1]}" if said[1] != said[0] else "",
+        alone,
+        f", beside the training step from {beside_step}" if beside_step != alone else "",
         source,
     )
-    decided.MEASURED[key] = chosen
-    if group is not None:
-        weakref.finalize(group, decided.MEASURED.pop, key, None)
+    state.crossovers[key] = chosen
     return chosen
 
 
@@ -294,13 +294,17 @@ def _measures_on_link(
 
 
 def _measure_now(
-    dtype: torch.dtype, group: dist.ProcessGroup, key: tuple, device: torch.device
+    state: GroupState,
+    dtype: torch.dtype,
+    group: dist.ProcessGroup,
+    key: tuple,
+    device: torch.device,
 ) -> tuple[int | None, int | None]:
     """The crossovers measured on ``group``'s link now (:func:`.measure.crossover_on_link`),
     at the first compressible call of ``dtype`` on ``device``, which every rank makes alike."""
     measure = _measurer()
     # The measurement's own calls compress (and must not measure again).
-    decided.MEASURED[key] = (0, 0)
+    state.crossovers[key] = (0, 0)
     try:
         return measure.crossover_on_link(dtype, group, device=device)
     except RuntimeError as e:
@@ -312,7 +316,7 @@ def _measure_now(
             f"measurement: {e}"
         ) from e
     finally:
-        del decided.MEASURED[key]
+        state.crossovers.pop(key, None)
         # The measurement's routes were decided under the stand-in crossover: decide anew.
-        for stale in [k for k in decided.ROUTES if k[0] == id(group) and k[2] == dtype]:
-            del decided.ROUTES[stale]
+        for stale in [k for k in state.routes if k[1] == dtype]:
+            del state.routes[stale]

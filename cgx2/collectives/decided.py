@@ -1,62 +1,46 @@
-"""What the policy has decided for each group (routes, crossovers, the node mesh's answers,
-calibration files), kept until the group goes or the settings change.
+"""What the policy has decided for a group (routes, transports, crossovers, the node mesh's
+answers, the calibration file): fields of its :class:`~cgx2.comm.GroupState`, kept per settings.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import torch.distributed as dist
+
 from .. import config
-from . import decision
-from .regimes import regime
+from ..comm import GroupState, group_state
+from . import regimes
 
-__all__ = ["CALIBRATIONS", "MEASURED", "MESH_FASTER", "ROUTES", "clear", "fresh"]
-
-ROUTES: dict[tuple, decision.Routes] = {}
-"""The routes decided per group (by id), device, dtype and bucket size."""
-
-CALIBRATIONS: dict[int, dict[str, dict]] = {}
-"""Rank 0's calibration file, as read for the policy, per group (by id; None: no group)."""
-
-MEASURED: dict[tuple, tuple[int | None, int | None]] = {}
-"""The crossovers (alone, beside the training step) per device, dtype, group and graphs."""
-
-MESH_FASTER: dict[tuple, dict[int, bool]] = {}
-"""Whether the node mesh beat the flat allreduce, by measured size, per group and settings."""
-
-
-class _FilledUnder:
-    """The settings the caches were filled under (:func:`fresh`)."""
-
-    tuning: config.TuningConfig | None = None
-    basis: tuple[config.TuningConfig, config.LaunchConfig] | None = None
-
+__all__ = ["state"]
 
 # Settings that change a call's route but not what was measured at first use (the crossovers,
 # the node mesh's timing): changing only these keeps the measurements, which cost seconds. A
-# reload that finds the launcher's variables changed (tests) decides everything anew.
+# refresh that finds the launcher's variables changed (tests) decides everything anew.
 _MEASUREMENT_NEUTRAL = {"check_agreement": "auto", "comm_worker": True, "crossover_bytes": None}
 
 
-def fresh() -> config.TuningConfig:
-    """The settings in force, dropping what was decided under others (a calibration file
-    named elsewhere, graphs turned on)."""
+def state(group: dist.ProcessGroup | None) -> GroupState:
+    """``group``'s state, with what was decided under other settings than those in force
+    (:func:`cgx2.config.tuning`: a calibration file named elsewhere, graphs turned on)
+    dropped."""
+    found = group_state(group)
     tuning = config.tuning()
-    if tuning is not _FilledUnder.tuning:
-        ROUTES.clear()
-        basis = (dataclasses.replace(tuning, **_MEASUREMENT_NEUTRAL), config.launch())
-        if basis != _FilledUnder.basis:
-            clear()
-            _FilledUnder.basis = basis
-        _FilledUnder.tuning = tuning
-    return tuning
+    if found.decided_under is not tuning:
+        _settle(found, tuning)
+    return found
 
 
-def clear() -> None:
-    """Forget the regimes, calibrations and crossovers decided so far (they are decided once
-    per device or group, as NCCL reads its variables once); the next call decides anew."""
-    regime.cache_clear()
-    CALIBRATIONS.clear()
-    MEASURED.clear()
-    MESH_FASTER.clear()
-    ROUTES.clear()
+def _settle(found: GroupState, tuning: config.TuningConfig) -> None:
+    """Drop ``found``'s routes and transports, decided under other settings than ``tuning``,
+    and its measurements where those settings would change what they find."""
+    found.routes.clear()
+    found.transports.clear()
+    basis = (dataclasses.replace(tuning, **_MEASUREMENT_NEUTRAL), config.launch(), config.cgx())
+    if basis != found.measured_under:
+        found.calibration = None
+        found.crossovers.clear()
+        found.mesh_faster.clear()
+        found.measured_under = basis
+        regimes.forget()  # the launcher's settings may be new too
+    found.decided_under = tuning

@@ -72,7 +72,7 @@ def hierarchical_allreduce(
     if mesh.mesh_dim_names != MESH_DIMS:
         raise ValueError(f"mesh must have dims {MESH_DIMS}, got {mesh.mesh_dim_names}")
     if intra_broadcast is None:
-        intra_broadcast = config.CGXConfig.from_env().intra_broadcast
+        intra_broadcast = config.cgx().intra_broadcast
     inter, intra = mesh.get_group("inter"), mesh.get_group("intra")
     local, local_rank = dist.get_world_size(intra), dist.get_rank(intra)
     flat = t.reshape(-1)

@@ -13,7 +13,6 @@ on NCCL), those measured on its link at first use, else the built-in tables, mea
 from __future__ import annotations
 
 import logging
-import weakref
 
 import torch
 import torch.distributed as dist
@@ -21,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .. import config, cpu_threads
 from ..checks import UNCOMPRESSED_BITS
-from ..comm import group_info
+from ..comm import group_info, groups
 from . import calibration_file, crossovers, decided, decision, graphs, regimes, transports
 from .crossovers import calibration, calibration_key
 from .decision import (
@@ -48,7 +47,6 @@ __all__ = [
     "by_node_mesh",
     "calibration",
     "calibration_key",
-    "clear_caches",
     "compresses",
     "crossover_bytes",
     "detect_regime",
@@ -56,6 +54,7 @@ __all__ = [
     "hierarchical",
     "piece_numel",
     "regime",
+    "reset",
     "route",
     "runs_on_worker",
     "spans_hosts",
@@ -105,16 +104,17 @@ def by_node_mesh(
     CUDA graph's capture; logged), and for CUDA tensors that NCCL does not carry, GPUs take
     the mesh (between hosts the link is far slower than a GPU's codec) and CPUs the flat
     allreduce, until an eager call times them."""
-    forced = decided.fresh().node_mesh
+    found = decided.state(group)
+    forced = config.tuning().node_mesh
     if forced is not None:
         return forced
-    backend, nccl, where = regimes.carrier(t.device, group_info(group))
-    key = (id(group), t.device, t.dtype, bits, bucket_size, intra_broadcast)
-    faster = decided.MESH_FASTER.get(key)
+    backend, nccl, regime_now = regimes.carrier(t.device, group_info(group))
+    key = (t.device, t.dtype, bits, bucket_size, intra_broadcast)
+    faster = found.mesh_faster.get(key)
     if faster is None:
         faster = crossovers.calibrated_mesh(t.device.type, t.dtype, group, backend, nccl)
         if faster is None:
-            timed = where == "cpu" or nccl
+            timed = regime_now == "cpu" or nccl
             untimed = t.device.type != "cpu"
             if not timed:
                 return untimed
@@ -130,15 +130,18 @@ def by_node_mesh(
             faster = crossovers.time_mesh(
                 t.dtype, group, mesh, bits, bucket_size, intra_broadcast, t.device
             )
-        decided.MESH_FASTER[key] = faster
-        weakref.finalize(group, decided.MESH_FASTER.pop, key, None)
+        found.mesh_faster[key] = faster
     return decision.nearest_size(faster, (t.numel() if numel is None else numel) * t.element_size())
 
 
-def clear_caches() -> None:
-    """Forget the regimes, calibrations and crossovers decided so far (they are decided once
-    per device or group, as NCCL reads its variables once); the next call decides anew."""
-    decided.clear()
+def reset() -> None:
+    """Take the settings from the environment again (:func:`cgx2.config.refresh`) and forget
+    the regimes, calibrations, crossovers and routes decided so far for every group (they are
+    decided once per device or group, as NCCL reads its variables once): the next call decides
+    anew. For tests, which change the variables and stand in for the GPUs."""
+    config.refresh()
+    groups.reset()
+    regimes.forget()
 
 
 def crossover_bytes(
@@ -148,19 +151,17 @@ def crossover_bytes(
     never): ``CGX2_CROSSOVER_BYTES`` (read at every call) or :func:`cgx2.config.tuned`'s value,
     else the calibration file's (:func:`calibration`), else, for a group across hosts, the
     one measured on its link at the first call that asks (every rank alike; a call made
-    eagerly before compiling or capturing decides there), else the regime's table entry."""
-    override = config.crossover_override()
-    if override is not None:
-        return override
+    eagerly before compiling or capturing decides there), else the regime's table entry. Of
+    the crossovers for calls alone and beside the training step, the calling thread's: a
+    worker beside the training loop takes the second."""
+    found = decided.state(group)
+    tuning = config.tuning()
+    if tuning.crossover_bytes is not None:
+        return tuning.crossover_bytes
     info = None if group is None else group_info(group)
-    with_graphs = decided.fresh().cuda_graphs is True
-    return _pick(crossovers.measured(device, dtype, info, group, with_graphs))
-
-
-def _pick(pair: tuple[int | None, int | None]) -> int | None:
-    """Of a pair of crossovers (for calls alone, for calls beside the training step), the one
-    for the calling thread: a worker beside the training loop takes the second."""
-    return decision.for_thread(pair, cpu_threads.beside_compute())
+    with_graphs = tuning.cuda_graphs is True
+    both = crossovers.measured(found, device, dtype, info, group, with_graphs)
+    return decision.for_thread(both, cpu_threads.beside_compute())
 
 
 def compresses(
@@ -205,25 +206,26 @@ def route(
     t: torch.Tensor, group: dist.ProcessGroup, bits: int, bucket_size: int, numel: int | None = None
 ) -> Route:
     """The whole route of a collective of ``t`` (or ``numel`` of its values) over ``group``:
-    decided once per group, device, dtype and bucket size, but for what the size and
-    ``CGX2_CROSSOVER_BYTES`` (read at every call) decide; this runs before every call."""
-    _fresh()
-    key = (id(group), t.device, t.dtype, bucket_size)
-    routes = _ROUTES.get(key)
+    decided once per group, device, dtype and bucket size (:mod:`.decided`), but for what
+    the size decides; this runs before every call."""
+    found = decided.state(group)
+    key = (t.device, t.dtype, bucket_size)
+    routes = found.routes.get(key)
     if routes is None:
-        routes = _ROUTES[key] = decision.plan(_group_facts(t, group, bucket_size))
-        weakref.finalize(group, _ROUTES.pop, key, None)
+        routes = found.routes[key] = decision.plan(_group_facts(t, group, bucket_size))
     if not decision.may_compress(routes, bits):
         return routes.plain
     numel = t.numel() if numel is None else numel
-    threshold = config.crossover_override()
+    tuning = config.tuning()
+    threshold = tuning.crossover_bytes
     beside = None
     if threshold is None:  # asked only here: a plain call never measures
-        with_graphs = config.tuning().cuda_graphs is True
-        measured = crossovers.measured(t.device, t.dtype, group_info(group), group, with_graphs)
+        with_graphs = tuning.cuda_graphs is True
+        info = group_info(group)
+        measured = crossovers.measured(found, t.device, t.dtype, info, group, with_graphs)
         beside = cpu_threads.beside_compute()
         threshold = decision.for_thread(measured, beside)
-    elif id(group) not in decided.CALIBRATIONS:
+    elif found.calibration is None:
         # Read at the same call as on ranks without the variable (whose crossovers come from
         # the first rank's file): ranks whose CGX2_CROSSOVER_BYTES differ then reach the
         # agreement check, which names it, rather than one waiting for the file alone.
@@ -232,20 +234,14 @@ def route(
     if not decision.compresses(routes, bits, nbytes, threshold):
         return routes.plain
     # NCCL's CUDA tensors only (where routes.graphs is not None)
-    replay = routes.graphs is not None and _graphed(nbytes) and graphs.usable(t)
+    replay = (
+        routes.graphs is not None
+        and decision.graphed(nbytes, tuning.cuda_graphs)
+        and graphs.usable(t)
+    )
     if beside is None:
         beside = cpu_threads.beside_compute()
     return decision.compressed_route(routes, replay, beside)
-
-
-# The caches (never rebound, only cleared), named here once: route runs before every call.
-_fresh = decided.fresh
-_ROUTES = decided.ROUTES
-
-
-def _graphed(nbytes: int) -> bool:
-    """Whether ``CGX2_CUDA_GRAPHS`` asks a compressed call of ``nbytes`` to replay a graph."""
-    return decision.graphed(nbytes, config.tuning().cuda_graphs)
 
 
 def _group_facts(

@@ -17,6 +17,7 @@ __all__ = [
     "Carrier",
     "carrier",
     "detect_regime",
+    "forget",
     "group_regime",
     "in_trace",
     "regime",
@@ -58,10 +59,17 @@ def _peers_reachable() -> bool:
     )
 
 
+# Detected once per device and backend, as NCCL reads its variables once; forgotten where the
+# launcher's settings change (:func:`forget`: the policy's reset, a group's settings anew).
 @functools.cache
 def regime(device: torch.device, backend: str = "nccl", cuda_on_nccl: bool = True) -> str:
     """:func:`detect_regime`, once per device and backend: NCCL too reads its variables once."""
     return detect_regime(device, backend, cuda_on_nccl)
+
+
+def forget() -> None:
+    """Detect the regimes anew at their next use."""
+    regime.cache_clear()
 
 
 def group_regime(device: torch.device, group: dist.ProcessGroup | None = None) -> str:

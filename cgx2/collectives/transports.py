@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from .. import config
 from ..comm import Transport, group_info, nccl, process_group, shm
+from . import decided
 
 __all__ = ["runs_on_worker", "transport"]
 
@@ -21,7 +22,17 @@ def transport(device: torch.device, group: dist.ProcessGroup) -> Transport:
     hosts) where ``CGX_INNER_COMMUNICATOR_TYPE`` is SHM and the process group would cross host
     memory anyway: CPU tensors, and CUDA tensors on a group whose CUDA collectives are not
     NCCL's. NCCL keeps CUDA tensors: its transfers are queued on the GPU, the shared-memory
-    ones wait on the host. Without the compiled extension, the process group."""
+    ones wait on the host. Without the compiled extension, the process group. Decided once
+    per group, device and settings (:mod:`.decided`): DDP's plain path asks per bucket."""
+    state = decided.state(group)
+    found = state.transports.get(device)
+    if found is None:
+        found = state.transports[device] = _choose(device, group)
+    return found
+
+
+def _choose(device: torch.device, group: dist.ProcessGroup) -> Transport:
+    """:func:`transport`'s choice, made anew."""
     chosen = config.tuning().transport
     if chosen == "nccl":  # CUDA tensors on NCCL groups; anything else falls to the group's
         return nccl if nccl.available() else process_group
@@ -29,7 +40,7 @@ def transport(device: torch.device, group: dist.ProcessGroup) -> Transport:
         return process_group
     if chosen == "shm":
         return shm
-    if config.CGXConfig.from_env().inner_communicator != "SHM":
+    if config.cgx().inner_communicator != "SHM":
         return process_group
     cuda_on_nccl = device.type == "cuda" and group_info(group).cuda_on_nccl
     return process_group if cuda_on_nccl else shm

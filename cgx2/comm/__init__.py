@@ -4,10 +4,12 @@
 has (:mod:`cgx2.comm.process_group`: NCCL on GPUs, gloo on CPUs, or the ``cgx`` backend's),
 shared memory between the ranks of one host (:mod:`cgx2.comm.shm`), and grouped NCCL
 send/receive on the group's communicator (:mod:`cgx2.comm.nccl`), the last two in ``cgx2._C``.
+What cgx2 keeps for each process group, in every layer, is one :class:`GroupState`.
 """
 
-from . import nccl, process_group, shm
+from . import groups, nccl, process_group, shm
 from .base import Transport
+from .groups import GroupState, group_state
 from .process_group import (
     CompletedWork,
     GroupInfo,
@@ -25,6 +27,7 @@ from .process_group import (
 __all__ = [
     "CompletedWork",
     "GroupInfo",
+    "GroupState",
     "Transport",
     "all_gather",
     "all_gather_single",
@@ -32,7 +35,9 @@ __all__ = [
     "allreduce_plain_",
     "group_info",
     "group_size_and_rank",
+    "group_state",
     "group_store",
+    "groups",
     "nccl",
     "process_group",
     "reduce_scatter_single",

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import weakref
 
 import torch
 import torch.distributed as dist
 
 from .. import extension
 from . import process_group
+from .groups import group_state
 from .process_group import group_info, group_size_and_rank
 
 __all__ = [
@@ -49,15 +49,12 @@ def available() -> bool:
     return bool(ok)
 
 
-_COMMS: dict[int, int] = {}
-
-
 def _comm(group: dist.ProcessGroup) -> int:
     """The address of ``group``'s NCCL communicator, made by its first collective where torch
     has not made it yet (every rank reaches this call alike: it is collective)."""
-    found = _COMMS.get(id(group))
-    if found:
-        return found
+    state = group_state(group)
+    if state.nccl_comm:
+        return state.nccl_comm
     backend = group._get_backend(torch.device("cuda"))
     address = backend._comm_ptr()
     if not address:  # torch makes communicators lazily, at a group's first collective
@@ -65,8 +62,7 @@ def _comm(group: dist.ProcessGroup) -> int:
         address = backend._comm_ptr()
     if not address:
         raise RuntimeError(f"cgx2: group {group.group_name!r} has no NCCL communicator")
-    _COMMS[id(group)] = address
-    weakref.finalize(group, _COMMS.pop, id(group), None)
+    state.nccl_comm = address
     return address
 
 

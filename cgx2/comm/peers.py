@@ -12,18 +12,17 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import secrets
 import socket
 import struct
 import threading
 import time
-import weakref
 
 import torch.distributed as dist
 
 from .. import config
 from . import store as stored
+from .groups import group_state
 from .process_group import group_info, group_store
 
 __all__ = ["PeerSockets", "connected"]
@@ -80,41 +79,20 @@ class PeerSockets:
                 sock.close()
 
 
-_GROUPS: weakref.WeakKeyDictionary[dist.ProcessGroup, PeerSockets | None] = (
-    weakref.WeakKeyDictionary()
-)
-_LOCKS: weakref.WeakKeyDictionary[dist.ProcessGroup, threading.Lock] = weakref.WeakKeyDictionary()
-_LOCK = threading.Lock()  # guards _LOCKS only: never held while a rank waits on its peers
-
-
-def _forget() -> None:  # a child has its own peers, if any, and none of its parent's threads
-    global _LOCK
-    _GROUPS.clear()
-    _LOCKS.clear()
-    _LOCK = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget)
-
-
 def connected(group: dist.ProcessGroup) -> PeerSockets | None:
     """``group``'s peer sockets, made at its first call here, where every rank calls it at the
     same point (a collective of the group's store); None on every rank alike where some rank
     could not make them, or the group has no store. A lock a group: making one group's waits
-    on its peers, which another thread's calls on another group must not wait for."""
-    try:
-        return _GROUPS[group]
-    except KeyError:
-        pass
-    with _LOCK:
-        lock = _LOCKS.setdefault(group, threading.Lock())
-    with lock:
-        if group not in _GROUPS:
-            peers = _connect(group)
-            _GROUPS[group] = peers
-            if peers is not None:
-                weakref.finalize(group, peers.close)
-        return _GROUPS[group]
+    on its peers, which another thread's calls on another group must not wait for. They go
+    with the group (:mod:`.group_state`; a forked child forgets its parent's)."""
+    state = group_state(group)
+    if state.peers_made:
+        return state.peers
+    with state.peers_lock:
+        if not state.peers_made:
+            state.peers = _connect(group)
+            state.peers_made = True
+        return state.peers
 
 
 def _connect(group: dist.ProcessGroup) -> PeerSockets | None:

@@ -7,13 +7,12 @@ Every blocking wait goes through :func:`wait`, so the group's timeout applies.
 from __future__ import annotations
 
 import datetime
-import weakref
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from .. import cpu_threads
+from .groups import GroupInfo, group_state
 
 __all__ = [
     "CompletedWork",
@@ -38,35 +37,11 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-@dataclass(frozen=True, slots=True)
-class GroupInfo:
-    """What the collectives need to know of a process group, looked up once per group.
-
-    - ``backend``: ``dist.get_backend(group)`` ("nccl", "gloo", "cgx", ...).
-    - ``size`` and ``rank``: the group's size and this process's rank in it.
-    - ``cuda_on_nccl``: whether its CUDA tensors' collectives are NCCL's (an NCCL group, or a
-      ``cgx`` one with NCCL under it); otherwise CUDA tensors cross through host memory.
-    - ``has_exact_allreduce``: whether the group has an uncompressed ``allreduce_exact`` (the
-      ``cgx`` backend, whose ``all_reduce`` would quantize) for the plain path to call.
-    - ``timeout_s``: the group's timeout in seconds (its backend's options; else torch's
-      default), which every wait of cgx2's own on the group honours.
-    """
-
-    backend: str
-    size: int
-    rank: int
-    cuda_on_nccl: bool
-    has_exact_allreduce: bool
-    timeout_s: float
-
-
-_INFO: dict[int, GroupInfo] = {}
-
-
 def group_info(group: dist.ProcessGroup) -> GroupInfo:
-    """:class:`GroupInfo` of ``group``, cached by ``id`` (a weak-keyed dictionary builds a
-    weak reference at each lookup) and dropped with the group, before its id can be reused."""
-    info = _INFO.get(id(group))
+    """:class:`GroupInfo` of ``group``, looked up at its first call and kept in its
+    :class:`~.group_state.GroupState`."""
+    state = group_state(group)
+    info = state.info
     if info is not None:
         return info
     backend = dist.get_backend(group)
@@ -75,8 +50,7 @@ def group_info(group: dist.ProcessGroup) -> GroupInfo:
     else:
         size, rank = dist.get_world_size(group), dist.get_rank(group)
     nccl = backend == "nccl" or bool(getattr(group, "cuda_on_nccl", False))
-    # Nothing of the group itself is kept: the entry must not keep the group alive.
-    info = GroupInfo(
+    info = state.info = GroupInfo(
         backend=backend,
         size=size,
         rank=rank,
@@ -84,8 +58,6 @@ def group_info(group: dist.ProcessGroup) -> GroupInfo:
         has_exact_allreduce=hasattr(group, "allreduce_exact"),
         timeout_s=_timeout_s(group),
     )
-    _INFO[id(group)] = info
-    weakref.finalize(group, _INFO.pop, id(group), None)
     return info
 
 

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from .. import cpu_threads, extension
 from . import process_group
 from . import store as stored
+from .groups import group_state
 from .process_group import group_info, group_size_and_rank
 
 __all__ = [
@@ -342,10 +343,10 @@ def _untag(tag: int) -> str:
     return f"{name} of {tag & ((1 << 29) - 1)} bytes (modulo 2**29)" if name else "nothing"
 
 
-_CHANNELS: dict[int, _Channel | None] = {}
-_OPENED: dict[str, int] = {}  # channels opened so far per group name: the same on every rank
-_OPEN_LOCK = threading.Lock()  # guards _OPEN_LOCKS and _OPENED
-_OPEN_LOCKS: dict[int, threading.Lock] = {}  # one a group: opening one waits on its peers
+# Channels opened so far per group name, the same on every rank: it outlives the groups, so
+# that a group made again under a name (the default one, after destroy and init) has new keys.
+_OPENED: dict[str, int] = {}
+_OPENED_LOCK = threading.Lock()  # guards _OPENED
 
 
 def _open(group: dist.ProcessGroup) -> _Channel | None:
@@ -356,7 +357,7 @@ def _open(group: dist.ProcessGroup) -> _Channel | None:
     if lib is None or world < 2:
         return None
     store = dist.distributed_c10d._get_default_store()
-    with _OPEN_LOCK:
+    with _OPENED_LOCK:
         count = _OPENED.get(group.group_name, 0)
         _OPENED[group.group_name] = count + 1
     prefix = f"cgx2/shm/{group.group_name}/{count}"
@@ -380,28 +381,18 @@ def _open(group: dist.ProcessGroup) -> _Channel | None:
 
 
 def _channel(group: dist.ProcessGroup) -> _Channel | None:
-    key = id(group)
-    try:
-        return _CHANNELS[key]
-    except KeyError:
-        pass
-    # A lock a group, not one for all: two threads opening two groups (a hook's worker and
-    # the caller) in different orders on different ranks must not wait on each other.
-    with _OPEN_LOCK:
-        lock = _OPEN_LOCKS.setdefault(key, threading.Lock())
-    with lock:
-        if key not in _CHANNELS:
-            channel = _open(group)
-            _CHANNELS[key] = channel
-            weakref.finalize(group, _drop, key)
-    return _CHANNELS[key]
-
-
-def _drop(key: int) -> None:
-    _OPEN_LOCKS.pop(key, None)
-    channel = _CHANNELS.pop(key, None)
-    if channel is not None:
-        channel.close()
+    """The group's channel, opened at its first call (:func:`_open`) and closed with the group
+    (:mod:`.group_state`). A lock a group, not one for all: two threads opening two groups (a
+    hook's worker and the caller) in different orders on different ranks must not wait on
+    each other."""
+    state = group_state(group)
+    if state.shm_opened:
+        return state.shm_channel
+    with state.shm_lock:
+        if not state.shm_opened:
+            state.shm_channel = _open(group)
+            state.shm_opened = True
+    return state.shm_channel
 
 
 def serves(group: dist.ProcessGroup) -> bool:
@@ -418,7 +409,7 @@ def _fall_back(group: dist.ProcessGroup, channel: _Channel, why: str) -> None:
         why,
     )
     channel.close()
-    _CHANNELS[id(group)] = None
+    group_state(group).shm_channel = None
 
 
 class _Work(dist.Work):

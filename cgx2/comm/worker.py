@@ -10,8 +10,6 @@ submitted, which DDP makes the same on every rank.
 
 from __future__ import annotations
 
-import threading
-import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .. import cpu_threads
+from .groups import group_state
 
 __all__ = ["submit"]
 
@@ -36,32 +35,26 @@ class _Worker:
         )
         self.streams: dict[torch.device, torch.cuda.Stream] = {}
 
+    def close(self) -> None:
+        self.executor.shutdown(wait=False)
+
     def stream(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self.streams:
             self.streams[device] = torch.cuda.Stream(device)
         return self.streams[device]
 
 
-_WORKERS: dict[int, _Worker] = {}
-_LOCK = threading.Lock()
-
-
 def _worker(group: dist.ProcessGroup) -> _Worker:
-    worker = _WORKERS.get(id(group))
+    """``group``'s worker, started at its first call; it goes with the group (an idle thread
+    exits)."""
+    state = group_state(group)
+    worker = state.worker
     if worker is None:
-        with _LOCK:
-            worker = _WORKERS.get(id(group))
+        with state.worker_lock:
+            worker = state.worker
             if worker is None:
-                worker = _WORKERS[id(group)] = _Worker()
-                # Dropped with the group, before its id can be reused; an idle thread exits.
-                weakref.finalize(group, _retire, id(group))
+                worker = state.worker = _Worker()
     return worker
-
-
-def _retire(key: int) -> None:
-    worker = _WORKERS.pop(key, None)
-    if worker is not None:
-        worker.executor.shutdown(wait=False)
 
 
 def submit(

@@ -90,7 +90,8 @@ def _store_keys_left() -> list[bool]:
     with _without_peer_sockets(), mock.patch.object(agreement, "QUEUE_MAX_RANKS", 0):
         for _ in range(5):
             _agree()
-    n = next(agreement._CALLS[dist.group.WORLD])  # the next call's number (taken: keep alike)
+    # the next call's number (taken: keep alike)
+    n = next(cgx2.comm.group_state(dist.group.WORLD).agreement_calls)
     dist.barrier()
     return [store.check([f"cgx2/agree/{k}/{rank}"]) for k in range(n)]
 
@@ -284,6 +285,7 @@ def _backend_minimal_size_differs() -> str:
     rank = dist.get_rank()
     os.environ["CGX_COMPRESSION_QUANTIZATION_BITS"] = "4"
     os.environ["CGX_COMPRESSION_MINIMAL_SIZE"] = "16" if rank == 0 else "100000"
+    cgx2.config.refresh()  # cgx2 reads the variables once
     group = dist.new_group(backend="cgx")  # reads the variables
     try:
         dist.all_reduce(torch.ones(4096), group=group)
@@ -292,6 +294,7 @@ def _backend_minimal_size_differs() -> str:
     finally:
         del os.environ["CGX_COMPRESSION_QUANTIZATION_BITS"]
         del os.environ["CGX_COMPRESSION_MINIMAL_SIZE"]
+        cgx2.config.refresh()
         dist.destroy_process_group(group)
     return "no error"
 
@@ -356,7 +359,7 @@ def test_a_deferred_answer_raises_once_it_arrives_and_never_waits():
         "quantized_allreduce",
         0,
     )
-    agreement._PENDING[group] = __import__("collections").deque([pending])
+    cgx2.comm.group_state(group).agreement_pending.append(pending)
     agreement.raise_pending(group)  # not arrived: nothing raised, nothing waited for
     event.done = True
     with pytest.raises(DisagreementError, match=r"numel=\[rank 0: 1024, rank 1: 1000\]"):
@@ -498,7 +501,7 @@ def test_a_deferred_answer_of_different_settings_shows_this_ranks():
         "quantized_allreduce",
         0,
     )
-    agreement._PENDING[group] = __import__("collections").deque([pending])
+    cgx2.comm.group_state(group).agreement_pending.append(pending)
     with pytest.raises(DisagreementError, match="settings their routes were decided under") as e:
         agreement.raise_pending(group)
     assert f"this rank 0: settings={mine}" in str(e.value)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cgx2 import config
-from cgx2.collectives import graphs, policy
+from cgx2.collectives import decision, graphs, policy
 from cgx2.seeding import derive_key
 
 keys_triton = pytest.importorskip("cgx2.codecs.keys_triton", reason="Triton is not installed")
@@ -160,7 +160,7 @@ def test_environment_variable_rejects_junk():
 def test_which_compressed_calls_replay_graphs(setting, nbytes, expected):
     """auto (the default): calls up to the policy's bound; 1: all; 0: none."""
     with config.tuned(cuda_graphs=setting):
-        assert policy._graphed(nbytes) is expected
+        assert decision.graphed(nbytes, config.tuning().cuda_graphs) is expected
 
 
 def test_turned_off_graphs_are_unusable_and_cpu_tensors_never_usable():

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from cgx2.collectives import reference_allreduce
 from cgx2.collectives.hierarchical import hierarchical_allreduce, node_mesh
+from cgx2.config import refresh
 
 
 def _input(rank: int, n: int) -> torch.Tensor:
@@ -22,10 +23,12 @@ def _run(n: int, intra_broadcast: bool, op: str) -> dict:
     from cgx2.comm import shm
 
     os.environ["LOCAL_WORLD_SIZE"] = "2"
+    refresh()  # cgx2 reads the variables once
     try:
         mesh = node_mesh("cpu")
     finally:
         del os.environ["LOCAL_WORLD_SIZE"]
+        refresh()
     x = _input(dist.get_rank(), n)
     inside = mock.Mock(wraps=shm.reduce_scatter_plain)
     with mock.patch.object(shm, "reduce_scatter_plain", inside):
@@ -76,12 +79,14 @@ def test_node_mesh_needs_a_divisor(dist2):
 
 def _bad_local() -> str:
     os.environ["LOCAL_WORLD_SIZE"] = "3"
+    refresh()  # cgx2 reads the variables once
     try:
         node_mesh("cpu")
     except ValueError as e:
         return str(e)[:34]
     finally:
         del os.environ["LOCAL_WORLD_SIZE"]
+        refresh()
     return "no error"
 
 
@@ -95,6 +100,7 @@ def _hook_on_two_nodes() -> dict:
 
     # Compressing at every size, over the mesh: the path is tested here, not where it pays.
     os.environ.update(LOCAL_WORLD_SIZE="2", WORLD_SIZE="4", CGX2_CROSSOVER_BYTES="0")
+    refresh()  # cgx2 reads the variables once
     try:
         with cgx2.config.tuned(node_mesh=True):
             grads = {}
@@ -113,6 +119,7 @@ def _hook_on_two_nodes() -> dict:
     finally:
         for k in ("LOCAL_WORLD_SIZE", "WORLD_SIZE", "CGX2_CROSSOVER_BYTES"):
             del os.environ[k]
+        refresh()
 
 
 def test_cgx_hook_goes_hierarchical_across_nodes(dist4):
@@ -149,6 +156,7 @@ def _mesh_timed_at_first_use() -> dict:
     real = measure.mesh_against_flat
     over_mesh = mock.Mock(wraps=hook_module.hierarchical_allreduce_fused_)
     os.environ.update(LOCAL_WORLD_SIZE="2", WORLD_SIZE="4", CGX2_CROSSOVER_BYTES="0")
+    refresh()  # cgx2 reads the variables once
     try:
         with (
             cgx2.config.tuned(node_mesh=None),
@@ -170,6 +178,7 @@ def _mesh_timed_at_first_use() -> dict:
     finally:
         for k in ("LOCAL_WORLD_SIZE", "WORLD_SIZE", "CGX2_CROSSOVER_BYTES"):
             del os.environ[k]
+        refresh()
 
 
 def test_the_hook_times_the_node_mesh_against_the_flat_allreduce_at_first_use(dist4):
@@ -197,6 +206,7 @@ def _backend_on_two_nodes(intra_broadcast: bool, op: str) -> dict:
         "CGX2_CROSSOVER_BYTES": "0",  # the path is tested here, not where compression pays
     }
     os.environ.update(env)
+    refresh()  # cgx2 reads the variables once
     try:
         with cgx2.config.tuned(node_mesh=True):  # the mesh's path, wherever it pays
             group = dist.new_group(backend="cgx")
@@ -213,6 +223,7 @@ def _backend_on_two_nodes(intra_broadcast: bool, op: str) -> dict:
     finally:
         for k in env:
             del os.environ[k]
+        refresh()
 
 
 @pytest.mark.parametrize(("intra_broadcast", "op"), [(False, "sum"), (True, "avg")])
@@ -235,6 +246,7 @@ def _meshes_with_options() -> list:
     from cgx2.ddp import CGXState
 
     os.environ.update(LOCAL_WORLD_SIZE="2", WORLD_SIZE="4")
+    refresh()  # cgx2 reads the variables once
     try:
         params = {"bits": 4}
         return [
@@ -243,6 +255,7 @@ def _meshes_with_options() -> list:
         ]
     finally:
         del os.environ["LOCAL_WORLD_SIZE"], os.environ["WORLD_SIZE"]
+        refresh()
 
 
 def test_auto_mesh_steps_aside_for_error_feedback_and_adaptive_widths(dist4):

@@ -34,17 +34,15 @@ def clean_env(monkeypatch):
         "CGX2_CUDA_GRAPHS",
     ):
         monkeypatch.delenv(var, raising=False)
-    config.reload()
-    policy.clear_caches()
+    policy.reset()
     yield monkeypatch
     monkeypatch.undo()
-    config.reload()
-    policy.clear_caches()
+    policy.reset()
 
 
 def _regime_is(monkeypatch, where):
     monkeypatch.setattr(regimes, "detect_regime", lambda *args: where)
-    policy.clear_caches()
+    policy.reset()
 
 
 def test_regime_is_read_once_per_device(clean_env):
@@ -93,13 +91,10 @@ def test_cuda_tensors_on_gloo_cross_host_sockets(clean_env):
 
 def test_gloos_collectives_run_on_the_groups_worker_unless_turned_off(clean_env):
     group = dist.ProcessGroup(0, 2)
-    comm.process_group._INFO[id(group)] = comm.GroupInfo("gloo", 2, 0, False, False, 1800.0)
-    try:
-        assert policy.runs_on_worker(torch.zeros(4), group)
-        with config.tuned(comm_worker=False):
-            assert not policy.runs_on_worker(torch.zeros(4), group)
-    finally:
-        del comm.process_group._INFO[id(group)]
+    comm.group_state(group).info = comm.GroupInfo("gloo", 2, 0, False, False, 1800.0)
+    assert policy.runs_on_worker(torch.zeros(4), group)
+    with config.tuned(comm_worker=False):
+        assert not policy.runs_on_worker(torch.zeros(4), group)
 
 
 def test_a_launcher_variable_that_is_not_a_count_is_named(clean_env):
@@ -235,8 +230,7 @@ def _each_rank_a_node():
             config.reload()
             yield
     finally:
-        config.reload()
-        policy.clear_caches()
+        policy.reset()
 
 
 def _measured_at_first_use(calibration: str) -> list:
@@ -614,6 +608,7 @@ def test_the_node_mesh_is_chosen_by_rank_0s_calibration_file_without_timing(dist
 def _below_and_above_crossover() -> list[bool]:
     """With the crossover at 16 KiB: 4095 fp32 values go plain (exact), 4096 are quantized."""
     os.environ["CGX2_CROSSOVER_BYTES"] = "16K"
+    cgx2.config.refresh()  # cgx2 reads the variables once
     try:
         out = []
         for n in (4095, 4096):
@@ -626,6 +621,7 @@ def _below_and_above_crossover() -> list[bool]:
         return out
     finally:
         del os.environ["CGX2_CROSSOVER_BYTES"]
+        cgx2.config.refresh()
 
 
 def test_below_the_crossover_the_result_is_the_plain_allreduce(dist2):
@@ -639,6 +635,7 @@ def _hook_and_backend_below_the_crossover() -> list[bool]:
     from cgx2.ddp import CGXState, cgx_hook
 
     os.environ.update(CGX2_CROSSOVER_BYTES=str(1 << 30), CGX_COMPRESSION_QUANTIZATION_BITS="4")
+    cgx2.config.refresh()  # cgx2 reads the variables once
     try:
         group = dist.new_group(backend="cgx")
         x = torch.randn(100_000, generator=torch.Generator().manual_seed(dist.get_rank()))
@@ -655,6 +652,7 @@ def _hook_and_backend_below_the_crossover() -> list[bool]:
         return checks
     finally:
         del os.environ["CGX2_CROSSOVER_BYTES"], os.environ["CGX_COMPRESSION_QUANTIZATION_BITS"]
+        cgx2.config.refresh()
 
 
 def test_hook_and_backend_fall_back_in_place(dist2):
@@ -708,10 +706,11 @@ def test_group_info_is_looked_up_once_per_group_and_dropped_with_it(monkeypatch,
     assert (info.backend, info.size, info.rank) == ("cgx", 3, 2)
     assert info.has_exact_allreduce and info.cuda_on_nccl is cuda_on_nccl
     assert comm.group_size_and_rank(group) == (3, 2)
-    key = id(group)
+    state = comm.group_state(group)
+    assert state.info is info
     del group, info, backends[:]
     gc.collect()
-    assert key not in comm.process_group._INFO
+    assert all(other is not state for other in comm.groups.states())
 
 
 def test_the_route_names_everything_a_call_needs(clean_env):
@@ -809,7 +808,7 @@ def test_a_rank_waiting_for_rank_0s_calibration_fails_clearly(monkeypatch):
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
     monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", lambda: Store())
-    policy.clear_caches()
+    policy.reset()
     with pytest.raises(RuntimeError, match="rank 0 of group '7' did not publish"):
         policy.calibration(Group())
 
@@ -873,12 +872,10 @@ def _nccl_group(size: int = 4, backend: str = "nccl", cuda_on_nccl: bool = True)
         group_name = "stand-in"
 
     group = Group(0, size)
-    info = comm.GroupInfo(backend, size, 0, cuda_on_nccl, backend == "cgx", 1800.0)
-    comm.process_group._INFO[id(group)] = info
-    try:
-        yield group
-    finally:
-        del comm.process_group._INFO[id(group)]
+    comm.group_state(group).info = comm.GroupInfo(
+        backend, size, 0, cuda_on_nccl, backend == "cgx", 1800.0
+    )
+    yield group
 
 
 def _hosts(monkeypatch, world: int, local: int, tmp_path) -> None:
@@ -887,8 +884,7 @@ def _hosts(monkeypatch, world: int, local: int, tmp_path) -> None:
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local))
     monkeypatch.setenv("CGX2_CALIBRATION_FILE", str(tmp_path / "none.json"))
     monkeypatch.setattr(regimes, "_peers_reachable", lambda: True)
-    config.reload()
-    policy.clear_caches()
+    policy.reset()
 
 
 def _measuring(monkeypatch, crossovers=(256 << 10, 256 << 10)) -> list:

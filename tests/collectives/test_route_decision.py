@@ -196,10 +196,9 @@ def test_the_policy_routes_as_the_decision_decides_from_the_facts_it_gathers(
     monkeypatch.setenv("CGX2_CALIBRATION_FILE", str(tmp_path / "none.json"))
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    config.reload()
-    policy.clear_caches()
+    policy.reset()
     group = dist.ProcessGroup(0, world)
-    comm.process_group._INFO[id(group)] = comm.GroupInfo("gloo", world, 0, False, False, 1800.0)
+    comm.group_state(group).info = comm.GroupInfo("gloo", world, 0, False, False, 1800.0)
     try:
         tuning = config.tuning()
         cpu = torch.device("cpu")
@@ -223,7 +222,5 @@ def test_the_policy_routes_as_the_decision_decides_from_the_facts_it_gathers(
                 route = policy.route(torch.zeros(1), group, bits, 512, numel)
                 assert route == decision.decide(call)
     finally:
-        del comm.process_group._INFO[id(group)]
         monkeypatch.undo()
-        config.reload()
-        policy.clear_caches()
+        policy.reset()

@@ -238,7 +238,7 @@ def _without_the_extension() -> tuple[bool, bool, str]:
     finally:
         logging.getLogger("cgx2").removeHandler(handler)
         extension.load.cache_clear()
-        policy.clear_caches()
+        policy.reset()
     warnings = [r.getMessage() for r in records if "cgx2._C is missing" in r.getMessage()]
     return route.transport is process_group, torch.equal(with_it, without), warnings
 

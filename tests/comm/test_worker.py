@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from cgx2.comm import worker
+from cgx2.comm import groups, worker
 
 
 class Group:
@@ -90,11 +90,13 @@ def test_the_worker_goes_with_its_group():
     group = Group()
     x = torch.zeros(1)
     worker.submit(group, lambda: x, [x]).wait()
-    key = id(group)
-    assert key in worker._WORKERS
-    del group
+    state = groups.group_state(group)
+    assert state.worker is not None
+    thread = state.worker.executor._threads.copy().pop()
+    del group, state
     gc.collect()
-    assert key not in worker._WORKERS
+    thread.join(timeout=5)
+    assert not thread.is_alive()
 
 
 def test_even_a_system_exit_on_the_worker_completes_the_future():

@@ -12,8 +12,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import cgx2
-from cgx2.collectives import decided, hierarchical, reference_allreduce
-from cgx2.comm import shm
+from cgx2.collectives import hierarchical, reference_allreduce
+from cgx2.comm import groups, shm
 
 
 def say(name: str, value: object) -> None:
@@ -54,7 +54,7 @@ def main() -> None:
         say("backend_close", bool((t - sum(inputs(r) for r in range(world))).abs().max() < 20))
         # The node mesh against the flat allreduce, timed on this link at the backend's first
         # compressed call: the same answer on every rank.
-        (timed,) = decided.MESH_FASTER.values()
+        (timed,) = [m for s in groups.states() for m in s.mesh_faster.values()]
         say("mesh_choice_same", zlib.crc32(repr(sorted(timed.items())).encode()))
         # Plain DDP on it: the buckets quantized on the group's worker during backward.
         say("backend_ddp_params_same", digest(train_ddp(rank, group)))

@@ -1,0 +1,191 @@
+"""What cgx2 keeps for a process group, in one object a group (:class:`GroupState`): made at the
+group's first call (:func:`group_state`), dropped with the group, cleared for tests by one reset.
+
+Every layer's per-group state is a field here: what the group is and what moves its bytes
+(:mod:`cgx2.comm`), the agreement check's sequence and what the policy decided
+(:mod:`cgx2.collectives`). It lives in the lowest layer that knows process groups so that the
+transports' resources can be in it too; the fields an upper layer fills hold its values, which
+this module never looks into.
+
+The registry is a dict keyed by ``id(group)`` whose entry a ``weakref.finalize`` on the group
+pops when the group is collected, before its id can be reused: the lifetime of a
+``weakref.WeakKeyDictionary`` (torch's ``ProcessGroup`` takes weak references), without the
+weak reference that dictionary builds at every lookup, which runs before every collective.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch.distributed as dist
+
+__all__ = ["GroupInfo", "GroupState", "group_state", "reset", "states"]
+
+
+@dataclass(frozen=True, slots=True)
+class GroupInfo:
+    """What the collectives need to know of a process group, looked up once per group.
+
+    - ``backend``: ``dist.get_backend(group)`` ("nccl", "gloo", "cgx", ...).
+    - ``size`` and ``rank``: the group's size and this process's rank in it.
+    - ``cuda_on_nccl``: whether its CUDA tensors' collectives are NCCL's (an NCCL group, or a
+      ``cgx`` one with NCCL under it); otherwise CUDA tensors cross through host memory.
+    - ``has_exact_allreduce``: whether the group has an uncompressed ``allreduce_exact`` (the
+      ``cgx`` backend, whose ``all_reduce`` would quantize) for the plain path to call.
+    - ``timeout_s``: the group's timeout in seconds (its backend's options; else torch's
+      default), which every wait of cgx2's own on the group honours.
+    """
+
+    backend: str
+    size: int
+    rank: int
+    cuda_on_nccl: bool
+    has_exact_allreduce: bool
+    timeout_s: float
+
+
+class Closable(Protocol):
+    """A resource a group holds until it goes: a transport's channel, sockets, a thread."""
+
+    def close(self) -> None: ...
+
+
+@dataclass(slots=True, eq=False)
+class GroupState:
+    """Everything cgx2 keeps for one process group (or, for the policy's calls without one,
+    for ``None``). Nothing here refers to the group itself: the state must not keep it alive.
+
+    What the group is, and what moves its bytes (:mod:`cgx2.comm`), each made at the group's
+    first use of it and kept while the group lives:
+
+    - ``info``: :class:`GroupInfo` (:func:`cgx2.comm.process_group.group_info`).
+    - ``shm_opened`` and ``shm_channel``: whether the shared-memory channel was asked for, and
+      the channel (None: the process group serves the group) (:mod:`cgx2.comm.shm`).
+    - ``peers_made`` and ``peers``: the same for the peer sockets (:mod:`cgx2.comm.peers`).
+    - ``shm_lock``, ``peers_lock`` and ``worker_lock``: each held while its resource is made.
+      One a resource and group: making the channel or the sockets waits on the group's peers,
+      which another thread's calls, on this group's other resource or on another group, must
+      not wait for (ranks may make them in different orders).
+    - ``nccl_comm``: the address of the group's NCCL communicator, 0 until looked up
+      (:mod:`cgx2.comm.nccl`).
+    - ``worker``: the group's worker thread (:mod:`cgx2.comm.worker`), None until a call is
+      submitted.
+
+    The agreement check's (:mod:`cgx2.collectives.agreement`), kept while the group lives:
+
+    - ``agreement_calls``: the numbers of the group's checked calls, in order.
+    - ``agreement_early``: a peer's queued entries of a later call, popped early.
+    - ``agreement_pending``: the deferred comparisons not yet read.
+
+    What the policy decided (:mod:`cgx2.collectives.decided`), valid for the settings they
+    were decided under and dropped when those change (:func:`reset` drops them for tests):
+
+    - ``decided_under``: the :class:`cgx2.config.TuningConfig` snapshot that ``routes`` and
+      ``transports`` were decided under.
+    - ``measured_under``: the settings the measurements below were made under (those that
+      change what a measurement finds).
+    - ``routes``: the routes (:class:`cgx2.collectives.decision.Routes`) by device, dtype and
+      bucket size.
+    - ``transports``: the transport of each device's tensors (:mod:`.base`'s ``Transport``).
+    - ``calibration``: the group's first rank's calibration file as read for the policy
+      (None: not read yet).
+    - ``crossovers``: the crossovers (alone, beside the training step) by device, dtype and
+      whether CUDA graphs replay.
+    - ``mesh_faster``: whether the node mesh beat the flat allreduce, by measured size, by
+      device, dtype, bits, bucket size and intra-node broadcast.
+    """
+
+    info: GroupInfo | None = None
+    shm_opened: bool = False
+    shm_channel: Closable | None = None
+    peers_made: bool = False
+    peers: Closable | None = None
+    nccl_comm: int = 0
+    worker: Closable | None = None
+    shm_lock: threading.Lock = field(default_factory=threading.Lock)
+    peers_lock: threading.Lock = field(default_factory=threading.Lock)
+    worker_lock: threading.Lock = field(default_factory=threading.Lock)
+    agreement_calls: itertools.count = field(default_factory=itertools.count)
+    agreement_early: dict[int, bytes] = field(default_factory=dict)
+    agreement_pending: deque[Any] = field(default_factory=deque)
+    decided_under: object = None
+    measured_under: object = None
+    routes: dict[tuple, Any] = field(default_factory=dict)
+    transports: dict[Any, Any] = field(default_factory=dict)
+    calibration: dict[str, dict] | None = None
+    crossovers: dict[tuple, tuple[int | None, int | None]] = field(default_factory=dict)
+    mesh_faster: dict[tuple, dict[int, bool]] = field(default_factory=dict)
+
+    def forget_decisions(self) -> None:
+        """Drop what the policy decided: the next call decides anew."""
+        self.decided_under = self.measured_under = self.calibration = None
+        self.routes.clear()
+        self.transports.clear()
+        self.crossovers.clear()
+        self.mesh_faster.clear()
+
+    def close(self) -> None:
+        """Release the group's resources (its channel, sockets and thread)."""
+        for resource in (self.shm_channel, self.peers, self.worker):
+            if resource is not None:
+                resource.close()
+
+
+# The one registry of per-group state (module docstring): a process has one set of groups.
+_STATES: dict[int, GroupState] = {}
+_NEW_LOCK = threading.Lock()  # makes each group's state once; held for no more than that
+
+
+def group_state(group: dist.ProcessGroup | None) -> GroupState:
+    """``group``'s :class:`GroupState`, made at its first call and dropped with the group."""
+    state = _STATES.get(id(group))
+    return _new(group) if state is None else state
+
+
+def _new(group: dist.ProcessGroup | None) -> GroupState:
+    key = id(group)
+    with _NEW_LOCK:
+        state = _STATES.get(key)
+        if state is None:
+            state = _STATES[key] = GroupState()
+            if group is not None:  # None's is the process's, for calls without a group
+                weakref.finalize(group, _drop, key)
+    return state
+
+
+def _drop(key: int) -> None:
+    state = _STATES.pop(key, None)
+    if state is not None:
+        state.close()
+
+
+def states() -> list[GroupState]:
+    """The states of the groups alive now (and of ``None``, where made)."""
+    return list(_STATES.values())
+
+
+def reset() -> None:
+    """Forget what was decided for every group (tests; :func:`cgx2.collectives.policy.reset`
+    adds the policy's own): the groups' resources stay, their next calls decide anew."""
+    for state in states():
+        state.forget_decisions()
+
+
+def _after_fork() -> None:
+    """A child has its own peers, if any, and none of its parent's threads (which may have held
+    the locks when it forked)."""
+    global _NEW_LOCK  # the one rebinding in the package's per-group state: fork's
+    _NEW_LOCK = threading.Lock()
+    for state in _STATES.values():
+        state.shm_lock, state.peers_lock = threading.Lock(), threading.Lock()
+        state.worker_lock = threading.Lock()
+        state.peers_made, state.peers = False, None
+
+
+os.register_at_fork(after_in_child=_after_fork)
