@@ -47,8 +47,10 @@ from cgx2.bench.kernels import make_input as scaled_randn
 from cgx2.codecs import maxmin as ref
 from cgx2.codecs import maxmin_triton as tri
 from cgx2.codecs.layout import ChunkedLayout, MaxMinLayout
+from cgx2.codecs.rotation import Rotation
 
 SMALL_KEY = 0x12345678_00000042  # both halves < 2**31 (passed as int32: another specialization)
+ROTATION_KEY = 0x9E3779B9_7F4A7C15  # the signs' key of the rotated cases
 STREAM = 3
 DSE_STREAM = 7
 OWN_INDEX = 1
@@ -115,12 +117,18 @@ class Case:
     ops: tuple[str, ...] = FULL_OPS
     data: str = "randn"  # or "edge": constant, +-inf, NaN, +-3e38, subnormal, 1e-38, zero, 1e34
     key: int = KEY
+    rotation: int = 0  # the Hadamard rotation's block (0: none)
 
     @property
     def label(self) -> str:
         extra = (" skip" if self.skip else "") + (f" {self.data}" if self.data != "randn" else "")
         extra += " key<2^31" if self.key != KEY else ""
+        extra += f" rot{self.rotation}" if self.rotation else ""
         return f"{DTYPE_NAME[self.dtype]} n={self.numel} b={self.bits} B={self.bucket}{extra}"
+
+    def rotation_kw(self) -> dict[str, Rotation]:
+        """The codec functions' keyword for this case's rotation (none: empty)."""
+        return {"rotation": Rotation(ROTATION_KEY, self.rotation)} if self.rotation else {}
 
 
 def build_cases(p: Profile) -> list[Case]:
@@ -164,10 +172,28 @@ def build_cases(p: Profile) -> list[Case]:
     cases.append(Case(F32, 4099, 4, 512, ops=("dse_noown",)))
     cases.append(Case(BF16, 4099, 4, 512, ops=("dse_noown",)))
     cases.append(Case(F32, 4099, 4, 512, ops=("encode", "dse", "chunks"), key=SMALL_KEY))
+    # 5b. The Hadamard rotation fused into the kernels: 2, 3, 4 and 8 bits, every dtype, part
+    # blocks (1000, 4099: n % 128 != 0), raw tails, edge values, wide and small buckets,
+    # blocks of 128 and others.
+    for dtype in (F32, BF16, F16):
+        for bits in (2, 3, 4, 8):
+            cases += [Case(dtype, n, bits, 512, rotation=128) for n in p.small]
+    cases += [Case(F32, n, 4, 512, skip=True, rotation=128) for n in p.skip]
+    for bits in (1, 4, 8):
+        n = p.edge_buckets * 512 + 512 // 2 + 3
+        cases.append(Case(F32, n, bits, 512, data="edge", rotation=128))
+    for bucket, block, dtype in (
+        (2048, 128, F32),
+        (2048, 2048, F32),
+        (128, 64, BF16),
+        (100, 4, F32),
+    ):
+        cases += [Case(dtype, n, 3, bucket, ops=BIG_OPS, rotation=block) for n in p.odd]
     # 6. Big lengths, main bucket (the slowest: last).
     for n in p.big:
         for dtype in (F32, BF16):
             cases += [Case(dtype, n, bits, 512, ops=BIG_OPS) for bits in p.big_bits]
+        cases += [Case(BF16, n, bits, 512, ops=BIG_OPS, rotation=128) for bits in (2, 4)]
     # 7. Huge: encode bytes (and decode) at 4 bits.
     if p.huge:
         cases.append(Case(F32, p.huge, 4, 512, ops=("encode", "decode")))
@@ -315,11 +341,12 @@ class Checker:
         xr = x.to(rdev)
         lay = MaxMinLayout(c.numel, c.bits, c.bucket, c.skip)
         args = (c.bits, c.bucket)
+        rk = c.rotation_kw()
 
         def where(i: int) -> str:
             return _region(lay, i)
 
-        want_payload = ref.encode(xr, *args, c.key, STREAM, c.skip)
+        want_payload = ref.encode(xr, *args, c.key, STREAM, c.skip, **rk)
         payload = want_payload.to(dev)
         # Twice each up to 1M values: a shape's second call launches its bound variant (no
         # dispatch); the kernel is the same, so larger inputs add time, not coverage.
@@ -328,15 +355,17 @@ class Checker:
                 self.record(
                     f"encode{call} {c.label}",
                     lambda: compare_bytes(
-                        tri.encode(x, *args, c.key, STREAM, c.skip).to(rdev), want_payload, where
+                        tri.encode(x, *args, c.key, STREAM, c.skip, **rk).to(rdev),
+                        want_payload,
+                        where,
                     ),
                 )
             if "decode" in c.ops:
                 self.record(
                     f"decode{call} {c.label}",
                     lambda: compare_values(
-                        tri.decode(payload, c.numel, *args, c.dtype, c.skip).to(rdev),
-                        ref.decode(want_payload, c.numel, *args, c.dtype, c.skip),
+                        tri.decode(payload, c.numel, *args, c.dtype, c.skip, **rk).to(rdev),
+                        ref.decode(want_payload, c.numel, *args, c.dtype, c.skip, **rk),
                         c.bucket,
                     ),
                 )
@@ -346,7 +375,7 @@ class Checker:
             rows = torch.zeros(K, lay.nbytes, dtype=torch.uint8, device=dev)
             for w in range(K):
                 xw = make_input(c.numel, c.dtype, dev, seed + 1000 + w, c.data, c.bucket)
-                tri.encode(xw, *args, c.key, w, c.skip, out=rows[w])
+                tri.encode(xw, *args, c.key, w, c.skip, out=rows[w], **rk)
             rows_r = rows.to(rdev)
             own = make_input(c.numel, c.dtype, dev, seed + 2000, c.data, c.bucket)
             own_r = own.to(rdev)
@@ -371,6 +400,7 @@ class Checker:
                             c.key,
                             DSE_STREAM,
                             c.skip,
+                            **rk,
                         ).to(rdev),
                         ref.decode_sum_encode(
                             rows_r,
@@ -382,6 +412,7 @@ class Checker:
                             c.key,
                             DSE_STREAM,
                             c.skip,
+                            **rk,
                         ),
                         where,
                     ),
@@ -393,13 +424,13 @@ class Checker:
                 row, off = divmod(i, max(cl.payload_nbytes, 1))
                 return f"row {row}: " + _region(cl.chunk(row), off)
 
-            want_rows = ref.encode_chunks(xr, cl, c.key)
+            want_rows = ref.encode_chunks(xr, cl, c.key, **rk)
             for skip_chunk in (-1, 1):
                 self.record(
                     f"encode_chunks(K={K},skip_chunk={skip_chunk}) {c.label}",
                     lambda s=skip_chunk: compare_bytes(
-                        tri.encode_chunks(x, cl, c.key, s).to(rdev),
-                        want_rows if s == -1 else ref.encode_chunks(xr, cl, c.key, s),
+                        tri.encode_chunks(x, cl, c.key, s, **rk).to(rdev),
+                        want_rows if s == -1 else ref.encode_chunks(xr, cl, c.key, s, **rk),
                         where_row,
                     ),
                 )
@@ -407,8 +438,8 @@ class Checker:
             self.record(
                 f"decode_chunks(K={K}) {c.label}",
                 lambda: compare_values(
-                    tri.decode_chunks(rows_dev, cl, c.dtype).to(rdev),
-                    ref.decode_chunks(want_rows, cl, c.dtype),
+                    tri.decode_chunks(rows_dev, cl, c.dtype, **rk).to(rdev),
+                    ref.decode_chunks(want_rows, cl, c.dtype, **rk),
                     c.bucket,
                 ),
             )
@@ -632,6 +663,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--rep-ms", type=int, default=200, help="do_bench rep time per measurement")
     ap.add_argument(
+        "--rotation",
+        choices=("hadamard",),
+        default=None,
+        help="time the rotated kernels too, beside the unrotated ones (the checks always "
+        "include rotated cases; --match rot selects them)",
+    )
+    ap.add_argument(
         "--ref-device",
         choices=("cpu", "cuda"),
         default="cpu",
@@ -687,7 +725,7 @@ def main() -> int:
         n = args.timing_numel or prof.timing_numel
         log(f"timing on {n:,} elements")
         try:
-            report["timing"] = run_timing(n, device, args.rep_ms)
+            report["timing"] = run_timing(n, device, args.rep_ms, rotation=args.rotation)
         except Exception as e:
             report["timing_error"] = f"{type(e).__name__}: {e} | {traceback.format_exc()[-800:]}"
             log(f"timing failed: {report['timing_error']}")

@@ -150,9 +150,11 @@ def run_timing(
     bits_list: Sequence[int] = (2, 4, 8),
     bucket: int = 512,
     dtypes: Sequence[torch.dtype] = (torch.float32, torch.bfloat16),
+    rotation: str | None = None,
 ) -> list[dict[str, Any]]:
     """Rows of encode, decode and dse per dtype and width, the torch reference's encode (4 bits,
-    or the first width) and the copy of ``4 n`` bytes, all on ``n`` elements."""
+    or the first width) and the copy of ``4 n`` bytes, all on ``n`` elements; ``rotation``
+    ("hadamard"): the rotated kernels' rows too, beside the unrotated ones."""
     from cgx2.codecs import maxmin_triton as tri  # Triton's: imported only when timed
 
     copy = CopyBaseline(device, rep_ms)
@@ -225,6 +227,8 @@ def run_timing(
                 )
             )
             del payload, chunks, out
+            if rotation is not None:
+                rows += _rotated_rows(x, bits, bucket, rotation, copy, rep_ms)
         del x
     ref_bits = 4 if 4 in bits_list else bits_list[0]
     x = make_input(n, torch.float32, device, 12345)
@@ -268,6 +272,54 @@ def run_timing(
     return rows
 
 
+def _rotated_rows(
+    x: torch.Tensor, bits: int, bucket: int, name: str, copy: CopyBaseline, rep_ms: int
+) -> list[dict[str, Any]]:
+    """The rows of ``run_timing`` for the rotated kernels (``op`` ending in ``+rot``): the
+    same calls with ``rotation`` (blocks of 128, a key that changes nothing in the cost)."""
+    from cgx2.codecs import maxmin_triton as tri
+    from cgx2.codecs.rotation import rotation_for
+
+    rot = rotation_for(name, KEY ^ 0x5555)
+    n, dtype, elt = x.numel(), x.dtype, x.element_size()
+    whole = ChunkedLayout.split(n, 1, bits, bucket, False)
+    payload = tri.encode(x, bits, bucket, KEY, rotation=rot)
+    p = payload.numel()
+    cl = ChunkedLayout.split(n, K, bits, bucket, False)
+    m, pm = cl.chunk_size(0), cl.chunk(0).nbytes
+    chunks = tri.encode_chunks(x, cl, KEY, rotation=rot)
+    out = torch.zeros(cl.payload_nbytes, dtype=torch.uint8, device=x.device)
+    calls = [
+        (
+            "encode+rot",
+            n,
+            n * elt,
+            p,
+            lambda: tri.encode_chunks(x, whole, KEY, out=payload.view(1, -1), rotation=rot),
+        ),
+        (
+            "decode+rot",
+            n,
+            p,
+            n * elt,
+            lambda: tri.decode(payload, n, bits, bucket, dtype, rotation=rot),
+        ),
+        (
+            f"dse+rot(K={K})",
+            m,
+            (K - 1) * pm + m * elt,
+            pm,
+            lambda: tri.decode_sum_encode(
+                chunks, m, x[:m], 0, 0.25, bits, bucket, KEY, 0, False, out, rotation=rot
+            ),
+        ),
+    ]
+    return [
+        timing_row(op, dtype, bits, numel, fn, read, written, copy, rep_ms, bucket)
+        for op, numel, read, written, fn in calls
+    ]
+
+
 def format_timing(rows: list[dict[str, Any]]) -> str:
     """The table of ``run_timing``'s rows, with the conventions above it."""
     lines = [
@@ -290,6 +342,13 @@ def format_timing(rows: list[dict[str, Any]]) -> str:
             lines.append(
                 f"triton encode {dtype} {bits}-bit: {speedup:.1f}x faster than the torch reference"
             )
+        if op.endswith("+rot") or "+rot(" in op:
+            plain = op.replace("+rot", "")
+            if (plain, dtype, bits) in ms:
+                lines.append(
+                    f"{plain} {dtype} {bits}-bit rotated: {ms[(plain, dtype, bits)] / ref_ms:.0%} "
+                    "of the unrotated kernel's speed (same run)"
+                )
     return "\n".join(lines)
 
 
@@ -324,6 +383,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16, fp16")
     p.add_argument(
         "--bucket-size", type=int, default=512, help="values sharing one scale (max-min bucket)"
+    )
+    p.add_argument(
+        "--rotation",
+        choices=["hadamard"],
+        default=None,
+        help="time the rotated kernels too (blocks of 128), beside the unrotated ones",
     )
     p.add_argument(
         "--rep-ms",
@@ -380,6 +445,7 @@ def main(argv: list[str] | None = None) -> int:
         args.bits,
         args.bucket_size,
         [DTYPES[d] for d in args.dtypes],
+        args.rotation,
     )
     report = {"env": env, "args": vars(args), "conventions": CONVENTIONS, "rows": rows}
     print(format_timing(rows))
