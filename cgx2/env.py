@@ -62,6 +62,15 @@ def versions() -> dict[str, str | None]:
     }
 
 
+def _setting(variable: str) -> Any:
+    """``variable``'s value as cgx2 reads it (:func:`cgx2.config.sources`), or its default
+    where the environment's does not parse: the report goes on, and says so under Settings."""
+    value, source = config.sources()[variable]
+    if source.startswith("environment (invalid"):
+        value, _ = config.sources({})[variable]
+    return value
+
+
 def _built() -> tuple[Any, str]:
     """``cgx2._C`` as :func:`cgx2.extension.load` would use it, and why not where it is None."""
     module = extension.load()
@@ -85,7 +94,7 @@ def compiled() -> dict[str, Any]:
     if module is None:
         off = {"on": False, "why": why}
         return {"built": False, "path": None, "why": why, "cpu_codec": off, "shm": off, "nccl": off}
-    native = config.tuning().native_codec
+    native = _setting("CGX2_NATIVE")
     simd = bool(module.maxmin_simd()) if hasattr(module, "maxmin_simd") else False
     codec = {
         "on": native,
@@ -103,8 +112,8 @@ def compiled() -> dict[str, Any]:
             nccl["why"] = f"NCCL {version} loaded by torch; used with CGX2_TRANSPORT=nccl"
     else:
         nccl = {"on": False, "why": "this build has no NCCL transport"}
-    transport = config.tuning().transport
-    inner = config.CGXConfig.from_env().inner_communicator
+    transport = _setting("CGX2_TRANSPORT")
+    inner = _setting("CGX_INNER_COMMUNICATOR_TYPE")
     if transport in ("auto", "shm") and (transport == "shm" or inner == "SHM"):
         why = "moves the bytes between the ranks of one host (CPU tensors, CUDA tensors on gloo)"
         shm = {"on": True, "why": why + ("" if transport == "auto" else ": CGX2_TRANSPORT=shm")}
@@ -152,7 +161,7 @@ def gpus() -> dict[str, Any]:
 def calibration() -> dict[str, Any]:
     """The calibration file (``CGX2_CALIBRATION_FILE``): where, whether it is used, and the
     crossovers and node mesh answers it holds."""
-    path = config.tuning().calibration_file
+    path = _setting("CGX2_CALIBRATION_FILE")
     found: dict[str, Any] = {"path": path, "status": "absent", "why": ""}
     try:
         data = calibration_file.load(path)
@@ -182,7 +191,7 @@ def regimes(calibrated: dict[str, Any], cuda: bool) -> list[dict[str, Any]]:
     """For each device and backend this machine can run, the regime the policy assumes (as
     :func:`cgx2.collectives.policy.detect_regime` names it without a process group) and the
     smallest tensor it compresses, per input width, with where that number comes from."""
-    override = config.crossover_override()
+    override = _setting("CGX2_CROSSOVER_BYTES")
     table = calibrated.get("crossover_bytes", {})
     rows = []
     for device, backend, on_nccl in _carriers(cuda):
@@ -281,9 +290,15 @@ def _shown(value: object) -> str:
 def format_text(found: dict[str, Any]) -> str:
     """:func:`report` as the plain text ``python -m cgx2.env`` prints."""
     v = found["versions"]
+    invalid = [name for name, s in found["settings"].items() if "invalid" in s["source"]]
     lines = [
         "cgx2 environment (python -m cgx2.env; --json for tools)",
         "",
+        *(
+            [f"cgx2 will raise at its first call: invalid {', '.join(invalid)} (see Settings)", ""]
+            if invalid
+            else []
+        ),
         "Versions",
         f"  cgx2 {v['cgx2']}, python {v['python']}, torch {v['torch']} "
         f"(CUDA {v['cuda'] or 'none'}), triton {v['triton'] or 'not installed'}, "

@@ -74,6 +74,20 @@ def test_json_says_each_setting_and_where_it_came_from(tmp_path: Path) -> None:
     assert found["gpus"]["count"] == 0 and found["gpus"]["why"]
 
 
+def test_an_invalid_setting_is_reported_not_raised(tmp_path: Path) -> None:
+    """A bug report is most needed where a variable is wrong: the report goes on, names it
+    first, and gives the error cgx2 would raise."""
+    proc = _run(tmp_path, ["-m", "cgx2.env"], CGX2_PIPELINE_BYTES="abc", CGX2_NATIVE="maybe")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[2] == (
+        "cgx2 will raise at its first call: invalid CGX2_PIPELINE_BYTES, CGX2_NATIVE (see Settings)"
+    )
+    text = " ".join(proc.stdout.split())
+    assert "CGX2_NATIVE='maybe' is invalid" in text
+    assert "CPU codec: on" in text or "NOT built" in text  # the default, where it is invalid
+
+
 def test_sources_reads_config_tables() -> None:
     environ = {"CGX2_PIPELINE_BYTES": "8M", "CGX_INNER_COMMUNICATOR_TYPE": "nccl"}
     found = config.sources(environ)
