@@ -374,7 +374,7 @@ def format_link_note(rows: list[dict[str, Any]], hosts: int, link: str) -> str:
 
 
 def _iters_said(args: argparse.Namespace) -> str:
-    more = f", more within {args.seconds:g} s a row" if args.seconds else ""
+    more = f" (more within {args.seconds:g} s a row)" if args.seconds else ""
     return f"at least {args.iters} timed iterations{more}"
 
 
@@ -539,11 +539,12 @@ def main(argv: list[str] | None = None) -> int:
     rows = found["rows"]
 
     where = f"{world} hosts joined by {args.link} links" if args.hosts else f"{world} ranks"
-    print(
+    title = (
         f"cgx2 quantized allreduce vs plain allreduce: {where}, gloo, {args.dtype}, bucket "
         f"{BUCKET_SIZE}, the slowest rank's median of {_iters_range(rows)} iterations, gloo's "
-        "and cgx2's in turn\n"
+        "and cgx2's in turn"
     )
+    print(textwrap.fill(title, 100) + "\n")
     print(format_table(rows))
     print("\nColumns:")
     print(format_legend(COLUMNS))
