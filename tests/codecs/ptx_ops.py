@@ -21,86 +21,126 @@ def ptx(fn, signature: dict, constexprs: dict, pointers: int) -> str:
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 
 
-def _encode(nearest: bool, tiles: dict) -> str:
-    return ptx(
-        mt._encode_kernel,
-        {
-            "x_ptr": "*fp32",
-            "out_u8": "*u8",
-            "numel": "i64",
-            "chunk_numel": "i64",
-            "row_nbytes": "i64",
-            "k0": "i64",
-            "k1": "i64",
-            "keys_ptr": "*i64",
-            "stream0": "i64",
-            "skip_chunk": "i64",
-            "BITS": "constexpr",
-            "B": "constexpr",
-            "SKIP_INCOMPLETE": "constexpr",
-            "ALIGN": "constexpr",
-            "KEYS_IN_MEMORY": "constexpr",
-            "BUCKETS": "constexpr",
-            "BLOCK": "constexpr",
-            "ZERO_GAPS": "constexpr",
-            "NEAREST": "constexpr",
-        },
-        {
-            "BITS": 4,
-            "B": 512,
-            "SKIP_INCOMPLETE": False,
-            "ALIGN": 16,
-            "KEYS_IN_MEMORY": False,
-            "ZERO_GAPS": False,
-            "NEAREST": nearest,
-            **tiles,
-        },
-        2,
-    )
+_ROTATION = {"sign_k0": "i64", "sign_k1": "i64", "signs_ptr": "*i64"}
+_ROTATION_CONSTEXPRS = {"ROT": 128, "SIGNS_IN_MEMORY": False}
+
+
+def _rotated(signature: dict, constexprs: dict) -> tuple[dict, dict]:
+    """A kernel's signature and constexprs with the rotation's parameters: they come after
+    the positional ones, before the constexprs."""
+    positional = {k: v for k, v in signature.items() if v != "constexpr"}
+    rest = {k: v for k, v in signature.items() if v == "constexpr"}
+    rest.update(dict.fromkeys(_ROTATION_CONSTEXPRS, "constexpr"))
+    return {**positional, **_ROTATION, **rest}, {**constexprs, **_ROTATION_CONSTEXPRS}
+
+
+def _encode(nearest: bool, tiles: dict, rotated: bool = False) -> str:
+    signature = {
+        "x_ptr": "*fp32",
+        "out_u8": "*u8",
+        "numel": "i64",
+        "chunk_numel": "i64",
+        "row_nbytes": "i64",
+        "k0": "i64",
+        "k1": "i64",
+        "keys_ptr": "*i64",
+        "stream0": "i64",
+        "skip_chunk": "i64",
+        "BITS": "constexpr",
+        "B": "constexpr",
+        "SKIP_INCOMPLETE": "constexpr",
+        "ALIGN": "constexpr",
+        "KEYS_IN_MEMORY": "constexpr",
+        "BUCKETS": "constexpr",
+        "BLOCK": "constexpr",
+        "ZERO_GAPS": "constexpr",
+        "NEAREST": "constexpr",
+    }
+    constexprs = {
+        "BITS": 4,
+        "B": 512,
+        "SKIP_INCOMPLETE": False,
+        "ALIGN": 16,
+        "KEYS_IN_MEMORY": False,
+        "ZERO_GAPS": False,
+        "NEAREST": nearest,
+        **tiles,
+    }
+    if rotated:
+        signature, constexprs = _rotated(signature, constexprs)
+        return ptx(mt._encode_rotated_kernel, signature, constexprs, 2)
+    return ptx(mt._encode_kernel, signature, constexprs, 2)
+
+
+def _decode_sum_encode(tiles: dict, rotated: bool = False) -> str:
+    signature = {
+        "in_u8": "*u8",
+        "own_ptr": "*fp32",
+        "out_u8": "*u8",
+        "numel": "i64",
+        "row_nbytes": "i64",
+        "own_index": "i64",
+        "scale": "fp32",
+        "k0": "i64",
+        "k1": "i64",
+        "keys_ptr": "*i64",
+        "stream": "i64",
+        "NUM_ROWS": "constexpr",
+        "SKIP_OWN": "constexpr",
+        "BITS": "constexpr",
+        "B": "constexpr",
+        "SKIP_INCOMPLETE": "constexpr",
+        "HAS_OWN": "constexpr",
+        "HAS_SCALE": "constexpr",
+        "KEYS_IN_MEMORY": "constexpr",
+        "BUCKETS": "constexpr",
+        "BLOCK": "constexpr",
+    }
+    constexprs = {
+        "NUM_ROWS": 2,
+        "SKIP_OWN": True,
+        "BITS": 4,
+        "B": 512,
+        "SKIP_INCOMPLETE": True,
+        "HAS_OWN": True,
+        "HAS_SCALE": True,
+        "KEYS_IN_MEMORY": False,
+        **tiles,
+    }
+    if rotated:
+        signature, constexprs = _rotated(signature, constexprs)
+        return ptx(mt._decode_sum_encode_rotated_kernel, signature, constexprs, 3)
+    return ptx(mt._decode_sum_encode_kernel, signature, constexprs, 3)
+
+
+def _decode_rotated(tiles: dict) -> str:
+    signature = {
+        "in_u8": "*u8",
+        "out_ptr": "*bf16",
+        "numel": "i64",
+        "chunk_numel": "i64",
+        "row_nbytes": "i64",
+        "BITS": "constexpr",
+        "B": "constexpr",
+        "SKIP_INCOMPLETE": "constexpr",
+        "OUT_BF16": "constexpr",
+        "ALIGN": "constexpr",
+        "BUCKETS": "constexpr",
+        "BLOCK": "constexpr",
+    }
+    constexprs = {"BITS": 4, "B": 512, "SKIP_INCOMPLETE": False, "OUT_BF16": True, "ALIGN": 16}
+    signature, constexprs = _rotated(signature, {**constexprs, **tiles})
+    return ptx(mt._decode_rotated_kernel, signature, constexprs, 2)
 
 
 def main() -> None:
     tiles = {"BUCKETS": 1, "BLOCK": 512}
     encode = _encode(False, tiles)
     nearest = _encode(True, tiles)  # the parameter all-gather's variant: it builds, no Philox
-    dse = ptx(
-        mt._decode_sum_encode_kernel,
-        {
-            "in_u8": "*u8",
-            "own_ptr": "*fp32",
-            "out_u8": "*u8",
-            "numel": "i64",
-            "row_nbytes": "i64",
-            "own_index": "i64",
-            "scale": "fp32",
-            "k0": "i64",
-            "k1": "i64",
-            "keys_ptr": "*i64",
-            "stream": "i64",
-            "NUM_ROWS": "constexpr",
-            "SKIP_OWN": "constexpr",
-            "BITS": "constexpr",
-            "B": "constexpr",
-            "SKIP_INCOMPLETE": "constexpr",
-            "HAS_OWN": "constexpr",
-            "HAS_SCALE": "constexpr",
-            "KEYS_IN_MEMORY": "constexpr",
-            "BUCKETS": "constexpr",
-            "BLOCK": "constexpr",
-        },
-        {
-            "NUM_ROWS": 2,
-            "SKIP_OWN": True,
-            "BITS": 4,
-            "B": 512,
-            "SKIP_INCOMPLETE": True,
-            "HAS_OWN": True,
-            "HAS_SCALE": True,
-            "KEYS_IN_MEMORY": False,
-            **tiles,
-        },
-        3,
-    )
+    dse = _decode_sum_encode(tiles)
+    # The rotated kernels (the Hadamard rotation in registers): they build, and their float
+    # operations are counted apart (``rotated:`` lines).
+    rotated = _encode(False, tiles, True) + _decode_sum_encode(tiles, True) + _decode_rotated(tiles)
     pattern = r"\b((?:add|sub|mul|div|fma|min|max|cvt)\.[\w.]+)"
     ops = collections.Counter(re.findall(pattern, encode + dse))
     for op, count in sorted(ops.items()):
@@ -112,6 +152,8 @@ def main() -> None:
     # Philox's 32x32->64-bit multiplies (mul.wide.u32) are the stochastic variant's alone.
     for name, text in (("encode", encode), ("nearest", nearest)):
         print(f"{name}:mul.wide.u32", text.count("mul.wide.u32"))
+    for op, count in sorted(collections.Counter(re.findall(pattern, rotated)).items()):
+        print(f"rotated:{op}", count)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ def test_only_the_level_floor_flushes_subnormals():
     subnormal span became a division by zero on the GPU only. The one flushing op left is
     the floor's round-down add, where a subnormal input floors to 0 either way."""
     ops = _float_ops()
-    flushing = {op for op in ops if ".ftz" in op}
+    flushing = {op for op in ops if ".ftz" in op and not op.startswith("rotated:")}
     assert flushing == {"add.rm.ftz.f32"}, flushing
     assert ops.get("div.rn.f32", 0) > 0 and ops.get("fma.rn.f32", 0) > 0
 
@@ -52,3 +52,15 @@ def test_the_nearest_encoder_builds_without_the_random_stream():
     ops = _float_ops()
     assert ops["encode:mul.wide.u32"] > 0
     assert ops["nearest:mul.wide.u32"] == 0
+
+
+def test_the_rotated_kernels_build_without_flushing_subnormals():
+    """The Hadamard rotation's kernels (encode, decode-sum-encode, decode) build for the GPU,
+    and their butterflies, scale and signs round as the reference does: the level floor's
+    round-down add stays their one flushing op, and no add or multiply is fused."""
+    ops = _float_ops()
+    rotated = {op.removeprefix("rotated:"): n for op, n in ops.items() if op.startswith("rotated:")}
+    assert {op for op in rotated if ".ftz" in op} == {"add.rm.ftz.f32"}
+    assert rotated["sub.rn.f32"] > ops["sub.rn.f32"]  # the butterflies' differences
+    assert rotated["mul.wide.u32"] > ops["encode:mul.wide.u32"]  # the signs' Philox
+    assert rotated["fma.rn.f32"] == ops["fma.rn.f32"]  # the scales' rounding toward zero alone
