@@ -643,8 +643,8 @@ def _print_report(report: dict[str, Any], args: argparse.Namespace) -> None:
     name = dist.get_backend()
     backend = BACKEND_NAMES.get(name, name)
     rows, env = report["rows"], report["env"]
-    device = torch.device("cuda", torch.cuda.current_device()) if name == "nccl" else None
-    device = device or (torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    cuda = torch.cuda.is_available()  # the tensors' device, as run() chose it
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     run = Run(
         device_type=device.type,
         nccl=name == "nccl",
