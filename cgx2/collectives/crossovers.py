@@ -55,18 +55,20 @@ def _read_calibration(path: str) -> dict[str, dict]:
     if data is None:
         return empty
     crossovers = data["crossover_bytes"]
-    beside = data.get("beside_crossover_bytes", {})
+    beside_step = data.get("beside_crossover_bytes", {})
     mesh = data.get("node_mesh_faster", {})
     timed = f"; the node mesh faster than the flat allreduce: {mesh}" if mesh else ""
     logger.info(
         "cgx2: crossovers from %s: %s (beside the training step: %s)%s",
         path,
         crossovers,
-        beside or "the same",
+        beside_step or "the same",
         timed,
     )
     return {
-        "crossovers": {key: [value, beside.get(key, value)] for key, value in crossovers.items()},
+        "crossovers": {
+            key: [value, beside_step.get(key, value)] for key, value in crossovers.items()
+        },
         "node_mesh": mesh,
         "ignored": None,
     }

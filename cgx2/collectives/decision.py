@@ -172,7 +172,7 @@ class CallFacts:
 
     - ``bits``: the width asked for (32: uncompressed); ``numel``: the values reduced.
     - ``crossovers``: the smallest bytes compressed, for calls alone and for calls beside the
-      training step (None: never); ``beside``: the call runs beside the training step.
+      training step (None: never); ``beside_compute``: the call runs beside the training step.
     - ``cuda_graphs``: ``CGX2_CUDA_GRAPHS`` (None: auto); ``graphs_usable``: a graph may
       replay this call (:func:`cgx2.collectives.graphs.usable`).
     """
@@ -181,7 +181,7 @@ class CallFacts:
     bits: int
     numel: int
     crossovers: tuple[int | None, int | None] = (0, 0)
-    beside: bool = False
+    beside_compute: bool = False
     cuda_graphs: bool | None = None
     graphs_usable: bool = False
 
@@ -193,11 +193,11 @@ def table_crossover(regime: str, itemsize: int, with_graphs: bool) -> int | None
     return table[regime][0 if itemsize >= 4 else 1]
 
 
-def for_thread(crossovers: tuple[int | None, int | None], beside: bool) -> int | None:
+def for_thread(crossovers: tuple[int | None, int | None], beside_compute: bool) -> int | None:
     """Of a pair of crossovers (for calls alone, for calls beside the training step), the one
-    for a call ``beside`` the training step or not."""
+    for a call beside the training step (``beside_compute``) or not."""
     alone, beside_step = crossovers
-    return beside_step if beside else alone
+    return beside_step if beside_compute else alone
 
 
 def pair_gather(world: int, regime: str, allowed: bool) -> bool:
@@ -214,7 +214,7 @@ def piece_numel(
     bucket_size: int,
     regime: str,
     pair_gather: bool,
-    beside: bool,
+    beside_compute: bool,
     pipeline_bytes: int | None,
     spans_nodes: bool,
 ) -> int:
@@ -227,7 +227,7 @@ def piece_numel(
     numel = (
         PIECE_NUMEL_PAIR.get(regime, PIECE_NUMEL[regime]) if pair_gather else PIECE_NUMEL[regime]
     )
-    if regime == "cpu" and spans_nodes and not beside:
+    if regime == "cpu" and spans_nodes and not beside_compute:
         numel = CPU_ACROSS_NODES_PIECE_NUMEL
     return max(1, numel // per_piece) * per_piece
 
@@ -263,11 +263,11 @@ def plan(facts: GroupFacts) -> Routes:
             facts.bucket_size,
             facts.regime,
             pair,
-            beside,
+            beside_compute,
             facts.pipeline_bytes,
             facts.spans_nodes,
         )
-        for beside in (False, True)
+        for beside_compute in (False, True)
     )
     ring = facts.algorithm == "ring" and facts.world > 2
     compressed = Route(
@@ -326,12 +326,13 @@ def compresses(routes: Routes, bits: int, nbytes: int, crossover: int | None) ->
     return nbytes >= crossover
 
 
-def compressed_route(routes: Routes, graphs_replay: bool, beside: bool) -> Route:
+def compressed_route(routes: Routes, graphs_replay: bool, beside_compute: bool) -> Route:
     """The compressed route: replayed as a CUDA graph where ``graphs_replay`` and the group's
-    calls may be, else the one for calls ``beside`` the training step or alone."""
+    calls may be, else the one for calls beside the training step (``beside_compute``) or
+    alone."""
     if routes.graphs is not None and graphs_replay:
         return routes.graphs
-    return routes.compressed_beside if beside else routes.compressed
+    return routes.compressed_beside if beside_compute else routes.compressed
 
 
 def decide(facts: CallFacts) -> Route:
@@ -339,8 +340,8 @@ def decide(facts: CallFacts) -> Route:
     decides, from the facts it gathers)."""
     routes = plan(facts.group)
     nbytes = facts.numel * facts.group.element_size
-    crossover = for_thread(facts.crossovers, facts.beside)
+    crossover = for_thread(facts.crossovers, facts.beside_compute)
     if not compresses(routes, facts.bits, nbytes, crossover):
         return routes.plain
     replay = graphed(nbytes, facts.cuda_graphs) and facts.graphs_usable
-    return compressed_route(routes, replay, facts.beside)
+    return compressed_route(routes, replay, facts.beside_compute)

@@ -170,8 +170,8 @@ def crossover_on_link(
     last = measurements[-1]
     if larger is not None and last["compressed_s"] * margin >= last["plain_s"]:
         measurements.append(measured(larger))
-    alone, beside = crossover(measurements), crossover(measurements, margin)
-    said = ["never" if n is None else f"{n} bytes" for n in (alone, beside)]
+    alone, beside_step = crossover(measurements), crossover(measurements, margin)
+    in_words = ["never" if n is None else f"{n} bytes" for n in (alone, beside_step)]
     logger.info(
         "cgx2: measured on this job's link (group %r, %s %s, %d-bit): %s; quantized from %s "
         "(beside the training step: from %s)",
@@ -184,9 +184,9 @@ def crossover_on_link(
             f"quantized {1e3 * m['compressed_s']:.2f} ms"
             for m in measurements
         ),
-        *said,
+        *in_words,
     )
-    return alone, beside
+    return alone, beside_step
 
 
 def mesh_against_flat(

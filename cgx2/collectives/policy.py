@@ -177,29 +177,37 @@ def piece_numel(
     element_size: int,
     world: int,
     bucket_size: int,
-    where: str,
+    regime: str,
     pair_gather: bool,
-    beside: bool | None = None,
+    beside_compute: bool | None = None,
 ) -> int:
     """Values per pipeline piece: whole buckets for every rank, about
-    ``CGX2_PIPELINE_BYTES`` of input, or the regime's :data:`PIECE_NUMEL` (CPU tensors across
-    nodes, called alone: :data:`CPU_ACROSS_NODES_PIECE_NUMEL`). ``beside``: for a call beside
-    the training step (None: whether the calling thread is a worker there). The pieces fix
-    which values share a random key, so every rank, and the reference model, cut alike."""
+    ``CGX2_PIPELINE_BYTES`` of input, or the ``regime``'s :data:`PIECE_NUMEL` (CPU tensors
+    across nodes, called alone: :data:`CPU_ACROSS_NODES_PIECE_NUMEL`). ``beside_compute``: for
+    a call beside the training step (None: whether the calling thread is a worker there). The
+    pieces fix which values share a random key, so every rank, and the reference model, cut
+    alike."""
     pipeline_bytes = config.tuning().pipeline_bytes
-    if beside is None:
-        beside = cpu_threads.beside_compute()
+    if beside_compute is None:
+        beside_compute = cpu_threads.beside_compute()
     spans_nodes = config.launch().spans_nodes
     return decision.piece_numel(
-        element_size, world, bucket_size, where, pair_gather, beside, pipeline_bytes, spans_nodes
+        element_size,
+        world,
+        bucket_size,
+        regime,
+        pair_gather,
+        beside_compute,
+        pipeline_bytes,
+        spans_nodes,
     )
 
 
-def uses_pair_gather(world: int, where: str) -> bool:
+def uses_pair_gather(world: int, regime: str) -> bool:
     """Whether two ranks swap their chunks by all-gather: the same bytes through NCCL's
     collective path rather than its point-to-point one, which was the slower outside NVLink
     and the faster over it (BENCHMARKS.md, "Two ranks swap by all-gather")."""
-    return decision.pair_gather(world, where, config.tuning().pair_gather)
+    return decision.pair_gather(world, regime, config.tuning().pair_gather)
 
 
 def route(
@@ -218,13 +226,13 @@ def route(
     numel = t.numel() if numel is None else numel
     tuning = config.tuning()
     threshold = tuning.crossover_bytes
-    beside = None
+    beside_compute = None
     if threshold is None:  # asked only here: a plain call never measures
         with_graphs = tuning.cuda_graphs is True
         info = group_info(group)
         measured = crossovers.measured(found, t.device, t.dtype, info, group, with_graphs)
-        beside = cpu_threads.beside_compute()
-        threshold = decision.for_thread(measured, beside)
+        beside_compute = cpu_threads.beside_compute()
+        threshold = decision.for_thread(measured, beside_compute)
     elif found.calibration is None:
         # Read at the same call as on ranks without the variable (whose crossovers come from
         # the first rank's file): ranks whose CGX2_CROSSOVER_BYTES differ then reach the
@@ -239,9 +247,9 @@ def route(
         and decision.graphed(nbytes, tuning.cuda_graphs)
         and graphs.usable(t)
     )
-    if beside is None:
-        beside = cpu_threads.beside_compute()
-    return decision.compressed_route(routes, replay, beside)
+    if beside_compute is None:
+        beside_compute = cpu_threads.beside_compute()
+    return decision.compressed_route(routes, replay, beside_compute)
 
 
 def _group_facts(

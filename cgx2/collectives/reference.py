@@ -37,9 +37,9 @@ def reference_allreduce(
     flats = [x.reshape(-1).cpu() for x in inputs]
     out = torch.empty(x0.numel(), dtype=x0.dtype)
     scale = 1.0 / world if check_reduce_op(reduce_op) == "avg" else None
-    where = regime or policy.regime(device or x0.device)
-    pair = policy.uses_pair_gather(world, where)
-    step = policy.piece_numel(x0.element_size(), world, bucket_size, where, pair)
+    regime = regime or policy.regime(device or x0.device)
+    pair = policy.uses_pair_gather(world, regime)
+    step = policy.piece_numel(x0.element_size(), world, bucket_size, regime, pair)
     for index, s in enumerate(range(0, x0.numel(), step)):
         pieces = [f[s : s + step] for f in flats]
         layout = ChunkedLayout.split(pieces[0].numel(), world, bits, bucket_size, skip_incomplete)

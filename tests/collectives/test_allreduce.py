@@ -397,7 +397,10 @@ def test_cpu_tensors_of_a_job_across_nodes_take_smaller_pieces(monkeypatch):
         assert policy.piece_numel(2, 4, 512, "cpu", False) == across
         assert policy.piece_numel(4, 4, 512, "socket", False) == policy.PIECE_NUMEL["socket"]
         # Beside the training step (DDP's hooks, on their worker) one piece a bucket.
-        assert policy.piece_numel(4, 2, 512, "cpu", True, beside=True) == policy.PIECE_NUMEL["cpu"]
+        assert (
+            policy.piece_numel(4, 2, 512, "cpu", True, beside_compute=True)
+            == policy.PIECE_NUMEL["cpu"]
+        )
 
 
 def test_extend_key_continues_derive_key():

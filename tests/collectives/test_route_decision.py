@@ -49,9 +49,9 @@ def test_what_is_never_compressed(facts):
 def test_beside_the_training_step_the_second_crossover_and_its_pieces_hold():
     group = _group(spans_nodes=True)  # CPU tensors across nodes: small pieces alone
     alone = decision.decide(_call(group, MiB, crossovers=(0, None)))
-    beside = decision.decide(_call(group, MiB, crossovers=(0, None), beside=True))
+    beside = decision.decide(_call(group, MiB, crossovers=(0, None), beside_compute=True))
     assert alone.compress and not beside.compress
-    both = _call(group, MiB, crossovers=(0, 0), beside=True)
+    both = _call(group, MiB, crossovers=(0, 0), beside_compute=True)
     assert alone.piece_numel == decision.CPU_ACROSS_NODES_PIECE_NUMEL
     assert decision.decide(both).piece_numel == decision.PIECE_NUMEL["cpu"] // 2048 * 2048
 
