@@ -186,8 +186,8 @@ def _check_graphs(rank: int, world: int) -> int:
         ok = ok and torch.equal(
             functional.view(INT[x.element_size()]), eager[-1].view(INT[x.element_size()])
         )
-        captured = len(graphs._GRAPHS)
-        ok = ok and differ and captured >= 1 and not graphs._failed
+        captured = graphs.stats()["graphs"]
+        ok = ok and differ and captured >= 1 and not graphs._CACHE.failed
         _tune(pipeline_bytes=piece)
         graphs.clear()
         if rank == 0:

@@ -137,7 +137,7 @@ def graph_checks(rank: int, world: int, dev: torch.device) -> dict[str, bool]:
             ok[f"DDP under CUDA graphs: grads identical on ranks ({replays} replays)"] = (
                 same and replays > 0
             )
-            ok["no capture failed"] = not graphs._failed
+            ok["no capture failed"] = not graphs._CACHE.failed
     finally:
         graphs.clear()
     return ok

@@ -50,29 +50,42 @@ dropped first."""
 class _Entry:
     seed: torch.Tensor  # one int64 on the device: the call's seed, which the graph reads
     graph: torch.cuda.CUDAGraph
-    used: int  # the call (of _calls) that last replayed it
+    used: int  # the call (of _CACHE.calls) that last replayed it
 
 
-_PENDING: OrderedDict[Hashable, torch.Tensor] = OrderedDict()  # signature -> its seed
-_GRAPHS: OrderedDict[Hashable, _Entry] = OrderedDict()
-_WATCHED: set[int] = set()  # ids of the groups whose graphs go with them
-_failed = False
-_calls = 0
-_COUNTS = {"eager": 0, "captures": 0, "replays": 0}  # what run() did, since the process began
+class _Cache:
+    """What :func:`run` keeps: per process, not per group, since :data:`MAX_GRAPHS` bounds the
+    graphs of all groups together (a graph's key starts with its group's id)."""
+
+    __slots__ = ("calls", "counts", "failed", "graphs", "guarded", "pending", "streams", "watched")
+
+    def __init__(self) -> None:
+        self.pending: OrderedDict[Hashable, torch.Tensor] = OrderedDict()  # signature: its seed
+        self.graphs: OrderedDict[Hashable, _Entry] = OrderedDict()
+        self.watched: set[int] = set()  # ids of the groups whose graphs go with them
+        self.failed = False  # a capture failed: eager from then on
+        self.calls = 0  # of run(), for the graphs' staleness
+        self.counts = {"eager": 0, "captures": 0, "replays": 0}  # what run() did
+        self.streams: dict[int, torch.cuda.Stream] = {}  # the capturing side stream, by GPU
+        self.guarded = False  # destroy_process_group drops the graphs first (_guard_teardown)
+
+
+# The process's graphs: the GPU's memory they hold is the process's (MAX_GRAPHS, STALE_CALLS).
+_CACHE = _Cache()
 
 
 def stats() -> dict[str, int]:
     """What :func:`run` has done in this process: calls run eagerly (first sightings, no room,
     failed captures), graphs captured and replays (the capturing call's own included), and
     graphs held now."""
-    return {**_COUNTS, "graphs": len(_GRAPHS)}
+    return {**_CACHE.counts, "graphs": len(_CACHE.graphs)}
 
 
 def usable(t: torch.Tensor) -> bool:
     """Whether an allreduce of ``t`` may replay a graph: not turned off, a CUDA tensor, Triton
     (whose kernels read keys from memory), not under ``torch.compile`` or inside a capture of
     the caller's own. The caller checks that its group is NCCL's, and the size."""
-    if not t.is_cuda or config.tuning().cuda_graphs is False or _failed:
+    if not t.is_cuda or config.tuning().cuda_graphs is False or _CACHE.failed:
         return False
     if torch.compiler.is_compiling():
         return False
@@ -95,29 +108,29 @@ def _watch(group: dist.ProcessGroup, device: torch.device) -> None:
 
 def _forget_with(group: dist.ProcessGroup) -> None:
     """Drop ``group``'s graphs when it is garbage collected, before its id can name another."""
-    if id(group) not in _WATCHED:
-        _WATCHED.add(id(group))
+    if id(group) not in _CACHE.watched:
+        _CACHE.watched.add(id(group))
         weakref.finalize(group, _forget_group, id(group))
 
 
 def _forget_group(group_id: int) -> None:
     """Drop a destroyed group's graphs before its id can name another group."""
-    _WATCHED.discard(group_id)
-    for key in [k for k in _PENDING if k[0] == group_id]:
-        del _PENDING[key]
-    stale = [k for k in _GRAPHS if k[0] == group_id]
+    _CACHE.watched.discard(group_id)
+    for key in [k for k in _CACHE.pending if k[0] == group_id]:
+        del _CACHE.pending[key]
+    stale = [k for k in _CACHE.graphs if k[0] == group_id]
     if stale:
         torch.cuda.synchronize()
         for key in stale:
-            del _GRAPHS[key]
+            del _CACHE.graphs[key]
 
 
 def clear() -> None:
     """Drop every cached graph (after a device sync) and signature seen."""
-    _PENDING.clear()
-    if _GRAPHS:
+    _CACHE.pending.clear()
+    if _CACHE.graphs:
         torch.cuda.synchronize()
-        _GRAPHS.clear()
+        _CACHE.graphs.clear()
 
 
 def run(
@@ -141,67 +154,65 @@ def run(
     another ran eagerly (their tensors at addresses seen before on one only) worked over
     sockets and NVLink.
     """
-    global _calls
-    _calls += 1
+    _CACHE.calls += 1
     WATCH.raise_if_aborted(group)
     signature = (id(group), *signature)
-    entry = _GRAPHS.get(signature)
+    entry = _CACHE.graphs.get(signature)
     if entry is not None:
-        _GRAPHS.move_to_end(signature)
-        entry.used = _calls
+        _CACHE.graphs.move_to_end(signature)
+        entry.used = _CACHE.calls
         _write(entry.seed, seed)
         entry.graph.replay()
         _watch(group, device)
-        _COUNTS["replays"] += 1
+        _CACHE.counts["replays"] += 1
         return
-    device_seed = _PENDING.get(signature)
+    device_seed = _CACHE.pending.get(signature)
     if device_seed is None or not _room(device):
         if device_seed is None:
-            device_seed = _PENDING[signature] = torch.empty(1, dtype=torch.int64, device=device)
-            if len(_PENDING) > MAX_PENDING:
-                _PENDING.popitem(last=False)
+            device_seed = _CACHE.pending[signature] = torch.empty(
+                1, dtype=torch.int64, device=device
+            )
+            if len(_CACHE.pending) > MAX_PENDING:
+                _CACHE.pending.popitem(last=False)
         else:
-            _PENDING.move_to_end(signature)
+            _CACHE.pending.move_to_end(signature)
             if device_seed.is_cuda:  # (the tests' stand-ins are on the CPU)
                 # Dropping a seed needs no sync once the allocator knows each stream using it.
                 device_seed.record_stream(torch.cuda.current_stream(device))
         _write(device_seed, seed)
         pipeline(device_seed)
-        _COUNTS["eager"] += 1
+        _CACHE.counts["eager"] += 1
         return
-    del _PENDING[signature]
+    del _CACHE.pending[signature]
     try:
         graph = _capture(pipeline, device_seed)
     except Exception:
         _give_up()
         _write(device_seed, seed)
         pipeline(device_seed)
-        _COUNTS["eager"] += 1
+        _CACHE.counts["eager"] += 1
         return
     _guard_teardown()
     _forget_with(group)
-    _GRAPHS[signature] = _Entry(device_seed, graph, _calls)
+    _CACHE.graphs[signature] = _Entry(device_seed, graph, _CACHE.calls)
     _write(device_seed, seed)
     graph.replay()
     _watch(group, device)
-    _COUNTS["captures"] += 1
-    _COUNTS["replays"] += 1
+    _CACHE.counts["captures"] += 1
+    _CACHE.counts["replays"] += 1
 
 
 def _room(device: torch.device) -> bool:
     """Whether a graph may be added: fewer than :data:`MAX_GRAPHS`, or the least recently used
     one stale (dropped here, after a device sync)."""
-    if len(_GRAPHS) < MAX_GRAPHS:
+    if len(_CACHE.graphs) < MAX_GRAPHS:
         return True
-    oldest = next(iter(_GRAPHS.values()))
-    if _calls - oldest.used <= STALE_CALLS:
+    oldest = next(iter(_CACHE.graphs.values()))
+    if _CACHE.calls - oldest.used <= STALE_CALLS:
         return False
     torch.cuda.synchronize(device)
-    _GRAPHS.popitem(last=False)
+    _CACHE.graphs.popitem(last=False)
     return True
-
-
-_guarded = False
 
 
 def _guard_teardown() -> None:
@@ -209,10 +220,9 @@ def _guard_teardown() -> None:
     a graph holding a communicator's collectives kept NCCL from destroying it (both ranks hung
     in ``destroy_process_group`` at the end of a DDP run). Installed at the first
     capture, so that nothing of torch's is touched unless graphs are."""
-    global _guarded
-    if _guarded:
+    if _CACHE.guarded:
         return
-    _guarded = True
+    _CACHE.guarded = True
     original = dist.destroy_process_group
 
     @functools.wraps(original)
@@ -235,18 +245,15 @@ def _write(device_seed: torch.Tensor, seed: int) -> None:
     device_seed.fill_(seed - (1 << 64) if seed >= 1 << 63 else seed)
 
 
-_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
 def _capture(
     pipeline: Callable[[torch.Tensor], None], device_seed: torch.Tensor
 ) -> torch.cuda.CUDAGraph:
     """``pipeline(device_seed)`` captured (not run) into a graph with its own memory pool, on a
     side stream as ``torch.cuda.graph`` does; other threads' CUDA calls may go on meanwhile."""
     device = device_seed.device
-    stream = _STREAMS.get(device.index)
+    stream = _CACHE.streams.get(device.index)
     if stream is None:
-        stream = _STREAMS[device.index] = torch.cuda.Stream(device)
+        stream = _CACHE.streams[device.index] = torch.cuda.Stream(device)
     graph = torch.cuda.CUDAGraph()
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
@@ -265,8 +272,7 @@ def _capture(
 
 
 def _give_up() -> None:
-    global _failed
-    _failed = True
+    _CACHE.failed = True
     logger.warning(
         "cgx2: capturing the allreduce into a CUDA graph failed; launching eagerly from now on",
         exc_info=True,

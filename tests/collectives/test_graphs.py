@@ -60,12 +60,12 @@ def fake_capture(monkeypatch):
         return _FakeGraph(pipeline, device_seed)
 
     monkeypatch.setattr(graphs, "_capture", capture)
-    monkeypatch.setattr(graphs, "_failed", False)
-    graphs._PENDING.clear()
-    graphs._GRAPHS.clear()
+    monkeypatch.setattr(graphs._CACHE, "failed", False)
+    graphs._CACHE.pending.clear()
+    graphs._CACHE.graphs.clear()
     yield captured
-    graphs._PENDING.clear()
-    graphs._GRAPHS.clear()
+    graphs._CACHE.pending.clear()
+    graphs._CACHE.graphs.clear()
 
 
 def test_first_call_eager_second_captures_then_replays(fake_capture):
@@ -79,7 +79,7 @@ def test_first_call_eager_second_captures_then_replays(fake_capture):
         graphs.run(GROUP, (1,), seed, CPU, pipeline)
     assert len(fake_capture) == 1  # captured once, at the second call
     assert seen == [_signed(s) for s in seeds]  # every call read its own seed
-    assert list(graphs._GRAPHS) == [(G, 1)] and not graphs._PENDING
+    assert list(graphs._CACHE.graphs) == [(G, 1)] and not graphs._CACHE.pending
 
 
 def test_a_cycle_longer_than_the_cache_captures_once_and_never_syncs(fake_capture, monkeypatch):
@@ -87,14 +87,14 @@ def test_a_cycle_longer_than_the_cache_captures_once_and_never_syncs(fake_captur
     first MAX_GRAPHS seen twice replay; the others run eagerly, none is captured again."""
     monkeypatch.setattr(graphs, "MAX_GRAPHS", 2)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: pytest.fail("synced"))
-    monkeypatch.setattr(graphs, "_COUNTS", dict.fromkeys(graphs._COUNTS, 0))
+    monkeypatch.setattr(graphs._CACHE, "counts", dict.fromkeys(graphs._CACHE.counts, 0))
     eager = []
     for _ in range(5):
         for signature in (1, 2, 3):
             graphs.run(GROUP, (signature,), 0, CPU, lambda s: eager.append(1))
-    assert list(graphs._GRAPHS) == [(G, 1), (G, 2)]
+    assert list(graphs._CACHE.graphs) == [(G, 1), (G, 2)]
     assert len(fake_capture) == 2
-    assert list(graphs._PENDING) == [(G, 3)]
+    assert list(graphs._CACHE.pending) == [(G, 3)]
     # Signatures 1 and 2: eager once, then captured and replayed 4 times; 3: eager 5 times.
     assert graphs.stats() == {"eager": 2 + 5, "captures": 2, "replays": 8, "graphs": 2}
 
@@ -106,7 +106,7 @@ def test_a_stale_graph_makes_room_after_a_sync(fake_capture, monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: syncs.append(device))
     for signature in (1, 1, 2, 2, 2, 2, 2, 3, 3):  # graph 1 last replayed 6 calls before
         graphs.run(GROUP, (signature,), 0, CPU, lambda s: None)
-    assert list(graphs._GRAPHS) == [(G, 2), (G, 3)]
+    assert list(graphs._CACHE.graphs) == [(G, 2), (G, 3)]
     assert len(syncs) == 1
 
 
@@ -117,8 +117,8 @@ def test_calls_seen_once_never_push_out_a_graph(fake_capture, monkeypatch):
     calls = []
     for signature in (0, 0, 1, 2, 3, 4, 0):
         graphs.run(GROUP, (signature,), signature, CPU, calls.append)
-    assert list(graphs._GRAPHS) == [(G, 0)]
-    assert list(graphs._PENDING) == [(G, 2), (G, 3), (G, 4)]
+    assert list(graphs._CACHE.graphs) == [(G, 0)]
+    assert list(graphs._CACHE.pending) == [(G, 2), (G, 3), (G, 4)]
     assert len(fake_capture) == 1
 
 
@@ -132,7 +132,7 @@ def test_failed_capture_runs_eagerly_and_stops_capturing(fake_capture, monkeypat
         for seed in (1, 2):
             graphs.run(GROUP, (1,), seed, CPU, lambda s: seen.append(int(s.item())))
     assert seen == [1, 2]
-    assert graphs._failed
+    assert graphs._CACHE.failed
     assert "launching eagerly" in caplog.text
 
 
@@ -181,11 +181,11 @@ def test_destroying_a_group_drops_its_graphs_first(fake_capture, monkeypatch):
     left_at_destroy = []
 
     def original(group=None):
-        left_at_destroy.append((group, list(graphs._GRAPHS)))
+        left_at_destroy.append((group, list(graphs._CACHE.graphs)))
 
     monkeypatch.setattr(dist, "destroy_process_group", original)
     monkeypatch.setattr(dist.distributed_c10d, "destroy_process_group", original)
-    monkeypatch.setattr(graphs, "_guarded", False)
+    monkeypatch.setattr(graphs._CACHE, "guarded", False)
     monkeypatch.setattr(atexit, "register", lambda fn: None)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     sub = _Group()
@@ -207,7 +207,7 @@ def test_a_collected_group_takes_its_graphs(fake_capture, monkeypatch):
     gone = _Group()
     for group in (GROUP, GROUP, gone, gone):
         graphs.run(group, (1,), 0, CPU, lambda s: None)
-    assert len(graphs._GRAPHS) == 2
+    assert len(graphs._CACHE.graphs) == 2
     del group, gone
     gc.collect()
-    assert list(graphs._GRAPHS) == [(G, 1)]
+    assert list(graphs._CACHE.graphs) == [(G, 1)]
