@@ -49,7 +49,8 @@ def _nccl_version() -> str | None:
 
 
 def versions() -> dict[str, str | None]:
-    """Python, torch (and its CUDA), Triton, NCCL (torch's) and cgx2; None where absent."""
+    """Python, torch (and its CUDA), Triton, NCCL (torch's) and cgx2, None where absent, and
+    torch.distributed's backends."""
     import cgx2
 
     return {
@@ -59,7 +60,19 @@ def versions() -> dict[str, str | None]:
         "triton": _version("triton"),
         "nccl": _nccl_version(),
         "cgx2": cgx2.__version__,
+        "backends": ", ".join(_backends()),
     }
+
+
+def _backends() -> list[str]:
+    """The torch.distributed backends this torch was built with (cgx2 adds ``cgx``)."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return []
+    found = [("gloo", dist.is_gloo_available()), ("nccl", dist.is_nccl_available())]
+    found.append(("mpi", dist.is_mpi_available()))
+    return [name for name, there in found if there]
 
 
 def _setting(variable: str) -> Any:
@@ -303,6 +316,7 @@ def format_text(found: dict[str, Any]) -> str:
         f"  cgx2 {v['cgx2']}, python {v['python']}, torch {v['torch']} "
         f"(CUDA {v['cuda'] or 'none'}), triton {v['triton'] or 'not installed'}, "
         f"NCCL {v['nccl'] or 'none (torch without CUDA)'}",
+        f"  torch.distributed backends: {v['backends'] or 'none'} (and cgx2's cgx)",
         f"  {found['platform']}, {found['cpus']} CPU threads for torch",
         "",
         "Compiled extension cgx2._C",

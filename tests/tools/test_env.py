@@ -70,6 +70,7 @@ def test_json_says_each_setting_and_where_it_came_from(tmp_path: Path) -> None:
         "source": "environment: CGX2_CROSSOVER_BYTES",
     }
     assert found["versions"]["torch"] == torch.__version__
+    assert "gloo" in found["versions"]["backends"].split(", ")
     assert found["calibration_file"]["status"] == "absent"
     assert found["gpus"]["count"] == 0 and found["gpus"]["why"]
 
