@@ -210,6 +210,7 @@ class _Plan:
     exact: torch.Tensor
 
 
+# A pure function's memo (the widths' segments), bounded: the same layers recur every step.
 @functools.lru_cache(maxsize=256)
 def _plan(
     n: int,

@@ -50,6 +50,7 @@ def detect_regime(device: torch.device, backend: str = "nccl", cuda_on_nccl: boo
     return "nvlink" if _peers_reachable() else "shm"
 
 
+# Asked once: which GPUs reach each other does not change in a process.
 @functools.cache
 def _peers_reachable() -> bool:
     """Whether every visible GPU reaches every other directly (NVLink or PCIe P2P)."""

@@ -36,6 +36,7 @@ __all__ = [
 log = logging.getLogger("cgx2")
 
 
+# Asked once: whether the extension and torch's NCCL are there does not change in a process.
 @functools.cache
 def available() -> bool:
     """Whether NCCL transfers can run here: the extension is built and torch loaded NCCL
