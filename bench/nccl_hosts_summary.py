@@ -72,10 +72,13 @@ def light(
     """A DDP step's speed of light, ms: the longer of its compute (the step under no_sync) and
     its bytes over the link: what an allreduce of the fp32 gradients times ``sent`` must send
     over each host's link (2 (H - 1) / H of it) at the rate NCCL's allreduce delivered there.
-    None where a part is unknown, or on one host (no link bounds it)."""
+    None where a part is unknown, on one host (no link bounds it), or with several GPUs a host
+    (``sent`` counts the bytes that stay inside a host too)."""
     compute = run.get("compute_ms")
     if compute is None or sent is None or not link or not run.get("params") or not run.get("hosts"):
         return None
+    if run.get("gpus_per_host") not in (None, "1"):
+        return None  # several GPUs a host: part of the bytes stays inside it, over NVLink
     wire = run["params"] * 4 * sent * 2 * (hosts - 1) / hosts
     return max(compute, wire / (link["busbw_gbs"] * 1e9) * 1e3)
 
