@@ -248,3 +248,62 @@ def test_the_nccl_hosts_stage_gives_each_layouts_hosts_their_gpus(netlab, tmp_pa
     assert all("--replicas 2" in r and "--param-bits 8" in r for *_, r in seen if "train_fsdp" in r)
     [folder] = tmp_path.glob("nccl_hosts_dry-run_*")
     assert (folder / "summary.md").exists() and (folder / "machine.json").exists()
+
+
+def test_an_nccl_hosts_plan_runs_in_its_order_one_host_without_the_lab(netlab, tmp_path):
+    """NCCL_HOST_PLAN's items run in order; a one-host layout runs torchrun on the host itself
+    (no namespace, its regime's NCCL variables, every GPU), CGX2_NODE_MESH forced per run."""
+    script = Path(__file__).parents[2] / "bench" / "nccl_hosts.sh"
+    env = {
+        **os.environ,
+        "DRY_RUN": "1",
+        "NGPU": "4",
+        "NCCL_HOST_PLAN": "1x4 shm mlp_plain; 2x2 1gbit mlp_cgx4_flat; 1x4 nvlink mlp_compress",
+        "RESULTS_DIR": str(tmp_path),
+    }
+    done = subprocess.run(
+        ["bash", str(script)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    runs = [line.split()[1:4] for line in done.stdout.splitlines() if line.startswith("== ")]
+    assert runs == [
+        ["1x4", "shm", "mlp_plain"],
+        ["2x2", "1gbit", "mlp_cgx4_flat"],
+        ["1x4", "nvlink", "mlp_compress"],
+    ]
+    one_host = [line for line in done.stdout.splitlines() if line.startswith("host 0: timeout")]
+    assert len(one_host) == 2
+    assert "NCCL_P2P_DISABLE=1" in one_host[0] and "NCCL_P2P_DISABLE" not in one_host[1]
+    assert all(
+        "CUDA_VISIBLE_DEVICES=0,1,2,3" in line and "--standalone" in line and "netlab" not in line
+        for line in one_host
+    )
+    [folder] = tmp_path.glob("nccl_hosts_dry-run_*")
+    recorded = (folder / "runs.jsonl").read_text()
+    assert "CGX2_NODE_MESH=0" in recorded  # the flat run's command, as recorded
+
+
+def test_the_nccl_hosts_summary_counts_each_hosts_link_and_the_steps_light():
+    """What crossed each host's link is 2 (H - 1) / H of the allreduce's bytes (NVLink hops
+    inside a host do not count); a step's light is the longer of its compute and its bytes."""
+    sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
+    try:
+        import nccl_hosts_summary as summary
+    finally:
+        sys.path.pop(0)
+    bench = {
+        "rows": [
+            {"dtype": "fp32", "size": "256M", "bytes": 2**28, "plain_ms": 250.0, "plain_busbw": 1.6}
+        ]
+    }
+    two = summary.delivered(bench, "10gbit", hosts=2)
+    assert two["busbw_gbs"] == pytest.approx(2**28 / 0.25 / 1e9)
+    assert two["of_rate"] == pytest.approx(2**28 / 0.25 * 8 / 1e10)
+    four = summary.delivered(bench, "10gbit", hosts=4)
+    assert four["busbw_gbs"] == pytest.approx(two["busbw_gbs"] * 1.5)
+    assert summary.delivered(bench, "nvlink", hosts=1) is None
+    run = {"compute_ms": 5.0, "params": 10**8, "hosts": "2", "gpus_per_host": "1"}
+    wire_ms = 4e8 * 0.125 / (two["busbw_gbs"] * 1e9) * 1e3
+    assert summary.light(run, 0.125, two, hosts=2) == pytest.approx(wire_ms)
+    assert summary.light({**run, "compute_ms": 1e4}, 0.125, two, hosts=2) == 1e4
+    assert summary.light({**run, "gpus_per_host": "2"}, 0.125, two, hosts=2) is None
