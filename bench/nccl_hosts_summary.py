@@ -240,6 +240,15 @@ def section(folder: Path, layout: str, rate: str, runs: dict[str, dict]) -> tupl
     return "\n".join(lines), data
 
 
+def gpus(machine: dict[str, Any]) -> str:
+    """The machine's GPUs in a few words ("4 x NVIDIA H100 80GB HBM3, driver 580.159.04")."""
+    rows = [r.split(",") for r in (machine.get("gpus") or "").splitlines() if r.strip()]
+    if not rows:
+        return f"{machine.get('ngpu')} GPUs"
+    driver = f", driver {rows[0][1].strip()}" if len(rows[0]) > 1 else ""
+    return f"{len(rows)} x {rows[0][0].strip()}{driver}"
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print(__doc__, file=sys.stderr)
@@ -256,7 +265,7 @@ def main(argv: list[str]) -> int:
     for run in runs:
         by_place.setdefault((run["layout"], run["rate"]), {})[run["run"]] = run
     parts = [
-        f"## GPU servers over Ethernet: {machine.get('gpus') or machine.get('ngpu')}, "
+        f"## GPU servers over Ethernet: {gpus(machine)}, "
         f"torch {machine.get('torch')}, NCCL {machine.get('nccl')}, {machine['date']}",
         "",
         f"`{machine['command']}`; the lab's hosts are network namespaces of one machine "
