@@ -142,7 +142,11 @@ def run(args: argparse.Namespace) -> dict:
         loss_fn = token_loss
     model = model.to(device)
     params = sum(p.numel() for p in model.parameters())
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    ddp = DDP(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        bucket_cap_mb=args.bucket_cap_mb,
+    )
     state = register_hook(ddp, args.hook, args.bits, args.powersgd_rank)
     opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own batches
@@ -244,6 +248,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--bits", type=int, default=4, help="cgx_hook's bits")
     p.add_argument("--powersgd-rank", type=int, default=4, help="PowerSGD's rank")
+    p.add_argument(
+        "--bucket-cap-mb",
+        type=float,
+        default=25.0,
+        help="DDP's bucket size (its default): fewer, larger buckets pay a link's per-call "
+        "latency fewer times",
+    )
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument(
         "--backend",

@@ -23,8 +23,12 @@
 #   NCCL_HOST_RUNS (all): the runs to do, by name (bench mlp_plain mlp_cgx4 mlp_cgx8 mlp_bf16
 #     mlp_powersgd ddp_b32 ddp_b4 fsdp_fp32_b32 fsdp_fp32_b4 fsdp_fp32_b4p8 fsdp_bf16_b32
 #     fsdp_bf16_b4 fsdp_bf16_b4p8 ddp_b32_compile ddp_b4_compile hsdp_bf16_b32 hsdp_bf16_b4
-#     hsdp_bf16_b4p8; not by default: mlp_compress, cgx2.ddp.compress at 4 bits, and
-#     mlp_allreduce, torch's allreduce_hook). They run in that order for every layout and rate,
+#     hsdp_bf16_b4p8; not by default: mlp_compress, cgx2.ddp.compress at 4 bits,
+#     mlp_allreduce, torch's allreduce_hook, mlp_cgx4_flat and mlp_cgx4_mesh, the node mesh
+#     off and on, mlp_plain_big and mlp_cgx4_big, DDP's buckets at 100 MB).
+#   NCCL_HOST_PLAN: "LAYOUT RATE RUN...; ..." runs exactly these, in this order (in place of
+#     LAYOUTS, NCCL_HOST_RATES and NCCL_HOST_RUNS); a layout 1xN is one host of N GPUs without
+#     the lab, its "rate" the regime: nvlink, shm or socket. They run in that order for every layout and rate,
 #     the compiled and HSDP runs after the rest of every layout and rate.
 #   BUDGET_S (480): no run starts past it (those left are listed as skipped), nor runs more than
 #     60 s past it; RUN_TIMEOUT (180): seconds a run may take; MLP_ARGS, DDP_ARGS, FSDP_ARGS,
@@ -130,6 +134,9 @@ program() {  # name folder layout
     mlp_plain) args=(bench/ddp_gloo_cuda.py --hook plain) ;;
     mlp_cgx4) args=(bench/ddp_gloo_cuda.py --hook cgx --bits 4 --name cgx4) ;;
     mlp_cgx8) args=(bench/ddp_gloo_cuda.py --hook cgx --bits 8 --name cgx8) ;;
+    mlp_plain_big) args=(bench/ddp_gloo_cuda.py --hook plain --bucket-cap-mb 100 --name plain_big) ;;
+    mlp_cgx4_big)  # DDP's buckets of 100 MB: the link's latency paid a quarter as often
+      args=(bench/ddp_gloo_cuda.py --hook cgx --bits 4 --bucket-cap-mb 100 --name cgx4_big) ;;
     mlp_cgx4_flat|mlp_cgx4_mesh)  # the node mesh off or on (CGX2_NODE_MESH), not measured
       run_env=(CGX2_NODE_MESH=$([ "$name" = mlp_cgx4_mesh ] && echo 1 || echo 0))
       args=(bench/ddp_gloo_cuda.py --hook cgx --bits 4 --name "${name#mlp_}") ;;

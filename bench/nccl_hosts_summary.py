@@ -19,6 +19,8 @@ MLP_RUNS = [
     ("mlp_cgx4_flat", "cgx_hook 4-bit, flat (CGX2_NODE_MESH=0)"),
     ("mlp_cgx4_mesh", "cgx_hook 4-bit, node mesh (CGX2_NODE_MESH=1)"),
     ("mlp_cgx8", "cgx_hook 8-bit"),
+    ("mlp_plain_big", "plain DDP, 100 MB buckets"),
+    ("mlp_cgx4_big", "cgx_hook 4-bit, 100 MB buckets"),
     ("mlp_bf16", "torch bf16_compress_hook"),
     ("mlp_powersgd", "torch PowerSGD, rank 4"),
     ("mlp_compress", "cgx2.ddp.compress 4-bit"),
