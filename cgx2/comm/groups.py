@@ -77,11 +77,14 @@ class GroupState:
     - ``worker``: the group's worker thread (:mod:`cgx2.comm.worker`), None until a call is
       submitted.
 
-    The agreement check's (:mod:`cgx2.collectives.agreement`), kept while the group lives:
+    The agreement check's (:mod:`cgx2.collectives.agreement`, and the entry points'), kept while
+    the group lives:
 
     - ``agreement_calls``: the numbers of the group's checked calls, in order.
     - ``agreement_early``: a peer's queued entries of a later call, popped early.
     - ``agreement_pending``: the deferred comparisons not yet read.
+    - ``settings_agreed``: the entry points whose settings the group's ranks compared once for
+      the group (:mod:`cgx2.ddp.global_qsgd`'s hooks, for states made for one call).
 
     What the policy decided (:mod:`cgx2.collectives.decided`), valid for the settings they
     were decided under and dropped when those change (:func:`reset` drops them for tests):
@@ -114,6 +117,7 @@ class GroupState:
     agreement_calls: itertools.count = field(default_factory=itertools.count)
     agreement_early: dict[int, bytes] = field(default_factory=dict)
     agreement_pending: deque[Any] = field(default_factory=deque)
+    settings_agreed: set[str] = field(default_factory=set)
     decided_under: object = None
     measured_under: object = None
     routes: dict[tuple, Any] = field(default_factory=dict)
@@ -139,7 +143,6 @@ class GroupState:
 
 # The one registry of per-group state (module docstring): a process has one set of groups.
 _STATES: dict[int, GroupState] = {}
-_NEW_LOCK = threading.Lock()  # makes each group's state once; held for no more than that
 
 
 def group_state(group: dist.ProcessGroup | None) -> GroupState:
@@ -149,13 +152,13 @@ def group_state(group: dist.ProcessGroup | None) -> GroupState:
 
 
 def _new(group: dist.ProcessGroup | None) -> GroupState:
+    """``group``'s state, made now: of threads making it at once, one ``setdefault`` wins (one
+    operation on a dict of int keys, atomic) and registers its drop; the others take its."""
     key = id(group)
-    with _NEW_LOCK:
-        state = _STATES.get(key)
-        if state is None:
-            state = _STATES[key] = GroupState()
-            if group is not None:  # None's is the process's, for calls without a group
-                weakref.finalize(group, _drop, key)
+    made = GroupState()
+    state = _STATES.setdefault(key, made)
+    if state is made and group is not None:  # None's is the process's, for calls without one
+        weakref.finalize(group, _drop, key)
     return state
 
 
@@ -167,7 +170,7 @@ def _drop(key: int) -> None:
 
 def states() -> list[GroupState]:
     """The states of the groups alive now (and of ``None``, where made)."""
-    return list(_STATES.values())
+    return list(_STATES.copy().values())  # a copy: a group collected meanwhile pops its entry
 
 
 def reset() -> None:
@@ -180,9 +183,7 @@ def reset() -> None:
 def _after_fork() -> None:
     """A child has its own peers, if any, and none of its parent's threads (which may have held
     the locks when it forked)."""
-    global _NEW_LOCK  # the one rebinding in the package's per-group state: fork's
-    _NEW_LOCK = threading.Lock()
-    for state in _STATES.values():
+    for state in states():
         state.shm_lock, state.peers_lock = threading.Lock(), threading.Lock()
         state.worker_lock = threading.Lock()
         state.peers_made, state.peers = False, None

@@ -9,7 +9,6 @@ rank. ``ddp.register_comm_hook(None, standard_dithering_hook)`` as with Global-Q
 """
 
 # No ``from __future__ import annotations``: DDP checks the hooks' annotations as objects.
-import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -23,7 +22,7 @@ from ..codecs.exponential import exponential_codec, exponential_codes, exponenti
 from ..codecs.global_norm import level_dtype
 from ..collectives import agreement, policy
 from ..collectives.fusion import ring_bytes_sent
-from ..comm import all_gather_single, worker
+from ..comm import all_gather_single, group_state, worker
 from ..seeding import derive_key, next_seed
 from .error_feedback import ErrorFeedback
 from .lgreco import PowerSGDState, powerSGD_hook
@@ -73,7 +72,7 @@ class GlobalQSGDState:
     errors: ErrorFeedback | None = field(default=None, init=False, repr=False, compare=False)
     """The residuals (None: error feedback off)."""
     # Whether the ranks' settings were compared (at the first call); None: a state made for
-    # one call (the hook's state was None or a group), whose group remembers it (_AGREED).
+    # one call (the hook's state was None or a group), whose group remembers it (its GroupState).
     _agreed: bool | None = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -129,10 +128,6 @@ def _group(state: GlobalQSGDState) -> dist.ProcessGroup:
     return state.process_group if state.process_group is not None else dist.group.WORLD
 
 
-_AGREED: weakref.WeakKeyDictionary[dist.ProcessGroup, set[str]] = weakref.WeakKeyDictionary()
-"""The hooks whose settings each group's ranks compared, for states made for one call."""
-
-
 def _agree(state: GlobalQSGDState, hook: str, g: torch.Tensor) -> None:
     """Raise :class:`cgx2.collectives.agreement.DisagreementError` on every rank unless all
     run the same hook with the same settings: at the state's first call (for a state of None
@@ -141,7 +136,7 @@ def _agree(state: GlobalQSGDState, hook: str, g: torch.Tensor) -> None:
     if state._agreed:
         return
     group = _group(state)
-    if state._agreed is None and hook in _AGREED.get(group, ()):
+    if state._agreed is None and hook in group_state(group).settings_agreed:
         return
     settings = {
         "hook": hook,
@@ -151,7 +146,7 @@ def _agree(state: GlobalQSGDState, hook: str, g: torch.Tensor) -> None:
     }
     agreement.check_settings(group, "a Global-QSGD hook", settings, g.device)
     if state._agreed is None:
-        _AGREED.setdefault(group, set()).add(hook)
+        group_state(group).settings_agreed.add(hook)
     else:
         state._agreed = True
 

@@ -65,3 +65,15 @@ def test_routes_decided_under_other_settings_are_decided_anew():
         assert state.routes != decided  # the pair's swap is no longer by all-gather
     policy.reset()
     assert not state.routes and not state.transports
+
+
+def test_threads_asking_at_once_get_one_state():
+    from concurrent.futures import ThreadPoolExecutor
+
+    made = [dist.ProcessGroup(0, 2)]
+    with ThreadPoolExecutor(8) as pool:
+        found = list(pool.map(lambda _: comm.group_state(made[0]), range(64)))
+    assert all(state is found[0] for state in found)
+    made.clear()
+    gc.collect()
+    assert all(other is not found[0] for other in groups.states())
