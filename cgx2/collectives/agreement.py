@@ -105,7 +105,7 @@ def check(
     # Only an answer that lands on a GPU is worth not waiting for; only floats take NaN.
     deferred = deferred and t.is_cuda and t.is_floating_point()
     names = ["numel", "dtype", *fields]
-    values = [t.numel(), _DTYPES.get(t.dtype, 99), *(_code(v) for v in fields.values())]
+    values = [t.numel(), _DTYPES.get(t.dtype, 99), *(_as_int64(v) for v in fields.values())]
     on_gpu = t.is_cuda and (deferred or dist.get_backend(group) == "nccl")
     device = t.device if on_gpu else torch.device("cpu")
     info = group_info(group)
@@ -152,7 +152,7 @@ def check_settings(
     whose calls are alike once their settings are (DDP's hooks, FSDP's collectives), at their
     first call, which every rank makes."""
     found = {**settings, **config.wire_settings(), CROSSOVER: config.crossover_override()}
-    text = json.dumps({k: _short(v) for k, v in found.items()}, separators=(",", ":"))
+    text = json.dumps({k: _compact(v) for k, v in found.items()}, separators=(",", ":"))
     blob = text.encode()[:_HOOK_SETTINGS_BYTES].ljust(_HOOK_SETTINGS_BYTES, b" ")
     values = list(struct.unpack(f"<{_HOOK_SETTINGS_BYTES // 8}q", blob))
     info = group_info(group)
@@ -178,7 +178,7 @@ def check_settings(
     )
 
 
-def _short(value: object) -> object:
+def _compact(value: object) -> object:
     """``value`` as JSON holds it (others by their text); a long one by its CRC, so that the
     settings fit :data:`_HOOK_SETTINGS_BYTES`."""
     if isinstance(value, torch.dtype | torch.device):
@@ -219,7 +219,7 @@ def _share(
         if store is not None:
             return _exchange_on_host(store, group, operation, values, world, rank)
         gathered = torch.empty(world * len(values), dtype=torch.int64, device=device)
-        all_gather_single(gathered, _on(device, values), group=group)
+        all_gather_single(gathered, _int64_on(device, values), group=group)
         return gathered.view(world, -1)
     except DisagreementError:
         raise
@@ -276,7 +276,7 @@ def raise_pending(group: dist.ProcessGroup) -> None:
         _raise_if_different(p.rows.tolist(), p.names, p.shown, p.operation, p.rank)
 
 
-def _on(device: torch.device, values: list[int]) -> torch.Tensor:
+def _int64_on(device: torch.device, values: list[int]) -> torch.Tensor:
     """``values`` as int64 on ``device``; to a GPU through pinned memory, so that the host does
     not wait for the GPU's queue (a copy from pageable memory would)."""
     mine = torch.tensor(values, dtype=torch.int64)
@@ -312,7 +312,7 @@ def _exchange_on_host(
     mine = operation.encode() + b"\0" + struct.pack(f"<{len(values)}q", *values)
     sockets = peers.connected(group)
     if sockets is not None:
-        found = _numbered(sockets.exchange(_number(n, rank, mine)), n, rank)
+        found = _values_by_rank(sockets.exchange(_with_call_number(n, rank, mine)), n, rank)
     else:
         # Asked, never waited for in the store: its client is the process's one, which other
         # threads' calls on other groups may need meanwhile (:mod:`cgx2.comm.store`).
@@ -329,13 +329,14 @@ def _exchange_on_host(
     return exchanged
 
 
-def _number(n: int, rank: int, mine: bytes) -> bytes:
+def _with_call_number(n: int, rank: int, mine: bytes) -> bytes:
     return struct.pack("<qq", n, rank) + mine
 
 
-def _numbered(entries: list[bytes], n: int, rank: int) -> list[bytes]:
-    """The ranks' values from ``entries`` made by :func:`_number` (any order), by rank; every
-    rank raises where some peer's call number is not ``n``, as each sees the same entries."""
+def _values_by_rank(entries: list[bytes], n: int, rank: int) -> list[bytes]:
+    """The ranks' values from ``entries`` made by :func:`_with_call_number` (any order), by
+    rank; every rank raises where some peer's call number is not ``n``, as each sees the same
+    entries."""
     found: list[bytes] = [b""] * len(entries)
     behind = []
     for raw in entries:
@@ -367,7 +368,7 @@ def _through_queues(
     waits for the slowest): its entry for n + 1 can come before a slower peer's for n, and
     waits in ``early`` (kept by the caller, a group's) for this rank's next call."""
     early = {} if early is None else early
-    entry = _number(n, rank, mine)
+    entry = _with_call_number(n, rank, mine)
     for peer in range(world):
         if peer != rank:
             store.queue_push(f"cgx2/agree/to/{peer}", entry)
@@ -381,7 +382,7 @@ def _through_queues(
             early[peer] = raw
         else:
             found[peer] = raw
-    return _numbered(list(found.values()), n, rank)
+    return _values_by_rank(list(found.values()), n, rank)
 
 
 def _through_keys(
@@ -420,7 +421,7 @@ def _raise_if_different(
         rows = [row for _, row in rows]
     differing = [i for i, name in enumerate(names) if len({row[i] for row in rows}) > 1]
     described = [f"{names[i]}={_describe(names[i], rows, i)}" for i in differing]
-    mine = [f"{names[i]}={_show(names[i], shown[names[i]])}" for i in differing]
+    mine = [f"{names[i]}={_as_shown(names[i], shown[names[i]])}" for i in differing]
     tail = "tensor size, dtype and arguments"
     if SETTINGS in names and names.index(SETTINGS) in differing:
         at = [names[i] for i in differing].index(SETTINGS)
@@ -443,14 +444,14 @@ def _settings_differing(settings: str | list[dict[str, object]], rank: int) -> t
     differ = [k for k in keys if len({json.dumps(found.get(k)) for found in settings}) > 1]
     described = ", ".join(
         f"{k}=["
-        + ", ".join(f"rank {r}: {_show(k, found.get(k))}" for r, found in enumerate(settings))
+        + ", ".join(f"rank {r}: {_as_shown(k, found.get(k))}" for r, found in enumerate(settings))
         + "]"
         for k in differ
     )
-    return described, ", ".join(f"{k}={_show(k, settings[rank].get(k))}" for k in differ)
+    return described, ", ".join(f"{k}={_as_shown(k, settings[rank].get(k))}" for k in differ)
 
 
-def _show(name: str, value: object) -> object:
+def _as_shown(name: str, value: object) -> object:
     """``value`` of field ``name`` as the message shows it: ``auto`` for a variable left to
     cgx2 (None, or -1 for the crossover)."""
     if name.startswith("CGX2_") and (value is None or (name == CROSSOVER and value == -1)):
@@ -458,7 +459,7 @@ def _show(name: str, value: object) -> object:
     return value
 
 
-def _code(value: object) -> int:
+def _as_int64(value: object) -> int:
     """A value as one int64: ints as themselves, anything else by a CRC of its text."""
     if isinstance(value, bool):
         return int(value)
@@ -478,5 +479,5 @@ def _describe(name: str, rows: list[list[int]], i: int) -> str:
     elif name == "reduce_op":
         codes = [{code: word for word, code in _WORDS.items()}.get(c, c) for c in codes]
     elif name == CROSSOVER:
-        codes = [_show(name, c) for c in codes]
+        codes = [_as_shown(name, c) for c in codes]
     return "[" + ", ".join(f"rank {r}: {c}" for r, c in enumerate(codes)) + "]"

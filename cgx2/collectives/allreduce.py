@@ -276,11 +276,12 @@ def _pipeline(run: _Run, flat: torch.Tensor, out: torch.Tensor, error: torch.Ten
         pieces[0].overlap = error is not None
     else:
         pieces = [
-            _Piece(run, _part(flat, s, step), _part(out, s, step), i) for i, s in enumerate(starts)
+            _Piece(run, _slice_within(flat, s, step), _slice_within(out, s, step), i)
+            for i, s in enumerate(starts)
         ]
         if error is not None:
             for piece, s in zip(pieces, starts, strict=True):
-                piece.error = _part(error, s, step)
+                piece.error = _slice_within(error, s, step)
     # A two-deep software pipeline: scatter piece i, reduce piece i-1, finish piece i-2.
     stage = "sending its chunks"
     try:
@@ -301,7 +302,7 @@ def _pipeline(run: _Run, flat: torch.Tensor, out: torch.Tensor, error: torch.Ten
         ) from e
 
 
-def _part(t: torch.Tensor, start: int, length: int) -> torch.Tensor:
+def _slice_within(t: torch.Tensor, start: int, length: int) -> torch.Tensor:
     return t.narrow(0, start, min(length, t.numel() - start))
 
 

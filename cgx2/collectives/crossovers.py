@@ -92,7 +92,7 @@ def calibration_tables(group: dist.ProcessGroup | None) -> dict[str, dict]:
     path = config.tuning().calibration_file
     if group is None or not dist.is_initialized():
         found = _read_calibration(path)
-        _say_ignored(found, None)
+        _log_ignored(found, None)
     else:
         store = dist.distributed_c10d._get_default_store()
         name = _STORE_KEY + group.group_name
@@ -110,12 +110,12 @@ def calibration_tables(group: dist.ProcessGroup | None) -> dict[str, dict]:
                     "that this rank has (do the ranks pass the same bits, sizes and "
                     f"CGX2_CROSSOVER_BYTES?): {e}"
                 ) from e
-        _say_ignored(found, group)
+        _log_ignored(found, group)
     state.calibration = found
     return found
 
 
-def _say_ignored(found: dict[str, object], group: dist.ProcessGroup | None) -> None:
+def _log_ignored(found: dict[str, object], group: dist.ProcessGroup | None) -> None:
     """Log, the same words on every rank, that the first rank's calibration file was not used."""
     if found.get("ignored"):
         path, reason = found["ignored"]

@@ -286,19 +286,19 @@ def plan(facts: GroupFacts) -> Routes:
     graphed_here = facts.nccl_cuda and not ring and facts.transport is process_group
     settings = facts.wire_settings
     return Routes(
-        plain=_agreed(dataclasses.replace(compressed, compress=False), settings),
-        compressed=_agreed(compressed, settings),
-        compressed_beside=_agreed(
+        plain=_with_settings(dataclasses.replace(compressed, compress=False), settings),
+        compressed=_with_settings(compressed, settings),
+        compressed_beside=_with_settings(
             dataclasses.replace(compressed, piece_numel=pieces_beside), settings
         ),
-        graphs=_agreed(dataclasses.replace(compressed, graphs=True), settings)
+        graphs=_with_settings(dataclasses.replace(compressed, graphs=True), settings)
         if graphed_here
         else None,
         size=facts.world,
     )
 
 
-def _agreed(route: Route, settings: Mapping[str, object]) -> Route:
+def _with_settings(route: Route, settings: Mapping[str, object]) -> Route:
     """``route`` with the settings it was decided under (:class:`Route`'s ``settings``)."""
     decided = {
         "route.regime": route.regime,

@@ -167,7 +167,7 @@ def run(
         _CACHE.counts["replays"] += 1
         return
     device_seed = _CACHE.pending.get(signature)
-    if device_seed is None or not _room(device):
+    if device_seed is None or not _room_for_a_graph(device):
         if device_seed is None:
             device_seed = _CACHE.pending[signature] = torch.empty(
                 1, dtype=torch.int64, device=device
@@ -202,7 +202,7 @@ def run(
     _CACHE.counts["replays"] += 1
 
 
-def _room(device: torch.device) -> bool:
+def _room_for_a_graph(device: torch.device) -> bool:
     """Whether a graph may be added: fewer than :data:`MAX_GRAPHS`, or the least recently used
     one stale (dropped here, after a device sync)."""
     if len(_CACHE.graphs) < MAX_GRAPHS:

@@ -67,12 +67,12 @@ def _comm(group: dist.ProcessGroup) -> int:
     return address
 
 
-def _stream() -> int:
+def _raw_current_stream() -> int:
     """The current CUDA stream's handle (torch.cuda.current_stream() cost microseconds)."""
     return torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
 
 
-def _serves(t: torch.Tensor, group: dist.ProcessGroup) -> bool:
+def _carries(t: torch.Tensor, group: dist.ProcessGroup) -> bool:
     return t.is_cuda and group_info(group).cuda_on_nccl and available()
 
 
@@ -86,7 +86,7 @@ def _transfers(
     try:
         extension.load().nccl_transfers(
             _comm(group),
-            _stream(),
+            _raw_current_stream(),
             [a for a, _, _ in sends],
             [n for _, n, _ in sends],
             [p for _, _, p in sends],
@@ -105,7 +105,7 @@ def all_to_all(
 ) -> dist.Work | None:
     """Row j of ``send`` (``[world, P]``, contiguous) to rank j; rank j's row for us into row
     j of ``out``, but for our own (left as it was: nobody reads it)."""
-    if not _serves(send, group):
+    if not _carries(send, group):
         return process_group.all_to_all(out, send, group, async_op)
     world, rank = group_size_and_rank(group)
     # Rows by address, not as tensor views: each view costs microseconds of host time.
@@ -125,14 +125,16 @@ def all_gather(
     out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup, async_op: bool = True
 ) -> dist.Work | None:
     """Every rank's ``send`` (contiguous) into its slot of ``out``, in rank order."""
-    if not _serves(send, group):
+    if not _carries(send, group):
         return process_group.all_gather(out, send, group, async_op)
     world, rank = group_size_and_rank(group)
     nbytes = send.numel() * send.element_size()
     lib = extension.load()
     if lib.nccl_has_all_gather():  # one collective: less host time than grouped transfers
         try:
-            lib.nccl_all_gather(_comm(group), _stream(), send.data_ptr(), out.data_ptr(), nbytes)
+            lib.nccl_all_gather(
+                _comm(group), _raw_current_stream(), send.data_ptr(), out.data_ptr(), nbytes
+            )
         except RuntimeError as e:
             raise RuntimeError(
                 f"cgx2: the NCCL transport's all_gather on group {group.group_name!r}: {e}"
@@ -155,7 +157,7 @@ def shift(
     out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup, async_op: bool = True
 ) -> dist.Work | None:
     """``send`` to the next rank of the ring (rank + 1); the previous rank's into ``out``."""
-    if not _serves(send, group):
+    if not _carries(send, group):
         return process_group.shift(out, send, group, async_op)
     world, rank = group_size_and_rank(group)
     _transfers(

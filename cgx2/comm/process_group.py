@@ -112,7 +112,7 @@ _ALL_GATHER_OPTIONS = {
 }
 
 
-def _direct(group: dist.ProcessGroup) -> bool:
+def _calls_directly(group: dist.ProcessGroup) -> bool:
     """Whether to call ``group``'s collectives directly, as ``torch.distributed``'s wrappers
     do after their checks and logging (host time the allreduce's pieces wait on)."""
     return not torch.compiler.is_compiling() and isinstance(group, dist.ProcessGroup)
@@ -123,7 +123,7 @@ def all_to_all(
 ) -> dist.Work | None:
     """Start ``dist.all_to_all_single(out, send, async_op=async_op)`` of equal splits. The
     Work, if any, must be waited on (gloo returns one even when ``async_op`` is False)."""
-    if _direct(group):
+    if _calls_directly(group):
         return group.alltoall_base(out, send, [], [], _ALL_TO_ALL_OPTIONS[async_op])
     return dist.all_to_all_single(out, send, group=group, async_op=async_op)
 
@@ -140,9 +140,9 @@ def all_gather(
 ) -> dist.Work | None:
     """Start the all-gather of every rank's ``send`` into ``out``; its Work as
     :func:`all_to_all`'s."""
-    if _direct(group):
+    if _calls_directly(group):
         splits = _gloo_splits(send, group)
-        if splits > 1 and not _overlap(out, send):
+        if splits > 1 and not _overlaps(out, send):
             return all_gather_in_parts(out, send, group, splits)
         return group._allgather_base(out, send, _ALL_GATHER_OPTIONS[async_op])
     return all_gather_single(out, send, group=group, async_op=async_op)
@@ -155,7 +155,7 @@ def _gloo_splits(send: torch.Tensor, group: dist.ProcessGroup) -> int:
     return GLOO_SPLITS if send.numel() * send.element_size() >= GLOO_SPLIT_BYTES else 1
 
 
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     a_start, b_start = a.data_ptr(), b.data_ptr()
     a_end = a_start + a.numel() * a.element_size()
     return a_start < b_start + b.numel() * b.element_size() and b_start < a_end

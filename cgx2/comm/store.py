@@ -29,7 +29,7 @@ class StoreTimeout(RuntimeError):
 def wait(store: dist.Store, keys: Sequence[str], timeout_s: float) -> None:
     """Return once every key of ``keys`` is set in ``store``; :class:`StoreTimeout` naming the
     missing ones after ``timeout_s``. Other threads' calls on the store run meanwhile."""
-    _until(
+    _wait_until(
         lambda: store.check(list(keys)),
         timeout_s,
         lambda: [k for k in keys if not store.check([k])],
@@ -44,11 +44,13 @@ def get(store: dist.Store, key: str, timeout_s: float) -> bytes:
 
 def pop(store: dist.Store, key: str, timeout_s: float) -> bytes:
     """The first entry of queue ``key`` once it has one (``queue_pop`` that never blocks)."""
-    _until(lambda: store.queue_len(key) > 0, timeout_s, lambda: [key])
+    _wait_until(lambda: store.queue_len(key) > 0, timeout_s, lambda: [key])
     return store.queue_pop(key, False)
 
 
-def _until(ready: Callable[[], bool], timeout_s: float, missing: Callable[[], list[str]]) -> None:
+def _wait_until(
+    ready: Callable[[], bool], timeout_s: float, missing: Callable[[], list[str]]
+) -> None:
     deadline = time.monotonic() + timeout_s
     pause = FIRST_SLEEP_S
     while not ready():

@@ -189,7 +189,9 @@ def test_peer_sockets_name_ranks_at_different_calls_and_a_peer_that_ended():
 
     ranks = _socket_pair_ranks()
     _ranks_at_calls_7_and_6_both_raise(
-        lambda r, n: agreement._numbered(ranks[r].exchange(agreement._number(n, r, b"x")), n, r)
+        lambda r, n: agreement._values_by_rank(
+            ranks[r].exchange(agreement._with_call_number(n, r, b"x")), n, r
+        )
     )
     zero, one = ranks
     one.close()
@@ -241,7 +243,7 @@ def test_a_peers_next_call_popped_early_waits_for_this_ranks_next_call():
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=30))
 
     def entry(n: int, rank: int) -> bytes:
-        return agreement._number(n, rank, f"call {n}".encode())
+        return agreement._with_call_number(n, rank, f"call {n}".encode())
 
     for n, rank in ((3, 2), (4, 2), (3, 1)):
         store.queue_push("cgx2/agree/to/0", entry(n, rank))
