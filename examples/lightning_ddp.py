@@ -140,6 +140,9 @@ def main(argv: list[str] | None = None) -> None:
         bytes_sent=getattr(state, "bytes_sent", 0),
         bytes_uncompressed=getattr(state, "bytes_uncompressed", plain if state else 0),
     )
+    # Lightning leaves the process group up after fit; left to the interpreter's exit, gloo's
+    # teardown can abort the process ("terminate called without an active exception").
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -104,6 +104,9 @@ def main(argv: list[str] | None = None) -> None:
         # FSDP2's own reduce-scatter sends (W - 1) / W of every fp32 gradient each step.
         bytes_uncompressed=trainer.global_step * (world - 1) * 4 * numel // world,
     )
+    # Lightning leaves the process group up after fit; left to the interpreter's exit, gloo's
+    # teardown can abort the process ("terminate called without an active exception").
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

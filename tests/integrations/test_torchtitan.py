@@ -24,7 +24,7 @@ def test_hsdp_replicas_quantized(tmp_path):
     """HSDP, 2 replicas of 1 shard: the gradients cross replicas only by FSDP2's all-reduce,
     which cgx2 quantizes. Both replicas hold the same parameters, and they are not those of
     the same run with FSDP2's own all-reduce (--bits 32): the quantized all-reduce ran."""
-    args = ("--steps", "2", "--replicas", "2")
+    args = ("--steps", "1", "--replicas", "2")
     quantized = run_recipe(tmp_path, "torchtitan_fsdp.py", *args, "--bits", "4")
     exact = run_recipe(tmp_path, "torchtitan_fsdp.py", *args, "--bits", "32")
     agree(quantized)
