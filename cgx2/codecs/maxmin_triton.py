@@ -5,8 +5,10 @@ arguments: a :class:`~cgx2.codecs.base.Codec`. A tile is ``BUCKETS`` buckets x `
 values; encode and decode-sum-encode programs walk a few tiles each in grid strides, loading
 the next while coding one; buckets wider than ``BLOCK`` are walked a tile at a time
 (statistics first, then levels). A thread holds whole groups of eight values: each group is
-one Philox call (computed in-kernel) and one packed field, so neither crosses threads. Runs on
-CUDA, or on the CPU under ``TRITON_INTERPRET=1`` (tests)."""
+one Philox call (computed in-kernel) and one packed field, so neither crosses threads. With
+``rotation`` (:mod:`.rotation`), separate kernels rotate each tile in registers after loading
+it (encode; own's values in decode-sum-encode) or before storing it (decode), the unrotated
+ones unchanged. Runs on CUDA, or on the CPU under ``TRITON_INTERPRET=1`` (tests)."""
 
 from __future__ import annotations
 
@@ -47,6 +49,11 @@ _SHAPE: dict[tuple[str, int], tuple[int, int]] = {
     ("decode_sum_encode", 2): (512, 1),
     ("decode_sum_encode", 4): (512, 1),
 }
+# The rotated kernels' tile and warps, whatever the dtype: one warp a tile of 512 holds its
+# rotation blocks whole, so the butterflies between groups are shuffles; with more warps a
+# tile (the unrotated decoder's 4), sm_90 builds moved values through shared memory behind
+# barriers. Not yet tuned on a GPU.
+_ROTATED_SHAPE: tuple[int, int] = (512, 1)
 _MAX_BLOCK = 1024
 # Tiles each program of a strided kernel walks (the grid is sized from it). A few: the loads
 # of all but the first are in flight while the one before is coded, and each program still
@@ -156,31 +163,68 @@ def _sign_words(i, sk0, sk1):
 
 
 @triton.jit
-def _sign_of_bit(bit):
-    """+1.0 for bit 0, -1.0 for bit 1 (uint32), by the sign bit alone."""
-    return ((bit << 31) | 0x3F800000).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _tile_signs(q, c, sk0, sk1, base, B: tl.constexpr, BLOCK: tl.constexpr, GROUPED: tl.constexpr):
-    """The signs (+-1.0) of a tile's halves (:func:`_tile`), values ``base + q * B + col``.
-    ``GROUPED`` (every group's first index a multiple of 8): a group's eight signs are one
-    byte of one Philox word, one call a group, as stochastic rounding's; else one call a
-    value."""
+def _tile_signs(
+    q,
+    c,
+    sk0,
+    sk1,
+    base,
+    rot_end,
+    B: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROT: tl.constexpr,
+    GROUPED: tl.constexpr,
+):
+    """The signs of a tile's halves (:func:`_tile`), values ``base + q * B + col``, as sign
+    bits (uint32, 0 or 0x80000000: xored into a float, a product with +-1 but for NaN's
+    bits), and which values lie before ``rot_end``. ``GROUPED`` (every group's first index a
+    multiple of 8): a group's eight signs are one byte of one Philox word, one call a group,
+    as stochastic rounding's; else one call a value."""
     G: tl.constexpr = BLOCK // 8
+    TOP: tl.constexpr = 0x80000000
     if GROUPED:
         first = base + q[:, None] * B + c + 8 * tl.arange(0, G)[None, :]
-        byte = (_sign_words(first, sk0, sk1) >> (first & 31).to(tl.uint32)) & 0xFF
-        slot = tl.arange(0, 4).to(tl.uint32)[None, None, :]
-        s0 = _sign_of_bit((byte[:, :, None] >> slot) & 1)
-        s1 = _sign_of_bit((byte[:, :, None] >> (slot + 4)) & 1)
+        # The group's bits lowest; shifted left, bit k of them lands on the sign bit.
+        bits = _sign_words(first, sk0, sk1) >> (first & 31).to(tl.uint32)
+        m0 = _group_signs(bits, 0)
+        m1 = _group_signs(bits, 4)
+        slot = tl.arange(0, 4)[None, None, :]
+        if ROT >= 8:  # rot_end is a multiple of 8: a group lies before it or not
+            inside0 = (first < rot_end)[:, :, None]
+            inside1 = inside0
+        else:
+            i0 = first[:, :, None] + slot
+            inside0 = i0 < rot_end
+            inside1 = i0 + 4 < rot_end
     else:
         col = c + 8 * tl.arange(0, G)[:, None] + tl.arange(0, 4)[None, :]
         i0 = base + q[:, None, None] * B + col[None, :, :]
         i1 = i0 + 4
-        s0 = _sign_of_bit((_sign_words(i0, sk0, sk1) >> (i0 & 31).to(tl.uint32)) & 1)
-        s1 = _sign_of_bit((_sign_words(i1, sk0, sk1) >> (i1 & 31).to(tl.uint32)) & 1)
-    return s0, s1
+        m0 = (_sign_words(i0, sk0, sk1) << (31 - (i0 & 31)).to(tl.uint32)) & TOP
+        m1 = (_sign_words(i1, sk0, sk1) << (31 - (i1 & 31)).to(tl.uint32)) & TOP
+        inside0 = i0 < rot_end
+        inside1 = i1 < rot_end
+    return m0, m1, inside0, inside1
+
+
+@triton.jit
+def _group_signs(bits, K: tl.constexpr):
+    """[BUCKETS, G, 4]: bits K..K+3 of each group's ``bits`` on the sign bit. Joined as
+    :func:`_group_halves` joins, so that a thread holds its groups' four (built by
+    broadcasting, they took a layout of their own, four threads computing each group's
+    Philox call)."""
+    TOP: tl.constexpr = 0x80000000
+    s0 = (bits << (31 - K)) & TOP
+    s1 = (bits << (30 - K)) & TOP
+    s2 = (bits << (29 - K)) & TOP
+    s3 = (bits << (28 - K)) & TOP
+    return tl.reshape(tl.join(tl.join(s0, s2), tl.join(s1, s3)), (bits.shape[0], bits.shape[1], 4))
+
+
+@triton.jit
+def _xor_sign(v, m):
+    """fp32 ``v`` with its sign bit xored with ``m``'s."""
+    return (v.to(tl.uint32, bitcast=True) ^ m).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -200,19 +244,27 @@ def _butterfly_slots(v, H: tl.constexpr):
 
 
 @triton.jit
-def _butterfly_groups(v, M: tl.constexpr):
+def _butterfly_groups(v, M: tl.constexpr, EXCHANGE: tl.constexpr):
     """One butterfly stage between groups g and g + M (g & M == 0) of a half, [BUCKETS, G,
-    4]: the stage h = 8 M of the values."""
+    4]: the stage h = 8 M of the values. ``EXCHANGE``: each value meets its partner (one
+    shuffle a value; the first of a pair is a + b, the second -b + a, which is a - b
+    exactly), else pairs are split and joined (a layout conversion and a select a value).
+    The same bits either way; on sm_90 the exchange built the shorter decoder, the split
+    the shorter encoders (decode-sum-encode's exchanges cost shuffles by the hundred)."""
     S0: tl.constexpr = v.shape[0]
     S1: tl.constexpr = v.shape[1]
-    w = tl.permute(tl.reshape(v, (S0, S1 // (2 * M), 2, M, 4)), (0, 1, 3, 4, 2))
-    a, b = tl.split(w)
-    w = tl.permute(tl.join(a + b, a - b), (0, 1, 4, 2, 3))
+    w = tl.reshape(v, (S0, S1 // (2 * M), 2, M, 4))
+    if EXCHANGE:
+        second = (tl.arange(0, 2) == 1).to(tl.uint32)[None, None, :, None, None] << 31
+        w = _xor_sign(w, second) + tl.flip(w, 2)
+    else:
+        a, b = tl.split(tl.permute(w, (0, 1, 3, 4, 2)))
+        w = tl.permute(tl.join(a + b, a - b), (0, 1, 4, 2, 3))
     return tl.reshape(w, (S0, S1, 4))
 
 
 @triton.jit
-def _butterflies(v0, v1, ROT: tl.constexpr):
+def _butterflies(v0, v1, ROT: tl.constexpr, EXCHANGE: tl.constexpr = False):
     """The unnormalized Walsh-Hadamard transform of each block of ``ROT`` values of a tile's
     halves, in the reference's stage order h = 1, 2, ..., ROT / 2: h = 1 and 2 within a
     group's halves, h = 4 between the halves, h = 8 and up between groups."""
@@ -229,8 +281,8 @@ def _butterflies(v0, v1, ROT: tl.constexpr):
     if ROT >= 16:
         LOG: tl.constexpr = ROT.bit_length() - 1
         for k in tl.static_range(LOG - 3):
-            v0 = _butterfly_groups(v0, 1 << k)
-            v1 = _butterfly_groups(v1, 1 << k)
+            v0 = _butterfly_groups(v0, 1 << k, EXCHANGE)
+            v1 = _butterfly_groups(v1, 1 << k, EXCHANGE)
     return v0, v1
 
 
@@ -268,22 +320,20 @@ def _rotate_tile(
     block); the values at and past it as they are. Each step one fp32 operation in the
     reference's order. ``CANONICAL_NAN``: every NaN out is 0x7FC00000, the reference's
     (hardware's NaN bits differ), for values stored; a NaN only coded needs no such care."""
-    s0, s1 = _tile_signs(q, c, sk0, sk1, base, B, BLOCK, GROUPED)
+    m0, m1, inside0, inside1 = _tile_signs(q, c, sk0, sk1, base, rot_end, B, BLOCK, ROT, GROUPED)
     scale = _rotation_scale(ROT)
-    if INVERSE:
-        r0, r1 = _butterflies(v0, v1, ROT)
-        r0 = (r0 * scale) * s0
-        r1 = (r1 * scale) * s1
+    if INVERSE:  # (r * scale) * sign is r * (scale * sign), exactly: rounding is symmetric
+        r0, r1 = _butterflies(v0, v1, ROT, True)
+        r0 = r0 * _xor_sign(scale, m0)
+        r1 = r1 * _xor_sign(scale, m1)
     else:
-        r0, r1 = _butterflies(v0 * s0, v1 * s1, ROT)
+        r0, r1 = _butterflies(_xor_sign(v0, m0), _xor_sign(v1, m1), ROT)
         r0 = r0 * scale
         r1 = r1 * scale
-    col = c + 8 * tl.arange(0, BLOCK // 8)[:, None] + tl.arange(0, 4)[None, :]
-    i0 = base + q[:, None, None] * B + col[None, :, :]
-    nan = (tl.zeros(r0.shape, tl.uint32) + 0x7FC00000).to(tl.float32, bitcast=True)
-    r0 = tl.where(i0 < rot_end, r0, v0)
-    r1 = tl.where(i0 + 4 < rot_end, r1, v1)
+    r0 = tl.where(inside0, r0, v0)
+    r1 = tl.where(inside1, r1, v1)
     if CANONICAL_NAN:
+        nan = (tl.zeros(r0.shape, tl.uint32) + 0x7FC00000).to(tl.float32, bitcast=True)
         r0 = tl.where(r0 != r0, nan, r0)
         r1 = tl.where(r1 != r1, nan, r1)
     return r0, r1
@@ -2341,7 +2391,7 @@ def _launch(
 ) -> dict[str, object]:
     """``kernel``'s launch for values of ``dtype``: its tile (``BUCKETS`` buckets of ``BLOCK``
     values each), warps and compile options; a rotation's blocks fit a tile whole."""
-    tile, warps = _SHAPE[kernel, min(dtype.itemsize, 4)]
+    tile, warps = _SHAPE[kernel, min(dtype.itemsize, 4)] if rotation is None else _ROTATED_SHAPE
     # Plain arithmetic: triton.next_power_of_2 and triton.cdiv are @jit functions, whose calls
     # from Python take microseconds each.
     block = min(max(1 << (bucket_size - 1).bit_length(), 8), _MAX_BLOCK)
