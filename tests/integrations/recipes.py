@@ -1,5 +1,5 @@
 """Runs a recipe of examples/ as a user would launch it on 2 processes and returns the JSON its
-ranks reported (examples/recipe_report.py): under torchrun on CPUs (gloo) by default.
+ranks reported (examples/recipe_report.py): under torchrun, on CPUs (gloo) by default.
 A module, not a conftest: tests/conftest.py is the one conftest importable by that name."""
 
 import json
@@ -13,13 +13,10 @@ EXAMPLES = Path(__file__).parents[2] / "examples"
 
 def run_recipe(tmp_path: Path, script: str, *args: str, gpus: bool = False) -> dict:
     """``run_recipe(tmp_path, "lightning_ddp.py", "--steps", "4")``: the ranks' report;
-    ``gpus=True``: launched by the framework itself, on 2 GPUs."""
+    ``gpus=True``: one process a GPU (otherwise CPU processes, even on a GPU machine)."""
     out = tmp_path / f"{Path(script).stem}.json"
-    if gpus:  # the framework starts its processes, one a GPU
-        cmd, env = [sys.executable], dict(os.environ)
-    else:  # CPU processes even on a GPU machine: these tests are of the gloo runs
-        cmd = [sys.executable, *"-m torch.distributed.run --standalone --nproc-per-node 2".split()]
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, *"-m torch.distributed.run --standalone --nproc-per-node 2".split()]
+    env = dict(os.environ) if gpus else {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     cmd += [str(EXAMPLES / script), *args, "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

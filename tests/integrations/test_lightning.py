@@ -52,7 +52,7 @@ def test_strategy_arguments_are_ignored_on_cpus(tmp_path):
     "devices (lightning's DDPStrategy._register_ddp_hooks): needs 2 GPUs",
 )
 def test_strategy_arguments_on_gpus(tmp_path):
-    """Lightning's own arguments on 2 GPUs (Lightning starts the processes)."""
+    """Lightning's own arguments on 2 GPUs (NCCL, under torchrun): the hook compresses."""
     result = run_recipe(
         tmp_path, "lightning_ddp.py", "--accelerator", "gpu", "--steps", STEPS, gpus=True
     )
