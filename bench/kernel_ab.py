@@ -27,6 +27,7 @@ import cgx2.codecs
 from cgx2.bench.report import environment, format_table, write_json
 from cgx2.codecs import maxmin_triton
 from cgx2.codecs.layout import ChunkedLayout
+from cgx2.codecs.rotation import Rotation
 
 BUCKET = 512
 
@@ -42,30 +43,34 @@ def load_version(name: str, path: str) -> ModuleType:
     return module
 
 
-def workloads(codec: ModuleType, x: torch.Tensor, bits: int) -> dict[str, tuple]:
-    """name -> (function, output that must equal the current version's, bytes moved)."""
+def workloads(
+    codec: ModuleType, x: torch.Tensor, bits: int, rotated: bool = False
+) -> dict[str, tuple]:
+    """name -> (function, output that must equal the current version's, bytes moved);
+    ``rotated``: the calls with a Hadamard rotation (blocks of 128)."""
+    rk = {"rotation": Rotation(key=3, block=128)} if rotated else {}
     n = x.numel()
     layout = ChunkedLayout(n, 1, n, bits, BUCKET, False)
-    payload = codec.encode(x, bits, BUCKET, key=1)
+    payload = codec.encode(x, bits, BUCKET, key=1, **rk)
     own = x[: n // 4]
-    rows = torch.stack([codec.encode(own, bits, BUCKET, key=2)] * 4)
+    rows = torch.stack([codec.encode(own, bits, BUCKET, key=2, **rk)] * 4)
     out = torch.zeros_like(rows[0])
     dse_args = (rows, own.numel(), own, 1, 0.25, bits, BUCKET, 2)
     size = n * x.element_size()
     return {
         "encode": (
-            lambda: codec.encode_chunks(x, layout, 1, out=payload.view(1, -1)),
+            lambda: codec.encode_chunks(x, layout, 1, out=payload.view(1, -1), **rk),
             payload,
             size + payload.numel(),
         ),
         "decode": (
-            lambda: codec.decode(payload, n, bits, BUCKET, x.dtype),
-            codec.decode(payload, n, bits, BUCKET, x.dtype),
+            lambda: codec.decode(payload, n, bits, BUCKET, x.dtype, **rk),
+            codec.decode(payload, n, bits, BUCKET, x.dtype, **rk),
             size + payload.numel(),
         ),
         "dse(K=4)": (
-            lambda: codec.decode_sum_encode(*dse_args, out=out),
-            codec.decode_sum_encode(*dse_args),
+            lambda: codec.decode_sum_encode(*dse_args, out=out, **rk),
+            codec.decode_sum_encode(*dse_args, **rk),
             own.numel() * own.element_size() + 4 * rows.shape[1],
         ),
     }
@@ -84,6 +89,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--device", default="cuda")
     p.add_argument("--rep-ms", type=int, default=150)
+    p.add_argument("--rotation", action="store_true", help="time the rotated kernels")
     p.add_argument("--out-dir", default="bench/results", help="where the JSON goes ('' for none)")
     args = p.parse_args()
     codecs = {"current": maxmin_triton}
@@ -97,7 +103,7 @@ def main() -> None:
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     cases = [(d, b) for d in args.dtypes.split(",") for b in map(int, args.bits.split(","))]
     work = {
-        (name, d, b): workloads(codec, base.to(dtypes[d]), b)
+        (name, d, b): workloads(codec, base.to(dtypes[d]), b, args.rotation)
         for name, codec in codecs.items()
         for d, b in cases
     }

@@ -143,6 +143,11 @@ def _group_halves(a, b, BUCKETS: tl.constexpr, G: tl.constexpr):
 # blocks; only the payload's trailing ``n % ROT`` values, at and past ``rot_end``, stay as
 # they are.
 
+# How the forward rotation's butterflies between groups move values (:func:`_butterfly_groups`):
+# by exchange (True) or by split and join (False: fewer instructions in decode-sum-encode's
+# sm_90 build). The same bits either way; an A/B on a GPU (bench/kernel_ab.py --rotation, a
+# copy of this module with it flipped) settles it. The inverse always exchanges.
+_EXCHANGE_FORWARD = tl.constexpr(False)
 _SIGN_C2 = tl.constexpr(rotation._SIGN_C2)
 _SIGN_C3 = tl.constexpr(rotation._SIGN_C3)
 _SIGN_GROUP = tl.constexpr(rotation.SIGN_GROUP)
@@ -327,7 +332,7 @@ def _rotate_tile(
         r0 = r0 * _xor_sign(scale, m0)
         r1 = r1 * _xor_sign(scale, m1)
     else:
-        r0, r1 = _butterflies(_xor_sign(v0, m0), _xor_sign(v1, m1), ROT)
+        r0, r1 = _butterflies(_xor_sign(v0, m0), _xor_sign(v1, m1), ROT, _EXCHANGE_FORWARD)
         r0 = r0 * scale
         r1 = r1 * scale
     r0 = tl.where(inside0, r0, v0)

@@ -481,3 +481,20 @@ def test_the_rotation_scale_is_the_references_for_every_block():
         x[0] = 1.0  # the transform of e0 is all ones: the rotation gives sign * scale
         got = tri._rotated(x, Rotation(key=0, block=block), block).abs()
         assert torch.equal(got.cpu(), torch.full((block,), rotation_scale(block))), block
+
+
+def test_the_forward_butterflies_by_exchange_write_the_same_bytes(monkeypatch):
+    """The forward rotation's other way of moving values between groups (``_EXCHANGE_FORWARD``,
+    for an A/B on a GPU) writes the reference's bytes too."""
+    monkeypatch.setattr(tri, "_EXCHANGE_FORWARD", tri.tl.constexpr(True))
+    n, bits, bucket = 3 * 512 + 77, 3, 512
+    x = _x(n, torch.bfloat16, seed=11)
+    rot = _rotation(128)
+    want = ref.encode(x, bits, bucket, key=4, rotation=rot)
+    assert _same(tri.encode(x, bits, bucket, key=4, rotation=rot), want)
+    payloads = torch.stack([want, ref.encode(x.flip(0), bits, bucket, key=1, rotation=rot)])
+    args = (n, x, 0, 0.5, bits, bucket, 6, 1)
+    assert _same(
+        tri.decode_sum_encode(payloads, *args, rotation=rot),
+        ref.decode_sum_encode(payloads, *args, rotation=rot),
+    )
