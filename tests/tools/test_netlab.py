@@ -213,22 +213,22 @@ def test_gpu_hosts_run_with_their_devices_and_nccls_variables(netlab):
     assert done.stdout.count(" eth0@") == 2  # the interface NCCL is told is each host's own
 
 
-def test_the_nccl_hosts_stage_gives_each_layouts_hosts_their_gpus(netlab, tmp_path):
-    """bench/nccl_hosts.sh, dry (fake GPUs, the commands echoed from inside each host): 4 GPUs
-    make 2 hosts x 2 and 4 x 1, each host its own GPUs and NCCL host, HSDP only on 2 x 2."""
+def _nccl_hosts_dry(tmp_path: Path, **settings: str) -> subprocess.CompletedProcess:
+    """bench/nccl_hosts.sh run dry on 4 fake GPUs with these settings, its results in
+    ``tmp_path``; it must succeed."""
     script = Path(__file__).parents[2] / "bench" / "nccl_hosts.sh"
-    env = {
-        **os.environ,
-        "DRY_RUN": "1",
-        "NGPU": "4",
-        "NCCL_HOST_RATES": "1gbit",
-        "NCCL_HOST_RUNS": "bench hsdp_bf16_b4p8",
-        "RESULTS_DIR": str(tmp_path),
-    }
+    env = {**os.environ, "DRY_RUN": "1", "NGPU": "4", "RESULTS_DIR": str(tmp_path), **settings}
     done = subprocess.run(
         ["bash", str(script)], env=env, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return done
+
+
+def test_the_nccl_hosts_stage_gives_each_layouts_hosts_their_gpus(netlab, tmp_path):
+    """bench/nccl_hosts.sh, dry (fake GPUs, the commands echoed from inside each host): 4 GPUs
+    make 2 hosts x 2 and 4 x 1, each host its own GPUs and NCCL host, HSDP only on 2 x 2."""
+    done = _nccl_hosts_dry(tmp_path, NCCL_HOST_RATES="1gbit", NCCL_HOST_RUNS="bench hsdp_bf16_b4p8")
     hosts = [line.split() for line in done.stdout.splitlines() if line.startswith("host ")]
     seen = {(line[1], line[2], line[3], " ".join(line[4:])) for line in hosts}
     runs = [line.split()[1:4] for line in done.stdout.splitlines() if line.startswith("== ")]
@@ -253,18 +253,8 @@ def test_the_nccl_hosts_stage_gives_each_layouts_hosts_their_gpus(netlab, tmp_pa
 def test_an_nccl_hosts_plan_runs_in_its_order_one_host_without_the_lab(netlab, tmp_path):
     """NCCL_HOST_PLAN's items run in order; a one-host layout runs torchrun on the host itself
     (no namespace, its regime's NCCL variables, every GPU), CGX2_NODE_MESH forced per run."""
-    script = Path(__file__).parents[2] / "bench" / "nccl_hosts.sh"
-    env = {
-        **os.environ,
-        "DRY_RUN": "1",
-        "NGPU": "4",
-        "NCCL_HOST_PLAN": "1x4 shm mlp_plain; 2x2 1gbit mlp_cgx4_flat; 1x4 nvlink mlp_compress",
-        "RESULTS_DIR": str(tmp_path),
-    }
-    done = subprocess.run(
-        ["bash", str(script)], env=env, capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    plan = "1x4 shm mlp_plain; 2x2 1gbit mlp_cgx4_flat; 1x4 nvlink mlp_compress"
+    done = _nccl_hosts_dry(tmp_path, NCCL_HOST_PLAN=plan)
     runs = [line.split()[1:4] for line in done.stdout.splitlines() if line.startswith("== ")]
     assert runs == [
         ["1x4", "shm", "mlp_plain"],
