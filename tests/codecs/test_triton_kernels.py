@@ -360,6 +360,21 @@ def test_rotated_encode_and_decode_match_reference(bits, dtype, n, bucket, block
     assert _same(decoded, ref.decode(expected, n, bits, bucket, dtype, skip, rotation=rot))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_rotated_widths_and_dtypes_match_reference(bits, dtype):
+    """Every width below and at 4 bits and 8, every input dtype: 777 values, whose last block
+    (777 % 128 = 9 values) stays unrotated in a last, part bucket."""
+    x = _x(777, dtype, seed=bits + 10)
+    rot = _rotation(128, key=bits)
+    expected = ref.encode(x, bits, 256, 5, 1, rotation=rot)
+    assert _same(tri.encode(x, bits, 256, 5, 1, rotation=rot), expected)
+    assert _same(
+        tri.decode(expected, 777, bits, 256, dtype, rotation=rot),
+        ref.decode(expected, 777, bits, 256, dtype, rotation=rot),
+    )
+
+
 @pytest.mark.parametrize(("world", "n", "skip"), [(2, 1000, False), (3, 4 * 512 + 7, True)])
 def test_rotated_chunks_match_reference(world, n, skip):
     """Each chunk rotated as a payload of its own (indices from 0), rows skipped, keys read
