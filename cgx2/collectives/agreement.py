@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from .. import config
+from ..codecs.rotation import ROTATIONS
 from ..comm import all_gather_single, group_info, group_state, group_store, peers
 from ..comm import store as stored
 
@@ -480,4 +481,7 @@ def _describe(name: str, rows: list[list[int]], i: int) -> str:
         codes = [{code: word for word, code in _WORDS.items()}.get(c, c) for c in codes]
     elif name == CROSSOVER:
         codes = [_as_shown(name, c) for c in codes]
+    elif name == "rotation":  # a name or None, compared by its CRC: shown by name
+        by_code = {_as_int64(v): v for v in (None, *ROTATIONS)}
+        codes = [by_code.get(c, c) for c in codes]
     return "[" + ", ".join(f"rank {r}: {c}" for r, c in enumerate(codes)) + "]"

@@ -13,10 +13,11 @@ import torch
 import torch.distributed as dist
 
 from .. import scratch
-from ..codecs import ChunkedLayout, Codec, maxmin_codec, triton_kernels
+from ..codecs import ChunkedLayout, Codec, Rotation, maxmin_codec, triton_kernels
 from ..comm import Transport, group_info, process_group
 from ..seeding import derive_key, extend_key, next_seed
 from . import agreement, graphs, policy, ring
+from .rotations import DEFAULT_BLOCK, STAGE_ROTATION, check_rotation, rotation_key, rotation_of
 
 __all__ = ["STAGE_GATHER", "STAGE_SCATTER", "allreduce", "allreduce_", "exchange"]
 
@@ -36,6 +37,8 @@ def allreduce(
     skip_incomplete: bool = False,
     *,
     check_agreement: bool = False,
+    rotation: str | None = None,
+    rotation_block: int = DEFAULT_BLOCK,
 ) -> torch.Tensor:
     """Allreduce (``"sum"``/``"avg"``) of ``t`` across ``group``, quantized to ``bits`` where
     :func:`.policy.route` says compression pays, else the plain allreduce, exactly. Returns a
@@ -49,12 +52,21 @@ def allreduce(
     ``check_agreement``: where the route says so, first make sure every rank called alike
     (:mod:`.agreement`): for the entry points users call. DDP's and FSDP's hooks leave it
     off: their wrappers make every rank's buckets alike.
+
+    ``rotation`` (``"hadamard"``; None: none) codes each piece's randomized Hadamard rotation
+    in blocks of ``rotation_block`` values (a power of two dividing ``bucket_size``: a
+    ``ValueError`` otherwise, before anything is sent), its signs from the call's seed and the
+    piece (:mod:`.rotations`), the same on every rank; the owners sum rotated values and the
+    final decode rotates back (docs/wire-format.md, "Rotation").
     """
+    rotation = check_rotation(rotation, rotation_block, bucket_size)
     t = t.resolve_neg()  # the codecs and the process group read stored values, not the view's
     route = policy.route(t, group, bits, bucket_size)
     agreed = None
     if check_agreement and route.check:
-        agreed = _check_agreement(route, t, bits, bucket_size, group, reduce_op, skip_incomplete)
+        agreed = _check_agreement(
+            route, t, bits, bucket_size, group, reduce_op, skip_incomplete, rotation, rotation_block
+        )
     if not route.compress:
         out = route.transport.allreduce_plain_(
             t.clone(memory_format=torch.contiguous_format), group, reduce_op
@@ -71,6 +83,8 @@ def allreduce(
         reduce_op,
         seed,
         skip_incomplete,
+        rotation=rotation,
+        rotation_block=rotation_block,
     )
     return agreement.settle(agreed, out, group)
 
@@ -86,6 +100,8 @@ def allreduce_(
     *,
     error: torch.Tensor | None = None,
     check_agreement: bool = False,
+    rotation: str | None = None,
+    rotation_block: int = DEFAULT_BLOCK,
 ) -> torch.Tensor:
     """:func:`allreduce` in place: the result (the same bytes) is written into ``t`` and ``t``
     is returned. No copy is made where ``t`` is contiguous, below the crossover either.
@@ -95,7 +111,10 @@ def allreduce_(
     quantization error of the chunks it sends, zero on the chunk it owns (kept exact) and
     everywhere when nothing is quantized. Error feedback carries it into the next step. The
     second stage's error (each reduced chunk quantized once more) is common to all ranks and
-    not in it."""
+    not in it. With ``rotation``, the error is measured in the values' own domain (what was
+    put in minus the rotated payload decoded and rotated back), so it adds to the next
+    step's gradient as it is."""
+    rotation = check_rotation(rotation, rotation_block, bucket_size)
     if error is not None and (
         error.shape != t.shape or error.dtype != t.dtype or not error.is_contiguous()
     ):
@@ -116,12 +135,16 @@ def allreduce_(
                 seed,
                 skip_incomplete,
                 check_agreement=check_agreement,
+                rotation=rotation,
+                rotation_block=rotation_block,
             )
         )
     route = policy.route(t, group, bits, bucket_size)
     agreed = None
     if check_agreement and route.check:
-        agreed = _check_agreement(route, t, bits, bucket_size, group, reduce_op, skip_incomplete)
+        agreed = _check_agreement(
+            route, t, bits, bucket_size, group, reduce_op, skip_incomplete, rotation, rotation_block
+        )
     if not route.compress:
         if error is not None:
             error.zero_()
@@ -140,6 +163,8 @@ def allreduce_(
         seed,
         skip_incomplete,
         None if error is None else error.view(-1),
+        rotation=rotation,
+        rotation_block=rotation_block,
     )
     return agreement.settle(agreed, t, group)
 
@@ -152,12 +177,16 @@ def _check_agreement(
     group: dist.ProcessGroup,
     reduce_op: str,
     skip_incomplete: bool,
+    rotation: str | None,
+    rotation_block: int,
 ) -> torch.Tensor | None:
     fields = {
         "bits": bits,
         "bucket_size": bucket_size,
         "reduce_op": reduce_op,
         "skip_incomplete": skip_incomplete,
+        "rotation": rotation,
+        "rotation_block": rotation_block,
         "compressed": route.compress,
     }
     return agreement.check(
@@ -195,6 +224,9 @@ def _run_pieces(
     seed: int | None,
     skip_incomplete: bool,
     error: torch.Tensor | None = None,
+    *,
+    rotation: str | None = None,
+    rotation_block: int = DEFAULT_BLOCK,
 ) -> None:
     """The pipelined scatter-reduce-allgather of ``flat`` into ``out`` (which may be
     ``flat``: a piece is written only after its last read); ``error`` as in
@@ -202,12 +234,25 @@ def _run_pieces(
     seed = next_seed() if seed is None else seed
     if route.ring and error is None:  # the ring's error is not one rank's to feed back
         ring.ring_allreduce(
-            route, flat, out, bits, bucket_size, group, reduce_op, seed, skip_incomplete
+            route,
+            flat,
+            out,
+            bits,
+            bucket_size,
+            group,
+            reduce_op,
+            seed,
+            skip_incomplete,
+            rotation=rotation,
+            rotation_block=rotation_block,
         )
         return
+    rotated = (rotation, rotation_block)
     if not route.graphs:
         _pipeline(
-            _make_run(route, flat, bits, bucket_size, group, reduce_op, skip_incomplete, seed),
+            _make_run(
+                route, flat, bits, bucket_size, group, reduce_op, skip_incomplete, seed, rotated
+            ),
             flat,
             out,
             error,
@@ -224,14 +269,22 @@ def _run_pieces(
         reduce_op,
         skip_incomplete,
         route,
+        rotated,
     )
 
     def pipeline(device_seed: torch.Tensor) -> None:
         # Seed 0: the host's keys go unused; the kernels read those derived from device_seed.
-        run = _make_run(route, flat, bits, bucket_size, group, reduce_op, skip_incomplete, 0)
+        run = _make_run(
+            route, flat, bits, bucket_size, group, reduce_op, skip_incomplete, 0, rotated
+        )
         pieces = -(-flat.numel() // run.step)
         piece_keys = triton_kernels("keys_triton").piece_keys  # graphs.usable checked it
         run.keys = piece_keys(device_seed, run.rank, pieces, STAGE_SCATTER, STAGE_GATHER)
+        if rotation is not None:
+            # The rotation's keys are rank-free: the gather half of piece_keys's output (at
+            # 2i + 1, derive_key(seed, STAGE_ROTATION, i)), so a replay rotates as the eager
+            # call of its seed does, fresh signs every step.
+            run.rotation_keys = piece_keys(device_seed, 0, pieces, STAGE_ROTATION, STAGE_ROTATION)
         _pipeline(run, flat, out, error)
 
     graphs.run(group, signature, seed, flat.device, pipeline)
@@ -246,6 +299,7 @@ def _make_run(
     reduce_op: str,
     skip_incomplete: bool,
     seed: int,
+    rotated: tuple[str | None, int] = (None, DEFAULT_BLOCK),
 ) -> _Run:
     info = group_info(group)
     world, rank = info.size, info.rank
@@ -264,6 +318,9 @@ def _make_run(
         gather_in_place=route.gather_in_place,
         pair_gather=route.pair_gather,
         transport=route.transport,
+        rotation=rotated[0],
+        rotation_block=rotated[1],
+        rotation_key=rotation_key(seed),
     )
 
 
@@ -326,8 +383,18 @@ class _Run:
     gather_in_place: bool  # the reduced chunk encoded straight into its slot (NCCL)
     pair_gather: bool  # two ranks swap chunks by all-gather (exchange)
     transport: Transport
+    rotation: str | None  # the rotation's name (None: none), and its block
+    rotation_block: int
+    rotation_key: int  # derive_key(seed, STAGE_ROTATION): extended by the piece index
     keys: torch.Tensor | None = None  # in device memory instead (for a CUDA graph): piece i's
     # scatter key at 2i, its gather key at 2i + 1 (keys_triton.piece_keys)
+    rotation_keys: torch.Tensor | None = None  # likewise, piece i's rotation key at 2i + 1
+
+    def rotation_of(self, index: int) -> Rotation | None:
+        if self.rotation_keys is None:
+            return rotation_of(self.rotation, self.rotation_block, self.rotation_key, index)
+        key = self.rotation_keys[2 * index + 1 : 2 * index + 2]
+        return rotation_of(self.rotation, self.rotation_block, key)
 
     def scatter_key_of(self, index: int) -> int | torch.Tensor:
         if self.keys is None:
@@ -349,6 +416,7 @@ class _Piece:
             x.numel(), run.world, run.bits, run.bucket_size, run.skip_incomplete
         )
         self.error: torch.Tensor | None = None
+        self.rotation = run.rotation_of(index)  # the same on every rank
         # Buffers of the CPU path's scratch (:mod:`cgx2.scratch`), given back once done with.
         self.send = self.recv = self.reduced = self.gathered = None
         # Collectives on NCCL's stream, beside the coding of other pieces; with nothing to
@@ -361,7 +429,9 @@ class _Piece:
         nbytes = layout.num_chunks * layout.payload_nbytes
         send = scratch.take(nbytes, torch.uint8, self.x.device).view(layout.num_chunks, -1)
         key = run.scatter_key_of(self.index)
-        run.codec.encode_chunks(self.x, layout, key, skip_chunk=run.rank, out=send)
+        run.codec.encode_chunks(
+            self.x, layout, key, skip_chunk=run.rank, out=send, rotation=self.rotation
+        )
         self.send = send
         self.recv = scratch.take(nbytes, torch.uint8, self.x.device).view(send.shape)
         self.work = exchange(
@@ -377,8 +447,9 @@ class _Piece:
         if self.error is not None:
             # Decoding what was sent (while it travels) gives exactly what the owners add, in
             # fp32 as they sum; our own chunk (its row unwritten, decoded to garbage) stays
-            # exact, so its error is zero.
-            sent = run.codec.decode_chunks(send, layout, torch.float32)
+            # exact, so its error is zero. Rotated, the decoding is rotated back: the error is
+            # the values' own, which the next step's gradient takes as it is.
+            sent = run.codec.decode_chunks(send, layout, torch.float32, rotation=self.rotation)
             torch.sub(self.x, sent, out=self.error)  # in fp32, stored in the input's dtype
             start, size = layout.chunk_start(run.rank), layout.chunk_size(run.rank)
             self.error.narrow(0, start, size).zero_()
@@ -411,6 +482,7 @@ class _Piece:
             run.rank,
             layout.skip_incomplete,
             out=reduced,
+            rotation=self.rotation,
         )
         scratch.give(self.recv)
         self.recv = None
@@ -421,6 +493,8 @@ class _Piece:
         """Decode every rank's reduced chunk (ours too: all ranks decode the same bytes)."""
         self.run.transport.wait(self.work)
         rows = self.gathered.view(self.run.world, self.layout.payload_nbytes)
-        self.run.codec.decode_chunks(rows, self.layout, self.out.dtype, out=self.out)
+        self.run.codec.decode_chunks(
+            rows, self.layout, self.out.dtype, out=self.out, rotation=self.rotation
+        )
         scratch.give(self.gathered, self.reduced)
         self.gathered = self.reduced = None

@@ -18,6 +18,7 @@ from ..codecs import ChunkedLayout
 from ..comm import group_size_and_rank
 from . import policy
 from .allreduce import allreduce_
+from .rotations import DEFAULT_BLOCK
 
 __all__ = [
     "Fused",
@@ -122,12 +123,16 @@ def allreduce_fused_(
     group: dist.ProcessGroup,
     reduce_op: str = "sum",
     errors: list[torch.Tensor] | None = None,
+    *,
+    rotation: str | None = None,
+    rotation_block: int = DEFAULT_BLOCK,
 ) -> int:
     """Quantized allreduce of ``layers`` (same dtype and device) as one fused buffer, written
     back into each layer. Returns the bytes this rank sent (a buffer the policy does not
     compress goes plain: :func:`.policy.compresses`). With ``errors`` (a list), each layer's
     first-stage error (``error`` of :func:`.allreduce.allreduce_`, zeros when nothing was
-    quantized) is appended to it, flat, in layer order."""
+    quantized) is appended to it, flat, in layer order. ``rotation``, ``rotation_block``: as
+    :func:`.allreduce.allreduce_`'s (each layer padded to whole buckets keeps whole blocks)."""
     world, _ = group_size_and_rank(group)
     numel = sum(padded_numel(x.numel(), bucket_size) for x in layers)
     if not policy.compresses(layers[0], group, bits, bucket_size, numel):
@@ -138,7 +143,16 @@ def allreduce_fused_(
         if errors is not None:
             fused_error.append(torch.empty_like(fused))
         error = fused_error[0] if fused_error else None
-        return allreduce_(fused, bits, bucket_size, group, reduce_op, error=error)
+        return allreduce_(
+            fused,
+            bits,
+            bucket_size,
+            group,
+            reduce_op,
+            error=error,
+            rotation=rotation,
+            rotation_block=rotation_block,
+        )
 
     reduce_fused_(layers, bucket_size, reduce)
     if errors is not None:

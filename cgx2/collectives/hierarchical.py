@@ -24,6 +24,7 @@ from ..checks import (
 from . import policy
 from .allreduce import allreduce
 from .fusion import quantized_bytes_sent, reduce_fused_, ring_bytes_sent
+from .rotations import DEFAULT_BLOCK, check_rotation
 
 __all__ = [
     "MESH_DIMS",
@@ -55,15 +56,21 @@ def hierarchical_allreduce(
     bucket_size: int = 512,
     intra_broadcast: bool | None = None,
     seed: int | None = None,
+    *,
+    rotation: str | None = None,
+    rotation_block: int = DEFAULT_BLOCK,
 ) -> torch.Tensor:
     """Allreduce (SUM or AVG) of ``t`` over ``mesh`` (default :func:`node_mesh`), quantized to
     ``bits`` between nodes only. Returns a new tensor, bit-identical on every rank.
-    ``intra_broadcast`` None reads ``CGX_INTRA_BROADCAST``."""
+    ``intra_broadcast`` None reads ``CGX_INTRA_BROADCAST``. ``rotation``, ``rotation_block``:
+    the quantized allreduce's between nodes (:func:`.allreduce.allreduce`)."""
     check_collective_tensor(t, "t")
     reduce_op = check_reduce_op(op, "op")
     check_bits(bits)
     check_bucket_size(bucket_size)
     check_seed(seed)
+    rotation = check_rotation(rotation, rotation_block, bucket_size)
+    rotated = {"rotation": rotation, "rotation_block": rotation_block}
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a DeviceMesh or None, got {type(mesh).__name__}")
     if intra_broadcast is not None:
@@ -81,7 +88,7 @@ def hierarchical_allreduce(
         leader = dist.get_global_rank(intra, 0)
         dist.reduce(node_sum, dst=leader, group=intra)
         if local_rank == 0:
-            node_sum = allreduce(node_sum, bits, bucket_size, inter, "sum", seed)
+            node_sum = allreduce(node_sum, bits, bucket_size, inter, "sum", seed, **rotated)
         dist.broadcast(node_sum, src=leader, group=intra)
         out = node_sum
     else:
@@ -92,7 +99,7 @@ def hierarchical_allreduce(
         shard = torch.empty(padded // local, dtype=t.dtype, device=t.device)
         inside = policy.transport(t.device, intra)  # shared memory, where the node's is
         inside.reduce_scatter_plain(shard, staged, intra)
-        shard = allreduce(shard, bits, bucket_size, inter, "sum", seed)
+        shard = allreduce(shard, bits, bucket_size, inter, "sum", seed, **rotated)
         inside.wait(inside.all_gather(staged, shard, intra, async_op=False))
         out = staged[: flat.numel()]
     if reduce_op == "avg":
@@ -107,6 +114,9 @@ def hierarchical_allreduce_fused_(
     mesh: DeviceMesh,
     op: str,
     intra_broadcast: bool,
+    *,
+    rotation: str | None = None,
+    rotation_block: int = DEFAULT_BLOCK,
 ) -> int:
     """:func:`hierarchical_allreduce` of ``layers`` in place, fused into one buffer (each
     padded to whole buckets); returns the bytes this rank sent, as the default variant sends
@@ -115,7 +125,16 @@ def hierarchical_allreduce_fused_(
     fused = reduce_fused_(
         layers,
         bucket_size,
-        lambda x: hierarchical_allreduce(x, bits, mesh, op, bucket_size, intra_broadcast),
+        lambda x: hierarchical_allreduce(
+            x,
+            bits,
+            mesh,
+            op,
+            bucket_size,
+            intra_broadcast,
+            rotation=rotation,
+            rotation_block=rotation_block,
+        ),
     )
     nodes, local = mesh.size(0), mesh.size(1)
     shard = -(-fused.numel() // local)

@@ -25,6 +25,7 @@ from ..seeding import derive_key, next_seed
 from . import agreement, policy
 from .allreduce import exchange
 from .fusion import fuse_padded, padded_numel
+from .rotations import DEFAULT_BLOCK, check_rotation, rotation_key, rotation_of
 
 __all__ = ["Segment", "reduce_scatter", "width_groups"]
 
@@ -101,6 +102,9 @@ def reduce_scatter(
     widths: Sequence[int] | None = None,
     *,
     check_agreement: bool = False,
+    rotation: str | None = None,
+    rotation_block: int = DEFAULT_BLOCK,
+    error: torch.Tensor | None = None,
 ) -> int:
     """Reduce-scatter ``input`` (W rows of ``output.numel()``) into ``output``: the sum times
     ``scale`` (None: 1). ``widths`` gives one width (1..8) per compressed segment, in order
@@ -109,7 +113,23 @@ def reduce_scatter(
     reduce-scatter. Returns the bytes this rank sent.
 
     ``check_agreement``: where the route says so, first make sure every rank called alike
-    (:mod:`.agreement`): for the op users call; FSDP's hook leaves it off."""
+    (:mod:`.agreement`): for the op users call; FSDP's hook leaves it off.
+
+    ``rotation`` (``"hadamard"``; None: none): width group g is coded rotated, in blocks of
+    ``rotation_block`` (dividing ``bucket_size``), by the signs of (seed, rotation, g), the
+    same on every rank (:mod:`.rotations`); each owner sums in the rotated domain and rotates
+    its sum back.
+
+    ``error`` (a contiguous tensor of ``input``'s shape and dtype), when given, receives
+    ``input`` minus what the owners decode of this rank's rows, in the values' own domain
+    (rotated back where rotated): zero on this rank's own row (kept exact), on the exact
+    segments, and everywhere when nothing is quantized. Error feedback adds it to the next
+    step's input."""
+    rotation = check_rotation(rotation, rotation_block, bucket_size)
+    if error is not None and (
+        error.shape != input.shape or error.dtype != input.dtype or not error.is_contiguous()
+    ):
+        raise ValueError("error must be a contiguous tensor of the input's shape and dtype")
     (world, rank), n = group_size_and_rank(group), output.numel()
     rows = input.view(world, n)
     compressed, exact = _split(segments, n)
@@ -126,6 +146,8 @@ def reduce_scatter(
             "scale": scale,
             "segments": segments,
             "widths": widths,
+            "rotation": rotation,
+            "rotation_block": rotation_block,
             "compressed": bool(compressed),
         }
         agreed = agreement.check(
@@ -137,6 +159,8 @@ def reduce_scatter(
             route=route,
         )
     sent = 0
+    if error is not None:
+        error.zero_()
     plan = _plan(n, world, tuple(s for _, s in groups), tuple(exact), bucket_size, input.device)
     if compressed:
         seed = next_seed() if seed is None else seed
@@ -144,6 +168,9 @@ def reduce_scatter(
         # j of a group is row j.
         flat = input.index_select(0, plan.gather)
         codec = maxmin_codec(input.device)
+        rotations = [
+            rotation_of(rotation, rotation_block, rotation_key(seed), g) for g in range(len(groups))
+        ]
         parts, layouts, sends, at = [], [], [], 0
         for g, ((b, _), width) in enumerate(zip(groups, plan.widths, strict=True)):
             parts.append(flat[at : at + world * width])
@@ -157,7 +184,11 @@ def reduce_scatter(
                 )
             )
             key = _group_key(seed, rank, g)
-            sends.append(codec.encode_chunks(parts[-1], layouts[-1], key, skip_chunk=rank))
+            sends.append(
+                codec.encode_chunks(
+                    parts[-1], layouts[-1], key, skip_chunk=rank, rotation=rotations[g]
+                )
+            )
             at += world * width
         # The groups' payloads side by side, so one all_to_all carries them: row j of the
         # whole buffer goes to rank j.
@@ -175,12 +206,20 @@ def reduce_scatter(
                 f"cgx2: the quantized reduce-scatter of {input.numel()} values over {world} "
                 f"ranks (this is rank {rank}) failed exchanging its chunks: {e}"
             ) from e
+        if error is not None:
+            _first_stage_error(error, flat, sends, layouts, rotations, plan, codec, rank)
         reduced, col = [], 0
-        for (b, _), width, part, layout in zip(groups, plan.widths, parts, layouts, strict=True):
+        for (b, _), width, part, layout, rotated in zip(
+            groups, plan.widths, parts, layouts, rotations, strict=True
+        ):
             payloads = recv[:, col : col + layout.payload_nbytes]
             col += layout.payload_nbytes
             own = part[rank * width : (rank + 1) * width]
-            reduced.append(codec.decode_sum(payloads, width, own, rank, scale, b, bucket_size))
+            reduced.append(
+                codec.decode_sum(
+                    payloads, width, own, rank, scale, b, bucket_size, rotation=rotated
+                )
+            )
         reduced = reduced[0] if len(reduced) == 1 else torch.cat(reduced)
         output.index_copy_(0, plan.out, reduced.index_select(0, plan.src).to(output.dtype))
         sent += (world - 1) * send.shape[1]
@@ -196,18 +235,48 @@ def reduce_scatter(
     return sent
 
 
+def _first_stage_error(
+    error: torch.Tensor,
+    flat: torch.Tensor,
+    sends: list[torch.Tensor],
+    layouts: list[ChunkedLayout],
+    rotations: list,
+    plan: _Plan,
+    codec: object,
+    rank: int,
+) -> None:
+    """Write into ``error`` (zeroed) ``input`` minus the rows this rank sent as their owners
+    decode them (rotated back: the values' own domain), at the compressed values' places in
+    the input; this rank's own row (not sent) stays zero. Decoded while the rows travel."""
+    decoded = torch.cat(
+        [
+            codec.decode_chunks(send, layout, torch.float32, rotation=rotated)
+            for send, layout, rotated in zip(sends, layouts, rotations, strict=True)
+        ]
+    )
+    fused_error = flat.float() - decoded  # in fp32, stored in the input's dtype
+    for r, (fused_at, input_at) in enumerate(plan.real):
+        if r != rank:
+            error.view(-1).index_copy_(
+                0, input_at, fused_error.index_select(0, fused_at).to(error.dtype)
+            )
+
+
 @dataclass(frozen=True)
 class _Plan:
     """Index tensors that move a reduction's segments with one op each, made once per shape:
     ``gather`` builds every width group's fused rows from the flat input (group after group,
     each ``world * widths[g]`` values), ``src``/``out`` place the reduced compressed values
-    (the groups' reduced rows concatenated), ``exact`` lists the uncompressed positions."""
+    (the groups' reduced rows concatenated), ``exact`` lists the uncompressed positions;
+    ``real``, per row r, the fused positions of its compressed values (no padding) and their
+    positions in the flat input (for the first stage's error)."""
 
     widths: tuple[int, ...]
     gather: torch.Tensor
     src: torch.Tensor
     out: torch.Tensor
     exact: torch.Tensor
+    real: tuple[tuple[torch.Tensor, torch.Tensor], ...]
 
 
 # A pure function's memo (the widths' segments), bounded: the same layers recur every step.
@@ -222,6 +291,9 @@ def _plan(
 ) -> _Plan:
     empty = torch.empty(0, dtype=torch.int64)
     gathers, src, out, widths, base = [], [], [], [], 0
+    real_fused: list[list[torch.Tensor]] = [[] for _ in range(world)]
+    real_input: list[list[torch.Tensor]] = [[] for _ in range(world)]
+    fused_base = 0  # where the group's rows start in the fused input
     for compressed in groups:
         row, at = [], 0
         for o, k, _ in compressed:
@@ -232,8 +304,13 @@ def _plan(
             at += k + pad
         row_index = torch.cat(row) if row else empty
         gathers.extend(row_index + r * n for r in range(world))
+        real = torch.cat(src[len(src) - len(compressed) :]) - base if compressed else empty
+        for r in range(world):
+            real_fused[r].append(real + fused_base + r * at)
+            real_input[r].append(torch.cat(out[len(out) - len(compressed) :]) + r * n)
         widths.append(at)
         base += at
+        fused_base += world * at
     exact_index = torch.cat([torch.arange(o, o + k) for o, k, _ in exact]) if exact else empty
     cat = lambda parts: torch.cat(parts) if parts else empty
     return _Plan(
@@ -242,4 +319,8 @@ def _plan(
         src=cat(src).to(device),
         out=cat(out).to(device),
         exact=exact_index.to(device),
+        real=tuple(
+            (cat(fused).to(device), cat(inputs).to(device))
+            for fused, inputs in zip(real_fused, real_input, strict=True)
+        ),
     )

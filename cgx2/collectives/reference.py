@@ -14,6 +14,7 @@ from ..seeding import derive_key
 from . import policy
 from .allreduce import STAGE_GATHER, STAGE_SCATTER
 from .reduce_scatter import Segment, _fused_rows, _group_key, _split, width_groups
+from .rotations import DEFAULT_BLOCK, check_rotation, rotation_key, rotation_of
 
 __all__ = ["reference_allreduce", "reference_reduce_scatter"]
 
@@ -27,12 +28,17 @@ def reference_allreduce(
     skip_incomplete: bool = False,
     device: torch.device | None = None,
     regime: str | None = None,
+    *,
+    rotation: str | None = None,
+    rotation_block: int = DEFAULT_BLOCK,
 ) -> torch.Tensor:
     """What :func:`cgx2.collectives.allreduce` returns on every rank when rank r holds
     ``inputs[r]`` and it compresses, computed in one process with the torch reference codec
     (same pieces, keys and order of summation): a bit-exact model of the collective, for
     tests and checks. The pieces follow ``regime`` (default: that of ``device`` on NCCL, or
-    of the inputs' device; name the GPU when modelling it from CPU copies)."""
+    of the inputs' device; name the GPU when modelling it from CPU copies). ``rotation`` and
+    ``rotation_block`` as the collective's: piece i rotated by (seed, rotation, i)."""
+    rotation = check_rotation(rotation, rotation_block, bucket_size)
     world, x0 = len(inputs), inputs[0]
     flats = [x.reshape(-1).cpu() for x in inputs]
     out = torch.empty(x0.numel(), dtype=x0.dtype)
@@ -43,8 +49,11 @@ def reference_allreduce(
     for index, s in enumerate(range(0, x0.numel(), step)):
         pieces = [f[s : s + step] for f in flats]
         layout = ChunkedLayout.split(pieces[0].numel(), world, bits, bucket_size, skip_incomplete)
+        rotated = rotation_of(rotation, rotation_block, rotation_key(seed), index)
         sent = [
-            maxmin.encode_chunks(p, layout, derive_key(seed, STAGE_SCATTER, r, index), r)
+            maxmin.encode_chunks(
+                p, layout, derive_key(seed, STAGE_SCATTER, r, index), r, rotation=rotated
+            )
             for r, p in enumerate(pieces)
         ]
         reduced = torch.zeros(world, layout.payload_nbytes, dtype=torch.uint8)
@@ -63,8 +72,11 @@ def reference_allreduce(
                 j,
                 skip_incomplete,
                 out=reduced[j],
+                rotation=rotated,
             )
-        maxmin.decode_chunks(reduced, layout, x0.dtype, out=out[s : s + pieces[0].numel()])
+        maxmin.decode_chunks(
+            reduced, layout, x0.dtype, out=out[s : s + pieces[0].numel()], rotation=rotated
+        )
     return out.view(x0.shape)
 
 
@@ -76,11 +88,15 @@ def reference_reduce_scatter(
     scale: float | None = None,
     segments: Sequence[Segment] | None = None,
     widths: Sequence[int] | None = None,
+    *,
+    rotation: str | None = None,
+    rotation_block: int = DEFAULT_BLOCK,
 ) -> list[torch.Tensor]:
     """What :func:`cgx2.collectives.reduce_scatter` writes on every rank when rank r holds
     ``inputs[r]`` and compression pays, for its compressed segments (the exact ones are left
     zero), computed in one process with the reference codec, one width group at a time: a
-    bit-exact model for tests."""
+    bit-exact model for tests. ``rotation``: width group g rotated by (seed, rotation, g)."""
+    rotation = check_rotation(rotation, rotation_block, bucket_size)
     world = len(inputs)
     n = inputs[0].numel() // world
     compressed, _ = _split(segments, n)
@@ -95,14 +111,17 @@ def reference_reduce_scatter(
             bits=b,
             bucket_size=bucket_size,
         )
+        rotated = rotation_of(rotation, rotation_block, rotation_key(seed), g)
         sent = [
-            maxmin.encode_chunks(f.flat, layout, _group_key(seed, r, g), r)
+            maxmin.encode_chunks(f.flat, layout, _group_key(seed, r, g), r, rotation=rotated)
             for r, f in enumerate(fused)
         ]
         for j in range(world):
             received = torch.stack([sent[r][j] for r in range(world)])
             own = fused[j].flat[j * width : (j + 1) * width]
-            reduced = maxmin.decode_sum(received, width, own, j, scale, b, bucket_size)
+            reduced = maxmin.decode_sum(
+                received, width, own, j, scale, b, bucket_size, rotation=rotated
+            )
             for (o, k, _), at in zip(chosen, starts, strict=True):
                 outputs[j][o : o + k] = reduced[at : at + k]
     return outputs

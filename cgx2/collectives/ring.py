@@ -20,6 +20,7 @@ from ..codecs import ChunkedLayout, maxmin_codec
 from ..comm import Transport, group_info
 from ..seeding import derive_key, extend_key
 from . import policy
+from .rotations import DEFAULT_BLOCK, rotation_key, rotation_of
 
 __all__ = ["STAGE_RING", "ring_allreduce"]
 
@@ -37,10 +38,15 @@ def ring_allreduce(
     reduce_op: str,
     seed: int,
     skip_incomplete: bool,
+    *,
+    rotation: str | None = None,
+    rotation_block: int = DEFAULT_BLOCK,
 ) -> None:
     """The ring allreduce (``"sum"``/``"avg"``) of ``flat`` into ``out`` (which may be
     ``flat``) over ``group``, by ``route.transport``'s :meth:`shift`. Chunk j of a piece is
-    coded with stream j; hop h of rank r's piece k with key (seed, ring, r, k, h)."""
+    coded with stream j; hop h of rank r's piece k with key (seed, ring, r, k, h).
+    ``rotation``: piece k rotated by the signs of (seed, rotation, k) on every rank, as in
+    :mod:`.allreduce`; every hop sums in the rotated domain, the final decode rotates back."""
     info = group_info(group)
     world, rank = info.size, info.rank
     codec, transport = maxmin_codec(flat.device), route.transport
@@ -52,6 +58,9 @@ def ring_allreduce(
         ChunkedLayout.split(x.numel(), world, bits, bucket_size, skip_incomplete) for x, _ in pieces
     ]
     rank_key = derive_key(seed, STAGE_RING, rank)
+    rotations = [
+        rotation_of(rotation, rotation_block, rotation_key(seed), k) for k in range(len(pieces))
+    ]
 
     def chunk(k: int, j: int) -> torch.Tensor:
         layout = layouts[k]
@@ -73,6 +82,7 @@ def ring_allreduce(
                 rank,
                 skip_incomplete,
                 payload,
+                rotation=rotations[k],
             )
         sending.append(payload)
     gathered = [empty_rows(k, world) for k in range(len(pieces))]
@@ -101,6 +111,7 @@ def ring_allreduce(
                 held,
                 skip_incomplete,
                 out=target,
+                rotation=rotations[k],
             )
 
         buffers = lambda k, r=received: (r[k][0], sending[k])
@@ -117,7 +128,9 @@ def ring_allreduce(
             "all-gather",
         )
     for k, (_, result) in enumerate(pieces):
-        codec.decode_chunks(gathered[k], layouts[k], result.dtype, out=result)
+        codec.decode_chunks(
+            gathered[k], layouts[k], result.dtype, out=result, rotation=rotations[k]
+        )
 
 
 def _pipelined(

@@ -24,6 +24,7 @@ from ..checks import (
     check_writable,
     warn_if_not_member,
 )
+from ..collectives.rotations import DEFAULT_BLOCK, check_rotation
 from ..seeding import SEEDED_OP_TAGS
 
 __all__ = ["quantized_allreduce", "quantized_allreduce_", "resolve_group"]
@@ -47,11 +48,16 @@ def _check(
     reduce_op: object,
     op_name: str = "reduce_op",
     tensor_name: str = "input",
+    rotation: str | None = None,
+    rotation_block: int = DEFAULT_BLOCK,
 ) -> str:
-    """Every argument checked, once per call; the normalised reduce op."""
+    """Every argument checked, once per call; the normalised reduce op. The rotation's block
+    is checked against the bucket size here, before anything is sent: every rank passes the
+    same arguments, so every rank raises the same ``ValueError``."""
     check_collective_tensor(t, tensor_name)
     check_bits(bits)
     check_bucket_size(bucket_size)
+    check_rotation(rotation, rotation_block, bucket_size)
     return check_reduce_op(reduce_op, op_name)
 
 
@@ -64,8 +70,12 @@ def _quantized_allreduce_op(
     reduce_op: str = "sum",
     seed: int = -1,
     skip_incomplete: bool = False,
+    rotation: str = "none",
+    rotation_block: int = DEFAULT_BLOCK,
 ) -> torch.Tensor:
-    reduce_op = _check(input, bits, bucket_size, reduce_op)
+    reduce_op = _check(
+        input, bits, bucket_size, reduce_op, rotation=rotation, rotation_block=rotation_block
+    )
     return collectives.allreduce(
         input,
         bits,
@@ -75,28 +85,42 @@ def _quantized_allreduce_op(
         None if seed < 0 else seed,
         skip_incomplete,
         check_agreement=True,
+        rotation=rotation,
+        rotation_block=rotation_block,
     )
 
 
 @_quantized_allreduce_op.register_fake
-def _(input, bits, bucket_size=512, group_name="", reduce_op="sum", seed=-1, skip_incomplete=False):
-    _check(input, bits, bucket_size, reduce_op)
+def _(
+    input,
+    bits,
+    bucket_size=512,
+    group_name="",
+    reduce_op="sum",
+    seed=-1,
+    skip_incomplete=False,
+    rotation="none",
+    rotation_block=DEFAULT_BLOCK,
+):
+    _check(input, bits, bucket_size, reduce_op, rotation=rotation, rotation_block=rotation_block)
     return torch.empty_like(input, memory_format=torch.contiguous_format)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    _, bits, bucket_size, group_name, reduce_op, _, skip_incomplete = inputs
+    _, bits, bucket_size, group_name, reduce_op, _, skip_incomplete, *rotated = inputs
     ctx.allreduce_args = (bits, bucket_size, group_name, reduce_op)
     ctx.skip_incomplete = skip_incomplete
+    ctx.rotated = tuple(rotated)  # (rotation, block) where given
 
 
 def _backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     # Every rank's input reaches every rank's output once (a W-th of it when averaging), so
-    # the gradient is the same allreduce of the outputs' gradients: quantized alike, unbiased.
+    # the gradient is the same allreduce of the outputs' gradients: quantized alike, unbiased
+    # (rotated alike, with fresh signs: the call's own seed).
     grad_input = torch.ops.cgx.quantized_allreduce(
-        grad.contiguous(), *ctx.allreduce_args, -1, ctx.skip_incomplete
+        grad.contiguous(), *ctx.allreduce_args, -1, ctx.skip_incomplete, *ctx.rotated
     )
-    return grad_input, None, None, None, None, None, None
+    return grad_input, None, None, None, None, None, None, None, None
 
 
 _quantized_allreduce_op.register_autograd(_backward, setup_context=_setup_context)
@@ -112,10 +136,14 @@ def _quantized_allreduce_inplace_op(
     seed: int = -1,
     skip_incomplete: bool = False,
     check_agreement: bool = True,
+    rotation: str = "none",
+    rotation_block: int = DEFAULT_BLOCK,
 ) -> None:
     # check_agreement False: for callers whose ranks agree by construction (DDP's per-parameter
     # reducer under compiled autograd), one round trip a parameter fewer.
-    reduce_op = _check(input, bits, bucket_size, reduce_op)
+    reduce_op = _check(
+        input, bits, bucket_size, reduce_op, rotation=rotation, rotation_block=rotation_block
+    )
     check_writable(input, "input")
     collectives.allreduce_(
         input,
@@ -126,6 +154,8 @@ def _quantized_allreduce_inplace_op(
         None if seed < 0 else seed,
         skip_incomplete,
         check_agreement=check_agreement,
+        rotation=rotation,
+        rotation_block=rotation_block,
     )
 
 
@@ -139,8 +169,10 @@ def _(
     seed=-1,
     skip_incomplete=False,
     check_agreement=True,
+    rotation="none",
+    rotation_block=DEFAULT_BLOCK,
 ):
-    _check(input, bits, bucket_size, reduce_op)
+    _check(input, bits, bucket_size, reduce_op, rotation=rotation, rotation_block=rotation_block)
 
 
 def quantized_allreduce(
@@ -151,6 +183,9 @@ def quantized_allreduce(
     bucket_size: int = 512,
     seed: int | None = None,
     skip_incomplete: bool = False,
+    *,
+    rotation: str | None = None,
+    rotation_block: int = DEFAULT_BLOCK,
 ) -> torch.Tensor:
     """Allreduce ``tensor`` across ``group`` (default: the world) with ``bits``-bit max-min
     quantization, summing (``op=SUM``) or averaging (``op=AVG``).
@@ -164,8 +199,13 @@ def quantized_allreduce(
     As torch's functional collectives: any dense layout (transposed, sliced, expanded, a
     negative view) is reduced as its contiguous copy and the result is contiguous; a rank
     outside ``group`` gets a ``ValueError``.
+
+    ``rotation="hadamard"`` codes a randomized Hadamard rotation of the values, in blocks of
+    ``rotation_block`` (a power of two dividing ``bucket_size``), with signs from the call's
+    seed, the same on every rank: the same bytes on the wire, a smaller range per bucket where
+    outliers stretched it, still unbiased (docs/wire-format.md, "Rotation"; docs/low-bits.md).
     """
-    reduce_op = _check(tensor, bits, bucket_size, op, "op", "tensor")
+    reduce_op = _check(tensor, bits, bucket_size, op, "op", "tensor", rotation, rotation_block)
     check_seed(seed)
     check_bool(skip_incomplete, "skip_incomplete")
     group = check_group(group, "quantized_allreduce")
@@ -179,6 +219,7 @@ def quantized_allreduce(
             reduce_op,
             -1 if seed is None else seed,
             skip_incomplete,
+            *_rotation_args(rotation, rotation_block),
         )
     return collectives.allreduce(
         tensor,
@@ -189,7 +230,17 @@ def quantized_allreduce(
         seed,
         skip_incomplete,
         check_agreement=True,
+        rotation=rotation,
+        rotation_block=rotation_block,
     )
+
+
+def _rotation_args(rotation: str | None, rotation_block: int) -> tuple[str | int, ...]:
+    """The ops' trailing rotation arguments: none where there is no rotation, so an unrotated
+    call traces to the op's old schema (graphs traced before rotation existed still match)."""
+    if rotation is None or rotation == "none":
+        return ()
+    return (rotation, rotation_block)
 
 
 def quantized_allreduce_(
@@ -200,6 +251,9 @@ def quantized_allreduce_(
     bucket_size: int = 512,
     seed: int | None = None,
     skip_incomplete: bool = False,
+    *,
+    rotation: str | None = None,
+    rotation_block: int = DEFAULT_BLOCK,
 ) -> torch.Tensor:
     """:func:`quantized_allreduce` in place, like ``dist.all_reduce``: ``tensor`` receives the
     result (the same bytes on every rank) and is returned; where the policy does not
@@ -208,9 +262,10 @@ def quantized_allreduce_(
 
     As ``dist.all_reduce``, a rank outside ``group`` is warned and ``tensor`` left unchanged.
     Any dense layout is written through; a tensor whose elements share memory (an
-    ``expand()``-ed view) is refused, before communicating.
+    ``expand()``-ed view) is refused, before communicating. ``rotation``, ``rotation_block``:
+    as :func:`quantized_allreduce`'s.
     """
-    reduce_op = _check(tensor, bits, bucket_size, op, "op", "tensor")
+    reduce_op = _check(tensor, bits, bucket_size, op, "op", "tensor", rotation, rotation_block)
     check_seed(seed)
     check_bool(skip_incomplete, "skip_incomplete")
     if warn_if_not_member(group, "quantized_allreduce_"):
@@ -226,6 +281,7 @@ def quantized_allreduce_(
             reduce_op,
             -1 if seed is None else seed,
             skip_incomplete,
+            *(() if rotation in (None, "none") else (True, rotation, rotation_block)),
         )
         return tensor
     if tensor.requires_grad and torch.is_grad_enabled():
@@ -234,5 +290,14 @@ def quantized_allreduce_(
             "use quantized_allreduce (differentiable), or call it under torch.no_grad()"
         )
     return collectives.allreduce_(
-        tensor, bits, bucket_size, group, reduce_op, seed, skip_incomplete, check_agreement=True
+        tensor,
+        bits,
+        bucket_size,
+        group,
+        reduce_op,
+        seed,
+        skip_incomplete,
+        check_agreement=True,
+        rotation=rotation,
+        rotation_block=rotation_block,
     )

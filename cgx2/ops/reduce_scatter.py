@@ -15,8 +15,9 @@ import torch.distributed._functional_collectives as funcol
 
 from .. import collectives
 from ..checks import check_float_tensor, check_group, check_seed
+from ..collectives.rotations import DEFAULT_BLOCK
 from ..seeding import SEEDED_OP_TAGS
-from .allreduce import _check, resolve_group
+from .allreduce import _check, _rotation_args, resolve_group
 
 __all__ = ["quantized_reduce_scatter"]
 
@@ -39,6 +40,8 @@ def _run(
     group_name: str,
     reduce_op: str,
     seed: int,
+    rotation: str = "none",
+    rotation_block: int = DEFAULT_BLOCK,
 ) -> None:
     group = resolve_group(group_name)
     if dist.get_world_size(group) != group_size:
@@ -57,6 +60,8 @@ def _run(
         scale,
         seed=None if seed < 0 else seed,
         check_agreement=True,
+        rotation=rotation,
+        rotation_block=rotation_block,
     )
 
 
@@ -69,21 +74,34 @@ def _quantized_reduce_scatter_op(
     group_name: str = "",
     reduce_op: str = "sum",
     seed: int = -1,
+    rotation: str = "none",
+    rotation_block: int = DEFAULT_BLOCK,
 ) -> torch.Tensor:
-    reduce_op = _check(input, bits, bucket_size, reduce_op)
+    rotated = {"rotation": rotation, "rotation_block": rotation_block}
+    reduce_op = _check(input, bits, bucket_size, reduce_op, **rotated)
     out = input.new_empty(_output_shape(input, group_size))
-    _run(out, input, bits, bucket_size, group_size, group_name, reduce_op, seed)
+    _run(out, input, bits, bucket_size, group_size, group_name, reduce_op, seed, **rotated)
     return out
 
 
 @_quantized_reduce_scatter_op.register_fake
-def _(input, bits, bucket_size, group_size, group_name="", reduce_op="sum", seed=-1):
-    _check(input, bits, bucket_size, reduce_op)
+def _(
+    input,
+    bits,
+    bucket_size,
+    group_size,
+    group_name="",
+    reduce_op="sum",
+    seed=-1,
+    rotation="none",
+    rotation_block=DEFAULT_BLOCK,
+):
+    _check(input, bits, bucket_size, reduce_op, rotation=rotation, rotation_block=rotation_block)
     return input.new_empty(_output_shape(input, group_size))
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    _, _, _, group_size, group_name, reduce_op, _ = inputs
+    _, _, _, group_size, group_name, reduce_op, *_ = inputs
     ctx.gather_args = (group_size, group_name, reduce_op)
 
 
@@ -96,7 +114,7 @@ def _backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     grad_input = funcol.wait_tensor(gather(grad.contiguous(), 0, group))
     if reduce_op == "avg":
         grad_input = grad_input / group_size
-    return grad_input, None, None, None, None, None, None
+    return grad_input, None, None, None, None, None, None, None, None
 
 
 _quantized_reduce_scatter_op.register_autograd(_backward, setup_context=_setup_context)
@@ -114,14 +132,37 @@ def _quantized_reduce_scatter_out_op(
     group_name: str = "",
     reduce_op: str = "sum",
     seed: int = -1,
+    rotation: str = "none",
+    rotation_block: int = DEFAULT_BLOCK,
 ) -> None:
-    reduce_op = _check_out(input, out, bits, bucket_size, group_size, reduce_op)
-    _run(out, input, bits, bucket_size, group_size, group_name, reduce_op, seed)
+    rotated = {"rotation": rotation, "rotation_block": rotation_block}
+    reduce_op = _check_out(input, out, bits, bucket_size, group_size, reduce_op, **rotated)
+    _run(out, input, bits, bucket_size, group_size, group_name, reduce_op, seed, **rotated)
 
 
 @_quantized_reduce_scatter_out_op.register_fake
-def _(input, out, bits, bucket_size, group_size, group_name="", reduce_op="sum", seed=-1):
-    _check_out(input, out, bits, bucket_size, group_size, reduce_op)
+def _(
+    input,
+    out,
+    bits,
+    bucket_size,
+    group_size,
+    group_name="",
+    reduce_op="sum",
+    seed=-1,
+    rotation="none",
+    rotation_block=DEFAULT_BLOCK,
+):
+    _check_out(
+        input,
+        out,
+        bits,
+        bucket_size,
+        group_size,
+        reduce_op,
+        rotation=rotation,
+        rotation_block=rotation_block,
+    )
 
 
 def _check_out(
@@ -131,8 +172,12 @@ def _check_out(
     bucket_size: int,
     group_size: int,
     reduce_op: str,
+    rotation: str | None = None,
+    rotation_block: int = DEFAULT_BLOCK,
 ) -> str:
-    reduce_op = _check(input, bits, bucket_size, reduce_op)
+    reduce_op = _check(
+        input, bits, bucket_size, reduce_op, rotation=rotation, rotation_block=rotation_block
+    )
     shape = _output_shape(input, group_size)
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
@@ -161,6 +206,8 @@ def quantized_reduce_scatter(
     seed: int | None = None,
     *,
     out: torch.Tensor | None = None,
+    rotation: str | None = None,
+    rotation_block: int = DEFAULT_BLOCK,
 ) -> torch.Tensor:
     """Reduce-scatter ``tensor`` across ``group`` (default: the world) with ``bits``-bit
     max-min quantization, summing (``op=SUM``) or averaging (``op=AVG``): the first dimension
@@ -176,9 +223,10 @@ def quantized_reduce_scatter(
     without ``out``: the input's gradient is the all-gather of the output's.
 
     As torch's functional collectives: any dense layout is reduced as its contiguous copy, and
-    a rank outside ``group`` gets a ``ValueError``.
+    a rank outside ``group`` gets a ``ValueError``. ``rotation``, ``rotation_block``: as
+    :func:`cgx2.quantized_allreduce`'s (the owner sums rotated values and rotates back).
     """
-    reduce_op = _check(tensor, bits, bucket_size, op, "op", "tensor")
+    reduce_op = _check(tensor, bits, bucket_size, op, "op", "tensor", rotation, rotation_block)
     check_seed(seed)
     if out is not None:
         check_float_tensor(out, "out")
@@ -190,6 +238,7 @@ def quantized_reduce_scatter(
         group.group_name,
         reduce_op,
         -1 if seed is None else seed,
+        *_rotation_args(rotation, rotation_block),
     )
     if out is None:
         return torch.ops.cgx.quantized_reduce_scatter(tensor, *args)
