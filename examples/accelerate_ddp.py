@@ -22,16 +22,14 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lightning_ddp import windows
+from cli import add_recipe_options
+from recipe_parts import accelerate_train, ddp_bytes_uncompressed, ddp_hook, recipe_windows
 from recipe_report import report
-from train_ddp import CharTransformer, load_text
-
-from cgx2.ddp import CGXState, GlobalQSGDState, cgx_hook, standard_dithering_hook
+from train_ddp import CharTransformer
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -39,14 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--hook", choices=("cgx", "gqsgd", "none"), default="cgx")
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--cpu", action="store_true", help="Accelerate's: train on CPUs (gloo)")
-    p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--batch-size", type=int, default=8, help="per rank")
-    p.add_argument("--context", type=int, default=64)
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--json", help="write the ranks' bytes and parameter digests here")
+    add_recipe_options(p)
     args = p.parse_args(argv)
 
     accelerator = Accelerator(cpu=args.cpu)
@@ -54,18 +45,11 @@ def main(argv: list[str] | None = None) -> None:
     model = CharTransformer(args.context, args.dim, args.layers, args.heads)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     world = accelerator.num_processes
-    data = windows(load_text(1 << 20), args.steps * args.batch_size * world, args.context, 0)
+    data = recipe_windows(args, world)
     loader = DataLoader(data, batch_size=args.batch_size)  # sharded by Accelerate
     model, opt, loader = accelerator.prepare(model, opt, loader)
 
-    if args.hook == "cgx":
-        # The first backward pass is sent exact (start_iter=1, as CGX did); layers under
-        # 1024 values (biases, norms) always.
-        state, hook = CGXState(None, 1024, {"bits": args.bits, "bucket_size": 512}), cgx_hook
-    elif args.hook == "gqsgd":
-        state, hook = GlobalQSGDState(None, bits=args.bits), standard_dithering_hook
-    else:
-        state = hook = None
+    state, hook = ddp_hook(args.hook, args.bits)
     if hook is not None:
         if not isinstance(model, DistributedDataParallel):
             raise SystemExit(
@@ -74,19 +58,8 @@ def main(argv: list[str] | None = None) -> None:
             )
         model.register_comm_hook(state, hook)
 
-    steps = 0
-    for x, y in loader:
-        loss = nn.functional.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
-        accelerator.backward(loss)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        steps += 1
-    accelerator.print(f"{steps} steps, last loss {loss.item():.4f}")
-
+    steps = accelerate_train(accelerator, model, opt, loader)
     numel = sum(p.numel() for p in model.parameters())
-    # Global-QSGD's state counts only what it sent; uncompressed, DDP's ring allreduce sends
-    # 2 (W - 1) / W of every fp32 gradient each step.
-    plain = steps * 2 * (world - 1) * 4 * numel // world
     report(
         args.json,
         accelerator.unwrap_model(model),
@@ -94,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
         distributed_type=str(accelerator.distributed_type),
         steps=steps,
         bytes_sent=getattr(state, "bytes_sent", 0),
-        bytes_uncompressed=getattr(state, "bytes_uncompressed", plain if state else 0),
+        bytes_uncompressed=ddp_bytes_uncompressed(state, steps, world, numel),
     )
     # Release the DDP model while its process group lives: destroyed after the group (when
     # main() returns), its destructor could wait forever on gloo.

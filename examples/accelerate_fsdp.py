@@ -21,14 +21,14 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator, FullyShardedDataParallelPlugin
 from accelerate.utils import set_seed
-from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lightning_ddp import windows
+from cli import add_recipe_options
+from recipe_parts import accelerate_train, fsdp_bytes_uncompressed, recipe_windows
 from recipe_report import report
-from train_ddp import CharTransformer, load_text
+from train_ddp import CharTransformer
 
 import cgx2.fsdp
 
@@ -38,14 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--bits", type=int, default=4, help="32: FSDP2's own reduce-scatter")
     p.add_argument("--bf16", action="store_true", help="bf16 parameters in forward/backward")
     p.add_argument("--cpu", action="store_true", help="Accelerate's: CPUs (refused: see above)")
-    p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--batch-size", type=int, default=8, help="per rank")
-    p.add_argument("--context", type=int, default=64)
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--json", help="write the ranks' bytes and parameter digests here")
+    add_recipe_options(p)
     args = p.parse_args(argv)
 
     plugin = FullyShardedDataParallelPlugin(
@@ -71,18 +64,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.bits != 32:  # the line cgx2 adds, after fully_shard (done by prepare)
         comms = cgx2.fsdp.compress(model, bits=args.bits)
     world = accelerator.num_processes
-    data = windows(load_text(1 << 20), args.steps * args.batch_size * world, args.context, 0)
+    data = recipe_windows(args, world)
     loader = accelerator.prepare(DataLoader(data, batch_size=args.batch_size))
 
-    steps = 0
-    for x, y in loader:
-        loss = nn.functional.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
-        accelerator.backward(loss)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        steps += 1
-    accelerator.print(f"{steps} steps, last loss {loss.item():.4f}")
-
+    steps = accelerate_train(accelerator, model, opt, loader)
     numel = sum(p.numel() for p in model.parameters())
     report(
         args.json,
@@ -91,8 +76,7 @@ def main(argv: list[str] | None = None) -> None:
         distributed_type=str(accelerator.distributed_type),
         steps=steps,
         bytes_sent=sum(c.bytes_sent for c in comms),
-        # FSDP2's own reduce-scatter sends (W - 1) / W of every fp32 gradient each step.
-        bytes_uncompressed=steps * (world - 1) * 4 * numel // world,
+        bytes_uncompressed=fsdp_bytes_uncompressed(steps, world, numel),
     )
     accelerator.end_training()
 

@@ -53,3 +53,16 @@ def sent_said(sent: int, plain: int, digits: int) -> str:
         f", sent {sent / 1e6:.{digits}f} MB vs {plain / 1e6:.{digits}f} MB uncompressed "
         f"({plain / max(sent, 1):.2f}x less)"
     )
+
+
+def add_recipe_options(p: argparse.ArgumentParser) -> None:
+    """The framework recipes' (lightning_*, accelerate_*, torchtitan_fsdp) training options:
+    --steps, --batch-size (per rank), --context, --dim, --layers, --heads, --lr and --json."""
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--batch-size", type=int, default=8, help="per rank")
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--json", help="write the ranks' bytes and parameter digests here")

@@ -23,14 +23,18 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cli import add_recipe_options
+from recipe_parts import (
+    LIGHTNING_QUIET,
+    ddp_bytes_uncompressed,
+    ddp_hook,
+    lightning_fit,
+    next_byte_loss,
+)
 from recipe_report import report
-from train_ddp import CharTransformer, load_text
-
-from cgx2.ddp import CGXState, GlobalQSGDState, cgx_hook, standard_dithering_hook
+from train_ddp import CharTransformer
 
 
 class LitLM(L.LightningModule):
@@ -42,8 +46,7 @@ class LitLM(L.LightningModule):
         self.lr = lr
 
     def training_step(self, batch: tuple[torch.Tensor, ...], _: int) -> torch.Tensor:
-        x, y = batch
-        return nn.functional.cross_entropy(self.model(x).flatten(0, 1).float(), y.flatten())
+        return next_byte_loss(self.model, batch)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
@@ -60,14 +63,6 @@ class CompressGradients(Callback):
         trainer.strategy.model.register_comm_hook(self.state, self.hook)
 
 
-def windows(text: torch.Tensor, count: int, context: int, seed: int) -> TensorDataset:
-    """``count`` (input, next bytes) windows of ``text`` at random offsets."""
-    gen = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, text.numel() - context - 1, (count,), generator=gen)
-    seq = text[starts[:, None] + torch.arange(context + 1)].long()
-    return TensorDataset(seq[:, :-1], seq[:, 1:])
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hook", choices=("cgx", "gqsgd", "none"), default="cgx")
@@ -80,25 +75,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--accelerator", default="auto", help="Lightning's: gpu, cpu, auto")
     p.add_argument("--devices", type=int, default=2)
-    p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--batch-size", type=int, default=8, help="per rank")
-    p.add_argument("--context", type=int, default=64)
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--json", help="write the ranks' bytes and parameter digests here")
+    add_recipe_options(p)
     args = p.parse_args(argv)
 
     L.seed_everything(0, verbose=False)
-    if args.hook == "cgx":
-        # The first backward pass is sent exact (start_iter=1, as CGX did); layers under
-        # 1024 values (biases, norms) always.
-        state, hook = CGXState(None, 1024, {"bits": args.bits, "bucket_size": 512}), cgx_hook
-    elif args.hook == "gqsgd":
-        state, hook = GlobalQSGDState(None, bits=args.bits), standard_dithering_hook
-    else:
-        state = hook = None
+    state, hook = ddp_hook(args.hook, args.bits)
     cuda = args.accelerator in ("gpu", "cuda") or (
         args.accelerator == "auto" and torch.cuda.is_available()
     )
@@ -117,20 +98,10 @@ def main(argv: list[str] | None = None) -> None:
         strategy=strategy,
         callbacks=callbacks,
         max_steps=args.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **LIGHTNING_QUIET,
     )
     module = LitLM(args.context, args.dim, args.layers, args.heads, args.lr)
-    data = windows(
-        load_text(1 << 20), args.steps * args.batch_size * trainer.world_size, args.context, seed=0
-    )
-    trainer.fit(module, DataLoader(data, batch_size=args.batch_size))  # sharded by Lightning
-    world, numel = trainer.world_size, sum(p.numel() for p in module.parameters())
-    # Global-QSGD's state counts only what it sent; uncompressed, DDP's ring allreduce sends
-    # 2 (W - 1) / W of every fp32 gradient each step.
-    plain = trainer.global_step * 2 * (world - 1) * 4 * numel // world
+    numel, world = lightning_fit(trainer, module, args), trainer.world_size
     report(
         args.json,
         module,
@@ -138,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
         via=via,
         steps=trainer.global_step,
         bytes_sent=getattr(state, "bytes_sent", 0),
-        bytes_uncompressed=getattr(state, "bytes_uncompressed", plain if state else 0),
+        bytes_uncompressed=ddp_bytes_uncompressed(state, trainer.global_step, world, numel),
     )
     # Lightning leaves the process group up after fit; left to the interpreter's exit, gloo's
     # teardown can abort the process ("terminate called without an active exception").

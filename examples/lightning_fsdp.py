@@ -20,14 +20,13 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
-from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lightning_ddp import windows
+from cli import add_recipe_options
+from recipe_parts import LIGHTNING_QUIET, fsdp_bytes_uncompressed, lightning_fit, next_byte_loss
 from recipe_report import report
-from train_ddp import CharTransformer, load_text
+from train_ddp import CharTransformer
 
 import cgx2.fsdp
 
@@ -55,8 +54,7 @@ class LitLM(L.LightningModule):
             self.comms = cgx2.fsdp.compress(self.model, bits=self.args.bits, min_size=1024)
 
     def training_step(self, batch: tuple[torch.Tensor, ...], _: int) -> torch.Tensor:
-        x, y = batch
-        return nn.functional.cross_entropy(self.model(x).flatten(0, 1).float(), y.flatten())
+        return next_byte_loss(self.model, batch)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.args.lr)
@@ -68,14 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--bf16", action="store_true", help="bf16 parameters in forward/backward")
     p.add_argument("--accelerator", default="auto", help="Lightning's: gpu, cpu, auto")
     p.add_argument("--devices", type=int, default=2)
-    p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--batch-size", type=int, default=8, help="per rank")
-    p.add_argument("--context", type=int, default=64)
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--json", help="write the ranks' bytes and parameter digests here")
+    add_recipe_options(p)
     args = p.parse_args(argv)
 
     L.seed_everything(0, verbose=False)
@@ -84,25 +75,17 @@ def main(argv: list[str] | None = None) -> None:
         devices=args.devices,
         strategy=ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1),
         max_steps=args.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **LIGHTNING_QUIET,
     )
     module = LitLM(args)
-    data = windows(
-        load_text(1 << 20), args.steps * args.batch_size * trainer.world_size, args.context, seed=0
-    )
-    trainer.fit(module, DataLoader(data, batch_size=args.batch_size))  # sharded by Lightning
-    world, numel = trainer.world_size, sum(p.numel() for p in module.parameters())
+    numel, world = lightning_fit(trainer, module, args), trainer.world_size
     report(
         args.json,
         module,
         bits=args.bits,
         steps=trainer.global_step,
         bytes_sent=sum(c.bytes_sent for c in module.comms),
-        # FSDP2's own reduce-scatter sends (W - 1) / W of every fp32 gradient each step.
-        bytes_uncompressed=trainer.global_step * (world - 1) * 4 * numel // world,
+        bytes_uncompressed=fsdp_bytes_uncompressed(trainer.global_step, world, numel),
     )
     # Lightning leaves the process group up after fit; left to the interpreter's exit, gloo's
     # teardown can abort the process ("terminate called without an active exception").

@@ -14,6 +14,7 @@ Python's own standard library (nothing to download).
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 from pathlib import Path
@@ -25,6 +26,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cli import add_recipe_options
+from recipe_parts import fsdp_bytes_uncompressed
 from recipe_report import report
 from train_ddp import load_text
 
@@ -114,14 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--replicas", type=int, default=1, help="HSDP replicas (divides the ranks)")
     p.add_argument("--compile", action="store_true", help="torch.compile each block")
     p.add_argument("--fp32", action="store_true", help="fp32 parameters (default: bf16)")
-    p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--batch-size", type=int, default=8, help="per rank")
-    p.add_argument("--context", type=int, default=64)
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--json", help="write the ranks' bytes and parameter digests here")
+    add_recipe_options(p)
     args = p.parse_args(argv)
 
     cuda = torch.cuda.is_available()
@@ -171,9 +167,13 @@ def main(argv: list[str] | None = None) -> None:
         replicas=args.replicas,
         steps=args.steps,
         bytes_sent=sum(c.bytes_sent for c in comms),
-        # FSDP2's own reduce-scatter sends (S - 1) / S of every fp32 gradient each step.
-        bytes_uncompressed=args.steps * (shards - 1) * 4 * numel // shards,
+        bytes_uncompressed=fsdp_bytes_uncompressed(args.steps, shards, numel),
     )
+    # The model and optimizer go while the process group lives (they hold its mesh and
+    # collectives); destroyed after it, or left to the interpreter's exit, gloo's teardown
+    # could abort the process.
+    del model, opt, comms
+    gc.collect()
     dist.destroy_process_group()
 
 

@@ -36,6 +36,7 @@ from cgx2.ddp import CGXState, GlobalQSGDState, cgx_hook
 from cgx2.ddp import global_qsgd as gq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cli import add_model_options, add_run_options, parse
 from launch import launch
 
 
@@ -296,18 +297,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="cgx hook across nodes: the flat allreduce, not the node mesh",
     )
     p.add_argument("--steps", type=int, default=200, help="training steps")
-    p.add_argument("--batch-size", type=int, default=16, help="sequences per rank and step")
-    p.add_argument("--context", type=int, default=64, help="tokens (bytes) per sequence")
-    p.add_argument("--dim", type=int, default=128, help="model width")
-    p.add_argument("--layers", type=int, default=2, help="transformer blocks")
-    p.add_argument("--heads", type=int, default=4, help="attention heads")
-    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
-    p.add_argument("--seed", type=int, default=0, help="weights, batches and rounding")
-    p.add_argument("--text-bytes", type=int, default=2_000_000, help="bytes of training text")
-    p.add_argument("--world-size", type=int, default=2, help="processes to spawn without torchrun")
-    p.add_argument(
-        "--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda if available"
-    )
+    add_model_options(p, batch_size=16, context=64, dim=128, layers=2, heads=4, lr=3e-3)
+    add_run_options(p, text_bytes=2_000_000)
     p.add_argument(
         "--amp",
         choices=("none", "bf16"),
@@ -328,11 +319,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "run's median step time against it",
     )
     p.add_argument("--json", help="write the result (losses, bytes, timing) here")
-    args = p.parse_args(argv)
+    args = parse(p, argv)
     if args.compare and (args.mode != "hook" or args.bits == 32):
         p.error("--compare times a hook against plain DDP on the same group: --mode hook, bits 1-8")
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if not (1 <= args.bits <= 8 or args.bits == 32):
         p.error("--bits must be in 1..8, or 32")
     return args
