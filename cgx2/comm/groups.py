@@ -20,12 +20,13 @@ import os
 import threading
 import weakref
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch.distributed as dist
 
-__all__ = ["GroupInfo", "GroupState", "group_state", "reset", "states"]
+__all__ = ["GroupInfo", "GroupState", "MadeOnce", "group_state", "reset", "states"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +58,28 @@ class Closable(Protocol):
 
 
 @dataclass(slots=True, eq=False)
+class MadeOnce:
+    """A group's resource, made at the group's first call for it (:meth:`get`) and kept while
+    the group lives. Its own lock: making a channel or sockets waits on the group's peers,
+    which another thread's calls, on this group's other resource or on another group, must not
+    wait for (ranks may make them in different orders)."""
+
+    value: Closable | None = None
+    made: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def get(self, make: Callable[[], Closable | None]) -> Closable | None:
+        """The resource, ``make()``'s at the first call (None, where the group has none, is
+        kept too: it is not made again)."""
+        if self.made:
+            return self.value
+        with self.lock:
+            if not self.made:
+                self.value, self.made = make(), True
+        return self.value
+
+
+@dataclass(slots=True, eq=False)
 class GroupState:
     """Everything cgx2 keeps for one process group (or, for the policy's calls without one,
     for ``None``). Nothing here refers to the group itself: the state must not keep it alive.
@@ -65,17 +88,13 @@ class GroupState:
     first use of it and kept while the group lives:
 
     - ``info``: :class:`GroupInfo` (:func:`cgx2.comm.process_group.group_info`).
-    - ``shm_opened`` and ``shm_channel``: whether the shared-memory channel was asked for, and
-      the channel (None: the process group serves the group) (:mod:`cgx2.comm.shm`).
-    - ``peers_made`` and ``peers``: the same for the peer sockets (:mod:`cgx2.comm.peers`).
-    - ``shm_lock``, ``peers_lock`` and ``worker_lock``: each held while its resource is made.
-      One a resource and group: making the channel or the sockets waits on the group's peers,
-      which another thread's calls, on this group's other resource or on another group, must
-      not wait for (ranks may make them in different orders).
+    - ``shm_channel``: the shared-memory channel (None: the process group serves the group)
+      (:mod:`cgx2.comm.shm`), a :class:`MadeOnce`.
+    - ``peers``: the peer sockets (:mod:`cgx2.comm.peers`), a :class:`MadeOnce`.
     - ``nccl_comm``: the address of the group's NCCL communicator, 0 until looked up
       (:mod:`cgx2.comm.nccl`).
-    - ``worker``: the group's worker thread (:mod:`cgx2.comm.worker`), None until a call is
-      submitted.
+    - ``worker``: the group's worker thread (:mod:`cgx2.comm.worker`), a :class:`MadeOnce`
+      made when a call is first submitted.
 
     The agreement check's (:mod:`cgx2.collectives.agreement`, and the entry points'), kept while
     the group lives:
@@ -105,15 +124,10 @@ class GroupState:
     """
 
     info: GroupInfo | None = None
-    shm_opened: bool = False
-    shm_channel: Closable | None = None
-    peers_made: bool = False
-    peers: Closable | None = None
+    shm_channel: MadeOnce = field(default_factory=MadeOnce)
+    peers: MadeOnce = field(default_factory=MadeOnce)
     nccl_comm: int = 0
-    worker: Closable | None = None
-    shm_lock: threading.Lock = field(default_factory=threading.Lock)
-    peers_lock: threading.Lock = field(default_factory=threading.Lock)
-    worker_lock: threading.Lock = field(default_factory=threading.Lock)
+    worker: MadeOnce = field(default_factory=MadeOnce)
     agreement_calls: itertools.count = field(default_factory=itertools.count)
     agreement_early: dict[int, bytes] = field(default_factory=dict)
     agreement_pending: deque[Any] = field(default_factory=deque)
@@ -137,8 +151,8 @@ class GroupState:
     def close(self) -> None:
         """Release the group's resources (its channel, sockets and thread)."""
         for resource in (self.shm_channel, self.peers, self.worker):
-            if resource is not None:
-                resource.close()
+            if resource.value is not None:
+                resource.value.close()
 
 
 # The one registry of per-group state (module docstring): a process has one set of groups.
@@ -184,9 +198,8 @@ def _after_fork() -> None:
     """A child has its own peers, if any, and none of its parent's threads (which may have held
     the locks when it forked)."""
     for state in states():
-        state.shm_lock, state.peers_lock = threading.Lock(), threading.Lock()
-        state.worker_lock = threading.Lock()
-        state.peers_made, state.peers = False, None
+        state.shm_channel.lock, state.worker.lock = threading.Lock(), threading.Lock()
+        state.peers = MadeOnce()
 
 
 os.register_at_fork(after_in_child=_after_fork)

@@ -85,14 +85,8 @@ def connected(group: dist.ProcessGroup) -> PeerSockets | None:
     could not make them, or the group has no store. A lock a group: making one group's waits
     on its peers, which another thread's calls on another group must not wait for. They go
     with the group (:mod:`.group_state`; a forked child forgets its parent's)."""
-    state = group_state(group)
-    if state.peers_made:
-        return state.peers
-    with state.peers_lock:
-        if not state.peers_made:
-            state.peers = _connect(group)
-            state.peers_made = True
-        return state.peers
+    peers = group_state(group).peers
+    return peers.value if peers.made else peers.get(lambda: _connect(group))
 
 
 def _connect(group: dist.ProcessGroup) -> PeerSockets | None:

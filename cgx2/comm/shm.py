@@ -25,6 +25,7 @@ an error that closes the group at once, never a wrong sum or a wait.
 from __future__ import annotations
 
 import datetime
+import functools
 import gc
 import itertools
 import json
@@ -385,14 +386,8 @@ def _channel(group: dist.ProcessGroup) -> _Channel | None:
     (:mod:`.group_state`). A lock a group, not one for all: two threads opening two groups (a
     hook's worker and the caller) in different orders on different ranks must not wait on
     each other."""
-    state = group_state(group)
-    if state.shm_opened:
-        return state.shm_channel
-    with state.shm_lock:
-        if not state.shm_opened:
-            state.shm_channel = _open(group)
-            state.shm_opened = True
-    return state.shm_channel
+    channel = group_state(group).shm_channel
+    return channel.value if channel.made else channel.get(lambda: _open(group))
 
 
 def serves(group: dist.ProcessGroup) -> bool:
@@ -409,7 +404,7 @@ def _fall_back(group: dist.ProcessGroup, channel: _Channel, why: str) -> None:
         why,
     )
     channel.close()
-    group_state(group).shm_channel = None
+    group_state(group).shm_channel.value = None
 
 
 class _Work(dist.Work):
@@ -568,8 +563,10 @@ def allreduce_plain_(t: torch.Tensor, group: dist.ProcessGroup, reduce_op: str) 
     with channel.lock:
         for start in range(0, flat.numel(), step):
             piece = flat[start : start + step]
+            nbytes = piece.numel() * piece.element_size()
             try:
-                _reduce_piece(channel, piece, reduce_op)
+                fill = functools.partial(_reduce_slot, channel, piece, reduce_op)
+                _in_slot(channel, nbytes, "allreduce", fill)
             except _Fallback as e:
                 _fall_back(group, channel, str(e))
                 process_group.allreduce_plain_(flat[start:], group, reduce_op)
@@ -590,11 +587,17 @@ def allreduce_plain_async_(
     return done
 
 
-def _reduce_piece(channel: _Channel, piece: torch.Tensor, reduce_op: str) -> None:
-    nbytes = piece.numel() * piece.element_size()
-    epoch, slot, views = channel.begin(nbytes, "allreduce")
+def _in_slot(
+    channel: _Channel,
+    nbytes: int,
+    operation: str,
+    fill: Callable[[int, int, list[torch.Tensor], int], None],
+) -> None:
+    """``fill(epoch, slot, views, nbytes)`` in the channel's next slot for ``operation``, the
+    slot abandoned if it raises; :class:`_Fallback` where the channel cannot begin one."""
+    epoch, slot, views = channel.begin(nbytes, operation)
     try:
-        _reduce_slot(channel, piece, reduce_op, epoch, slot, views, nbytes)
+        fill(epoch, slot, views, nbytes)
     except BaseException:
         channel.abandon(views, slot, epoch)
         raise
@@ -658,16 +661,11 @@ def reduce_scatter_plain(out: torch.Tensor, inp: torch.Tensor, group: dist.Proce
     nbytes = inp.numel() * inp.element_size()
     with channel.lock:
         try:
-            epoch, slot, views = channel.begin(nbytes, "reduce_scatter")
+            fill = functools.partial(_reduce_scatter_slot, channel, out, inp)
+            _in_slot(channel, nbytes, "reduce_scatter", fill)
         except _Fallback as e:
             _fall_back(group, channel, str(e))
             process_group.reduce_scatter_plain(out, inp, group)
-            return
-        try:
-            _reduce_scatter_slot(channel, out, inp, epoch, slot, views, nbytes)
-        except BaseException:
-            channel.abandon(views, slot, epoch)
-            raise
 
 
 def _reduce_scatter_slot(

@@ -47,14 +47,8 @@ class _Worker:
 def _worker(group: dist.ProcessGroup) -> _Worker:
     """``group``'s worker, started at its first call; it goes with the group (an idle thread
     exits)."""
-    state = group_state(group)
-    worker = state.worker
-    if worker is None:
-        with state.worker_lock:
-            worker = state.worker
-            if worker is None:
-                worker = state.worker = _Worker()
-    return worker
+    worker = group_state(group).worker
+    return worker.value if worker.made else worker.get(_Worker)
 
 
 def submit(

@@ -32,7 +32,7 @@ def test_every_layers_state_of_a_group_is_one_object_dropped_with_it():
     assert state.transports == {CPU: chosen}
     route = policy.route(torch.zeros(4), group, 32, 512)
     assert [r.plain for r in state.routes.values()] == [route]
-    resource = state.worker = _Resource()
+    resource = state.worker.value = _Resource()
     assert comm.group_state(group) is state
     del group
     gc.collect()

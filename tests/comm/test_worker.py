@@ -91,8 +91,8 @@ def test_the_worker_goes_with_its_group():
     x = torch.zeros(1)
     worker.submit(group, lambda: x, [x]).wait()
     state = groups.group_state(group)
-    assert state.worker is not None
-    thread = state.worker.executor._threads.copy().pop()
+    assert state.worker.value is not None
+    thread = state.worker.value.executor._threads.copy().pop()
     del group, state
     gc.collect()
     thread.join(timeout=5)
