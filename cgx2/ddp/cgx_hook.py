@@ -21,6 +21,7 @@ from ..collectives import agreement, policy
 from ..collectives.adaptive import check_options, check_replan_every, layer_errors, plan_widths
 from ..collectives.fusion import allreduce_fused_, padded_numel, ring_bytes_sent
 from ..collectives.hierarchical import hierarchical_allreduce_fused_, node_mesh
+from ..collectives.rotations import DEFAULT_BLOCK, check_rotation
 from ..comm import worker
 from ..config import CGXConfig
 from .error_feedback import ErrorFeedback
@@ -53,6 +54,14 @@ class CGXState:
     it leaves out comes from ``CGX_COMPRESSION_QUANTIZATION_BITS`` and
     ``CGX_COMPRESSION_BUCKET_SIZE`` (read once, here). ``layer_min_size`` is raised to
     ``CGX_COMPRESSION_MINIMAL_SIZE`` (at least 16), as in CGX.
+
+    ``rotation`` (cgx2's addition; or ``compression_params["rotation"]``): ``"hadamard"``
+    codes each compressed layer's randomized Hadamard rotation, in blocks of
+    ``rotation_block`` (``compression_params["rotation_block"]``, a power of two dividing the
+    bucket size; checked here, before anything is sent), signs fresh every call and alike on
+    every rank: a smaller error at the same bytes where outliers stretch a bucket's range
+    (docs/low-bits.md). It composes with ``error_feedback`` (the residual is measured in the
+    gradient's own domain) and ``adaptive_bits``.
 
     ``adaptive_bits`` (cgx2's addition, L-GreCo): widths to choose from per layer, every
     ``replan_every`` calls per bucket, by :func:`cgx2.collectives.adaptive.plan_bits` from the
@@ -92,22 +101,29 @@ class CGXState:
         self,
         process_group: dist.ProcessGroup | None = None,
         layer_min_size: int = 1024,
-        compression_params: Mapping[str, int] | None = None,
+        compression_params: Mapping[str, int | str | None] | None = None,
         *,
         mesh: DeviceMesh | str | None = "auto",
         adaptive_bits: Sequence[int] | None = None,
         replan_every: int = 100,
         error_feedback: bool = False,
         start_iter: int = 1,
+        rotation: str | None = None,
+        rotation_block: int | None = None,
     ) -> None:
         config = CGXConfig.from_env()
         params = dict(compression_params or {})
-        unknown = set(params) - {"bits", "bucket_size"}
+        unknown = set(params) - {"bits", "bucket_size", "rotation", "rotation_block"}
         if unknown:
             raise ValueError(
                 f"compression_params: unknown keys {sorted(unknown)}; expected 'bits', "
-                "'bucket_size'"
+                "'bucket_size', 'rotation', 'rotation_block'"
             )
+        for key, given in (("rotation", rotation), ("rotation_block", rotation_block)):
+            if given is not None and key in params and params[key] != given:
+                raise ValueError(
+                    f"{key}={given!r} and compression_params[{key!r}]={params[key]!r} differ"
+                )
         if isinstance(layer_min_size, bool) or not isinstance(layer_min_size, int):
             raise TypeError(f"layer_min_size must be an int, got {type(layer_min_size).__name__}")
         if layer_min_size < 0:
@@ -118,6 +134,16 @@ class CGXState:
         )
         self.bucket_size = check_bucket_size(
             params.get("bucket_size", config.bucket_size), "compression_params['bucket_size']"
+        )
+        rotation = params.get("rotation", rotation)
+        rotation_block = params.get("rotation_block", rotation_block)
+        self.rotation_block = DEFAULT_BLOCK if rotation_block is None else rotation_block
+        self.rotation = check_rotation(
+            rotation,
+            self.rotation_block,
+            self.bucket_size,
+            "compression_params['rotation']",
+            "compression_params['rotation_block']",
         )
         self.layer_min_size = max(layer_min_size, config.minimal_size)
         self.skip_incomplete = config.skip_incomplete_buckets
@@ -191,6 +217,8 @@ class CGXState:
         return {
             "bits": self.bits,
             "bucket_size": self.bucket_size,
+            "rotation": self.rotation,
+            "rotation_block": self.rotation_block,
             "layer_min_size": self.layer_min_size,
             "bytes_sent": self.bytes_sent,
             "bytes_uncompressed": self.bytes_uncompressed,
@@ -213,6 +241,9 @@ class CGXState:
         layout, shapes = _checked_layout(state.get("layout", []))
         self.bits = check_bits(state["bits"], "bits")
         self.bucket_size = check_bucket_size(state["bucket_size"])
+        # A checkpoint from before rotation existed: none.
+        self.rotation_block = int(state.get("rotation_block", DEFAULT_BLOCK))
+        self.rotation = check_rotation(state.get("rotation"), self.rotation_block, self.bucket_size)
         self.layer_min_size = int(state["layer_min_size"])
         self.bytes_sent = int(state["bytes_sent"])
         self.bytes_uncompressed = int(state["bytes_uncompressed"])
@@ -272,6 +303,8 @@ class CGXState:
         return {
             "bits": self.bits,
             "bucket_size": self.bucket_size,
+            "rotation": self.rotation,
+            "rotation_block": self.rotation_block,
             "layer_min_size": self.layer_min_size,
             "skip_incomplete": self.skip_incomplete,
             "mesh": None if self.mesh is None else list(self.mesh.mesh.shape),
@@ -447,6 +480,7 @@ def _reduce_parameter_grad_(state: CGXState, grad: torch.Tensor) -> None:
             -1,
             state.skip_incomplete,
             False,
+            *(() if state.rotation is None else (state.rotation, state.rotation_block)),
         )
     else:
         grad.copy_(funcol.all_reduce(grad / dist.get_world_size(group), "sum", group))
@@ -462,7 +496,16 @@ def _allreduce_layers_(
     """:func:`cgx2.collectives.allreduce_fused_` of ``layers`` at ``bits``; with ``keys``, each
     layer's first-stage error becomes its residual. Returns the bytes this rank sent."""
     errors: list[torch.Tensor] | None = None if keys is None else []
-    sent = allreduce_fused_(layers, bits, state.bucket_size, group, "avg", errors=errors)
+    sent = allreduce_fused_(
+        layers,
+        bits,
+        state.bucket_size,
+        group,
+        "avg",
+        errors=errors,
+        rotation=state.rotation,
+        rotation_block=state.rotation_block,
+    )
     if keys is not None:
         state.errors.store_many_(keys, errors)
     return sent
@@ -497,7 +540,14 @@ def _reduce_bucket_(
         layers = [buffer[offset : offset + numel] for offset, numel in plan.compressed]
         if state.over_mesh(buffer, group, padded):
             state.bytes_sent += hierarchical_allreduce_fused_(
-                layers, state.bits, state.bucket_size, state.mesh, "avg", state.intra_broadcast
+                layers,
+                state.bits,
+                state.bucket_size,
+                state.mesh,
+                "avg",
+                state.intra_broadcast,
+                rotation=state.rotation,
+                rotation_block=state.rotation_block,
             )
         elif state.adaptive_bits is not None:
             widths = state.layer_bits(index, layers, group)

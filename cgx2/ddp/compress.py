@@ -56,6 +56,8 @@ def compress(
     replan_every: int = 100,
     error_feedback: bool = False,
     start_iter: int = 1,
+    rotation: str | None = None,
+    rotation_block: int | None = None,
 ) -> CGXState | None:
     """Register :func:`cgx2.ddp.cgx_hook` on ``ddp_model`` where compression pays for at least
     one of its buckets, else leave DDP's own allreduce: a hook that sends every bucket plain
@@ -63,7 +65,8 @@ def compress(
     wrapping the model, on every rank at the same point (it communicates), before training.
 
     The hook's :class:`CGXState` is built from the arguments, named as its own
-    (``bits``/``bucket_size`` are its ``compression_params``), on DDP's process group; ``bits``
+    (``bits``/``bucket_size`` are its ``compression_params``; ``rotation="hadamard"`` and
+    ``rotation_block`` its rotation), on DDP's process group; ``bits``
     defaults to ``CGX_COMPRESSION_QUANTIZATION_BITS``, or 4 where it is not set (this function
     is asked to compress). The decision is the policy's
     (:func:`cgx2.collectives.policy.compresses`), asked about each bucket DDP will reduce as
@@ -107,6 +110,8 @@ def compress(
         replan_every=replan_every,
         error_feedback=error_feedback,
         start_iter=start_iter,
+        rotation=rotation,
+        rotation_block=rotation_block,
     )
     buckets = bucket_layout(ddp_model)
     # Per bucket: its dtype, device and values to quantize, as the hook will pad them.
