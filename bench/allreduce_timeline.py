@@ -47,6 +47,25 @@ def _summary(events: list, t0: float, t1: float) -> dict[str, float]:
     }
 
 
+def _gpu_events(prof: torch.profiler.profile, start: float) -> list:
+    """The profile's GPU events that start at ``start`` or later, in the order they start."""
+    return sorted(
+        (
+            e
+            for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.start >= start
+        ),
+        key=lambda e: e.time_range.start,
+    )
+
+
+def _on_rank_0(value: object) -> list | None:
+    """Every rank's ``value`` in rank order, on rank 0 (None on the others)."""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, value)
+    return everyone if dist.get_rank() == 0 else None
+
+
 def _back_to_back(prof: torch.profiler.profile, args: argparse.Namespace) -> None:
     """Per call of the profiled step: its host time and the GPU's idle time before its last
     GPU work ends (summed over the ranks' own timelines); idle GPU time while calls are queued
@@ -57,15 +76,7 @@ def _back_to_back(prof: torch.profiler.profile, args: argparse.Namespace) -> Non
         (e for e in prof.events() if e.name == MARK and e.device_type == cpu),
         key=lambda e: e.time_range.start,
     )
-    gpu = sorted(
-        (
-            e
-            for e in prof.events()
-            if e.device_type == torch.autograd.DeviceType.CUDA
-            and e.time_range.start >= marks[0].time_range.start
-        ),
-        key=lambda e: e.time_range.start,
-    )
+    gpu = _gpu_events(prof, marks[0].time_range.start)
     rows, end = [], gpu[0].time_range.start
     for i, mark in enumerate(marks):
         # A call's GPU work: what starts after its host start and before the next call's.
@@ -82,9 +93,8 @@ def _back_to_back(prof: torch.profiler.profile, args: argparse.Namespace) -> Non
                 "GPU end us": end - marks[0].time_range.start,
             }
         )
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, rows)
-    if dist.get_rank() == 0:
+    everyone = _on_rank_0(rows)
+    if everyone is not None:
         print(
             f"{args.mib} MiB {args.dtype} {args.bits}-bit, {args.calls} calls back to back "
             f"(host time of each call; GPU idle before its work; GPU end from the first "
@@ -144,18 +154,10 @@ def main() -> None:
         return
     mark = next(e for e in prof.events() if e.name == MARK)
     t0, t1 = mark.time_range.start, mark.time_range.end
-    gpu = sorted(
-        (
-            e
-            for e in prof.events()
-            if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.start >= t0
-        ),
-        key=lambda e: e.time_range.start,
-    )
+    gpu = _gpu_events(prof, t0)
     summary = _summary(gpu, t0, t1)
-    summaries = [None] * dist.get_world_size()
-    dist.all_gather_object(summaries, summary)
-    if dist.get_rank() == 0:
+    summaries = _on_rank_0(summary)
+    if summaries is not None:
         print(
             f"{args.mib} MiB {args.dtype} {args.bits}-bit, one profiled call (us from the "
             f"host's start of the call):"
