@@ -183,14 +183,23 @@ def _tile_signs(
     """The signs of a tile's halves (:func:`_tile`), values ``base + q * B + col``, as sign
     bits (uint32, 0 or 0x80000000: xored into a float, a product with +-1 but for NaN's
     bits), and which values lie before ``rot_end``. ``GROUPED`` (every group's first index a
-    multiple of 8): a group's eight signs are one byte of one Philox word, one call a group,
-    as stochastic rounding's; else one call a value."""
+    multiple of 8, and ``base`` one of 16): a group's eight signs are one byte of one Philox
+    word, one call a pair of groups (a group where B is no multiple of 16); else one call a
+    value."""
     G: tl.constexpr = BLOCK // 8
     TOP: tl.constexpr = 0x80000000
     if GROUPED:
         first = base + q[:, None] * B + c + 8 * tl.arange(0, G)[None, :]
-        # The group's bits lowest; shifted left, bit k of them lands on the sign bit.
-        bits = _sign_words(first, sk0, sk1) >> (first & 31).to(tl.uint32)
+        # The group's bits lowest; shifted left, bit k of them lands on the sign bit. Two
+        # groups, 16 values, share a word: one Philox call a pair (a thread holds groups a
+        # warp apart, so the pairs' bits then move to their groups' threads). ``base`` is a
+        # multiple of 16 where the bucket is.
+        if G >= 2 and B % 16 == 0:
+            pair = base + q[:, None] * B + c + 16 * tl.arange(0, G // 2)[None, :]
+            word = _sign_words(pair, sk0, sk1) >> (pair & 31).to(tl.uint32)
+            bits = tl.reshape(tl.join(word, word >> 8), (first.shape[0], G))
+        else:
+            bits = _sign_words(first, sk0, sk1) >> (first & 31).to(tl.uint32)
         m0 = _group_signs(bits, 0)
         m1 = _group_signs(bits, 4)
         slot = tl.arange(0, 4)[None, None, :]
@@ -2363,7 +2372,7 @@ def _rotate_kernel(
 ):
     """The rotation (or with ``INVERSE`` its inverse) of ``n`` values (any float dtype) into
     fp32 ``out_ptr`` (which may be ``x_ptr``): values ``base``.. of a payload whose last whole
-    block ends at ``rot_end`` (``base`` a multiple of ``ROT``; ``GROUPED``: of 8 too). For
+    block ends at ``rot_end`` (``base`` a multiple of ``ROT``; ``GROUPED``: of 16 too). For
     what the coding kernels do not fuse: own's values in the unfused sum, the sum rotated
     back, raw tails."""
     q = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
@@ -2483,7 +2492,7 @@ def _rotated(
         ROT=rotation.block,
         INVERSE=inverse,
         SIGNS_IN_MEMORY=in_memory,
-        GROUPED=base % 8 == 0,
+        GROUPED=base % 16 == 0,
         BLOCK=block,
         num_warps=4,
         **_LAUNCH,

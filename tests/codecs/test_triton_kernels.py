@@ -334,6 +334,8 @@ ROTATED = [
     (3, torch.float32, 700, 384, 128, True),  # a tile wider than the bucket
     (8, torch.bfloat16, 1500, 128, 16, False),
     (4, torch.float32, 777, 100, 4, True),  # blocks inside a group: a sign a Philox call
+    (4, torch.float32, 1000, 24, 8, True),  # buckets of 3 groups: a Philox call a group
+    (3, torch.bfloat16, 999, 40, 8, False),
     (5, torch.float32, 999, 8, 2, False),
     (4, torch.float32, 3000, 2048, 2048, False),  # a block wider than the widest tile
 ]
