@@ -168,8 +168,8 @@ def check_seed(seed: object, name: str = "seed", *, negative_draws: bool = False
     if isinstance(seed, torch.SymInt):
         return seed
     if isinstance(seed, bool) or not isinstance(seed, int):
-        what = "an int" if negative_draws else "None or an int"
-        raise TypeError(f"{name} must be {what}, got {type(seed).__name__}")
+        expected = "an int" if negative_draws else "None or an int"
+        raise TypeError(f"{name} must be {expected}, got {type(seed).__name__}")
     low = -MAX_SEED - 1 if negative_draws else 0
     if not low <= seed <= MAX_SEED:
         raise ValueError(f"{name} must be in {low}..2**63-1, got {seed}")

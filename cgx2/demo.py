@@ -71,13 +71,13 @@ def format_verdict(rows: list[dict[str, Any]], native_codec: bool, transport: st
     won = [r for r in rows if _speedup(r) > 1 + EVEN]
     lost = [r for r in rows if _speedup(r) < 1 - EVEN]
     even = [r for r in rows if r not in won and r not in lost]
-    said = [f"faster than gloo in {len(won) or 'none'} of the {len(rows)} rows"]
+    findings = [f"faster than gloo in {len(won) or 'none'} of the {len(rows)} rows"]
     if won:
-        said[0] += f" ({_rows_said(won)})"
+        findings[0] += f" ({_rows_said(won)})"
     if lost:
-        said.append(f"slower in {len(lost)} ({_rows_said(lost)})")
+        findings.append(f"slower in {len(lost)} ({_rows_said(lost)})")
     if even:
-        said.append(f"even, within {EVEN:.0%}, in {len(even)} ({_rows_said(even)})")
+        findings.append(f"even, within {EVEN:.0%}, in {len(even)} ({_rows_said(even)})")
     ratios = [r["compression_ratio"] for r in rows]
     lo, hi = f"{min(ratios):.1f}x", f"{max(ratios):.1f}x"
     more = lo if lo == hi else f"{lo} to {hi}"
@@ -95,7 +95,7 @@ def format_verdict(rows: list[dict[str, Any]], native_codec: bool, transport: st
     )
     return "\n".join(
         textwrap.fill(text, 100, break_on_hyphens=False)
-        for text in ("Measured here, cgx2 was " + "; ".join(said) + ".", why, network)
+        for text in ("Measured here, cgx2 was " + "; ".join(findings) + ".", why, network)
     )
 
 
@@ -538,9 +538,9 @@ def main(argv: list[str] | None = None) -> int:
         world = args.world_size
     rows = found["rows"]
 
-    where = f"{world} hosts joined by {args.link} links" if args.hosts else f"{world} ranks"
+    ranks = f"{world} hosts joined by {args.link} links" if args.hosts else f"{world} ranks"
     title = (
-        f"cgx2 quantized allreduce vs plain allreduce: {where}, gloo, {args.dtype}, bucket "
+        f"cgx2 quantized allreduce vs plain allreduce: {ranks}, gloo, {args.dtype}, bucket "
         f"{BUCKET_SIZE}, the slowest rank's median of {_iters_range(rows)} iterations, gloo's "
         "and cgx2's in turn"
     )

@@ -329,8 +329,8 @@ def format_text(found: dict[str, Any]) -> str:
         ("nccl", "NCCL transport"),
     ):
         part = ext[key]
-        said = "on" if part["on"] else "off"
-        lines.append(f"  {name}: {said}" + (f": {part['why']}" if part["why"] else ""))
+        state = "on" if part["on"] else "off"
+        lines.append(f"  {name}: {state}" + (f": {part['why']}" if part["why"] else ""))
     g = found["gpus"]
     lines += ["", "GPUs"]
     if not g["count"]:
@@ -347,22 +347,22 @@ def format_text(found: dict[str, Any]) -> str:
         )
     lines += ["", "Regimes, and the smallest tensor the quantized allreduce compresses in each"]
     for r in found["regimes"]:
-        said = [
+        crossovers = [
             (f"{width} {_bytes(c['bytes'])}", c["source"]) for width, c in r["crossover"].items()
         ]
-        if len({source for _, source in said}) == 1:
-            crossover = f"{', '.join(size for size, _ in said)} ({said[0][1]})"
+        if len({source for _, source in crossovers}) == 1:
+            crossover = f"{', '.join(size for size, _ in crossovers)} ({crossovers[0][1]})"
         else:
-            crossover = "; ".join(f"{size} ({source})" for size, source in said)
-        where = f"{r['device']} tensors on {r['backend']}"
-        lines.append(f"  {where}: regime {r['regime']}; compressed from: {crossover}")
+            crossover = "; ".join(f"{size} ({source})" for size, source in crossovers)
+        tensors = f"{r['device']} tensors on {r['backend']}"
+        lines.append(f"  {tensors}: regime {r['regime']}; compressed from: {crossover}")
     lines.append(f"  {found['regime_why']}")
     c = found["calibration_file"]
     lines += ["", "Calibration file", f"  {c['path']}: {c['status']}" + _why(c["why"])]
     for table in ("crossover_bytes", "beside_crossover_bytes"):
         for key, value in sorted(c.get(table, {}).items()):
-            beside = " beside the training step" if table.startswith("beside") else ""
-            lines.append(f"    {key}{beside}: {_bytes(value)}")
+            when = " beside the training step" if table.startswith("beside") else ""
+            lines.append(f"    {key}{when}: {_bytes(value)}")
     for key, sizes in sorted(c.get("node_mesh_faster", {}).items()):
         won = [_bytes(int(size)) for size, faster in sorted(sizes.items(), key=_size) if faster]
         lines.append(f"    {key} node mesh faster at: {', '.join(won) or 'no size timed'}")

@@ -168,15 +168,15 @@ def _bench_size(
         ) -> None:
             # The collectives the pipeline itself calls, through its transport, each once on
             # the whole payload; pair=False: all_to_all + all_gather, whatever the world size.
-            group, moves = dist.group.WORLD, route.transport
-            moves.wait(
+            group, route_transport = dist.group.WORLD, route.transport
+            route_transport.wait(
                 collectives.exchange(
-                    recv, send, group, world, rank, pair, async_op=False, transport=moves
+                    recv, send, group, world, rank, pair, async_op=False, transport=route_transport
                 )
             )
             # In place where the pipeline gathers in place (NCCL: its own slot as the input).
             slot = gathered.view(world, -1)[rank] if route.gather_in_place else recv[0]
-            moves.wait(moves.all_gather(gathered, slot, group, async_op=False))
+            route_transport.wait(route_transport.all_gather(gathered, slot, group, async_op=False))
 
         def quantized(bits: int = bits) -> None:
             cgx2.quantized_allreduce(x, bits, op="avg", bucket_size=args.bucket_size)
@@ -683,7 +683,7 @@ def crossover_words(
     """The crossover auto went by, per dtype, and where it came from, in words."""
     override = config.crossover_override()
     found = policy.calibration(dist.group.WORLD)
-    said = []
+    crossovers = []
     for dtype_name in dict.fromkeys(r["dtype"] for r in rows):
         (value,) = {r["auto_crossover_bytes"] for r in rows if r["dtype"] == dtype_name}
         key = policy.calibration_key(device.type, backend, DTYPES[dtype_name])
@@ -696,8 +696,8 @@ def crossover_words(
         else:
             source = f"the built-in table's for the {regime} regime"
         size = "never" if value is None else "every size" if value == 0 else _bytes_said(value)
-        said.append(f"{dtype_name} {size} ({source})")
-    text = "; ".join(said) + "."
+        crossovers.append(f"{dtype_name} {size} ({source})")
+    text = "; ".join(crossovers) + "."
     if regime == "cpu" and override is None and all(r["auto_crossover_bytes"] == 0 for r in rows):
         text += (
             " On CPU tensors the built-in table compresses every size, since the link between "
@@ -719,7 +719,7 @@ EVEN = 0.1
 """Ratios within this fraction of 1 are timing noise here, not a win or a loss."""
 
 
-def _where(rows: list[dict[str, Any]], key: str, spec: str = ".2f") -> str:
+def _rows_listed(rows: list[dict[str, Any]], key: str, spec: str = ".2f") -> str:
     return ", ".join(f"{r['dtype']} {r['size']} {r['bits']}-bit {r[key]:{spec}}" for r in rows)
 
 
@@ -729,9 +729,9 @@ def row_notes(rows: list[dict[str, Any]], backend: str) -> list[str]:
     notes = []
     above = [r for r in rows if r["fraction_of_sol"] > 1]
     if above:
-        where = _where(above, "fraction_of_sol", ".0%")
+        listed = _rows_listed(above, "fraction_of_sol", ".0%")
         notes.append(
-            f"% of SoL above 100% in {len(above)} rows ({where}): "
+            f"% of SoL above 100% in {len(above)} rows ({listed}): "
             "cgx2's pipeline moved its payload in pieces, overlapping each other and the coding, "
             "faster than the bare collectives moved it at once; within "
             f"{EVEN:.0%} of 100% that is timing noise."
@@ -740,14 +740,15 @@ def row_notes(rows: list[dict[str, Any]], backend: str) -> list[str]:
     if lost:
         notes.append(
             f"auto quantized and was slower than {backend} in {len(lost)} rows (auto speedup: "
-            f"{_where(lost, 'auto_vs_plain')}): there the crossover is below where compression "
-            "pays on this machine; python -m cgx2.bench calibrate measures where it pays."
+            f"{_rows_listed(lost, 'auto_vs_plain')}): there the crossover is below where "
+            "compression pays on this machine; python -m cgx2.bench calibrate measures where "
+            "it pays."
         )
     missed = [r for r in rows if r["auto_path"] == "plain" and r["speedup_vs_plain"] > 1 + EVEN]
     if missed:
         notes.append(
             f"auto sent plain in {len(missed)} rows where cgx2 was faster (speedup: "
-            f"{_where(missed, 'speedup_vs_plain')}): there the crossover is above where "
+            f"{_rows_listed(missed, 'speedup_vs_plain')}): there the crossover is above where "
             "compression pays on this machine; python -m cgx2.bench calibrate measures it."
         )
     return notes
@@ -767,8 +768,8 @@ def plot(reports: list[dict[str, Any]], path: str | Path) -> Path:
     for report in reports:  # a run is of one regime: a panel each
         env = report["env"]
         link = env.get("link")
-        where = f"{env['regime']}" + (f", {link['hosts']} hosts at {link['rate']}" if link else "")
-        panels.append((f"{where}: {env['device']} x{env['world_size']}", report["rows"]))
+        ran_on = f"{env['regime']}" + (f", {link['hosts']} hosts at {link['rate']}" if link else "")
+        panels.append((f"{ran_on}: {env['device']} x{env['world_size']}", report["rows"]))
     fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.8), squeeze=False)
     for ax, (title, rows) in zip(axes[0], panels, strict=True):
         lines = sorted({(r["dtype"], r["bits"]) for r in rows})

@@ -305,12 +305,13 @@ def format_report(data: dict[str, Any]) -> str:
         f"{data['device_name']} x{data['world_size']}, {name}, torch {data['torch']}.",
         "cgx2 compresses from (the smallest size from which it was faster at every larger one):",
     ]
-    beside = data.get("beside_crossover_bytes", {})
+    beside_crossovers = data.get("beside_crossover_bytes", {})
     for key, value in data["crossover_bytes"].items():
         line = f"  {key}: " + ("never" if value is None else size_name(value))
-        if beside.get(key, value) != value:
+        beside = beside_crossovers.get(key, value)
+        if beside != value:
             line += ", beside a training step (DDP's hooks, CPU tensors) " + (
-                "never" if beside[key] is None else "from " + size_name(beside[key])
+                "never" if beside is None else "from " + size_name(beside)
             )
         lines.append(line)
     for key, table in data.get("node_mesh_faster", {}).items():

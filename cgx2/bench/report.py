@@ -228,8 +228,8 @@ def write_json(kind: str, report: dict[str, Any], out_dir: str | Path = DEFAULT_
     device = re.sub(r"[^A-Za-z0-9]+", "-", env["device"]).strip("-").lower()
     stamp = env["date"].replace(":", "").replace("-", "")[:15]
     link = env.get("link")
-    where = env["regime"] if not link else f"{env['regime']}-{link['rate']}-h{link['hosts']}"
-    name = f"{kind}_{device}_{where}_w{env['world_size']}_{stamp}.json"
+    regime = env["regime"] if not link else f"{env['regime']}-{link['rate']}-h{link['hosts']}"
+    name = f"{kind}_{device}_{regime}_w{env['world_size']}_{stamp}.json"
     path = Path(out_dir) / name
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1) + "\n")
