@@ -37,6 +37,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cli import parse
 from launch import launch
 from train_ddp import CharTransformer, batch, train_step
 
@@ -515,9 +516,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="cgx2-results/convergence",
         help="the runs' folder: finished runs there are skipped",
     )
-    args = p.parse_args(argv)
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    args = parse(p, argv)
     args.compressors = args.compressors.split(",")
     args.started = time.time()  # --time-limit counts from here (rank 0's, under torchrun)
     unknown = [c for c in args.compressors if c not in COMPRESSORS]
