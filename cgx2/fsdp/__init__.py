@@ -32,6 +32,7 @@ from ..collectives.fusion import padded_numel
 from ..collectives.reduce_scatter import Segment
 from ..collectives.reduce_scatter import reduce_scatter as reduce_scatter_quantized
 from ..collectives.reference import reference_reduce_scatter
+from ..collectives.rotations import DEFAULT_BLOCK, check_rotation
 from ..comm import CompletedWork
 from ..config import CGXConfig, env_quantization_bits
 
@@ -68,6 +69,18 @@ class QuantizedReduceScatter(ReduceScatter):
     :func:`cgx2.collectives.adaptive.plan_bits`: the fewest bytes whose total error, measured
     on this call's gradients and summed over ranks, stays within that of ``bits`` everywhere.
     ``widths`` holds the plan in force (None before the first).
+
+    ``rotation`` (``"hadamard"``; None: none): each width group coded rotated in blocks of
+    ``rotation_block`` (a power of two dividing ``bucket_size``), signs fresh every call and
+    alike on every rank (:func:`cgx2.collectives.reduce_scatter`).
+
+    ``error_feedback``: this rank's residual, what it put in minus what the owners decode of
+    it (zero on its own shard, which stays exact, and on exact parameters), measured in the
+    gradient's own domain (rotated back where rotated), is added to its next reduce-scatter
+    input. The residual has the input's shape (every rank's shard of each parameter: as much
+    memory as the unsharded gradients, as DDP's error feedback holds); it is kept in
+    :meth:`state_dict`. A reduction whose rows do not match ``row_params`` (a parameter
+    without a gradient) runs without it and leaves the residual for the next that does.
     """
 
     def __init__(
@@ -77,9 +90,20 @@ class QuantizedReduceScatter(ReduceScatter):
         row_params: list[tuple[int, bool]] | None = None,
         adaptive_bits: Sequence[int] | None = None,
         replan_every: int = 100,
+        *,
+        rotation: str | None = None,
+        rotation_block: int = DEFAULT_BLOCK,
+        error_feedback: bool = False,
     ) -> None:
         self.bits = check_bits(bits)
         self.bucket_size = check_bucket_size(bucket_size)
+        self.rotation = check_rotation(rotation, rotation_block, self.bucket_size)
+        self.rotation_block = rotation_block
+        if not isinstance(error_feedback, bool):
+            raise TypeError(f"error_feedback must be a bool, got {type(error_feedback).__name__}")
+        self.error_feedback = error_feedback
+        self.residual: torch.Tensor | None = None
+        """This rank's residual (flat, the input's size), or None: none owed."""
         self.row_params = row_params or []
         self.adaptive_bits = None if adaptive_bits is None else check_options(adaptive_bits, bits)
         self.replan_every = check_replan_every(replan_every)
@@ -101,6 +125,11 @@ class QuantizedReduceScatter(ReduceScatter):
             "widths": self.widths,
             "calls": self.calls,
             "bytes_sent": self.bytes_sent,
+            "rotation": self.rotation,
+            "rotation_block": self.rotation_block,
+            "error_feedback": self.error_feedback,
+            "residual": None if self.residual is None else self.residual.detach().clone(),
+            "rank": dist.get_rank() if dist.is_initialized() else None,
         }
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:
@@ -115,6 +144,19 @@ class QuantizedReduceScatter(ReduceScatter):
         self.widths = None if widths is None else tuple(int(b) for b in widths)
         self.calls = int(state["calls"])
         self.bytes_sent = int(state["bytes_sent"])
+        # Checkpoints from before rotation and error feedback: neither.
+        self.rotation_block = int(state.get("rotation_block", DEFAULT_BLOCK))
+        self.rotation = check_rotation(state.get("rotation"), self.rotation_block, self.bucket_size)
+        self.error_feedback = bool(state.get("error_feedback", False))
+        residual = state.get("residual")
+        saved_rank = state.get("rank")
+        if residual is not None and saved_rank is not None and dist.is_initialized():
+            if saved_rank != dist.get_rank():
+                raise ValueError(
+                    f"this reduce-scatter's residual is rank {saved_rank}'s, loaded on rank "
+                    f"{dist.get_rank()}: save each rank's state and load it on the same rank"
+                )
+        self.residual = None if residual is None else residual.reshape(-1).clone()
 
     def allocate(
         self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
@@ -181,6 +223,8 @@ class QuantizedReduceScatter(ReduceScatter):
         if not self._agreed:
             more = {"adaptive_bits": self.adaptive_bits, "replan_every": self.replan_every}
             more |= {"calls": self.calls, "widths": self.widths}
+            more |= {"rotation": self.rotation, "rotation_block": self.rotation_block}
+            more |= {"error_feedback": self.error_feedback}
             _agree(self, group, "cgx2.fsdp's reduce-scatter", input_tensor, more)
         world = dist.get_world_size(group)
         if op == dist.ReduceOp.SUM:
@@ -191,11 +235,13 @@ class QuantizedReduceScatter(ReduceScatter):
             scale = premul_factor(op)
         else:
             raise ValueError(f"cgx2's FSDP reduce-scatter takes SUM, AVG or PREMUL_SUM, not {op}")
-        widths = None
+        widths = error = None
         if self.bits == UNCOMPRESSED_BITS:
             segments = [(0, output_tensor.numel(), False)]
         else:
             segments = self._segments(output_tensor.numel())
+            if segments is not None and self.error_feedback and input_tensor.is_contiguous():
+                error = self._feed_back_(input_tensor)
             if segments is not None and self.adaptive_bits is not None and world > 1:
                 widths = self._widths(segments, input_tensor, group)
         # Positional (seed None: the next of cgx2's stream), as wrappers of this function pass.
@@ -209,10 +255,25 @@ class QuantizedReduceScatter(ReduceScatter):
             segments,
             None,
             widths,
+            rotation=self.rotation,
+            rotation_block=self.rotation_block,
+            error=error,
         )
+        if error is not None:  # owed at the next step; a non-finite step owes nothing
+            self.residual = error.view(-1).nan_to_num_(0.0, 0.0, 0.0)
         if async_op:
             return CompletedWork([output_tensor])
         return None
+
+    def _feed_back_(self, input_tensor: torch.Tensor) -> torch.Tensor:
+        """Add the residual owed to ``input_tensor`` (in place: FSDP's buffer for this
+        reduction) and return the tensor the reduction's new error goes into."""
+        residual = self.residual
+        if residual is not None and residual.numel() == input_tensor.numel():
+            if residual.device != input_tensor.device or residual.dtype != input_tensor.dtype:
+                residual = residual.to(device=input_tensor.device, dtype=input_tensor.dtype)
+            input_tensor.view(-1).add_(residual)
+        return torch.empty_like(input_tensor)
 
 
 def _agree(
@@ -289,9 +350,18 @@ class QuantizedReplicaGroup(dist.ProcessGroup):
     all-reduces quantized to ``bits`` (:func:`cgx2.collectives.allreduce_`, bit-identical on
     every replica); everything else, and what does not pay, goes to ``inner`` as it is."""
 
-    def __init__(self, inner: dist.ProcessGroup, bits: int, bucket_size: int) -> None:
+    def __init__(
+        self,
+        inner: dist.ProcessGroup,
+        bits: int,
+        bucket_size: int,
+        rotation: str | None = None,
+        rotation_block: int = DEFAULT_BLOCK,
+    ) -> None:
         super().__init__(inner.rank(), inner.size())
         self.inner, self.bits, self.bucket_size = inner, bits, bucket_size
+        self.rotation = check_rotation(rotation, rotation_block, bucket_size)
+        self.rotation_block = rotation_block
         self._agreed = False  # whether the ranks' settings were compared (at the first call)
 
     @property
@@ -318,12 +388,22 @@ class QuantizedReplicaGroup(dist.ProcessGroup):
                 "bucket_size": self.bucket_size,
                 "op": op,
                 "dtype": tensors[0].dtype,
+                "rotation": self.rotation,
+                "rotation_block": self.rotation_block,
             }
             agreement.check_settings(
                 self.inner, "cgx2.fsdp's replica all-reduce", settings, tensors[0].device
             )
             self._agreed = True
-        allreduce_(tensors[0], self.bits, self.bucket_size, self.inner, op)
+        allreduce_(
+            tensors[0],
+            self.bits,
+            self.bucket_size,
+            self.inner,
+            op,
+            rotation=self.rotation,
+            rotation_block=self.rotation_block,
+        )
         return CompletedWork(tensors)
 
     def __getattr__(self, name: str) -> object:  # rank(), size(), the rest: the inner group's
@@ -339,6 +419,10 @@ def compress(
     replan_every: int = 100,
     param_bits: int | None = None,
     replica_bits: int | None = None,
+    *,
+    rotation: str | None = None,
+    rotation_block: int = DEFAULT_BLOCK,
+    error_feedback: bool = False,
 ) -> list[QuantizedReduceScatter]:
     """Set a :class:`QuantizedReduceScatter` on every FSDP2 module of ``model`` (call it after
     ``fully_shard``). Parameters with one dimension or fewer than ``min_size`` values are
@@ -366,6 +450,9 @@ def compress(
         adaptive_bits = check_options(adaptive_bits, bits)
     replan_every = check_replan_every(replan_every)
     bucket_size = config.bucket_size if bucket_size is None else check_bucket_size(bucket_size)
+    rotation = check_rotation(rotation, rotation_block, bucket_size)
+    if not isinstance(error_feedback, bool):
+        raise TypeError(f"error_feedback must be a bool, got {type(error_feedback).__name__}")
     min_size = max(min_size, config.minimal_size)
     comms = []
     for module in model.modules():
@@ -381,7 +468,16 @@ def compress(
             )
             for p in group.fsdp_params
         ]
-        comm = QuantizedReduceScatter(bits, bucket_size, row_params, adaptive_bits, replan_every)
+        comm = QuantizedReduceScatter(
+            bits,
+            bucket_size,
+            row_params,
+            adaptive_bits,
+            replan_every,
+            rotation=rotation,
+            rotation_block=rotation_block,
+            error_feedback=error_feedback,
+        )
         module.set_custom_reduce_scatter(comm)
         comms.append(comm)
         if param_bits is not None:
@@ -391,13 +487,19 @@ def compress(
                     f"torch {torch.__version__} lacks"
                 )
             module.set_custom_all_gather(QuantizedAllGather(param_bits, bucket_size, row_params))
-        _quantize_replicas(group, replica_bits, bucket_size)
+        _quantize_replicas(group, replica_bits, bucket_size, rotation, rotation_block)
     if not comms:
         raise ValueError("compress() found no fully_shard module with parameters in the model")
     return comms
 
 
-def _quantize_replicas(group: object, bits: int, bucket_size: int) -> None:
+def _quantize_replicas(
+    group: object,
+    bits: int,
+    bucket_size: int,
+    rotation: str | None = None,
+    rotation_block: int = DEFAULT_BLOCK,
+) -> None:
     """On HSDP, FSDP2 all-reduces each reduce-scatter's output across replicas with
     ``dist.all_reduce(..., group=mesh_info.replicate_process_group)``: that group becomes a
     :class:`QuantizedReplicaGroup` of it."""
@@ -407,7 +509,9 @@ def _quantize_replicas(group: object, bits: int, bucket_size: int) -> None:
         return
     if isinstance(replicas, QuantizedReplicaGroup):
         replicas = replicas.inner
-    mesh_info.replicate_process_group = QuantizedReplicaGroup(replicas, bits, bucket_size)
+    mesh_info.replicate_process_group = QuantizedReplicaGroup(
+        replicas, bits, bucket_size, rotation, rotation_block
+    )
 
 
 def _named_comms(model: nn.Module) -> Iterator[tuple[str, QuantizedReduceScatter]]:
