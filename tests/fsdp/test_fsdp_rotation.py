@@ -8,6 +8,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
+from test_fsdp import _MLP  # the small model FSDP2's other tests train
 from torch import nn
 from toy_task import backward, batch, shard
 
@@ -15,19 +16,6 @@ import cgx2
 import cgx2.fsdp
 from cgx2.config import tuned
 from cgx2.fsdp import QuantizedReduceScatter, compress, reference_reduce_scatter
-
-
-class _MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(
-            [nn.Linear(32, 128), nn.Linear(128, 128), nn.LayerNorm(128), nn.Linear(128, 4)]
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers[:-1]:
-            x = torch.relu(layer(x))
-        return self.layers[-1](x)
 
 
 def _gathered(t: torch.Tensor) -> list[torch.Tensor]:
