@@ -11,7 +11,19 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
-__all__ = ["Transport"]
+__all__ = ["TRANSPORT_FUNCTIONS", "Transport"]
+
+TRANSPORT_FUNCTIONS = (
+    "all_gather",
+    "all_to_all",
+    "allreduce_plain_",
+    "allreduce_plain_async_",
+    "group_size_and_rank",
+    "reduce_scatter_plain",
+    "shift",
+    "wait",
+)
+"""The functions of :class:`Transport`, which a transport module defines and exports."""
 
 
 @runtime_checkable

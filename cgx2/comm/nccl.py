@@ -18,20 +18,11 @@ import torch.distributed as dist
 
 from .. import extension
 from . import process_group
+from .base import TRANSPORT_FUNCTIONS
 from .groups import group_state
 from .process_group import group_info, group_size_and_rank
 
-__all__ = [
-    "all_gather",
-    "all_to_all",
-    "allreduce_plain_",
-    "allreduce_plain_async_",
-    "available",
-    "group_size_and_rank",
-    "reduce_scatter_plain",
-    "shift",
-    "wait",
-]
+__all__ = ["available", *TRANSPORT_FUNCTIONS]
 
 log = logging.getLogger("cgx2")
 

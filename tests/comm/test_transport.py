@@ -8,6 +8,7 @@ from unittest import mock
 import pytest
 
 from cgx2.comm import Transport, process_group, shm
+from cgx2.comm.base import TRANSPORT_FUNCTIONS
 from cgx2.config import tuned
 
 
@@ -21,7 +22,7 @@ def _parameters(fn) -> list[tuple[str, object]]:
 def test_the_process_group_transport_is_a_transport():
     assert isinstance(process_group, Transport)
     wanted = [n for n, v in vars(Transport).items() if callable(v) and not n.startswith("_")]
-    assert len(wanted) == 8
+    assert len(wanted) == 8 and sorted(wanted) == sorted(TRANSPORT_FUNCTIONS)
     for name in wanted:
         assert _parameters(getattr(process_group, name)) == _parameters(getattr(Transport, name))
 
@@ -30,6 +31,7 @@ def test_the_process_group_transport_is_a_transport():
 def test_cgx2s_transports_are_transports(name):
     module = importlib.import_module(f"cgx2.comm.{name}")
     assert isinstance(module, Transport)
+    assert set(TRANSPORT_FUNCTIONS) <= set(module.__all__)  # exported, as the protocol's
     for call in [n for n, v in vars(Transport).items() if callable(v) and not n.startswith("_")]:
         assert _parameters(getattr(module, call)) == _parameters(getattr(Transport, call)), call
 
