@@ -56,6 +56,8 @@ ALGORITHMS = ("auto", "sra", "ring")
 """The values of ``CGX2_ALGORITHM`` (:class:`TuningConfig`'s ``algorithm``)."""
 CHECK_MODES = ("auto", "on", "off", "deferred")
 """The values of ``CGX2_CHECK_AGREEMENT`` (:class:`TuningConfig`'s ``check_agreement``)."""
+ROTATIONS = ("none", "hadamard")
+"""The values of ``CGX2_ROTATION`` (:class:`TuningConfig`'s ``rotation``)."""
 
 
 def _int(
@@ -306,6 +308,9 @@ class TuningConfig:
     - ``native_codec`` (``CGX2_NATIVE``, 1): the CPU codec's compiled loops (``cgx2._C``;
       0: the torch code).
     - ``cache_dir`` (``CGX2_CACHE_DIR``, ``~/.cache/cgx2``): where the calibration file is.
+    - ``rotation`` (``CGX2_ROTATION``, ``none``): the ``cgx`` backend's quantized allreduces
+      code a randomized Hadamard rotation of the values (``hadamard``, in blocks of 128, which
+      must divide the bucket size) or none; the other entry points take ``rotation=``.
     """
 
     crossover_bytes: int | None = None
@@ -321,6 +326,7 @@ class TuningConfig:
     direct_launch: bool = True
     native_codec: bool = True
     cache_dir: str = ""
+    rotation: str = "none"
 
     def __post_init__(self) -> None:
         for name in ("crossover_bytes", "pipeline_bytes"):
@@ -335,6 +341,8 @@ class TuningConfig:
             raise ValueError(
                 f"check_agreement must be one of {CHECK_MODES}, got {self.check_agreement!r}"
             )
+        if self.rotation not in ROTATIONS:
+            raise ValueError(f"rotation must be one of {ROTATIONS}, got {self.rotation!r}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if not self.cache_dir:
@@ -367,6 +375,7 @@ class TuningConfig:
             direct_launch=_bool(env, "CGX2_DIRECT_LAUNCH", True),
             native_codec=_bool(env, "CGX2_NATIVE", True),
             cache_dir=env.get("CGX2_CACHE_DIR", "").strip(),
+            rotation=_choice(env, "CGX2_ROTATION", "none", ROTATIONS, upper=False),
         )
 
 
@@ -444,6 +453,7 @@ COMPARED_PER_CALL: dict[str, str] = {
     "crossover_bytes": "CGX2_CROSSOVER_BYTES",  # tuned() may change it between calls
     "quantization_bits": "CGX_COMPRESSION_QUANTIZATION_BITS",  # the call's bits
     "bucket_size": "CGX_COMPRESSION_BUCKET_SIZE",  # the call's bucket size
+    "rotation": "CGX2_ROTATION",  # the cgx backend's call's rotation
 }
 """Settings that change the bytes but may change between calls: the agreement check compares
 the value each call uses, with the call's arguments."""

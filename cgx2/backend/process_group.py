@@ -26,8 +26,9 @@ from ..checks import UNCOMPRESSED_BITS, reduce_op_name
 from ..collectives import agreement, policy
 from ..collectives.fusion import allreduce_fused_, fusion_batches, padded_numel, ring_bytes_sent
 from ..collectives.hierarchical import hierarchical_allreduce_fused_, node_mesh
+from ..collectives.rotations import DEFAULT_BLOCK, check_rotation
 from ..comm import CompletedWork, shm, worker
-from ..config import CGXConfig, compression_from_env
+from ..config import CGXConfig, compression_from_env, tuning
 
 __all__ = ["BACKEND_NAME", "CGXProcessGroup", "register_backend"]
 
@@ -53,6 +54,16 @@ class _Works(dist.Work):
     def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
         futures = [work.get_future() for work in self._works]
         return torch.futures.collect_all(futures).then(lambda _: self._outputs)
+
+
+def _rotation(bits: int, bucket_size: int) -> str | None:
+    """``CGX2_ROTATION`` (None for ``none``), checked against the call's bucket size before
+    anything is sent: every rank reads the same variables and raises the same ``ValueError``."""
+    if bits == UNCOMPRESSED_BITS:
+        return None
+    return check_rotation(
+        tuning().rotation, DEFAULT_BLOCK, bucket_size, "CGX2_ROTATION", "CGX2_ROTATION's block"
+    )
 
 
 class CGXProcessGroup(dist.ProcessGroup):
@@ -139,6 +150,7 @@ class CGXProcessGroup(dist.ProcessGroup):
     def _allreduce(self, tensors: list[torch.Tensor], opts: dist.AllreduceOptions) -> dist.Work:
         op = reduce_op_name(opts.reduceOp)
         bits, bucket_size = compression_from_env()
+        rotation = _rotation(bits, bucket_size)
         if len(tensors) != 1:
             return self._delegate(tensors, opts.reduceOp)
         t = tensors[0]
@@ -160,6 +172,7 @@ class CGXProcessGroup(dist.ProcessGroup):
                 "bits": bits,
                 "bucket_size": bucket_size,
                 "minimal_size": self.config.minimal_size,
+                "rotation": rotation,
                 "compressed": compress,
             }
             agreed = agreement.check(
@@ -172,7 +185,7 @@ class CGXProcessGroup(dist.ProcessGroup):
             )
         if compress:
             with self._side_stream(tensors):
-                self._compress(tensors, bits, bucket_size, op)
+                self._compress(tensors, bits, bucket_size, op, rotation)
                 agreement.settle(agreed, t, self)
                 return CompletedWork(tensors)
         work = self._delegate(tensors, opts.reduceOp)
@@ -198,6 +211,7 @@ class CGXProcessGroup(dist.ProcessGroup):
     ) -> dist.Work:
         op = reduce_op_name(opts.reduceOp)
         bits, bucket_size = compression_from_env()
+        rotation = _rotation(bits, bucket_size)
         fused = [t for t in tensors if self._compressible(t, op, bits)]
         for t in tensors:
             if not any(t is f for f in fused):
@@ -211,7 +225,7 @@ class CGXProcessGroup(dist.ProcessGroup):
             for batch in fusion_batches(sizes, dtype.itemsize, bucket_size, limit):
                 padded = sum(padded_numel(sizes[i], bucket_size) for i in batch)
                 if policy.compresses(same[batch[0]], self, bits, bucket_size, padded):
-                    self._compress([same[i] for i in batch], bits, bucket_size, op)
+                    self._compress([same[i] for i in batch], bits, bucket_size, op, rotation)
                 else:  # too small to pay on this interconnect: exact, in place
                     for i in batch:
                         self._delegate([same[i]], opts.reduceOp).wait()
@@ -264,7 +278,12 @@ class CGXProcessGroup(dist.ProcessGroup):
         return self._meshes[device_type]
 
     def _compress(
-        self, tensors: Sequence[torch.Tensor], bits: int, bucket_size: int, op: str
+        self,
+        tensors: Sequence[torch.Tensor],
+        bits: int,
+        bucket_size: int,
+        op: str,
+        rotation: str | None = None,
     ) -> None:
         numel = sum(t.numel() for t in tensors)
         self.bytes_uncompressed += ring_bytes_sent(numel * tensors[0].element_size(), self.size())
@@ -273,10 +292,12 @@ class CGXProcessGroup(dist.ProcessGroup):
         if mesh is None or not policy.by_node_mesh(
             tensors[0], self, mesh, bits, bucket_size, intra_broadcast, numel
         ):
-            self.bytes_sent += allreduce_fused_(tensors, bits, bucket_size, self, op)
+            self.bytes_sent += allreduce_fused_(
+                tensors, bits, bucket_size, self, op, rotation=rotation
+            )
         else:
             self.bytes_sent += hierarchical_allreduce_fused_(
-                list(tensors), bits, bucket_size, mesh, op, intra_broadcast
+                list(tensors), bits, bucket_size, mesh, op, intra_broadcast, rotation=rotation
             )
 
     def _rides_shared_memory(

@@ -35,9 +35,10 @@ def check_rotation(
     block_name: str = "rotation_block",
 ) -> str | None:
     """``rotation`` normalised (None or ``"none"``: None), or a ``TypeError``/``ValueError``
-    naming the argument (``name``, ``block_name``): a name of :data:`~cgx2.codecs.rotation.ROTATIONS`, and a block (a power
-    of two, 2 or more) that divides ``bucket_size``. Every rank passes the same arguments, so
-    every rank raises the same error, before anything is sent."""
+    naming the argument (``name``, ``block_name``): a name of
+    :data:`~cgx2.codecs.rotation.ROTATIONS`, and a block (a power of two, 2 or more) that
+    divides ``bucket_size``. Every rank passes the same arguments, so every rank raises the
+    same error, before anything is sent."""
     if rotation is not None and not isinstance(rotation, str):
         raise TypeError(f"{name} must be a str or None, got {type(rotation).__name__}")
     if rotation is None or rotation == "none":
