@@ -15,6 +15,7 @@ The model and text are train_ddp.py's.
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 from pathlib import Path
 
@@ -78,6 +79,11 @@ def main(argv: list[str] | None = None) -> None:
         bytes_sent=sum(c.bytes_sent for c in comms),
         bytes_uncompressed=fsdp_bytes_uncompressed(steps, world, numel),
     )
+    # The sharded model goes while the process group lives, as in accelerate_ddp.py and
+    # torchtitan_fsdp.py: destroyed after it, gloo's teardown could hang or abort at exit.
+    accelerator.free_memory()
+    del model, opt, loader, comms
+    gc.collect()
     accelerator.end_training()
 
 
