@@ -69,6 +69,10 @@ _MIN_PROGRAMS = 2048
 # tensors, no slower elsewhere; fewer a multiprocessor were slower, more no faster (measured
 # with bench/kernel_ab.py).
 _DSE_PROGRAMS_PER_SM = 16
+# The rotated decode-sum-encode's: its build for sm_90 takes 255 registers a thread at 4 rows
+# (the unrotated 128), so 8 one-warp programs fill a multiprocessor's registers; 16 would run
+# as two waves, the second mostly idle. Not yet measured.
+_DSE_ROTATED_PROGRAMS_PER_SM = 8
 # The saturated coding's powers of two and the most ulps a step moves (maxmin's own).
 _TWO_127 = tl.constexpr(maxmin._TWO_127)
 _TWO_126 = tl.constexpr(maxmin._TWO_126)
@@ -2424,12 +2428,14 @@ def _multiprocessors(device: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _resident_programs(tiles: int, device: torch.device) -> int:
-    """Programs for decode-sum-encode: ``_DSE_PROGRAMS_PER_SM`` on each multiprocessor of a
-    GPU (:func:`_programs` elsewhere, as under the interpreter)."""
+def _resident_programs(tiles: int, device: torch.device, rotated: bool = False) -> int:
+    """Programs for decode-sum-encode: ``_DSE_PROGRAMS_PER_SM`` (rotated:
+    ``_DSE_ROTATED_PROGRAMS_PER_SM``) on each multiprocessor of a GPU (:func:`_programs`
+    elsewhere, as under the interpreter)."""
     if device.type != "cuda":
         return _programs(tiles)
-    return min(tiles, _DSE_PROGRAMS_PER_SM * _multiprocessors(device.index))
+    per_sm = _DSE_ROTATED_PROGRAMS_PER_SM if rotated else _DSE_PROGRAMS_PER_SM
+    return min(tiles, per_sm * _multiprocessors(device.index))
 
 
 def _key(key: int) -> tuple[int, int]:
@@ -2863,7 +2869,8 @@ def decode_sum_encode(
         own_flat.dtype if own is not None else torch.float32,
         rotation,
     )
-    grid = (_resident_programs(-(-layout.num_buckets // launch["BUCKETS"]), out.device), 1)
+    tiles = -(-layout.num_buckets // launch["BUCKETS"])
+    grid = (_resident_programs(tiles, out.device, rotation is not None), 1)
     k0, k1, keys, in_memory = _key_args(key, out)
     if layout.num_buckets:
         args = (

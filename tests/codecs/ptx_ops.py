@@ -4,8 +4,11 @@ count``). Run in a fresh process with TRITON_INTERPRET=0: Triton builds for
 a GPU target on a machine without one (used by test_kernel_ptx.py)."""
 
 import collections
+import os
 import re
+import subprocess
 import sys
+import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -72,7 +75,26 @@ def _encode(nearest: bool, tiles: dict, rotated: bool = False) -> str:
     return ptx(mt._encode_kernel, signature, constexprs, 2)
 
 
-def _decode_sum_encode(tiles: dict, rotated: bool = False) -> str:
+def _registers(text: str) -> int:
+    """Registers a thread of ``text`` (PTX for sm_90a) takes, as Triton's ptxas allocates them
+    (0 where this Triton has no ptxas)."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        ptxas = get_ptxas(90).path  # the one that built the kernels
+    except (ImportError, AttributeError, RuntimeError):
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ptx")
+        with open(path, "w") as f:
+            f.write(text)
+        run = subprocess.run(
+            [ptxas, "-v", "-arch=sm_90a", path, "-o", os.devnull], capture_output=True, text=True
+        )
+    return int(re.search(r"Used (\d+) registers", run.stderr).group(1))
+
+
+def _decode_sum_encode(tiles: dict, rotated: bool = False, rows: int = 2) -> str:
     signature = {
         "in_u8": "*u8",
         "own_ptr": "*fp32",
@@ -97,7 +119,7 @@ def _decode_sum_encode(tiles: dict, rotated: bool = False) -> str:
         "BLOCK": "constexpr",
     }
     constexprs = {
-        "NUM_ROWS": 2,
+        "NUM_ROWS": rows,
         "SKIP_OWN": True,
         "BITS": 4,
         "B": 512,
@@ -154,6 +176,9 @@ def main() -> None:
         print(f"{name}:mul.wide.u32", text.count("mul.wide.u32"))
     for op, count in sorted(collections.Counter(re.findall(pattern, rotated)).items()):
         print(f"rotated:{op}", count)
+    # Decode-sum-encode's grid is sized to the programs a multiprocessor holds at 4 rows.
+    print("dse:registers", _registers(_decode_sum_encode(tiles, rows=4)))
+    print("rotated_dse:registers", _registers(_decode_sum_encode(tiles, True, rows=4)))
 
 
 if __name__ == "__main__":

@@ -64,3 +64,20 @@ def test_the_rotated_kernels_build_without_flushing_subnormals():
     assert rotated["sub.rn.f32"] > ops["sub.rn.f32"]  # the butterflies' differences
     assert rotated["mul.wide.u32"] > ops["encode:mul.wide.u32"]  # the signs' Philox
     assert rotated["fma.rn.f32"] == ops["fma.rn.f32"]  # the scales' rounding toward zero alone
+
+
+def test_decode_sum_encode_programs_fit_a_multiprocessor_s_registers():
+    """Decode-sum-encode launches a fixed number of one-warp programs a multiprocessor, meant
+    to be resident together: at 4 rows their registers (the rotated kernel's twice the
+    unrotated's) fit the 64K of an sm_90 multiprocessor, else a second wave would run late."""
+    import cgx2.codecs.maxmin_triton as mt
+
+    ops = _float_ops()
+    if not ops["dse:registers"]:
+        pytest.skip("this Triton has no ptxas")
+    for name, per_sm in (
+        ("dse", mt._DSE_PROGRAMS_PER_SM),
+        ("rotated_dse", mt._DSE_ROTATED_PROGRAMS_PER_SM),
+    ):
+        allocated = -(-ops[f"{name}:registers"] // 8) * 8  # a thread's, in units of 8
+        assert allocated * 32 * per_sm <= 65536, (name, ops[f"{name}:registers"], per_sm)
