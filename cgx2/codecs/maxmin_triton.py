@@ -2687,15 +2687,9 @@ def encode(
 ) -> torch.Tensor:
     """Same contract as :func:`cgx2.codecs.maxmin.encode`."""
     if rotation is not None:
-        n = x.numel()
-        layout = ChunkedLayout.split(n, 1, bits, bucket_size, skip_incomplete)
-        payload = encode_chunks(
-            x, layout, key, stream0=stream, nearest=nearest, rotation=rotation
-        ).view(-1)
-        if out is None:
-            return payload
-        out[: payload.numel()] = payload
-        return out
+        return _encode_rotated(
+            x, bits, bucket_size, key, stream, skip_incomplete, out, nearest, rotation
+        )
     fast = out is None and not skip_incomplete and type(key) is int and x.is_cuda and not nearest
     if fast:  # the public op's case: once launched, the same variant again with no dispatch
         device = x.get_device()
@@ -2747,8 +2741,130 @@ def encode(
 
 # The one-payload encode and decode of each shape, bound to their compiled kernel variant:
 # the public ops' calls, whose host time is mostly launching (BENCHMARKS.md, "Host time").
+# The rotated kernels' under the same keys and the rotation's block.
 _BOUND_ENCODE: dict[tuple, tuple] = {}
 _BOUND_DECODE: dict[tuple, tuple] = {}
+
+
+def _encode_rotated(
+    x: torch.Tensor,
+    bits: int,
+    bucket_size: int,
+    key: int,
+    stream: int,
+    skip_incomplete: bool,
+    out: torch.Tensor | None,
+    nearest: bool,
+    rotation: Rotation,
+) -> torch.Tensor:
+    """:func:`encode` with a rotation: a shape's calls after its first launch the bound variant
+    with no dispatch, as the unrotated ones (keys by value only)."""
+    fast = (
+        out is None
+        and not skip_incomplete
+        and type(key) is int
+        and type(rotation.key) is int
+        and x.is_cuda
+        and not nearest
+    )
+    if fast:
+        device = x.get_device()
+        found = _BOUND_ENCODE.get((x.numel(), x.dtype, bits, bucket_size, device, rotation.block))
+        if (
+            found is not None
+            and x.is_contiguous()
+            and x.data_ptr() % 16 == 0
+            and device == torch._C._cuda_getDevice()
+            and _launch_encode_rotated.direct()
+        ):
+            bound, n, nbytes = found
+            payload = x.new_empty(nbytes, dtype=torch.uint8)
+            k0, k1 = _key(key)
+            s0, s1, _, _ = _sign_args(rotation, payload)
+            address = payload.data_ptr()
+            bound.run(
+                torch._C._cuda_getCurrentRawStream(device),
+                x.data_ptr(),
+                address,
+                n,
+                n,
+                nbytes,
+                k0,
+                k1,
+                address,
+                stream,
+                -1,
+                s0,
+                s1,
+                address,
+            )
+            return payload
+    n = x.numel()
+    layout = ChunkedLayout.split(n, 1, bits, bucket_size, skip_incomplete)
+    rows = encode_chunks(x, layout, key, stream0=stream, nearest=nearest, rotation=rotation)
+    payload = rows.view(-1)
+    if fast and n and x.is_contiguous() and x.data_ptr() % 16 == 0:
+        grid, args, constexprs = _encode_call(
+            x.reshape(-1), rows, layout, key, stream, -1, True, rotation=rotation
+        )
+        bound = _launch_encode_rotated.bound(grid, *args, **constexprs)
+        if bound is not None:
+            shape = (n, x.dtype, bits, bucket_size, x.get_device(), rotation.block)
+            _BOUND_ENCODE[shape] = (bound, n, layout.payload_nbytes)
+    if out is None:
+        return payload
+    out[: payload.numel()] = payload
+    return out
+
+
+def _decode_rotated(
+    payload: torch.Tensor,
+    numel: int,
+    bits: int,
+    bucket_size: int,
+    dtype: torch.dtype,
+    skip_incomplete: bool,
+    rotation: Rotation,
+) -> torch.Tensor:
+    """:func:`decode` with a rotation, bound as :func:`_encode_rotated` is."""
+    fast = not skip_incomplete and payload.is_cuda and type(rotation.key) is int
+    if fast:
+        device = payload.get_device()
+        found = _BOUND_DECODE.get((numel, dtype, bits, bucket_size, device, rotation.block))
+        if (
+            found is not None
+            and payload.is_contiguous()
+            and payload.data_ptr() % 16 == 0
+            and device == torch._C._cuda_getDevice()
+            and _launch_decode_rotated.direct()
+        ):
+            bound, nbytes = found
+            out = payload.new_empty(numel, dtype=dtype)
+            s0, s1, _, _ = _sign_args(rotation, payload)
+            address = payload.data_ptr()
+            bound.run(
+                torch._C._cuda_getCurrentRawStream(device),
+                address,
+                out.data_ptr(),
+                numel,
+                numel,
+                nbytes,
+                s0,
+                s1,
+                address,
+            )
+            return out
+    layout = ChunkedLayout.split(numel, 1, bits, bucket_size, skip_incomplete)
+    nbytes = layout.payload_nbytes
+    rows = payload[:nbytes].view(1, nbytes)
+    out = decode_chunks(rows, layout, dtype, rotation=rotation)
+    if fast and numel and payload.is_contiguous() and payload.data_ptr() % 16 == 0:
+        grid, args, constexprs = _decode_call(rows, out, layout, dtype, rotation)
+        bound = _launch_decode_rotated.bound(grid, *args, **constexprs)
+        if bound is not None:
+            shape = (numel, dtype, bits, bucket_size, payload.get_device(), rotation.block)
+            _BOUND_DECODE[shape] = (bound, nbytes)
+    return out
 
 
 def decode(
@@ -2763,9 +2879,7 @@ def decode(
 ) -> torch.Tensor:
     """Same contract as :func:`cgx2.codecs.maxmin.decode`."""
     if rotation is not None:
-        layout = ChunkedLayout.split(numel, 1, bits, bucket_size, skip_incomplete)
-        nbytes = layout.payload_nbytes
-        return decode_chunks(payload[:nbytes].view(1, nbytes), layout, dtype, rotation=rotation)
+        return _decode_rotated(payload, numel, bits, bucket_size, dtype, skip_incomplete, rotation)
     fast = not skip_incomplete and payload.is_cuda
     if fast:
         device = payload.get_device()
