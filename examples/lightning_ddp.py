@@ -16,6 +16,7 @@ train_ddp.py's (a byte-level transformer on Python's standard library: nothing t
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 from pathlib import Path
 
@@ -111,8 +112,11 @@ def main(argv: list[str] | None = None) -> None:
         bytes_sent=getattr(state, "bytes_sent", 0),
         bytes_uncompressed=ddp_bytes_uncompressed(state, trainer.global_step, world, numel),
     )
-    # Lightning leaves the process group up after fit; left to the interpreter's exit, gloo's
-    # teardown can abort the process ("terminate called without an active exception").
+    # Lightning leaves the process group up after fit. The model goes first, while the group
+    # lives, then the group: either left to the interpreter's exit, gloo's teardown could
+    # abort the process ("terminate called without an active exception").
+    del trainer, module
+    gc.collect()
     torch.distributed.destroy_process_group()
 
 

@@ -14,6 +14,7 @@ cgx2.fsdp.compress goes, right after fully_shard. The model and text are train_d
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 from pathlib import Path
 
@@ -87,8 +88,11 @@ def main(argv: list[str] | None = None) -> None:
         bytes_sent=sum(c.bytes_sent for c in module.comms),
         bytes_uncompressed=fsdp_bytes_uncompressed(trainer.global_step, world, numel),
     )
-    # Lightning leaves the process group up after fit; left to the interpreter's exit, gloo's
-    # teardown can abort the process ("terminate called without an active exception").
+    # Lightning leaves the process group up after fit. The model goes first, while the group
+    # lives, then the group: either left to the interpreter's exit, gloo's teardown could
+    # abort the process ("terminate called without an active exception").
+    del trainer, module
+    gc.collect()
     torch.distributed.destroy_process_group()
 
 
