@@ -137,6 +137,8 @@ def train(args: argparse.Namespace) -> dict:
             args.layer_min_size,
             {"bits": args.bits, "bucket_size": args.bucket_size},
             mesh=None if args.flat else "auto",
+            error_feedback=args.error_feedback,
+            rotation=None if args.rotation == "none" else args.rotation,
         )
         ddp.register_comm_hook(state, cgx_hook)
     elif args.mode == "hook" and args.bits != 32:  # a Global-QSGD hook, by its name
@@ -168,6 +170,10 @@ def train(args: argparse.Namespace) -> dict:
             progress(line)
     progress.close()
     sent = (None, None)
+    # What the hook's state was made with (None: no CGX hook), as it reports it.
+    cgx = {"rotation": None, "error_feedback": None}
+    if isinstance(state, CGXState):
+        cgx = {"rotation": state.rotation, "error_feedback": state.errors is not None}
     if state is not None:  # Global-QSGD's state counts what it sent; plain DDP's ring, this:
         plain = args.steps * ring_bytes_sent(4 * sum(p.numel() for p in model.parameters()), world)
         sent = (state.bytes_sent, getattr(state, "bytes_uncompressed", plain))
@@ -193,6 +199,7 @@ def train(args: argparse.Namespace) -> dict:
         "step_ms": 1e3 * sorted(times)[len(times) // 2],
         "bytes_sent": sent[0],
         "bytes_uncompressed": sent[1],
+        **cgx,
         "losses": losses,
         # What replayed CUDA graphs (CGX2_CUDA_GRAPHS) did on this rank, over the whole run.
         "cuda_graphs": graphs_used if any(graphs_used.values()) else None,
@@ -290,6 +297,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="cgx",
         help="hook mode's hook: CGX's, or a Global-QSGD hook",
     )
+    p.add_argument(
+        "--rotation",
+        choices=("none", "hadamard"),
+        default="none",
+        help="cgx hook: code each layer's randomized Hadamard rotation (docs/low-bits.md)",
+    )
+    p.add_argument(
+        "--error-feedback",
+        action="store_true",
+        help="cgx hook: add what quantization took from a step's gradient to the next",
+    )
     p.add_argument("--compile", action="store_true", help="torch.compile the model under DDP")
     p.add_argument(
         "--flat",
@@ -324,6 +342,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--compare times a hook against plain DDP on the same group: --mode hook, bits 1-8")
     if not (1 <= args.bits <= 8 or args.bits == 32):
         p.error("--bits must be in 1..8, or 32")
+    if (args.rotation != "none" or args.error_feedback) and (
+        args.mode != "hook" or args.hook != "cgx" or args.bits == 32
+    ):
+        p.error("--rotation and --error-feedback are the cgx hook's: --mode hook, bits 1-8")
     return args
 
 

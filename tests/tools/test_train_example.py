@@ -180,3 +180,23 @@ def test_compare_reports_time_against_plain_ddp(tmp_path):
     said = f"{ratio:.2f}x as fast" if ratio >= 1 else f"{1 / ratio:.2f}x as slow"
     assert f"4-bit DDP was {said}" in proc.stdout
     assert 0 < result["bytes_sent"] < result["bytes_uncompressed"]
+
+
+@pytest.mark.slow
+def test_rotation_and_error_feedback_reach_the_hooks_state(tmp_path):
+    """--rotation hadamard --error-feedback make the cgx hook's state rotate and keep residuals
+    (as the state reports them), for 2 steps at 2 bits; other modes refuse them."""
+    out = tmp_path / "rotated.json"
+    model = "--dim 32 --layers 1 --heads 2 --context 32 --batch-size 4 --steps 2 --device cpu"
+    flags = ["--bits", "2", "--rotation", "hadamard", "--error-feedback", *model.split()]
+    cmd = [sys.executable, str(EXAMPLE), *flags, "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["rotation"] == "hadamard" and result["error_feedback"] is True
+    assert len(result["losses"]) == 2 and 0 < result["bytes_sent"] < result["bytes_uncompressed"]
+    cmd = [sys.executable, str(EXAMPLE), "--bits", "32", "--rotation", "hadamard"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--rotation and --error-feedback are the cgx hook's" in (
+        proc.stderr
+    )
