@@ -15,7 +15,8 @@ The text is the Python standard library's source as shipped (its .py files, docu
 docstrings and pydoc's topics included): every tenth file, in sorted order, is held out. The
 learning rate warms up linearly, then follows a cosine to a tenth of its peak. ``--seeds N``
 repeats plain DDP and CGX 4-bit with N seeds (their spread is the noise floor); the other
-compressors run with the first seed.
+compressors run with the first seed, and ``--only-seed K`` runs seed K of any. Each run's
+bits a value sent (metadata included) are :func:`bits_per_value`'s.
 """
 
 from __future__ import annotations
@@ -49,9 +50,13 @@ from cgx2.ddp import CGXState, GlobalQSGDState, LGreCoState, PowerSGDState, cgx_
 from cgx2.ddp import global_qsgd as gq
 
 
-def _cgx(bits: int, error_feedback: bool = False) -> tuple[Callable, Callable]:
+def _cgx(
+    bits: int, error_feedback: bool = False, rotation: str | None = None
+) -> tuple[Callable, Callable]:
     params = {"bits": bits, "bucket_size": 512}
-    return cgx_hook, lambda g: CGXState(g, 1024, params, error_feedback=error_feedback)
+    return cgx_hook, lambda g: CGXState(
+        g, 1024, params, error_feedback=error_feedback, rotation=rotation
+    )
 
 
 # name: (what it is, DDP hook, state factory given the process group); "fsdp4" is FSDP2's
@@ -62,6 +67,14 @@ COMPRESSORS: dict[str, tuple[str, Callable | None, Callable | None]] = {
     "cgx8": ("CGX 8-bit", *_cgx(8)),
     "cgx4-ef": ("CGX 4-bit, error feedback", *_cgx(4, True)),
     "cgx2-ef": ("CGX 2-bit, error feedback", *_cgx(2, True)),
+    # Fewer bits at the same loss (issue 44): rotated buckets (blocks of 128), error feedback
+    "cgx2-rot": ("CGX 2-bit, rotated", *_cgx(2, rotation="hadamard")),
+    "cgx2-rot-ef": ("CGX 2-bit, rotated, error feedback", *_cgx(2, True, "hadamard")),
+    "cgx3": ("CGX 3-bit", *_cgx(3)),
+    "cgx3-rot": ("CGX 3-bit, rotated", *_cgx(3, rotation="hadamard")),
+    "cgx3-ef": ("CGX 3-bit, error feedback", *_cgx(3, True)),
+    "cgx3-rot-ef": ("CGX 3-bit, rotated, error feedback", *_cgx(3, True, "hadamard")),
+    "cgx4-rot": ("CGX 4-bit, rotated", *_cgx(4, rotation="hadamard")),
     "sd8": ("standard dithering (int8)", gq.standard_dithering_hook, GlobalQSGDState),
     "sd4": ("standard dithering 4-bit", gq.standard_dithering_4bit_hook, GlobalQSGDState),
     "thc": ("THC", gq.thc_hook, GlobalQSGDState),
@@ -137,6 +150,23 @@ def _bytes_sent(name: str, state: object, plain: int) -> int:
     if name == "fsdp4":
         return sum(c.bytes_sent for c in state)
     return state.bytes_sent  # every hook's state counts what its rank sent
+
+
+def bits_per_value(run: dict) -> tuple[float | None, float | None]:
+    """Bits a rank sent a gradient value, metadata included: ``32 x`` its bytes over what plain
+    DDP's fp32 ring allreduce sends (``plain_bytes_per_step``, 2(W-1)/W x 4 bytes a value),
+    over the whole run and over its last evaluation interval. A hook's ``bytes_sent`` counts
+    every payload (each bucket's scale and offset, padding to whole buckets), the layers sent
+    exact (biases, norms: 32 bits) and CGXState's first step, sent exact; the last interval
+    leaves that step out. None where the compressor counts no bytes."""
+    plain, evals = run.get("plain_bytes_per_step"), run.get("evals") or []
+    if not plain or run.get("bytes_per_step") is None:
+        return None, None
+    whole = 32 * run["bytes_per_step"] / plain
+    if len(evals) < 2 or evals[-2]["bytes_sent"] is None:
+        return whole, None
+    a, b = evals[-2], evals[-1]
+    return whole, 32 * (b["bytes_sent"] - a["bytes_sent"]) / (plain * (b["step"] - a["step"]))
 
 
 @torch.no_grad()
@@ -238,7 +268,7 @@ def run_one(
         progress.close()
     ckpt.unlink(missing_ok=True)
     final = evals[-1]["loss"]
-    return {
+    result = {
         "compressor": name,
         "what": COMPRESSORS[name][0],
         "seed": seed,
@@ -254,6 +284,8 @@ def run_one(
         "plain_bytes_per_step": plain_step,
         "step_ms": 1e3 * sorted(times)[len(times) // 2],
     }
+    result["bits_per_value"], result["bits_per_value_late"] = bits_per_value(result)
+    return result
 
 
 def _run_path(out: Path, name: str, seed: int) -> Path:
@@ -292,12 +324,14 @@ def pending_runs(args: argparse.Namespace, world: int) -> list[tuple[str, int]]:
     """The (compressor, seed) runs not yet in ``--out``; SystemExit if a run there is of
     other settings."""
     out, done_as = Path(args.out), fingerprint(args, world)
-    todo = [
-        (name, seed)
-        for name in args.compressors
-        for seed in (range(args.seeds) if name in SEEDED else [0])
-        if args.only_seed is None or seed == args.only_seed
-    ]
+    if args.only_seed is not None:  # asked for by name: any compressor's seed K
+        todo = [(name, args.only_seed) for name in args.compressors]
+    else:
+        todo = [
+            (name, seed)
+            for name in args.compressors
+            for seed in (range(args.seeds) if name in SEEDED else [0])
+        ]
     pending = []
     for name, seed in todo:
         path = _run_path(out, name, seed)
@@ -364,6 +398,7 @@ def summarize(out: Path) -> dict:
             for r in rs
             if r["seed"] in plain_by_seed
         ]
+        bits, late = bits_per_value(rs[0])  # (every seed sends the same bytes)
         rows.append(
             {
                 "compressor": name,
@@ -374,6 +409,8 @@ def summarize(out: Path) -> dict:
                 "vs_plain": None if base is None else (loss - base) / base,
                 "vs_plain_same_seed": sum(paired) / len(paired) if paired else None,
                 "mb_per_step": sent[0] / 1e6 if sent else None,
+                "bits_per_value": bits,
+                "bits_per_value_late": late,
                 "step_ms": sum(r["step_ms"] for r in rs) / len(rs),
             }
         )
@@ -388,15 +425,16 @@ def table(summary: dict) -> str:
 
     lines = [
         "| compressor | seeds | held-out loss | perplexity | vs plain | vs plain, same seed "
-        "| MB/step a rank | step ms |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| MB/step a rank | bits a value | step ms |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in summary["rows"]:
         mb = "-" if r["mb_per_step"] is None else f"{r['mb_per_step']:.2f}"
+        bits = "-" if r.get("bits_per_value") is None else f"{r['bits_per_value']:.2f}"
         paired = pct(r.get("vs_plain_same_seed"))
         lines.append(
             f"| {r['what']} | {r['seeds']} | {r['held_out_loss']:.4f} | "
-            f"{r['ppl']:.3f} | {pct(r['vs_plain'])} | {paired} | {mb} | "
+            f"{r['ppl']:.3f} | {pct(r['vs_plain'])} | {paired} | {mb} | {bits} | "
             f"{r['step_ms']:.1f} |"
         )
     if spread is not None:
@@ -404,6 +442,10 @@ def table(summary: dict) -> str:
             f"\nplain DDP's seed spread (max - min held-out loss): {spread:.4f} "
             f"({100 * spread / summary['plain_mean']:.2f}% of its mean)"
         )
+    lines.append(
+        "bits a value: 32 x the bytes a rank sent over plain DDP's fp32 ring allreduce, the "
+        "whole run (scales, padding, exact layers and the exact first step included)"
+    )
     return "\n".join(lines)
 
 
@@ -473,7 +515,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--only-seed",
         type=int,
         metavar="K",
-        help="run only seed K of those (several processes sharing a study)",
+        help="run only seed K, of any compressor (several processes sharing a study; "
+        "more seeds of the best low-bit one)",
     )
     p.add_argument("--steps", type=int, default=2000, help="training steps a run")
     p.add_argument("--warmup", type=int, default=100, help="steps of linear warm-up")

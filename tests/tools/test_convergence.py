@@ -150,3 +150,52 @@ def test_the_optimizer_marks_a_run_only_when_it_is_not_adamw():
     want = hashlib.sha1(json.dumps(legacy, sort_keys=True).encode()).hexdigest()[:12]
     assert convergence.fingerprint(adamw, 2) == want
     assert convergence.fingerprint(sgd, 2) != want
+
+
+@pytest.mark.slow
+def test_low_bit_compressors_run_any_seed_and_report_their_bits_a_value(tmp_path):
+    """Issue 44's compressors train on CPU: 2 bits rotated with error feedback beside 2 bits
+    plain, seed 1 of each (``--only-seed`` runs any compressor's), a few steps: the same bytes
+    (rotation and residuals change what is sent, not how much), other steps (the first step
+    exact, CGXState's start_iter, so the first two losses agree), and bits a value from the
+    bytes the hook counted."""
+    out = tmp_path / "low"
+    tiny = [a if a != "40" else "4" for a in TINY]  # --steps 4
+    tiny[tiny.index("--eval-every") + 1] = "2"
+    cmd = [sys.executable, str(SCRIPT), *tiny, "--compressors", "cgx2-rot-ef,cgx2"]
+    proc = subprocess.run(
+        [*cmd, "--only-seed", "1", "--out", str(out)], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rot, plain2 = (
+        json.loads((out / f"run_{name}_seed1.json").read_text()) for name in ("cgx2-rot-ef", "cgx2")
+    )
+    assert rot["what"] == "CGX 2-bit, rotated, error feedback" and rot["seed"] == 1
+    assert rot["train_losses"][:2] == pytest.approx(plain2["train_losses"][:2], rel=1e-6)
+    assert rot["train_losses"][2:] != plain2["train_losses"][2:]
+    assert rot["bytes_per_step"] == plain2["bytes_per_step"]
+    sent = rot["evals"]
+    assert rot["bits_per_value"] == pytest.approx(
+        32 * sent[-1]["bytes_sent"] / (4 * rot["plain_bytes_per_step"])
+    )
+    late = 32 * (sent[1]["bytes_sent"] - sent[0]["bytes_sent"]) / (2 * rot["plain_bytes_per_step"])
+    # the tiny model's small layers go exact, and the first step too: more than 2 bits
+    assert rot["bits_per_value_late"] == pytest.approx(late)
+    assert 2 < rot["bits_per_value_late"] < rot["bits_per_value"] < 32
+    assert "| CGX 2-bit, rotated, error feedback | 1 |" in proc.stdout
+
+
+def test_bits_a_value_of_the_committed_study():
+    """The committed study's runs (bench/results/convergence): bits a value from the bytes each
+    rank counted against plain DDP's ring, metadata included: 2 bits send 2.2, 4 bits 4.2 (a
+    bucket of 512 values carries a scale and an offset), plain 32."""
+    convergence = _load_script()
+    rows = {
+        r["compressor"]: r
+        for r in convergence.summarize(SCRIPT.parents[1] / "bench/results/convergence")["rows"]
+    }
+    assert rows["plain"]["bits_per_value"] == rows["plain"]["bits_per_value_late"] == 32
+    for name, low, high in (("cgx2", 2.1, 2.3), ("cgx4", 4.1, 4.3), ("cgx8", 8.1, 8.3)):
+        assert low < rows[name]["bits_per_value_late"] < rows[name]["bits_per_value"] < high
+    text = convergence.table({"rows": list(rows.values()), "plain_spread": None})
+    assert "| 7.98 | 2.20 |" in text
