@@ -3,13 +3,14 @@ the lanes, lane i on GPU i mod the GPUs, a seed a run, no run started that canno
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 SCRIPT = Path(__file__).parents[2] / "bench" / "convergence_study.sh"
 
 
 def _launches(
-    tmp_path: Path, lanes: int, runs: str, done: tuple[str, ...] = (), run_s: int = 1
+    tmp_path: Path, lanes: int, runs: str | None, done: tuple[str, ...] = (), run_s: int = 1
 ) -> tuple[list, str]:
     fake = tmp_path / "bin"
     fake.mkdir(exist_ok=True)
@@ -22,15 +23,16 @@ def _launches(
         (study / name).parent.mkdir(parents=True, exist_ok=True)
         (study / name).write_text("{}")
     env = {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if k not in ("RUNS", "LOW_BITS")},
         "PATH": f"{fake}:{os.environ['PATH']}",
         "NGPU": "2",
         "LANES": str(lanes),
         "DIR": str(study),
-        "RUNS": runs,
         "TIMEOUT": "120",
         "RUN_S": str(run_s),
     }
+    if runs is not None:  # else the script's default
+        env["RUNS"] = runs
     proc = subprocess.run(
         ["bash", str(SCRIPT)],
         env=env,
@@ -90,3 +92,27 @@ def test_a_run_left_checkpointed_resumes_even_with_little_time_left(tmp_path):
         tmp_path, 2, "plain cgx4", done=("checkpoints/cgx4_seed0_rank0.pt",), run_s=121
     )
     assert got == [("1", "cgx4", "0")] and "plain not started" in out
+
+
+def test_by_default_the_committed_runs_start_nothing_and_the_low_bit_ones_run(tmp_path):
+    """With the committed study's runs in DIR (as device_run copies them), the default RUNS
+    starts issue 44's compressors only, seed 0 each, every one a compressor of
+    examples/convergence.py."""
+    committed = SCRIPT.parent / "results" / "convergence"
+    done = tuple(p.name for p in committed.glob("run_*.json"))
+    assert len(done) >= 18
+    got, _ = _launches(tmp_path, 2, None, done=done)
+    names = [name for _, name, _ in got]
+    assert sorted(names) == sorted(
+        "cgx2-rot-ef cgx2-rot cgx4-rot cgx3-rot-ef cgx3-rot cgx3 cgx3-ef".split()
+    )
+    assert {seed for _, _, seed in got} == {"0"}
+    sys.path.insert(0, str(SCRIPT.parents[1] / "examples"))
+    import convergence
+
+    assert set(names) <= set(convergence.COMPRESSORS)
+
+
+def test_more_seeds_of_any_compressor(tmp_path):
+    got, _ = _launches(tmp_path, 1, "cgx2-rot-ef@1 cgx2-rot-ef@2")
+    assert got == [("0", "cgx2-rot-ef", "1"), ("0", "cgx2-rot-ef", "2")]
