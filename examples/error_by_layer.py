@@ -10,9 +10,12 @@ cgx2's reference model of the collective, against their exact mean:
 One process stands for the ranks: the training step's batch is theirs together. Per kind of
 layer (the blocks' alike together): its values, its share of the mean gradient's squared norm,
 the relative error ||allreduced - mean|| / ||mean|| at each width beside the mean's own
-sampling noise, and its share of the step's squared error at the narrowest. Layers the hook
-sends exact (biases, norms, fewer than ``--layer-min-size`` values) have none. A table per
-step, and a JSON of all of them.
+sampling noise, and its share of the step's squared error at the narrowest. ``--rotation``
+measures each width plain, rotated (randomized Hadamard, blocks of ``--rotation-block``, as
+``CGXState(rotation="hadamard")`` sends it) or both (the default; rotated columns "...-bit
+rot"); each step's line under its table gives the whole gradient's error-to-noise ratio
+(relative error over batch noise) at each. Layers the hook sends exact (biases, norms, fewer
+than ``--layer-min-size`` values) have none. A table per step, and a JSON of all of them.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from train_ddp import CharTransformer, batch
 
 from cgx2.bench import report
 from cgx2.collectives import reference_allreduce
+from cgx2.collectives.rotations import check_rotation
 
 
 def kind(name: str) -> str:
@@ -59,7 +63,8 @@ def gradients(
 def errors(
     model: nn.Module, per_rank: list[dict[str, torch.Tensor]], args: argparse.Namespace, seed: int
 ) -> list[dict]:
-    """Per kind of layer: values, squared norm of the mean gradient, squared error per width."""
+    """Per kind of layer: values, squared norm of the mean gradient, squared error per width
+    and rotation (keys as :func:`columns`')."""
     kinds: dict[str, dict] = {}
     for name, p in model.named_parameters():
         grads = [g[name].float().cpu() for g in per_rank]
@@ -83,16 +88,35 @@ def errors(
         row["noise2"] += float(sum((g - mean).square().sum() for g in grads)) / (w * (w - 1))
         if p.dim() > 1 and p.numel() >= args.layer_min_size:
             row["compressed"] = True
-            for bits in args.bits:
-                got = reference_allreduce(grads, bits, args.bucket_size, seed, "avg")
-                row["err2"][bits] = row["err2"].get(bits, 0.0) + float((got - mean).square().sum())
+            for key, bits, rotation in columns(args):
+                got = reference_allreduce(
+                    grads,
+                    bits,
+                    args.bucket_size,
+                    seed,
+                    "avg",
+                    rotation=rotation,
+                    rotation_block=args.rotation_block,
+                )
+                row["err2"][key] = row["err2"].get(key, 0.0) + float((got - mean).square().sum())
     return list(kinds.values())
 
 
-def rows_of(kinds: list[dict], bits: list[int]) -> list[dict]:
-    """The table's rows: shares and relative errors."""
+def columns(args: argparse.Namespace) -> list[tuple[str, int, str | None]]:
+    """The measured (key, bits, rotation): "2" for 2 bits plain, "2_rot" rotated; the first is
+    the narrowest width of the first rotation asked for."""
+    return [
+        (f"{b}{'' if rotation is None else '_rot'}", b, rotation)
+        for rotation in args.rotations
+        for b in args.bits
+    ]
+
+
+def rows_of(kinds: list[dict], keys: list[str]) -> list[dict]:
+    """The table's rows: shares, relative errors (``rel_err_<key>``) and the error-to-noise
+    ratios (``err_to_noise_<key>``: the relative error over the batch noise)."""
     norm2 = sum(k["norm2"] for k in kinds)
-    narrowest = min(bits)
+    narrowest = keys[0]
     err2 = sum(k["err2"].get(narrowest, 0.0) for k in kinds)
     rows = []
     for k in sorted(kinds, key=lambda k: -k["err2"].get(narrowest, 0.0)):
@@ -104,9 +128,13 @@ def rows_of(kinds: list[dict], bits: list[int]) -> list[dict]:
             "compressed": k["compressed"],
             "batch_noise": (k["noise2"] / k["norm2"]) ** 0.5,
         }
-        for b in bits:
-            e = k["err2"].get(b)
-            row[f"rel_err_{b}"] = None if e is None else (e / k["norm2"]) ** 0.5
+        for key in keys:
+            e = k["err2"].get(key)
+            row[f"rel_err_{key}"] = None if e is None else (e / k["norm2"]) ** 0.5
+            noise = row["batch_noise"]
+            row[f"err_to_noise_{key}"] = (
+                None if e is None or not noise else row[f"rel_err_{key}"] / noise
+            )
         rows.append(row)
     whole = {
         "layer": "the whole gradient",
@@ -116,15 +144,23 @@ def rows_of(kinds: list[dict], bits: list[int]) -> list[dict]:
         "compressed": None,
         "batch_noise": (sum(k["noise2"] for k in kinds) / norm2) ** 0.5,
     }
-    for b in bits:
-        whole[f"rel_err_{b}"] = (sum(k["err2"].get(b, 0.0) for k in kinds) / norm2) ** 0.5
+    for key in keys:
+        whole[f"rel_err_{key}"] = (sum(k["err2"].get(key, 0.0) for k in kinds) / norm2) ** 0.5
+        whole[f"err_to_noise_{key}"] = whole[f"rel_err_{key}"] / whole["batch_noise"]
     return [*rows, whole]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=report.HelpFormatter)
     p.add_argument("--ranks", type=int, default=4, help="ranks the batches stand for")
-    p.add_argument("--bits", default="2,4,8", help="comma-separated widths")
+    p.add_argument("--bits", default="2,3,4,8", help="comma-separated widths")
+    p.add_argument(
+        "--rotation",
+        choices=("none", "hadamard", "both"),
+        default="both",
+        help="each width as sent plain, rotated (CGXState(rotation='hadamard')), or both",
+    )
+    p.add_argument("--rotation-block", type=int, default=128, help="the rotation's block")
     p.add_argument("--steps", type=int, default=2000, help="plain training steps in all")
     p.add_argument("--at", default="0,500,2000", help="steps after which to measure")
     p.add_argument("--warmup", type=int, default=100)
@@ -148,6 +184,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.bits = sorted({int(b) for b in args.bits.split(",")})
     args.at = sorted({int(s) for s in args.at.split(",")})
+    try:
+        check_rotation("hadamard", args.rotation_block, args.bucket_size, "", "--rotation-block")
+    except ValueError as e:
+        p.error(str(e))
+    args.rotations = {"none": [None], "hadamard": ["hadamard"], "both": [None, "hadamard"]}[
+        args.rotation
+    ]
     if args.ranks < 2 or any(not 1 <= b <= 8 for b in args.bits):
         p.error("--ranks must be at least 2 and --bits between 1 and 8")
     if any(not 0 <= s <= args.steps for s in args.at):
@@ -166,12 +209,13 @@ def main(argv: list[str] | None = None) -> dict:
     gen = torch.Generator().manual_seed(args.seed)
     measured_gen = torch.Generator().manual_seed(args.seed + 1)  # the measured batches
     progress = report.Progress()
+    keys = [key for key, _, _ in columns(args)]
     measured = []
     for step in range(args.steps + 1):
         if step in args.at:
             progress(f"step {step}: the error of each layer at {args.bits} bits")
             kinds = errors(model, gradients(model, train, args, measured_gen, device), args, step)
-            measured.append({"step": step, "rows": rows_of(kinds, args.bits)})
+            measured.append({"step": step, "rows": rows_of(kinds, keys)})
         if step == args.steps:
             break
         opt.zero_grad(set_to_none=True)
@@ -183,29 +227,38 @@ def main(argv: list[str] | None = None) -> dict:
         if (step + 1) % 100 == 0:
             progress(f"step {step + 1}/{args.steps}: train loss {loss.item():.4f}")
     progress.close()
-    narrowest = min(args.bits)
-    columns = [
+
+    def title(key: str) -> str:
+        return f"{key.removesuffix('_rot')}-bit{' rot' if key.endswith('_rot') else ''}"
+
+    narrowest = title(keys[0])
+    table = [
         ("layer", "layer", ""),
         ("values", "values", ","),
         ("grad_share", "grad share", ".1%"),
-        ("error_share", f"{narrowest}-bit error share", ".1%"),
+        ("error_share", f"{narrowest} error share", ".1%"),
     ]
-    columns += [("batch_noise", "batch noise", ".3f")]
-    columns += [(f"rel_err_{b}", f"rel. err {b}-bit", ".3f") for b in args.bits]
+    table += [("batch_noise", "batch noise", ".3f")]
+    table += [(f"rel_err_{key}", f"rel. err {title(key)}", ".3f") for key in keys]
     for m in measured:
         print(f"\nafter {m['step']} steps:")
-        print(report.format_table(m["rows"], columns))
+        print(report.format_table(m["rows"], table))
+        whole = m["rows"][-1]
+        ratios = ", ".join(f"{title(k)} {whole[f'err_to_noise_{k}']:.2f}" for k in keys)
+        print(f"error-to-noise ratio, the whole gradient: {ratios}")
     print(
         report.format_legend(
             [
                 ("grad share", "the layer's share of the mean gradient's squared norm"),
-                ("error share", f"its share of the {narrowest}-bit allreduce's squared error"),
+                ("error share", f"its share of the {narrowest} allreduce's squared error"),
                 (
                     "batch noise",
                     "the mean gradient's standard error from the ranks' spread, / ||mean||: "
                     "the noise of SGD's batches, for scale",
                 ),
                 ("rel. err", "||allreduced - mean|| / ||mean|| over the layer (- : sent exact)"),
+                ("rot", "the width's randomized Hadamard rotation (--rotation-block values)"),
+                ("error-to-noise", "rel. err / batch noise (the JSON has it for every row)"),
             ]
         )
     )
