@@ -130,7 +130,7 @@ def compress(
         for dtype, device, numel in sizes
     ]
     registered = any(d.compresses for d in decided)
-    logger.info("%s", _said(state, group, sizes, decided, registered))
+    logger.info("%s", _decision_in_words(state, group, sizes, decided, registered))
     if not registered:
         return None
     ddp_model.register_comm_hook(state, cgx_hook)
@@ -226,7 +226,7 @@ def _compresses(
     )
 
 
-def _said(
+def _decision_in_words(
     state: CGXState,
     group: dist.ProcessGroup,
     sizes: list[_Bucket],
@@ -237,14 +237,14 @@ def _said(
     n = len(sizes)
     largest = max(range(n), key=lambda i: sizes[i].numel * sizes[i].dtype.itemsize)
     dtype, _, numel = sizes[largest]
-    _, crossover, where = decided[largest]
+    crossover, regime = decided[largest].crossover, decided[largest].regime
     nbytes = numel * dtype.itemsize
     if registered:
         compressing = sum(d.compresses for d in decided)
         return (
             f"cgx2.ddp.compress: registered cgx_hook at {state.bits} bits: {compressing} of "
             f"DDP's {n} buckets compress (the largest holds "
-            f"{nbytes} bytes of {dtype} to quantize; the {where} regime quantizes from "
+            f"{nbytes} bytes of {dtype} to quantize; the {regime} regime quantizes from "
             f"{crossover} bytes)"
         )
     if state.bits == UNCOMPRESSED_BITS:
@@ -260,7 +260,7 @@ def _said(
         at = "never" if crossover is None else f"from {crossover} bytes"
         why = (
             f"none of its {n} buckets reaches the crossover (the largest holds {nbytes} "
-            f"bytes of {dtype} to quantize; the {where} regime quantizes {at}; "
+            f"bytes of {dtype} to quantize; the {regime} regime quantizes {at}; "
             "CGX2_CROSSOVER_BYTES=0 always compresses)"
         )
     return (
