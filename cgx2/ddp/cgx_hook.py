@@ -215,11 +215,7 @@ class CGXState:
                 "be bit-identical)"
             )
         return {
-            "bits": self.bits,
-            "bucket_size": self.bucket_size,
-            "rotation": self.rotation,
-            "rotation_block": self.rotation_block,
-            "layer_min_size": self.layer_min_size,
+            **self._coding(),
             "bytes_sent": self.bytes_sent,
             "bytes_uncompressed": self.bytes_uncompressed,
             "bit_plans": dict(self._bit_plans),
@@ -297,15 +293,21 @@ class CGXState:
             self._streams[device] = torch.cuda.Stream(device)
         return self._streams[device]
 
-    def _settings(self) -> dict[str, object]:
-        """The settings that decide how a bucket is reduced: what ranks compare before the
-        first (the hook's and :func:`cgx2.ddp.compress`'s checks add their own)."""
+    def _coding(self) -> dict[str, object]:
+        """How a layer is coded: what a checkpoint restores and the ranks compare first."""
         return {
             "bits": self.bits,
             "bucket_size": self.bucket_size,
             "rotation": self.rotation,
             "rotation_block": self.rotation_block,
             "layer_min_size": self.layer_min_size,
+        }
+
+    def _settings(self) -> dict[str, object]:
+        """The settings that decide how a bucket is reduced: what ranks compare before the
+        first (the hook's and :func:`cgx2.ddp.compress`'s checks add their own)."""
+        return {
+            **self._coding(),
             "skip_incomplete": self.skip_incomplete,
             "mesh": None if self.mesh is None else list(self.mesh.mesh.shape),
             "adaptive_bits": self.adaptive_bits,
