@@ -112,18 +112,18 @@ def plan_bits(
     best[0] = 0.0
     choices = []
     for layer in range(len(errors)):
-        new = np.full(resolution + 1, inf)
-        pick = np.full(resolution + 1, -1)
+        best_with_layer = np.full(resolution + 1, inf)
+        option_taken = np.full(resolution + 1, -1)
         for o in range(len(options)):
             s = steps[layer, o]
             if s > resolution:
                 continue
             shifted = np.full(resolution + 1, inf)
             shifted[s:] = best[: resolution + 1 - s] + cost[layer, o]
-            better = shifted < new
-            new[better], pick[better] = shifted[better], o
-        best = new
-        choices.append(pick)
+            better = shifted < best_with_layer
+            best_with_layer[better], option_taken[better] = shifted[better], o
+        best = best_with_layer
+        choices.append(option_taken)
     if not np.isfinite(best).any():
         return [max(options)] * len(errors)
     j = int(np.argmin(best))
