@@ -260,6 +260,12 @@ def _default_cache_dir() -> str:
     return str(Path.home() / ".cache" / "cgx2")
 
 
+def _check_one_of(value: object, choices: tuple, name: str) -> None:
+    """A ``ValueError`` naming ``name`` and ``choices`` unless ``value`` is one of them."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class TuningConfig:
     """cgx2's own knobs (``CGX2_*``), read once per process (:func:`tuning`; :func:`refresh`
@@ -335,16 +341,10 @@ class TuningConfig:
                 raise ValueError(f"{name} must be None or bytes >= 0, got {value!r}")
         if self.pipeline_bytes == 0:
             raise ValueError("pipeline_bytes must be positive (None: the regime's)")
-        if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
-        if self.check_agreement not in CHECK_MODES:
-            raise ValueError(
-                f"check_agreement must be one of {CHECK_MODES}, got {self.check_agreement!r}"
-            )
-        if self.rotation not in ROTATIONS:
-            raise ValueError(f"rotation must be one of {ROTATIONS}, got {self.rotation!r}")
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        _check_one_of(self.algorithm, ALGORITHMS, "algorithm")
+        _check_one_of(self.check_agreement, CHECK_MODES, "check_agreement")
+        _check_one_of(self.rotation, ROTATIONS, "rotation")
+        _check_one_of(self.transport, TRANSPORTS, "transport")
         if not self.cache_dir:
             object.__setattr__(self, "cache_dir", _default_cache_dir())
         if not self.calibration_file:
