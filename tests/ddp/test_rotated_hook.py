@@ -139,24 +139,12 @@ def test_ranks_with_different_rotations_are_told_at_the_first_bucket(dist2):
         assert "rotation" in message and "hadamard" in message, message
 
 
-_RUNNER = """
-import functools, sys
-sys.path.insert(0, {examples!r})
-import train_ddp
-from cgx2.ddp import CGXState
-# At the top level: spawned ranks run it again (as __mp_main__) before their work.
-train_ddp.CGXState = functools.partial(CGXState, rotation={rotation!r})
-if __name__ == "__main__":
-    train_ddp.main(sys.argv[1:])
-"""
-
-
 def _run_example(tmp_path: Path, bits: int, steps: int, rotation: str | None) -> dict:
-    runner = tmp_path / f"runner_{rotation}.py"
-    runner.write_text(_RUNNER.format(examples=str(EXAMPLES), rotation=rotation))
     out = tmp_path / f"bits{bits}_{rotation}.json"
     args = f"--bits {bits} --steps {steps} --log-every 20 --mode hook --device cpu".split()
-    cmd = [sys.executable, str(runner), *args, "--json", str(out)]
+    if rotation is not None:
+        args += ["--rotation", rotation]
+    cmd = [sys.executable, str(EXAMPLES / "train_ddp.py"), *args, "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=EXAMPLES)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
@@ -176,4 +164,5 @@ def test_two_bits_rotated_train_within_the_four_bit_tolerance(tmp_path):
         two["final_loss"],
         plain["final_loss"],
     )
+    assert two["rotation"] == "hadamard" and plain["rotation"] is None
     assert two["bytes_uncompressed"] / two["bytes_sent"] > 9
