@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import shlex
 import socket
@@ -54,6 +55,10 @@ EVEN = 0.1
 """Speedups within this fraction of 1 count as even: two runs of a row differ by about as much."""
 MAX_ITERS = 100
 """The most timed iterations of a row, however short its calls."""
+WINDOW_S = 0.02
+"""A timed sample's length at least, in seconds: calls back to back fill it (:func:`_timed`)."""
+MAX_CALLS = 64
+"""The most calls one timed sample holds."""
 
 
 def _speedup(row: dict[str, Any]) -> float:
@@ -169,12 +174,24 @@ def sent_bytes(numel: int, elem_size: int, bits: int, world: int) -> tuple[int, 
 
 
 def _timed(fns: list[Any], iters: int, seconds: float) -> tuple[list[float], int, list[Any]]:
-    """Median wall time (ms) of each of ``fns``, the slowest rank's, called in turn (a, b, a,
-    b, ...: drift cannot favour one), each call started after a barrier, after one untimed
-    warm-up call each. At least ``iters`` iterations, and more until ``seconds`` have passed
-    on rank 0 (up to :data:`MAX_ITERS`): a median of a few short calls moves a lot between
-    runs. Returns the medians, the iterations and the last results."""
+    """Median wall time (ms) of a call of each of ``fns``, the slowest rank's, called in turn
+    (a, b, a, b, ...: drift cannot favour one), after one untimed warm-up call each. Each
+    timed sample is a window of calls back to back, started after a barrier, long enough
+    (:data:`WINDOW_S`) that the ranks' skew leaving the barrier and the scheduler's wake-ups
+    are a small part of it, divided by its calls. At least ``iters`` samples, and more until
+    ``seconds`` have passed on rank 0 (up to :data:`MAX_ITERS`): a median of a few short calls
+    moves a lot between runs. Returns the medians, the samples and the last results."""
     outs = [fn() for fn in fns]
+    # Calls a window: from one more call each, timed; every rank must make as many calls.
+    calls = []
+    for fn in fns:
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        calls.append(max(1, math.ceil(WINDOW_S / max(time.perf_counter() - t0, 1e-6))))
+    calls_t = torch.tensor(calls, dtype=torch.int64)
+    dist.all_reduce(calls_t, op=dist.ReduceOp.MAX)
+    calls = [min(int(c), MAX_CALLS) for c in calls_t.tolist()]
     times: list[list[float]] = [[] for _ in fns]
     start = time.perf_counter()
     done = torch.zeros(1, dtype=torch.uint8)
@@ -182,8 +199,9 @@ def _timed(fns: list[Any], iters: int, seconds: float) -> tuple[list[float], int
         for i, fn in enumerate(fns):
             dist.barrier()
             t0 = time.perf_counter()
-            outs[i] = fn()
-            times[i].append(time.perf_counter() - t0)
+            for _ in range(calls[i]):
+                outs[i] = fn()
+            times[i].append((time.perf_counter() - t0) / calls[i])
         n = len(times[0])
         if n >= iters:  # rank 0's clock decides for all: every rank runs as many
             done.fill_(n >= MAX_ITERS or time.perf_counter() - start >= seconds)
@@ -541,8 +559,8 @@ def main(argv: list[str] | None = None) -> int:
     ranks = f"{world} hosts joined by {args.link} links" if args.hosts else f"{world} ranks"
     title = (
         f"cgx2 quantized allreduce vs plain allreduce: {ranks}, gloo, {args.dtype}, bucket "
-        f"{BUCKET_SIZE}, the slowest rank's median of {_iters_range(rows)} iterations, gloo's "
-        "and cgx2's in turn"
+        f"{BUCKET_SIZE}, the slowest rank's median of {_iters_range(rows)} samples (each "
+        f"{WINDOW_S * 1e3:g} ms or more of calls back to back), gloo's and cgx2's in turn"
     )
     print(textwrap.fill(title, 100) + "\n")
     print(format_table(rows))
