@@ -27,7 +27,9 @@
 #     mlp_allreduce, torch's allreduce_hook, mlp_cgx4_flat and mlp_cgx4_mesh, the node mesh
 #     off and on, mlp_plain_big and mlp_cgx4_big, DDP's buckets at 100 MB).
 #   NCCL_HOST_PLAN: "LAYOUT RATE RUN...; ..." runs exactly these, in this order (in place of
-#     LAYOUTS, NCCL_HOST_RATES and NCCL_HOST_RUNS); a layout 1xN is one host of N GPUs without
+#     LAYOUTS, NCCL_HOST_RATES and NCCL_HOST_RUNS); RUN+VAR=VALUE[+VAR=VALUE] runs RUN with those
+#     variables set in every rank (an A/B inside one call: mlp_cgx4+CGX2_CUDA_GRAPHS=0), its
+#     results in the summary's "Variants" table; a layout 1xN is one host of N GPUs without
 #     the lab, its "rate" the regime: nvlink, shm or socket. They run in that order for every layout and rate,
 #     the compiled and HSDP runs after the rest of every layout and rate.
 #   BUDGET_S (480): no run starts past it (those left are listed as skipped), nor runs more than
@@ -126,9 +128,10 @@ EOF
 }
 
 # A run's program and arguments, given its name and its folder; empty: not this layout's.
-program() {  # name folder layout
-  local name=$1 dir=$2 layout=$3 bits pbits dtype
+program() {  # name folder layout; NAME+VAR=VALUE... runs NAME with those variables set (A/B)
+  local name=${1%%+*} dir=$2 layout=$3 bits pbits dtype
   args=() run_env=()
+  if [ "$name" != "$1" ]; then IFS=+ read -ra run_env <<< "${1#*+}"; fi
   case $name in
     bench) args=(-m cgx2.bench --backend "$backend" --out "$dir" $BENCH_ARGS) ;;
     mlp_plain) args=(bench/ddp_gloo_cuda.py --hook plain) ;;
@@ -138,7 +141,7 @@ program() {  # name folder layout
     mlp_cgx4_big)  # DDP's buckets of 100 MB: the link's latency paid a quarter as often
       args=(bench/ddp_gloo_cuda.py --hook cgx --bits 4 --bucket-cap-mb 100 --name cgx4_big) ;;
     mlp_cgx4_flat|mlp_cgx4_mesh)  # the node mesh off or on (CGX2_NODE_MESH), not measured
-      run_env=(CGX2_NODE_MESH=$([ "$name" = mlp_cgx4_mesh ] && echo 1 || echo 0))
+      run_env+=(CGX2_NODE_MESH=$([ "$name" = mlp_cgx4_mesh ] && echo 1 || echo 0))
       args=(bench/ddp_gloo_cuda.py --hook cgx --bits 4 --name "${name#mlp_}") ;;
     mlp_bf16) args=(bench/ddp_gloo_cuda.py --hook bf16) ;;
     mlp_powersgd) args=(bench/ddp_gloo_cuda.py --hook powersgd) ;;

@@ -239,7 +239,54 @@ def section(folder: Path, layout: str, rate: str, runs: dict[str, dict]) -> tupl
                 }
                 for b, r in got.items()
             }
+    variants = variant_rows(folder, runs, mlp_plain=load(folder / "mlp_plain", "ddp_*.json"))
+    if variants:
+        lines += [
+            "",
+            "| variant (run+variables) | what | ms | vs its run |",
+            "| --- | --- | ---: | ---: |",
+            *variants,
+        ]
     return "\n".join(lines), data
+
+
+def variant_rows(folder: Path, runs: dict[str, dict], mlp_plain: dict | None) -> list[str]:
+    """Rows for runs named RUN+VAR=VALUE (nccl_hosts.sh's A/B): each beside RUN's own result."""
+    rows = []
+    for name in runs:
+        if "+" not in name:
+            continue
+        base = name.split("+", 1)[0]
+        if base == "bench":
+            got, own = (
+                load(folder / name, "allreduce_*.json"),
+                load(folder / base, "allreduce_*.json"),
+            )
+            if got is None:
+                rows.append(f"| {name} | allreduce | no result | |")
+                continue
+            mine = {
+                (r["size"], r["dtype"], r["bits"]): r["cgx2_ms"]
+                for r in (own or {}).get("rows", [])
+            }
+            for r in got["rows"]:
+                key = (r["size"], r["dtype"], r["bits"])
+                rows.append(
+                    f"| {name} | {r['size']} {r['dtype']} {r['bits']}-bit "
+                    f"({r['fraction_of_sol']:.0%} of light) | {r['cgx2_ms']:.2f} "
+                    f"| {ratio(mine.get(key), r['cgx2_ms'])} |"
+                )
+        elif base.startswith("mlp_"):
+            got, own = load(folder / name, "ddp_*.json"), load(folder / base, "ddp_*.json")
+            if got is None:
+                rows.append(f"| {name} | DDP step | no result | |")
+                continue
+            plain, step = (mlp_plain or {}).get("median_ms"), got["median_ms"]
+            rows.append(
+                f"| {name} | DDP step ({ratio(plain, step)} plain DDP) "
+                f"| {step:.1f} | {ratio((own or {}).get('median_ms'), step)} |"
+            )
+    return rows
 
 
 def gpus(machine: dict[str, Any]) -> str:
