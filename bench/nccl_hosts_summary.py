@@ -269,12 +269,13 @@ def variant_rows(folder: Path, runs: dict[str, dict], mlp_plain: dict | None) ->
                 (r["size"], r["dtype"], r["bits"]): r["cgx2_ms"]
                 for r in (own or {}).get("rows", [])
             }
-            for r in got["rows"]:
-                key = (r["size"], r["dtype"], r["bits"])
+            for r in got.get("rows", []):  # a variant may be another version's JSON
+                key = (r.get("size"), r.get("dtype"), r.get("bits"))
+                light = r.get("fraction_of_sol")
                 rows.append(
-                    f"| {name} | {r['size']} {r['dtype']} {r['bits']}-bit "
-                    f"({r['fraction_of_sol']:.0%} of light) | {r['cgx2_ms']:.2f} "
-                    f"| {ratio(mine.get(key), r['cgx2_ms'])} |"
+                    f"| {name} | {key[0]} {key[1]} {key[2]}-bit "
+                    f"({'?' if light is None else f'{light:.0%}'} of light) "
+                    f"| {ms(r.get('cgx2_ms'))} | {ratio(mine.get(key), r.get('cgx2_ms'))} |"
                 )
         elif base.startswith("mlp_"):
             got, own = load(folder / name, "ddp_*.json"), load(folder / base, "ddp_*.json")
