@@ -6,9 +6,10 @@ values; encode and decode-sum-encode programs walk a few tiles each in grid stri
 the next while coding one; buckets wider than ``BLOCK`` are walked a tile at a time
 (statistics first, then levels). A thread holds whole groups of eight values: each group is
 one Philox call (computed in-kernel) and one packed field, so neither crosses threads. With
-``rotation`` (:mod:`.rotation`), separate kernels rotate each tile in registers after loading
-it (encode; own's values in decode-sum-encode) or before storing it (decode), the unrotated
-ones unchanged. Runs on CUDA, or on the CPU under ``TRITON_INTERPRET=1`` (tests)."""
+``rotation`` (:mod:`.rotation`), the same kernels rotate each tile in registers after loading
+it (encode; own's values in decode-sum-encode) or before storing it (decode): a constexpr,
+whose unrotated builds hold none of it. Runs on CUDA, or on the CPU under
+``TRITON_INTERPRET=1`` (tests)."""
 
 from __future__ import annotations
 
@@ -1081,8 +1082,19 @@ def _zero_gaps(
     tl.store(row_ptr + levels_end + offs, zeros, mask=levels_end + offs < end)
 
 
-@triton.jit
-def _encode_program(
+@triton.jit(
+    do_not_specialize=[
+        "numel",
+        "chunk_numel",
+        "k0",
+        "k1",
+        "stream0",
+        "skip_chunk",
+        "sign_k0",
+        "sign_k1",
+    ]
+)
+def _encode_kernel(
     x_ptr,
     out_u8,
     numel,
@@ -1103,10 +1115,10 @@ def _encode_program(
     KEYS_IN_MEMORY: tl.constexpr,
     BUCKETS: tl.constexpr,
     BLOCK: tl.constexpr,
-    ZERO_GAPS: tl.constexpr,
-    NEAREST: tl.constexpr,
-    ROT: tl.constexpr,
-    SIGNS_IN_MEMORY: tl.constexpr,
+    ZERO_GAPS: tl.constexpr = False,
+    NEAREST: tl.constexpr = False,
+    ROT: tl.constexpr = 0,
+    SIGNS_IN_MEMORY: tl.constexpr = False,
 ):
     """Program i encodes tiles i, i + P, ... of chunk program_id(1) (P programs per chunk).
     Buckets that fit a tile are loaded one tile ahead, so that the next tile's loads are in
@@ -1114,7 +1126,8 @@ def _encode_program(
     alignment gaps before and after the levels (a payload allocated uninitialized: one
     memset launch fewer). ``NEAREST``: levels rounded to the nearest, not stochastically.
     ``ROT``: each chunk's values rotated first (:func:`_rotate_tile`), the signs' key
-    ``sign_k0, sign_k1`` or the int64 at ``signs_ptr``."""
+    ``sign_k0, sign_k1`` or the int64 at ``signs_ptr``; 0 (no rotation, the signs' key None)
+    compiles with none of the rotation's code or parameters."""
     j = tl.program_id(1)
     start, nq, quant, levels_at = _geometry(j, numel, chunk_numel, B, SKIP_INCOMPLETE, ALIGN)
     nq = tl.where(j == skip_chunk, 0, nq)
@@ -1267,125 +1280,6 @@ def _encode_program(
                 )
 
 
-@triton.jit(do_not_specialize=["numel", "chunk_numel", "k0", "k1", "stream0", "skip_chunk"])
-def _encode_kernel(
-    x_ptr,
-    out_u8,
-    numel,
-    chunk_numel,
-    row_nbytes,
-    k0,
-    k1,
-    keys_ptr,
-    stream0,
-    skip_chunk,
-    BITS: tl.constexpr,
-    B: tl.constexpr,
-    SKIP_INCOMPLETE: tl.constexpr,
-    ALIGN: tl.constexpr,
-    KEYS_IN_MEMORY: tl.constexpr,
-    BUCKETS: tl.constexpr,
-    BLOCK: tl.constexpr,
-    ZERO_GAPS: tl.constexpr = False,
-    NEAREST: tl.constexpr = False,
-):
-    """:func:`_encode_program` with no rotation."""
-    _encode_program(
-        x_ptr,
-        out_u8,
-        numel,
-        chunk_numel,
-        row_nbytes,
-        k0,
-        k1,
-        keys_ptr,
-        stream0,
-        skip_chunk,
-        0,
-        0,
-        keys_ptr,
-        BITS,
-        B,
-        SKIP_INCOMPLETE,
-        ALIGN,
-        KEYS_IN_MEMORY,
-        BUCKETS,
-        BLOCK,
-        ZERO_GAPS,
-        NEAREST,
-        0,
-        False,
-    )
-
-
-@triton.jit(
-    do_not_specialize=[
-        "numel",
-        "chunk_numel",
-        "k0",
-        "k1",
-        "stream0",
-        "skip_chunk",
-        "sign_k0",
-        "sign_k1",
-    ]
-)
-def _encode_rotated_kernel(
-    x_ptr,
-    out_u8,
-    numel,
-    chunk_numel,
-    row_nbytes,
-    k0,
-    k1,
-    keys_ptr,
-    stream0,
-    skip_chunk,
-    sign_k0,
-    sign_k1,
-    signs_ptr,
-    BITS: tl.constexpr,
-    B: tl.constexpr,
-    SKIP_INCOMPLETE: tl.constexpr,
-    ALIGN: tl.constexpr,
-    KEYS_IN_MEMORY: tl.constexpr,
-    BUCKETS: tl.constexpr,
-    BLOCK: tl.constexpr,
-    ROT: tl.constexpr,
-    SIGNS_IN_MEMORY: tl.constexpr,
-    ZERO_GAPS: tl.constexpr = False,
-    NEAREST: tl.constexpr = False,
-):
-    """:func:`_encode_program` of the rotated values: a kernel of its own, so that the
-    unrotated one keeps its parameters and launches."""
-    _encode_program(
-        x_ptr,
-        out_u8,
-        numel,
-        chunk_numel,
-        row_nbytes,
-        k0,
-        k1,
-        keys_ptr,
-        stream0,
-        skip_chunk,
-        sign_k0,
-        sign_k1,
-        signs_ptr,
-        BITS,
-        B,
-        SKIP_INCOMPLETE,
-        ALIGN,
-        KEYS_IN_MEMORY,
-        BUCKETS,
-        BLOCK,
-        ZERO_GAPS,
-        NEAREST,
-        ROT,
-        SIGNS_IN_MEMORY,
-    )
-
-
 @triton.jit
 def _decode_tiles(
     lev_ptr,
@@ -1436,8 +1330,8 @@ def _decode_tiles(
             tl.store(out_ptr + e + 4, v1, mask=valid1)
 
 
-@triton.jit
-def _decode_program(
+@triton.jit(do_not_specialize=["numel", "chunk_numel", "sign_k0", "sign_k1"])
+def _decode_kernel(
     in_u8,
     out_ptr,
     numel,
@@ -1453,11 +1347,11 @@ def _decode_program(
     ALIGN: tl.constexpr,
     BUCKETS: tl.constexpr,
     BLOCK: tl.constexpr,
-    ROT: tl.constexpr,
-    SIGNS_IN_MEMORY: tl.constexpr,
+    ROT: tl.constexpr = 0,
+    SIGNS_IN_MEMORY: tl.constexpr = False,
 ):
     """Program (i, j) decodes tile i of chunk j (``ROT``: and rotates it back, the signs' key
-    ``sign_k0, sign_k1`` or the int64 at ``signs_ptr``)."""
+    as :func:`_encode_kernel` takes it)."""
     j = tl.program_id(1)
     start, nq, quant, levels_at = _geometry(j, numel, chunk_numel, B, SKIP_INCOMPLETE, ALIGN)
     q = tl.program_id(0).to(tl.int64) * BUCKETS + tl.arange(0, BUCKETS)
@@ -1511,85 +1405,6 @@ def _decode_program(
             rot_end,
             ROT,
         )
-
-
-@triton.jit(do_not_specialize=["numel", "chunk_numel"])
-def _decode_kernel(
-    in_u8,
-    out_ptr,
-    numel,
-    chunk_numel,
-    row_nbytes,
-    BITS: tl.constexpr,
-    B: tl.constexpr,
-    SKIP_INCOMPLETE: tl.constexpr,
-    OUT_BF16: tl.constexpr,
-    ALIGN: tl.constexpr,
-    BUCKETS: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """:func:`_decode_program` with no rotation."""
-    _decode_program(
-        in_u8,
-        out_ptr,
-        numel,
-        chunk_numel,
-        row_nbytes,
-        0,
-        0,
-        in_u8,
-        BITS,
-        B,
-        SKIP_INCOMPLETE,
-        OUT_BF16,
-        ALIGN,
-        BUCKETS,
-        BLOCK,
-        0,
-        False,
-    )
-
-
-@triton.jit(do_not_specialize=["numel", "chunk_numel", "sign_k0", "sign_k1"])
-def _decode_rotated_kernel(
-    in_u8,
-    out_ptr,
-    numel,
-    chunk_numel,
-    row_nbytes,
-    sign_k0,
-    sign_k1,
-    signs_ptr,
-    BITS: tl.constexpr,
-    B: tl.constexpr,
-    SKIP_INCOMPLETE: tl.constexpr,
-    OUT_BF16: tl.constexpr,
-    ALIGN: tl.constexpr,
-    BUCKETS: tl.constexpr,
-    BLOCK: tl.constexpr,
-    ROT: tl.constexpr,
-    SIGNS_IN_MEMORY: tl.constexpr,
-):
-    """:func:`_decode_program`, rotating back (a kernel of its own, as the encoder's)."""
-    _decode_program(
-        in_u8,
-        out_ptr,
-        numel,
-        chunk_numel,
-        row_nbytes,
-        sign_k0,
-        sign_k1,
-        signs_ptr,
-        BITS,
-        B,
-        SKIP_INCOMPLETE,
-        OUT_BF16,
-        ALIGN,
-        BUCKETS,
-        BLOCK,
-        ROT,
-        SIGNS_IN_MEMORY,
-    )
 
 
 @triton.jit
@@ -1966,8 +1781,8 @@ def _decode_sum_encode_wide(
     _store_meta(meta_ptr, q, qmask, stored_lo, step)
 
 
-@triton.jit
-def _decode_sum_encode_program(
+@triton.jit(do_not_specialize=["numel", "own_index", "k0", "k1", "stream", "sign_k0", "sign_k1"])
+def _decode_sum_encode_kernel(
     in_u8,
     own_ptr,
     out_u8,
@@ -1992,13 +1807,13 @@ def _decode_sum_encode_program(
     KEYS_IN_MEMORY: tl.constexpr,
     BUCKETS: tl.constexpr,
     BLOCK: tl.constexpr,
-    ROT: tl.constexpr,
-    SIGNS_IN_MEMORY: tl.constexpr,
+    ROT: tl.constexpr = 0,
+    SIGNS_IN_MEMORY: tl.constexpr = False,
 ):
     """Program i sums and encodes tiles i, i + P, ... (P programs); as in
-    :func:`_encode_program`, the next tile's inputs load while this one is coded. ``ROT``:
-    own's values rotated (the rows' are), the signs' key ``sign_k0, sign_k1`` or at
-    ``signs_ptr``; the sum is coded as it is, in the rotated domain."""
+    :func:`_encode_kernel`, the next tile's inputs load while this one is coded. ``ROT``:
+    own's values rotated (the rows' are), the signs' key as :func:`_encode_kernel` takes
+    it; the sum is coded as it is, in the rotated domain."""
     _start, nq, quant, levels_at = _geometry(tl.program_id(1), numel, numel, B, SKIP_INCOMPLETE, 1)
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -2242,122 +2057,6 @@ def _decode_sum_encode_program(
                 )
 
 
-@triton.jit(do_not_specialize=["numel", "own_index", "k0", "k1", "stream"])
-def _decode_sum_encode_kernel(
-    in_u8,
-    own_ptr,
-    out_u8,
-    numel,
-    row_nbytes,
-    own_index,
-    scale,
-    k0,
-    k1,
-    keys_ptr,
-    stream,
-    NUM_ROWS: tl.constexpr,
-    SKIP_OWN: tl.constexpr,
-    BITS: tl.constexpr,
-    B: tl.constexpr,
-    SKIP_INCOMPLETE: tl.constexpr,
-    HAS_OWN: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
-    KEYS_IN_MEMORY: tl.constexpr,
-    BUCKETS: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """:func:`_decode_sum_encode_program` with no rotation."""
-    _decode_sum_encode_program(
-        in_u8,
-        own_ptr,
-        out_u8,
-        numel,
-        row_nbytes,
-        own_index,
-        scale,
-        k0,
-        k1,
-        keys_ptr,
-        stream,
-        0,
-        0,
-        keys_ptr,
-        NUM_ROWS,
-        SKIP_OWN,
-        BITS,
-        B,
-        SKIP_INCOMPLETE,
-        HAS_OWN,
-        HAS_SCALE,
-        KEYS_IN_MEMORY,
-        BUCKETS,
-        BLOCK,
-        0,
-        False,
-    )
-
-
-@triton.jit(do_not_specialize=["numel", "own_index", "k0", "k1", "stream", "sign_k0", "sign_k1"])
-def _decode_sum_encode_rotated_kernel(
-    in_u8,
-    own_ptr,
-    out_u8,
-    numel,
-    row_nbytes,
-    own_index,
-    scale,
-    k0,
-    k1,
-    keys_ptr,
-    stream,
-    sign_k0,
-    sign_k1,
-    signs_ptr,
-    NUM_ROWS: tl.constexpr,
-    SKIP_OWN: tl.constexpr,
-    BITS: tl.constexpr,
-    B: tl.constexpr,
-    SKIP_INCOMPLETE: tl.constexpr,
-    HAS_OWN: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
-    KEYS_IN_MEMORY: tl.constexpr,
-    BUCKETS: tl.constexpr,
-    BLOCK: tl.constexpr,
-    ROT: tl.constexpr,
-    SIGNS_IN_MEMORY: tl.constexpr,
-):
-    """:func:`_decode_sum_encode_program` with own's values rotated (a kernel of its own, as
-    the encoder's)."""
-    _decode_sum_encode_program(
-        in_u8,
-        own_ptr,
-        out_u8,
-        numel,
-        row_nbytes,
-        own_index,
-        scale,
-        k0,
-        k1,
-        keys_ptr,
-        stream,
-        sign_k0,
-        sign_k1,
-        signs_ptr,
-        NUM_ROWS,
-        SKIP_OWN,
-        BITS,
-        B,
-        SKIP_INCOMPLETE,
-        HAS_OWN,
-        HAS_SCALE,
-        KEYS_IN_MEMORY,
-        BUCKETS,
-        BLOCK,
-        ROT,
-        SIGNS_IN_MEMORY,
-    )
-
-
 @triton.jit(do_not_specialize=["n", "base", "rot_end", "sign_k0", "sign_k1"])
 def _rotate_kernel(
     x_ptr,
@@ -2396,9 +2095,6 @@ def _rotate_kernel(
 _launch_encode = Launcher(_encode_kernel)
 _launch_decode = Launcher(_decode_kernel)
 _launch_decode_sum_encode = Launcher(_decode_sum_encode_kernel)
-_launch_encode_rotated = Launcher(_encode_rotated_kernel)
-_launch_decode_sum_encode_rotated = Launcher(_decode_sum_encode_rotated_kernel)
-_launch_decode_rotated = Launcher(_decode_rotated_kernel)
 _launch_rotate = Launcher(_rotate_kernel)
 # Values a program of the standalone rotation takes (at least a block).
 _ROTATE_BLOCK = 1024
@@ -2467,6 +2163,20 @@ def _sign_args(rotation: Rotation, other: torch.Tensor) -> tuple[int, int, torch
     return k0, k1, other, False
 
 
+# The coding kernels' signs' key where they do not rotate: None, which Triton builds as a
+# constant, so that the unrotated build takes no parameter for it.
+_NO_SIGNS = (None, None, None)
+
+
+def _rotation_args(rotation: Rotation | None, other: torch.Tensor) -> tuple[tuple, dict]:
+    """A coding kernel's rotation: the signs' key ``(sign_k0, sign_k1, signs_ptr)`` and the
+    constexprs ``ROT`` and ``SIGNS_IN_MEMORY`` (none without a rotation: their defaults)."""
+    if rotation is None:
+        return _NO_SIGNS, {}
+    sk0, sk1, signs, in_memory = _sign_args(rotation, other)
+    return (sk0, sk1, signs), {"ROT": rotation.block, "SIGNS_IN_MEMORY": in_memory}
+
+
 def _rotated(
     x: torch.Tensor,
     rotation: Rotation,
@@ -2531,12 +2241,12 @@ def _encode_call(
     nearest: bool = False,
     rotation: Rotation | None = None,
 ) -> tuple[tuple[int, int], tuple, dict]:
-    """The encode kernel's grid, positional arguments and constexprs (the rotated kernel's,
-    given a rotation)."""
+    """The encode kernel's grid, positional arguments and constexprs."""
     launch = _launch("encode", layout.bucket_size, flat.dtype, rotation)
     max_nq = -(-layout.chunk_numel // layout.bucket_size)
     grid = (_programs(-(-max_nq // launch["BUCKETS"])), layout.num_chunks)
     k0, k1, keys, in_memory = _key_args(key, rows)
+    signs, rotating = _rotation_args(rotation, rows)
     args = (
         flat,
         rows,
@@ -2548,6 +2258,7 @@ def _encode_call(
         keys,
         stream0,
         skip_chunk,
+        *signs,
     )
     constexprs = dict(
         BITS=layout.bits,
@@ -2557,11 +2268,8 @@ def _encode_call(
         KEYS_IN_MEMORY=in_memory,
         ZERO_GAPS=zero_gaps,
         **launch,
+        **rotating,
     )
-    if rotation is not None:
-        sk0, sk1, signs, signs_in_memory = _sign_args(rotation, rows)
-        args = (*args, sk0, sk1, signs)
-        constexprs.update(ROT=rotation.block, SIGNS_IN_MEMORY=signs_in_memory)
     if nearest:  # absent otherwise: the variants compiled so far stay the ones launched
         constexprs["NEAREST"] = True
     return grid, args, constexprs
@@ -2601,7 +2309,7 @@ def encode_chunks(
     grid, args, constexprs = _encode_call(
         flat, rows, layout, key, stream0, skip_chunk, zero_gaps, nearest, rotation
     )
-    (_launch_encode if rotation is None else _launch_encode_rotated)(grid, *args, **constexprs)
+    _launch_encode(grid, *args, **constexprs)
     for j in range(layout.num_chunks if layout.skip_incomplete else 0):
         chunk = layout.chunk(j)
         if chunk.raw_numel and j != skip_chunk:
@@ -2621,12 +2329,12 @@ def _decode_call(
     dtype: torch.dtype,
     rotation: Rotation | None = None,
 ) -> tuple[tuple[int, int], tuple, dict]:
-    """The decode kernel's grid, positional arguments and constexprs (the rotated kernel's,
-    given a rotation)."""
+    """The decode kernel's grid, positional arguments and constexprs."""
     launch = _launch("decode", layout.bucket_size, dtype, rotation)
     max_nq = -(-layout.chunk_numel // layout.bucket_size)
     grid = (-(-max_nq // launch["BUCKETS"]), layout.num_chunks)
-    args = (payloads, out, layout.numel, layout.chunk_numel, _row_pitch(payloads))
+    signs, rotating = _rotation_args(rotation, payloads)
+    args = (payloads, out, layout.numel, layout.chunk_numel, _row_pitch(payloads), *signs)
     constexprs = dict(
         BITS=layout.bits,
         B=layout.bucket_size,
@@ -2634,11 +2342,8 @@ def _decode_call(
         OUT_BF16=dtype == torch.bfloat16,
         ALIGN=math.gcd(layout.chunk_numel, 16),
         **launch,
+        **rotating,
     )
-    if rotation is not None:
-        sk0, sk1, signs, signs_in_memory = _sign_args(rotation, payloads)
-        args = (*args, sk0, sk1, signs)
-        constexprs.update(ROT=rotation.block, SIGNS_IN_MEMORY=signs_in_memory)
     return grid, args, constexprs
 
 
@@ -2660,7 +2365,7 @@ def decode_chunks(
     if layout.numel == 0:
         return out
     grid, args, constexprs = _decode_call(payloads, out, layout, dtype, rotation)
-    (_launch_decode if rotation is None else _launch_decode_rotated)(grid, *args, **constexprs)
+    _launch_decode(grid, *args, **constexprs)
     for j in range(layout.num_chunks if layout.skip_incomplete else 0):
         chunk = layout.chunk(j)
         if chunk.raw_numel:
@@ -2671,6 +2376,23 @@ def decode_chunks(
                 raw = _rotated(raw, rotation, chunk.numel, quant, inverse=True)
             out[tail : tail + chunk.raw_numel] = maxmin._cast(raw, dtype)
     return out
+
+
+def _bound_variant(
+    bound: dict[tuple, tuple], shape: tuple, tensor: torch.Tensor, device: int, launcher: Launcher
+) -> tuple | None:
+    """What ``bound`` holds for ``shape``, where its variant may launch ``tensor``: contiguous,
+    16-byte aligned, on the current device, with launches direct."""
+    found = bound.get(shape)
+    if (
+        found is not None
+        and tensor.is_contiguous()
+        and tensor.data_ptr() % 16 == 0
+        and device == torch._C._cuda_getDevice()
+        and launcher.direct()
+    ):
+        return found
+    return None
 
 
 def encode(
@@ -2686,25 +2408,23 @@ def encode(
     rotation: Rotation | None = None,
 ) -> torch.Tensor:
     """Same contract as :func:`cgx2.codecs.maxmin.encode`."""
-    if rotation is not None:
-        return _encode_rotated(
-            x, bits, bucket_size, key, stream, skip_incomplete, out, nearest, rotation
-        )
     fast = out is None and not skip_incomplete and type(key) is int and x.is_cuda and not nearest
+    block = None
+    if rotation is not None:
+        fast = fast and type(rotation.key) is int
+        block = rotation.block
     if fast:  # the public op's case: once launched, the same variant again with no dispatch
         device = x.get_device()
-        found = _BOUND_ENCODE.get((x.numel(), x.dtype, bits, bucket_size, device))
-        if (
-            found is not None
-            and x.is_contiguous()
-            and x.data_ptr() % 16 == 0
-            and device == torch._C._cuda_getDevice()
-            and _launch_encode.direct()
-        ):
+        shape = (x.numel(), x.dtype, bits, bucket_size, device, block)
+        found = _bound_variant(_BOUND_ENCODE, shape, x, device, _launch_encode)
+        if found is not None:
             bound, n, nbytes = found
             payload = x.new_empty(nbytes, dtype=torch.uint8)
             k0, k1 = _key(key)
             address = payload.data_ptr()
+            signs = _NO_SIGNS
+            if rotation is not None:
+                signs = (*_sign_args(rotation, payload)[:2], address)
             bound.run(
                 torch._C._cuda_getCurrentRawStream(device),
                 x.data_ptr(),
@@ -2717,22 +2437,22 @@ def encode(
                 address,
                 stream,
                 -1,
+                *signs,
             )
             return payload
     n = x.numel()
     layout = ChunkedLayout.split(n, 1, bits, bucket_size, skip_incomplete)
-    rows = encode_chunks(x, layout, key, stream0=stream, nearest=nearest)
+    rows = encode_chunks(x, layout, key, stream0=stream, nearest=nearest, rotation=rotation)
     payload = rows.view(-1)
     if fast and n and x.is_contiguous() and x.data_ptr() % 16 == 0:
         flat = x.reshape(-1)
-        grid, args, constexprs = _encode_call(flat, rows, layout, key, stream, -1, True)
+        grid, args, constexprs = _encode_call(
+            flat, rows, layout, key, stream, -1, True, rotation=rotation
+        )
         bound = _launch_encode.bound(grid, *args, **constexprs)
         if bound is not None:
-            _BOUND_ENCODE[n, x.dtype, bits, bucket_size, x.get_device()] = (
-                bound,
-                n,
-                layout.payload_nbytes,
-            )
+            shape = (n, x.dtype, bits, bucket_size, x.get_device(), block)
+            _BOUND_ENCODE[shape] = (bound, n, layout.payload_nbytes)
     if out is None:
         return payload
     out[: payload.numel()] = payload
@@ -2741,130 +2461,9 @@ def encode(
 
 # The one-payload encode and decode of each shape, bound to their compiled kernel variant:
 # the public ops' calls, whose host time is mostly launching (BENCHMARKS.md, "Host time").
-# The rotated kernels' under the same keys and the rotation's block.
+# Keyed by the values' count, dtype, bits, bucket size, device and rotation's block (None).
 _BOUND_ENCODE: dict[tuple, tuple] = {}
 _BOUND_DECODE: dict[tuple, tuple] = {}
-
-
-def _encode_rotated(
-    x: torch.Tensor,
-    bits: int,
-    bucket_size: int,
-    key: int,
-    stream: int,
-    skip_incomplete: bool,
-    out: torch.Tensor | None,
-    nearest: bool,
-    rotation: Rotation,
-) -> torch.Tensor:
-    """:func:`encode` with a rotation: a shape's calls after its first launch the bound variant
-    with no dispatch, as the unrotated ones (keys by value only)."""
-    fast = (
-        out is None
-        and not skip_incomplete
-        and type(key) is int
-        and type(rotation.key) is int
-        and x.is_cuda
-        and not nearest
-    )
-    if fast:
-        device = x.get_device()
-        found = _BOUND_ENCODE.get((x.numel(), x.dtype, bits, bucket_size, device, rotation.block))
-        if (
-            found is not None
-            and x.is_contiguous()
-            and x.data_ptr() % 16 == 0
-            and device == torch._C._cuda_getDevice()
-            and _launch_encode_rotated.direct()
-        ):
-            bound, n, nbytes = found
-            payload = x.new_empty(nbytes, dtype=torch.uint8)
-            k0, k1 = _key(key)
-            s0, s1, _, _ = _sign_args(rotation, payload)
-            address = payload.data_ptr()
-            bound.run(
-                torch._C._cuda_getCurrentRawStream(device),
-                x.data_ptr(),
-                address,
-                n,
-                n,
-                nbytes,
-                k0,
-                k1,
-                address,
-                stream,
-                -1,
-                s0,
-                s1,
-                address,
-            )
-            return payload
-    n = x.numel()
-    layout = ChunkedLayout.split(n, 1, bits, bucket_size, skip_incomplete)
-    rows = encode_chunks(x, layout, key, stream0=stream, nearest=nearest, rotation=rotation)
-    payload = rows.view(-1)
-    if fast and n and x.is_contiguous() and x.data_ptr() % 16 == 0:
-        grid, args, constexprs = _encode_call(
-            x.reshape(-1), rows, layout, key, stream, -1, True, rotation=rotation
-        )
-        bound = _launch_encode_rotated.bound(grid, *args, **constexprs)
-        if bound is not None:
-            shape = (n, x.dtype, bits, bucket_size, x.get_device(), rotation.block)
-            _BOUND_ENCODE[shape] = (bound, n, layout.payload_nbytes)
-    if out is None:
-        return payload
-    out[: payload.numel()] = payload
-    return out
-
-
-def _decode_rotated(
-    payload: torch.Tensor,
-    numel: int,
-    bits: int,
-    bucket_size: int,
-    dtype: torch.dtype,
-    skip_incomplete: bool,
-    rotation: Rotation,
-) -> torch.Tensor:
-    """:func:`decode` with a rotation, bound as :func:`_encode_rotated` is."""
-    fast = not skip_incomplete and payload.is_cuda and type(rotation.key) is int
-    if fast:
-        device = payload.get_device()
-        found = _BOUND_DECODE.get((numel, dtype, bits, bucket_size, device, rotation.block))
-        if (
-            found is not None
-            and payload.is_contiguous()
-            and payload.data_ptr() % 16 == 0
-            and device == torch._C._cuda_getDevice()
-            and _launch_decode_rotated.direct()
-        ):
-            bound, nbytes = found
-            out = payload.new_empty(numel, dtype=dtype)
-            s0, s1, _, _ = _sign_args(rotation, payload)
-            address = payload.data_ptr()
-            bound.run(
-                torch._C._cuda_getCurrentRawStream(device),
-                address,
-                out.data_ptr(),
-                numel,
-                numel,
-                nbytes,
-                s0,
-                s1,
-                address,
-            )
-            return out
-    layout = ChunkedLayout.split(numel, 1, bits, bucket_size, skip_incomplete)
-    nbytes = layout.payload_nbytes
-    rows = payload[:nbytes].view(1, nbytes)
-    out = decode_chunks(rows, layout, dtype, rotation=rotation)
-    if fast and numel and payload.is_contiguous() and payload.data_ptr() % 16 == 0:
-        grid, args, constexprs = _decode_call(rows, out, layout, dtype, rotation)
-        bound = _launch_decode_rotated.bound(grid, *args, **constexprs)
-        if bound is not None:
-            shape = (numel, dtype, bits, bucket_size, payload.get_device(), rotation.block)
-            _BOUND_DECODE[shape] = (bound, nbytes)
-    return out
 
 
 def decode(
@@ -2877,40 +2476,43 @@ def decode(
     *,
     rotation: Rotation | None = None,
 ) -> torch.Tensor:
-    """Same contract as :func:`cgx2.codecs.maxmin.decode`."""
-    if rotation is not None:
-        return _decode_rotated(payload, numel, bits, bucket_size, dtype, skip_incomplete, rotation)
+    """Same contract as :func:`cgx2.codecs.maxmin.decode`; bound as :func:`encode` is."""
     fast = not skip_incomplete and payload.is_cuda
+    block = None
+    if rotation is not None:
+        fast = fast and type(rotation.key) is int
+        block = rotation.block
     if fast:
         device = payload.get_device()
-        found = _BOUND_DECODE.get((numel, dtype, bits, bucket_size, device))
-        if (
-            found is not None
-            and payload.is_contiguous()
-            and payload.data_ptr() % 16 == 0
-            and device == torch._C._cuda_getDevice()
-            and _launch_decode.direct()
-        ):
+        shape = (numel, dtype, bits, bucket_size, device, block)
+        found = _bound_variant(_BOUND_DECODE, shape, payload, device, _launch_decode)
+        if found is not None:
             bound, nbytes = found
             out = payload.new_empty(numel, dtype=dtype)
+            address = payload.data_ptr()
+            signs = _NO_SIGNS
+            if rotation is not None:
+                signs = (*_sign_args(rotation, payload)[:2], address)
             bound.run(
                 torch._C._cuda_getCurrentRawStream(device),
-                payload.data_ptr(),
+                address,
                 out.data_ptr(),
                 numel,
                 numel,
                 nbytes,
+                *signs,
             )
             return out
     layout = ChunkedLayout.split(numel, 1, bits, bucket_size, skip_incomplete)
     nbytes = layout.payload_nbytes
     rows = payload[:nbytes].view(1, nbytes)
-    out = decode_chunks(rows, layout, dtype)
+    out = decode_chunks(rows, layout, dtype, rotation=rotation)
     if fast and numel and payload.is_contiguous() and payload.data_ptr() % 16 == 0:
-        grid, args, constexprs = _decode_call(rows, out, layout, dtype)
+        grid, args, constexprs = _decode_call(rows, out, layout, dtype, rotation)
         bound = _launch_decode.bound(grid, *args, **constexprs)
         if bound is not None:
-            _BOUND_DECODE[numel, dtype, bits, bucket_size, payload.get_device()] = (bound, nbytes)
+            shape = (numel, dtype, bits, bucket_size, payload.get_device(), block)
+            _BOUND_DECODE[shape] = (bound, nbytes)
     return out
 
 
@@ -2987,7 +2589,9 @@ def decode_sum_encode(
     grid = (_resident_programs(tiles, out.device, rotation is not None), 1)
     k0, k1, keys, in_memory = _key_args(key, out)
     if layout.num_buckets:
-        args = (
+        signs, rotating = _rotation_args(rotation, out)
+        _launch_decode_sum_encode(
+            grid,
             payloads,
             own_flat,
             out,
@@ -2999,8 +2603,7 @@ def decode_sum_encode(
             k1,
             keys,
             stream,
-        )
-        constexprs = dict(
+            *signs,
             NUM_ROWS=payloads.shape[0],
             SKIP_OWN=0 <= own_index < payloads.shape[0],
             BITS=bits,
@@ -3010,21 +2613,8 @@ def decode_sum_encode(
             HAS_SCALE=scale is not None,
             KEYS_IN_MEMORY=in_memory,
             **launch,
+            **rotating,
         )
-        if rotation is None:
-            _launch_decode_sum_encode(grid, *args, **constexprs)
-        else:
-            sk0, sk1, signs, signs_in_memory = _sign_args(rotation, out)
-            _launch_decode_sum_encode_rotated(
-                grid,
-                *args,
-                sk0,
-                sk1,
-                signs,
-                ROT=rotation.block,
-                SIGNS_IN_MEMORY=signs_in_memory,
-                **constexprs,
-            )
     if layout.raw_numel:
         tail = layout.num_buckets * bucket_size
         if own is None:

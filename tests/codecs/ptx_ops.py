@@ -28,13 +28,19 @@ _ROTATION = {"sign_k0": "i64", "sign_k1": "i64", "signs_ptr": "*i64"}
 _ROTATION_CONSTEXPRS = {"ROT": 128, "SIGNS_IN_MEMORY": False}
 
 
-def _rotated(signature: dict, constexprs: dict) -> tuple[dict, dict]:
-    """A kernel's signature and constexprs with the rotation's parameters: they come after
-    the positional ones, before the constexprs."""
+def _signs(signature: dict, constexprs: dict, rotated: bool) -> tuple[dict, dict]:
+    """A kernel's signature and constexprs with the rotation's parameters: the signs' key
+    after the positional ones, ``ROT`` and ``SIGNS_IN_MEMORY`` last. Not rotated: the key
+    None, as the unrotated launches pass it (a constant, no parameter of the build), and
+    ``ROT`` 0."""
     positional = {k: v for k, v in signature.items() if v != "constexpr"}
     rest = {k: v for k, v in signature.items() if v == "constexpr"}
     rest.update(dict.fromkeys(_ROTATION_CONSTEXPRS, "constexpr"))
-    return {**positional, **_ROTATION, **rest}, {**constexprs, **_ROTATION_CONSTEXPRS}
+    if rotated:
+        return {**positional, **_ROTATION, **rest}, {**constexprs, **_ROTATION_CONSTEXPRS}
+    signs = dict.fromkeys(_ROTATION, "constexpr")
+    unrotated = {**dict.fromkeys(_ROTATION), "ROT": 0, "SIGNS_IN_MEMORY": False}
+    return {**positional, **signs, **rest}, {**constexprs, **unrotated}
 
 
 def _encode(nearest: bool, tiles: dict, rotated: bool = False) -> str:
@@ -69,10 +75,7 @@ def _encode(nearest: bool, tiles: dict, rotated: bool = False) -> str:
         "NEAREST": nearest,
         **tiles,
     }
-    if rotated:
-        signature, constexprs = _rotated(signature, constexprs)
-        return ptx(mt._encode_rotated_kernel, signature, constexprs, 2)
-    return ptx(mt._encode_kernel, signature, constexprs, 2)
+    return ptx(mt._encode_kernel, *_signs(signature, constexprs, rotated), 2)
 
 
 def _registers(text: str) -> int:
@@ -129,10 +132,7 @@ def _decode_sum_encode(tiles: dict, rotated: bool = False, rows: int = 2) -> str
         "KEYS_IN_MEMORY": False,
         **tiles,
     }
-    if rotated:
-        signature, constexprs = _rotated(signature, constexprs)
-        return ptx(mt._decode_sum_encode_rotated_kernel, signature, constexprs, 3)
-    return ptx(mt._decode_sum_encode_kernel, signature, constexprs, 3)
+    return ptx(mt._decode_sum_encode_kernel, *_signs(signature, constexprs, rotated), 3)
 
 
 def _decode_rotated(tiles: dict) -> str:
@@ -151,8 +151,7 @@ def _decode_rotated(tiles: dict) -> str:
         "BLOCK": "constexpr",
     }
     constexprs = {"BITS": 4, "B": 512, "SKIP_INCOMPLETE": False, "OUT_BF16": True, "ALIGN": 16}
-    signature, constexprs = _rotated(signature, {**constexprs, **tiles})
-    return ptx(mt._decode_rotated_kernel, signature, constexprs, 2)
+    return ptx(mt._decode_kernel, *_signs(signature, {**constexprs, **tiles}, True), 2)
 
 
 def main() -> None:
