@@ -150,9 +150,10 @@ def main() -> None:
     x = torch.randn(args.numel, device=device)
     buffer = x.clone()
     plain = contextlib.nullcontext
+    call = collectives.CallSettings(bits, 512)
 
     def collective() -> torch.Tensor:
-        return collectives.allreduce(x, bits, 512, group, "sum")
+        return collectives.allreduce(x, group, call)
 
     settings = {
         "clone": (lambda: x.clone(), plain),

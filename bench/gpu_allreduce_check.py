@@ -120,7 +120,7 @@ def _check_deferred(rank: int, world: int) -> int:
     _tune(check_agreement="deferred")
     x = _input(rank, 1 << 20, torch.float32).cuda()
     checked = cgx2.quantized_allreduce(x, 4, seed=3)
-    unchecked = collectives.allreduce(x, 4, 512, dist.group.WORLD, "sum", 3)
+    unchecked = collectives.allreduce(x, dist.group.WORLD, collectives.CallSettings(4, 512, seed=3))
     ok = torch.equal(checked, unchecked)
     y = torch.ones(1024 if rank == 0 else 1000, device="cuda")
     message = ""
@@ -163,7 +163,9 @@ def _check_graphs(rank: int, world: int) -> int:
         eager, err_eager = [], []
         for seed in seeds:
             buf, err = x.clone(), torch.empty_like(x) if with_error else None
-            collectives.allreduce_(buf, bits, 512, dist.group.WORLD, op, seed, error=err)
+            collectives.allreduce_(
+                buf, dist.group.WORLD, collectives.CallSettings(bits, 512, op, seed), error=err
+            )
             eager.append(buf)
             err_eager.append(err)
         _tune(pipeline_bytes=piece, cuda_graphs=True)
@@ -171,7 +173,9 @@ def _check_graphs(rank: int, world: int) -> int:
         ok, differ = True, False
         for i, seed in enumerate(seeds):
             buf.copy_(x)
-            collectives.allreduce_(buf, bits, 512, dist.group.WORLD, op, seed, error=err)
+            collectives.allreduce_(
+                buf, dist.group.WORLD, collectives.CallSettings(bits, 512, op, seed), error=err
+            )
             ok = ok and torch.equal(
                 buf.view(INT[x.element_size()]), eager[i].view(INT[x.element_size()])
             )
@@ -216,7 +220,8 @@ def main() -> int:
         cgx2.quantized_allreduce_(in_place, bits, op=op, seed=17, skip_incomplete=skip)
         with_error = x.clone()
         error = torch.empty_like(x)  # the first stage's error, as error feedback reads it
-        collectives.allreduce_(with_error, bits, 512, dist.group.WORLD, op, 17, skip, error=error)
+        settings = collectives.CallSettings(bits, 512, op, 17, skip)
+        collectives.allreduce_(with_error, dist.group.WORLD, settings, error=error)
         in_place_same = torch.equal(
             with_error.view(INT[x.element_size()]), in_place.view(INT[x.element_size()])
         )

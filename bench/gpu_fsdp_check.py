@@ -100,7 +100,9 @@ def main() -> int:
             x = _input(rank, world * n, dtype).cuda()
             out = torch.empty(n, dtype=dtype, device="cuda")
             cgx2.manual_seed(9)
-            reduce_scatter_quantized(out, x, dist.group.WORLD, 4, 512, scale)
+            reduce_scatter_quantized(
+                out, x, dist.group.WORLD, cgx2.collectives.CallSettings(4, 512), scale
+            )
             if rank == 0:
                 inputs = [_input(r, world * n, dtype) for r in range(world)]
                 model = reference_reduce_scatter(inputs, 4, 512, _first_seed(9), scale)[0]

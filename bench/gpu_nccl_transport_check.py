@@ -61,7 +61,7 @@ def main() -> int:
             with cgx2.config.tuned(transport=transport, crossover_bytes=0, algorithm=algorithm):
                 route = policy.route(x, group, 4, 512)
                 results[transport] = (
-                    collectives.allreduce(x, 4, 512, group, seed=3),
+                    collectives.allreduce(x, group, collectives.CallSettings(4, 512, seed=3)),
                     route.transport,
                 )
         ok[f"{algorithm}: allreduce through nccl == through the process group"] = torch.equal(

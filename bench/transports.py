@@ -32,7 +32,8 @@ RING_SETTINGS = [("gloo_ring", "process_group", True, "ring"), ("shm_ring", "shm
 
 def _call(x: torch.Tensor, transport: str, compressed: bool, algorithm: str, bits: int) -> None:
     with cgx2.config.tuned(transport=transport, crossover_bytes=0, algorithm=algorithm):
-        collectives.allreduce_(x, bits if compressed else 32, 512, dist.group.WORLD, "sum")
+        call = collectives.CallSettings(bits if compressed else 32, 512)
+        collectives.allreduce_(x, dist.group.WORLD, call)
 
 
 def timed(x: torch.Tensor, iters: int, bits: int, settings: list) -> dict[str, list[float]]:

@@ -23,7 +23,7 @@ from torch.distributed import PrefixStore
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..checks import UNCOMPRESSED_BITS, reduce_op_name
-from ..collectives import agreement, policy
+from ..collectives import CallSettings, agreement, policy
 from ..collectives.fusion import allreduce_fused_, fusion_batches, padded_numel, ring_bytes_sent
 from ..collectives.hierarchical import hierarchical_allreduce_fused_, node_mesh
 from ..collectives.rotations import DEFAULT_BLOCK, check_rotation
@@ -185,7 +185,7 @@ class CGXProcessGroup(dist.ProcessGroup):
             )
         if compress:
             with self._side_stream(tensors):
-                self._compress(tensors, bits, bucket_size, op, rotation)
+                self._compress(tensors, CallSettings.of(bits, bucket_size, op, rotation=rotation))
                 agreement.settle(agreed, t, self)
                 return CompletedWork(tensors)
         work = self._delegate(tensors, opts.reduceOp)
@@ -220,12 +220,13 @@ class CGXProcessGroup(dist.ProcessGroup):
         for t in fused:
             groups.setdefault((t.device, t.dtype), []).append(t)
         limit = self.config.fusion_buffer_size_mb << 20
+        settings = CallSettings.of(bits, bucket_size, op, rotation=rotation)
         for (_, dtype), same in groups.items():
             sizes = [t.numel() for t in same]
             for batch in fusion_batches(sizes, dtype.itemsize, bucket_size, limit):
                 padded = sum(padded_numel(sizes[i], bucket_size) for i in batch)
                 if policy.compresses(same[batch[0]], self, bits, bucket_size, padded):
-                    self._compress([same[i] for i in batch], bits, bucket_size, op, rotation)
+                    self._compress([same[i] for i in batch], settings)
                 else:  # too small to pay on this interconnect: exact, in place
                     for i in batch:
                         self._delegate([same[i]], opts.reduceOp).wait()
@@ -277,27 +278,19 @@ class CGXProcessGroup(dist.ProcessGroup):
             self._meshes[device_type] = node_mesh(device_type) if several else None
         return self._meshes[device_type]
 
-    def _compress(
-        self,
-        tensors: Sequence[torch.Tensor],
-        bits: int,
-        bucket_size: int,
-        op: str,
-        rotation: str | None = None,
-    ) -> None:
+    def _compress(self, tensors: Sequence[torch.Tensor], settings: CallSettings) -> None:
         numel = sum(t.numel() for t in tensors)
         self.bytes_uncompressed += ring_bytes_sent(numel * tensors[0].element_size(), self.size())
+        bits, bucket_size = settings.bits, settings.bucket_size
         mesh = self.node_mesh(tensors[0].device.type, bits)
         intra_broadcast = self.config.intra_broadcast
         if mesh is None or not policy.by_node_mesh(
             tensors[0], self, mesh, bits, bucket_size, intra_broadcast, numel
         ):
-            self.bytes_sent += allreduce_fused_(
-                tensors, bits, bucket_size, self, op, rotation=rotation
-            )
+            self.bytes_sent += allreduce_fused_(tensors, self, settings)
         else:
             self.bytes_sent += hierarchical_allreduce_fused_(
-                list(tensors), bits, bucket_size, mesh, op, intra_broadcast, rotation=rotation
+                list(tensors), mesh, settings, intra_broadcast
             )
 
     def _rides_shared_memory(

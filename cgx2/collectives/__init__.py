@@ -2,12 +2,13 @@
 (:mod:`cgx2.comm`), each call routed by :mod:`.policy`.
 
 :func:`allreduce` / :func:`allreduce_` and :func:`reduce_scatter` are what the ops and entry
-points call; :mod:`.fusion` and :mod:`.hierarchical` build on them; :mod:`.reference` models
-them bit for bit.
+points call, a call's settings as one :class:`CallSettings`; :mod:`.fusion` and
+:mod:`.hierarchical` build on them; :mod:`.reference` models them bit for bit.
 """
 
 from . import crossovers, measure, policy
 from .allreduce import allreduce, allreduce_, exchange
+from .call_settings import CallSettings
 from .fusion import (
     allreduce_fused_,
     fuse_padded,
@@ -24,6 +25,7 @@ from .reference import reference_allreduce, reference_reduce_scatter
 crossovers.measure_with(measure)
 
 __all__ = [
+    "CallSettings",
     "Segment",
     "allreduce",
     "allreduce_",

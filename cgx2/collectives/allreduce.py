@@ -17,7 +17,8 @@ from ..codecs import ChunkedLayout, Codec, Rotation, maxmin_codec, triton_kernel
 from ..comm import Transport, group_info, process_group
 from ..seeding import derive_key, extend_key, next_seed
 from . import agreement, graphs, policy, ring
-from .rotations import DEFAULT_BLOCK, STAGE_ROTATION, check_rotation, rotation_key, rotation_of
+from .call_settings import CallSettings
+from .rotations import STAGE_ROTATION, rotation_key, rotation_of
 
 __all__ = ["STAGE_GATHER", "STAGE_SCATTER", "allreduce", "allreduce_", "exchange"]
 
@@ -29,79 +30,51 @@ STAGE_GATHER = 2
 
 def allreduce(
     t: torch.Tensor,
-    bits: int,
-    bucket_size: int,
     group: dist.ProcessGroup,
-    reduce_op: str = "sum",
-    seed: int | None = None,
-    skip_incomplete: bool = False,
+    settings: CallSettings,
     *,
     check_agreement: bool = False,
-    rotation: str | None = None,
-    rotation_block: int = DEFAULT_BLOCK,
 ) -> torch.Tensor:
-    """Allreduce (``"sum"``/``"avg"``) of ``t`` across ``group``, quantized to ``bits`` where
-    :func:`.policy.route` says compression pays, else the plain allreduce, exactly. Returns a
-    new tensor of ``t``'s shape and dtype, bit-identical on every rank; ``t`` is unchanged.
+    """Allreduce (``settings.reduce_op``: ``"sum"``/``"avg"``) of ``t`` across ``group``,
+    quantized to ``settings.bits`` where :func:`.policy.route` says compression pays, else the
+    plain allreduce, exactly. Returns a new tensor of ``t``'s shape and dtype, bit-identical
+    on every rank; ``t`` is unchanged.
 
-    Arguments are the entry points' to check (they are, once). Each value is quantized twice
-    (on the way to its owner, and once reduced); the owner's own contribution stays exact.
-    ``seed`` None draws the next seed from :mod:`cgx2.seeding`. Tensors larger than a piece
-    are cut into whole buckets per rank; while one piece is on the wire the next is coded.
+    The settings are the entry points' to check (they are, once). Each value is quantized
+    twice (on the way to its owner, and once reduced); the owner's own contribution stays
+    exact. Tensors larger than a piece are cut into whole buckets per rank; while one piece is
+    on the wire the next is coded.
 
     ``check_agreement``: where the route says so, first make sure every rank called alike
     (:mod:`.agreement`): for the entry points users call. DDP's and FSDP's hooks leave it
     off: their wrappers make every rank's buckets alike.
 
-    ``rotation`` (``"hadamard"``; None: none) codes each piece's randomized Hadamard rotation
-    in blocks of ``rotation_block`` values (a power of two dividing ``bucket_size``: a
-    ``ValueError`` otherwise, before anything is sent), its signs from the call's seed and the
-    piece (:mod:`.rotations`), the same on every rank; the owners sum rotated values and the
-    final decode rotates back (docs/wire-format.md, "Rotation").
+    ``settings.rotation`` codes each piece's randomized Hadamard rotation, its signs from the
+    call's seed and the piece (:mod:`.rotations`), the same on every rank; the owners sum
+    rotated values and the final decode rotates back (docs/wire-format.md, "Rotation").
     """
-    rotation = check_rotation(rotation, rotation_block, bucket_size)
     t = t.resolve_neg()  # the codecs and the process group read stored values, not the view's
-    route = policy.route(t, group, bits, bucket_size)
+    route = policy.route(t, group, settings.bits, settings.bucket_size)
     agreed = None
     if check_agreement and route.check:
-        agreed = _check_agreement(
-            route, t, bits, bucket_size, group, reduce_op, skip_incomplete, rotation, rotation_block
-        )
+        agreed = _check_agreement(route, t, group, settings)
     if not route.compress:
         out = route.transport.allreduce_plain_(
-            t.clone(memory_format=torch.contiguous_format), group, reduce_op
+            t.clone(memory_format=torch.contiguous_format), group, settings.reduce_op
         )
         return agreement.settle(agreed, out, group)
     out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-    _run_pieces(
-        route,
-        t.reshape(-1),
-        out.view(-1),
-        bits,
-        bucket_size,
-        group,
-        reduce_op,
-        seed,
-        skip_incomplete,
-        rotation=rotation,
-        rotation_block=rotation_block,
-    )
+    _run_pieces(route, t.reshape(-1), out.view(-1), group, settings)
     return agreement.settle(agreed, out, group)
 
 
 def allreduce_(
     t: torch.Tensor,
-    bits: int,
-    bucket_size: int,
     group: dist.ProcessGroup,
-    reduce_op: str = "sum",
-    seed: int | None = None,
-    skip_incomplete: bool = False,
+    settings: CallSettings,
     *,
     error: torch.Tensor | None = None,
     check_agreement: bool = False,
-    rotation: str | None = None,
-    rotation_block: int = DEFAULT_BLOCK,
 ) -> torch.Tensor:
     """:func:`allreduce` in place: the result (the same bytes) is written into ``t`` and ``t``
     is returned. No copy is made where ``t`` is contiguous, below the crossover either.
@@ -111,10 +84,9 @@ def allreduce_(
     quantization error of the chunks it sends, zero on the chunk it owns (kept exact) and
     everywhere when nothing is quantized. Error feedback carries it into the next step. The
     second stage's error (each reduced chunk quantized once more) is common to all ranks and
-    not in it. With ``rotation``, the error is measured in the values' own domain (what was
+    not in it. With a rotation, the error is measured in the values' own domain (what was
     put in minus the rotated payload decoded and rotated back), so it adds to the next
     step's gradient as it is."""
-    rotation = check_rotation(rotation, rotation_block, bucket_size)
     if error is not None and (
         error.shape != t.shape or error.dtype != t.dtype or not error.is_contiguous()
     ):
@@ -125,68 +97,32 @@ def allreduce_(
                 "tensor must be contiguous, not a negative view, for an allreduce that returns "
                 "its error"
             )
-        return t.copy_(
-            allreduce(
-                t,
-                bits,
-                bucket_size,
-                group,
-                reduce_op,
-                seed,
-                skip_incomplete,
-                check_agreement=check_agreement,
-                rotation=rotation,
-                rotation_block=rotation_block,
-            )
-        )
-    route = policy.route(t, group, bits, bucket_size)
+        return t.copy_(allreduce(t, group, settings, check_agreement=check_agreement))
+    route = policy.route(t, group, settings.bits, settings.bucket_size)
     agreed = None
     if check_agreement and route.check:
-        agreed = _check_agreement(
-            route, t, bits, bucket_size, group, reduce_op, skip_incomplete, rotation, rotation_block
-        )
+        agreed = _check_agreement(route, t, group, settings)
     if not route.compress:
         if error is not None:
             error.zero_()
         return agreement.settle(
-            agreed, route.transport.allreduce_plain_(t, group, reduce_op), group
+            agreed, route.transport.allreduce_plain_(t, group, settings.reduce_op), group
         )
     flat = t.view(-1)
-    _run_pieces(
-        route,
-        flat,
-        flat,
-        bits,
-        bucket_size,
-        group,
-        reduce_op,
-        seed,
-        skip_incomplete,
-        None if error is None else error.view(-1),
-        rotation=rotation,
-        rotation_block=rotation_block,
-    )
+    _run_pieces(route, flat, flat, group, settings, None if error is None else error.view(-1))
     return agreement.settle(agreed, t, group)
 
 
 def _check_agreement(
-    route: policy.Route,
-    t: torch.Tensor,
-    bits: int,
-    bucket_size: int,
-    group: dist.ProcessGroup,
-    reduce_op: str,
-    skip_incomplete: bool,
-    rotation: str | None,
-    rotation_block: int,
+    route: policy.Route, t: torch.Tensor, group: dist.ProcessGroup, settings: CallSettings
 ) -> torch.Tensor | None:
     fields = {
-        "bits": bits,
-        "bucket_size": bucket_size,
-        "reduce_op": reduce_op,
-        "skip_incomplete": skip_incomplete,
-        "rotation": rotation,
-        "rotation_block": rotation_block,
+        "bits": settings.bits,
+        "bucket_size": settings.bucket_size,
+        "reduce_op": settings.reduce_op,
+        "skip_incomplete": settings.skip_incomplete,
+        "rotation": settings.rotation_name,
+        "rotation_block": settings.rotation_block,
         "compressed": route.compress,
     }
     return agreement.check(
@@ -217,66 +153,38 @@ def _run_pieces(
     route: policy.Route,
     flat: torch.Tensor,
     out: torch.Tensor,
-    bits: int,
-    bucket_size: int,
     group: dist.ProcessGroup,
-    reduce_op: str,
-    seed: int | None,
-    skip_incomplete: bool,
+    settings: CallSettings,
     error: torch.Tensor | None = None,
-    *,
-    rotation: str | None = None,
-    rotation_block: int = DEFAULT_BLOCK,
 ) -> None:
     """The pipelined scatter-reduce-allgather of ``flat`` into ``out`` (which may be
     ``flat``: a piece is written only after its last read); ``error`` as in
     :func:`allreduce_`. Where the route says so, a CUDA graph's replay."""
-    seed = next_seed() if seed is None else seed
+    seed = next_seed() if settings.seed is None else settings.seed
     if route.ring and error is None:  # the ring's error is not one rank's to feed back
-        ring.ring_allreduce(
-            route,
-            flat,
-            out,
-            bits,
-            bucket_size,
-            group,
-            reduce_op,
-            seed,
-            skip_incomplete,
-            rotation=rotation,
-            rotation_block=rotation_block,
-        )
+        ring.ring_allreduce(route, flat, out, group, settings, seed)
         return
-    rotated = (rotation, rotation_block)
     if not route.graphs:
-        _pipeline(
-            _make_run(
-                route, flat, bits, bucket_size, group, reduce_op, skip_incomplete, seed, rotated
-            ),
-            flat,
-            out,
-            error,
-        )
+        _pipeline(_make_run(route, flat, group, settings, seed), flat, out, error)
         return
+    rotation = settings.rotation
     signature = (
         flat.data_ptr(),
         out.data_ptr(),
         0 if error is None else error.data_ptr(),
         flat.numel(),
         flat.dtype,
-        bits,
-        bucket_size,
-        reduce_op,
-        skip_incomplete,
+        settings.bits,
+        settings.bucket_size,
+        settings.reduce_op,
+        settings.skip_incomplete,
         route,
-        rotated,
+        None if rotation is None else rotation.block,
     )
 
     def pipeline(device_seed: torch.Tensor) -> None:
         # Seed 0: the host's keys go unused; the kernels read those derived from device_seed.
-        run = _make_run(
-            route, flat, bits, bucket_size, group, reduce_op, skip_incomplete, 0, rotated
-        )
+        run = _make_run(route, flat, group, settings, 0)
         pieces = -(-flat.numel() // run.step)
         piece_keys = triton_kernels("keys_triton").piece_keys  # graphs.usable checked it
         run.keys = piece_keys(device_seed, run.rank, pieces, STAGE_SCATTER, STAGE_GATHER)
@@ -293,13 +201,9 @@ def _run_pieces(
 def _make_run(
     route: policy.Route,
     flat: torch.Tensor,
-    bits: int,
-    bucket_size: int,
     group: dist.ProcessGroup,
-    reduce_op: str,
-    skip_incomplete: bool,
+    settings: CallSettings,
     seed: int,
-    rotated: tuple[str | None, int] = (None, DEFAULT_BLOCK),
 ) -> _Run:
     info = group_info(group)
     world, rank = info.size, info.rank
@@ -307,19 +211,18 @@ def _make_run(
         group=group,
         world=world,
         rank=rank,
-        scale=1.0 / world if reduce_op == "avg" else None,
+        scale=1.0 / world if settings.reduce_op == "avg" else None,
         codec=maxmin_codec(flat.device),
-        bits=bits,
-        bucket_size=bucket_size,
-        skip_incomplete=skip_incomplete,
+        bits=settings.bits,
+        bucket_size=settings.bucket_size,
+        skip_incomplete=settings.skip_incomplete,
         scatter_key=derive_key(seed, STAGE_SCATTER, rank),
         gather_key=derive_key(seed, STAGE_GATHER),
         step=route.piece_numel,
         gather_in_place=route.gather_in_place,
         pair_gather=route.pair_gather,
         transport=route.transport,
-        rotation=rotated[0],
-        rotation_block=rotated[1],
+        rotation=settings.rotation,
         rotation_key=rotation_key(seed),
     )
 
@@ -383,8 +286,7 @@ class _Run:
     gather_in_place: bool  # the reduced chunk encoded straight into its slot (NCCL)
     pair_gather: bool  # two ranks swap chunks by all-gather (exchange)
     transport: Transport
-    rotation: str | None  # the rotation's name (None: none), and its block
-    rotation_block: int
+    rotation: Rotation | None  # the call's (its block; None: none)
     rotation_key: int  # derive_key(seed, STAGE_ROTATION): extended by the piece index
     keys: torch.Tensor | None = None  # in device memory instead (for a CUDA graph): piece i's
     # scatter key at 2i, its gather key at 2i + 1 (keys_triton.piece_keys)
@@ -392,9 +294,9 @@ class _Run:
 
     def rotation_of(self, index: int) -> Rotation | None:
         if self.rotation_keys is None:
-            return rotation_of(self.rotation, self.rotation_block, self.rotation_key, index)
+            return rotation_of(self.rotation, self.rotation_key, index)
         key = self.rotation_keys[2 * index + 1 : 2 * index + 2]
-        return rotation_of(self.rotation, self.rotation_block, key)
+        return rotation_of(self.rotation, key)
 
     def scatter_key_of(self, index: int) -> int | torch.Tensor:
         if self.keys is None:

@@ -7,6 +7,7 @@ two layers and the padding moves no bucket's min or max (CGX's layer-aware fusio
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -18,7 +19,7 @@ from ..codecs import ChunkedLayout
 from ..comm import group_size_and_rank
 from . import policy
 from .allreduce import allreduce_
-from .rotations import DEFAULT_BLOCK
+from .call_settings import CallSettings
 
 __all__ = [
     "Fused",
@@ -118,41 +119,29 @@ def reduce_fused_(
 
 def allreduce_fused_(
     layers: Sequence[torch.Tensor],
-    bits: int,
-    bucket_size: int,
     group: dist.ProcessGroup,
-    reduce_op: str = "sum",
+    settings: CallSettings,
     errors: list[torch.Tensor] | None = None,
-    *,
-    rotation: str | None = None,
-    rotation_block: int = DEFAULT_BLOCK,
 ) -> int:
     """Quantized allreduce of ``layers`` (same dtype and device) as one fused buffer, written
     back into each layer. Returns the bytes this rank sent (a buffer the policy does not
     compress goes plain: :func:`.policy.compresses`). With ``errors`` (a list), each layer's
     first-stage error (``error`` of :func:`.allreduce.allreduce_`, zeros when nothing was
-    quantized) is appended to it, flat, in layer order. ``rotation``, ``rotation_block``: as
+    quantized) is appended to it, flat, in layer order. A rotation: as
     :func:`.allreduce.allreduce_`'s (each layer padded to whole buckets keeps whole blocks)."""
     world, _ = group_size_and_rank(group)
+    bits, bucket_size = settings.bits, settings.bucket_size
     numel = sum(padded_numel(x.numel(), bucket_size) for x in layers)
     if not policy.compresses(layers[0], group, bits, bucket_size, numel):
         bits = UNCOMPRESSED_BITS  # decided once here, for the reduction and the count alike
+        settings = replace(settings, bits=bits)
     fused_error: list[torch.Tensor] = []
 
     def reduce(fused: torch.Tensor) -> torch.Tensor:
         if errors is not None:
             fused_error.append(torch.empty_like(fused))
         error = fused_error[0] if fused_error else None
-        return allreduce_(
-            fused,
-            bits,
-            bucket_size,
-            group,
-            reduce_op,
-            error=error,
-            rotation=rotation,
-            rotation_block=rotation_block,
-        )
+        return allreduce_(fused, group, settings, error=error)
 
     reduce_fused_(layers, bucket_size, reduce)
     if errors is not None:

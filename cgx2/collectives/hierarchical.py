@@ -8,6 +8,8 @@ CGX's variant: reduce to the node's first GPU, which alone talks across nodes, t
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -23,8 +25,9 @@ from ..checks import (
 )
 from . import policy
 from .allreduce import allreduce
+from .call_settings import CallSettings
 from .fusion import quantized_bytes_sent, reduce_fused_, ring_bytes_sent
-from .rotations import DEFAULT_BLOCK, check_rotation
+from .rotations import DEFAULT_BLOCK
 
 __all__ = [
     "MESH_DIMS",
@@ -69,17 +72,25 @@ def hierarchical_allreduce(
     check_bits(bits)
     check_bucket_size(bucket_size)
     check_seed(seed)
-    rotation = check_rotation(rotation, rotation_block, bucket_size)
-    rotated = {"rotation": rotation, "rotation_block": rotation_block}
+    settings = CallSettings.of(bits, bucket_size, reduce_op, seed, False, rotation, rotation_block)
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a DeviceMesh or None, got {type(mesh).__name__}")
     if intra_broadcast is not None:
         check_bool(intra_broadcast, "intra_broadcast")
     mesh = node_mesh(t.device.type) if mesh is None else mesh
+    return _over_mesh(t, mesh, settings, intra_broadcast)
+
+
+def _over_mesh(
+    t: torch.Tensor, mesh: DeviceMesh, settings: CallSettings, intra_broadcast: bool | None
+) -> torch.Tensor:
+    """:func:`hierarchical_allreduce` of checked arguments, but for the mesh's dims (a hook's
+    mesh is first used here)."""
     if mesh.mesh_dim_names != MESH_DIMS:
         raise ValueError(f"mesh must have dims {MESH_DIMS}, got {mesh.mesh_dim_names}")
     if intra_broadcast is None:
         intra_broadcast = config.cgx().intra_broadcast
+    between_nodes = dataclasses.replace(settings, reduce_op="sum")  # averaged once gathered
     inter, intra = mesh.get_group("inter"), mesh.get_group("intra")
     local, local_rank = dist.get_world_size(intra), dist.get_rank(intra)
     flat = t.reshape(-1)
@@ -88,7 +99,7 @@ def hierarchical_allreduce(
         leader = dist.get_global_rank(intra, 0)
         dist.reduce(node_sum, dst=leader, group=intra)
         if local_rank == 0:
-            node_sum = allreduce(node_sum, bits, bucket_size, inter, "sum", seed, **rotated)
+            node_sum = allreduce(node_sum, inter, between_nodes)
         dist.broadcast(node_sum, src=leader, group=intra)
         out = node_sum
     else:
@@ -99,45 +110,27 @@ def hierarchical_allreduce(
         shard = torch.empty(padded // local, dtype=t.dtype, device=t.device)
         inside = policy.transport(t.device, intra)  # shared memory, where the node's is
         inside.reduce_scatter_plain(shard, staged, intra)
-        shard = allreduce(shard, bits, bucket_size, inter, "sum", seed, **rotated)
+        shard = allreduce(shard, inter, between_nodes)
         inside.wait(inside.all_gather(staged, shard, intra, async_op=False))
         out = staged[: flat.numel()]
-    if reduce_op == "avg":
+    if settings.reduce_op == "avg":
         out = cpu_threads.div_(out, mesh.size())  # out is this call's own: in place
     return out.view(t.shape)
 
 
 def hierarchical_allreduce_fused_(
-    layers: list[torch.Tensor],
-    bits: int,
-    bucket_size: int,
-    mesh: DeviceMesh,
-    op: str,
-    intra_broadcast: bool,
-    *,
-    rotation: str | None = None,
-    rotation_block: int = DEFAULT_BLOCK,
+    layers: list[torch.Tensor], mesh: DeviceMesh, settings: CallSettings, intra_broadcast: bool
 ) -> int:
     """:func:`hierarchical_allreduce` of ``layers`` in place, fused into one buffer (each
     padded to whole buckets); returns the bytes this rank sent, as the default variant sends
     them: the plain reduce-scatter and all-gather inside the node, and the quantized
     allreduce of a 1/L shard between nodes."""
+    bucket_size = settings.bucket_size
     fused = reduce_fused_(
-        layers,
-        bucket_size,
-        lambda x: hierarchical_allreduce(
-            x,
-            bits,
-            mesh,
-            op,
-            bucket_size,
-            intra_broadcast,
-            rotation=rotation,
-            rotation_block=rotation_block,
-        ),
+        layers, bucket_size, lambda x: _over_mesh(x, mesh, settings, intra_broadcast)
     )
     nodes, local = mesh.size(0), mesh.size(1)
     shard = -(-fused.numel() // local)
     return ring_bytes_sent(fused.numel() * fused.element_size(), local) + quantized_bytes_sent(
-        shard, nodes, bits, bucket_size
+        shard, nodes, settings.bits, bucket_size
     )

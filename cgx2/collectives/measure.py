@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm import group_info, process_group
 from .allreduce import allreduce
+from .call_settings import CallSettings
 from .hierarchical import hierarchical_allreduce
 
 __all__ = [
@@ -148,6 +149,7 @@ def crossover_on_link(
     compress meanwhile."""
     device = torch.device("cpu") if device is None else device
     margin = beside_margin(device.type)
+    settings = CallSettings(BITS, BUCKET_SIZE)
 
     def measured(nbytes: int) -> dict[str, Any]:
         x = torch.randn(nbytes // dtype.itemsize, device=device).to(dtype)
@@ -155,7 +157,7 @@ def crossover_on_link(
         plain_s, compressed_s = timed_in_turn(
             (
                 lambda: process_group.allreduce_plain_(buf, group, "sum"),  # exact on cgx too
-                lambda: allreduce(x, BITS, BUCKET_SIZE, group),
+                lambda: allreduce(x, group, settings),
             ),
             warmup,
             iters,
@@ -208,12 +210,13 @@ def mesh_against_flat(
     (so all get the same answer): a few seconds at most, once per group and settings. Every
     rank calls this, alike."""
     device = torch.device("cpu") if device is None else device
+    flat = CallSettings(bits, bucket_size)
     faster, shown = {}, []
     for nbytes in MESH_SIZES if sizes is None else sizes:
         x = torch.randn(nbytes // dtype.itemsize, device=device).to(dtype)
         flat_s, mesh_s = timed_in_turn(
             (
-                lambda x=x: allreduce(x, bits, bucket_size, group),
+                lambda x=x: allreduce(x, group, flat),
                 lambda x=x: hierarchical_allreduce(
                     x, bits, mesh, "sum", bucket_size, intra_broadcast
                 ),

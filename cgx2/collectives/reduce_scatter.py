@@ -24,8 +24,9 @@ from ..comm import group_size_and_rank
 from ..seeding import derive_key, next_seed
 from . import agreement, policy
 from .allreduce import exchange
+from .call_settings import CallSettings
 from .fusion import fuse_padded, padded_numel
-from .rotations import DEFAULT_BLOCK, check_rotation, rotation_key, rotation_of
+from .rotations import rotation_key, rotation_of
 
 __all__ = ["Segment", "reduce_scatter", "width_groups"]
 
@@ -94,43 +95,41 @@ def reduce_scatter(
     output: torch.Tensor,
     input: torch.Tensor,
     group: dist.ProcessGroup,
-    bits: int,
-    bucket_size: int,
+    settings: CallSettings,
     scale: float | None = None,
     segments: Sequence[Segment] | None = None,
-    seed: int | None = None,
     widths: Sequence[int] | None = None,
     *,
     check_agreement: bool = False,
-    rotation: str | None = None,
-    rotation_block: int = DEFAULT_BLOCK,
     error: torch.Tensor | None = None,
 ) -> int:
     """Reduce-scatter ``input`` (W rows of ``output.numel()``) into ``output``: the sum times
-    ``scale`` (None: 1). ``widths`` gives one width (1..8) per compressed segment, in order
-    (None: ``bits`` for all). Segments marked uncompressed, and everything when compression
-    does not pay (:mod:`.policy`), go through the plain
-    reduce-scatter. Returns the bytes this rank sent.
+    ``scale`` (None: ``settings.reduce_op``'s, 1/W to average). ``widths`` gives one width
+    (1..8) per compressed segment, in order (None: ``settings.bits`` for all). Segments marked
+    uncompressed, and everything when compression does not pay (:mod:`.policy`), go through
+    the plain reduce-scatter. Returns the bytes this rank sent. ``settings.skip_incomplete``
+    is the allreduce's: here every bucket is coded.
 
     ``check_agreement``: where the route says so, first make sure every rank called alike
     (:mod:`.agreement`): for the op users call; FSDP's hook leaves it off.
 
-    ``rotation`` (``"hadamard"``; None: none): width group g is coded rotated, in blocks of
-    ``rotation_block`` (dividing ``bucket_size``), by the signs of (seed, rotation, g), the
-    same on every rank (:mod:`.rotations`); each owner sums in the rotated domain and rotates
-    its sum back.
+    ``settings.rotation``: width group g is coded rotated, by the signs of (seed, rotation,
+    g), the same on every rank (:mod:`.rotations`); each owner sums in the rotated domain and
+    rotates its sum back.
 
     ``error`` (a contiguous tensor of ``input``'s shape and dtype), when given, receives
     ``input`` minus what the owners decode of this rank's rows, in the values' own domain
     (rotated back where rotated): zero on this rank's own row (kept exact), on the exact
     segments, and everywhere when nothing is quantized. Error feedback adds it to the next
     step's input."""
-    rotation = check_rotation(rotation, rotation_block, bucket_size)
     if error is not None and (
         error.shape != input.shape or error.dtype != input.dtype or not error.is_contiguous()
     ):
         raise ValueError("error must be a contiguous tensor of the input's shape and dtype")
+    bits, bucket_size = settings.bits, settings.bucket_size
     (world, rank), n = group_size_and_rank(group), output.numel()
+    if scale is None and settings.reduce_op == "avg":
+        scale = 1.0 / world
     rows = input.view(world, n)
     compressed, exact = _split(segments, n)
     groups = width_groups(compressed, bits, widths)
@@ -146,8 +145,8 @@ def reduce_scatter(
             "scale": scale,
             "segments": segments,
             "widths": widths,
-            "rotation": rotation,
-            "rotation_block": rotation_block,
+            "rotation": settings.rotation_name,
+            "rotation_block": settings.rotation_block,
             "compressed": bool(compressed),
         }
         agreed = agreement.check(
@@ -163,13 +162,13 @@ def reduce_scatter(
         error.zero_()
     plan = _plan(n, world, tuple(s for _, s in groups), tuple(exact), bucket_size, input.device)
     if compressed:
-        seed = next_seed() if seed is None else seed
+        seed = next_seed() if settings.seed is None else settings.seed
         # One gather builds every group's rows of padded segments, group after group: chunk
         # j of a group is row j.
         flat = input.index_select(0, plan.gather)
         codec = maxmin_codec(input.device)
         rotations = [
-            rotation_of(rotation, rotation_block, rotation_key(seed), g) for g in range(len(groups))
+            rotation_of(settings.rotation, rotation_key(seed), g) for g in range(len(groups))
         ]
         parts, layouts, sends, at = [], [], [], 0
         for g, ((b, _), width) in enumerate(zip(groups, plan.widths, strict=True)):

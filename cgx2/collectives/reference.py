@@ -14,7 +14,7 @@ from ..seeding import derive_key
 from . import policy
 from .allreduce import STAGE_GATHER, STAGE_SCATTER
 from .reduce_scatter import Segment, _fused_rows, _group_key, _split, width_groups
-from .rotations import DEFAULT_BLOCK, check_rotation, rotation_key, rotation_of
+from .rotations import DEFAULT_BLOCK, call_rotation, rotation_key, rotation_of
 
 __all__ = ["reference_allreduce", "reference_reduce_scatter"]
 
@@ -38,7 +38,7 @@ def reference_allreduce(
     tests and checks. The pieces follow ``regime`` (default: that of ``device`` on NCCL, or
     of the inputs' device; name the GPU when modelling it from CPU copies). ``rotation`` and
     ``rotation_block`` as the collective's: piece i rotated by (seed, rotation, i)."""
-    rotation = check_rotation(rotation, rotation_block, bucket_size)
+    call_rotated = call_rotation(rotation, rotation_block, bucket_size)
     world, x0 = len(inputs), inputs[0]
     flats = [x.reshape(-1).cpu() for x in inputs]
     out = torch.empty(x0.numel(), dtype=x0.dtype)
@@ -49,7 +49,7 @@ def reference_allreduce(
     for index, s in enumerate(range(0, x0.numel(), step)):
         pieces = [f[s : s + step] for f in flats]
         layout = ChunkedLayout.split(pieces[0].numel(), world, bits, bucket_size, skip_incomplete)
-        rotated = rotation_of(rotation, rotation_block, rotation_key(seed), index)
+        rotated = rotation_of(call_rotated, rotation_key(seed), index)
         sent = [
             maxmin.encode_chunks(
                 p, layout, derive_key(seed, STAGE_SCATTER, r, index), r, rotation=rotated
@@ -96,7 +96,7 @@ def reference_reduce_scatter(
     ``inputs[r]`` and compression pays, for its compressed segments (the exact ones are left
     zero), computed in one process with the reference codec, one width group at a time: a
     bit-exact model for tests. ``rotation``: width group g rotated by (seed, rotation, g)."""
-    rotation = check_rotation(rotation, rotation_block, bucket_size)
+    call_rotated = call_rotation(rotation, rotation_block, bucket_size)
     world = len(inputs)
     n = inputs[0].numel() // world
     compressed, _ = _split(segments, n)
@@ -111,7 +111,7 @@ def reference_reduce_scatter(
             bits=b,
             bucket_size=bucket_size,
         )
-        rotated = rotation_of(rotation, rotation_block, rotation_key(seed), g)
+        rotated = rotation_of(call_rotated, rotation_key(seed), g)
         sent = [
             maxmin.encode_chunks(f.flat, layout, _group_key(seed, r, g), r, rotation=rotated)
             for r, f in enumerate(fused)

@@ -20,7 +20,8 @@ from ..codecs import ChunkedLayout, maxmin_codec
 from ..comm import Transport, group_info
 from ..seeding import derive_key, extend_key
 from . import policy
-from .rotations import DEFAULT_BLOCK, rotation_key, rotation_of
+from .call_settings import CallSettings
+from .rotations import rotation_key, rotation_of
 
 __all__ = ["STAGE_RING", "ring_allreduce"]
 
@@ -32,35 +33,31 @@ def ring_allreduce(
     route: policy.Route,
     flat: torch.Tensor,
     out: torch.Tensor,
-    bits: int,
-    bucket_size: int,
     group: dist.ProcessGroup,
-    reduce_op: str,
+    settings: CallSettings,
     seed: int,
-    skip_incomplete: bool,
-    *,
-    rotation: str | None = None,
-    rotation_block: int = DEFAULT_BLOCK,
 ) -> None:
     """The ring allreduce (``"sum"``/``"avg"``) of ``flat`` into ``out`` (which may be
-    ``flat``) over ``group``, by ``route.transport``'s :meth:`shift`. Chunk j of a piece is
-    coded with stream j; hop h of rank r's piece k with key (seed, ring, r, k, h).
-    ``rotation``: piece k rotated by the signs of (seed, rotation, k) on every rank, as in
-    :mod:`.allreduce`; every hop sums in the rotated domain, the final decode rotates back."""
+    ``flat``) over ``group``, by ``route.transport``'s :meth:`shift`, with ``seed`` (drawn
+    where ``settings.seed`` is None). Chunk j of a piece is coded with stream j; hop h of rank
+    r's piece k with key (seed, ring, r, k, h). A rotation: piece k rotated by the signs of
+    (seed, rotation, k) on every rank, as in :mod:`.allreduce`; every hop sums in the rotated
+    domain, the final decode rotates back."""
     info = group_info(group)
     world, rank = info.size, info.rank
     codec, transport = maxmin_codec(flat.device), route.transport
-    scale = 1.0 / world if reduce_op == "avg" else None
+    scale = 1.0 / world if settings.reduce_op == "avg" else None
     step = route.piece_numel
     starts = range(0, flat.numel(), step)
     pieces = [(flat[s : s + step], out[s : s + step]) for s in starts]
     layouts = [
-        ChunkedLayout.split(x.numel(), world, bits, bucket_size, skip_incomplete) for x, _ in pieces
+        ChunkedLayout.split(
+            x.numel(), world, settings.bits, settings.bucket_size, settings.skip_incomplete
+        )
+        for x, _ in pieces
     ]
     rank_key = derive_key(seed, STAGE_RING, rank)
-    rotations = [
-        rotation_of(rotation, rotation_block, rotation_key(seed), k) for k in range(len(pieces))
-    ]
+    rotations = [rotation_of(settings.rotation, rotation_key(seed), k) for k in range(len(pieces))]
 
     def chunk(k: int, j: int) -> torch.Tensor:
         layout = layouts[k]
@@ -76,11 +73,11 @@ def ring_allreduce(
         if layouts[k].chunk_size(rank):  # a tensor of fewer buckets than ranks has empty ones
             codec.encode(
                 chunk(k, rank),
-                bits,
-                bucket_size,
+                settings.bits,
+                settings.bucket_size,
                 extend_key(rank_key, k, 0),
                 rank,
-                skip_incomplete,
+                settings.skip_incomplete,
                 payload,
                 rotation=rotations[k],
             )
@@ -105,11 +102,11 @@ def ring_allreduce(
                 chunk(k, held),
                 1,
                 scale if last else None,
-                bits,
-                bucket_size,
+                settings.bits,
+                settings.bucket_size,
                 extend_key(rank_key, k, hop + 1),
                 held,
-                skip_incomplete,
+                settings.skip_incomplete,
                 out=target,
                 rotation=rotations[k],
             )

@@ -9,6 +9,8 @@ rank rotates a chunk alike and the owners can sum rotated values (docs/wire-form
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..codecs.rotation import DEFAULT_BLOCK, ROTATIONS, Rotation
@@ -17,6 +19,7 @@ from ..seeding import derive_key, extend_key
 __all__ = [
     "DEFAULT_BLOCK",
     "STAGE_ROTATION",
+    "call_rotation",
     "check_rotation",
     "rotation_key",
     "rotation_of",
@@ -54,19 +57,34 @@ def check_rotation(
     return rotation
 
 
+def call_rotation(rotation: str | None, block: int, bucket_size: int) -> Rotation | None:
+    """The call's rotation that ``rotation`` names, checked as :func:`check_rotation` checks
+    it: None, or a :class:`~cgx2.codecs.rotation.Rotation` of ``block`` whose key goes unused
+    (each piece's signs are the seed's and the piece's: :func:`rotation_of`). One object a
+    block, so that two calls' settings rotated alike compare equal."""
+    if check_rotation(rotation, block, bucket_size) is None:
+        return None
+    return _of_block(block)
+
+
+@functools.lru_cache(maxsize=64)
+def _of_block(block: int) -> Rotation:
+    return Rotation(key=0, block=block)
+
+
 def rotation_key(seed: int) -> int:
     """The key every piece's key extends: ``derive_key(seed, STAGE_ROTATION)``, once a call."""
     return derive_key(seed, STAGE_ROTATION)
 
 
 def rotation_of(
-    rotation: str | None, block: int, key: int | torch.Tensor, index: int | None = None
+    rotation: Rotation | None, key: int | torch.Tensor, index: int | None = None
 ) -> Rotation | None:
-    """Piece ``index``'s :class:`~cgx2.codecs.rotation.Rotation` (None without rotation):
-    ``key`` is :func:`rotation_key`'s, extended here by ``index``; or, with ``index`` None,
-    the piece's key itself (an int64 tensor on the device, for a CUDA graph)."""
+    """Piece ``index``'s rotation of the call's ``rotation`` (None: none), its block and the
+    piece's signs: ``key`` is :func:`rotation_key`'s, extended here by ``index``; or, with
+    ``index`` None, the piece's key itself (an int64 tensor on the device, for a CUDA graph)."""
     if rotation is None:
         return None
     if index is not None:
         key = extend_key(key, index)
-    return Rotation(key=key, block=block)
+    return Rotation(key=key, block=rotation.block)

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .. import seeding
 from ..checks import UNCOMPRESSED_BITS, check_bits, check_bucket_size
-from ..collectives import agreement, policy
+from ..collectives import CallSettings, agreement, policy
 from ..collectives.adaptive import check_options, check_replan_every, layer_errors, plan_widths
 from ..collectives.fusion import allreduce_fused_, padded_numel, ring_bytes_sent
 from ..collectives.hierarchical import hierarchical_allreduce_fused_, node_mesh
@@ -303,6 +303,17 @@ class CGXState:
             "layer_min_size": self.layer_min_size,
         }
 
+    def _call_settings(self, bits: int) -> CallSettings:
+        """How a bucket's compressed layers are averaged at ``bits``, each call's seed the next
+        of cgx2's stream."""
+        return CallSettings.of(
+            bits,
+            self.bucket_size,
+            "avg",
+            rotation=self.rotation,
+            rotation_block=self.rotation_block,
+        )
+
     def _settings(self) -> dict[str, object]:
         """The settings that decide how a bucket is reduced: what ranks compare before the
         first (the hook's and :func:`cgx2.ddp.compress`'s checks add their own)."""
@@ -498,16 +509,7 @@ def _allreduce_layers_(
     """:func:`cgx2.collectives.allreduce_fused_` of ``layers`` at ``bits``; with ``keys``, each
     layer's first-stage error becomes its residual. Returns the bytes this rank sent."""
     errors: list[torch.Tensor] | None = None if keys is None else []
-    sent = allreduce_fused_(
-        layers,
-        bits,
-        state.bucket_size,
-        group,
-        "avg",
-        errors=errors,
-        rotation=state.rotation,
-        rotation_block=state.rotation_block,
-    )
+    sent = allreduce_fused_(layers, group, state._call_settings(bits), errors)
     if keys is not None:
         state.errors.store_many_(keys, errors)
     return sent
@@ -541,15 +543,9 @@ def _reduce_bucket_(
     ):
         layers = [buffer[offset : offset + numel] for offset, numel in plan.compressed]
         if state.over_mesh(buffer, group, padded):
+            settings = state._call_settings(state.bits)
             state.bytes_sent += hierarchical_allreduce_fused_(
-                layers,
-                state.bits,
-                state.bucket_size,
-                state.mesh,
-                "avg",
-                state.intra_broadcast,
-                rotation=state.rotation,
-                rotation_block=state.rotation_block,
+                layers, state.mesh, settings, state.intra_broadcast
             )
         elif state.adaptive_bits is not None:
             widths = state.layer_bits(index, layers, group)

@@ -25,7 +25,7 @@ from ..checks import (
     check_numel,
     reduce_op_name,
 )
-from ..collectives import agreement, allreduce_, policy
+from ..collectives import CallSettings, agreement, allreduce_, policy
 from ..collectives.adaptive import check_options, check_replan_every, layer_errors, plan_widths
 from ..collectives.all_gather import all_gather as all_gather_quantized
 from ..collectives.fusion import padded_numel
@@ -244,18 +244,16 @@ class QuantizedReduceScatter(ReduceScatter):
                 error = self._feed_back_(input_tensor)
             if segments is not None and self.adaptive_bits is not None and world > 1:
                 widths = self._widths(segments, input_tensor, group)
-        # Positional (seed None: the next of cgx2's stream), as wrappers of this function pass.
+        # Positional, as wrappers of this function pass; the error only where fed back.
         self.bytes_sent += reduce_scatter_quantized(
             output_tensor,
             input_tensor,
             group,
-            self.bits,
-            self.bucket_size,
+            self._call_settings(),
             scale,
             segments,
-            None,
             widths,
-            **self._extras(error),
+            **({} if error is None else {"error": error}),
         )
         if error is not None:  # owed at the next step; a non-finite step owes nothing
             self.residual = error.view(-1).nan_to_num_(0.0, 0.0, 0.0)
@@ -263,15 +261,12 @@ class QuantizedReduceScatter(ReduceScatter):
             return CompletedWork([output_tensor])
         return None
 
-    def _extras(self, error: torch.Tensor | None) -> dict[str, object]:
-        """The reduce-scatter's keyword arguments beyond the positional ones, only where set:
-        a wrapper of the positional call (a test's, a profiler's) sees the call it knew."""
-        extras: dict[str, object] = {}
-        if self.rotation is not None:
-            extras |= {"rotation": self.rotation, "rotation_block": self.rotation_block}
-        if error is not None:
-            extras["error"] = error
-        return extras
+    def _call_settings(self) -> CallSettings:
+        """How a reduction's compressed segments are coded (summed, then scaled by the op's
+        factor), each call's seed the next of cgx2's stream."""
+        return CallSettings.of(
+            self.bits, self.bucket_size, rotation=self.rotation, rotation_block=self.rotation_block
+        )
 
     def _feed_back_(self, input_tensor: torch.Tensor) -> torch.Tensor:
         """Add the residual owed to ``input_tensor`` (in place: FSDP's buffer for this
@@ -403,15 +398,14 @@ class QuantizedReplicaGroup(dist.ProcessGroup):
                 self.inner, "cgx2.fsdp's replica all-reduce", settings, tensors[0].device
             )
             self._agreed = True
-        allreduce_(
-            tensors[0],
+        settings = CallSettings.of(
             self.bits,
             self.bucket_size,
-            self.inner,
             op,
             rotation=self.rotation,
             rotation_block=self.rotation_block,
         )
+        allreduce_(tensors[0], self.inner, settings)
         return CompletedWork(tensors)
 
     def __getattr__(self, name: str) -> object:  # rank(), size(), the rest: the inner group's

@@ -24,7 +24,8 @@ from ..checks import (
     check_writable,
     warn_if_not_member,
 )
-from ..collectives.rotations import DEFAULT_BLOCK, check_rotation
+from ..collectives import CallSettings
+from ..collectives.rotations import DEFAULT_BLOCK, call_rotation
 from ..seeding import SEEDED_OP_TAGS
 
 __all__ = ["quantized_allreduce", "quantized_allreduce_", "resolve_group"]
@@ -41,24 +42,30 @@ def resolve_group(group_name: str) -> dist.ProcessGroup:
     return _resolve_process_group(group_name)
 
 
-def _check(
+def _settings(
     t: torch.Tensor,
     bits: int,
     bucket_size: int,
     reduce_op: object,
-    op_name: str = "reduce_op",
-    tensor_name: str = "input",
+    seed: int | None = None,
+    skip_incomplete: bool = False,
     rotation: str | None = None,
     rotation_block: int = DEFAULT_BLOCK,
-) -> str:
-    """Every argument checked, once per call; the normalised reduce op. The rotation's block
-    is checked against the bucket size here, before anything is sent: every rank passes the
-    same arguments, so every rank raises the same ``ValueError``."""
+    op_name: str = "reduce_op",
+    tensor_name: str = "input",
+) -> CallSettings:
+    """The call's settings, every argument but the seed and ``skip_incomplete`` checked, once
+    per call (a negative seed: the ops' None). The rotation's block is checked against the
+    bucket size here, before anything is sent: every rank passes the same arguments, so every
+    rank raises the same ``ValueError``."""
     check_collective_tensor(t, tensor_name)
     check_bits(bits)
     check_bucket_size(bucket_size)
-    check_rotation(rotation, rotation_block, bucket_size)
-    return check_reduce_op(reduce_op, op_name)
+    rotated = call_rotation(rotation, rotation_block, bucket_size)
+    reduce_op = check_reduce_op(reduce_op, op_name)
+    if isinstance(seed, int) and seed < 0:
+        seed = None
+    return CallSettings(bits, bucket_size, reduce_op, seed, skip_incomplete, rotated)
 
 
 @torch.library.custom_op("cgx::quantized_allreduce", mutates_args=(), tags=SEEDED_OP_TAGS)
@@ -73,21 +80,10 @@ def _quantized_allreduce_op(
     rotation: str = "none",
     rotation_block: int = DEFAULT_BLOCK,
 ) -> torch.Tensor:
-    reduce_op = _check(
-        input, bits, bucket_size, reduce_op, rotation=rotation, rotation_block=rotation_block
+    settings = _settings(
+        input, bits, bucket_size, reduce_op, seed, skip_incomplete, rotation, rotation_block
     )
-    return collectives.allreduce(
-        input,
-        bits,
-        bucket_size,
-        resolve_group(group_name),
-        reduce_op,
-        None if seed < 0 else seed,
-        skip_incomplete,
-        check_agreement=True,
-        rotation=rotation,
-        rotation_block=rotation_block,
-    )
+    return collectives.allreduce(input, resolve_group(group_name), settings, check_agreement=True)
 
 
 @_quantized_allreduce_op.register_fake
@@ -102,7 +98,7 @@ def _(
     rotation="none",
     rotation_block=DEFAULT_BLOCK,
 ):
-    _check(input, bits, bucket_size, reduce_op, rotation=rotation, rotation_block=rotation_block)
+    _settings(input, bits, bucket_size, reduce_op, seed, skip_incomplete, rotation, rotation_block)
     return torch.empty_like(input, memory_format=torch.contiguous_format)
 
 
@@ -141,22 +137,12 @@ def _quantized_allreduce_inplace_op(
 ) -> None:
     # check_agreement False: for callers whose ranks agree by construction (DDP's per-parameter
     # reducer under compiled autograd), one round trip a parameter fewer.
-    reduce_op = _check(
-        input, bits, bucket_size, reduce_op, rotation=rotation, rotation_block=rotation_block
+    settings = _settings(
+        input, bits, bucket_size, reduce_op, seed, skip_incomplete, rotation, rotation_block
     )
     check_writable(input, "input")
-    collectives.allreduce_(
-        input,
-        bits,
-        bucket_size,
-        resolve_group(group_name),
-        reduce_op,
-        None if seed < 0 else seed,
-        skip_incomplete,
-        check_agreement=check_agreement,
-        rotation=rotation,
-        rotation_block=rotation_block,
-    )
+    group = resolve_group(group_name)
+    collectives.allreduce_(input, group, settings, check_agreement=check_agreement)
 
 
 @_quantized_allreduce_inplace_op.register_fake
@@ -172,7 +158,7 @@ def _(
     rotation="none",
     rotation_block=DEFAULT_BLOCK,
 ):
-    _check(input, bits, bucket_size, reduce_op, rotation=rotation, rotation_block=rotation_block)
+    _settings(input, bits, bucket_size, reduce_op, seed, skip_incomplete, rotation, rotation_block)
 
 
 def quantized_allreduce(
@@ -205,42 +191,60 @@ def quantized_allreduce(
     seed, the same on every rank: the same bytes on the wire, a smaller range per bucket where
     outliers stretched it, still unbiased (docs/wire-format.md, "Rotation"; docs/low-bits.md).
     """
-    reduce_op = _check(tensor, bits, bucket_size, op, "op", "tensor", rotation, rotation_block)
-    check_seed(seed)
-    check_bool(skip_incomplete, "skip_incomplete")
+    settings = _public_settings(
+        tensor, bits, bucket_size, op, seed, skip_incomplete, rotation, rotation_block
+    )
     group = check_group(group, "quantized_allreduce")
     if torch.compiler.is_compiling() or (tensor.requires_grad and torch.is_grad_enabled()):
         # The op: traced when compiling; eagerly, its autograd formula gives the backward.
         return torch.ops.cgx.quantized_allreduce(
-            tensor,
-            bits,
-            bucket_size,
-            group.group_name,
-            reduce_op,
-            -1 if seed is None else seed,
-            skip_incomplete,
-            *_rotation_args(rotation, rotation_block),
+            tensor, *_op_args(settings, group), settings.skip_incomplete, *_rotation_args(settings)
         )
-    return collectives.allreduce(
+    return collectives.allreduce(tensor, group, settings, check_agreement=True)
+
+
+def _public_settings(
+    tensor: torch.Tensor,
+    bits: int,
+    bucket_size: int,
+    op: dist.ReduceOp | str,
+    seed: int | None,
+    skip_incomplete: bool,
+    rotation: str | None,
+    rotation_block: int,
+) -> CallSettings:
+    """:func:`_settings` of the public functions' arguments, the seed and
+    ``skip_incomplete`` checked too."""
+    settings = _settings(
         tensor,
         bits,
         bucket_size,
-        group,
-        reduce_op,
+        op,
         seed,
         skip_incomplete,
-        check_agreement=True,
-        rotation=rotation,
-        rotation_block=rotation_block,
+        rotation,
+        rotation_block,
+        "op",
+        "tensor",
     )
+    check_seed(seed)
+    check_bool(skip_incomplete, "skip_incomplete")
+    return settings
 
 
-def _rotation_args(rotation: str | None, rotation_block: int) -> tuple[str | int, ...]:
+def _op_args(settings: CallSettings, group: dist.ProcessGroup) -> tuple[int | str, ...]:
+    """The ops' leading arguments after the tensor: bits, bucket size, the group's name, the
+    reduce op and the seed (-1: none)."""
+    seed = -1 if settings.seed is None else settings.seed
+    return (settings.bits, settings.bucket_size, group.group_name, settings.reduce_op, seed)
+
+
+def _rotation_args(settings: CallSettings) -> tuple[str | int, ...]:
     """The ops' trailing rotation arguments: none where there is no rotation, so an unrotated
     call traces to the op's old schema (graphs traced before rotation existed still match)."""
-    if rotation is None or rotation == "none":
+    if settings.rotation is None:
         return ()
-    return (rotation, rotation_block)
+    return (settings.rotation_name, settings.rotation_block)
 
 
 def quantized_allreduce_(
@@ -265,23 +269,20 @@ def quantized_allreduce_(
     ``expand()``-ed view) is refused, before communicating. ``rotation``, ``rotation_block``:
     as :func:`quantized_allreduce`'s.
     """
-    reduce_op = _check(tensor, bits, bucket_size, op, "op", "tensor", rotation, rotation_block)
-    check_seed(seed)
-    check_bool(skip_incomplete, "skip_incomplete")
+    settings = _public_settings(
+        tensor, bits, bucket_size, op, seed, skip_incomplete, rotation, rotation_block
+    )
     if warn_if_not_member(group, "quantized_allreduce_"):
         return tensor
     check_writable(tensor)
     group = check_group(group, "quantized_allreduce_")
     if torch.compiler.is_compiling():
+        rotated = _rotation_args(settings)
         torch.ops.cgx.quantized_allreduce_(
             tensor,
-            bits,
-            bucket_size,
-            group.group_name,
-            reduce_op,
-            -1 if seed is None else seed,
-            skip_incomplete,
-            *(() if rotation in (None, "none") else (True, rotation, rotation_block)),
+            *_op_args(settings, group),
+            settings.skip_incomplete,
+            *((True, *rotated) if rotated else ()),  # check_agreement before the rotation
         )
         return tensor
     if tensor.requires_grad and torch.is_grad_enabled():
@@ -289,15 +290,4 @@ def quantized_allreduce_(
             "quantized_allreduce_ writes into a tensor that requires grad, and has no gradient: "
             "use quantized_allreduce (differentiable), or call it under torch.no_grad()"
         )
-    return collectives.allreduce_(
-        tensor,
-        bits,
-        bucket_size,
-        group,
-        reduce_op,
-        seed,
-        skip_incomplete,
-        check_agreement=True,
-        rotation=rotation,
-        rotation_block=rotation_block,
-    )
+    return collectives.allreduce_(tensor, group, settings, check_agreement=True)

@@ -15,9 +15,10 @@ import torch.distributed._functional_collectives as funcol
 
 from .. import collectives
 from ..checks import check_float_tensor, check_group, check_seed
+from ..collectives import CallSettings
 from ..collectives.rotations import DEFAULT_BLOCK
 from ..seeding import SEEDED_OP_TAGS
-from .allreduce import _check, _rotation_args, resolve_group
+from .allreduce import _op_args, _rotation_args, _settings, resolve_group
 
 __all__ = ["quantized_reduce_scatter"]
 
@@ -34,14 +35,9 @@ def _output_shape(input: torch.Tensor, group_size: int) -> list[int]:
 def _run(
     out: torch.Tensor,
     input: torch.Tensor,
-    bits: int,
-    bucket_size: int,
+    settings: CallSettings,
     group_size: int,
     group_name: str,
-    reduce_op: str,
-    seed: int,
-    rotation: str = "none",
-    rotation_block: int = DEFAULT_BLOCK,
 ) -> None:
     group = resolve_group(group_name)
     if dist.get_world_size(group) != group_size:
@@ -49,20 +45,10 @@ def _run(
             f"group_size {group_size} is not the size of group {group_name!r} "
             f"({dist.get_world_size(group)})"
         )
-    scale = 1.0 / group_size if reduce_op == "avg" else None
-    # A negative view's bit is torch's to apply: the codecs read the stored values.
-    collectives.reduce_scatter(
-        out.view(-1),
-        input.resolve_neg().contiguous().view(-1),
-        group,
-        bits,
-        bucket_size,
-        scale,
-        seed=None if seed < 0 else seed,
-        check_agreement=True,
-        rotation=rotation,
-        rotation_block=rotation_block,
-    )
+    # A negative view's bit is torch's to apply: the codecs read the stored values. Averaged
+    # by settings.reduce_op: the reduce-scatter scales by 1/W.
+    flat = input.resolve_neg().contiguous().view(-1)
+    collectives.reduce_scatter(out.view(-1), flat, group, settings, check_agreement=True)
 
 
 @torch.library.custom_op("cgx::quantized_reduce_scatter", mutates_args=(), tags=SEEDED_OP_TAGS)
@@ -77,10 +63,9 @@ def _quantized_reduce_scatter_op(
     rotation: str = "none",
     rotation_block: int = DEFAULT_BLOCK,
 ) -> torch.Tensor:
-    rotated = {"rotation": rotation, "rotation_block": rotation_block}
-    reduce_op = _check(input, bits, bucket_size, reduce_op, **rotated)
+    settings = _settings(input, bits, bucket_size, reduce_op, seed, False, rotation, rotation_block)
     out = input.new_empty(_output_shape(input, group_size))
-    _run(out, input, bits, bucket_size, group_size, group_name, reduce_op, seed, **rotated)
+    _run(out, input, settings, group_size, group_name)
     return out
 
 
@@ -96,7 +81,7 @@ def _(
     rotation="none",
     rotation_block=DEFAULT_BLOCK,
 ):
-    _check(input, bits, bucket_size, reduce_op, rotation=rotation, rotation_block=rotation_block)
+    _settings(input, bits, bucket_size, reduce_op, seed, False, rotation, rotation_block)
     return input.new_empty(_output_shape(input, group_size))
 
 
@@ -135,9 +120,9 @@ def _quantized_reduce_scatter_out_op(
     rotation: str = "none",
     rotation_block: int = DEFAULT_BLOCK,
 ) -> None:
-    rotated = {"rotation": rotation, "rotation_block": rotation_block}
-    reduce_op = _check_out(input, out, bits, bucket_size, group_size, reduce_op, **rotated)
-    _run(out, input, bits, bucket_size, group_size, group_name, reduce_op, seed, **rotated)
+    settings = _settings(input, bits, bucket_size, reduce_op, seed, False, rotation, rotation_block)
+    _check_out(input, out, group_size)
+    _run(out, input, settings, group_size, group_name)
 
 
 @_quantized_reduce_scatter_out_op.register_fake
@@ -153,31 +138,12 @@ def _(
     rotation="none",
     rotation_block=DEFAULT_BLOCK,
 ):
-    _check_out(
-        input,
-        out,
-        bits,
-        bucket_size,
-        group_size,
-        reduce_op,
-        rotation=rotation,
-        rotation_block=rotation_block,
-    )
+    _settings(input, bits, bucket_size, reduce_op, seed, False, rotation, rotation_block)
+    _check_out(input, out, group_size)
 
 
-def _check_out(
-    input: torch.Tensor,
-    out: torch.Tensor,
-    bits: int,
-    bucket_size: int,
-    group_size: int,
-    reduce_op: str,
-    rotation: str | None = None,
-    rotation_block: int = DEFAULT_BLOCK,
-) -> str:
-    reduce_op = _check(
-        input, bits, bucket_size, reduce_op, rotation=rotation, rotation_block=rotation_block
-    )
+def _check_out(input: torch.Tensor, out: torch.Tensor, group_size: int) -> None:
+    """``out``, checked against the output's shape (after the other arguments)."""
     shape = _output_shape(input, group_size)
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
@@ -194,7 +160,6 @@ def _check_out(
             f"out must be a contiguous {input.dtype} tensor of shape {tuple(shape)}, "
             f"got {out.dtype} {tuple(out.shape)}"
         )
-    return reduce_op
 
 
 def quantized_reduce_scatter(
@@ -226,20 +191,16 @@ def quantized_reduce_scatter(
     a rank outside ``group`` gets a ``ValueError``. ``rotation``, ``rotation_block``: as
     :func:`cgx2.quantized_allreduce`'s (the owner sums rotated values and rotates back).
     """
-    reduce_op = _check(tensor, bits, bucket_size, op, "op", "tensor", rotation, rotation_block)
+    settings = _settings(
+        tensor, bits, bucket_size, op, seed, False, rotation, rotation_block, "op", "tensor"
+    )
     check_seed(seed)
     if out is not None:
         check_float_tensor(out, "out")
     group = check_group(group, "quantized_reduce_scatter")
-    args = (
-        bits,
-        bucket_size,
-        dist.get_world_size(group),
-        group.group_name,
-        reduce_op,
-        -1 if seed is None else seed,
-        *_rotation_args(rotation, rotation_block),
-    )
+    bits, bucket_size, name, reduce_op, seed = _op_args(settings, group)
+    size = dist.get_world_size(group)
+    args = (bits, bucket_size, size, name, reduce_op, seed, *_rotation_args(settings))
     if out is None:
         return torch.ops.cgx.quantized_reduce_scatter(tensor, *args)
     torch.ops.cgx.quantized_reduce_scatter_out(tensor, out, *args)

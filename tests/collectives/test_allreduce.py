@@ -9,7 +9,7 @@ import torch.distributed as dist
 from bounds import FP32_EPS, allreduce_bound
 
 import cgx2
-from cgx2.collectives import allreduce_, policy, reference_allreduce
+from cgx2.collectives import CallSettings, allreduce_, policy, reference_allreduce
 from cgx2.config import tuned
 
 # The module, which the package's function of the same name hides.
@@ -462,7 +462,9 @@ def _collective_modes(name: str) -> list[list[bool]]:
                 seen.clear()
                 x = torch.randn(3 * 4096, generator=torch.Generator().manual_seed(rank))
                 error = torch.empty_like(x) if with_error else None
-                got = allreduce_(x.clone(), 4, 512, dist.group.WORLD, "sum", 7, error=error)
+                got = allreduce_(
+                    x.clone(), dist.group.WORLD, CallSettings(4, 512, seed=7), error=error
+                )
                 inputs = [
                     torch.randn(3 * 4096, generator=torch.Generator().manual_seed(r))
                     for r in range(dist.get_world_size())
@@ -510,7 +512,7 @@ def _gathered_in_place() -> list[bool]:
                 torch.randn(n, generator=torch.Generator().manual_seed(r))
                 for r in range(dist.get_world_size())
             ]
-            got = allreduce_(inputs[rank].clone(), 4, 512, dist.group.WORLD, "sum", 7)
+            got = allreduce_(inputs[rank].clone(), dist.group.WORLD, CallSettings(4, 512, seed=7))
             assert torch.equal(got, reference_allreduce(inputs, 4, 512, 7))
     finally:
         transport.all_gather, pipeline._make_run = all_gather, make_run

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from cgx2 import collectives
-from cgx2.collectives import policy
+from cgx2.collectives import CallSettings, policy
 from cgx2.config import tuned
 
 BITS, BUCKET = 4, 512
@@ -31,7 +31,9 @@ def _ring(cases, pipeline_bytes) -> list[dict]:
                 pipeline_bytes=pipeline_bytes,
             ):
                 assert policy.route(x, group, BITS, BUCKET).ring
-                results[transport] = collectives.allreduce(x, BITS, BUCKET, group, op, seed=11)
+                results[transport] = collectives.allreduce(
+                    x, group, CallSettings(BITS, BUCKET, op, 11)
+                )
         found.append(results)
     return found
 
@@ -83,7 +85,10 @@ def _ring_samples(n: int, samples: int) -> torch.Tensor:
     x = _input(dist.get_rank(), n, torch.float32)
     with tuned(crossover_bytes=0, algorithm="ring"):
         return torch.stack(
-            [collectives.allreduce(x, 2, BUCKET, dist.group.WORLD, seed=s) for s in range(samples)]
+            [
+                collectives.allreduce(x, dist.group.WORLD, CallSettings(2, BUCKET, seed=s))
+                for s in range(samples)
+            ]
         )
 
 

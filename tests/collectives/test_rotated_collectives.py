@@ -12,8 +12,8 @@ from bounds import allreduce_bound
 
 import cgx2
 from cgx2.codecs import ChunkedLayout, maxmin
-from cgx2.codecs.rotation import hadamard_rotate
-from cgx2.collectives import reference_allreduce, reference_reduce_scatter
+from cgx2.codecs.rotation import Rotation, hadamard_rotate
+from cgx2.collectives import CallSettings, reference_allreduce, reference_reduce_scatter
 from cgx2.collectives.agreement import DisagreementError
 from cgx2.collectives.reduce_scatter import reduce_scatter
 from cgx2.collectives.rotations import check_rotation, rotation_key, rotation_of
@@ -133,9 +133,8 @@ def _error_feedback(world_rotation: str | None) -> tuple[torch.Tensor, torch.Ten
     x = _input(rank, 3 * 512 + 40)
     error = torch.empty_like(x)
     y = x.clone()
-    cgx2.collectives.allreduce_(
-        y, 2, 512, dist.group.WORLD, "sum", 9, error=error, rotation=world_rotation
-    )
+    settings = CallSettings.of(2, 512, "sum", 9, rotation=world_rotation)
+    cgx2.collectives.allreduce_(y, dist.group.WORLD, settings, error=error)
     return y, error
 
 
@@ -156,7 +155,7 @@ def test_error_feedback_is_measured_in_the_values_own_domain(dist2):
     results = dist2.run(_error_feedback, "hadamard")
     n = 3 * 512 + 40
     layout = ChunkedLayout.split(n, 2, 2, 512, False)
-    rotation = rotation_of("hadamard", 128, rotation_key(9), 0)
+    rotation = rotation_of(Rotation(key=0, block=128), rotation_key(9), 0)
     for rank, (_, error) in enumerate(results):
         x = _input(rank, n)
         key = derive_key(9, pipeline.STAGE_SCATTER, rank, 0)
@@ -196,14 +195,11 @@ def _reduce_scatter(
             out,
             x,
             dist.group.WORLD,
-            3,
-            512,
+            CallSettings.of(3, 512, seed=5, rotation=rotation),
             None,
             SEGMENTS,
-            5,
             widths,
             check_agreement=True,
-            rotation=rotation,
             error=error,
         )
     return out, error

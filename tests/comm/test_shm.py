@@ -17,7 +17,7 @@ import torch.distributed as dist
 import cgx2
 from cgx2 import collectives, cpu_threads, extension
 from cgx2.codecs import maxmin_codec
-from cgx2.collectives import policy, reference_allreduce
+from cgx2.collectives import CallSettings, policy, reference_allreduce
 from cgx2.comm import process_group, shm
 from cgx2.config import tuned
 
@@ -46,10 +46,10 @@ def _reference_bytes(cases) -> list[tuple[bool, bool, bool]]:
         inputs = [_input(r, n, dtype) for r in range(world)]
         with tuned(transport="shm", crossover_bytes=0):
             assert policy.route(x, group, bits, 512).transport is shm
-            got = collectives.allreduce(x, bits, 512, group, op, seed=7)
+            got = collectives.allreduce(x, group, CallSettings(bits, 512, op, 7))
         with tuned(transport="process_group", crossover_bytes=0):
             assert policy.route(x, group, bits, 512).transport is process_group
-            over_gloo = collectives.allreduce(x, bits, 512, group, op, seed=7)
+            over_gloo = collectives.allreduce(x, group, CallSettings(bits, 512, op, 7))
         want = reference_allreduce(inputs, bits, 512, seed=7, reduce_op=op)
         found.append(
             (
@@ -193,8 +193,8 @@ def _two_groups() -> list[bool]:
         results = {}
         for transport in ("shm", "process_group"):
             with tuned(transport=transport, crossover_bytes=0, pipeline_bytes=4 * 512 * world):
-                a = collectives.allreduce(x, 4, 512, dist.group.WORLD, seed=i)
-                b = collectives.allreduce(x * 2, 4, 512, other, seed=i)
+                a = collectives.allreduce(x, dist.group.WORLD, CallSettings(4, 512, seed=i))
+                b = collectives.allreduce(x * 2, other, CallSettings(4, 512, seed=i))
                 c = shm.allreduce_plain_(x.clone(), other, "avg") if transport == "shm" else None
             results[transport] = (a, b, c)
         found.append(torch.equal(results["shm"][0], results["process_group"][0]))
@@ -304,7 +304,7 @@ def _quantized_calls(group: dist.ProcessGroup, seeds: range) -> list[bool]:
                 crossover_bytes=0,
                 pipeline_bytes=8 * 512 * dist.get_world_size(),
             ):
-                got[transport] = collectives.allreduce(x, 4, 512, group, seed=seed)
+                got[transport] = collectives.allreduce(x, group, CallSettings(4, 512, seed=seed))
         found.append(torch.equal(got["shm"], got["process_group"]))
     return found
 

@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import cgx2
 from cgx2.codecs import ChunkedLayout, maxmin
-from cgx2.collectives import allreduce_, policy
+from cgx2.collectives import CallSettings, allreduce_, policy
 from cgx2.collectives.allreduce import STAGE_SCATTER
 from cgx2.config import tuned
 from cgx2.ddp import (
@@ -101,7 +101,7 @@ def test_bad_arguments_are_clear():
             error_feedback=True,
         )
     with pytest.raises(ValueError, match="error must be"):
-        allreduce_(torch.zeros(8), 4, 4, None, error=torch.zeros(4))
+        allreduce_(torch.zeros(8), None, CallSettings(4, 4), error=torch.zeros(4))
     state = CGXState(None, 16, {"bits": 4}, error_feedback=True)
     grad = torch.zeros(64, 64)
     with pytest.raises(NotImplementedError, match="compiled autograd"):
@@ -120,9 +120,9 @@ def _collective_error(dtype: torch.dtype) -> dict:
         g = torch.Generator().manual_seed(40 + rank)
         x = (torch.randn(1500, generator=g) * (rank + 1)).to(dtype)
         plain = x.clone()
-        allreduce_(plain, BITS, BUCKET, dist.group.WORLD, "avg", seed=77)
+        allreduce_(plain, dist.group.WORLD, CallSettings(BITS, BUCKET, "avg", 77))
         out, error = x.clone(), torch.full_like(x, float("nan"))
-        allreduce_(out, BITS, BUCKET, dist.group.WORLD, "avg", seed=77, error=error)
+        allreduce_(out, dist.group.WORLD, CallSettings(BITS, BUCKET, "avg", 77), error=error)
         step = policy.route(x, dist.group.WORLD, BITS, BUCKET).piece_numel
         decoded = x.float().clone()
         for i, s in enumerate(range(0, x.numel(), step)):

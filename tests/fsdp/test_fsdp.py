@@ -14,6 +14,7 @@ from toy_task import backward, batch, shard
 
 import cgx2
 import cgx2.fsdp
+from cgx2.collectives import CallSettings
 from cgx2.fsdp import compress, premul_factor, reduce_scatter_quantized, reference_reduce_scatter
 from cgx2.seeding import call_seed
 
@@ -35,7 +36,7 @@ def _reduce_scatter(n: int, dtype: torch.dtype, scale: float | None, segments: l
     x = _input(rank, world * n, dtype)
     out = torch.empty(n, dtype=dtype)
     cgx2.manual_seed(9)
-    sent = reduce_scatter_quantized(out, x, dist.group.WORLD, 4, 128, scale, segments)
+    sent = reduce_scatter_quantized(out, x, dist.group.WORLD, CallSettings(4, 128), scale, segments)
     exact = torch.empty(n, dtype=dtype)
     dist.reduce_scatter_tensor(exact, x.clone())  # the name torch 2.11 has too
     return {"x": x, "out": out, "exact": exact, "sent": sent}
@@ -82,9 +83,9 @@ def _train_fsdp(bits: int | None, steps: int, mp: bool = False, divide: float | 
     seen = set()  # (scale, dtype) of every reduce-scatter, to see FSDP's op and reduce dtype
     real = cgx2.fsdp.reduce_scatter_quantized
 
-    def recording(output, input, group, *args):
-        seen.add((args[2], input.dtype))
-        return real(output, input, group, *args)
+    def recording(output, input, group, settings, scale, *args, **kwargs):
+        seen.add((scale, input.dtype))
+        return real(output, input, group, settings, scale, *args, **kwargs)
 
     # Patched for this run only: the pool's worker goes on to run other tests, also after a failure.
     with mock.patch.object(cgx2.fsdp, "reduce_scatter_quantized", recording):

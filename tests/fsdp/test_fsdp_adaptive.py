@@ -12,6 +12,7 @@ from toy_task import backward, batch, shard
 
 import cgx2
 from cgx2.codecs import MaxMinLayout
+from cgx2.collectives import CallSettings
 from cgx2.fsdp import (
     QuantizedReduceScatter,
     compress,
@@ -45,7 +46,9 @@ def _reduce_scatter(dtype: torch.dtype, widths: list[int] | None) -> dict:
     x = _input(rank, world * n, dtype)
     out = torch.empty(n, dtype=dtype)
     cgx2.manual_seed(9)
-    sent = reduce_scatter_quantized(out, x, dist.group.WORLD, 4, 128, 0.5, SEGMENTS, widths=widths)
+    sent = reduce_scatter_quantized(
+        out, x, dist.group.WORLD, CallSettings(4, 128), 0.5, SEGMENTS, widths=widths
+    )
     # The exact segments' plain reduce-scatter rides shared memory: summed in rank order.
     parts = [_input(r, world * n, dtype)[rank * n : (rank + 1) * n] for r in range(world)]
     exact = parts[0] + parts[1]

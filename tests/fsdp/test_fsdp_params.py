@@ -14,6 +14,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 import cgx2
 import cgx2.fsdp
 from cgx2.codecs import maxmin
+from cgx2.collectives import CallSettings
 from cgx2.collectives.all_gather import all_gather
 from cgx2.fsdp import QuantizedReplicaGroup, compress
 
@@ -96,9 +97,9 @@ def _train(
     replica_calls = []  # the all-reduces across replicas that were quantized
     real = cgx2.fsdp.allreduce_
 
-    def counting(t, bits, bucket_size, group, *args, **kwargs):
+    def counting(t, *args, **kwargs):
         replica_calls.append(t.numel())
-        return real(t, bits, bucket_size, group, *args, **kwargs)
+        return real(t, *args, **kwargs)
 
     with mock.patch.object(cgx2.fsdp, "allreduce_", counting):
         losses = train_mlp(model, steps)
@@ -124,7 +125,11 @@ def _replica_allreduce(op: str) -> dict:
         cgx2.manual_seed(5)
         QuantizedReplicaGroup(dist.group.WORLD, 4, 128).allreduce([got], opts).wait()
         cgx2.manual_seed(5)
-        model = cgx2.collectives.allreduce(x, 4, 128, dist.group.WORLD, op) if op != "max" else None
+        model = (
+            cgx2.collectives.allreduce(x, dist.group.WORLD, CallSettings(4, 128, op))
+            if op != "max"
+            else None
+        )
     exact = x.clone()
     dist.all_reduce(exact, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
     if op == "avg":

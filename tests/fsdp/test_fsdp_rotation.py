@@ -3,6 +3,7 @@ reduce-scatter is its rotated reference's bytes, the residual is what the owners
 receive (in the gradient's own domain) and is added to the next step, checkpointed; training
 stays close to plain FSDP2."""
 
+import dataclasses
 from unittest import mock
 
 import pytest
@@ -47,11 +48,13 @@ def _train(bits: int | None, steps: int, rotation: str | None, error_feedback: b
     real = cgx2.fsdp.reduce_scatter_quantized
     residuals_before: dict[int, torch.Tensor | None] = {}
 
-    def checked(output, input, group, bits, bucket_size, scale, segments, seed, widths, **kw):
+    def checked(output, input, group, settings, scale, segments, widths, **kw):
         seed = cgx2.seeding.next_seed()
         x = input.detach().clone()
-        sent = real(output, input, group, bits, bucket_size, scale, segments, seed, widths, **kw)
+        settings = dataclasses.replace(settings, seed=seed)
+        sent = real(output, input, group, settings, scale, segments, widths, **kw)
         inputs = _gathered(x)
+        bits, bucket_size = settings.bits, settings.bucket_size
         rotated = {"rotation": rotation, "rotation_block": 64}
         model = reference_reduce_scatter(
             inputs, bits, bucket_size, seed, scale, segments, widths, **rotated
