@@ -215,7 +215,7 @@ def run_one(
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["optimizer"])
         sched.load_state_dict(saved["schedule"])
-        gen.set_state(saved["data_order"])
+        gen.set_state(saved["data_order"].cpu())  # a CPU generator; map_location moved it
         _load_compression_state(name, model, state, saved["compression"])
         cgx2.seeding.set_state(saved["seed_state"])
         start, losses, evals, times = saved["step"], saved["losses"], saved["evals"], saved["times"]
