@@ -25,15 +25,21 @@ from cgx2.codecs import ChunkedLayout
 from cgx2.collectives import graphs, policy
 
 from .report import (
-    SIZES_HELP,
-    HelpFormatter,
+    DTYPES,
     Progress,
+    add_bits_argument,
+    add_bucket_size_argument,
+    add_choice,
+    add_dtypes_argument,
     add_out_argument,
+    add_repeat_arguments,
+    add_sizes_argument,
+    bit_widths,
+    dtype_names,
     environment,
-    format_legend,
-    format_table,
+    format_columns,
     matplotlib_missing,
-    parse_sizes,
+    parser,
     size_name,
     started,
     write_json,
@@ -58,7 +64,6 @@ Other benchmarks:
   python -m cgx2.bench plot --help        draw saved results as a PNG (as --plot does)
 """
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 BACKEND_NAMES = {"nccl": "NCCL"}
 """How the table names a backend (``dist.get_backend``'s name otherwise)."""
 
@@ -511,20 +516,12 @@ def columns(
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION, formatter_class=HelpFormatter)
-    p.add_argument(
-        "--sizes",
-        type=parse_sizes,
-        default="1M,4M,16M,64M,256M,1G",
-        help=f"tensor sizes, comma-separated, in {SIZES_HELP}",
-    )
-    p.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16, fp16")
-    p.add_argument("--bits", default="2,4,8", help="bits per value, comma-separated, 1 to 8")
-    p.add_argument(
-        "--bucket-size", type=int, default=512, help="values sharing one scale (max-min bucket)"
-    )
-    p.add_argument("--warmup", type=int, default=3, help="untimed windows first")
-    p.add_argument("--iters", type=int, default=10, help="timed windows (the median is taken)")
+    p = parser(PROG, DESCRIPTION)
+    add_sizes_argument(p, "1M,4M,16M,64M,256M,1G")
+    add_dtypes_argument(p)
+    add_bits_argument(p)
+    add_bucket_size_argument(p)
+    add_repeat_arguments(p, warmup=3, iters=10, what="windows")
     p.add_argument(
         "--calls",
         type=int,
@@ -553,11 +550,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="also time cgx2 replaying CUDA graphs (GPUs only)",
     )
-    p.add_argument(
+    add_choice(
+        p,
         "--backend",
-        choices=("auto", "nccl", "gloo"),
-        default="auto",
-        help="the process group's: auto is NCCL where there are GPUs, else gloo; gloo on GPUs "
+        ("auto", "nccl", "gloo"),
+        "the process group's: auto is NCCL where there are GPUs, else gloo; gloo on GPUs "
         "allreduces CUDA tensors over gloo (ranks sharing a GPU, hosts without NCCL)",
     )
     add_out_argument(p)
@@ -574,22 +571,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(missing)
     if args.backend == "nccl" and not torch.cuda.is_available():
         p.error("--backend nccl needs CUDA GPUs")
-    args.dtypes = args.dtypes.split(",")
-    try:
-        args.bits = [int(b) for b in args.bits.split(",")]
-    except ValueError:
-        p.error(f"--bits: {args.bits!r} is not a comma-separated list of integers")
-    if any(not 1 <= b <= 8 for b in args.bits):
-        p.error(f"--bits: {args.bits} must each be in 1..8")
+    args.dtypes = dtype_names(p, args.dtypes)
+    args.bits = bit_widths(p, args.bits)
     if args.calls < 1 or args.iters < 1:
         p.error("--calls and --iters must be at least 1")
     if args.cuda_graphs and args.backend == "gloo":
         p.error("--cuda-graphs replays NCCL's collectives: not with --backend gloo")
     if args.cuda_graphs and not torch.cuda.is_available():
         p.error("--cuda-graphs needs CUDA GPUs")
-    for d in args.dtypes:
-        if d not in DTYPES:
-            p.error(f"--dtypes: unknown {d!r}; choose from {', '.join(DTYPES)}")
     return args
 
 
@@ -654,9 +643,8 @@ def _print_report(report: dict[str, Any], args: argparse.Namespace) -> None:
         crossover=crossover_words(rows, device, name, env["regime"]),
     )
     cols = columns(backend, args.cuda_graphs, args.shm, args.hierarchical, run)
-    print(format_table(rows, [(key, head, spec) for key, head, spec, _ in cols]))
-    print("\nColumns:")
-    print(format_legend([(head, meaning) for _, head, _, meaning in cols]))
+    table, legend = format_columns(rows, cols)
+    print(f"{table}\n\nColumns:\n{legend}")
     notes = row_notes(rows, backend)
     if notes:
         print()
@@ -815,9 +803,7 @@ per dtype and bits (solid: compressing at every size; dashed: auto). Needs matpl
 
 def plot_main(argv: list[str] | None = None) -> int:
     """``python -m cgx2.bench plot RESULT.json... --plot PNG``: :func:`plot` of saved runs."""
-    p = argparse.ArgumentParser(
-        prog=f"{PROG} plot", description=PLOT_DESCRIPTION, formatter_class=HelpFormatter
-    )
+    p = parser(f"{PROG} plot", PLOT_DESCRIPTION)
     p.add_argument("results", nargs="+", metavar="RESULT.json", help="allreduce results")
     p.add_argument("--plot", metavar="PNG", required=True, help="the PNG to write")
     args = p.parse_args(argv)

@@ -39,12 +39,14 @@ from cgx2.collectives.measure import (
 )
 
 from .report import (
-    SIZES_HELP,
-    HelpFormatter,
+    DTYPES,
     Progress,
-    format_legend,
-    format_table,
-    parse_sizes,
+    add_dtypes_argument,
+    add_repeat_arguments,
+    add_sizes_argument,
+    dtype_names,
+    format_columns,
+    parser,
     size_name,
     started,
 )
@@ -59,7 +61,6 @@ __all__ = [
     "write_calibration",
 ]
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_CLASS = {"fp32": "fp32", "bf16": "16bit", "fp16": "16bit"}
 """The file's crossovers are per element width: the policy reads one for fp32, one for 16-bit."""
 BACKEND_NAMES = {"nccl": "NCCL"}
@@ -296,11 +297,12 @@ def format_report(data: dict[str, Any]) -> str:
         ),
         ("speedup", f"speedup vs {name}", ".2f", "plain ms / cgx2 ms: above 1, cgx2 is faster"),
     ]
+    table, legend = format_columns(rows, columns)
     lines = [
-        format_table(rows, [(key, head, spec) for key, head, spec, _ in columns]),
+        table,
         "",
         "Columns (each time: the median over iterations of the slowest rank's):",
-        format_legend([(head, meaning) for _, head, _, meaning in columns]),
+        legend,
         "",
         f"{data['device_name']} x{data['world_size']}, {name}, torch {data['torch']}.",
         "cgx2 compresses from (the smallest size from which it was faster at every larger one):",
@@ -325,21 +327,12 @@ def format_report(data: dict[str, Any]) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION, formatter_class=HelpFormatter)
-    p.add_argument(
-        "--sizes",
-        type=parse_sizes,
-        default=None,
-        help=f"tensor sizes, comma-separated, in {SIZES_HELP} (default: 64K, 256K, "
-        "1M, ... 256M by factors of 4; up to 64M on the CPU)",
+    p = parser(PROG, DESCRIPTION)
+    add_sizes_argument(
+        p, None, " (default: 64K, 256K, 1M, ... 256M by factors of 4; up to 64M on the CPU)"
     )
-    p.add_argument(
-        "--dtypes",
-        default="fp32,bf16",
-        help="comma-separated: fp32, bf16, fp16 (bf16 and fp16 give the 16-bit crossover)",
-    )
-    p.add_argument("--warmup", type=int, default=2, help="untimed calls of each first")
-    p.add_argument("--iters", type=int, default=5, help="timed calls of each (the median is taken)")
+    add_dtypes_argument(p, " (bf16 and fp16 give the 16-bit crossover)")
+    add_repeat_arguments(p, warmup=2, iters=5, what="calls of each")
     p.add_argument(
         "--device",
         choices=("cpu", "cuda"),
@@ -360,10 +353,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "reads it: CGX2_CALIBRATION_FILE)",
     )
     args = p.parse_args(argv)
-    args.dtypes = args.dtypes.split(",")
-    for d in args.dtypes:
-        if d not in DTYPES:
-            p.error(f"--dtypes: unknown {d!r}; choose from {', '.join(DTYPES)}")
+    args.dtypes = dtype_names(p, args.dtypes)
     if args.iters < 1 or args.warmup < 0:
         p.error("--iters must be at least 1 and --warmup at least 0")
     if args.device is None:

@@ -17,7 +17,18 @@ from cgx2.codecs import maxmin as ref
 from cgx2.codecs.layout import ChunkedLayout, MaxMinLayout
 from cgx2.config import parse_bytes
 
-from .report import HelpFormatter, add_out_argument, environment, write_json
+from .report import (
+    DTYPES,
+    add_bits_argument,
+    add_bucket_size_argument,
+    add_dtypes_argument,
+    add_out_argument,
+    bit_widths,
+    dtype_names,
+    environment,
+    parser,
+    write_json,
+)
 
 __all__ = [
     "CONVENTIONS",
@@ -32,7 +43,6 @@ __all__ = [
 
 KEY = 0xDEADBEEF_CAFEF00D  # both 32-bit halves >= 2**31 (Triton passes them as uint32)
 K = 4  # rows of decode_sum_encode / chunks of encode_chunks
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAME = {v: k for k, v in DTYPES.items()}
 M64 = 64 * 1024 * 1024
 INTERPRET_NUMEL = 1 << 16  # default under TRITON_INTERPRET=1: the interpreter is slow
@@ -371,7 +381,7 @@ def parse_count(text: str) -> int:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION, formatter_class=HelpFormatter)
+    p = parser(PROG, DESCRIPTION)
     p.add_argument(
         "--numel",
         type=parse_count,
@@ -379,11 +389,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"elements timed; K, M, G mean 2^10, 2^20, 2^30 (default: 64M, or "
         f"{INTERPRET_NUMEL} under TRITON_INTERPRET=1)",
     )
-    p.add_argument("--bits", default="2,4,8", help="bits per value, comma-separated, 1 to 8")
-    p.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16, fp16")
-    p.add_argument(
-        "--bucket-size", type=int, default=512, help="values sharing one scale (max-min bucket)"
-    )
+    add_bits_argument(p)
+    add_dtypes_argument(p)
+    add_bucket_size_argument(p)
     p.add_argument(
         "--rotation",
         choices=["hadamard"],
@@ -398,14 +406,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     add_out_argument(p)
     args = p.parse_args(argv)
-    args.bits = [int(b) for b in args.bits.split(",")]
-    args.dtypes = args.dtypes.split(",")
-    for d in args.dtypes:
-        if d not in DTYPES:
-            p.error(f"--dtypes: unknown {d!r}; choose from {', '.join(DTYPES)}")
-    for b in args.bits:
-        if not 1 <= b <= 8:
-            p.error(f"--bits: {b} is not in 1..8")
+    args.bits = bit_widths(p, args.bits)
+    args.dtypes = dtype_names(p, args.dtypes)
     return args
 
 

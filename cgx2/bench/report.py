@@ -13,7 +13,7 @@ import platform
 import re
 import sys
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -25,14 +25,25 @@ from cgx2.config import parse_bytes
 
 __all__ = [
     "DEFAULT_OUT",
+    "DTYPES",
     "HelpFormatter",
     "Progress",
+    "add_bits_argument",
+    "add_bucket_size_argument",
+    "add_choice",
+    "add_dtypes_argument",
     "add_out_argument",
+    "add_repeat_arguments",
+    "add_sizes_argument",
+    "bit_widths",
+    "dtype_names",
     "environment",
+    "format_columns",
     "format_legend",
     "format_table",
     "matplotlib_missing",
     "parse_sizes",
+    "parser",
     "refused_single_process",
     "require_processes",
     "size_name",
@@ -45,6 +56,9 @@ DEFAULT_OUT = "cgx2-results"
 
 SIZES_HELP = "bytes; K, M, G mean KiB, MiB, GiB"
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""The dtypes the tools time, by the names ``--dtypes`` takes."""
+
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """``--help`` with each option's default, and the description's paragraphs kept. Flags, and
@@ -54,6 +68,79 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
         if action.default is None or action.nargs == 0:
             return action.help
         return super()._get_help_string(action)
+
+
+def parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """A tool's argument parser: its name and description, its help by :class:`HelpFormatter`."""
+    return argparse.ArgumentParser(
+        prog=prog, description=description, formatter_class=HelpFormatter
+    )
+
+
+def add_choice(
+    p: argparse.ArgumentParser, flag: str, choices: Sequence[str], help: str | None = None
+) -> None:
+    """``flag``: one of ``choices``, the first where it is not given."""
+    p.add_argument(flag, choices=choices, default=choices[0], help=help)
+
+
+def add_sizes_argument(p: argparse.ArgumentParser, default: str | None, more: str = "") -> None:
+    """``--sizes``: tensor sizes in bytes, comma-separated (:func:`parse_sizes`), ``default``
+    unless given; ``more`` ends its help."""
+    p.add_argument(
+        "--sizes",
+        type=parse_sizes,
+        default=default,
+        help=f"tensor sizes, comma-separated, in {SIZES_HELP}{more}",
+    )
+
+
+def add_dtypes_argument(p: argparse.ArgumentParser, more: str = "") -> None:
+    """``--dtypes``: :data:`DTYPES`' names, comma-separated (fp32 and bf16 unless given);
+    ``more`` ends its help. :func:`dtype_names` checks it."""
+    p.add_argument(
+        "--dtypes", default="fp32,bf16", help=f"comma-separated: {', '.join(DTYPES)}{more}"
+    )
+
+
+def dtype_names(p: argparse.ArgumentParser, text: str) -> list[str]:
+    """``--dtypes``' names, each checked against :data:`DTYPES` (``p`` exits where one is not)."""
+    names = text.split(",")
+    for name in names:
+        if name not in DTYPES:
+            p.error(f"--dtypes: unknown {name!r}; choose from {', '.join(DTYPES)}")
+    return names
+
+
+def add_bits_argument(p: argparse.ArgumentParser) -> None:
+    """``--bits``: widths from 1 to 8, comma-separated (2, 4 and 8 unless given);
+    :func:`bit_widths` checks it."""
+    p.add_argument("--bits", default="2,4,8", help="bits per value, comma-separated, 1 to 8")
+
+
+def bit_widths(p: argparse.ArgumentParser, text: str) -> list[int]:
+    """``--bits``' widths, each an integer from 1 to 8 (``p`` exits where one is not)."""
+    try:
+        bits = [int(b) for b in text.split(",")]
+    except ValueError:
+        p.error(f"--bits: {text!r} is not a comma-separated list of integers")
+    if any(not 1 <= b <= 8 for b in bits):
+        p.error(f"--bits: {bits} must each be in 1..8")
+    return bits
+
+
+def add_bucket_size_argument(p: argparse.ArgumentParser) -> None:
+    """``--bucket-size``: the max-min codec's values a scale (512 unless given)."""
+    p.add_argument(
+        "--bucket-size", type=int, default=512, help="values sharing one scale (max-min bucket)"
+    )
+
+
+def add_repeat_arguments(p: argparse.ArgumentParser, *, warmup: int, iters: int, what: str) -> None:
+    """``--warmup`` (untimed ``what`` first) and ``--iters`` (timed ``what``, the median
+    taken), with these defaults."""
+    p.add_argument("--warmup", type=int, default=warmup, help=f"untimed {what} first")
+    p.add_argument("--iters", type=int, default=iters, help=f"timed {what} (the median is taken)")
 
 
 def parse_sizes(text: str) -> list[int]:
@@ -247,6 +334,16 @@ def format_table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def format_columns(
+    rows: list[dict[str, Any]], columns: list[tuple[str, str, str, str | None]]
+) -> tuple[str, str]:
+    """The table of ``rows`` and its legend, from columns that are (key, header, format spec,
+    meaning); a column whose meaning is None goes without a legend line."""
+    table = format_table(rows, [(key, head, spec) for key, head, spec, _ in columns])
+    said = [(head, meaning) for _, head, _, meaning in columns if meaning is not None]
+    return table, format_legend(said)
 
 
 def format_legend(columns: list[tuple[str, str]]) -> str:
