@@ -281,11 +281,10 @@ class CGXProcessGroup(dist.ProcessGroup):
     def _compress(self, tensors: Sequence[torch.Tensor], settings: CallSettings) -> None:
         numel = sum(t.numel() for t in tensors)
         self.bytes_uncompressed += ring_bytes_sent(numel * tensors[0].element_size(), self.size())
-        bits, bucket_size = settings.bits, settings.bucket_size
-        mesh = self.node_mesh(tensors[0].device.type, bits)
+        mesh = self.node_mesh(tensors[0].device.type, settings.bits)
         intra_broadcast = self.config.intra_broadcast
         if mesh is None or not policy.by_node_mesh(
-            tensors[0], self, mesh, bits, bucket_size, intra_broadcast, numel
+            tensors[0], self, mesh, settings, intra_broadcast, numel
         ):
             self.bytes_sent += allreduce_fused_(tensors, self, settings)
         else:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -16,6 +17,7 @@ from .. import config
 from ..comm import GroupInfo, GroupState
 from ..comm import store as stored
 from . import calibration_file, decided, decision, regimes
+from .call_settings import CallSettings
 
 __all__ = [
     "LinkMeasurer",
@@ -146,19 +148,25 @@ def calibrated_mesh(
 
 
 def time_mesh(
-    dtype: torch.dtype,
+    t: torch.Tensor,
     group: dist.ProcessGroup,
     mesh: DeviceMesh,
-    bits: int,
-    bucket_size: int,
+    settings: CallSettings,
     intra_broadcast: bool,
-    device: torch.device,
 ) -> dict[int, bool]:
-    """Whether the node ``mesh`` beat the flat allreduce over ``group``, by size, timed now
-    (:func:`.measure.mesh_against_flat`), at the first such call, which every rank makes alike."""
+    """Whether the node ``mesh`` beat the flat allreduce over ``group`` for tensors like ``t``
+    coded by ``settings``, by size, timed now (:func:`.measure.mesh_against_flat`), at the
+    first such call, which every rank makes alike."""
+    dtype, device = t.dtype, t.device
     try:
         return _measurer().mesh_against_flat(
-            dtype, group, mesh, bits, bucket_size, intra_broadcast, device=device
+            dtype,
+            group,
+            mesh,
+            settings.bits,
+            settings.bucket_size,
+            intra_broadcast,
+            device=device,
         )
     except RuntimeError as e:
         raise RuntimeError(
@@ -170,25 +178,12 @@ def time_mesh(
 
 
 class LinkMeasurer(Protocol):
-    """What measures on a group's link at first use (:mod:`.measure`): it runs the quantized
-    collectives, which the policy (above this module) routes, so it is handed down
-    (:func:`measure_with`) rather than imported."""
+    """What measures on a group's link at first use: :mod:`.measure`, whose functions of these
+    names these are. It runs the quantized collectives, which the policy (above this module)
+    routes, so it is handed down (:func:`measure_with`) rather than imported."""
 
-    def crossover_on_link(
-        self, dtype: torch.dtype, group: dist.ProcessGroup, *, device: torch.device
-    ) -> tuple[int | None, int | None]: ...
-
-    def mesh_against_flat(
-        self,
-        dtype: torch.dtype,
-        group: dist.ProcessGroup,
-        mesh: DeviceMesh,
-        bits: int,
-        bucket_size: int,
-        intra_broadcast: bool,
-        *,
-        device: torch.device,
-    ) -> dict[int, bool]: ...
+    crossover_on_link: Callable[..., tuple[int | None, int | None]]
+    mesh_against_flat: Callable[..., dict[int, bool]]
 
 
 class _Measuring:

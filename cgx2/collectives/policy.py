@@ -22,6 +22,7 @@ from .. import config, cpu_threads
 from ..checks import UNCOMPRESSED_BITS
 from ..comm import group_info, groups
 from . import calibration_file, crossovers, decided, decision, graphs, regimes, transports
+from .call_settings import CallSettings
 from .crossovers import calibration, calibration_key
 from .decision import (
     CPU_ACROSS_NODES_PIECE_NUMEL,
@@ -88,28 +89,27 @@ def by_node_mesh(
     t: torch.Tensor,
     group: dist.ProcessGroup,
     mesh: DeviceMesh,
-    bits: int,
-    bucket_size: int,
+    settings: CallSettings,
     intra_broadcast: bool,
     numel: int | None = None,
 ) -> bool:
-    """Whether a compressed allreduce of ``t`` (or of ``numel`` of its values) over ``group``,
-    for which :func:`hierarchical` built the node ``mesh``, goes over the mesh rather than
-    flat. ``CGX2_NODE_MESH`` decides where set. Otherwise CPU tensors, and CUDA tensors on
-    NCCL, take what was faster on this job's link at the measured size nearest theirs (the
-    calibration file's, else :func:`.measure.mesh_against_flat` at the first such call, which
-    every rank makes alike): the mesh sends a node's bytes between hosts once but fewer ranks
-    code them, so it wins where the link bounds the call and may lose where the codec does
-    (BENCHMARKS.md, "Flat against the node mesh"). Where nothing may be measured (a trace, a
-    CUDA graph's capture; logged), and for CUDA tensors that NCCL does not carry, GPUs take
-    the mesh (between hosts the link is far slower than a GPU's codec) and CPUs the flat
+    """Whether a compressed allreduce of ``t`` (or of ``numel`` of its values) coded by
+    ``settings`` over ``group``, for which :func:`hierarchical` built the node ``mesh``, goes
+    over the mesh rather than flat. ``CGX2_NODE_MESH`` decides where set. Otherwise CPU tensors,
+    and CUDA tensors on NCCL, take what was faster on this job's link at the measured size
+    nearest theirs (the calibration file's, else :func:`.measure.mesh_against_flat` at the first
+    such call, which every rank makes alike): the mesh sends a node's bytes between hosts once
+    but fewer ranks code them, so it wins where the link bounds the call and may lose where the
+    codec does (BENCHMARKS.md, "Flat against the node mesh"). Where nothing may be measured (a
+    trace, a CUDA graph's capture; logged), and for CUDA tensors that NCCL does not carry, GPUs
+    take the mesh (between hosts the link is far slower than a GPU's codec) and CPUs the flat
     allreduce, until an eager call times them."""
     found = decided.state(group)
     forced = config.tuning().node_mesh
     if forced is not None:
         return forced
     backend, nccl, regime_now = regimes.carrier(t.device, group_info(group))
-    key = (t.device, t.dtype, bits, bucket_size, intra_broadcast)
+    key = (t.device, t.dtype, settings.bits, settings.bucket_size, intra_broadcast)
     faster = found.mesh_faster.get(key)
     if faster is None:
         faster = crossovers.calibrated_mesh(t.device.type, t.dtype, group, backend, nccl)
@@ -127,9 +127,7 @@ def by_node_mesh(
                     "the mesh" if untimed else "flat",
                 )
                 return untimed
-            faster = crossovers.time_mesh(
-                t.dtype, group, mesh, bits, bucket_size, intra_broadcast, t.device
-            )
+            faster = crossovers.time_mesh(t, group, mesh, settings, intra_broadcast)
         found.mesh_faster[key] = faster
     return decision.nearest_size(faster, (t.numel() if numel is None else numel) * t.element_size())
 

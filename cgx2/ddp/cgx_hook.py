@@ -269,7 +269,7 @@ class CGXState:
         if self.mesh is None:
             return False
         return not self._mesh_by_policy or policy.by_node_mesh(
-            t, group, self.mesh, self.bits, self.bucket_size, self.intra_broadcast, numel
+            t, group, self.mesh, self._call_settings(self.bits), self.intra_broadcast, numel
         )
 
     def layer_bits(

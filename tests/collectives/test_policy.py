@@ -16,7 +16,7 @@ from env_vars import setenv
 
 import cgx2
 from cgx2 import comm, config
-from cgx2.collectives import crossovers, policy, regimes
+from cgx2.collectives import CallSettings, crossovers, policy, regimes
 from cgx2.collectives.policy import crossover_bytes, detect_regime
 
 CUDA = torch.device("cuda", 0)
@@ -589,7 +589,7 @@ def _node_mesh_from_rank_0s_calibration(directory: str) -> list[object]:
     with config.tuned(calibration_file=path), timing:
         group = dist.new_group()
         chosen = [
-            policy.by_node_mesh(torch.zeros(n), group, None, 4, 512, False)
+            policy.by_node_mesh(torch.zeros(n), group, None, CallSettings(4, 512), False)
             for n in (1 << 17, 1 << 18, 1 << 22, 1 << 24)
         ]
         dist.destroy_process_group(group)
@@ -765,15 +765,15 @@ def test_the_node_mesh_carries_calls_whose_nearest_measured_size_it_won(clean_en
     monkeypatch.setattr(regimes, "carrier", lambda device, info: ("gloo", False, "cpu"))
     timings = []
 
-    def timed(dtype, g, mesh, bits, bucket_size, intra_broadcast, device):
-        timings.append((dtype, g, mesh, bits, bucket_size, intra_broadcast))
+    def timed(t, g, mesh, settings, intra_broadcast):
+        timings.append((t.dtype, g, mesh, settings.bits, settings.bucket_size, intra_broadcast))
         return {1 * MiB: True, 4 * MiB: False, 16 * MiB: True}
 
     monkeypatch.setattr(crossovers, "time_mesh", timed)
     x = torch.zeros(1)
 
     def over(nbytes: int, bits: int = 4) -> bool:
-        return policy.by_node_mesh(x, group, "mesh", bits, 512, False, nbytes // 4)
+        return policy.by_node_mesh(x, group, "mesh", CallSettings(bits, 512), False, nbytes // 4)
 
     assert over(256 << 10) and over(0)  # below the smallest size: its answer
     assert over(1 * MiB) and over(int(1.9 * MiB))
@@ -788,7 +788,7 @@ def test_the_node_mesh_carries_calls_whose_nearest_measured_size_it_won(clean_en
         assert over(4 * MiB)
     monkeypatch.setattr(regimes, "carrier", lambda device, info: ("gloo", False, "socket"))
     cuda = _stand_in_cuda_tensor()  # CUDA tensors through the host (gloo): the mesh, untimed
-    assert policy.by_node_mesh(cuda, group, "mesh", 4, 512, False, MiB)
+    assert policy.by_node_mesh(cuda, group, "mesh", CallSettings(4, 512), False, MiB)
     assert len(timings) == 2
 
 
@@ -1011,15 +1011,15 @@ def test_the_node_mesh_on_gpus_is_chosen_against_the_flat_allreduce_by_timing(cl
     _hosts(clean_env, 4, 2, tmp_path)
     timings = []
 
-    def timed(dtype, group, mesh, bits, bucket_size, intra_broadcast, device):
-        timings.append((dtype, mesh, bits, device))
+    def timed(t, group, mesh, settings, intra_broadcast):
+        timings.append((t.dtype, mesh, settings.bits, t.device))
         return {1 * MiB: False, 4 * MiB: True, 16 * MiB: True}
 
     clean_env.setattr(crossovers, "time_mesh", timed)
 
     def over(group, nbytes: int) -> bool:
         return policy.by_node_mesh(
-            _stand_in_cuda_tensor(), group, "mesh", 4, 512, False, nbytes // 4
+            _stand_in_cuda_tensor(), group, "mesh", CallSettings(4, 512), False, nbytes // 4
         )
 
     with _nccl_group() as group:
