@@ -13,6 +13,9 @@
 #   fsdp_*   examples/train_fsdp.py (85M, eager: the link bounds its step), fp32 and bf16
 #            parameters: FSDP2's own, 4-bit reduce-scatter, and that with 8-bit parameters
 #   hsdp_*   the same as HSDP (--replicas 2: shards inside a host, replicas across), 2x2 only
+#   conv_*   examples/convergence.py's model (19.3M) with conv_NAME's compressor (cgx4, cgx2-rot,
+#            powersgd, ...: its names), 40 steps: a step's time across the hosts, for
+#            examples/convergence_time.py --step-times (not by default)
 # then a summary: each table headed by the link's delivered rate (NCCL's fp32 allreduce bus
 # bandwidth against the configured rate), as markdown and JSON beside the raw files.
 #
@@ -25,7 +28,7 @@
 #     fsdp_bf16_b4 fsdp_bf16_b4p8 ddp_b32_compile ddp_b4_compile hsdp_bf16_b32 hsdp_bf16_b4
 #     hsdp_bf16_b4p8; not by default: mlp_compress, cgx2.ddp.compress at 4 bits,
 #     mlp_allreduce, torch's allreduce_hook, mlp_cgx4_flat and mlp_cgx4_mesh, the node mesh
-#     off and on, mlp_plain_big and mlp_cgx4_big, DDP's buckets at 100 MB).
+#     off and on, mlp_plain_big and mlp_cgx4_big, DDP's buckets at 100 MB; conv_*).
 #   NCCL_HOST_PLAN: "LAYOUT RATE RUN...; ..." runs exactly these, in this order (in place of
 #     LAYOUTS, NCCL_HOST_RATES and NCCL_HOST_RUNS); RUN+VAR=VALUE[+VAR=VALUE] runs RUN with those
 #     variables set in every rank (an A/B inside one call: mlp_cgx4+CGX2_CUDA_GRAPHS=0), its
@@ -34,7 +37,7 @@
 #     the compiled and HSDP runs after the rest of every layout and rate.
 #   BUDGET_S (480): no run starts past it (those left are listed as skipped), nor runs more than
 #     60 s past it; RUN_TIMEOUT (180): seconds a run may take; MLP_ARGS, DDP_ARGS, FSDP_ARGS,
-#     BENCH_ARGS override each kind's arguments.
+#     BENCH_ARGS, CONV_ARGS override each kind's arguments.
 #   RESULTS_DIR (bench/results): the run's folder, nccl_hosts_<gpu>_<date>/, goes there;
 #   TAR_TO: a folder where nccl_hosts.tgz (that folder) is written after every run ($OUT).
 #   DRY_RUN=1: on a machine without GPUs (root and iproute2 still), with NGPU=2 or 4: makes the
@@ -77,6 +80,8 @@ MLP_ARGS=${MLP_ARGS:---model mlp --dim 4096 --layers 8 --batch-size 64 --warmup 
 DDP_ARGS=${DDP_ARGS:---dim 1024 --layers 10 --heads 16 --context 256 --batch-size 8 --steps 8}
 FSDP_ARGS=${FSDP_ARGS:---steps 6 --no-compile}
 BENCH_ARGS=${BENCH_ARGS:---sizes 64M,256M --bits 4 --dtypes fp32 --warmup 1 --iters 5}
+CONV_ARGS=${CONV_ARGS:---dim 512 --layers 6 --heads 8 --context 256 --batch-size 16 --steps 40
+  --warmup 10 --eval-every 1000 --eval-batches 2 --train-bytes 2000000}
 ALL_RUNS="bench mlp_plain mlp_cgx4 mlp_cgx8 mlp_bf16 mlp_powersgd ddp_b32 ddp_b4 fsdp_fp32_b32
   fsdp_fp32_b4 fsdp_fp32_b4p8 fsdp_bf16_b32 fsdp_bf16_b4 fsdp_bf16_b4p8 ddp_b32_compile
   ddp_b4_compile hsdp_bf16_b32 hsdp_bf16_b4 hsdp_bf16_b4p8"
@@ -161,6 +166,9 @@ program() {  # name folder layout; NAME+VAR=VALUE... runs NAME with those variab
             $FSDP_ARGS --log-every 1000 --json "$dir/$name.json")
       [ "$dtype" = bf16 ] && args+=(--bf16)
       [ "${name%%_*}" = hsdp ] && args+=(--replicas 2) ;;
+    conv_*)  # examples/convergence.py's compressor NAME (conv_NAME), a short run: its step time
+      args=(examples/convergence.py --device "$DEVICE" --backend "$backend" $CONV_ARGS
+            --compressors "${name#conv_}" --out "$dir") ;;
     *) echo "nccl_hosts.sh: unknown run $name" >&2; return ;;
   esac
   case $name in mlp_*) args+=(--backend "$backend" --device "$DEVICE" $MLP_ARGS --out "$dir") ;; esac

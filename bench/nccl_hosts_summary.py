@@ -239,6 +239,27 @@ def section(folder: Path, layout: str, rate: str, runs: dict[str, dict]) -> tupl
                 }
                 for b, r in got.items()
             }
+    conv = {
+        n: load(folder / n, "run_*.json") for n in runs if n.startswith("conv_") and "+" not in n
+    }
+    if conv:
+        plain, four = ((conv.get(n) or {}).get("step_ms") for n in ("conv_plain", "conv_cgx4"))
+        lines += [
+            "",
+            "| convergence.py's model, a step | ms | bits a value | vs plain DDP | vs CGX 4-bit |",
+            "| --- | ---: | ---: | ---: | ---: |",
+        ]
+        data["convergence_step"] = {}
+        for name, r in conv.items():
+            if r is None:
+                lines.append(f"| {name[5:]} | {failed(name)} | | | |")
+                continue
+            bits = r.get("bits_per_value")
+            lines.append(
+                f"| {name[5:]} | {r['step_ms']:.1f} | {'-' if bits is None else f'{bits:.2f}'} "
+                f"| {ratio(plain, r['step_ms'])} | {ratio(four, r['step_ms'])} |"
+            )
+            data["convergence_step"][name[5:]] = {"step_ms": r["step_ms"], "bits_per_value": bits}
     variants = variant_rows(folder, runs, mlp_plain=load(folder / "mlp_plain", "ddp_*.json"))
     if variants:
         lines += [

@@ -255,7 +255,7 @@ def test_an_nccl_hosts_plan_runs_in_its_order_one_host_without_the_lab(netlab, t
     (no namespace, its regime's NCCL variables, every GPU), CGX2_NODE_MESH forced per run."""
     plan = (
         "1x4 shm mlp_plain; 2x2 1gbit mlp_cgx4_flat; 1x4 nvlink mlp_compress;"
-        " 1x4 nvlink mlp_cgx4+CGX2_CUDA_GRAPHS=0+CGX2_PIECE=x"
+        " 1x4 nvlink mlp_cgx4+CGX2_CUDA_GRAPHS=0+CGX2_PIECE=x; 1x4 nvlink conv_cgx2-rot"
     )
     done = _nccl_hosts_dry(tmp_path, NCCL_HOST_PLAN=plan)
     runs = [line.split()[1:4] for line in done.stdout.splitlines() if line.startswith("== ")]
@@ -264,12 +264,14 @@ def test_an_nccl_hosts_plan_runs_in_its_order_one_host_without_the_lab(netlab, t
         ["2x2", "1gbit", "mlp_cgx4_flat"],
         ["1x4", "nvlink", "mlp_compress"],
         ["1x4", "nvlink", "mlp_cgx4+CGX2_CUDA_GRAPHS=0+CGX2_PIECE=x"],
+        ["1x4", "nvlink", "conv_cgx2-rot"],
     ]
     one_host = [line for line in done.stdout.splitlines() if line.startswith("host 0: timeout")]
-    assert len(one_host) == 3
+    assert len(one_host) == 4
     assert "NCCL_P2P_DISABLE=1" in one_host[0] and "NCCL_P2P_DISABLE" not in one_host[1]
     # A variant: its run's program, with its variables set.
     assert "CGX2_CUDA_GRAPHS=0 CGX2_PIECE=x" in one_host[2] and "--name cgx4" in one_host[2]
+    assert "examples/convergence.py" in one_host[3] and "--compressors cgx2-rot" in one_host[3]
     assert all(
         "CUDA_VISIBLE_DEVICES=0,1,2,3" in line and "--standalone" in line and "netlab" not in line
         for line in one_host
