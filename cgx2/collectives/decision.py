@@ -208,26 +208,19 @@ def pair_gather(world: int, regime: str, allowed: bool) -> bool:
     return world == 2 and regime != "nvlink" and allowed
 
 
-def piece_numel(
-    element_size: int,
-    world: int,
-    bucket_size: int,
-    regime: str,
-    pair_gather: bool,
-    beside_compute: bool,
-    pipeline_bytes: int | None,
-    spans_nodes: bool,
-) -> int:
-    """Values per pipeline piece: whole buckets for every rank, about ``pipeline_bytes`` of
-    input where given, or the regime's :data:`PIECE_NUMEL` (CPU tensors of a job that
-    ``spans_nodes``, called alone: :data:`CPU_ACROSS_NODES_PIECE_NUMEL`)."""
-    per_piece = world * bucket_size
-    if pipeline_bytes is not None:
-        return max(1, pipeline_bytes // (element_size * per_piece)) * per_piece
+def piece_numel(facts: GroupFacts, pair_gather: bool, beside_compute: bool) -> int:
+    """Values per pipeline piece of a call that ``facts`` describe (whose chunks two ranks swap
+    by all-gather where ``pair_gather``): whole buckets for every rank, about
+    ``facts.pipeline_bytes`` of input where given, or the regime's :data:`PIECE_NUMEL` (CPU
+    tensors of a job that spans nodes, called alone: :data:`CPU_ACROSS_NODES_PIECE_NUMEL`)."""
+    regime = facts.regime
+    per_piece = facts.world * facts.bucket_size
+    if facts.pipeline_bytes is not None:
+        return max(1, facts.pipeline_bytes // (facts.element_size * per_piece)) * per_piece
     numel = (
         PIECE_NUMEL_PAIR.get(regime, PIECE_NUMEL[regime]) if pair_gather else PIECE_NUMEL[regime]
     )
-    if regime == "cpu" and spans_nodes and not beside_compute:
+    if regime == "cpu" and facts.spans_nodes and not beside_compute:
         numel = CPU_ACROSS_NODES_PIECE_NUMEL
     return max(1, numel // per_piece) * per_piece
 
@@ -256,19 +249,7 @@ def plan(facts: GroupFacts) -> Routes:
     """The routes of every call that ``facts`` describe: plain, compressed (alone, beside the
     training step) and, where one may, compressed as a CUDA graph."""
     pair = pair_gather(facts.world, facts.regime, facts.pair_gather)
-    pieces, pieces_beside = (
-        piece_numel(
-            facts.element_size,
-            facts.world,
-            facts.bucket_size,
-            facts.regime,
-            pair,
-            beside_compute,
-            facts.pipeline_bytes,
-            facts.spans_nodes,
-        )
-        for beside_compute in (False, True)
-    )
+    pieces, pieces_beside = (piece_numel(facts, pair, beside) for beside in (False, True))
     ring = facts.algorithm == "ring" and facts.world > 2
     compressed = Route(
         compress=True,

@@ -24,27 +24,20 @@ from ..comm import group_info, groups
 from . import calibration_file, crossovers, decided, decision, graphs, regimes, transports
 from .call_settings import CallSettings
 from .crossovers import calibration, calibration_key
-from .decision import (
-    CPU_ACROSS_NODES_PIECE_NUMEL,
-    CROSSOVER_BYTES,
-    CROSSOVER_BYTES_GRAPHS,
-    GRAPHS_AUTO_MAX_BYTES,
-    PIECE_NUMEL,
-    PIECE_NUMEL_PAIR,
-    Route,
-)
+
+# The decision's tables and routes, re-exported: the policy's readers find them here too.
+from .decision import CPU_ACROSS_NODES_PIECE_NUMEL as CPU_ACROSS_NODES_PIECE_NUMEL
+from .decision import CROSSOVER_BYTES as CROSSOVER_BYTES
+from .decision import CROSSOVER_BYTES_GRAPHS as CROSSOVER_BYTES_GRAPHS
+from .decision import GRAPHS_AUTO_MAX_BYTES as GRAPHS_AUTO_MAX_BYTES
+from .decision import PIECE_NUMEL as PIECE_NUMEL
+from .decision import PIECE_NUMEL_PAIR as PIECE_NUMEL_PAIR
+from .decision import Route as Route
 from .regimes import detect_regime, group_regime, regime, spans_hosts
 from .transports import runs_on_worker, transport
 
 __all__ = [
     "CALIBRATION_FORMAT",
-    "CPU_ACROSS_NODES_PIECE_NUMEL",
-    "CROSSOVER_BYTES",
-    "CROSSOVER_BYTES_GRAPHS",
-    "GRAPHS_AUTO_MAX_BYTES",
-    "PIECE_NUMEL",
-    "PIECE_NUMEL_PAIR",
-    "Route",
     "by_node_mesh",
     "calibration",
     "calibration_key",
@@ -185,20 +178,17 @@ def piece_numel(
     a call beside the training step (None: whether the calling thread is a worker there). The
     pieces fix which values share a random key, so every rank, and the reference model, cut
     alike."""
-    pipeline_bytes = config.tuning().pipeline_bytes
     if beside_compute is None:
         beside_compute = cpu_threads.beside_compute()
-    spans_nodes = config.launch().spans_nodes
-    return decision.piece_numel(
-        element_size,
-        world,
-        bucket_size,
+    facts = decision.GroupFacts(
         regime,
-        pair_gather,
-        beside_compute,
-        pipeline_bytes,
-        spans_nodes,
+        world,
+        element_size,
+        bucket_size,
+        pipeline_bytes=config.tuning().pipeline_bytes,
+        spans_nodes=config.launch().spans_nodes,
     )
+    return decision.piece_numel(facts, pair_gather, beside_compute)
 
 
 def uses_pair_gather(world: int, regime: str) -> bool:

@@ -61,7 +61,8 @@ def test_pieces_are_whole_buckets_for_every_rank():
         group = _group(regime="shm", world=3, bucket_size=100, pipeline_bytes=pipeline_bytes)
         pieces = decision.decide(_call(group, MiB)).piece_numel
         assert pieces > 0 and pieces % 300 == 0
-    assert decision.piece_numel(4, 3, 100, "shm", False, False, 3 * MiB, False) == 786300
+    facts = decision.GroupFacts("shm", 3, 4, 100, pipeline_bytes=3 * MiB)
+    assert decision.piece_numel(facts, False, False) == 786300
 
 
 @pytest.mark.parametrize(
