@@ -118,10 +118,13 @@ def _philox(c0, c1, c2, c3, k0, k1, ROUNDS: tl.constexpr = 10):
 
 
 @triton.jit
-def _random_halves(k0, k1, q, stream, c, BUCKETS: tl.constexpr, BLOCK: tl.constexpr):
-    """16-bit random integers (uint32) for a tile (c % 8 == 0), as the halves of :func:`_tile`:
-    one Philox call per group of 8 values, whose value 8g + 4i + 2k + h takes half h of word
-    2k + i (the order is defined in :mod:`.philox`)."""
+def _random_halves(rng, q, c, BLOCK: tl.constexpr):
+    """16-bit random integers (uint32) for a tile of buckets ``q`` (c % 8 == 0), as the halves
+    of :func:`_tile`, from ``rng``, the random stream ``(stream, key0, key1)``: one Philox
+    call per group of 8 values, whose value 8g + 4i + 2k + h takes half h of word 2k + i (the
+    order is defined in :mod:`.philox`)."""
+    stream, k0, k1 = rng
+    BUCKETS: tl.constexpr = q.shape[0]
     G: tl.constexpr = BLOCK // 8
     zero = tl.zeros((BUCKETS, G), dtype=tl.uint32)
     c0 = zero + (c // 8 + tl.arange(0, G)).to(tl.uint32)[None, :]
@@ -174,23 +177,15 @@ def _sign_words(i, sk0, sk1):
 
 @triton.jit
 def _tile_signs(
-    q,
-    c,
-    sk0,
-    sk1,
-    base,
-    rot_end,
-    B: tl.constexpr,
-    BLOCK: tl.constexpr,
-    ROT: tl.constexpr,
-    GROUPED: tl.constexpr,
+    q, c, signs, B: tl.constexpr, BLOCK: tl.constexpr, ROT: tl.constexpr, GROUPED: tl.constexpr
 ):
     """The signs of a tile's halves (:func:`_tile`), values ``base + q * B + col``, as sign
     bits (uint32, 0 or 0x80000000: xored into a float, a product with +-1 but for NaN's
-    bits), and which values lie before ``rot_end``. ``GROUPED`` (every group's first index a
-    multiple of 8, and ``base`` one of 16): a group's eight signs are one byte of one Philox
-    word, one call a pair of groups (a group where B is no multiple of 16); else one call a
-    value."""
+    bits), and which values lie before ``rot_end``; ``signs`` is ``(sk0, sk1, base,
+    rot_end)``, the signs' key first. ``GROUPED`` (every group's first index a multiple of 8,
+    and ``base`` one of 16): a group's eight signs are one byte of one Philox word, one call a
+    pair of groups (a group where B is no multiple of 16); else one call a value."""
+    sk0, sk1, base, rot_end = signs
     G: tl.constexpr = BLOCK // 8
     TOP: tl.constexpr = 0x80000000
     if GROUPED:
@@ -323,10 +318,7 @@ def _rotate_tile(
     v1,
     q,
     c,
-    sk0,
-    sk1,
-    base,
-    rot_end,
+    signs,
     B: tl.constexpr,
     BLOCK: tl.constexpr,
     ROT: tl.constexpr,
@@ -336,10 +328,11 @@ def _rotate_tile(
 ):
     """A tile's halves (fp32) rotated, or with ``INVERSE`` rotated back, where their index in
     the payload, ``base + q * B + col``, is below ``rot_end`` (the end of the last whole
-    block); the values at and past it as they are. Each step one fp32 operation in the
-    reference's order. ``CANONICAL_NAN``: every NaN out is 0x7FC00000, the reference's
-    (hardware's NaN bits differ), for values stored; a NaN only coded needs no such care."""
-    m0, m1, inside0, inside1 = _tile_signs(q, c, sk0, sk1, base, rot_end, B, BLOCK, ROT, GROUPED)
+    block; ``signs`` as :func:`_tile_signs` takes them); the values at and past it as they
+    are. Each step one fp32 operation in the reference's order. ``CANONICAL_NAN``: every NaN
+    out is 0x7FC00000, the reference's (hardware's NaN bits differ), for values stored; a NaN
+    only coded needs no such care."""
+    m0, m1, inside0, inside1 = _tile_signs(q, c, signs, B, BLOCK, ROT, GROUPED)
     scale = _rotation_scale(ROT)
     if INVERSE:  # (r * scale) * sign is r * (scale * sign), exactly: rounding is symmetric
         r0, r1 = _butterflies(v0, v1, ROT, True)
@@ -356,6 +349,15 @@ def _rotate_tile(
         r0 = tl.where(r0 != r0, nan, r0)
         r1 = tl.where(r1 != r1, nan, r1)
     return r0, r1
+
+
+@triton.jit
+def _rotate_values(v0, v1, q, c, signs, B: tl.constexpr, BLOCK: tl.constexpr, ROT: tl.constexpr):
+    """A tile's values to code, rotated by ``signs`` (:func:`_rotate_tile`) where ``ROT`` is
+    not 0; as they are otherwise."""
+    if ROT > 0:
+        v0, v1 = _rotate_tile(v0, v1, q, c, signs, B, BLOCK, ROT, False, B % 8 == 0, False)
+    return v0, v1
 
 
 @triton.jit
@@ -399,6 +401,28 @@ def _load_key(k0, k1, keys_ptr, KEYS_IN_MEMORY: tl.constexpr):
         return key.to(tl.uint32), (key >> 32).to(tl.uint32)
     else:
         return k0.to(tl.uint32), k1.to(tl.uint32)
+
+
+@triton.jit
+def _chunk_signs(
+    sign_k0,
+    sign_k1,
+    signs_ptr,
+    numel,
+    start,
+    chunk_numel,
+    ROT: tl.constexpr,
+    SIGNS_IN_MEMORY: tl.constexpr,
+):
+    """The rotation of the chunk from ``start`` as :func:`_tile_signs` takes it, the signs'
+    key from ``sign_k0, sign_k1`` or the int64 at ``signs_ptr`` (:func:`_load_key`); None
+    where ``ROT`` is 0."""
+    signs = None
+    if ROT > 0:  # the chunk's last whole block ends at rot_end
+        sk0, sk1 = _load_key(sign_k0, sign_k1, signs_ptr, SIGNS_IN_MEMORY)
+        rot_end = tl.minimum(tl.maximum(numel - start, 0), chunk_numel) // ROT * ROT
+        signs = (sk0, sk1, 0, rot_end)
+    return signs
 
 
 @triton.jit
@@ -710,100 +734,67 @@ def _div_toward_zero(lmax, span):
 
 
 @triton.jit
-def _levels(v, valid, h, lo_p, scale, pre, BITS: tl.constexpr):
-    """One half's levels (zero outside the data). The scale is rounded toward zero, so that
-    no level needs a clamp; a non-finite bucket's are garbage, zeroed when packed."""
-    lmax: tl.constexpr = (1 << BITS) - 1
-    a = (v * pre[:, None, None] - lo_p[:, None, None]) * scale[:, None, None]
-    return tl.where(valid, _round_level(a, h, BITS) & lmax, 0)
-
-
-@triton.jit
-def _saturated_levels(
-    v, valid, h, lo_p, scale, pre, sat, m, sat_scale, a_lo, a_hi, BITS: tl.constexpr
-):
-    """:func:`_levels` of a tile where some buckets are saturated (``sat``): theirs from
-    ``(v / 2 - m) * sat_scale`` held to ``[a_lo, a_hi]``, +-Inf at the end levels exactly."""
+def _levels(v, valid, h, coding, BITS: tl.constexpr, saturation=None):
+    """One half's levels (zero outside the data) by ``coding``, :func:`_params`' ``(lo_p,
+    scale, pre)``. The scale is rounded toward zero, so that no level needs a clamp; a
+    non-finite bucket's are garbage, zeroed when packed. ``saturation`` (:func:`_saturation`):
+    buckets ``sat`` coded saturated, from ``(v / 2 - m) * sat_scale`` held to ``[a_lo,
+    a_hi]``, +-Inf at the end levels exactly."""
     L: tl.constexpr = (1 << BITS) - 1
+    lo_p, scale, pre = coding
     a = (v * pre[:, None, None] - lo_p[:, None, None]) * scale[:, None, None]
-    b = (v * 0.5 - m[:, None, None]) * sat_scale[:, None, None]
-    b = tl.minimum(tl.maximum(b, a_lo[:, None, None]), a_hi[:, None, None])
-    b = tl.where(v == -float("inf"), 0.0, b)
-    b = tl.where(v == float("inf"), L * 1.0, b)
-    a = tl.where(sat[:, None, None], b, a)
+    if saturation is not None:
+        sat, m, sat_scale, a_lo, a_hi = saturation
+        b = (v * 0.5 - m[:, None, None]) * sat_scale[:, None, None]
+        b = tl.minimum(tl.maximum(b, a_lo[:, None, None]), a_hi[:, None, None])
+        b = tl.where(v == -float("inf"), 0.0, b)
+        b = tl.where(v == float("inf"), L * 1.0, b)
+        a = tl.where(sat[:, None, None], b, a)
     return tl.where(valid, _round_level(a, h, BITS) & L, 0)
 
 
 @triton.jit
-def _quantize_store_saturated(
-    ptr,
-    v0,
-    v1,
-    valid0,
-    valid1,
-    lo_p,
-    scale,
-    pre,
-    keep,
-    sat,
-    m,
-    sat_scale,
-    a_lo,
-    a_hi,
-    q,
-    qmask,
-    quant,
-    c,
-    stream,
-    k0,
-    k1,
-    BITS: tl.constexpr,
-    B: tl.constexpr,
-    BUCKETS: tl.constexpr,
-    BLOCK: tl.constexpr,
-    FULL: tl.constexpr,
-):
-    """:func:`_quantize_store` of a tile where some buckets are saturated."""
-    h0, h1 = _random_halves(k0, k1, q, stream, c, BUCKETS, BLOCK)
-    l0 = _saturated_levels(v0, valid0, h0, lo_p, scale, pre, sat, m, sat_scale, a_lo, a_hi, BITS)
-    l1 = _saturated_levels(v1, valid1, h1, lo_p, scale, pre, sat, m, sat_scale, a_lo, a_hi, BITS)
-    _pack_store(ptr, l0, l1, keep, q, qmask, quant, c, BITS, B, BLOCK, FULL)
+def _saturation(lo, hi, sat, stored_lo, step, BITS: tl.constexpr):
+    """Buckets ``sat`` of a sum, which overflowed, coded saturated (:func:`_saturated_params`):
+    the stored min and step (the other buckets' as given) and the ``saturation`` that
+    :func:`_levels` codes them by."""
+    m, s, sat_scale, a_lo, a_hi = _saturated_params(lo, hi, BITS)
+    stored_lo = tl.where(sat, m, stored_lo)
+    step = tl.where(sat, -s, step)
+    return stored_lo, step, (sat, m, sat_scale, a_lo, a_hi)
 
 
 @triton.jit
 def _quantize_store(
     ptr,
-    v0,
-    v1,
-    valid0,
-    valid1,
-    lo_p,
-    scale,
-    pre,
-    finite,
+    tile,
+    coding,
+    keep,
     q,
     qmask,
     quant,
     c,
-    stream,
-    k0,
-    k1,
+    rng,
     BITS: tl.constexpr,
     B: tl.constexpr,
-    BUCKETS: tl.constexpr,
     BLOCK: tl.constexpr,
     FULL: tl.constexpr,
     NEAREST: tl.constexpr = False,
+    saturation=None,
 ):
+    """Store the levels of ``tile`` (the halves of :func:`_tile` and which of them hold data)
+    by ``coding`` and ``saturation`` (:func:`_levels`), rounded by the random stream ``rng``
+    (``NEAREST``: to the nearest); the levels of buckets not ``keep`` are zero."""
+    v0, v1, valid0, valid1 = tile
     if NEAREST:  # half of every random half's range: the level rounded to nearest, ties up
-        h0 = tl.full((BUCKETS, BLOCK // 8, 4), 1 << 15, tl.uint32)
+        h0 = tl.full((q.shape[0], BLOCK // 8, 4), 1 << 15, tl.uint32)
         h1 = h0
     else:
-        h0, h1 = _random_halves(k0, k1, q, stream, c, BUCKETS, BLOCK)
-    l0 = _levels(v0, valid0, h0, lo_p, scale, pre, BITS)
-    l1 = _levels(v1, valid1, h1, lo_p, scale, pre, BITS)
+        h0, h1 = _random_halves(rng, q, c, BLOCK)
+    l0 = _levels(v0, valid0, h0, coding, BITS, saturation)
+    l1 = _levels(v1, valid1, h1, coding, BITS, saturation)
     # A non-finite bucket's levels are zeroed a group at a time.
-    _pack_store(ptr, l0, l1, finite, q, qmask, quant, c, BITS, B, BLOCK, FULL)
+    _pack_store(ptr, l0, l1, keep, q, qmask, quant, c, BITS, B, BLOCK, FULL)
 
 
 @triton.jit
@@ -823,233 +814,111 @@ def _load_tile(x_ptr, q, qmask, quant, c, B: tl.constexpr, BLOCK: tl.constexpr, 
 
 @triton.jit
 def _encode_loaded(
-    v0,
-    v1,
-    valid0,
-    valid1,
-    lev_ptr,
-    meta_ptr,
+    tile,
+    payload,
     q,
     nq,
     quant,
-    stream,
-    key0,
-    key1,
+    rng,
+    signs,
     BITS: tl.constexpr,
     B: tl.constexpr,
-    BUCKETS: tl.constexpr,
     BLOCK: tl.constexpr,
     FULL: tl.constexpr,
     NEAREST: tl.constexpr = False,
-    sk0=0,
-    sk1=0,
-    rot_end=0,
     ROT: tl.constexpr = 0,
+    own_ptr=None,
+    HAS_OWN: tl.constexpr = False,
 ):
-    """Encode buckets q (B <= BLOCK) from their loaded values (``ROT``: rotated first, the
-    signs' key ``sk0, sk1``; see :func:`_rotate_tile`)."""
-    qmask = q < nq
-    if ROT > 0:
-        v0, v1 = _rotate_tile(
-            v0, v1, q, 0, sk0, sk1, 0, rot_end, B, BLOCK, ROT, False, B % 8 == 0, False
-        )
-    lo, hi = _stats(v0, v1, valid0, valid1)
-    lo, step, scale, finite, pre, lo_p = _params(lo, hi, BITS)
-    _quantize_store(
-        lev_ptr,
-        v0,
-        v1,
-        valid0,
-        valid1,
-        lo_p,
-        scale,
-        pre,
-        finite,
-        q,
-        qmask,
-        quant,
-        0,
-        stream,
-        key0,
-        key1,
-        BITS,
-        B,
-        BUCKETS,
-        BLOCK,
-        FULL,
-        NEAREST,
-    )
-    _store_meta(meta_ptr, q, qmask, lo, _finite_top(lo, step, hi, BITS))
+    """Encode buckets q (B <= BLOCK) from their loaded values, ``tile`` as :func:`_load_tile`
+    returns it, into ``payload``: the pointers to its levels and its (lo, step) pairs
+    (``ROT``: the values rotated first, :func:`_rotate_values`).
 
-
-@triton.jit
-def _encode_sum_loaded(
-    v0,
-    v1,
-    valid0,
-    valid1,
-    own_ptr,
-    lev_ptr,
-    meta_ptr,
-    q,
-    nq,
-    quant,
-    stream,
-    key0,
-    key1,
-    BITS: tl.constexpr,
-    B: tl.constexpr,
-    BUCKETS: tl.constexpr,
-    BLOCK: tl.constexpr,
-    FULL: tl.constexpr,
-    HAS_OWN: tl.constexpr,
-    sk0=0,
-    sk1=0,
-    rot_end=0,
-    ROT: tl.constexpr = 0,
-):
-    """:func:`_encode_loaded` of a sum (``ROT``: own's values are rotated, for the check of
-    their finiteness too), whose buckets that overflowed are coded saturated
-    (unless own's values there are not all finite: input +-Inf, which stays NaN). A tile
-    with such a bucket stores its levels twice, the second time saturated, and loads own's
-    values again: a branch before the levels, or own's values kept, cost every tile."""
+    Given ``own_ptr``, the values are a sum (rotated already), whose buckets that overflowed
+    are coded saturated, unless own's values there (``HAS_OWN``; rotated by ``ROT`` as the
+    sum's are) are not all finite: input +-Inf, which stays NaN. A tile with such a bucket
+    stores its levels twice, the second time saturated, and loads own's values again: a
+    branch before the levels, or own's values kept, cost every tile."""
+    v0, v1, valid0, valid1 = tile
+    lev_ptr, meta_ptr = payload
     qmask = q < nq
+    if own_ptr is None:
+        v0, v1 = _rotate_values(v0, v1, q, 0, signs, B, BLOCK, ROT)
     lo, hi = _stats(v0, v1, valid0, valid1)
     stored_lo, step, scale, finite, pre, lo_p = _params(lo, hi, BITS)
+    tile = (v0, v1, valid0, valid1)
+    coding = (lo_p, scale, pre)
     _quantize_store(
-        lev_ptr,
-        v0,
-        v1,
-        valid0,
-        valid1,
-        lo_p,
-        scale,
-        pre,
-        finite,
-        q,
-        qmask,
-        quant,
-        0,
-        stream,
-        key0,
-        key1,
-        BITS,
-        B,
-        BUCKETS,
-        BLOCK,
-        FULL,
+        lev_ptr, tile, coding, finite, q, qmask, quant, 0, rng, BITS, B, BLOCK, FULL, NEAREST
     )
     step = _finite_top(stored_lo, step, hi, BITS)
-    sat = _saturating(lo, hi, finite, BITS)
-    if tl.max(sat.to(tl.int32), axis=0) > 0:  # the tile's levels once more, saturated
-        if HAS_OWN:
-            own0, own1, _, _ = _load_tile(own_ptr, q, qmask, quant, 0, B, BLOCK, FULL)
-            if ROT > 0:
-                own0, own1 = _rotate_tile(
-                    own0, own1, q, 0, sk0, sk1, 0, rot_end, B, BLOCK, ROT, False, B % 8 == 0, False
-                )
-            sat = sat & _all_finite(own0, own1, valid0, valid1)
-        m, s, sat_scale, a_lo, a_hi = _saturated_params(lo, hi, BITS)
-        stored_lo = tl.where(sat, m, stored_lo)
-        step = tl.where(sat, -s, step)
-        _quantize_store_saturated(
-            lev_ptr,
-            v0,
-            v1,
-            valid0,
-            valid1,
-            lo_p,
-            scale,
-            pre,
-            finite | sat,
-            sat,
-            m,
-            sat_scale,
-            a_lo,
-            a_hi,
-            q,
-            qmask,
-            quant,
-            0,
-            stream,
-            key0,
-            key1,
-            BITS,
-            B,
-            BUCKETS,
-            BLOCK,
-            FULL,
-        )
+    if own_ptr is not None:
+        sat = _saturating(lo, hi, finite, BITS)
+        if tl.max(sat.to(tl.int32), axis=0) > 0:  # the tile's levels once more, saturated
+            if HAS_OWN:
+                own0, own1, _, _ = _load_tile(own_ptr, q, qmask, quant, 0, B, BLOCK, FULL)
+                own0, own1 = _rotate_values(own0, own1, q, 0, signs, B, BLOCK, ROT)
+                sat = sat & _all_finite(own0, own1, valid0, valid1)
+            stored_lo, step, saturation = _saturation(lo, hi, sat, stored_lo, step, BITS)
+            keep = finite | sat
+            _quantize_store(
+                lev_ptr,
+                tile,
+                coding,
+                keep,
+                q,
+                qmask,
+                quant,
+                0,
+                rng,
+                BITS,
+                B,
+                BLOCK,
+                FULL,
+                False,
+                saturation,
+            )
     _store_meta(meta_ptr, q, qmask, stored_lo, step)
 
 
 @triton.jit
 def _encode_wide(
     x_ptr,
-    lev_ptr,
-    meta_ptr,
+    payload,
     q,
     nq,
     quant,
-    stream,
-    key0,
-    key1,
+    rng,
+    signs,
     BITS: tl.constexpr,
     B: tl.constexpr,
-    BUCKETS: tl.constexpr,
     BLOCK: tl.constexpr,
     FULL: tl.constexpr,
     NEAREST: tl.constexpr = False,
-    sk0=0,
-    sk1=0,
-    rot_end=0,
     ROT: tl.constexpr = 0,
 ):
     """Encode buckets q wider than BLOCK, a tile at a time: statistics, then levels (each tile
     rotated, given ``ROT``, as it is loaded)."""
+    lev_ptr, meta_ptr = payload
     qmask = q < nq
     NUM_TILES: tl.constexpr = (B + BLOCK - 1) // BLOCK
-    lo = tl.full((BUCKETS,), float("inf"), tl.float32)
-    hi = tl.full((BUCKETS,), float("-inf"), tl.float32)
+    lo = tl.full((q.shape[0],), float("inf"), tl.float32)
+    hi = tl.full((q.shape[0],), float("-inf"), tl.float32)
     for t in range(NUM_TILES):
         v0, v1, valid0, valid1 = _load_tile(x_ptr, q, qmask, quant, t * BLOCK, B, BLOCK, FULL)
-        if ROT > 0:
-            v0, v1 = _rotate_tile(
-                v0, v1, q, t * BLOCK, sk0, sk1, 0, rot_end, B, BLOCK, ROT, False, B % 8 == 0, False
-            )
+        v0, v1 = _rotate_values(v0, v1, q, t * BLOCK, signs, B, BLOCK, ROT)
         t_lo, t_hi = _stats(v0, v1, valid0, valid1)
         lo = _min_with_nan(lo, t_lo)
         hi = tl.maximum(hi, t_hi)
     lo, step, scale, finite, pre, lo_p = _params(lo, hi, BITS)
     for t in range(NUM_TILES):
-        v0, v1, valid0, valid1 = _load_tile(x_ptr, q, qmask, quant, t * BLOCK, B, BLOCK, FULL)
-        if ROT > 0:
-            v0, v1 = _rotate_tile(
-                v0, v1, q, t * BLOCK, sk0, sk1, 0, rot_end, B, BLOCK, ROT, False, B % 8 == 0, False
-            )
+        c = t * BLOCK
+        v0, v1, valid0, valid1 = _load_tile(x_ptr, q, qmask, quant, c, B, BLOCK, FULL)
+        v0, v1 = _rotate_values(v0, v1, q, c, signs, B, BLOCK, ROT)
+        tile = (v0, v1, valid0, valid1)
+        coding = (lo_p, scale, pre)
         _quantize_store(
-            lev_ptr,
-            v0,
-            v1,
-            valid0,
-            valid1,
-            lo_p,
-            scale,
-            pre,
-            finite,
-            q,
-            qmask,
-            quant,
-            t * BLOCK,
-            stream,
-            key0,
-            key1,
-            BITS,
-            B,
-            BUCKETS,
-            BLOCK,
-            FULL,
-            NEAREST,
+            lev_ptr, tile, coding, finite, q, qmask, quant, c, rng, BITS, B, BLOCK, FULL, NEAREST
         )
     _store_meta(meta_ptr, q, qmask, lo, _finite_top(lo, step, hi, BITS))
 
@@ -1150,86 +1019,54 @@ def _encode_kernel(
                 SKIP_INCOMPLETE,
             )
     x_ptr += start
-    lev_ptr = out_u8 + row + levels_at
-    meta_ptr = _meta_ptr(out_u8 + row)
+    payload = (out_u8 + row + levels_at, _meta_ptr(out_u8 + row))
     key0, key1 = _load_key(k0, k1, keys_ptr, KEYS_IN_MEMORY)
-    stream = stream0 + j
-    sk0 = 0
-    sk1 = 0
-    rot_end = 0
-    if ROT > 0:  # the chunk's last whole block ends there
-        sk0, sk1 = _load_key(sign_k0, sign_k1, signs_ptr, SIGNS_IN_MEMORY)
-        rot_end = tl.minimum(tl.maximum(numel - start, 0), chunk_numel) // ROT * ROT
+    rng = (stream0 + j, key0, key1)
+    signs = _chunk_signs(
+        sign_k0, sign_k1, signs_ptr, numel, start, chunk_numel, ROT, SIGNS_IN_MEMORY
+    )
     lanes = tl.arange(0, BUCKETS).to(tl.int64)
     tiles = ((nq + BUCKETS - 1) // BUCKETS).to(tl.int32)
     # Tiles of complete buckets come first: given bounds that are multiples of the tile, the
     # masks fold to constants, so that loads and stores vectorize.
     full = (quant // (BUCKETS * B)).to(tl.int32)
     full_nq = full.to(tl.int64) * BUCKETS
+    FULL: tl.constexpr = B % BLOCK == 0
     if B <= BLOCK:
         if pid < full:
             q = pid * BUCKETS + lanes
             v0, v1, valid0, valid1 = _load_tile(
-                x_ptr, q, q < full_nq, full_nq * B, 0, B, BLOCK, B % BLOCK == 0
+                x_ptr, q, q < full_nq, full_nq * B, 0, B, BLOCK, FULL
             )
             for t in range(pid, full, programs):
                 q = tl.cast(t, tl.int64) * BUCKETS + lanes
                 ahead = tl.minimum(t + programs, full - 1).to(tl.int64) * BUCKETS + lanes
                 n0, n1, _, _ = _load_tile(
-                    x_ptr, ahead, ahead < full_nq, full_nq * B, 0, B, BLOCK, B % BLOCK == 0
+                    x_ptr, ahead, ahead < full_nq, full_nq * B, 0, B, BLOCK, FULL
                 )
+                tile = (v0, v1, valid0, valid1)
                 _encode_loaded(
-                    v0,
-                    v1,
-                    valid0,
-                    valid1,
-                    lev_ptr,
-                    meta_ptr,
+                    tile,
+                    payload,
                     q,
                     full_nq,
                     full_nq * B,
-                    stream,
-                    key0,
-                    key1,
+                    rng,
+                    signs,
                     BITS,
                     B,
-                    BUCKETS,
                     BLOCK,
-                    B % BLOCK == 0,
+                    FULL,
                     NEAREST,
-                    sk0,
-                    sk1,
-                    rot_end,
                     ROT,
                 )
                 v0 = n0
                 v1 = n1
         if (full < tiles) & (pid == full % programs):
             q = full.to(tl.int64) * BUCKETS + lanes
-            v0, v1, valid0, valid1 = _load_tile(x_ptr, q, q < nq, quant, 0, B, BLOCK, False)
+            tile = _load_tile(x_ptr, q, q < nq, quant, 0, B, BLOCK, False)
             _encode_loaded(
-                v0,
-                v1,
-                valid0,
-                valid1,
-                lev_ptr,
-                meta_ptr,
-                q,
-                nq,
-                quant,
-                stream,
-                key0,
-                key1,
-                BITS,
-                B,
-                BUCKETS,
-                BLOCK,
-                False,
-                NEAREST,
-                sk0,
-                sk1,
-                rot_end,
-                ROT,
+                tile, payload, q, nq, quant, rng, signs, BITS, B, BLOCK, False, NEAREST, ROT
             )
     else:
         for t in range(pid, tiles, programs):
@@ -1237,69 +1074,43 @@ def _encode_kernel(
             if t < full:
                 _encode_wide(
                     x_ptr,
-                    lev_ptr,
-                    meta_ptr,
+                    payload,
                     q,
                     full_nq,
                     full_nq * B,
-                    stream,
-                    key0,
-                    key1,
+                    rng,
+                    signs,
                     BITS,
                     B,
-                    BUCKETS,
                     BLOCK,
-                    B % BLOCK == 0,
+                    FULL,
                     NEAREST,
-                    sk0,
-                    sk1,
-                    rot_end,
                     ROT,
                 )
             else:
                 _encode_wide(
-                    x_ptr,
-                    lev_ptr,
-                    meta_ptr,
-                    q,
-                    nq,
-                    quant,
-                    stream,
-                    key0,
-                    key1,
-                    BITS,
-                    B,
-                    BUCKETS,
-                    BLOCK,
-                    False,
-                    NEAREST,
-                    sk0,
-                    sk1,
-                    rot_end,
-                    ROT,
+                    x_ptr, payload, q, nq, quant, rng, signs, BITS, B, BLOCK, False, NEAREST, ROT
                 )
 
 
 @triton.jit
 def _decode_tiles(
-    lev_ptr,
-    meta_ptr,
+    payload,
     out_ptr,
     q,
     nq,
     quant,
+    signs,
     BITS: tl.constexpr,
     B: tl.constexpr,
     OUT_BF16: tl.constexpr,
     FULL: tl.constexpr,
-    BUCKETS: tl.constexpr,
     BLOCK: tl.constexpr,
-    sk0=0,
-    sk1=0,
-    rot_end=0,
     ROT: tl.constexpr = 0,
 ):
-    """Decode buckets q, a tile at a time (``ROT``: each rotated back before it is cast)."""
+    """Decode buckets q of ``payload`` (the pointers to its levels and its (lo, step) pairs), a
+    tile at a time (``ROT``: each rotated back by ``signs`` before it is cast)."""
+    lev_ptr, meta_ptr = payload
     qmask = q < nq
     lo = tl.load(meta_ptr + 2 * q, mask=qmask, other=0.0)[:, None, None]
     signed_step = tl.load(meta_ptr + 2 * q + 1, mask=qmask, other=0.0)[:, None, None]
@@ -1314,9 +1125,7 @@ def _decode_tiles(
         v0 = (lo + step * l0) * post
         v1 = (lo + step * l1) * post
         if ROT > 0:
-            v0, v1 = _rotate_tile(
-                v0, v1, q, c, sk0, sk1, 0, rot_end, B, BLOCK, ROT, True, B % 8 == 0, True
-            )
+            v0, v1 = _rotate_tile(v0, v1, q, c, signs, B, BLOCK, ROT, True, B % 8 == 0, True)
         if OUT_BF16:
             v0 = _to_bf16(v0)
             v1 = _to_bf16(v1)
@@ -1356,66 +1165,29 @@ def _decode_kernel(
     start, nq, quant, levels_at = _geometry(j, numel, chunk_numel, B, SKIP_INCOMPLETE, ALIGN)
     q = tl.program_id(0).to(tl.int64) * BUCKETS + tl.arange(0, BUCKETS)
     row = j.to(tl.int64) * row_nbytes
-    lev_ptr = in_u8 + row + levels_at
-    meta_ptr = _meta_ptr(in_u8 + row)
+    payload = (in_u8 + row + levels_at, _meta_ptr(in_u8 + row))
     end = (tl.program_id(0).to(tl.int64) + 1) * BUCKETS
-    sk0 = 0
-    sk1 = 0
-    rot_end = 0
-    if ROT > 0:  # the chunk's last whole block ends there
-        sk0, sk1 = _load_key(sign_k0, sign_k1, signs_ptr, SIGNS_IN_MEMORY)
-        rot_end = tl.minimum(tl.maximum(numel - start, 0), chunk_numel) // ROT * ROT
+    signs = _chunk_signs(
+        sign_k0, sign_k1, signs_ptr, numel, start, chunk_numel, ROT, SIGNS_IN_MEMORY
+    )
     if end * B <= quant:
         # Every value of the tile exists: stores with no mask (and a start known to be
         # aligned) vectorize to 16 bytes; a mask, even a provably full one, keeps them scalar.
+        out = out_ptr + start
         _decode_tiles(
-            lev_ptr,
-            meta_ptr,
-            out_ptr + start,
-            q,
-            end,
-            end * B,
-            BITS,
-            B,
-            OUT_BF16,
-            B % BLOCK == 0,
-            BUCKETS,
-            BLOCK,
-            sk0,
-            sk1,
-            rot_end,
-            ROT,
+            payload, out, q, end, end * B, signs, BITS, B, OUT_BF16, B % BLOCK == 0, BLOCK, ROT
         )
     else:
-        _decode_tiles(
-            lev_ptr,
-            meta_ptr,
-            out_ptr + start,
-            q,
-            nq,
-            quant,
-            BITS,
-            B,
-            OUT_BF16,
-            False,
-            BUCKETS,
-            BLOCK,
-            sk0,
-            sk1,
-            rot_end,
-            ROT,
-        )
+        out = out_ptr + start
+        _decode_tiles(payload, out, q, nq, quant, signs, BITS, B, OUT_BF16, False, BLOCK, ROT)
 
 
 @triton.jit
 def _load_rows(
-    in_u8,
-    row_nbytes,
-    own_index,
+    src,
     q,
     qmask,
     quant,
-    levels_at,
     c,
     NUM_ROWS: tl.constexpr,
     SKIP_OWN: tl.constexpr,
@@ -1425,7 +1197,8 @@ def _load_rows(
     FULL: tl.constexpr,
 ):
     """The packed fields of a tile and its buckets' lo and step in each row but own's, as
-    tuples in row order."""
+    tuples in row order (``src`` as :func:`_decode_sum_encode_kernel` gathers it)."""
+    in_u8, row_nbytes, own_index, levels_at, _, _ = src
     fields = ()
     los = ()
     steps = ()
@@ -1446,83 +1219,53 @@ def _load_rows(
 
 @triton.jit
 def _load_sum_inputs(
-    in_u8,
-    own_ptr,
-    row_nbytes,
-    own_index,
+    src,
     q,
     qmask,
     quant,
-    levels_at,
     c,
-    NUM_ROWS: tl.constexpr,
-    SKIP_OWN: tl.constexpr,
+    SUM: tl.constexpr,
     BITS: tl.constexpr,
     B: tl.constexpr,
-    HAS_OWN: tl.constexpr,
-    BUCKETS: tl.constexpr,
     BLOCK: tl.constexpr,
     FULL: tl.constexpr,
 ):
     """All that a tile's sum reads: own's values (as the halves of :func:`_tile`, zeros
     without own) and the other rows' (:func:`_load_rows`)."""
-    if HAS_OWN:
+    own_ptr = src[4]
+    if SUM[2]:  # HAS_OWN
         own0, own1, _, _ = _load_tile(own_ptr, q, qmask, quant, c, B, BLOCK, FULL)
     else:
-        own0 = tl.zeros((BUCKETS, BLOCK // 8, 4), tl.float32)
-        own1 = tl.zeros((BUCKETS, BLOCK // 8, 4), tl.float32)
-    fields, los, steps = _load_rows(
-        in_u8,
-        row_nbytes,
-        own_index,
-        q,
-        qmask,
-        quant,
-        levels_at,
-        c,
-        NUM_ROWS,
-        SKIP_OWN,
-        BITS,
-        B,
-        BLOCK,
-        FULL,
-    )
+        own0 = tl.zeros((q.shape[0], BLOCK // 8, 4), tl.float32)
+        own1 = tl.zeros((q.shape[0], BLOCK // 8, 4), tl.float32)
+    fields, los, steps = _load_rows(src, q, qmask, quant, c, SUM[0], SUM[1], BITS, B, BLOCK, FULL)
     return own0, own1, fields, los, steps
 
 
 @triton.jit
 def _sum_loaded(
-    own0,
-    own1,
-    fields,
-    los,
-    steps,
+    inputs,
     scale,
-    ROWS: tl.constexpr,
+    q,
+    c,
+    signs,
+    SUM: tl.constexpr,
     BITS: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
-    q=0,
-    c=0,
-    sk0=0,
-    sk1=0,
-    rot_end=0,
-    B: tl.constexpr = 8,
-    BLOCK: tl.constexpr = 8,
+    B: tl.constexpr,
+    BLOCK: tl.constexpr,
     ROT: tl.constexpr = 0,
 ):
-    """own + the rows decoded, summed in row order, in fp32; with a scale, own and each row's
-    values times it (folded into its buckets' post: :func:`.maxmin._scaled_sum`). ``ROT``:
-    own's values (tile ``q, c``) rotated first, as the rows' are."""
-    acc0 = own0
-    acc1 = own1
-    if ROT > 0:
-        acc0, acc1 = _rotate_tile(
-            own0, own1, q, c, sk0, sk1, 0, rot_end, B, BLOCK, ROT, False, B % 8 == 0, False
-        )
+    """own + the rows decoded (``inputs``, :func:`_load_sum_inputs`), summed in row order, in
+    fp32; with a scale, own and each row's values times it (folded into its buckets' post:
+    :func:`.maxmin._scaled_sum`). ``ROT``: own's values (tile ``q, c``) rotated first, as the
+    rows' are."""
+    own0, own1, fields, los, steps = inputs
+    HAS_SCALE: tl.constexpr = SUM[3]
+    acc0, acc1 = _rotate_values(own0, own1, q, c, signs, B, BLOCK, ROT)
     if HAS_SCALE:
         acc0 = acc0 * scale
         acc1 = acc1 * scale
-    for r in tl.static_range(ROWS):
+    for r in tl.static_range(SUM[0] - SUM[1]):
         l0, l1 = _unpack(fields[r], BITS)
         lo = los[r][:, None, None]
         step = tl.abs(steps[r])[:, None, None]
@@ -1536,247 +1279,98 @@ def _sum_loaded(
 
 
 @triton.jit
+def _sum_tile(
+    src,
+    q,
+    qmask,
+    quant,
+    c,
+    signs,
+    SUM: tl.constexpr,
+    BITS: tl.constexpr,
+    B: tl.constexpr,
+    BLOCK: tl.constexpr,
+    FULL: tl.constexpr,
+    ROT: tl.constexpr = 0,
+):
+    """A tile of the sum, as :func:`_load_tile` returns a tile: its values
+    (:func:`_sum_loaded`) and which of them hold data."""
+    inputs = _load_sum_inputs(src, q, qmask, quant, c, SUM, BITS, B, BLOCK, FULL)
+    v0, v1 = _sum_loaded(inputs, src[5], q, c, signs, SUM, BITS, B, BLOCK, ROT)
+    _, valid0, valid1 = _tile(q, qmask, quant, c, B, BLOCK, FULL)
+    return v0, v1, valid0, valid1
+
+
+@triton.jit
 def _decode_sum_encode_wide(
-    in_u8,
-    own_ptr,
-    lev_ptr,
-    meta_ptr,
-    row_nbytes,
-    own_index,
-    scale,
+    src,
+    payload,
     q,
     nq,
     quant,
-    levels_at,
-    stream,
-    key0,
-    key1,
-    NUM_ROWS: tl.constexpr,
-    SKIP_OWN: tl.constexpr,
+    rng,
+    signs,
+    SUM: tl.constexpr,
     BITS: tl.constexpr,
     B: tl.constexpr,
-    HAS_OWN: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
-    BUCKETS: tl.constexpr,
     BLOCK: tl.constexpr,
     FULL: tl.constexpr,
-    sk0=0,
-    sk1=0,
-    rot_end=0,
     ROT: tl.constexpr = 0,
 ):
     """Buckets q wider than BLOCK, a tile at a time: the sums for the statistics, then again
-    for the levels (``ROT``: own's values rotated, each time they are loaded)."""
-    OWN_ROT: tl.constexpr = ROT * HAS_OWN
+    for the levels (``ROT``: own's values rotated, each time they are loaded), saturated as
+    :func:`_encode_loaded` codes a sum."""
+    lev_ptr, meta_ptr = payload
     qmask = q < nq
     NUM_TILES: tl.constexpr = (B + BLOCK - 1) // BLOCK
-    ROWS: tl.constexpr = NUM_ROWS - SKIP_OWN
-    lo = tl.full((BUCKETS,), float("inf"), tl.float32)
-    hi = tl.full((BUCKETS,), float("-inf"), tl.float32)
+    lo = tl.full((q.shape[0],), float("inf"), tl.float32)
+    hi = tl.full((q.shape[0],), float("-inf"), tl.float32)
     for t in range(NUM_TILES):
-        own0, own1, fields, los, steps = _load_sum_inputs(
-            in_u8,
-            own_ptr,
-            row_nbytes,
-            own_index,
-            q,
-            qmask,
-            quant,
-            levels_at,
-            t * BLOCK,
-            NUM_ROWS,
-            SKIP_OWN,
-            BITS,
-            B,
-            HAS_OWN,
-            BUCKETS,
-            BLOCK,
-            FULL,
+        v0, v1, valid0, valid1 = _sum_tile(
+            src, q, qmask, quant, t * BLOCK, signs, SUM, BITS, B, BLOCK, FULL, ROT
         )
-        v0, v1 = _sum_loaded(
-            own0,
-            own1,
-            fields,
-            los,
-            steps,
-            scale,
-            ROWS,
-            BITS,
-            HAS_SCALE,
-            q,
-            t * BLOCK,
-            sk0,
-            sk1,
-            rot_end,
-            B,
-            BLOCK,
-            OWN_ROT,
-        )
-        _, valid0, valid1 = _tile(q, qmask, quant, t * BLOCK, B, BLOCK, FULL)
         t_lo, t_hi = _stats(v0, v1, valid0, valid1)
         lo = _min_with_nan(lo, t_lo)
         hi = tl.maximum(hi, t_hi)
-    stored_lo, step, scale_q, finite, pre, lo_p = _params(lo, hi, BITS)
+    stored_lo, step, scale, finite, pre, lo_p = _params(lo, hi, BITS)
+    coding = (lo_p, scale, pre)
     step = _finite_top(stored_lo, step, hi, BITS)
     sat = _saturating(lo, hi, finite, BITS)
-    if tl.max(sat.to(tl.int32), axis=0) > 0:  # as _encode_sum_loaded, a tile at a time
-        if HAS_OWN:
+    if tl.max(sat.to(tl.int32), axis=0) > 0:  # as _encode_loaded, a tile at a time
+        if SUM[2]:  # HAS_OWN
             for t in range(NUM_TILES):
-                own0, own1, valid0, valid1 = _load_tile(
-                    own_ptr, q, qmask, quant, t * BLOCK, B, BLOCK, FULL
-                )
-                if ROT > 0:
-                    own0, own1 = _rotate_tile(
-                        own0,
-                        own1,
-                        q,
-                        t * BLOCK,
-                        sk0,
-                        sk1,
-                        0,
-                        rot_end,
-                        B,
-                        BLOCK,
-                        ROT,
-                        False,
-                        B % 8 == 0,
-                        False,
-                    )
+                c = t * BLOCK
+                own0, own1, valid0, valid1 = _load_tile(src[4], q, qmask, quant, c, B, BLOCK, FULL)
+                own0, own1 = _rotate_values(own0, own1, q, c, signs, B, BLOCK, ROT)
                 sat = sat & _all_finite(own0, own1, valid0, valid1)
-        m, s, sat_scale, a_lo, a_hi = _saturated_params(lo, hi, BITS)
-        stored_lo = tl.where(sat, m, stored_lo)
-        step = tl.where(sat, -s, step)
+        stored_lo, step, saturation = _saturation(lo, hi, sat, stored_lo, step, BITS)
         for t in range(NUM_TILES):
-            own0, own1, fields, los, steps = _load_sum_inputs(
-                in_u8,
-                own_ptr,
-                row_nbytes,
-                own_index,
-                q,
-                qmask,
-                quant,
-                levels_at,
-                t * BLOCK,
-                NUM_ROWS,
-                SKIP_OWN,
-                BITS,
-                B,
-                HAS_OWN,
-                BUCKETS,
-                BLOCK,
-                FULL,
-            )
-            v0, v1 = _sum_loaded(
-                own0,
-                own1,
-                fields,
-                los,
-                steps,
-                scale,
-                ROWS,
-                BITS,
-                HAS_SCALE,
-                q,
-                t * BLOCK,
-                sk0,
-                sk1,
-                rot_end,
-                B,
-                BLOCK,
-                OWN_ROT,
-            )
-            _, valid0, valid1 = _tile(q, qmask, quant, t * BLOCK, B, BLOCK, FULL)
-            _quantize_store_saturated(
+            c = t * BLOCK
+            tile = _sum_tile(src, q, qmask, quant, c, signs, SUM, BITS, B, BLOCK, FULL, ROT)
+            keep = finite | sat
+            _quantize_store(
                 lev_ptr,
-                v0,
-                v1,
-                valid0,
-                valid1,
-                lo_p,
-                scale_q,
-                pre,
-                finite | sat,
-                sat,
-                m,
-                sat_scale,
-                a_lo,
-                a_hi,
+                tile,
+                coding,
+                keep,
                 q,
                 qmask,
                 quant,
-                t * BLOCK,
-                stream,
-                key0,
-                key1,
+                c,
+                rng,
                 BITS,
                 B,
-                BUCKETS,
                 BLOCK,
                 FULL,
+                False,
+                saturation,
             )
     else:
         for t in range(NUM_TILES):
-            own0, own1, fields, los, steps = _load_sum_inputs(
-                in_u8,
-                own_ptr,
-                row_nbytes,
-                own_index,
-                q,
-                qmask,
-                quant,
-                levels_at,
-                t * BLOCK,
-                NUM_ROWS,
-                SKIP_OWN,
-                BITS,
-                B,
-                HAS_OWN,
-                BUCKETS,
-                BLOCK,
-                FULL,
-            )
-            v0, v1 = _sum_loaded(
-                own0,
-                own1,
-                fields,
-                los,
-                steps,
-                scale,
-                ROWS,
-                BITS,
-                HAS_SCALE,
-                q,
-                t * BLOCK,
-                sk0,
-                sk1,
-                rot_end,
-                B,
-                BLOCK,
-                OWN_ROT,
-            )
-            _, valid0, valid1 = _tile(q, qmask, quant, t * BLOCK, B, BLOCK, FULL)
+            c = t * BLOCK
+            tile = _sum_tile(src, q, qmask, quant, c, signs, SUM, BITS, B, BLOCK, FULL, ROT)
             _quantize_store(
-                lev_ptr,
-                v0,
-                v1,
-                valid0,
-                valid1,
-                lo_p,
-                scale_q,
-                pre,
-                finite,
-                q,
-                qmask,
-                quant,
-                t * BLOCK,
-                stream,
-                key0,
-                key1,
-                BITS,
-                B,
-                BUCKETS,
-                BLOCK,
-                FULL,
+                lev_ptr, tile, coding, finite, q, qmask, quant, c, rng, BITS, B, BLOCK, FULL
             )
     _store_meta(meta_ptr, q, qmask, stored_lo, step)
 
@@ -1813,247 +1407,102 @@ def _decode_sum_encode_kernel(
     """Program i sums and encodes tiles i, i + P, ... (P programs); as in
     :func:`_encode_kernel`, the next tile's inputs load while this one is coded. ``ROT``:
     own's values rotated (the rows' are), the signs' key as :func:`_encode_kernel` takes
-    it; the sum is coded as it is, in the rotated domain."""
+    it; the sum is coded as it is, in the rotated domain. What the sum reads is ``src``,
+    ``(in_u8, row_nbytes, own_index, levels_at, own_ptr, scale)``, and its shape ``SUM``,
+    ``(NUM_ROWS, SKIP_OWN, HAS_OWN, HAS_SCALE)``."""
     _start, nq, quant, levels_at = _geometry(tl.program_id(1), numel, numel, B, SKIP_INCOMPLETE, 1)
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    lev_ptr = out_u8 + levels_at
-    meta_ptr = _meta_ptr(out_u8)
+    payload = (out_u8 + levels_at, _meta_ptr(out_u8))
     key0, key1 = _load_key(k0, k1, keys_ptr, KEYS_IN_MEMORY)
+    rng = (stream, key0, key1)
     OWN_ROT: tl.constexpr = ROT * HAS_OWN
-    sk0 = 0
-    sk1 = 0
-    rot_end = 0
+    signs = None
     if OWN_ROT > 0:  # the payload's last whole block ends there
         sk0, sk1 = _load_key(sign_k0, sign_k1, signs_ptr, SIGNS_IN_MEMORY)
-        rot_end = numel // ROT * ROT
+        signs = (sk0, sk1, 0, numel // ROT * ROT)
     lanes = tl.arange(0, BUCKETS).to(tl.int64)
     tiles = ((nq + BUCKETS - 1) // BUCKETS).to(tl.int32)
     full = (quant // (BUCKETS * B)).to(tl.int32)  # tiles of complete buckets, first
     full_nq = full.to(tl.int64) * BUCKETS
-    ROWS: tl.constexpr = NUM_ROWS - SKIP_OWN
+    FULL: tl.constexpr = B % BLOCK == 0
+    src = (in_u8, row_nbytes, own_index, levels_at, own_ptr, scale)
+    SUM: tl.constexpr = (NUM_ROWS, SKIP_OWN, HAS_OWN, HAS_SCALE)
     if B <= BLOCK:
         if pid < full:
             q = pid * BUCKETS + lanes
-            own0, own1, fields, los, steps = _load_sum_inputs(
-                in_u8,
-                own_ptr,
-                row_nbytes,
-                own_index,
-                q,
-                q < full_nq,
-                full_nq * B,
-                levels_at,
-                0,
-                NUM_ROWS,
-                SKIP_OWN,
-                BITS,
-                B,
-                HAS_OWN,
-                BUCKETS,
-                BLOCK,
-                B % BLOCK == 0,
+            inputs = _load_sum_inputs(
+                src, q, q < full_nq, full_nq * B, 0, SUM, BITS, B, BLOCK, FULL
             )
             for t in range(pid, full, programs):
                 q = tl.cast(t, tl.int64) * BUCKETS + lanes
                 ahead = tl.minimum(t + programs, full - 1).to(tl.int64) * BUCKETS + lanes
-                next0, next1, next_fields, next_los, next_steps = _load_sum_inputs(
-                    in_u8,
-                    own_ptr,
-                    row_nbytes,
-                    own_index,
-                    ahead,
-                    ahead < full_nq,
-                    full_nq * B,
-                    levels_at,
-                    0,
-                    NUM_ROWS,
-                    SKIP_OWN,
-                    BITS,
-                    B,
-                    HAS_OWN,
-                    BUCKETS,
-                    BLOCK,
-                    B % BLOCK == 0,
+                ahead_inputs = _load_sum_inputs(
+                    src, ahead, ahead < full_nq, full_nq * B, 0, SUM, BITS, B, BLOCK, FULL
                 )
-                v0, v1 = _sum_loaded(
-                    own0,
-                    own1,
-                    fields,
-                    los,
-                    steps,
-                    scale,
-                    ROWS,
-                    BITS,
-                    HAS_SCALE,
-                    q,
-                    0,
-                    sk0,
-                    sk1,
-                    rot_end,
-                    B,
-                    BLOCK,
-                    OWN_ROT,
-                )
-                _, valid0, valid1 = _tile(q, q < full_nq, full_nq * B, 0, B, BLOCK, B % BLOCK == 0)
-                _encode_sum_loaded(
-                    v0,
-                    v1,
-                    valid0,
-                    valid1,
-                    own_ptr,
-                    lev_ptr,
-                    meta_ptr,
+                v0, v1 = _sum_loaded(inputs, scale, q, 0, signs, SUM, BITS, B, BLOCK, OWN_ROT)
+                _, valid0, valid1 = _tile(q, q < full_nq, full_nq * B, 0, B, BLOCK, FULL)
+                tile = (v0, v1, valid0, valid1)
+                _encode_loaded(
+                    tile,
+                    payload,
                     q,
                     full_nq,
                     full_nq * B,
-                    stream,
-                    key0,
-                    key1,
+                    rng,
+                    signs,
                     BITS,
                     B,
-                    BUCKETS,
                     BLOCK,
-                    B % BLOCK == 0,
-                    HAS_OWN,
-                    sk0,
-                    sk1,
-                    rot_end,
+                    FULL,
+                    False,
                     OWN_ROT,
+                    own_ptr,
+                    HAS_OWN,
                 )
-                own0 = next0
-                own1 = next1
-                fields = next_fields
-                los = next_los
-                steps = next_steps
+                inputs = ahead_inputs
         if (full < tiles) & (pid == full % programs):
             q = full.to(tl.int64) * BUCKETS + lanes
-            own0, own1, fields, los, steps = _load_sum_inputs(
-                in_u8,
-                own_ptr,
-                row_nbytes,
-                own_index,
-                q,
-                q < nq,
-                quant,
-                levels_at,
-                0,
-                NUM_ROWS,
-                SKIP_OWN,
-                BITS,
-                B,
-                HAS_OWN,
-                BUCKETS,
-                BLOCK,
-                False,
-            )
-            v0, v1 = _sum_loaded(
-                own0,
-                own1,
-                fields,
-                los,
-                steps,
-                scale,
-                ROWS,
-                BITS,
-                HAS_SCALE,
-                q,
-                0,
-                sk0,
-                sk1,
-                rot_end,
-                B,
-                BLOCK,
-                OWN_ROT,
-            )
-            _, valid0, valid1 = _tile(q, q < nq, quant, 0, B, BLOCK, False)
-            _encode_sum_loaded(
-                v0,
-                v1,
-                valid0,
-                valid1,
-                own_ptr,
-                lev_ptr,
-                meta_ptr,
+            tile = _sum_tile(src, q, q < nq, quant, 0, signs, SUM, BITS, B, BLOCK, False, OWN_ROT)
+            _encode_loaded(
+                tile,
+                payload,
                 q,
                 nq,
                 quant,
-                stream,
-                key0,
-                key1,
+                rng,
+                signs,
                 BITS,
                 B,
-                BUCKETS,
                 BLOCK,
                 False,
-                HAS_OWN,
-                sk0,
-                sk1,
-                rot_end,
+                False,
                 OWN_ROT,
+                own_ptr,
+                HAS_OWN,
             )
     else:
         for t in range(pid, tiles, programs):
             q = tl.cast(t, tl.int64) * BUCKETS + lanes
             if t < full:
                 _decode_sum_encode_wide(
-                    in_u8,
-                    own_ptr,
-                    lev_ptr,
-                    meta_ptr,
-                    row_nbytes,
-                    own_index,
-                    scale,
+                    src,
+                    payload,
                     q,
                     full_nq,
                     full_nq * B,
-                    levels_at,
-                    stream,
-                    key0,
-                    key1,
-                    NUM_ROWS,
-                    SKIP_OWN,
+                    rng,
+                    signs,
+                    SUM,
                     BITS,
                     B,
-                    HAS_OWN,
-                    HAS_SCALE,
-                    BUCKETS,
                     BLOCK,
-                    B % BLOCK == 0,
-                    sk0,
-                    sk1,
-                    rot_end,
+                    FULL,
                     OWN_ROT,
                 )
             else:
                 _decode_sum_encode_wide(
-                    in_u8,
-                    own_ptr,
-                    lev_ptr,
-                    meta_ptr,
-                    row_nbytes,
-                    own_index,
-                    scale,
-                    q,
-                    nq,
-                    quant,
-                    levels_at,
-                    stream,
-                    key0,
-                    key1,
-                    NUM_ROWS,
-                    SKIP_OWN,
-                    BITS,
-                    B,
-                    HAS_OWN,
-                    HAS_SCALE,
-                    BUCKETS,
-                    BLOCK,
-                    False,
-                    sk0,
-                    sk1,
-                    rot_end,
-                    OWN_ROT,
+                    src, payload, q, nq, quant, rng, signs, SUM, BITS, B, BLOCK, False, OWN_ROT
                 )
 
 
@@ -2083,9 +1532,8 @@ def _rotate_kernel(
     v0 = tl.load(x_ptr + e, mask=valid0, other=0.0).to(tl.float32)
     v1 = tl.load(x_ptr + e + 4, mask=valid1, other=0.0).to(tl.float32)
     sk0, sk1 = _load_key(sign_k0, sign_k1, signs_ptr, SIGNS_IN_MEMORY)
-    v0, v1 = _rotate_tile(
-        v0, v1, q, 0, sk0, sk1, base, rot_end, BLOCK, BLOCK, ROT, INVERSE, GROUPED, True
-    )
+    signs = (sk0, sk1, base, rot_end)
+    v0, v1 = _rotate_tile(v0, v1, q, 0, signs, BLOCK, BLOCK, ROT, INVERSE, GROUPED, True)
     tl.store(out_ptr + e, v0, mask=valid0)
     tl.store(out_ptr + e + 4, v1, mask=valid1)
 
