@@ -16,11 +16,37 @@ import statistics
 
 import torch
 import torch.distributed as dist
-from common import timed_ms
+from common import timed_ms, write_results
 
 import cgx2
 from cgx2 import collectives
 from cgx2.bench import report
+
+COLUMNS = [
+    ("size", "size", ""),
+    ("off_ms", "unchecked ms", ".3f"),
+    ("on_ms", "checked ms", ".3f"),
+    ("on_pct", "cost %", ".1f"),
+]
+"""The table's columns: key, header, format."""
+DEFERRED_COLUMNS = [
+    ("deferred_ms", "deferred ms", ".3f"),
+    ("deferred_pct", "deferred cost %", ".1f"),
+]
+"""With CUDA tensors: the deferred check's time and cost."""
+LEGEND = [
+    ("unchecked ms", "median of cgx2.collectives.allreduce, which does not check"),
+    (
+        "checked ms",
+        "median of cgx2.quantized_allreduce, CGX2_CHECK_AGREEMENT=on: the"
+        " check read at once, then the same call",
+    ),
+    (
+        "deferred ms",
+        "the same, CGX2_CHECK_AGREEMENT=deferred: compared on the GPU, the result masked",
+    ),
+    ("cost %", "checked / unchecked - 1"),
+]
 
 
 def timed(x: torch.Tensor, iters: int, modes: list[str]) -> dict[str, list[float]]:
@@ -77,39 +103,11 @@ def main() -> None:
                 row[f"{mode}_pct"] = 100 * (row[f"{mode}_ms"] / row["off_ms"] - 1)
             rows.append(row)
     if dist.get_rank() == 0:
-        columns = [
-            ("size", "size", ""),
-            ("off_ms", "unchecked ms", ".3f"),
-            ("on_ms", "checked ms", ".3f"),
-            ("on_pct", "cost %", ".1f"),
-        ]
-        if "deferred" in modes:
-            columns += [
-                ("deferred_ms", "deferred ms", ".3f"),
-                ("deferred_pct", "deferred cost %", ".1f"),
-            ]
-        print(report.format_table(rows, columns))
-        legend = [
-            ("unchecked ms", "median of cgx2.collectives.allreduce, which does not check"),
-            (
-                "checked ms",
-                "median of cgx2.quantized_allreduce, CGX2_CHECK_AGREEMENT=on: the"
-                " check read at once, then the same call",
-            ),
-            (
-                "deferred ms",
-                "the same, CGX2_CHECK_AGREEMENT=deferred: compared on the GPU, the result masked",
-            ),
-            ("cost %", "checked / unchecked - 1"),
-        ]
-        print(
-            report.format_legend(
-                [item for item in legend if "deferred" in modes or item[0] != "deferred ms"]
-            )
-        )
-        env = report.environment(device, dist.get_world_size())
-        path = report.write_json("agreement_cost", {"env": env, "rows": rows}, args.out)
-        print(f"-> {path}")
+        deferred = "deferred" in modes
+        print(report.format_table(rows, COLUMNS + (DEFERRED_COLUMNS if deferred else [])))
+        legend = [item for item in LEGEND if deferred or item[0] != "deferred ms"]
+        print(report.format_legend(legend))
+        write_results("agreement_cost", device, rows, args.out)
     dist.destroy_process_group()
 
 

@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from common import add_host_cost_options
+from common import add_host_cost_options, write_results
 
 import cgx2
 from cgx2 import collectives
@@ -203,64 +203,56 @@ def main() -> None:
             profile = f"profiled: {args.profile_setting}\n"
             profile += _profile(fn, args.profile, device) + "\n" + _trace(fn, args.profile, device)
     if dist.get_rank() == 0:
-        print(
-            report.format_table(
-                rows,
-                [
-                    ("call", "call", ""),
-                    ("host_us", "host µs", ".1f"),
-                    ("x_clone", "× clone", ".2f"),
-                    ("x_plain", "× plain", ".2f"),
-                    ("back_to_back_us", "back to back µs", ".1f"),
-                    ("wall_us", "wall µs", ".1f"),
-                ],
-            )
-        )
-        print(
-            report.format_legend(
-                [
-                    (
-                        "host µs",
-                        f"host time a call made with the device idle, mean of {args.calls} "
-                        f"calls, median of {args.rounds} rounds; {args.numel} fp32 values, "
-                        f"{bits} bits, {dist.get_world_size()} ranks, tree {args.label!r}",
-                    ),
-                    (
-                        "back to back µs",
-                        "host time a call, the calls back to back: the device's time "
-                        "a call instead where it is the slower",
-                    ),
-                    ("wall µs", "the calls back to back until the device is done, a call"),
-                    (
-                        "quantized_allreduce",
-                        "the public function, as users call it (the agreement check included)",
-                    ),
-                    (
-                        "collectives.allreduce",
-                        "the collective it calls, unchecked (DDP's hook's path); "
-                        "on GPUs, a CUDA graph's replay at this size by default",
-                    ),
-                    (
-                        "plain_all_reduce",
-                        f"{dist.get_backend()}'s own allreduce of the same tensor",
-                    ),
-                ]
-            )
-        )
+        columns = [  # key, header, format, meaning
+            ("call", "call", "", None),
+            (
+                "host_us",
+                "host µs",
+                ".1f",
+                f"host time a call made with the device idle, mean of {args.calls} "
+                f"calls, median of {args.rounds} rounds; {args.numel} fp32 values, "
+                f"{bits} bits, {dist.get_world_size()} ranks, tree {args.label!r}",
+            ),
+            ("x_clone", "× clone", ".2f", None),
+            ("x_plain", "× plain", ".2f", None),
+            (
+                "back_to_back_us",
+                "back to back µs",
+                ".1f",
+                "host time a call, the calls back to back: the device's time "
+                "a call instead where it is the slower",
+            ),
+            (
+                "wall_us",
+                "wall µs",
+                ".1f",
+                "the calls back to back until the device is done, a call",
+            ),
+        ]
+        calls_said = [
+            (
+                "quantized_allreduce",
+                "the public function, as users call it (the agreement check included)",
+            ),
+            (
+                "collectives.allreduce",
+                "the collective it calls, unchecked (DDP's hook's path); "
+                "on GPUs, a CUDA graph's replay at this size by default",
+            ),
+            ("plain_all_reduce", f"{dist.get_backend()}'s own allreduce of the same tensor"),
+        ]
+        print("\n".join(report.format_columns(rows, columns, calls_said)))
         if profile:
             print(profile)
-        env = report.environment(device, dist.get_world_size())
-        env.update(
-            numel=args.numel,
-            bits=bits,
-            calls=args.calls,
-            rounds=args.rounds,
-            tree=args.label,
-            cgx2_file=cgx2.__file__,
-        )
-        result = {"env": env, "rows": rows, "profile": profile}
-        path = report.write_json("allreduce_host_cost", result, args.out)
-        print(f"-> {path}")
+        env = {
+            "numel": args.numel,
+            "bits": bits,
+            "calls": args.calls,
+            "rounds": args.rounds,
+            "tree": args.label,
+            "cgx2_file": cgx2.__file__,
+        }
+        write_results("allreduce_host_cost", device, rows, args.out, env, profile=profile)
     dist.destroy_process_group()
 
 

@@ -1,5 +1,5 @@
-"""What the bench scripts share: the host-cost benches' options, one call timed, and the GPU
-checks' verdicts (a line a check, the ranks that failed counted on the GPU)."""
+"""What the bench scripts share: the host-cost benches' options, one call timed, a run's JSON
+record, and the GPU checks' verdicts (a line a check, the ranks that failed counted on the GPU)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+
+from cgx2.bench import report
 
 
 def add_host_cost_options(p: argparse.ArgumentParser, *, calls: int, rounds: int) -> None:
@@ -30,6 +32,21 @@ def timed_ms(call: Callable[[], object], cuda: bool) -> float:
     if cuda:
         torch.cuda.synchronize()
     return (time.perf_counter() - start) * 1e3
+
+
+def write_results(
+    kind: str,
+    device: torch.device,
+    rows: list[dict],
+    out: str,
+    env: dict | None = None,
+    **fields: object,
+) -> None:
+    """Rank 0's record of a run: its environment on ``device`` (and ``env``'s entries), its
+    ``rows`` and ``fields``, written as ``kind``'s JSON under ``out``; then the file's path."""
+    said = report.environment(device, dist.get_world_size()) | (env or {})
+    path = report.write_json(kind, {"env": said, "rows": rows, **fields}, out)
+    print(f"-> {path}")
 
 
 def say(ok: bool, what: str) -> None:

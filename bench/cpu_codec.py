@@ -110,9 +110,9 @@ def main() -> None:
         )
     columns = [
         ("kernel", "stage", ""),
-        ("dtype", "dtype", ""),
-        ("threads", "threads", "d"),
-        ("impl", "impl", ""),
+        "dtype",
+        "threads",
+        "impl",
         ("ms", "ms", ".2f"),
         ("gbps", "GB/s moved", ".2f"),
         ("x_torch", "x torch", ".2f"),

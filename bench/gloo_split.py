@@ -17,9 +17,18 @@ import time
 
 import torch
 import torch.distributed as dist
+from common import write_results
 
 from cgx2.bench import report
 from cgx2.comm import process_group
+
+COLUMNS = [  # key, header, format, meaning: the table and its legend
+    ("size", "size", "", "bytes each rank sends (and receives from each other rank)"),
+    ("splits", "parts", "", "concurrent all-gathers the payload is cut into"),
+    ("ms", "ms", ".1f", None),
+    ("mb_per_s", "MB/s", ".0f", "a rank's bytes sent over the median time"),
+    ("speedup", "vs first", ".2f", "the first split count's median time over this one's"),
+]
 
 
 def gather(out: torch.Tensor, send: torch.Tensor, splits: int) -> None:
@@ -67,31 +76,8 @@ def main() -> None:
                 }
             )
     if dist.get_rank() == 0:
-        print(
-            report.format_table(
-                rows,
-                [
-                    ("size", "size", ""),
-                    ("splits", "parts", ""),
-                    ("ms", "ms", ".1f"),
-                    ("mb_per_s", "MB/s", ".0f"),
-                    ("speedup", "vs first", ".2f"),
-                ],
-            )
-        )
-        print(
-            report.format_legend(
-                [
-                    ("size", "bytes each rank sends (and receives from each other rank)"),
-                    ("parts", "concurrent all-gathers the payload is cut into"),
-                    ("MB/s", "a rank's bytes sent over the median time"),
-                    ("vs first", "the first split count's median time over this one's"),
-                ]
-            )
-        )
-        env = report.environment(torch.device("cpu"), world)
-        path = report.write_json("gloo_split", {"env": env, "rows": rows}, args.out)
-        print(f"-> {path}")
+        print("\n".join(report.format_columns(rows, COLUMNS)))
+        write_results("gloo_split", torch.device("cpu"), rows, args.out)
     dist.destroy_process_group()
 
 

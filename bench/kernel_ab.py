@@ -149,11 +149,9 @@ def main() -> None:
             }
         )
     rows.sort(key=lambda row: (row["kernel"], row["dtype"], row["bits"], row["version"]))
+    keys = ["kernel", "dtype", "bits", "version"]  # a row's, shown as they are
     columns = [
-        ("kernel", "kernel", ""),
-        ("dtype", "dtype", ""),
-        ("bits", "bits", "d"),
-        ("version", "version", ""),
+        *keys,
         ("ms", "ms", ".4f"),
         ("vs_current", "x current", ".3f"),
         ("fraction_of_copy", "of copy", ".0%"),

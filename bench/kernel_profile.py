@@ -190,10 +190,9 @@ def main() -> None:
             print(f"profiling {spec} ({i + 1} of {len(args.specs)})", file=sys.stderr)
             results.append(profile(ncu, spec, args.numel, tmp))
     rows = [dict(zip(("top_stalls", "top_opcodes"), summary(r), strict=True), **r) for r in results]
+    keys = ["kernel", "dtype", "bits"]  # a row's, shown as they are
     columns = [
-        ("kernel", "kernel", ""),
-        ("dtype", "dtype", ""),
-        ("bits", "bits", "d"),
+        *keys,
         ("duration", "us", ".1f"),
         ("issued_ipc", "IPC", ".2f"),
         ("issue_busy_pct", "issue %", ".0f"),

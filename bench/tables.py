@@ -24,6 +24,16 @@ def _plain(report: dict) -> str:
     return "gloo" if cpu or report["args"].get("backend") == "gloo" else "NCCL"
 
 
+def _title(path: Path, *parts: object) -> str:
+    """A table's first line: its file's name, then ``parts``, comma-separated."""
+    return f"`{path.name}` — " + ", ".join(map(str, parts))
+
+
+def _row(*cells: object) -> str:
+    """A markdown table's row of ``cells``."""
+    return "| " + " | ".join(map(str, cells)) + " |"
+
+
 def allreduce_table(path: Path, bits: int | None = None) -> str:
     report = json.loads(path.read_text())
     env = report["env"]
@@ -31,8 +41,15 @@ def allreduce_table(path: Path, bits: int | None = None) -> str:
     auto = "auto_ms" in report["rows"][0]  # results since the automatic fallback
     a2a = "sol_all_to_all_ms" in report["rows"][0]  # since two ranks swap by all-gather
     lines = [
-        f"`{path.name}` — {env['device']} ×{env['world_size']}, regime **{env['regime']}**, "
-        f"torch {env['torch']}, NCCL {env.get('nccl', '-')}, {env['date']}, {_timing(report)}",
+        _title(
+            path,
+            f"{env['device']} ×{env['world_size']}",
+            f"regime **{env['regime']}**",
+            f"torch {env['torch']}",
+            f"NCCL {env.get('nccl', '-')}",
+            env["date"],
+            _timing(report),
+        ),
         "",
         f"| dtype | size | bits | {plain} ms | cgx2 ms | bf16-cast ms | speed of light ms "
         + ("| all_to_all light ms " if a2a else "")
@@ -64,8 +81,13 @@ def graphs_table(path: Path) -> str:
     report = json.loads(path.read_text())
     env = report["env"]
     lines = [
-        f"`{path.name}` — {env['device']} ×{env['world_size']}, regime **{env['regime']}**, "
-        f"{env['date']}, {_timing(report)}",
+        _title(
+            path,
+            f"{env['device']} ×{env['world_size']}",
+            f"regime **{env['regime']}**",
+            env["date"],
+            _timing(report),
+        ),
         "",
         "| dtype | size | NCCL ms | cgx2 ms | graphs ms | light ms | cgx2 vs NCCL | cgx2 / light "
         "| graphs vs NCCL | graphs / light | graphs auto: path, vs NCCL |",
@@ -76,11 +98,19 @@ def graphs_table(path: Path) -> str:
         if r.get("graphs_auto_path") is not None:
             auto = f"{r['graphs_auto_path']}, {r['graphs_auto_vs_plain']:.2f}×"
         lines.append(
-            f"| {r['dtype']} | {r['size']} | {r['plain_ms']:.3f} | {r['cgx2_ms']:.3f} | "
-            f"{r['cgx2_graphs_ms']:.3f} | {r['sol_ms']:.3f} | {r['speedup_vs_plain']:.2f}× | "
-            f"{r['fraction_of_sol']:.0%} | "
-            f"**{r['graphs_speedup_vs_plain']:.2f}×** | {r['graphs_fraction_of_sol']:.0%} | "
-            f"{auto} |"
+            _row(
+                r["dtype"],
+                r["size"],
+                f"{r['plain_ms']:.3f}",
+                f"{r['cgx2_ms']:.3f}",
+                f"{r['cgx2_graphs_ms']:.3f}",
+                f"{r['sol_ms']:.3f}",
+                f"{r['speedup_vs_plain']:.2f}×",
+                f"{r['fraction_of_sol']:.0%}",
+                f"**{r['graphs_speedup_vs_plain']:.2f}×**",
+                f"{r['graphs_fraction_of_sol']:.0%}",
+                auto,
+            )
         )
     return "\n".join(lines)
 
@@ -158,8 +188,12 @@ def kernels_table(path: Path) -> str:
     report = json.loads(path.read_text())
     env = report["environment"] if "environment" in report else report["env"]
     lines = [
-        f"`{path.name}` — {env.get('device', env.get('device_name'))}, torch {env['torch']}, "
-        f"Triton {env.get('triton')}",
+        _title(
+            path,
+            env.get("device", env.get("device_name")),
+            f"torch {env['torch']}",
+            f"Triton {env.get('triton')}",
+        ),
         "",
         "| kernel | dtype | bits | ms | GB/s (read+written) | copy GB/s, same run | % of copy |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
@@ -177,8 +211,13 @@ def profile_table(path: Path) -> str:
     report = json.loads(path.read_text())
     env = report["env"]
     lines = [
-        f"`{path.name}` — {env['device']}, torch {env['torch']}, Triton {env.get('triton')}, "
-        f"{env.get('ncu', 'ncu')}",
+        _title(
+            path,
+            env["device"],
+            f"torch {env['torch']}",
+            f"Triton {env.get('triton')}",
+            env.get("ncu", "ncu"),
+        ),
         "",
         "| kernel | dtype | bits | µs | IPC | issue busy | DRAM | occupancy | registers | "
         "instructions a value | warp samples | instructions a value, most common |",
@@ -233,10 +272,20 @@ def summary_table(paths: list[Path]) -> str:
         for r in rep["rows"]:
             graphs = r.get("graphs_speedup_vs_plain")
             lines.append(
-                f"| {rep['env']['regime']} | {rep['env']['world_size']} | {timed} | {r['dtype']} "
-                f"| {r['size']} | {_plain(rep)} | {r['plain_ms']:.3f} | {r['cgx2_ms']:.3f} "
-                f"| **{r['speedup_vs_plain']:.2f}×** | {r['fraction_of_sol']:.0%} "
-                f"| {'-' if graphs is None else f'{graphs:.2f}×'} | `{path.stem}` |"
+                _row(
+                    rep["env"]["regime"],
+                    rep["env"]["world_size"],
+                    timed,
+                    r["dtype"],
+                    r["size"],
+                    _plain(rep),
+                    f"{r['plain_ms']:.3f}",
+                    f"{r['cgx2_ms']:.3f}",
+                    f"**{r['speedup_vs_plain']:.2f}×**",
+                    f"{r['fraction_of_sol']:.0%}",
+                    "-" if graphs is None else f"{graphs:.2f}×",
+                    f"`{path.stem}`",
+                )
             )
     return "\n".join(lines)
 

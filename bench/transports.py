@@ -14,7 +14,7 @@ import statistics
 
 import torch
 import torch.distributed as dist
-from common import timed_ms
+from common import timed_ms, write_results
 
 import cgx2
 from cgx2 import collectives
@@ -114,10 +114,7 @@ def main() -> None:
                 ]
             )
         )
-        env = report.environment(device, dist.get_world_size())
-        env["bits"] = args.bits
-        path = report.write_json("transports", {"env": env, "rows": rows}, args.out)
-        print(f"-> {path}")
+        write_results("transports", device, rows, args.out, {"bits": args.bits})
     dist.destroy_process_group()
 
 

@@ -323,8 +323,10 @@ def write_json(kind: str, report: dict[str, Any], out_dir: str | Path = DEFAULT_
     return path
 
 
-def format_table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> str:
-    """A plain right-aligned table; columns are (key, header, format spec)."""
+def format_table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str] | str]) -> str:
+    """A plain right-aligned table; columns are (key, header, format spec), or a key alone:
+    its values as they are, under the key."""
+    columns = [(c, c, "") if isinstance(c, str) else c for c in columns]
     cells = [[h for _, h, _ in columns]]
     for row in rows:
         cells.append(
@@ -337,13 +339,16 @@ def format_table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]
 
 
 def format_columns(
-    rows: list[dict[str, Any]], columns: list[tuple[str, str, str, str | None]]
+    rows: list[dict[str, Any]],
+    columns: list[tuple[str, str, str, str | None]],
+    more: Sequence[tuple[str, str]] = (),
 ) -> tuple[str, str]:
     """The table of ``rows`` and its legend, from columns that are (key, header, format spec,
-    meaning); a column whose meaning is None goes without a legend line."""
+    meaning); a column whose meaning is None goes without a legend line, and ``more``'s
+    (name, meaning) lines follow the columns'."""
     table = format_table(rows, [(key, head, spec) for key, head, spec, _ in columns])
     said = [(head, meaning) for _, head, _, meaning in columns if meaning is not None]
-    return table, format_legend(said)
+    return table, format_legend([*said, *more])
 
 
 def format_legend(columns: list[tuple[str, str]]) -> str:
