@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .exponential import check_codes, check_encode, code_dtype, nan_code
+from .exponential import check_codes, check_encode, code_dtype
 from .maxmin_triton import _key, _philox
 
 __all__ = ["decode", "decode_sum", "encode"]
@@ -37,11 +37,15 @@ def _uniforms(k0, k1, q0, stream, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _codes(x, h, CAP: tl.constexpr, NAN_CODE: tl.constexpr, SUBNORMAL_LEVELS: tl.constexpr):
+def _codes(x, h, CAP: tl.constexpr, CODE: tl.constexpr):
     """int32 codes of fp32 x, the reference's (:func:`.exponential.exponential_codes`) with
     u = h * 2**-24, deciding u < p on integers: with a = |x| clamped to 1, exponent field E,
     mantissa m and significand F (m plus the hidden bit), every p is F or m times a power of
-    two, so u < p is h < an integer (ceil(p * 2**24)), and nothing rounds."""
+    two, so u < p is h < an integer (ceil(p * 2**24)), and nothing rounds. ``CODE``, the
+    dtype the codes are stored in, sets NaN's code (:func:`.exponential.nan_code`) and
+    whether levels reach subnormals (int32)."""
+    SUBNORMAL_LEVELS: tl.constexpr = CODE == tl.int32
+    NAN_CODE: tl.constexpr = -2147483648 if SUBNORMAL_LEVELS else -128  # the dtype's minimum
     xi = x.to(tl.int32, bitcast=True)
     ai = xi & 0x7FFFFFFF
     finite = ai < 0x7F800000  # below the bits of +Inf: False for NaN too
@@ -76,8 +80,11 @@ def _codes(x, h, CAP: tl.constexpr, NAN_CODE: tl.constexpr, SUBNORMAL_LEVELS: tl
 
 
 @triton.jit
-def _values(c, NAN_CODE: tl.constexpr, SUBNORMAL_LEVELS: tl.constexpr):
-    """fp32 values of codes, as :func:`.exponential.exponential_values`."""
+def _values(c, CODE: tl.constexpr):
+    """fp32 values of codes ``c``, stored as ``CODE`` (:func:`_codes`), as
+    :func:`.exponential.exponential_values`."""
+    SUBNORMAL_LEVELS: tl.constexpr = CODE == tl.int32
+    NAN_CODE: tl.constexpr = -2147483648 if SUBNORMAL_LEVELS else -128  # the dtype's minimum
     c = c.to(tl.int32)
     k = tl.abs(c)
     if SUBNORMAL_LEVELS:
@@ -110,20 +117,9 @@ def _store(ptr, offs, value, n, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _encode_block(
-    g_ptr,
-    out_ptr,
-    offs,
-    n,
-    pre,
-    recip,
-    h,
-    CAP: tl.constexpr,
-    NAN_CODE: tl.constexpr,
-    SUBNORMAL_LEVELS: tl.constexpr,
-    HAS_NORM: tl.constexpr,
-    MASKED: tl.constexpr,
-):
+def _encode_block(g_ptr, out_ptr, offs, n, norm, h, CAP: tl.constexpr, MASKED: tl.constexpr):
+    """Codes of the values at ``offs``, divided first by the norm given (``norm``: the factors
+    ``(pre, recip)`` of :func:`_encode_kernel`)."""
     x = _load(g_ptr, offs, n, MASKED)
     if g_ptr.dtype.element_ty == tl.bfloat16:
         # bf16 is the top half of an fp32: the shift is exact, where the interpreter's cast
@@ -131,9 +127,10 @@ def _encode_block(
         x = (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
     else:
         x = x.to(tl.float32)
-    if HAS_NORM:
+    if norm is not None:
+        pre, recip = norm
         x = (x * pre) * recip
-    code = _codes(x, h, CAP, NAN_CODE, SUBNORMAL_LEVELS)
+    code = _codes(x, h, CAP, out_ptr.dtype.element_ty)
     _store(out_ptr, offs, code.to(out_ptr.dtype.element_ty), n, MASKED)
 
 
@@ -147,57 +144,42 @@ def _encode_kernel(
     k1,
     stream,
     CAP: tl.constexpr,
-    NAN_CODE: tl.constexpr,
-    SUBNORMAL_LEVELS: tl.constexpr,
-    HAS_NORM: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    """Codes of ``g / norm``, the norm at ``norm_ptr`` (None: of ``g``), into ``out_ptr``, whose
+    dtype sets the codes' format."""
     start = tl.program_id(0).to(tl.int64) * BLOCK
     offs = start + tl.arange(0, BLOCK)
-    pre = 1.0
-    recip = 1.0
-    if HAS_NORM:
+    norm = None
+    if norm_ptr is not None:
         # As exponential.scale_input: pre = 2**64 below a norm of 2**-64, exact, so that the
         # reciprocal (one division per program) stays finite.
         nrm = tl.load(norm_ptr).to(tl.float32)
         nrm = tl.where(nrm > 0.0, nrm, 1.0)
         pre = tl.where(nrm < 5.421010862427522e-20, 1.8446744073709552e19, 1.0)
-        recip = tl.math.div_rn(pre * 0.0 + 1.0, nrm * pre)
+        norm = (pre, tl.math.div_rn(pre * 0.0 + 1.0, nrm * pre))
     h = _uniforms(k0.to(tl.uint32), k1.to(tl.uint32), start // 4, stream, BLOCK)
     if start + BLOCK <= n:
-        _encode_block(
-            g_ptr, out_ptr, offs, n, pre, recip, h, CAP, NAN_CODE, SUBNORMAL_LEVELS, HAS_NORM, False
-        )
+        _encode_block(g_ptr, out_ptr, offs, n, norm, h, CAP, False)
     else:
-        _encode_block(
-            g_ptr, out_ptr, offs, n, pre, recip, h, CAP, NAN_CODE, SUBNORMAL_LEVELS, HAS_NORM, True
-        )
+        _encode_block(g_ptr, out_ptr, offs, n, norm, h, CAP, True)
 
 
 @triton.jit
-def _decode_block(
-    codes_ptr,
-    scale_ptr,
-    out_ptr,
-    offs,
-    n,
-    rows,
-    row_stride,
-    NAN_CODE: tl.constexpr,
-    SUBNORMAL_LEVELS: tl.constexpr,
-    SUM: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
-    MASKED: tl.constexpr,
-):
+def _decode_block(codes, scale_ptr, out_ptr, offs, n, SUM: tl.constexpr, MASKED: tl.constexpr):
+    """The values of ``codes``, ``(codes_ptr, rows, row_stride)``, at ``offs`` (``SUM``: the
+    rows' summed in order), times the scale at ``scale_ptr`` where given."""
+    codes_ptr, rows, row_stride = codes
+    CODE: tl.constexpr = codes_ptr.dtype.element_ty
     if SUM:
         acc = tl.zeros(offs.shape, tl.float32)
         row_ptr = codes_ptr
         for _ in range(rows):
-            acc = acc + _values(_load(row_ptr, offs, n, MASKED), NAN_CODE, SUBNORMAL_LEVELS)
+            acc = acc + _values(_load(row_ptr, offs, n, MASKED), CODE)
             row_ptr += row_stride  # a 64-bit pointer: no int32 product to overflow
     else:
-        acc = _values(_load(codes_ptr, offs, n, MASKED), NAN_CODE, SUBNORMAL_LEVELS)
-    if HAS_SCALE:
+        acc = _values(_load(codes_ptr, offs, n, MASKED), CODE)
+    if scale_ptr is not None:
         acc = acc * tl.load(scale_ptr)
     _store(out_ptr, offs, acc, n, MASKED)
 
@@ -210,44 +192,18 @@ def _decode_kernel(
     n,
     rows,
     row_stride,
-    NAN_CODE: tl.constexpr,
-    SUBNORMAL_LEVELS: tl.constexpr,
     SUM: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    """The fp32 values of the codes at ``codes_ptr`` (``SUM``: of ``rows`` rows, summed),
+    times the scale at ``scale_ptr`` (None: no scale), into ``out_ptr``."""
     start = tl.program_id(0).to(tl.int64) * BLOCK
     offs = start + tl.arange(0, BLOCK)
+    codes = (codes_ptr, rows, row_stride)
     if start + BLOCK <= n:
-        _decode_block(
-            codes_ptr,
-            scale_ptr,
-            out_ptr,
-            offs,
-            n,
-            rows,
-            row_stride,
-            NAN_CODE,
-            SUBNORMAL_LEVELS,
-            SUM,
-            HAS_SCALE,
-            False,
-        )
+        _decode_block(codes, scale_ptr, out_ptr, offs, n, SUM, False)
     else:
-        _decode_block(
-            codes_ptr,
-            scale_ptr,
-            out_ptr,
-            offs,
-            n,
-            rows,
-            row_stride,
-            NAN_CODE,
-            SUBNORMAL_LEVELS,
-            SUM,
-            HAS_SCALE,
-            True,
-        )
+        _decode_block(codes, scale_ptr, out_ptr, offs, n, SUM, True)
 
 
 def encode(
@@ -264,63 +220,45 @@ def encode(
         norm = norm.reshape(1).to(torch.float32)
     _encode_kernel[(-(-flat.numel() // _BLOCK),)](
         flat,
-        norm if norm is not None else flat,
+        norm,
         out,
         flat.numel(),
         *_key(key),
         stream & 0xFFFFFFFF,
         CAP=min(2 ** (bits - 1) - 2, 149),  # the smallest level is 2**-CAP
-        NAN_CODE=nan_code(dtype),
-        SUBNORMAL_LEVELS=dtype == torch.int32,
-        HAS_NORM=norm is not None,
         BLOCK=_BLOCK,
         **_LAUNCH,
     )
     return out
 
 
-def decode(codes: torch.Tensor) -> torch.Tensor:
-    """Same contract as :func:`cgx2.codecs.exponential.decode`."""
-    check_codes(codes, rows=False)
-    flat = codes.reshape(-1)
-    out = torch.empty(flat.numel(), dtype=torch.float32, device=codes.device)
-    if flat.numel():
-        _decode_kernel[(-(-flat.numel() // _BLOCK),)](
-            flat,
+def _decode_rows(rows: torch.Tensor, scale: torch.Tensor | None, summed: bool) -> torch.Tensor:
+    """The fp32 values of ``rows`` (``[W, n]`` codes, each row contiguous), their rows summed
+    in order given ``summed`` (else the one row's), times ``scale`` where given."""
+    n = rows.shape[1]
+    out = torch.empty(n, dtype=torch.float32, device=rows.device)
+    if n:
+        _decode_kernel[(-(-n // _BLOCK),)](
+            rows,
+            scale,
             out,
-            out,
-            flat.numel(),
-            1,
-            flat.numel(),
-            NAN_CODE=nan_code(codes.dtype),
-            SUBNORMAL_LEVELS=codes.dtype == torch.int32,
-            SUM=False,
-            HAS_SCALE=False,
+            n,
+            rows.shape[0],
+            rows.stride(0),
+            SUM=summed,
             BLOCK=_BLOCK,
             **_LAUNCH,
         )
-    return out.view(codes.shape)
+    return out
+
+
+def decode(codes: torch.Tensor) -> torch.Tensor:
+    """Same contract as :func:`cgx2.codecs.exponential.decode`."""
+    check_codes(codes, rows=False)
+    return _decode_rows(codes.reshape(1, -1), None, False).view(codes.shape)
 
 
 def decode_sum(codes: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as :func:`cgx2.codecs.exponential.decode_sum`."""
     check_codes(codes, rows=True, scale=scale)
-    rows = codes if codes.stride(1) == 1 else codes.contiguous()
-    n = rows.shape[1]
-    out = torch.empty(n, dtype=torch.float32, device=codes.device)
-    if n:
-        _decode_kernel[(-(-n // _BLOCK),)](
-            rows,
-            scale if scale is not None else out,
-            out,
-            n,
-            rows.shape[0],
-            rows.stride(0),
-            NAN_CODE=nan_code(codes.dtype),
-            SUBNORMAL_LEVELS=codes.dtype == torch.int32,
-            SUM=True,
-            HAS_SCALE=scale is not None,
-            BLOCK=_BLOCK,
-            **_LAUNCH,
-        )
-    return out
+    return _decode_rows(codes if codes.stride(1) == 1 else codes.contiguous(), scale, True)
