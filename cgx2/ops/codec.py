@@ -3,8 +3,8 @@ functions that call them.
 
 The ops are defined with ``torch.library.Library`` and one kernel for every device (the
 dispatcher calls it with a fraction of ``torch.library.custom_op``'s per-call host time: the
-codec's kernels are short, so that time counted). Eagerly the public functions call the kernel
-themselves; compiled, the op.
+codec's kernels are short, so that time counted). The public functions are the kernels: called
+eagerly they run, compiled they call the op.
 """
 
 from __future__ import annotations
@@ -59,14 +59,15 @@ _LIB.define(
 )
 
 
-def _quantize(
+def quantize(
     x: torch.Tensor,
     bits: int,
     bucket_size: int = 512,
     seed: int = -1,
     skip_incomplete: bool = False,
 ) -> torch.Tensor:
-    """Max-min quantize the values of ``x`` (flattened) into a uint8 payload.
+    """Max-min quantize the values of ``x`` (flattened) into a uint8 payload: the op
+    ``torch.ops.cgx.quantize``, whose kernel this is (compiled, it calls the op).
 
     The payload layout is documented in :mod:`cgx2.codecs.layout`; its size is
     ``MaxMinLayout(x.numel(), bits, bucket_size, skip_incomplete).nbytes``. ``seed`` < 0 draws
@@ -74,6 +75,8 @@ def _quantize(
     Inside a CUDA graph's capture an unseeded call takes its key from torch's CUDA generator
     instead, on the device, so that every replay rounds afresh.
     """
+    if torch.compiler.is_compiling():
+        return torch.ops.cgx.quantize(x, bits, bucket_size, seed, skip_incomplete)
     check_float_tensor(x, "x")
     _check_codec_args(bits, bucket_size, skip_incomplete)
     check_seed(seed, negative_draws=True)
@@ -127,7 +130,7 @@ def _check_payload(
     return nbytes
 
 
-def _dequantize(
+def dequantize(
     payload: torch.Tensor,
     numel: int,
     bits: int,
@@ -135,7 +138,10 @@ def _dequantize(
     dtype: torch.dtype = torch.float32,
     skip_incomplete: bool = False,
 ) -> torch.Tensor:
-    """Decode a payload made by :func:`quantize` into a flat tensor of ``numel`` values."""
+    """Decode a payload made by :func:`quantize` into a flat tensor of ``numel`` values: the
+    op ``torch.ops.cgx.dequantize``, whose kernel this is (compiled, it calls the op)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.cgx.dequantize(payload, numel, bits, bucket_size, dtype, skip_incomplete)
     _check_payload(payload, numel, bits, bucket_size, dtype, skip_incomplete)
     codec = maxmin_codec(payload.device)
     return codec.decode(payload.contiguous(), numel, bits, bucket_size, dtype, skip_incomplete)
@@ -147,34 +153,5 @@ def _(payload, numel, bits, bucket_size=512, dtype=torch.float32, skip_incomplet
     return payload.new_empty(numel, dtype=dtype)
 
 
-_LIB.impl("quantize", _quantize, "CompositeExplicitAutograd")
-_LIB.impl("dequantize", _dequantize, "CompositeExplicitAutograd")
-
-
-def quantize(
-    x: torch.Tensor,
-    bits: int,
-    bucket_size: int = 512,
-    seed: int = -1,
-    skip_incomplete: bool = False,
-) -> torch.Tensor:
-    """Max-min quantize the values of ``x`` (flattened) into a uint8 payload: the op
-    ``torch.ops.cgx.quantize`` (:func:`_quantize` documents it), called directly when eager."""
-    if torch.compiler.is_compiling():
-        return torch.ops.cgx.quantize(x, bits, bucket_size, seed, skip_incomplete)
-    return _quantize(x, bits, bucket_size, seed, skip_incomplete)
-
-
-def dequantize(
-    payload: torch.Tensor,
-    numel: int,
-    bits: int,
-    bucket_size: int = 512,
-    dtype: torch.dtype = torch.float32,
-    skip_incomplete: bool = False,
-) -> torch.Tensor:
-    """Decode a payload made by :func:`quantize` into a flat tensor of ``numel`` values: the
-    op ``torch.ops.cgx.dequantize``, called directly when eager."""
-    if torch.compiler.is_compiling():
-        return torch.ops.cgx.dequantize(payload, numel, bits, bucket_size, dtype, skip_incomplete)
-    return _dequantize(payload, numel, bits, bucket_size, dtype, skip_incomplete)
+_LIB.impl("quantize", quantize, "CompositeExplicitAutograd")
+_LIB.impl("dequantize", dequantize, "CompositeExplicitAutograd")
