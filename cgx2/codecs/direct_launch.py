@@ -41,6 +41,12 @@ def _tested_triton() -> bool:
     return _TESTED
 
 
+def _prefix(compiled: Any) -> tuple:
+    """What Triton's launcher takes of ``compiled`` between the stream and the parameters: the
+    function and its metadata, and no launch metadata or hooks (direct launches run none)."""
+    return (compiled.function, compiled.packed_metadata, None, None, None)
+
+
 def _spec(arg: Any) -> object:
     """What Triton may specialize ``arg`` on, or finer (``Launcher.__call__`` inlines the
     cases of tensors and ints)."""
@@ -93,7 +99,7 @@ class Launcher:
         found = self.variants.get(key)
         if found is None:
             return None
-        compiled, tail = found
+        compiled, _, tail = found
         return Bound(compiled, grid, tail)
 
     @staticmethod
@@ -135,47 +141,24 @@ class Launcher:
                 constexprs[name] if name in constexprs else self.defaults[name]
                 for name in self.names[len(args) :]
             ]
-            self.variants[key] = compiled, tail
+            self.variants[key] = compiled, _prefix(compiled), tail
             return
-        compiled, tail = found
+        compiled, prefix, tail = found
         stream = torch._C._cuda_getCurrentRawStream(key[0])
         grid_1 = grid[1] if len(grid) > 1 else 1
         grid_2 = grid[2] if len(grid) > 2 else 1
-        compiled.run(
-            grid[0],
-            grid_1,
-            grid_2,
-            stream,
-            compiled.function,
-            compiled.packed_metadata,
-            None,
-            None,
-            None,
-            *values,
-            *tail,
-        )
+        compiled.run(grid[0], grid_1, grid_2, stream, *prefix, *values, *tail)
 
 
 class Bound:
     """A compiled kernel variant bound to its grid and constexprs (:meth:`Launcher.bound`):
     :meth:`run` launches it with the positional arguments alone, tensors as addresses."""
 
-    __slots__ = ("compiled", "grid", "tail")
+    __slots__ = ("compiled", "grid", "prefix", "tail")
 
     def __init__(self, compiled: Any, grid: Sequence[int], tail: list) -> None:
-        self.compiled, self.tail = compiled, tail
+        self.compiled, self.prefix, self.tail = compiled, _prefix(compiled), tail
         self.grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
 
     def run(self, stream: int, *values: Any) -> None:
-        compiled = self.compiled
-        compiled.run(
-            *self.grid,
-            stream,
-            compiled.function,
-            compiled.packed_metadata,
-            None,
-            None,
-            None,
-            *values,
-            *self.tail,
-        )
+        self.compiled.run(*self.grid, stream, *self.prefix, *values, *self.tail)
