@@ -68,21 +68,42 @@ def delivered(bench: dict[str, Any] | None, rate: str, hosts: int) -> dict[str, 
     }
 
 
-def light(
+def wire_ms(
     run: dict[str, Any], sent: float | None, link: dict[str, Any] | None, hosts: int
 ) -> float | None:
-    """A DDP step's speed of light, ms: the longer of its compute (the step under no_sync) and
-    its bytes over the link: what an allreduce of the fp32 gradients times ``sent`` must send
-    over each host's link (2 (H - 1) / H of it) at the rate NCCL's allreduce delivered there.
-    None where a part is unknown, on one host (no link bounds it), or with several GPUs a host
-    (``sent`` counts the bytes that stay inside a host too)."""
-    compute = run.get("compute_ms")
-    if compute is None or sent is None or not link or not run.get("params") or not run.get("hosts"):
+    """A DDP step's bytes over the link, ms: what an allreduce of the fp32 gradients times
+    ``sent`` must send over each host's link (2 (H - 1) / H of it) at the rate NCCL's allreduce
+    delivered there. None where a part is unknown, or with several GPUs a host (``sent``
+    counts the bytes that stay inside a host too)."""
+    if sent is None or not link or not run.get("params") or not run.get("hosts"):
         return None
     if run.get("gpus_per_host") not in (None, "1"):
         return None  # several GPUs a host: part of the bytes stays inside it, over NVLink
     wire = run["params"] * 4 * sent * 2 * (hosts - 1) / hosts
-    return max(compute, wire / (link["busbw_gbs"] * 1e9) * 1e3)
+    return wire / (link["busbw_gbs"] * 1e9) * 1e3
+
+
+def light(
+    run: dict[str, Any], sent: float | None, link: dict[str, Any] | None, hosts: int
+) -> float | None:
+    """A DDP step's speed of light, ms: the longer of its compute (the step under no_sync) and
+    its bytes over the link (:func:`wire_ms`). None where a part is unknown."""
+    compute, wire = run.get("compute_ms"), wire_ms(run, sent, link, hosts)
+    return None if compute is None or wire is None else max(compute, wire)
+
+
+def ddp_light(
+    run: dict[str, Any], sent: float | None, link: dict[str, Any] | None, hosts: int
+) -> float | None:
+    """The same, as DDP can at best overlap: a gradient leaves only during the backward pass,
+    so the forward pass and the optimizer's step add to the longer of the backward pass and
+    the bytes. None where the phases were not timed apart."""
+    phases = [run.get(k) for k in ("forward_ms", "backward_ms", "optimizer_ms")]
+    wire = wire_ms(run, sent, link, hosts)
+    if wire is None or None in phases:
+        return None
+    forward, backward, optimizer = phases
+    return forward + optimizer + max(backward, wire)
 
 
 def params(results: object) -> str:
@@ -143,8 +164,8 @@ def section(folder: Path, layout: str, rate: str, runs: dict[str, dict]) -> tupl
         lines += [
             "",
             f"| DDP step, MLP{params(mlp.values())} | median ms | vs plain DDP | bytes vs plain "
-            "| of light |",
-            "| --- | ---: | ---: | ---: | ---: |",
+            "| of light | of DDP's light |",
+            "| --- | ---: | ---: | ---: | ---: | ---: |",
         ]
         plain = (mlp["mlp_plain"] or {}).get("median_ms")
         data["mlp"] = {}
@@ -153,7 +174,7 @@ def section(folder: Path, layout: str, rate: str, runs: dict[str, dict]) -> tupl
             if r is None and name not in runs:
                 continue  # not asked for
             if r is None:
-                lines.append(f"| {label} | {failed(name)} | | | |")
+                lines.append(f"| {label} | {failed(name)} | | | | |")
                 continue
             sent = r.get("bytes_sent_ratio")
             if name in ("mlp_plain", "mlp_allreduce"):
@@ -161,17 +182,22 @@ def section(folder: Path, layout: str, rate: str, runs: dict[str, dict]) -> tupl
             elif name == "mlp_bf16":
                 sent = 0.5
             bound = light(r, sent, link, int(hosts))
-            of_light = "-" if bound is None else f"{bound / r['median_ms']:.0%}"
+            ddp_bound = ddp_light(r, sent, link, int(hosts))
+            of_light, of_ddp_light = (
+                "-" if b is None else f"{b / r['median_ms']:.0%}" for b in (bound, ddp_bound)
+            )
             lines.append(
                 f"| {label} | {r['median_ms']:.1f} | {ratio(plain, r['median_ms'])} "
                 f"| {'-' if sent is None else f'{sent:.3f}'} "
-                f"| {of_light} |"
+                f"| {of_light} | {of_ddp_light} |"
             )
             data["mlp"][name] = {
                 "median_ms": r["median_ms"],
                 "compute_ms": r.get("compute_ms"),
                 "bytes_sent_ratio": sent,
                 "light_ms": bound,
+                "ddp_light_ms": ddp_bound,
+                **{k: r.get(k) for k in ("forward_ms", "backward_ms", "optimizer_ms")},
             }
     if any(n.startswith("ddp_") for n in runs):
         ddp = {
@@ -343,7 +369,9 @@ def main(argv: list[str]) -> int:
         "(NCCL's sockets over veth top out near 20 Gbit/s: faster links are stood for by "
         "the shm and NVLink regimes). One host's sections name its regime (nvlink, shm, "
         "socket) in place of a rate. Of light: the step's speed of light (its compute, timed "
-        "under DDP's no_sync, or its bytes over the delivered rate, the longer) over its time.",
+        "under DDP's no_sync, or its bytes over the delivered rate, the longer) over its time; "
+        "of DDP's light: the same where the bytes overlap only the backward pass (forward + "
+        "optimizer + the longer of backward and the bytes), as DDP can at best.",
         "",
     ]
     summary = {"machine": machine, "sections": []}

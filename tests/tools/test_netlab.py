@@ -305,3 +305,9 @@ def test_the_nccl_hosts_summary_counts_each_hosts_link_and_the_steps_light():
     assert summary.light(run, 0.125, two, hosts=2) == pytest.approx(wire_ms)
     assert summary.light({**run, "compute_ms": 1e4}, 0.125, two, hosts=2) == 1e4
     assert summary.light({**run, "gpus_per_host": "2"}, 0.125, two, hosts=2) is None
+    # DDP's light: the forward pass and the optimizer's step cannot overlap the bytes.
+    assert summary.ddp_light(run, 0.125, two, hosts=2) is None  # phases not timed apart
+    phased = {**run, "forward_ms": 2.0, "backward_ms": 3.0, "optimizer_ms": 1.5}
+    assert summary.ddp_light(phased, 0.125, two, hosts=2) == pytest.approx(3.5 + wire_ms)
+    slow_backward = {**phased, "backward_ms": 1e4}
+    assert summary.ddp_light(slow_backward, 0.125, two, hosts=2) == pytest.approx(3.5 + 1e4)
