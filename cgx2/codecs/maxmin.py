@@ -91,11 +91,12 @@ def encode(
     instead of stochastically; ``key`` and ``stream`` are then unused. Within half a step,
     biased: for values read as they are (weights), not summed (gradients). ``rotation``: the
     payload of the rotated values."""
-    if rotation is None:
-        return _encode(x, bits, bucket_size, key, stream, skip_incomplete, out, nearest)
-    rotated = _rotated(x, rotation, bucket_size)
-    payload = _encode(rotated, bits, bucket_size, key, stream, skip_incomplete, out, nearest)
-    scratch.give(rotated)
+    rotated = None if rotation is None else _rotated(x, rotation, bucket_size)
+    values = x if rotated is None else rotated
+    layout = MaxMinLayout.of(values.numel(), bits, bucket_size, skip_incomplete)
+    payload = _encode(values, layout, key, stream, out, nearest)
+    if rotated is not None:
+        scratch.give(rotated)
     return payload
 
 
@@ -117,19 +118,18 @@ def _unrotate_into(values: torch.Tensor, rotation: Rotation, out: torch.Tensor) 
 
 def _encode(
     x: torch.Tensor,
-    bits: int,
-    bucket_size: int,
+    layout: MaxMinLayout,
     key: int,
-    stream: int = 0,
-    skip_incomplete: bool = False,
-    out: torch.Tensor | None = None,
+    stream: int,
+    out: torch.Tensor | None,
     nearest: bool = False,
     saturate: bool = False,
 ) -> torch.Tensor:
-    """:func:`encode`; ``saturate``: a bucket of finite values and +-Inf (no NaN) is a sum
-    that overflowed, coded saturated (see the module doc) rather than as NaN."""
+    """:func:`encode` of ``x`` in ``layout`` (its size); ``saturate``: a bucket of finite values
+    and +-Inf (no NaN) is a sum that overflowed, coded saturated (see the module doc) rather
+    than as NaN."""
+    bits, bucket_size = layout.bits, layout.bucket_size
     v = x.reshape(-1).to(torch.float32)
-    layout = MaxMinLayout.of(v.numel(), bits, bucket_size, skip_incomplete)
     payload = _new_payload(layout.nbytes, v.device, out)
     nq, levels_at = layout.num_buckets, layout.levels_offset
     if layout.raw_numel:
@@ -442,33 +442,21 @@ def decode_sum_encode(
     ``rotation``: ``own`` rotated stands for ``own``, and the sum, in the rotated domain, is
     encoded with no further rotation (the final decode rotates back)."""
     layout = MaxMinLayout.of(numel, bits, bucket_size, skip_incomplete)
+    rotated = None
     if rotation is not None and own is not None:
-        own = _rotated(own, rotation, bucket_size)
-        encoded = decode_sum_encode(
-            payloads,
-            numel,
-            own,
-            own_index,
-            scale,
-            bits,
-            bucket_size,
-            key,
-            stream,
-            skip_incomplete,
-            out,
-        )
-        scratch.give(own)
-        return encoded
-    if rotation is not None:
+        own = rotated = _rotated(own, rotation, bucket_size)
+    elif rotation is not None:
         rotation.check(bucket_size)
     if scale is None:
         acc = decode_sum(payloads, numel, own, own_index, None, bits, bucket_size, skip_incomplete)
     else:
         acc = _scaled_sum(payloads, layout, own, own_index, fp32_scalar(scale))
-    encoded = _encode(acc, bits, bucket_size, key, stream, skip_incomplete, out, saturate=True)
+    encoded = _encode(acc, layout, key, stream, out, saturate=True)
     scratch.give(acc)  # encoded: this sum is done with
     if own is not None:
         unsaturate_input(encoded, own, layout)
+    if rotated is not None:
+        scratch.give(rotated)
     return encoded
 
 
