@@ -51,19 +51,23 @@ def _settings(
     skip_incomplete: bool = False,
     rotation: str | None = None,
     rotation_block: int = DEFAULT_BLOCK,
-    op_name: str = "reduce_op",
-    tensor_name: str = "input",
+    *,
+    public: bool = False,
 ) -> CallSettings:
-    """The call's settings, every argument but the seed and ``skip_incomplete`` checked, once
-    per call (a negative seed: the ops' None). The rotation's block is checked against the
-    bucket size here, before anything is sent: every rank passes the same arguments, so every
-    rank raises the same ``ValueError``."""
-    check_collective_tensor(t, tensor_name)
+    """The call's settings, every argument checked, once per call. The ops' schemas type the
+    seed (negative: none) and ``skip_incomplete``; the public functions' (``public``: the
+    tensor and reduce op named ``tensor`` and ``op``) are checked here. The rotation's block
+    is checked against the bucket size here, before anything is sent: every rank passes the
+    same arguments, so every rank raises the same ``ValueError``."""
+    check_collective_tensor(t, "tensor" if public else "input")
     check_bits(bits)
     check_bucket_size(bucket_size)
     rotated = call_rotation(rotation, rotation_block, bucket_size)
-    reduce_op = check_reduce_op(reduce_op, op_name)
-    if isinstance(seed, int) and seed < 0:
+    reduce_op = check_reduce_op(reduce_op, "op" if public else "reduce_op")
+    if public:
+        check_seed(seed)
+        check_bool(skip_incomplete, "skip_incomplete")
+    elif isinstance(seed, int) and seed < 0:  # a traced seed (SymInt) is the fake's, unread
         seed = None
     return CallSettings(bits, bucket_size, reduce_op, seed, skip_incomplete, rotated)
 
@@ -191,8 +195,8 @@ def quantized_allreduce(
     seed, the same on every rank: the same bytes on the wire, a smaller range per bucket where
     outliers stretched it, still unbiased (docs/wire-format.md, "Rotation"; docs/low-bits.md).
     """
-    settings = _public_settings(
-        tensor, bits, bucket_size, op, seed, skip_incomplete, rotation, rotation_block
+    settings = _settings(
+        tensor, bits, bucket_size, op, seed, skip_incomplete, rotation, rotation_block, public=True
     )
     group = check_group(group, "quantized_allreduce")
     if torch.compiler.is_compiling() or (tensor.requires_grad and torch.is_grad_enabled()):
@@ -201,35 +205,6 @@ def quantized_allreduce(
             tensor, *_op_args(settings, group), settings.skip_incomplete, *_rotation_args(settings)
         )
     return collectives.allreduce(tensor, group, settings, check_agreement=True)
-
-
-def _public_settings(
-    tensor: torch.Tensor,
-    bits: int,
-    bucket_size: int,
-    op: dist.ReduceOp | str,
-    seed: int | None,
-    skip_incomplete: bool,
-    rotation: str | None,
-    rotation_block: int,
-) -> CallSettings:
-    """:func:`_settings` of the public functions' arguments, the seed and
-    ``skip_incomplete`` checked too."""
-    settings = _settings(
-        tensor,
-        bits,
-        bucket_size,
-        op,
-        seed,
-        skip_incomplete,
-        rotation,
-        rotation_block,
-        "op",
-        "tensor",
-    )
-    check_seed(seed)
-    check_bool(skip_incomplete, "skip_incomplete")
-    return settings
 
 
 def _op_args(settings: CallSettings, group: dist.ProcessGroup) -> tuple[int | str, ...]:
@@ -269,8 +244,8 @@ def quantized_allreduce_(
     ``expand()``-ed view) is refused, before communicating. ``rotation``, ``rotation_block``:
     as :func:`quantized_allreduce`'s.
     """
-    settings = _public_settings(
-        tensor, bits, bucket_size, op, seed, skip_incomplete, rotation, rotation_block
+    settings = _settings(
+        tensor, bits, bucket_size, op, seed, skip_incomplete, rotation, rotation_block, public=True
     )
     if warn_if_not_member(group, "quantized_allreduce_"):
         return tensor

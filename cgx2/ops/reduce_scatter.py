@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from .. import collectives
-from ..checks import check_float_tensor, check_group, check_seed
+from ..checks import check_float_tensor, check_group
 from ..collectives import CallSettings
 from ..collectives.rotations import DEFAULT_BLOCK
 from ..seeding import SEEDED_OP_TAGS
@@ -192,9 +192,8 @@ def quantized_reduce_scatter(
     :func:`cgx2.quantized_allreduce`'s (the owner sums rotated values and rotates back).
     """
     settings = _settings(
-        tensor, bits, bucket_size, op, seed, False, rotation, rotation_block, "op", "tensor"
+        tensor, bits, bucket_size, op, seed, False, rotation, rotation_block, public=True
     )
-    check_seed(seed)
     if out is not None:
         check_float_tensor(out, "out")
     group = check_group(group, "quantized_reduce_scatter")
