@@ -86,20 +86,22 @@ def _exact_module():
 
 def one_call(x: torch.Tensor, out: torch.Tensor, bits: int) -> None:
     run = ar._Run(
-        None,
-        2,
-        0,
-        bits,
-        512,
-        False,
-        None,
-        maxmin_codec(x.device),
-        11,
-        12,
-        x.numel(),
-        False,
-        True,
-        _Local,
+        group=None,
+        world=2,
+        rank=0,
+        bits=bits,
+        bucket_size=512,
+        skip_incomplete=False,
+        scale=None,
+        codec=maxmin_codec(x.device),
+        scatter_key=11,
+        gather_key=12,
+        step=x.numel(),
+        gather_in_place=False,
+        pair_gather=True,
+        transport=_Local,
+        rotation=None,
+        rotation_key=13,
     )
     ar._pipeline(run, x, out, None)
 
