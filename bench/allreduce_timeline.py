@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 import cgx2
 from cgx2 import config
+from cgx2.bench.report import add_choice, add_number
 
 MARK = "cgx2_timed_call"
 
@@ -111,18 +112,18 @@ def _back_to_back(prof: torch.profiler.profile, args: argparse.Namespace) -> Non
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--mib", type=int, default=256)
-    p.add_argument("--bits", type=int, default=4)
-    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    add_number(p, "--mib", 256)
+    add_number(p, "--bits", 4)
+    add_choice(p, "--dtype", ("fp32", "bf16"))
     p.add_argument(
         "--cuda-graphs", action="store_true", help="replay CUDA graphs (CGX2_CUDA_GRAPHS)"
     )
     p.add_argument("--host", action="store_true", help="also list the call's host-side events")
-    p.add_argument(
+    add_number(
+        p,
         "--calls",
-        type=int,
-        default=1,
-        help="calls back to back in the profiled step (as `cgx2.bench --calls`): with more than "
+        1,
+        "calls back to back in the profiled step (as `cgx2.bench --calls`): with more than "
         "one, each call's host time and where the GPU sat idle between them are reported",
     )
     args = p.parse_args()

@@ -33,6 +33,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import cgx2
+from cgx2.bench.report import add_choice, add_number
 from cgx2.ddp import CGXState, cgx_hook, compress
 
 # The model of examples/train_ddp.py, with a vocabulary of this script's.
@@ -239,52 +240,52 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    p.add_argument(
+    add_choice(
+        p,
         "--hook",
-        choices=("plain", "cgx", "compress", "allreduce", "bf16", "powersgd"),
-        default="plain",
-        help="plain DDP, cgx2's cgx_hook, cgx2.ddp.compress (the hook where it pays), "
+        ("plain", "cgx", "compress", "allreduce", "bf16", "powersgd"),
+        "plain DDP, cgx2's cgx_hook, cgx2.ddp.compress (the hook where it pays), "
         "torch's allreduce_hook, bf16_compress_hook or its PowerSGD",
     )
-    p.add_argument("--bits", type=int, default=4, help="cgx_hook's bits")
-    p.add_argument("--powersgd-rank", type=int, default=4, help="PowerSGD's rank")
-    p.add_argument(
+    add_number(p, "--bits", 4, "cgx_hook's bits")
+    add_number(p, "--powersgd-rank", 4, "PowerSGD's rank")
+    add_number(
+        p,
         "--bucket-cap-mb",
-        type=float,
-        default=25.0,
-        help="DDP's bucket size (its default): fewer, larger buckets pay a link's per-call "
+        25.0,
+        "DDP's bucket size (its default): fewer, larger buckets pay a link's per-call "
         "latency fewer times",
     )
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    p.add_argument(
+    add_choice(p, "--device", ("cuda", "cpu"))
+    add_choice(
+        p,
         "--backend",
-        choices=("gloo", "nccl"),
-        default="gloo",
-        help="gloo: a machine's ranks on its first GPU; nccl: a GPU a rank",
+        ("gloo", "nccl"),
+        "gloo: a machine's ranks on its first GPU; nccl: a GPU a rank",
     )
-    p.add_argument(
+    add_choice(
+        p,
         "--model",
-        choices=("transformer", "mlp"),
-        default="transformer",
-        help="mlp: --layers linear layers --dim wide, --batch-size rows",
+        ("transformer", "mlp"),
+        "mlp: --layers linear layers --dim wide, --batch-size rows",
     )
-    p.add_argument("--dim", type=int, default=1024, help="model width")
-    p.add_argument("--layers", type=int, default=10, help="transformer blocks")
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--context", type=int, default=256, help="tokens per sequence")
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank and step")
-    p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
-    p.add_argument("--steps", type=int, default=5, help="timed steps")
-    p.add_argument(
+    add_number(p, "--dim", 1024, "model width")
+    add_number(p, "--layers", 10, "transformer blocks")
+    add_number(p, "--heads", 16)
+    add_number(p, "--vocab", 4096)
+    add_number(p, "--context", 256, "tokens per sequence")
+    add_number(p, "--batch-size", 8, "sequences per rank and step")
+    add_number(p, "--lr", 3e-4)
+    add_number(p, "--warmup", 3, "untimed steps first")
+    add_number(p, "--steps", 5, "timed steps")
+    add_number(
+        p,
         "--compute-steps",
-        type=int,
-        default=3,
-        help="steps timed after the rest under DDP's no_sync (no communication): the compute "
+        3,
+        "steps timed after the rest under DDP's no_sync (no communication): the compute "
         "half of the step's speed of light",
     )
-    p.add_argument("--seed", type=int, default=0)
+    add_number(p, "--seed", 0)
     p.add_argument(
         "--profile",
         action="store_true",

@@ -7,6 +7,8 @@ import argparse
 
 import torch
 
+from cgx2.bench.report import add_choice
+
 
 def add_model_options(
     p: argparse.ArgumentParser,
@@ -32,9 +34,7 @@ def add_run_options(p: argparse.ArgumentParser, *, text_bytes: int) -> None:
     """--text-bytes (this default), --world-size and --device (auto: see :func:`parse`)."""
     p.add_argument("--text-bytes", type=int, default=text_bytes, help="bytes of training text")
     p.add_argument("--world-size", type=int, default=2, help="processes to spawn without torchrun")
-    p.add_argument(
-        "--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda if available"
-    )
+    add_choice(p, "--device", ("auto", "cpu", "cuda"), "auto: cuda if available")
 
 
 def parse(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:

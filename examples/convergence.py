@@ -44,7 +44,7 @@ from train_ddp import CharTransformer, batch, train_step
 
 import cgx2
 import cgx2.fsdp
-from cgx2.bench.report import HelpFormatter, Progress, environment
+from cgx2.bench.report import HelpFormatter, Progress, add_choice, environment
 from cgx2.collectives.fusion import ring_bytes_sent
 from cgx2.ddp import CGXState, GlobalQSGDState, LGreCoState, PowerSGDState, cgx_hook, lgreco_hook
 from cgx2.ddp import global_qsgd as gq
@@ -521,11 +521,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=2000, help="training steps a run")
     p.add_argument("--warmup", type=int, default=100, help="steps of linear warm-up")
     p.add_argument("--lr", type=float, default=1e-3, help="the peak learning rate")
-    p.add_argument(
-        "--optimizer",
-        choices=("adamw", "sgd"),
-        default="adamw",
-        help="AdamW (weight decay 0.1) or SGD with momentum 0.9",
+    add_choice(
+        p, "--optimizer", ("adamw", "sgd"), "AdamW (weight decay 0.1) or SGD with momentum 0.9"
     )
     p.add_argument("--batch-size", type=int, default=16, help="sequences a rank and step")
     p.add_argument("--context", type=int, default=256, help="tokens (bytes) a sequence")
@@ -545,15 +542,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "start at a held-out evaluation, checkpointed; a rerun resumes it "
         "(0: no limit)",
     )
-    p.add_argument(
-        "--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda if available"
-    )
-    p.add_argument(
-        "--backend",
-        choices=("nccl", "gloo"),
-        default="nccl",
-        help="for --device cuda: gloo lets ranks share one GPU",
-    )
+    add_choice(p, "--device", ("auto", "cpu", "cuda"), "auto: cuda if available")
+    add_choice(p, "--backend", ("nccl", "gloo"), "for --device cuda: gloo lets ranks share one GPU")
     p.add_argument(
         "--out",
         default="cgx2-results/convergence",

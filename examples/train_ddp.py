@@ -29,7 +29,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from cgx2.bench.report import HelpFormatter, Progress, environment
+from cgx2.bench.report import (
+    HelpFormatter,
+    Progress,
+    add_bucket_size_argument,
+    add_choice,
+    environment,
+)
 from cgx2.collectives import graphs
 from cgx2.collectives.fusion import ring_bytes_sent
 from cgx2.ddp import CGXState, GlobalQSGDState, cgx_hook
@@ -278,30 +284,20 @@ HOOKS = (
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--bits", type=int, default=4, help="1-8, or 32 for plain DDP")
-    p.add_argument("--bucket-size", type=int, default=512, help="values sharing one scale")
+    add_bucket_size_argument(p)
     p.add_argument(
         "--layer-min-size",
         type=int,
         default=1024,
         help="smaller layers are sent uncompressed (hook mode only)",
     )
-    p.add_argument(
-        "--mode",
-        choices=("hook", "backend"),
-        default="hook",
-        help="cgx_hook on DDP, or plain DDP on the cgx backend",
-    )
-    p.add_argument(
-        "--hook",
-        choices=HOOKS,
-        default="cgx",
-        help="hook mode's hook: CGX's, or a Global-QSGD hook",
-    )
-    p.add_argument(
+    add_choice(p, "--mode", ("hook", "backend"), "cgx_hook on DDP, or plain DDP on the cgx backend")
+    add_choice(p, "--hook", HOOKS, "hook mode's hook: CGX's, or a Global-QSGD hook")
+    add_choice(
+        p,
         "--rotation",
-        choices=("none", "hadamard"),
-        default="none",
-        help="cgx hook: code each layer's randomized Hadamard rotation (docs/low-bits.md)",
+        ("none", "hadamard"),
+        "cgx hook: code each layer's randomized Hadamard rotation (docs/low-bits.md)",
     )
     p.add_argument(
         "--error-feedback",
@@ -317,11 +313,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=200, help="training steps")
     add_model_options(p, batch_size=16, context=64, dim=128, layers=2, heads=4, lr=3e-3)
     add_run_options(p, text_bytes=2_000_000)
-    p.add_argument(
+    add_choice(
+        p,
         "--amp",
-        choices=("none", "bf16"),
-        default="none",
-        help="bf16 autocast (fp32 weights and gradients): a lighter step, as in "
+        ("none", "bf16"),
+        "bf16 autocast (fp32 weights and gradients): a lighter step, as in "
         "most training today, where communication weighs more",
     )
     p.add_argument("--log-every", type=int, default=10, help="steps between progress lines")

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import argparse
 import gc
+import inspect
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,7 +35,9 @@ from launch import launch
 from train_ddp import CharTransformer, batch, load_text, train_step
 
 import cgx2.fsdp
-from cgx2.bench.report import HelpFormatter, Progress, environment
+from cgx2.bench.report import HelpFormatter, Progress, add_bucket_size_argument, environment
+
+_ALL_GATHER_CALL = inspect.signature(AllGather.__call__)
 
 
 class CountedAllGather(AllGather):
@@ -47,18 +51,15 @@ class CountedAllGather(AllGather):
     def allocate(self, size: tuple, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return self.inner.allocate(size, dtype=dtype, device=device)
 
-    def __call__(
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: dist.ProcessGroup,
-        async_op: bool = False,
-    ) -> dist.Work | None:
+    def __call__(self, *args: Any, **kwargs: Any) -> dist.Work | None:
+        """The inner all-gather, called as FSDP2 calls it (:class:`AllGather`'s arguments, by
+        position or name), its bytes counted."""
+        call = _ALL_GATHER_CALL.bind(self, *args, **kwargs).arguments
         before = getattr(self.inner, "bytes_sent", None)
-        work = self.inner(output_tensor, input_tensor, group, async_op)
+        work = self.inner(*args, **kwargs)
         # Uncompressed, each rank's row goes to every other rank (a ring's bytes too).
-        row = input_tensor.numel() * input_tensor.element_size()
-        plain = (dist.get_world_size(group) - 1) * row
+        row = call["input_tensor"].numel() * call["input_tensor"].element_size()
+        plain = (dist.get_world_size(call["group"]) - 1) * row
         self.bytes_uncompressed += plain
         self.bytes_sent += plain if before is None else self.inner.bytes_sent - before
         return work
@@ -183,7 +184,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bits", type=int, default=4, help="1-8, or 32 for FSDP2's own")
     p.add_argument("--param-bits", type=int, help="1-8: also all-gather parameters quantized")
     p.add_argument("--replicas", type=int, default=1, help="HSDP: replicas (mesh rows)")
-    p.add_argument("--bucket-size", type=int, default=512, help="values sharing one scale")
+    add_bucket_size_argument(p)
     p.add_argument("--min-size", type=int, default=1024, help="smaller or 1-D params: exact")
     p.add_argument("--steps", type=int, default=30, help="training steps")
     add_model_options(p, batch_size=8, context=1024, dim=768, layers=12, heads=12, lr=6e-4)

@@ -32,6 +32,7 @@ __all__ = [
     "add_bucket_size_argument",
     "add_choice",
     "add_dtypes_argument",
+    "add_number",
     "add_out_argument",
     "add_repeat_arguments",
     "add_sizes_argument",
@@ -93,6 +94,13 @@ def add_sizes_argument(p: argparse.ArgumentParser, default: str | None, more: st
         default=default,
         help=f"tensor sizes, comma-separated, in {SIZES_HELP}{more}",
     )
+
+
+def add_number(
+    p: argparse.ArgumentParser, flag: str, default: float, help: str | None = None
+) -> None:
+    """``flag``: a number of ``default``'s type (int or float), ``default`` where not given."""
+    p.add_argument(flag, type=type(default), default=default, help=help)
 
 
 def add_dtypes_argument(p: argparse.ArgumentParser, more: str = "") -> None:
