@@ -84,25 +84,27 @@ def _exact_module():
     return module
 
 
+RUN = {
+    "group": None,
+    "world": 2,
+    "rank": 0,
+    "bucket_size": 512,
+    "skip_incomplete": False,
+    "scale": None,
+    "scatter_key": 11,
+    "gather_key": 12,
+    "gather_in_place": False,
+    "pair_gather": True,
+    "transport": _Local,
+    "rotation": None,
+    "rotation_key": 13,
+}
+"""The allreduce's run (``_Run``'s fields by name) but for what a call sets: rank 0 of two,
+no group, the local transport, no rotation."""
+
+
 def one_call(x: torch.Tensor, out: torch.Tensor, bits: int) -> None:
-    run = ar._Run(
-        group=None,
-        world=2,
-        rank=0,
-        bits=bits,
-        bucket_size=512,
-        skip_incomplete=False,
-        scale=None,
-        codec=maxmin_codec(x.device),
-        scatter_key=11,
-        gather_key=12,
-        step=x.numel(),
-        gather_in_place=False,
-        pair_gather=True,
-        transport=_Local,
-        rotation=None,
-        rotation_key=13,
-    )
+    run = ar._Run(**RUN, bits=bits, codec=maxmin_codec(x.device), step=x.numel())
     ar._pipeline(run, x, out, None)
 
 
