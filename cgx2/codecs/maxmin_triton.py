@@ -735,13 +735,14 @@ def _div_toward_zero(lmax, span):
 
 @triton.jit
 def _levels(v, valid, h, coding, BITS: tl.constexpr, saturation=None):
-    """One half's levels (zero outside the data) by ``coding``, :func:`_params`' ``(lo_p,
-    scale, pre)``. The scale is rounded toward zero, so that no level needs a clamp; a
-    non-finite bucket's are garbage, zeroed when packed. ``saturation`` (:func:`_saturation`):
+    """One half's levels (zero outside the data) by ``coding``: :func:`_params`' ``lo_p``,
+    ``scale`` and ``pre``, and which buckets are kept (:func:`_quantize_store`). The scale is
+    rounded toward zero, so that no level needs a clamp; a non-finite bucket's are garbage,
+    zeroed when packed. ``saturation`` (:func:`_saturation`):
     buckets ``sat`` coded saturated, from ``(v / 2 - m) * sat_scale`` held to ``[a_lo,
     a_hi]``, +-Inf at the end levels exactly."""
     L: tl.constexpr = (1 << BITS) - 1
-    lo_p, scale, pre = coding
+    lo_p, scale, pre, _ = coding
     a = (v * pre[:, None, None] - lo_p[:, None, None]) * scale[:, None, None]
     if saturation is not None:
         sat, m, sat_scale, a_lo, a_hi = saturation
@@ -769,7 +770,6 @@ def _quantize_store(
     ptr,
     tile,
     coding,
-    keep,
     q,
     qmask,
     quant,
@@ -779,12 +779,13 @@ def _quantize_store(
     B: tl.constexpr,
     BLOCK: tl.constexpr,
     FULL: tl.constexpr,
-    NEAREST: tl.constexpr = False,
     saturation=None,
+    NEAREST: tl.constexpr = False,
 ):
     """Store the levels of ``tile`` (the halves of :func:`_tile` and which of them hold data)
-    by ``coding`` and ``saturation`` (:func:`_levels`), rounded by the random stream ``rng``
-    (``NEAREST``: to the nearest); the levels of buckets not ``keep`` are zero."""
+    by ``coding``, ``(lo_p, scale, pre, keep)``, and ``saturation`` (:func:`_levels`), rounded
+    by the random stream ``rng`` (``NEAREST``: to the nearest); the levels of buckets not
+    ``keep`` are zero."""
     v0, v1, valid0, valid1 = tile
     if NEAREST:  # half of every random half's range: the level rounded to nearest, ties up
         h0 = tl.full((q.shape[0], BLOCK // 8, 4), 1 << 15, tl.uint32)
@@ -794,7 +795,7 @@ def _quantize_store(
     l0 = _levels(v0, valid0, h0, coding, BITS, saturation)
     l1 = _levels(v1, valid1, h1, coding, BITS, saturation)
     # A non-finite bucket's levels are zeroed a group at a time.
-    _pack_store(ptr, l0, l1, keep, q, qmask, quant, c, BITS, B, BLOCK, FULL)
+    _pack_store(ptr, l0, l1, coding[3], q, qmask, quant, c, BITS, B, BLOCK, FULL)
 
 
 @triton.jit
@@ -847,9 +848,9 @@ def _encode_loaded(
     lo, hi = _stats(v0, v1, valid0, valid1)
     stored_lo, step, scale, finite, pre, lo_p = _params(lo, hi, BITS)
     tile = (v0, v1, valid0, valid1)
-    coding = (lo_p, scale, pre)
+    coding = (lo_p, scale, pre, finite)
     _quantize_store(
-        lev_ptr, tile, coding, finite, q, qmask, quant, 0, rng, BITS, B, BLOCK, FULL, NEAREST
+        lev_ptr, tile, coding, q, qmask, quant, 0, rng, BITS, B, BLOCK, FULL, NEAREST=NEAREST
     )
     step = _finite_top(stored_lo, step, hi, BITS)
     if own_ptr is not None:
@@ -860,23 +861,9 @@ def _encode_loaded(
                 own0, own1 = _rotate_values(own0, own1, q, 0, signs, B, BLOCK, ROT)
                 sat = sat & _all_finite(own0, own1, valid0, valid1)
             stored_lo, step, saturation = _saturation(lo, hi, sat, stored_lo, step, BITS)
-            keep = finite | sat
+            coding = (lo_p, scale, pre, finite | sat)
             _quantize_store(
-                lev_ptr,
-                tile,
-                coding,
-                keep,
-                q,
-                qmask,
-                quant,
-                0,
-                rng,
-                BITS,
-                B,
-                BLOCK,
-                FULL,
-                False,
-                saturation,
+                lev_ptr, tile, coding, q, qmask, quant, 0, rng, BITS, B, BLOCK, FULL, saturation
             )
     _store_meta(meta_ptr, q, qmask, stored_lo, step)
 
@@ -916,9 +903,9 @@ def _encode_wide(
         v0, v1, valid0, valid1 = _load_tile(x_ptr, q, qmask, quant, c, B, BLOCK, FULL)
         v0, v1 = _rotate_values(v0, v1, q, c, signs, B, BLOCK, ROT)
         tile = (v0, v1, valid0, valid1)
-        coding = (lo_p, scale, pre)
+        coding = (lo_p, scale, pre, finite)
         _quantize_store(
-            lev_ptr, tile, coding, finite, q, qmask, quant, c, rng, BITS, B, BLOCK, FULL, NEAREST
+            lev_ptr, tile, coding, q, qmask, quant, c, rng, BITS, B, BLOCK, FULL, NEAREST=NEAREST
         )
     _store_meta(meta_ptr, q, qmask, lo, _finite_top(lo, step, hi, BITS))
 
@@ -1286,15 +1273,16 @@ def _sum_tile(
     quant,
     c,
     signs,
+    ROT: tl.constexpr,
     SUM: tl.constexpr,
     BITS: tl.constexpr,
     B: tl.constexpr,
     BLOCK: tl.constexpr,
     FULL: tl.constexpr,
-    ROT: tl.constexpr = 0,
 ):
     """A tile of the sum, as :func:`_load_tile` returns a tile: its values
-    (:func:`_sum_loaded`) and which of them hold data."""
+    (:func:`_sum_loaded`, own's rotated by ``signs`` and ``ROT``) and which of them hold
+    data."""
     inputs = _load_sum_inputs(src, q, qmask, quant, c, SUM, BITS, B, BLOCK, FULL)
     v0, v1 = _sum_loaded(inputs, src[5], q, c, signs, SUM, BITS, B, BLOCK, ROT)
     _, valid0, valid1 = _tile(q, qmask, quant, c, B, BLOCK, FULL)
@@ -1327,13 +1315,12 @@ def _decode_sum_encode_wide(
     hi = tl.full((q.shape[0],), float("-inf"), tl.float32)
     for t in range(NUM_TILES):
         v0, v1, valid0, valid1 = _sum_tile(
-            src, q, qmask, quant, t * BLOCK, signs, SUM, BITS, B, BLOCK, FULL, ROT
+            src, q, qmask, quant, t * BLOCK, signs, ROT, SUM, BITS, B, BLOCK, FULL
         )
         t_lo, t_hi = _stats(v0, v1, valid0, valid1)
         lo = _min_with_nan(lo, t_lo)
         hi = tl.maximum(hi, t_hi)
     stored_lo, step, scale, finite, pre, lo_p = _params(lo, hi, BITS)
-    coding = (lo_p, scale, pre)
     step = _finite_top(stored_lo, step, hi, BITS)
     sat = _saturating(lo, hi, finite, BITS)
     if tl.max(sat.to(tl.int32), axis=0) > 0:  # as _encode_loaded, a tile at a time
@@ -1346,32 +1333,17 @@ def _decode_sum_encode_wide(
         stored_lo, step, saturation = _saturation(lo, hi, sat, stored_lo, step, BITS)
         for t in range(NUM_TILES):
             c = t * BLOCK
-            tile = _sum_tile(src, q, qmask, quant, c, signs, SUM, BITS, B, BLOCK, FULL, ROT)
-            keep = finite | sat
+            tile = _sum_tile(src, q, qmask, quant, c, signs, ROT, SUM, BITS, B, BLOCK, FULL)
+            coding = (lo_p, scale, pre, finite | sat)
             _quantize_store(
-                lev_ptr,
-                tile,
-                coding,
-                keep,
-                q,
-                qmask,
-                quant,
-                c,
-                rng,
-                BITS,
-                B,
-                BLOCK,
-                FULL,
-                False,
-                saturation,
+                lev_ptr, tile, coding, q, qmask, quant, c, rng, BITS, B, BLOCK, FULL, saturation
             )
     else:
         for t in range(NUM_TILES):
             c = t * BLOCK
-            tile = _sum_tile(src, q, qmask, quant, c, signs, SUM, BITS, B, BLOCK, FULL, ROT)
-            _quantize_store(
-                lev_ptr, tile, coding, finite, q, qmask, quant, c, rng, BITS, B, BLOCK, FULL
-            )
+            tile = _sum_tile(src, q, qmask, quant, c, signs, ROT, SUM, BITS, B, BLOCK, FULL)
+            coding = (lo_p, scale, pre, finite)
+            _quantize_store(lev_ptr, tile, coding, q, qmask, quant, c, rng, BITS, B, BLOCK, FULL)
     _store_meta(meta_ptr, q, qmask, stored_lo, step)
 
 
@@ -1463,7 +1435,7 @@ def _decode_sum_encode_kernel(
                 inputs = ahead_inputs
         if (full < tiles) & (pid == full % programs):
             q = full.to(tl.int64) * BUCKETS + lanes
-            tile = _sum_tile(src, q, q < nq, quant, 0, signs, SUM, BITS, B, BLOCK, False, OWN_ROT)
+            tile = _sum_tile(src, q, q < nq, quant, 0, signs, OWN_ROT, SUM, BITS, B, BLOCK, False)
             _encode_loaded(
                 tile,
                 payload,
