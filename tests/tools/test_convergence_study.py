@@ -13,7 +13,7 @@ def _launches(
     tmp_path: Path, lanes: int, runs: str | None, done: tuple[str, ...] = (), run_s: int = 1
 ) -> tuple[list, str]:
     fake = tmp_path / "bin"
-    fake.mkdir(exist_ok=True)
+    fake.mkdir(parents=True, exist_ok=True)
     log = tmp_path / "launches"
     (fake / "torchrun").write_text(f'#!/bin/sh\necho "$CUDA_VISIBLE_DEVICES $*" >> {log}\n')
     (fake / "torchrun").chmod(0o755)
@@ -98,14 +98,17 @@ def test_by_default_the_committed_runs_start_nothing_and_the_low_bit_ones_run(tm
     """With the committed study's runs in DIR (as device_run copies them), the default RUNS
     starts issue 44's compressors only, seed 0 each, every one a compressor of
     examples/convergence.py."""
-    committed = SCRIPT.parent / "results" / "convergence"
-    done = tuple(p.name for p in committed.glob("run_*.json"))
-    assert len(done) >= 18
-    got, _ = _launches(tmp_path, 2, None, done=done)
-    names = [name for _, name, _ in got]
-    assert sorted(names) == sorted(
-        "cgx2-rot-ef cgx2-rot cgx4-rot cgx3-rot-ef cgx3-rot cgx3 cgx3-ef".split()
+    low_bits = "cgx2-rot-ef cgx2-rot cgx4-rot cgx3-rot-ef cgx3-rot cgx3 cgx3-ef".split()
+    committed = tuple(
+        p.name for p in (SCRIPT.parent / "results" / "convergence").glob("run_*.json")
     )
+    assert len(committed) >= 18
+    got, _ = _launches(tmp_path / "all", 2, None, done=committed)
+    assert got == []  # every default run is committed
+    before = tuple(n for n in committed if n.split("_")[1] not in low_bits)
+    got, _ = _launches(tmp_path / "before", 2, None, done=before)
+    names = [name for _, name, _ in got]
+    assert sorted(names) == sorted(low_bits)
     assert {seed for _, _, seed in got} == {"0"}
     sys.path.insert(0, str(SCRIPT.parents[1] / "examples"))
     import convergence
