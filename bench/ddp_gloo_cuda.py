@@ -192,6 +192,27 @@ def run(args: argparse.Namespace) -> dict:
         opt.step()
         sync(device)
         compute.append(time.perf_counter() - t0)
+    # The same steps timed phase by phase (a sync between them): DDP sends gradients only
+    # during the backward pass, so the forward pass and the optimizer's step add to the
+    # link's time (bench/nccl_hosts_summary.py's "of DDP's light").
+    phases: dict[str, list[float]] = {"forward_ms": [], "backward_ms": [], "optimizer_ms": []}
+    for _ in range(args.compute_steps):
+        x, y = synthetic_batch(args, gen, device)
+        sync(device)
+        marks = [time.perf_counter()]
+        opt.zero_grad(set_to_none=True)
+        with ddp.no_sync():
+            phase_loss = loss_fn(ddp(x), y)
+            sync(device)
+            marks.append(time.perf_counter())
+            phase_loss.backward()
+            sync(device)
+            marks.append(time.perf_counter())
+        opt.step()
+        sync(device)
+        marks.append(time.perf_counter())
+        for times_of, start, end in zip(phases.values(), marks, marks[1:], strict=False):
+            times_of.append(end - start)
     mean_loss = loss.detach().float()  # on the rank's device: NCCL reduces no CPU tensor
     dist.all_reduce(mean_loss)
     ratio = None
@@ -232,6 +253,7 @@ def run(args: argparse.Namespace) -> dict:
         "step_ms": step_ms,
         "median_ms": statistics.median(step_ms),
         "compute_ms": statistics.median(compute) * 1e3 if compute else None,
+        **{k: statistics.median(v) * 1e3 if v else None for k, v in phases.items()},
         "loss": mean_loss.cpu().item() / world,
     }
 
