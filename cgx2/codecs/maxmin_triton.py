@@ -635,6 +635,23 @@ def _stats(v0, v1, valid0, valid1):
 
 
 @triton.jit
+def _no_stats(q):
+    """The per-bucket min and max of buckets ``q`` before any value: +Inf and -Inf."""
+    return (
+        tl.full((q.shape[0],), float("inf"), tl.float32),
+        tl.full((q.shape[0],), float("-inf"), tl.float32),
+    )
+
+
+@triton.jit
+def _add_stats(lo, hi, v0, v1, valid0, valid1):
+    """Per-bucket min and max of the tiles so far, ``lo`` and ``hi``, and a tile's halves
+    (:func:`_stats`)."""
+    t_lo, t_hi = _stats(v0, v1, valid0, valid1)
+    return _min_with_nan(lo, t_lo), tl.maximum(hi, t_hi)
+
+
+@triton.jit
 def _params(lo, hi, BITS: tl.constexpr):
     lmax = tl.full(lo.shape, (1 << BITS) - 1, tl.float32)
     nan = (tl.zeros(lo.shape, tl.uint32) + 0x7FC00000).to(tl.float32, bitcast=True)
@@ -889,14 +906,11 @@ def _encode_wide(
     lev_ptr, meta_ptr = payload
     qmask = q < nq
     NUM_TILES: tl.constexpr = (B + BLOCK - 1) // BLOCK
-    lo = tl.full((q.shape[0],), float("inf"), tl.float32)
-    hi = tl.full((q.shape[0],), float("-inf"), tl.float32)
+    lo, hi = _no_stats(q)
     for t in range(NUM_TILES):
         v0, v1, valid0, valid1 = _load_tile(x_ptr, q, qmask, quant, t * BLOCK, B, BLOCK, FULL)
         v0, v1 = _rotate_values(v0, v1, q, t * BLOCK, signs, B, BLOCK, ROT)
-        t_lo, t_hi = _stats(v0, v1, valid0, valid1)
-        lo = _min_with_nan(lo, t_lo)
-        hi = tl.maximum(hi, t_hi)
+        lo, hi = _add_stats(lo, hi, v0, v1, valid0, valid1)
     lo, step, scale, finite, pre, lo_p = _params(lo, hi, BITS)
     for t in range(NUM_TILES):
         c = t * BLOCK
@@ -993,17 +1007,9 @@ def _encode_kernel(
     row = j.to(tl.int64) * row_nbytes
     if ZERO_GAPS:
         if pid == 0:
+            row_ptr = out_u8 + row
             _zero_gaps(
-                out_u8 + row,
-                start,
-                numel,
-                chunk_numel,
-                nq,
-                quant,
-                levels_at,
-                BITS,
-                B,
-                SKIP_INCOMPLETE,
+                row_ptr, start, numel, chunk_numel, nq, quant, levels_at, BITS, B, SKIP_INCOMPLETE
             )
     x_ptr += start
     payload = (out_u8 + row + levels_at, _meta_ptr(out_u8 + row))
@@ -1311,15 +1317,12 @@ def _decode_sum_encode_wide(
     lev_ptr, meta_ptr = payload
     qmask = q < nq
     NUM_TILES: tl.constexpr = (B + BLOCK - 1) // BLOCK
-    lo = tl.full((q.shape[0],), float("inf"), tl.float32)
-    hi = tl.full((q.shape[0],), float("-inf"), tl.float32)
+    lo, hi = _no_stats(q)
     for t in range(NUM_TILES):
         v0, v1, valid0, valid1 = _sum_tile(
             src, q, qmask, quant, t * BLOCK, signs, ROT, SUM, BITS, B, BLOCK, FULL
         )
-        t_lo, t_hi = _stats(v0, v1, valid0, valid1)
-        lo = _min_with_nan(lo, t_lo)
-        hi = tl.maximum(hi, t_hi)
+        lo, hi = _add_stats(lo, hi, v0, v1, valid0, valid1)
     stored_lo, step, scale, finite, pre, lo_p = _params(lo, hi, BITS)
     step = _finite_top(stored_lo, step, hi, BITS)
     sat = _saturating(lo, hi, finite, BITS)
@@ -1815,6 +1818,14 @@ def _bound_variant(
     return None
 
 
+def _bound_signs(rotation: Rotation | None, other: torch.Tensor, address: int) -> tuple:
+    """The signs' key as a bound variant takes it (:func:`_rotation_args`'s, by value): the
+    address of ``other`` stands in for the unused pointer."""
+    if rotation is None:
+        return _NO_SIGNS
+    return (*_sign_args(rotation, other)[:2], address)
+
+
 def encode(
     x: torch.Tensor,
     bits: int,
@@ -1842,11 +1853,10 @@ def encode(
             payload = x.new_empty(nbytes, dtype=torch.uint8)
             k0, k1 = _key(key)
             address = payload.data_ptr()
-            signs = _NO_SIGNS
-            if rotation is not None:
-                signs = (*_sign_args(rotation, payload)[:2], address)
+            signs = _bound_signs(rotation, payload, address)
+            cuda_stream = torch._C._cuda_getCurrentRawStream(device)
             bound.run(
-                torch._C._cuda_getCurrentRawStream(device),
+                cuda_stream,
                 x.data_ptr(),
                 address,
                 n,
@@ -1910,18 +1920,9 @@ def decode(
             bound, nbytes = found
             out = payload.new_empty(numel, dtype=dtype)
             address = payload.data_ptr()
-            signs = _NO_SIGNS
-            if rotation is not None:
-                signs = (*_sign_args(rotation, payload)[:2], address)
-            bound.run(
-                torch._C._cuda_getCurrentRawStream(device),
-                address,
-                out.data_ptr(),
-                numel,
-                numel,
-                nbytes,
-                *signs,
-            )
+            signs = _bound_signs(rotation, payload, address)
+            cuda_stream = torch._C._cuda_getCurrentRawStream(device)
+            bound.run(cuda_stream, address, out.data_ptr(), numel, numel, nbytes, *signs)
             return out
     layout = ChunkedLayout.split(numel, 1, bits, bucket_size, skip_incomplete)
     nbytes = layout.payload_nbytes
