@@ -50,7 +50,14 @@ class CallSettings:
         None or ``"none"``: none) and block, checked against ``bucket_size`` before anything
         is sent (:func:`.rotations.check_rotation`'s errors, naming the arguments)."""
         rotated = call_rotation(rotation, rotation_block, bucket_size)
-        return cls(bits, bucket_size, reduce_op, seed, skip_incomplete, rotated)
+        return cls(
+            bits=bits,
+            bucket_size=bucket_size,
+            reduce_op=reduce_op,
+            seed=seed,
+            skip_incomplete=skip_incomplete,
+            rotation=rotated,
+        )
 
     @property
     def rotation_name(self) -> str | None:

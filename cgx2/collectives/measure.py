@@ -149,7 +149,7 @@ def crossover_on_link(
     compress meanwhile."""
     device = torch.device("cpu") if device is None else device
     margin = beside_margin(device.type)
-    settings = CallSettings(BITS, BUCKET_SIZE)
+    settings = CallSettings(bits=BITS, bucket_size=BUCKET_SIZE)
 
     def measured(nbytes: int) -> dict[str, Any]:
         x = torch.randn(nbytes // dtype.itemsize, device=device).to(dtype)
@@ -210,7 +210,7 @@ def mesh_against_flat(
     (so all get the same answer): a few seconds at most, once per group and settings. Every
     rank calls this, alike."""
     device = torch.device("cpu") if device is None else device
-    flat = CallSettings(bits, bucket_size)
+    flat = CallSettings(bits=bits, bucket_size=bucket_size)
     faster, shown = {}, []
     for nbytes in MESH_SIZES if sizes is None else sizes:
         x = torch.randn(nbytes // dtype.itemsize, device=device).to(dtype)

@@ -181,10 +181,10 @@ def piece_numel(
     if beside_compute is None:
         beside_compute = cpu_threads.beside_compute()
     facts = decision.GroupFacts(
-        regime,
-        world,
-        element_size,
-        bucket_size,
+        regime=regime,
+        world=world,
+        element_size=element_size,
+        bucket_size=bucket_size,
         pipeline_bytes=config.tuning().pipeline_bytes,
         spans_nodes=config.launch().spans_nodes,
     )

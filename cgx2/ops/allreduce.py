@@ -69,7 +69,14 @@ def _settings(
         check_bool(skip_incomplete, "skip_incomplete")
     elif isinstance(seed, int) and seed < 0:  # a traced seed (SymInt) is the fake's, unread
         seed = None
-    return CallSettings(bits, bucket_size, reduce_op, seed, skip_incomplete, rotated)
+    return CallSettings(
+        bits=bits,
+        bucket_size=bucket_size,
+        reduce_op=reduce_op,
+        seed=seed,
+        skip_incomplete=skip_incomplete,
+        rotation=rotated,
+    )
 
 
 @torch.library.custom_op("cgx::quantized_allreduce", mutates_args=(), tags=SEEDED_OP_TAGS)
