@@ -31,9 +31,10 @@ from cgx2.bench.report import HelpFormatter
 
 
 def step_times(folder: Path) -> dict[str, float]:
-    """Each compressor's median ``step_ms`` over its runs in ``folder``."""
+    """Each compressor's median ``step_ms`` over its runs in ``folder`` or below it (as
+    bench/nccl_hosts.sh's conv_* runs lie, a folder a run)."""
     by: dict[str, list[float]] = {}
-    for path in sorted(folder.glob("run_*.json")):
+    for path in sorted(folder.rglob("run_*.json")):
         run = json.loads(path.read_text())
         by.setdefault(run["compressor"], []).append(run["step_ms"])
     return {name: statistics.median(ms) for name, ms in by.items()}
@@ -168,13 +169,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--step-times",
         type=Path,
         metavar="FOLDER",
-        help="each compressor's step from the runs in FOLDER (default: each run's own)",
+        help="each compressor's step from the runs in FOLDER or below it (default: each run's own)",
     )
     p.add_argument("--out", type=Path, help="where the JSON and plot go (default: the folder)")
     p.add_argument("--no-plot", action="store_true", help="the table and JSON only")
     args = p.parse_args(argv)
-    for folder in (args.folder, args.step_times):
-        if folder is not None and not list(folder.glob("run_*.json")):
+    for folder, runs in ((args.folder, "glob"), (args.step_times, "rglob")):
+        if folder is not None and not list(getattr(folder, runs)("run_*.json")):
             p.error(f"{folder}: no run_*.json (examples/convergence.py --out writes them)")
     return args
 

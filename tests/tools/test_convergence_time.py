@@ -43,10 +43,11 @@ def test_loss_by_time_of_the_committed_study(tmp_path, capsys):
 
 def test_step_times_from_another_folder(tmp_path, capsys):
     timed = tmp_path / "timed"
-    timed.mkdir()
     for name, seed, ms in (("plain", 0, 400.0), ("plain", 1, 500.0), ("cgx2", 0, 100.0)):
         run = {"compressor": name, "seed": seed, "step_ms": ms}
-        (timed / f"run_{name}_seed{seed}.json").write_text(json.dumps(run))
+        where = timed / f"conv_{name}" if seed == 0 else timed  # nccl_hosts.sh: a folder a run
+        where.mkdir(parents=True, exist_ok=True)
+        (where / f"run_{name}_seed{seed}.json").write_text(json.dumps(run))
     result = convergence_time.main(
         [str(STUDY), "--step-times", str(timed), "--out", str(tmp_path), "--no-plot"]
     )
