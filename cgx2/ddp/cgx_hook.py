@@ -5,6 +5,7 @@ A layer (parameter) is compressed when it has more than one dimension and at lea
 """
 
 # No ``from __future__ import annotations``: DDP checks cgx_hook's annotations as objects.
+import contextlib
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -200,6 +201,10 @@ class CGXState:
         self.bytes_uncompressed = 0
         """What plain DDP (a ring allreduce of every bucket) would have sent."""
         self._agreed = False  # whether the ranks' settings were compared (at the first call)
+        # This backward pass's exact layers waiting for its last bucket (_coalesces_exact),
+        # and the futures of the buckets they came from, set once those are reduced.
+        self._exact_later: list[torch.Tensor] = []
+        self._waiting: list[tuple[torch.futures.Future[torch.Tensor], torch.Tensor]] = []
 
     def state_dict(self) -> dict[str, object]:
         """What a checkpoint needs to resume the hook identically: its settings, counters,
@@ -450,18 +455,48 @@ def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[t
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future(
         devices=[buffer.device] if buffer.is_cuda else None
     )
-    if not buffer.is_cuda:
-        future.set_result(reduce())
-        return future
-    # On NCCL the coding and its waits on the collectives run on a side stream, so that the
-    # backward pass goes on computing; the future's CUDA event (recorded on the side stream)
-    # is what DDP's reducer waits for.
-    side = state.stream(buffer.device)
-    side.wait_stream(torch.cuda.current_stream(buffer.device))
-    with torch.cuda.stream(side):
-        future.set_result(reduce())
-    buffer.record_stream(side)
+    if index == 0:  # a backward pass that raised midway left its waiting buckets behind
+        state._exact_later, state._waiting = [], []
+    later = state._exact_later if _coalesces_exact(buffer, group) else None
+    side = state.stream(buffer.device) if buffer.is_cuda else None
+    if side is not None:
+        # On NCCL the coding and its waits on the collectives run on a side stream, so that
+        # the backward pass goes on computing; the future's CUDA event (recorded on the side
+        # stream) is what DDP's reducer waits for.
+        side.wait_stream(torch.cuda.current_stream(buffer.device))
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        before = len(later or ())
+        _reduce_bucket_(state, group, buffer, plan, keys, warm, index, exact_later=later)
+        if later is not None and len(later) > before:
+            state._waiting.append((future, buffer))  # set when its exact layers are reduced
+        else:
+            future.set_result(buffer)
+        if last and later is not None:
+            _reduce_exact_later_(state, group)
+    if side is not None:
+        buffer.record_stream(side)
     return future
+
+
+def _coalesces_exact(buffer: torch.Tensor, group: dist.ProcessGroup) -> bool:
+    """Whether a compressed bucket's exact layers (biases, norms) wait for the backward pass's
+    last bucket, to be averaged with every other bucket's in one plain allreduce: CUDA
+    tensors, whose hook runs inline on NCCL (the gloo paths keep an allreduce a bucket, the
+    worker's and the inline one alike). Over a link each small allreduce pays its latency
+    between the quantized ones (BENCHMARKS.md, "GPU servers over Ethernet")."""
+    return buffer.is_cuda
+
+
+def _reduce_exact_later_(state: CGXState, group: dist.ProcessGroup) -> None:
+    """Average the backward pass's waiting exact layers in one plain allreduce, in place, then
+    set the futures of the buckets they came from (DDP waits for those before it reads
+    them)."""
+    segments, waiting = state._exact_later, state._waiting
+    state._exact_later, state._waiting = [], []
+    if segments:
+        _reduce_exact_(segments, group)
+    for future, buffer in waiting:
+        future.set_result(buffer)
 
 
 def _agree(state: CGXState, group: dist.ProcessGroup, buffer: torch.Tensor) -> None:
@@ -524,11 +559,13 @@ def _reduce_bucket_(
     warm: bool,
     index: int,
     asynchronous: bool = False,
+    exact_later: list[torch.Tensor] | None = None,
 ) -> torch.futures.Future[torch.Tensor] | None:
     """Average the bucket ``buffer`` in place by ``plan``: its compressed layers quantized
     (with ``keys``' residuals added first, when error feedback is on) once ``warm``, its exact
-    layers plain. ``asynchronous``: a bucket sent whole and exact is left running, and a
-    future of ``buffer`` returned (:meth:`.Transport.allreduce_plain_async_`)."""
+    layers plain, or, given ``exact_later``, appended to it for :func:`_reduce_exact_later_`.
+    ``asynchronous``: a bucket sent whole and exact is left running, and a future of
+    ``buffer`` returned (:meth:`.Transport.allreduce_plain_async_`)."""
     world = dist.get_world_size(group)
     padded = sum(padded_numel(n, state.bucket_size) for _, n in plan.compressed)
     state.bytes_uncompressed += ring_bytes_sent(buffer.numel() * buffer.element_size(), world)
@@ -563,13 +600,11 @@ def _reduce_bucket_(
         if plan.exact:
             exact_bytes = sum(n for _, n in plan.exact) * buffer.element_size()
             state.bytes_sent += ring_bytes_sent(exact_bytes, world)
-            # torch.cat already copies: reduce that copy in place.
             segments = [buffer[o : o + n] for o, n in plan.exact]
-            reduced = _plain_(torch.cat(segments), group)
-            at = 0
-            for segment in segments:
-                segment.copy_(reduced[at : at + segment.numel()])
-                at += segment.numel()
+            if exact_later is not None:
+                exact_later.extend(segments)
+            else:
+                _reduce_exact_(segments, group)
     else:  # nothing to compress, or too little to pay on this interconnect: exact, in place
         for key in keys or ():  # the residuals were delivered exactly: nothing more is owed
             state.errors.discard_(key)
@@ -580,6 +615,16 @@ def _reduce_bucket_(
             )
         _plain_(buffer, group)
     return None
+
+
+def _reduce_exact_(segments: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """The exact average of ``segments`` in place, in one plain allreduce."""
+    # torch.cat already copies: reduce that copy in place.
+    reduced = _plain_(torch.cat(segments), group)
+    at = 0
+    for segment in segments:
+        segment.copy_(reduced[at : at + segment.numel()])
+        at += segment.numel()
 
 
 def _plain_(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

@@ -136,6 +136,53 @@ def test_buckets_sent_exact_are_left_running_and_give_ddps_own_bits(dist2):
             assert torch.equal(p, ddp[rank]["params"][name]), name
 
 
+def _train_layers(coalesce: bool, steps: int = 3) -> dict:
+    """Four Linear(64, 64) under DDP in small buckets (weights compressed, biases exact), the
+    hook inline (no worker), the exact layers coalesced into the last bucket or not."""
+    from cgx2.comm import process_group
+
+    hook_module = sys.modules["cgx2.ddp.cgx_hook"]
+    rank = dist.get_rank()
+    seeding.manual_seed(0)  # the pool's processes have drawn seeds for earlier tests
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(*(nn.Linear(64, 64) for _ in range(4))), bucket_cap_mb=0.017)
+    model.register_comm_hook(CGXState(None, 1024, {"bits": 4}, start_iter=0), cgx_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    counted = mock.patch.object(
+        process_group, "allreduce_plain_", wraps=process_group.allreduce_plain_
+    )
+    with (
+        config.tuned(comm_worker=False, transport="process_group", crossover_bytes=0),
+        mock.patch.object(hook_module, "_coalesces_exact", lambda buffer, group: coalesce),
+        counted as plain,
+    ):
+        calls = []
+        for step in range(steps):
+            g = torch.Generator().manual_seed(100 * step + rank)
+            x = torch.randn(8, 64, generator=g)
+            opt.zero_grad()
+            before = plain.call_count
+            model(x).square().mean().backward()
+            calls.append(plain.call_count - before)
+            opt.step()
+    params = {n: p.detach().clone() for n, p in model.module.named_parameters()}
+    return {"calls": calls, "params": params}
+
+
+def test_exact_layers_wait_for_the_last_bucket_in_one_allreduce(dist2):
+    """Where the hook runs inline (CUDA on NCCL), the exact layers of every compressed bucket
+    are averaged together in one plain allreduce at the backward pass's last bucket, each
+    bucket's future set only then: the same bits as an allreduce a bucket (two ranks sum
+    alike in any grouping), identical on both ranks."""
+    coalesced = dist2.run(_train_layers, True)
+    per_bucket = dist2.run(_train_layers, False)
+    # After DDP's first pass (one bucket) it rebuilds them small: an allreduce a bucket.
+    assert min(per_bucket[0]["calls"][1:]) >= 2 and coalesced[0]["calls"] == [1, 1, 1]
+    for name, p in coalesced[0]["params"].items():
+        assert torch.equal(p, coalesced[1]["params"][name]), name
+        assert torch.equal(p, per_bucket[0]["params"][name]), name
+
+
 def _backward_raising_in_the_hook() -> str:
     torch.manual_seed(0)
     model = DDP(Net(), bucket_cap_mb=0.02)
