@@ -482,8 +482,8 @@ def _coalesces_exact(buffer: torch.Tensor, group: dist.ProcessGroup) -> bool:
     """Whether a compressed bucket's exact layers (biases, norms) wait for the backward pass's
     last bucket, to be averaged with every other bucket's in one plain allreduce: CUDA
     tensors, whose hook runs inline on NCCL (the gloo paths keep an allreduce a bucket, the
-    worker's and the inline one alike). Over a link each small allreduce pays its latency
-    between the quantized ones (BENCHMARKS.md, "GPU servers over Ethernet")."""
+    worker's and the inline one alike). Across hosts each small allreduce would pay the
+    link's latency between the quantized ones."""
     return buffer.is_cuda
 
 
