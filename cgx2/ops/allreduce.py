@@ -25,7 +25,7 @@ from ..checks import (
     warn_if_not_member,
 )
 from ..collectives import CallSettings
-from ..collectives.rotations import DEFAULT_BLOCK, call_rotation
+from ..collectives.rotations import DEFAULT_BLOCK
 from ..seeding import SEEDED_OP_TAGS
 
 __all__ = ["quantized_allreduce", "quantized_allreduce_", "resolve_group"]
@@ -62,20 +62,14 @@ def _settings(
     check_collective_tensor(t, "tensor" if public else "input")
     check_bits(bits)
     check_bucket_size(bucket_size)
-    rotated = call_rotation(rotation, rotation_block, bucket_size)
     reduce_op = check_reduce_op(reduce_op, "op" if public else "reduce_op")
     if public:
         check_seed(seed)
         check_bool(skip_incomplete, "skip_incomplete")
     elif isinstance(seed, int) and seed < 0:  # a traced seed (SymInt) is the fake's, unread
         seed = None
-    return CallSettings(
-        bits=bits,
-        bucket_size=bucket_size,
-        reduce_op=reduce_op,
-        seed=seed,
-        skip_incomplete=skip_incomplete,
-        rotation=rotated,
+    return CallSettings.of(
+        bits, bucket_size, reduce_op, seed, skip_incomplete, rotation, rotation_block
     )
 
 
