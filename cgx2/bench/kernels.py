@@ -161,10 +161,12 @@ def run_timing(
     bucket: int = 512,
     dtypes: Sequence[torch.dtype] = (torch.float32, torch.bfloat16),
     rotation: str | None = None,
+    measured: Callable[[list[dict[str, Any]]], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Rows of encode, decode and dse per dtype and width, the torch reference's encode (4 bits,
     or the first width) and the copy of ``4 n`` bytes, all on ``n`` elements; ``rotation``
-    ("hadamard"): the rotated kernels' rows too, beside the unrotated ones."""
+    ("hadamard"): the rotated kernels' rows too, beside the unrotated ones. ``measured`` is
+    given the rows so far after each width (a run cut short still leaves them)."""
     from cgx2.codecs import maxmin_triton as tri  # Triton's: imported only when timed
 
     copy = CopyBaseline(device, rep_ms)
@@ -239,6 +241,8 @@ def run_timing(
             del payload, chunks, out
             if rotation is not None:
                 rows += _rotated_rows(x, bits, bucket, rotation, copy, rep_ms)
+            if measured is not None:
+                measured(rows)
         del x
     ref_bits = 4 if 4 in bits_list else bits_list[0]
     x = make_input(n, torch.float32, device, 12345)
@@ -440,6 +444,16 @@ def main(argv: list[str] | None = None) -> int:
     env = environment(device)
     log(f"device {env['device']}, torch {env['torch']}, triton {env['triton']}")
     log(f"timing on {args.numel:,} elements")
+
+    def report(rows: list[dict[str, Any]], complete: bool) -> dict[str, Any]:
+        return {
+            "env": env,
+            "args": vars(args),
+            "conventions": CONVENTIONS,
+            "complete": complete,
+            "rows": rows,
+        }
+
     rows = run_timing(
         args.numel,
         device,
@@ -448,10 +462,13 @@ def main(argv: list[str] | None = None) -> int:
         args.bucket_size,
         [DTYPES[d] for d in args.dtypes],
         args.rotation,
+        # The file is rewritten as rows come (complete: false until the end).
+        measured=(lambda so_far: write_json("kernels", report(so_far, False), args.out))
+        if args.out
+        else None,
     )
-    report = {"env": env, "args": vars(args), "conventions": CONVENTIONS, "rows": rows}
     print(format_timing(rows))
     print(f"\n{env['device']}, torch {env['torch']}, triton {env['triton']}")
     if args.out:
-        print(f"results: {write_json('kernels', report, args.out)}")
+        print(f"results: {write_json('kernels', report(rows, True), args.out)}")
     return 0

@@ -99,8 +99,8 @@ def test_kernels_interpreted_on_cpu(tmp_path: Path) -> None:
     assert KERNELS_HEADER in proc.stdout.splitlines()
     assert "time encode" in proc.stderr  # progress goes to stderr, not into the table
 
-    report = _one_json(out, "kernels")
-    assert set(report) >= {"env", "args", "rows"}
+    report = _one_json(out, "kernels")  # rewritten as rows came: one file, complete at the end
+    assert set(report) >= {"env", "args", "rows"} and report["complete"] is True
     assert report["env"]["world_size"] == 1 and report["env"]["triton"]
     assert report["args"]["numel"] == 8192 and report["args"]["bits"] == [4]
     rows = {(r["op"].split("(")[0], r["dtype"], r["bits"]): r for r in report["rows"]}
