@@ -34,13 +34,14 @@ from .decision import PIECE_NUMEL as PIECE_NUMEL
 from .decision import PIECE_NUMEL_PAIR as PIECE_NUMEL_PAIR
 from .decision import Route as Route
 from .regimes import detect_regime, group_regime, regime, spans_hosts
-from .transports import runs_on_worker, transport
+from .transports import coalesces_exact, runs_on_worker, transport
 
 __all__ = [
     "CALIBRATION_FORMAT",
     "by_node_mesh",
     "calibration",
     "calibration_key",
+    "coalesces_exact",
     "compresses",
     "crossover_bytes",
     "detect_regime",

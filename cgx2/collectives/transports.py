@@ -11,7 +11,7 @@ from .. import config
 from ..comm import Transport, group_info, nccl, process_group, shm
 from . import decided
 
-__all__ = ["runs_on_worker", "transport"]
+__all__ = ["coalesces_exact", "runs_on_worker", "transport"]
 
 
 def transport(device: torch.device, group: dist.ProcessGroup) -> Transport:
@@ -53,3 +53,12 @@ def runs_on_worker(t: torch.Tensor, group: dist.ProcessGroup) -> bool:
     and for CUDA tensors staged through host memory) and ``CGX2_COMM_WORKER`` allows it.
     NCCL's are enqueued on a stream and return at once."""
     return config.tuning().comm_worker and not (t.is_cuda and group_info(group).cuda_on_nccl)
+
+
+def coalesces_exact(t: torch.Tensor, group: dist.ProcessGroup) -> bool:
+    """Whether DDP's hooks hold the exact layers (biases, norms) of every compressed bucket of
+    ``t``'s kind for the backward pass's last bucket, to average them all in one plain
+    allreduce: CUDA tensors on NCCL, whose hooks run inline (across hosts each small
+    allreduce would pay the link's latency between the quantized ones). gloo keeps an
+    allreduce a bucket, on the worker and inline alike (the same bits either way)."""
+    return t.is_cuda and group_info(group).cuda_on_nccl

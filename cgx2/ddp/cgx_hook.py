@@ -201,7 +201,7 @@ class CGXState:
         self.bytes_uncompressed = 0
         """What plain DDP (a ring allreduce of every bucket) would have sent."""
         self._agreed = False  # whether the ranks' settings were compared (at the first call)
-        # This backward pass's exact layers waiting for its last bucket (_coalesces_exact),
+        # This backward pass's exact layers waiting for its last bucket (coalesces_exact),
         # and the futures of the buckets they came from, set once those are reduced.
         self._exact_later: list[torch.Tensor] = []
         self._waiting: list[tuple[torch.futures.Future[torch.Tensor], torch.Tensor]] = []
@@ -457,7 +457,7 @@ def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[t
     )
     if index == 0:  # a backward pass that raised midway left its waiting buckets behind
         state._exact_later, state._waiting = [], []
-    later = state._exact_later if _coalesces_exact(buffer, group) else None
+    later = state._exact_later if policy.coalesces_exact(buffer, group) else None
     side = state.stream(buffer.device) if buffer.is_cuda else None
     if side is not None:
         # On NCCL the coding and its waits on the collectives run on a side stream, so that
@@ -476,15 +476,6 @@ def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[t
     if side is not None:
         buffer.record_stream(side)
     return future
-
-
-def _coalesces_exact(buffer: torch.Tensor, group: dist.ProcessGroup) -> bool:
-    """Whether a compressed bucket's exact layers (biases, norms) wait for the backward pass's
-    last bucket, to be averaged with every other bucket's in one plain allreduce: CUDA
-    tensors, whose hook runs inline on NCCL (the gloo paths keep an allreduce a bucket, the
-    worker's and the inline one alike). Across hosts each small allreduce would pay the
-    link's latency between the quantized ones."""
-    return buffer.is_cuda
 
 
 def _reduce_exact_later_(state: CGXState, group: dist.ProcessGroup) -> None:

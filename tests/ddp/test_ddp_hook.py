@@ -139,10 +139,11 @@ def test_buckets_sent_exact_are_left_running_and_give_ddps_own_bits(dist2):
 def _train_layers(coalesce: bool, steps: int = 3) -> dict:
     """Four Linear(64, 64) under DDP in small buckets (weights compressed, biases exact), the
     hook inline (no worker), the exact layers coalesced into the last bucket or not."""
+    from cgx2.collectives import policy
     from cgx2.comm import process_group
 
-    hook_module = sys.modules["cgx2.ddp.cgx_hook"]
     rank = dist.get_rank()
+    on_gloo = policy.coalesces_exact(torch.zeros(1), dist.group.WORLD)  # before the patch
     seeding.manual_seed(0)  # the pool's processes have drawn seeds for earlier tests
     torch.manual_seed(0)
     model = DDP(nn.Sequential(*(nn.Linear(64, 64) for _ in range(4))), bucket_cap_mb=0.017)
@@ -153,7 +154,7 @@ def _train_layers(coalesce: bool, steps: int = 3) -> dict:
     )
     with (
         config.tuned(comm_worker=False, transport="process_group", crossover_bytes=0),
-        mock.patch.object(hook_module, "_coalesces_exact", lambda buffer, group: coalesce),
+        mock.patch.object(policy, "coalesces_exact", lambda t, group: coalesce),
         counted as plain,
     ):
         calls = []
@@ -166,7 +167,7 @@ def _train_layers(coalesce: bool, steps: int = 3) -> dict:
             calls.append(plain.call_count - before)
             opt.step()
     params = {n: p.detach().clone() for n, p in model.module.named_parameters()}
-    return {"calls": calls, "params": params}
+    return {"calls": calls, "params": params, "on_gloo": on_gloo}
 
 
 def test_exact_layers_wait_for_the_last_bucket_in_one_allreduce(dist2):
@@ -178,6 +179,7 @@ def test_exact_layers_wait_for_the_last_bucket_in_one_allreduce(dist2):
     per_bucket = dist2.run(_train_layers, False)
     # After DDP's first pass (one bucket) it rebuilds them small: an allreduce a bucket.
     assert min(per_bucket[0]["calls"][1:]) >= 2 and coalesced[0]["calls"] == [1, 1, 1]
+    assert coalesced[0]["on_gloo"] is False  # gloo keeps an allreduce a bucket
     for name, p in coalesced[0]["params"].items():
         assert torch.equal(p, coalesced[1]["params"][name]), name
         assert torch.equal(p, per_bucket[0]["params"][name]), name
