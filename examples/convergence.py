@@ -51,11 +51,19 @@ from cgx2.ddp import global_qsgd as gq
 
 
 def _cgx(
-    bits: int, error_feedback: bool = False, rotation: str | None = None
+    bits: int,
+    error_feedback: bool = False,
+    rotation: str | None = None,
+    adaptive_bits: tuple[int, ...] | None = None,
 ) -> tuple[Callable, Callable]:
     params = {"bits": bits, "bucket_size": 512}
     return cgx_hook, lambda g: CGXState(
-        g, 1024, params, error_feedback=error_feedback, rotation=rotation
+        g,
+        1024,
+        params,
+        error_feedback=error_feedback,
+        rotation=rotation,
+        adaptive_bits=adaptive_bits,
     )
 
 
@@ -75,6 +83,11 @@ COMPRESSORS: dict[str, tuple[str, Callable | None, Callable | None]] = {
     "cgx3-ef": ("CGX 3-bit, error feedback", *_cgx(3, True)),
     "cgx3-rot-ef": ("CGX 3-bit, rotated, error feedback", *_cgx(3, True, "hadamard")),
     "cgx4-rot": ("CGX 4-bit, rotated", *_cgx(4, rotation="hadamard")),
+    # Mixed widths by measured error (docs/low-bits.md's rule): 3 bits' error in fewer bytes
+    "cgx3a-rot": (
+        "CGX 2/3/4/8-bit by layer error (3-bit budget), rotated",
+        *_cgx(3, rotation="hadamard", adaptive_bits=(2, 3, 4, 8)),
+    ),
     "sd8": ("standard dithering (int8)", gq.standard_dithering_hook, GlobalQSGDState),
     "sd4": ("standard dithering 4-bit", gq.standard_dithering_4bit_hook, GlobalQSGDState),
     "thc": ("THC", gq.thc_hook, GlobalQSGDState),

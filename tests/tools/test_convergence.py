@@ -162,7 +162,7 @@ def test_low_bit_compressors_run_any_seed_and_report_their_bits_a_value(tmp_path
     out = tmp_path / "low"
     tiny = [a if a != "40" else "4" for a in TINY]  # --steps 4
     tiny[tiny.index("--eval-every") + 1] = "2"
-    cmd = [sys.executable, str(SCRIPT), *tiny, "--compressors", "cgx2-rot-ef,cgx2"]
+    cmd = [sys.executable, str(SCRIPT), *tiny, "--compressors", "cgx2-rot-ef,cgx2,cgx3a-rot"]
     proc = subprocess.run(
         [*cmd, "--only-seed", "1", "--out", str(out)], capture_output=True, text=True, timeout=600
     )
@@ -183,6 +183,11 @@ def test_low_bit_compressors_run_any_seed_and_report_their_bits_a_value(tmp_path
     assert rot["bits_per_value_late"] == pytest.approx(late)
     assert 2 < rot["bits_per_value_late"] < rot["bits_per_value"] < 32
     assert "| CGX 2-bit, rotated, error feedback | 1 |" in proc.stdout
+    # Widths by layer error within 3 bits' budget: no layer narrower than 2 bits, so no fewer
+    # bytes than 2 bits everywhere, and far fewer than plain's.
+    mixed = json.loads((out / "run_cgx3a-rot_seed1.json").read_text())
+    assert mixed["what"].startswith("CGX 2/3/4/8-bit by layer error")
+    assert plain2["bits_per_value_late"] <= mixed["bits_per_value_late"] < 32
 
 
 def test_bits_a_value_of_the_committed_study():
