@@ -240,11 +240,17 @@ def _measure(rank: int, world: int, args: argparse.Namespace) -> list[Row]:
             route = policy.route(x, group, bits, BUCKET_SIZE)
             transport = route.transport.__name__.rsplit(".", 1)[-1]
 
-            def plain(x: torch.Tensor = x) -> None:
-                dist.all_reduce(x.clone())
+            # Both in place on a copy of x made into a buffer of their own: the same copy each,
+            # and no fresh memory a call (whose page faults come and go with the allocator).
+            plain_buf, cgx2_buf = torch.empty_like(x), torch.empty_like(x)
 
-            def quantized(x: torch.Tensor = x, bits: int = bits) -> torch.Tensor:
-                return cgx2.quantized_allreduce(x, bits=bits, bucket_size=BUCKET_SIZE)
+            def plain(x: torch.Tensor = x, buf: torch.Tensor = plain_buf) -> None:
+                dist.all_reduce(buf.copy_(x))
+
+            def quantized(
+                x: torch.Tensor = x, buf: torch.Tensor = cgx2_buf, bits: int = bits
+            ) -> torch.Tensor:
+                return cgx2.quantized_allreduce_(buf.copy_(x), bits=bits, bucket_size=BUCKET_SIZE)
 
             timed = _timed([plain, quantized], args.iters, args.seconds)
             (plain_ms, cgx2_ms), iters, (_, out) = timed
@@ -276,6 +282,15 @@ def _measure(rank: int, world: int, args: argparse.Namespace) -> list[Row]:
     return rows
 
 
+def rank_cores(rank: int, world: int, cores: list[int]) -> list[int]:
+    """The cores ``rank`` keeps to: its own share of ``cores``, none of another rank's, where
+    each rank can have one (else none: it goes where the scheduler puts it). Where the ranks'
+    threads may meet on a core in one run and not in the next, cgx2's times differ between
+    the runs more than between their samples."""
+    share = len(cores) // world
+    return cores[rank * share : (rank + 1) * share]
+
+
 def _worker(
     rank: int,
     world: int,
@@ -287,7 +302,10 @@ def _worker(
     os.environ["MASTER_ADDR"] = address
     os.environ["MASTER_PORT"] = str(port)
     # Share the cores between the ranks instead of oversubscribing them.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    cores = rank_cores(rank, world, sorted(os.sched_getaffinity(0)))
+    if cores:
+        os.sched_setaffinity(0, cores)  # the threads gloo and cgx2 start inherit it
+    torch.set_num_threads(max(1, len(cores)))
     dist.init_process_group(
         "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300)
     )
@@ -415,8 +433,11 @@ def free_port() -> int:
 COLUMNS = [
     ("size", "the tensor's size in bytes (K, M, G: KiB, MiB, GiB)"),
     ("bits", "bits per value that cgx2 sends"),
-    ("gloo ms", "gloo's own allreduce of the tensor (torch.distributed.all_reduce)"),
-    ("cgx2 ms", "cgx2.quantized_allreduce of the tensor"),
+    (
+        "gloo ms",
+        "gloo's own allreduce of the tensor (torch.distributed.all_reduce), in place on a copy",
+    ),
+    ("cgx2 ms", "cgx2.quantized_allreduce_ of the tensor, in place on a copy as gloo's"),
     ("speedup vs gloo", "gloo ms / cgx2 ms: above 1, cgx2 is faster"),
     (
         "sent MB gloo",

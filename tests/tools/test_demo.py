@@ -219,3 +219,13 @@ def test_a_timed_sample_is_a_window_of_calls_back_to_back(tmp_path):
     per_sample = (len(made) - 2) / samples  # less the warm-up call and the one that counts
     assert demo.WINDOW_S / 0.004 <= per_sample <= demo.WINDOW_S / 0.002 + 1
     assert 2.0 <= ms < 4.0
+
+
+def test_each_rank_keeps_to_cores_of_its_own():
+    """2 ranks on 2 cores: one core each, none shared; more ranks than cores: no rank is
+    held to a core (the scheduler spreads them)."""
+    from cgx2.demo import rank_cores
+
+    assert [rank_cores(r, 2, [0, 1]) for r in range(2)] == [[0], [1]]
+    assert [rank_cores(r, 2, [0, 1, 2, 3, 4]) for r in range(2)] == [[0, 1], [2, 3]]
+    assert [rank_cores(r, 4, [0, 1]) for r in range(4)] == [[], [], [], []]
