@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import shlex
 import socket
@@ -55,10 +54,19 @@ EVEN = 0.1
 """Speedups within this fraction of 1 count as even: two runs of a row differ by about as much."""
 MAX_ITERS = 100
 """The most timed iterations of a row, however short its calls."""
-WINDOW_S = 0.02
-"""A timed sample's length at least, in seconds: calls back to back fill it (:func:`_timed`)."""
+WINDOW_BYTES = 16 << 20
+"""The bytes of tensor a timed sample allreduces, in calls back to back (:func:`_timed`): long
+enough that the ranks' skew entering it and the scheduler's wake-ups weigh little. A count of
+calls fixed by the size, not timed: gloo's first calls after the other's window are the
+slowest (its threads wake), so a count that followed a first call's time would move the time
+a call between runs."""
 MAX_CALLS = 64
 """The most calls one timed sample holds."""
+TRIM = 0.1
+"""The fraction of a row's samples, fastest and slowest each, left out of its mean: a sample
+another process slowed, or a lucky one, moves it little. A median would jump from one of a
+call's speeds to the other where they are near even (gloo's: its threads wait for the
+scheduler's tick in some windows more than in others)."""
 
 
 def _speedup(row: dict[str, Any]) -> float:
@@ -173,42 +181,46 @@ def sent_bytes(numel: int, elem_size: int, bits: int, world: int) -> tuple[int, 
     return plain, 2 * (world - 1) * payload
 
 
-def _timed(fns: list[Any], iters: int, seconds: float) -> tuple[list[float], int, list[Any]]:
-    """Median wall time (ms) of a call of each of ``fns``, the slowest rank's, called in turn
-    (a, b, a, b, ...: drift cannot favour one), after one untimed warm-up call each. Each
-    timed sample is a window of calls back to back, started after a barrier, long enough
-    (:data:`WINDOW_S`) that the ranks' skew leaving the barrier and the scheduler's wake-ups
-    are a small part of it, divided by its calls. At least ``iters`` samples, and more until
-    ``seconds`` have passed on rank 0 (up to :data:`MAX_ITERS`): a median of a few short calls
-    moves a lot between runs. Returns the medians, the samples and the last results."""
+def _timed(
+    fns: list[Any], calls: int, iters: int, seconds: float
+) -> tuple[list[float], int, list[Any]]:
+    """Wall time (ms) of a call of each of ``fns``, the slowest rank's, after one untimed
+    warm-up call each. A timed sample is a window of ``calls`` calls back to back, divided by
+    them; the windows of ``fns`` are taken in turn (a, b, a, b, ...: drift cannot favour one),
+    each round started by one collective that aligns the ranks and says whether to go on. At
+    least ``iters`` rounds, and more until ``seconds`` have passed on rank 0 (up to
+    :data:`MAX_ITERS`). A call's time is the trimmed mean of its samples
+    (:func:`trimmed_mean`). Returns the times, the samples and the last results."""
     outs = [fn() for fn in fns]
-    # Calls a window: from one more call each, timed; every rank must make as many calls.
-    calls = []
-    for fn in fns:
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        calls.append(max(1, math.ceil(WINDOW_S / max(time.perf_counter() - t0, 1e-6))))
-    calls_t = torch.tensor(calls, dtype=torch.int64)
-    dist.all_reduce(calls_t, op=dist.ReduceOp.MAX)
-    calls = [min(int(c), MAX_CALLS) for c in calls_t.tolist()]
     times: list[list[float]] = [[] for _ in fns]
     start = time.perf_counter()
-    done = torch.zeros(1, dtype=torch.uint8)
-    while not done.item():
-        for i, fn in enumerate(fns):
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(calls[i]):
-                outs[i] = fn()
-            times[i].append((time.perf_counter() - t0) / calls[i])
+    stop = torch.zeros(1, dtype=torch.uint8)
+    while True:
         n = len(times[0])
-        if n >= iters:  # rank 0's clock decides for all: every rank runs as many
-            done.fill_(n >= MAX_ITERS or time.perf_counter() - start >= seconds)
-            dist.broadcast(done, 0)
-    medians = torch.tensor([statistics.median(t) for t in times], dtype=torch.float64)
-    dist.all_reduce(medians, op=dist.ReduceOp.MAX)
-    return [1e3 * m for m in medians.tolist()], len(times[0]), outs
+        stop.fill_(n >= iters and (n >= MAX_ITERS or time.perf_counter() - start >= seconds))
+        dist.broadcast(stop, 0)  # rank 0's clock decides: every rank runs as many rounds
+        if stop.item():
+            break
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                outs[i] = fn()
+            times[i].append((time.perf_counter() - t0) / calls)
+    means = torch.tensor([trimmed_mean(t) for t in times], dtype=torch.float64)
+    dist.all_reduce(means, op=dist.ReduceOp.MAX)
+    return [1e3 * m for m in means.tolist()], len(times[0]), outs
+
+
+def calls_a_window(nbytes: int) -> int:
+    """The calls of a timed sample of a tensor of ``nbytes``: :data:`WINDOW_BYTES` of it, at
+    least one call and at most :data:`MAX_CALLS`."""
+    return max(1, min(MAX_CALLS, round(WINDOW_BYTES / nbytes)))
+
+
+def trimmed_mean(samples: list[float]) -> float:
+    """The mean of ``samples`` less the :data:`TRIM` fastest and slowest of them."""
+    cut = int(len(samples) * TRIM)
+    return statistics.mean(sorted(samples)[cut : len(samples) - cut])
 
 
 def _bit_view(t: torch.Tensor) -> torch.Tensor:
@@ -252,7 +264,7 @@ def _measure(rank: int, world: int, args: argparse.Namespace) -> list[Row]:
             ) -> torch.Tensor:
                 return cgx2.quantized_allreduce_(buf.copy_(x), bits=bits, bucket_size=BUCKET_SIZE)
 
-            timed = _timed([plain, quantized], args.iters, args.seconds)
+            timed = _timed([plain, quantized], calls_a_window(nbytes), args.iters, args.seconds)
             (plain_ms, cgx2_ms), iters, (_, out) = timed
             gathered = [torch.empty_like(out) for _ in range(world)]
             dist.all_gather(gathered, out)
@@ -513,7 +525,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=7,
         help="timed iterations of each call at least, after 1 warm-up; more where they fit in "
-        "--seconds (the median is taken)",
+        f"--seconds (their mean, less the fastest and slowest {TRIM:.0%}, is taken)",
     )
     p.add_argument(
         "--seconds",
@@ -580,8 +592,9 @@ def main(argv: list[str] | None = None) -> int:
     ranks = f"{world} hosts joined by {args.link} links" if args.hosts else f"{world} ranks"
     title = (
         f"cgx2 quantized allreduce vs plain allreduce: {ranks}, gloo, {args.dtype}, bucket "
-        f"{BUCKET_SIZE}, the slowest rank's median of {_iters_range(rows)} samples (each "
-        f"{WINDOW_S * 1e3:g} ms or more of calls back to back), gloo's and cgx2's in turn"
+        f"{BUCKET_SIZE}, the slowest rank's mean of {_iters_range(rows)} samples less the "
+        f"fastest and slowest {TRIM:.0%} (each {size_name(WINDOW_BYTES)} of tensor allreduced "
+        "in calls back to back, or one call), gloo's and cgx2's in turn"
     )
     print(textwrap.fill(title, 100) + "\n")
     print(format_table(rows))

@@ -58,7 +58,7 @@ def test_demo_runs_and_reports(tmp_path: Path, native_codec: str) -> None:
     speedup = float(cells[4])
     verdict = "faster than gloo in 1 of the 1 rows" if speedup > 1.1 else "in none of the 1 rows"
     assert verdict in text and f"256K at 4 bits {speedup:.2f}x" in text
-    assert "median of 2 samples" in text  # --seconds 0: exactly --iters
+    assert "mean of 2 samples" in text  # --seconds 0: exactly --iters
     uses_c = native_codec == "1" and native.library() is not None
     assert ("its CPU codec's C loops" in text) == uses_c
     assert ("its CPU codec's torch code" in text) == (not uses_c)
@@ -192,10 +192,9 @@ def test_error_note_says_an_error_above_one_is_larger_than_the_sum() -> None:
 
 
 def test_a_timed_sample_is_a_window_of_calls_back_to_back(tmp_path):
-    """The demo's timing (demo._timed) fills each sample with calls back to back until it lasts
-    WINDOW_S, so that a barrier's skew and a wake-up are a small part of it, and reports the
-    time of one call: a 2 ms call is made about WINDOW_S / 2 ms times a sample, and timed at
-    about 2 ms, not at the sample's length."""
+    """The demo's timing (demo._timed) makes each sample a window of calls back to back, so that
+    a barrier's skew and a wake-up are a small part of it, and reports the time of one call: a
+    2 ms call made 5 times a window is timed at about 2 ms, not at the window's length."""
     import time
 
     import torch.distributed as dist
@@ -212,13 +211,40 @@ def test_a_timed_sample_is_a_window_of_calls_back_to_back(tmp_path):
             made.append(1)
             time.sleep(0.002)
 
-        (ms,), samples, _ = demo._timed([call], iters=3, seconds=0)
+        (ms,), samples, _ = demo._timed([call], calls=5, iters=3, seconds=0)
     finally:
         dist.destroy_process_group()
     assert samples == 3
-    per_sample = (len(made) - 2) / samples  # less the warm-up call and the one that counts
-    assert demo.WINDOW_S / 0.004 <= per_sample <= demo.WINDOW_S / 0.002 + 1
+    assert len(made) == 1 + samples * 5  # the warm-up call, then the windows
     assert 2.0 <= ms < 4.0
+
+
+def test_a_window_holds_as_many_calls_in_every_run():
+    """A window's calls follow from the tensor's size alone (16M of it, one call at least, 64 at
+    most), never from a call timed first: gloo's first calls of a window are its slowest, so a
+    count that moved between runs would move gloo's time a call with it."""
+    from cgx2.demo import MAX_CALLS, WINDOW_BYTES, calls_a_window
+
+    assert calls_a_window(1 << 20) == WINDOW_BYTES // (1 << 20) == 16
+    assert calls_a_window(4 << 20) == 4
+    assert calls_a_window(16 << 20) == calls_a_window(1 << 30) == 1
+    assert calls_a_window(4 << 10) == MAX_CALLS
+
+
+def test_the_trimmed_mean_does_not_jump_between_two_modes():
+    """Calls of two speeds near even (gloo's, here): one sample more of the slow kind moves a
+    median from one speed to the other, the trimmed mean by a share of the gap; and samples
+    another process slowed, fewer than TRIM of them, are left out."""
+    import statistics
+
+    from cgx2.demo import TRIM, trimmed_mean
+
+    fast_more = [0.3] * 11 + [4.0] * 10
+    slow_more = [0.3] * 10 + [4.0] * 11
+    assert statistics.median(slow_more) - statistics.median(fast_more) == pytest.approx(3.7)
+    assert trimmed_mean(slow_more) - trimmed_mean(fast_more) < 3.7 / 10
+    slowed = [1.0] * 18 + [50.0] * int(20 * TRIM)
+    assert trimmed_mean(slowed) == 1.0
 
 
 def test_each_rank_keeps_to_cores_of_its_own():
@@ -229,3 +255,62 @@ def test_each_rank_keeps_to_cores_of_its_own():
     assert [rank_cores(r, 2, [0, 1]) for r in range(2)] == [[0], [1]]
     assert [rank_cores(r, 2, [0, 1, 2, 3, 4]) for r in range(2)] == [[0, 1], [2, 3]]
     assert [rank_cores(r, 4, [0, 1]) for r in range(4)] == [[], [], [], []]
+
+
+def _time_on_a_rank(rank: int, store: str, clock_rate: float, found) -> None:
+    """One rank of test_every_rank_makes_as_many_calls: its clock runs clock_rate times as fast
+    as the other's; each call is a collective."""
+    import datetime
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from cgx2 import demo
+
+    real = time.perf_counter
+    demo.time.perf_counter = lambda: real() * clock_rate  # this rank's module alone
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=30),
+    )
+    try:
+        ones = torch.ones(16)
+        made = []
+
+        def call():
+            made.append(1)
+            dist.all_reduce(ones)
+            time.sleep(0.001)
+
+        _, samples, _ = demo._timed([call, call], calls=3, iters=2, seconds=0.2)
+        found.put((rank, samples, len(made)))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_every_rank_makes_as_many_calls(tmp_path):
+    """The rounds are rank 0's, told to the other: a rank whose clock runs faster makes as many
+    calls all the same (were it to stop sooner, its peer's next collective would wait for it
+    until the timeout)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    found = ctx.SimpleQueue()
+    store = str(tmp_path / "store")
+    procs = [
+        ctx.Process(target=_time_on_a_rank, args=(rank, store, rate, found))
+        for rank, rate in ((0, 1.0), (1, 3.0))
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0]
+    (_, samples_0, made_0), (_, samples_1, made_1) = sorted(found.get() for _ in procs)
+    assert samples_0 == samples_1 >= 2
+    assert made_0 == made_1
