@@ -136,8 +136,9 @@ def format_error_note(rows: list[dict[str, Any]]) -> str:
         f"step is 1/{levels - 1} of the bucket's range, here {step:.1f} standard deviations of "
         "the values, and stochastic rounding moves each value by up to a step (the result is "
         "quantized twice: each rank's chunks, then their sum). The rounding is unbiased, so the "
-        "error averages out over training steps (cgx2.ddp's hooks also feed it back), but "
-        "where one call must be close, use more bits: each bit halves the step."
+        "error averages out over training steps (cgx2.ddp's hooks can also feed it back: "
+        "error_feedback=True), but where one call must be close, use more bits: each bit "
+        "halves the step."
     )
     return textwrap.fill(f"{meaning} {why}", 100, break_on_hyphens=False)
 
