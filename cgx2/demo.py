@@ -526,7 +526,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=7,
         help="timed iterations of each call at least, after 1 warm-up; more where they fit in "
-        f"--seconds (their mean, less the fastest and slowest {TRIM:.0%}, is taken)",
+        f"--seconds (their mean, less the fastest and slowest {100 * TRIM:.0f}%%, is taken)",
     )
     p.add_argument(
         "--seconds",
