@@ -531,7 +531,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--seconds",
         type=float,
-        default=2.0,
+        default=3.0,
         help="time to spend on each row's timed iterations, gloo's and cgx2's taken in turn "
         f"(at most {MAX_ITERS} iterations; 0: exactly --iters)",
     )
