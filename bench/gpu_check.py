@@ -25,6 +25,8 @@ import hashlib
 import json
 import platform
 import re
+import subprocess
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -451,9 +453,11 @@ def run_checks(
     ref_device: torch.device,
     budget_s: float,
     match: str = "",
+    shard: tuple[int, int] = (0, 1),
 ) -> list[CheckResult]:
     checker = Checker(device, ref_device)
-    cases = [c for c in build_cases(prof) if match in c.label]
+    index, shards = shard
+    cases = [c for c in build_cases(prof) if match in c.label][index::shards]
     deadline = time.monotonic() + budget_s
     log(f"checks: {len(cases)} cases ({prof.name} sizes), budget {budget_s:.0f} s")
     for i, c in enumerate(cases):
@@ -482,6 +486,34 @@ def run_checks(
         if c.numel >= M16 and device.type == "cuda":
             torch.cuda.empty_cache()
     return checker.results
+
+
+def run_workers(args: argparse.Namespace, workers: int) -> list[CheckResult]:
+    """The checks split over ``workers`` processes, case ``i`` to worker ``i % workers``, each
+    on a GPU of its own where there are enough (round robin otherwise): each case compiles its
+    kernels cold, on one CPU core, so a full check is bound by the compiles, not by the GPU."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    common = ["--skip-timing", "--check-budget", str(args.check_budget)]
+    common += ["--match", args.match, "--ref-device", args.ref_device, "--device", args.device]
+    common += ["--quick"] * args.quick + ["--tiny"] * args.tiny
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = []
+        for k in range(workers):
+            out = os.path.join(tmp, f"{k}.json")
+            cmd = [sys.executable, os.path.abspath(__file__), *common]
+            cmd += ["--shard", f"{k}/{workers}", "--checks-json", out]
+            env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus[k % len(gpus)]} if gpus else None
+            procs.append((subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL), out))
+        shards = []
+        for k, (proc, out) in enumerate(procs):
+            code = proc.wait()
+            if os.path.exists(out):
+                with open(out) as f:
+                    shards.append([CheckResult(**r) for r in json.load(f)])
+            else:
+                shards.append([CheckResult(f"worker {k}", False, f"exited {code}, no results")])
+    return [row for rows in shards for row in rows]  # worker by worker, not the cases' order
 
 
 def ref_consistency(device: torch.device) -> list[dict[str, Any]]:
@@ -676,6 +708,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="where the torch reference runs (default cpu: on CUDA torch divides by a Python "
         "scalar through its reciprocal, so the reference itself is off by an ulp there)",
     )
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="processes the checks are split over, each on its own GPU where there are "
+        "enough (default 1; the budget applies to each)",
+    )
+    ap.add_argument("--shard", default="0/1", help=argparse.SUPPRESS)
+    ap.add_argument("--checks-json", default="", help=argparse.SUPPRESS)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help=argparse.SUPPRESS)
     ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
@@ -710,7 +751,17 @@ def main() -> int:
         t = time.monotonic()
         ref_device = torch.device(args.ref_device if device.type == "cuda" else "cpu")
         report["ref_device"] = str(ref_device)
-        results = run_checks(prof, device, ref_device, args.check_budget, args.match)
+        index, shards = (int(v) for v in args.shard.split("/"))
+        if args.workers > 1:
+            results = run_workers(args, args.workers)
+        else:
+            results = run_checks(
+                prof, device, ref_device, args.check_budget, args.match, (index, shards)
+            )
+        if args.checks_json:  # a worker of run_workers: its results are all it gives back
+            with open(args.checks_json, "w") as f:
+                json.dump([vars(r) for r in results], f)
+            return 0
         report["check_seconds"] = time.monotonic() - t
         report["checks"] = [vars(r) for r in results]
         if device.type != "cpu":
