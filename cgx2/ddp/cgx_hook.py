@@ -19,7 +19,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from .. import seeding
 from ..checks import UNCOMPRESSED_BITS, check_bits, check_bucket_size
 from ..collectives import CallSettings, agreement, policy
-from ..collectives.adaptive import check_options, check_replan_every, layer_errors, plan_widths
+from ..collectives.adaptive import (
+    check_average_bits,
+    check_options,
+    check_replan_every,
+    layer_errors,
+    plan_widths,
+)
 from ..collectives.fusion import allreduce_fused_, padded_numel, ring_bytes_sent
 from ..collectives.hierarchical import hierarchical_allreduce_fused_, node_mesh
 from ..collectives.rotations import DEFAULT_BLOCK, check_rotation
@@ -67,7 +73,15 @@ class CGXState:
     ``adaptive_bits`` (cgx2's addition, L-GreCo): widths to choose from per layer, every
     ``replan_every`` calls per bucket, by :func:`cgx2.collectives.adaptive.plan_bits` from the
     layers' gradient statistics (averaged over ranks, so all ranks agree): the fewest bytes whose
-    total error stays within that of ``bits`` everywhere.
+    total error stays within that of ``bits`` everywhere. With ``rotation`` the statistics are
+    those of the rotated values, which the codec codes.
+
+    ``average_bits`` (with ``adaptive_bits``; from its narrowest width to its widest): turns
+    each bucket's plan around, to the least total error whose payload stays within
+    ``average_bits`` bits a value over the bucket's compressed layers
+    (:func:`cgx2.collectives.adaptive.plan_bits_within_bytes`): the bytes are the budget, and
+    the bits go where the error falls most. It counts the levels only: each bucket of
+    ``bucket_size`` values adds its scale and offset, and the layers sent exact their 32 bits.
 
     ``mesh`` (cgx2's addition): a ("inter", "intra") ``DeviceMesh`` makes the compressed
     layers go through :func:`cgx2.hierarchical_allreduce` (plain inside a node, quantized
@@ -111,6 +125,7 @@ class CGXState:
         start_iter: int = 1,
         rotation: str | None = None,
         rotation_block: int | None = None,
+        average_bits: float | None = None,
     ) -> None:
         config = CGXConfig.from_env()
         params = dict(compression_params or {})
@@ -168,6 +183,7 @@ class CGXState:
             if mesh is not None:
                 raise ValueError("adaptive_bits and a hierarchical mesh do not combine yet")
         self.adaptive_bits = adaptive_bits
+        self.average_bits = check_average_bits(average_bits, adaptive_bits)
         self.replan_every = check_replan_every(replan_every)
         if not isinstance(error_feedback, bool):
             raise TypeError(f"error_feedback must be a bool, got {type(error_feedback).__name__}")
@@ -286,9 +302,10 @@ class CGXState:
         self._calls[index] = calls + 1
         plan = self._bit_plans.get(index)
         if plan is None or len(plan) != len(layers) or calls % self.replan_every == 0:
-            options = self.adaptive_bits
-            errors = [layer_errors(x, self.bucket_size, options) for x in layers]
-            plan = plan_widths(errors, [x.numel() for x in layers], options, self.bits, group)
+            options, block = self.adaptive_bits, self.rotation_block if self.rotation else None
+            errors = [layer_errors(x, self.bucket_size, options, block) for x in layers]
+            numels = [x.numel() for x in layers]
+            plan = plan_widths(errors, numels, options, self.bits, group, self.average_bits)
             self._bit_plans[index] = plan
         return plan
 
@@ -327,6 +344,7 @@ class CGXState:
             "skip_incomplete": self.skip_incomplete,
             "mesh": None if self.mesh is None else list(self.mesh.mesh.shape),
             "adaptive_bits": self.adaptive_bits,
+            "average_bits": self.average_bits,
             "replan_every": self.replan_every,
             "error_feedback": self.errors is not None,
             "start_iter": self.start_iter,
@@ -374,7 +392,7 @@ class CGXState:
         plan = self._plans.get(index)
         if plan is None or plan.shapes != shapes:
             compressed, exact, layers, offset = [], [], [], 0
-            for index, shape in enumerate(shapes):
+            for at, shape in enumerate(shapes):  # (not ``index``: the plan is kept by it)
                 numel = torch.Size(shape).numel()
                 if len(shape) > 1 and numel >= self.layer_min_size:
                     # CGX_COMPRESSION_SKIP_INCOMPLETE_BUCKETS: a layer's last, shorter
@@ -382,7 +400,7 @@ class CGXState:
                     tail = numel % self.bucket_size if self.skip_incomplete else 0
                     if numel > tail:
                         compressed.append((offset, numel - tail))
-                        layers.append(index)
+                        layers.append(at)
                     if tail:
                         exact.append((offset + numel - tail, tail))
                 else:

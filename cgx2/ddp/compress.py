@@ -58,6 +58,7 @@ def compress(
     start_iter: int = 1,
     rotation: str | None = None,
     rotation_block: int | None = None,
+    average_bits: float | None = None,
 ) -> CGXState | None:
     """Register :func:`cgx2.ddp.cgx_hook` on ``ddp_model`` where compression pays for at least
     one of its buckets, else leave DDP's own allreduce: a hook that sends every bucket plain
@@ -66,7 +67,8 @@ def compress(
 
     The hook's :class:`CGXState` is built from the arguments, named as its own
     (``bits``/``bucket_size`` are its ``compression_params``; ``rotation="hadamard"`` and
-    ``rotation_block`` its rotation), on DDP's process group; ``bits``
+    ``rotation_block`` its rotation; ``adaptive_bits`` with ``average_bits``, the widths by
+    layer error within that many payload bits a value), on DDP's process group; ``bits``
     defaults to ``CGX_COMPRESSION_QUANTIZATION_BITS``, or 4 where it is not set (this function
     is asked to compress). The decision is the policy's
     (:func:`cgx2.collectives.policy.compresses`), asked about each bucket DDP will reduce as
@@ -112,6 +114,7 @@ def compress(
         start_iter=start_iter,
         rotation=rotation,
         rotation_block=rotation_block,
+        average_bits=average_bits,
     )
     buckets = bucket_layout(ddp_model)
     # Per bucket: its dtype, device and values to quantize, as the hook will pad them.

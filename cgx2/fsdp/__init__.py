@@ -26,7 +26,13 @@ from ..checks import (
     reduce_op_name,
 )
 from ..collectives import CallSettings, agreement, allreduce_, policy
-from ..collectives.adaptive import check_options, check_replan_every, layer_errors, plan_widths
+from ..collectives.adaptive import (
+    check_average_bits,
+    check_options,
+    check_replan_every,
+    layer_errors,
+    plan_widths,
+)
 from ..collectives.all_gather import all_gather as all_gather_quantized
 from ..collectives.fusion import padded_numel
 from ..collectives.reduce_scatter import Segment
@@ -67,8 +73,12 @@ class QuantizedReduceScatter(ReduceScatter):
     ``adaptive_bits`` (L-GreCo): widths (1..8, ``bits`` among them) to choose from per
     compressed parameter, planned at the first call and every ``replan_every`` calls after by
     :func:`cgx2.collectives.adaptive.plan_bits`: the fewest bytes whose total error, measured
-    on this call's gradients and summed over ranks, stays within that of ``bits`` everywhere.
-    ``widths`` holds the plan in force (None before the first).
+    on this call's gradients and summed over ranks, stays within that of ``bits`` everywhere;
+    with ``average_bits`` (from the narrowest of ``adaptive_bits`` to its widest), the least
+    total error whose payload stays within that many bits a value over the module's compressed
+    parameters (:func:`cgx2.collectives.adaptive.plan_bits_within_bytes`). With ``rotation``
+    the error is measured on the rotated values. ``widths`` holds the plan in force (None
+    before the first).
 
     ``rotation`` (``"hadamard"``; None: none): each width group coded rotated in blocks of
     ``rotation_block`` (a power of two dividing ``bucket_size``), signs fresh every call and
@@ -94,6 +104,7 @@ class QuantizedReduceScatter(ReduceScatter):
         rotation: str | None = None,
         rotation_block: int = DEFAULT_BLOCK,
         error_feedback: bool = False,
+        average_bits: float | None = None,
     ) -> None:
         self.bits = check_bits(bits)
         self.bucket_size = check_bucket_size(bucket_size)
@@ -106,6 +117,7 @@ class QuantizedReduceScatter(ReduceScatter):
         """This rank's residual (flat, the input's size), or None: none owed."""
         self.row_params = row_params or []
         self.adaptive_bits = None if adaptive_bits is None else check_options(adaptive_bits, bits)
+        self.average_bits = check_average_bits(average_bits, self.adaptive_bits)
         self.replan_every = check_replan_every(replan_every)
         self.bytes_sent = 0
         self.calls = 0
@@ -121,6 +133,7 @@ class QuantizedReduceScatter(ReduceScatter):
             "bits": self.bits,
             "bucket_size": self.bucket_size,
             "adaptive_bits": self.adaptive_bits,
+            "average_bits": self.average_bits,
             "replan_every": self.replan_every,
             "widths": self.widths,
             "calls": self.calls,
@@ -137,6 +150,8 @@ class QuantizedReduceScatter(ReduceScatter):
         bits = check_bits(state["bits"])
         options = state["adaptive_bits"]
         self.adaptive_bits = None if options is None else check_options(options, bits)
+        # A checkpoint from before average_bits: none.
+        self.average_bits = check_average_bits(state.get("average_bits"), self.adaptive_bits)
         self.bits = bits
         self.bucket_size = check_bucket_size(state["bucket_size"])
         self.replan_every = check_replan_every(state["replan_every"])
@@ -199,6 +214,7 @@ class QuantizedReduceScatter(ReduceScatter):
         summed over ranks, so every rank plans the same widths: each rank decodes what the
         others encode, and a rank with another plan would misread the payload."""
         options = self.adaptive_bits or (self.bits,)
+        block = self.rotation_block if self.rotation else None
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         rows = input.view(world, -1)
         others = torch.tensor([r for r in range(world) if r != rank], device=input.device)
@@ -208,9 +224,9 @@ class QuantizedReduceScatter(ReduceScatter):
             pad = -k % self.bucket_size
             if pad:
                 x = torch.cat([x, x[:, -1:].expand(-1, pad)], dim=1)
-            errors.append(layer_errors(x, self.bucket_size, options))
+            errors.append(layer_errors(x, self.bucket_size, options, block))
         numels = [padded_numel(k, self.bucket_size) for _, k, _ in compressed]
-        return plan_widths(errors, numels, options, self.bits, group)
+        return plan_widths(errors, numels, options, self.bits, group, self.average_bits)
 
     def __call__(
         self,
@@ -222,6 +238,7 @@ class QuantizedReduceScatter(ReduceScatter):
     ) -> dist.Work | None:
         if not self._agreed:
             more = {"adaptive_bits": self.adaptive_bits, "replan_every": self.replan_every}
+            more |= {"average_bits": self.average_bits}
             more |= {"calls": self.calls, "widths": self.widths}
             more |= {"rotation": self.rotation, "rotation_block": self.rotation_block}
             more |= {"error_feedback": self.error_feedback}
@@ -425,6 +442,7 @@ def compress(
     rotation: str | None = None,
     rotation_block: int = DEFAULT_BLOCK,
     error_feedback: bool = False,
+    average_bits: float | None = None,
 ) -> list[QuantizedReduceScatter]:
     """Set a :class:`QuantizedReduceScatter` on every FSDP2 module of ``model`` (call it after
     ``fully_shard``). Parameters with one dimension or fewer than ``min_size`` values are
@@ -432,7 +450,9 @@ def compress(
     ``CGX_COMPRESSION_QUANTIZATION_BITS`` (4 when it is not set: this function is asked to
     compress)/``CGX_COMPRESSION_BUCKET_SIZE``. ``adaptive_bits`` (widths in 1..8 that include
     ``bits``) makes each module plan its compressed parameters' widths every ``replan_every``
-    reductions, within the error of ``bits`` everywhere (:class:`QuantizedReduceScatter`).
+    reductions, within the error of ``bits`` everywhere, or with ``average_bits`` (from the
+    narrowest width of ``adaptive_bits`` to its widest) for the least error within that many
+    payload bits a value (:class:`QuantizedReduceScatter`).
 
     ``param_bits`` (1..8; None: exact) also sets a :class:`QuantizedAllGather` of the
     parameters, the same ones compressed. On a 2-D mesh (HSDP: replicate × shard), the
@@ -450,6 +470,7 @@ def compress(
     replica_bits = bits if replica_bits is None else check_bits(replica_bits, "replica_bits")
     if adaptive_bits is not None:  # fail before touching the model
         adaptive_bits = check_options(adaptive_bits, bits)
+    average_bits = check_average_bits(average_bits, adaptive_bits)
     replan_every = check_replan_every(replan_every)
     bucket_size = config.bucket_size if bucket_size is None else check_bucket_size(bucket_size)
     rotation = check_rotation(rotation, rotation_block, bucket_size)
@@ -479,6 +500,7 @@ def compress(
             rotation=rotation,
             rotation_block=rotation_block,
             error_feedback=error_feedback,
+            average_bits=average_bits,
         )
         module.set_custom_reduce_scatter(comm)
         comms.append(comm)

@@ -13,6 +13,7 @@ from toy_task import backward, batch, shard
 import cgx2
 from cgx2.codecs import MaxMinLayout
 from cgx2.collectives import CallSettings
+from cgx2.collectives.fusion import padded_numel
 from cgx2.fsdp import (
     QuantizedReduceScatter,
     compress,
@@ -76,7 +77,9 @@ class _Net(nn.Module):
         return x
 
 
-def _model(adaptive: bool, replan_every: int) -> tuple[nn.Module, list[QuantizedReduceScatter]]:
+def _model(
+    adaptive: bool, replan_every: int, **kwargs: object
+) -> tuple[nn.Module, list[QuantizedReduceScatter]]:
     torch.manual_seed(0)
     model = _Net()
     shard(model, model.blocks)
@@ -87,6 +90,7 @@ def _model(adaptive: bool, replan_every: int) -> tuple[nn.Module, list[Quantized
         min_size=256,
         adaptive_bits=OPTIONS if adaptive else None,
         replan_every=replan_every,
+        **kwargs,
     )
     return model, comms
 
@@ -99,15 +103,29 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> float:
     return mean.item() / dist.get_world_size()
 
 
-def _train(adaptive: bool, steps: int, replan_every: int = 10) -> dict:
-    model, comms = _model(adaptive, replan_every)
+def _train(
+    adaptive: bool,
+    steps: int,
+    replan_every: int = 10,
+    average_bits: float | None = None,
+    rotation: str | None = None,
+) -> dict:
+    kwargs = {"average_bits": average_bits, "rotation": rotation}
+    model, comms = _model(adaptive, replan_every, **kwargs)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     cgx2.manual_seed(1)
     losses, plans = [], []
     for step in range(steps):
         losses.append(_step(model, opt, step))
         plans.append([c.widths for c in comms])
-    return {"losses": losses, "sent": sum(c.bytes_sent for c in comms), "plans": plans}
+    numels = [[padded_numel(k, 128) for k, c in comm.row_params if c] for comm in comms]
+    return {
+        "losses": losses,
+        "sent": sum(c.bytes_sent for c in comms),
+        "plans": plans,
+        "numels": numels,
+        "states": [c.state_dict() for c in comms],
+    }
 
 
 def _resume(steps: int) -> dict:
@@ -198,6 +216,22 @@ def test_adaptive_fsdp_sends_less_at_about_the_same_loss(dist2):
 
 
 @pytest.mark.slow
+def test_average_bits_plans_alike_within_the_budget(dist2):
+    """With average_bits (rotated), every module's plan is every rank's, and spends no more
+    than 2.5 payload bits a value over its compressed parameters; a checkpoint keeps it."""
+    a, b = dist2.run(_train, True, 6, 2, 2.5, "hadamard")
+    assert a["plans"] == b["plans"] and a["losses"] == b["losses"]
+    for plans in a["plans"]:
+        for widths, numels in zip(plans, a["numels"], strict=True):
+            assert sum(n * w for n, w in zip(numels, widths, strict=True)) <= 2.5 * sum(numels)
+    assert any(len(set(w)) > 1 for w in a["plans"][-1]), a["plans"][-1]
+    assert all(s["average_bits"] == 2.5 for s in a["states"])
+    fresh = QuantizedReduceScatter(4, 128, adaptive_bits=OPTIONS)
+    fresh.load_state_dict(a["states"][0])
+    assert fresh.average_bits == 2.5
+
+
+@pytest.mark.slow
 def test_checkpoint_resumes_identically(dist2):
     for r in dist2.run(_resume, 7):
         assert all(w is None for w in r["before"])
@@ -219,6 +253,12 @@ def test_bad_adaptive_arguments():
         compress(model, bits=4, adaptive_bits=(2, 4), replan_every=0)
     with pytest.raises(ValueError, match=r"must include bits \(32\)"):
         QuantizedReduceScatter(32, 128, adaptive_bits=(2, 4))
+    with pytest.raises(ValueError, match="average_bits needs adaptive_bits"):
+        compress(model, bits=4, average_bits=3)
+    with pytest.raises(ValueError, match=r"\(2\.\.4\), got 1\.5"):
+        compress(model, bits=4, adaptive_bits=(2, 4), average_bits=1.5)
+    with pytest.raises(ValueError, match=r"\(2\.\.4\), got 4\.5"):
+        QuantizedReduceScatter(4, 128, adaptive_bits=(2, 4), average_bits=4.5)
     with pytest.raises(ValueError, match="widths"):
         reference_reduce_scatter([torch.zeros(8)] * 2, 4, 4, 0, widths=[9])
     with pytest.raises(ValueError, match="2 widths for 1 compressed"):
