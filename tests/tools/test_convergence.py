@@ -204,3 +204,21 @@ def test_bits_a_value_of_the_committed_study():
         assert low < rows[name]["bits_per_value_late"] < rows[name]["bits_per_value"] < high
     text = convergence.table({"rows": list(rows.values()), "plain_spread": None})
     assert "| 7.98 | 2.20 |" in text
+
+
+def test_the_mixed_width_compressor_stays_within_two_and_a_half_bits_a_value():
+    """cgx2.5a-rot (issue 44): 2 bits everywhere plus what its average_bits lets the planner
+    spend on top, at most (its payload above 2 bits) on every compressed value, sends at most
+    2.5 bits a value over a whole run of the committed study's model: the committed 2-bit
+    rotated run's bits a value after the exact first step, plus that room, with the first
+    step's 32 bits."""
+    convergence = _load_script()
+    make_state = convergence.COMPRESSORS["cgx2.5a-rot"][2]
+    state = make_state(None)
+    assert (state.bits, state.adaptive_bits, state.rotation) == (2, (2, 3, 4, 8), "hadamard")
+    narrow = json.loads(
+        (SCRIPT.parents[1] / "bench/results/convergence/run_cgx2-rot_seed0.json").read_text()
+    )
+    steps = len(narrow["train_losses"])
+    late = narrow["bits_per_value_late"] + (state.average_bits - state.bits)
+    assert (late * (steps - 1) + 32) / steps <= 2.5
