@@ -72,7 +72,11 @@ class _Net(nn.Module):
         return self.head(torch.relu(self.big(torch.relu(self.small(x)))))
 
 
-def _train(adaptive: bool, steps: int) -> dict:
+def _train(adaptive: bool, steps: int, bits: int = 4, settings: dict | None = None) -> dict:
+    """Train _Net with CGXState at ``bits`` (``settings``: more of its keywords), adaptive
+    widths (``OPTIONS``, re-planned every 5 calls unless ``settings`` says) or not: the losses,
+    the averaged gradients and the plans in force at every step, the bytes sent and the
+    compressed layers' sizes by bucket."""
     rank = dist.get_rank()
     torch.manual_seed(0)
     cgx2.manual_seed(0)
@@ -80,23 +84,24 @@ def _train(adaptive: bool, steps: int) -> dict:
     state = CGXState(
         None,
         1024,
-        {"bits": 4, "bucket_size": 128},
-        adaptive_bits=OPTIONS if adaptive else None,
-        replan_every=5,
+        {"bits": bits, "bucket_size": 128},
+        **{"adaptive_bits": OPTIONS if adaptive else None, "replan_every": 5, **(settings or {})},
     )
     model.register_comm_hook(state, cgx_hook)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses, grads = [], []
+    losses, grads, plans = [], [], []
     for step in range(steps):
         loss = backward(model, opt, *batch(10 * (step % 8) + rank))
         grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+        plans.append(dict(state._bit_plans))
         opt.step()
         losses.append(loss.item())
     return {
         "losses": losses,
         "grads": grads,
         "sent": state.bytes_sent,
-        "plans": dict(state._bit_plans),
+        "plans": plans,
+        "numels": {i: [n for _, n in plan.compressed] for i, plan in state._plans.items()},
     }
 
 
@@ -107,7 +112,7 @@ def test_adaptive_bits_send_less_at_about_the_same_loss(dist2):
     a, b = adaptive
     for ga, gb in zip(a["grads"], b["grads"], strict=True):
         assert torch.equal(ga, gb)  # every rank chose the same widths
-    assert a["plans"] == b["plans"] and a["plans"]
+    assert a["plans"] == b["plans"] and a["plans"][-1]
     assert a["sent"] < 0.95 * uniform[0]["sent"]
     late = lambda r: sum(r["losses"][-10:]) / 10
     assert late(a) <= 1.03 * late(uniform[0]), (late(a), late(uniform[0]))
@@ -238,7 +243,7 @@ def test_rotated_layer_errors_are_those_of_the_rotated_values():
     assert turned < plain / 10
 
 
-def _plan_alike(average: float) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _plan_alike(average: float) -> tuple[int, ...]:
     """Every rank's errors differ; plan_widths sums them, so every rank plans alike."""
     rank = dist.get_rank()
     g = torch.Generator().manual_seed(rank)
@@ -248,32 +253,6 @@ def _plan_alike(average: float) -> tuple[tuple[int, ...], tuple[int, ...]]:
     errors = [layer_errors(x, 128, (2, 3, 4, 8)) for x in layers]
     numels = [x.numel() for x in layers]
     return plan_widths(errors, numels, (2, 3, 4, 8), 2, dist.group.WORLD, average)
-
-
-def _train_within(average: float | None, steps: int) -> dict:
-    rank = dist.get_rank()
-    torch.manual_seed(0)
-    cgx2.manual_seed(0)
-    model = DDP(_Net())
-    state = CGXState(
-        None,
-        1024,
-        {"bits": 2, "bucket_size": 128},
-        adaptive_bits=(2, 3, 4, 8) if average is not None else None,
-        replan_every=3,
-        rotation="hadamard",
-        average_bits=average,
-    )
-    model.register_comm_hook(state, cgx_hook)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    grads, plans = [], []
-    for step in range(steps):
-        backward(model, opt, *batch(10 * (step % 8) + rank))
-        grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
-        plans.append(dict(state._bit_plans))
-        opt.step()
-    numels = {i: [n for _, n in plan.compressed] for i, plan in state._plans.items()}
-    return {"grads": grads, "plans": plans, "sent": state.bytes_sent, "numels": numels}
 
 
 def test_plan_widths_within_bytes_alike_on_every_rank(dist2):
@@ -288,9 +267,11 @@ def test_average_bits_alike_on_every_rank_and_within_the_budget(dist2):
     every plan's payload stays within 2.5 bits a value; the bytes sent exceed 2 bits
     everywhere's by at most half a bit a compressed value a step (the payload's allgather and
     scatter send it once each in a 2-rank allreduce), and not by nothing (it spends room)."""
-    steps = 8
-    a, b = dist2.run(_train_within, 2.5, steps)
-    narrow, _ = dist2.run(_train_within, None, steps)
+    steps, rotated = 8, {"rotation": "hadamard", "replan_every": 3}
+    a, b = dist2.run(
+        _train, True, steps, 2, {"adaptive_bits": (2, 3, 4, 8), "average_bits": 2.5, **rotated}
+    )
+    narrow, _ = dist2.run(_train, False, steps, 2, rotated)
     for ga, gb in zip(a["grads"], b["grads"], strict=True):
         assert torch.equal(ga, gb)
     assert a["plans"] == b["plans"] and a["plans"][-1]
