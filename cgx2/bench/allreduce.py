@@ -673,7 +673,10 @@ def crossover_words(
     found = policy.calibration(dist.group.WORLD)
     crossovers = []
     for dtype_name in dict.fromkeys(r["dtype"] for r in rows):
-        (value,) = {r["auto_crossover_bytes"] for r in rows if r["dtype"] == dtype_name}
+        # Across hosts the link is measured at the first call that asks, so the rows before it
+        # may have gone by another crossover: the last row's is the one the policy settled on.
+        seen = [r["auto_crossover_bytes"] for r in rows if r["dtype"] == dtype_name]
+        value, earlier = seen[-1], [v for v in dict.fromkeys(seen) if v != seen[-1]]
         key = policy.calibration_key(device.type, backend, DTYPES[dtype_name])
         if override is not None:
             source = "CGX2_CROSSOVER_BYTES"
@@ -683,8 +686,9 @@ def crossover_words(
             source = "measured on the link at first use, or the built-in table"
         else:
             source = f"the built-in table's for the {regime} regime"
-        size = "never" if value is None else "every size" if value == 0 else _bytes_said(value)
-        crossovers.append(f"{dtype_name} {size} ({source})")
+        if earlier:
+            source += ", earlier rows " + " or ".join(map(_crossover_said, earlier))
+        crossovers.append(f"{dtype_name} {_crossover_said(value)} ({source})")
     text = "; ".join(crossovers) + "."
     if regime == "cpu" and override is None and all(r["auto_crossover_bytes"] == 0 for r in rows):
         text += (
@@ -694,6 +698,10 @@ def crossover_words(
             "pays on this machine, and the policy then goes by that."
         )
     return text
+
+
+def _crossover_said(value: int | None) -> str:
+    return "never" if value is None else "every size" if value == 0 else _bytes_said(value)
 
 
 def _bytes_said(nbytes: int) -> str:

@@ -153,3 +153,22 @@ def test_cpu_run_under_torchrun_tells_the_truth(tmp_path: Path) -> None:
     assert row["auto_crossover_bytes"] == 0 and row["auto_path"] == "quantized"
     assert "The crossover here: fp32 every size (the built-in table's for the cpu regime)" in text
     assert (row["auto_vs_plain"] < 0.9) == ("auto quantized and was slower than gloo" in text)
+
+
+def test_crossover_words_name_the_settled_crossover_when_rows_differ(monkeypatch) -> None:
+    """Across hosts the link is measured at the first call that asks: rows before it went by
+    another crossover, and the words name the last one (the run had raised on two values)."""
+    import torch
+
+    from cgx2.bench import allreduce as bench_allreduce
+
+    monkeypatch.setattr(bench_allreduce.policy, "calibration", lambda group: {})
+    monkeypatch.setattr(bench_allreduce.config, "crossover_override", lambda: None)
+    rows = [
+        {"dtype": "fp32", "auto_crossover_bytes": 1 << 20},
+        {"dtype": "fp32", "auto_crossover_bytes": 64 << 10},
+        {"dtype": "fp32", "auto_crossover_bytes": 64 << 10},
+    ]
+    words = bench_allreduce.crossover_words(rows, torch.device("cpu"), "gloo", "socket")
+    assert words.startswith("fp32 from 64 KiB (")
+    assert "earlier rows from 1 MiB" in words
