@@ -75,9 +75,13 @@ def allreduce_(
     *,
     error: torch.Tensor | None = None,
     check_agreement: bool = False,
+    route_numel: int | None = None,
 ) -> torch.Tensor:
     """:func:`allreduce` in place: the result (the same bytes) is written into ``t`` and ``t``
     is returned. No copy is made where ``t`` is contiguous, below the crossover either.
+
+    ``route_numel``: the size the route is decided by, where ``t`` is a part of a larger
+    reduction decided as a whole (a DDP bucket's layers of one width): its own otherwise.
 
     ``error`` (a contiguous tensor of ``t``'s shape and dtype), when given, receives ``t``
     minus this rank's contribution as its peers decode it in the first stage: the
@@ -97,8 +101,10 @@ def allreduce_(
                 "tensor must be contiguous, not a negative view, for an allreduce that returns "
                 "its error"
             )
+        if route_numel is not None:
+            raise ValueError("route_numel is for a contiguous tensor, not a negative view")
         return t.copy_(allreduce(t, group, settings, check_agreement=check_agreement))
-    route = policy.route(t, group, settings.bits, settings.bucket_size)
+    route = policy.route(t, group, settings.bits, settings.bucket_size, route_numel)
     agreed = None
     if check_agreement and route.check:
         agreed = _check_agreement(route, t, group, settings)

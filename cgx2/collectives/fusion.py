@@ -122,17 +122,21 @@ def allreduce_fused_(
     group: dist.ProcessGroup,
     settings: CallSettings,
     errors: list[torch.Tensor] | None = None,
+    *,
+    route_numel: int | None = None,
 ) -> int:
     """Quantized allreduce of ``layers`` (same dtype and device) as one fused buffer, written
     back into each layer. Returns the bytes this rank sent (a buffer the policy does not
-    compress goes plain: :func:`.policy.compresses`). With ``errors`` (a list), each layer's
-    first-stage error (``error`` of :func:`.allreduce.allreduce_`, zeros when nothing was
-    quantized) is appended to it, flat, in layer order. A rotation: as
+    compress goes plain: :func:`.policy.compresses`, by ``route_numel`` values where given,
+    for layers that are part of a reduction decided as a whole). With ``errors`` (a list),
+    each layer's first-stage error (``error`` of :func:`.allreduce.allreduce_`, zeros when
+    nothing was quantized) is appended to it, flat, in layer order. A rotation: as
     :func:`.allreduce.allreduce_`'s (each layer padded to whole buckets keeps whole blocks)."""
     world, _ = group_size_and_rank(group)
     bits, bucket_size = settings.bits, settings.bucket_size
     numel = sum(padded_numel(x.numel(), bucket_size) for x in layers)
-    if not policy.compresses(layers[0], group, bits, bucket_size, numel):
+    decided_by = numel if route_numel is None else route_numel
+    if not policy.compresses(layers[0], group, bits, bucket_size, decided_by):
         bits = UNCOMPRESSED_BITS  # decided once here, for the reduction and the count alike
         settings = replace(settings, bits=bits)
     fused_error: list[torch.Tensor] = []
@@ -141,7 +145,7 @@ def allreduce_fused_(
         if errors is not None:
             fused_error.append(torch.empty_like(fused))
         error = fused_error[0] if fused_error else None
-        return allreduce_(fused, group, settings, error=error)
+        return allreduce_(fused, group, settings, error=error, route_numel=decided_by)
 
     reduce_fused_(layers, bucket_size, reduce)
     if errors is not None:

@@ -549,11 +549,15 @@ def _allreduce_layers_(
     bits: int,
     group: dist.ProcessGroup,
     keys: list[int] | None,
+    route_numel: int | None = None,
 ) -> int:
     """:func:`cgx2.collectives.allreduce_fused_` of ``layers`` at ``bits``; with ``keys``, each
-    layer's first-stage error becomes its residual. Returns the bytes this rank sent."""
+    layer's first-stage error becomes its residual. Returns the bytes this rank sent.
+    ``route_numel``: the bucket's size, where ``layers`` are its layers of one width (the
+    bucket compresses as a whole: the widths were planned as quantized)."""
     errors: list[torch.Tensor] | None = None if keys is None else []
-    sent = allreduce_fused_(layers, group, state._call_settings(bits), errors)
+    settings = state._call_settings(bits)
+    sent = allreduce_fused_(layers, group, settings, errors, route_numel=route_numel)
     if keys is not None:
         state.errors.store_many_(keys, errors)
     return sent
@@ -603,6 +607,7 @@ def _reduce_bucket_(
                     bits,
                     group,
                     None if keys is None else [keys[i] for i in chosen],
+                    route_numel=padded,
                 )
         else:
             state.bytes_sent += _allreduce_layers_(state, layers, state.bits, group, keys)

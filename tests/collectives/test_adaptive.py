@@ -261,17 +261,24 @@ def test_plan_widths_within_bytes_alike_on_every_rank(dist2):
     assert sum(n * w for n, w in zip((512, 2048, 1024), a, strict=True)) <= 2.5 * 3584
 
 
+def _train_at_crossover(crossover: int | None, *args: object) -> dict:
+    with cgx2.config.tuned(crossover_bytes=crossover):
+        return _train(*args)
+
+
 @pytest.mark.slow
-def test_average_bits_alike_on_every_rank_and_within_the_budget(dist2):
+@pytest.mark.parametrize("crossover", [None, 16 << 10])
+def test_average_bits_alike_on_every_rank_and_within_the_budget(dist2, crossover):
     """CGXState(average_bits=2.5): both ranks average to the same gradients and plan alike;
     every plan's payload stays within 2.5 bits a value; the bytes sent exceed 2 bits
     everywhere's by at most half a bit a compressed value a step (the payload's allgather and
-    scatter send it once each in a 2-rank allreduce), and not by nothing (it spends room)."""
+    scatter send it once each in a 2-rank allreduce), and not by nothing (it spends room).
+    With a crossover above a width's layers but below the bucket's, the bucket still goes
+    quantized at every width (the plan counted them so; on CUDA over gloo they had gone plain)."""
     steps, rotated = 8, {"rotation": "hadamard", "replan_every": 3}
-    a, b = dist2.run(
-        _train, True, steps, 2, {"adaptive_bits": (2, 3, 4, 8), "average_bits": 2.5, **rotated}
-    )
-    narrow, _ = dist2.run(_train, False, steps, 2, rotated)
+    adaptive = {"adaptive_bits": (2, 3, 4, 8), "average_bits": 2.5, **rotated}
+    a, b = dist2.run(_train_at_crossover, crossover, True, steps, 2, adaptive)
+    narrow, _ = dist2.run(_train_at_crossover, crossover, False, steps, 2, rotated)
     for ga, gb in zip(a["grads"], b["grads"], strict=True):
         assert torch.equal(ga, gb)
     assert a["plans"] == b["plans"] and a["plans"][-1]
