@@ -38,6 +38,7 @@ __all__ = [
 log = logging.getLogger("cgx2")
 
 _C = TypeVar("_C", Codec, GlobalNormCodec)
+_CPU = torch.device("cpu")
 
 
 @functools.cache
@@ -54,7 +55,8 @@ def triton_kernels(module: str) -> ModuleType | None:
 def codec_for(device: torch.device, kernels: str, reference: _C) -> _C:
     """The Triton ``kernels`` module for CUDA tensors where Triton imports, else
     ``reference`` (both write the same bytes: the kernels implement its protocol)."""
-    if device.type == "cuda":
+    # CPU first, compared whole: device.type builds a string at each of the ops' calls.
+    if device != _CPU and device.type == "cuda":
         module = triton_kernels(kernels)
         if module is not None:
             return cast(_C, module)

@@ -66,7 +66,7 @@ def _bucket_rows(v: torch.Tensor, layout: MaxMinLayout) -> tuple[torch.Tensor, i
     nq, bsz = layout.num_buckets, layout.bucket_size
     covered = min(layout.numel, nq * bsz)
     if covered == nq * bsz:
-        return v[:covered].view(nq, bsz), covered
+        return (v if covered == v.numel() else v[:covered]).view(nq, bsz), covered
     rows = torch.empty(nq * bsz, dtype=v.dtype, device=v.device)
     rows[:covered] = v[:covered]
     rows[covered:] = v[(nq - 1) * bsz]
@@ -129,7 +129,9 @@ def _encode(
     and +-Inf (no NaN) is a sum that overflowed, coded saturated (see the module doc) rather
     than as NaN."""
     bits, bucket_size = layout.bits, layout.bucket_size
-    v = x.reshape(-1).to(torch.float32)
+    # Each of reshape and to is a dispatch even where it returns x: a flat fp32 x needs neither.
+    flat32 = x.dtype == torch.float32 and x.dim() == 1
+    v = x if flat32 else x.reshape(-1).to(torch.float32)
     payload = _new_payload(layout.nbytes, v.device, out)
     nq, levels_at = layout.num_buckets, layout.levels_offset
     if layout.raw_numel:
@@ -301,8 +303,8 @@ def _decode_values(
         nq,
         bsz,
         layout.bits,
-        out[:covered],
-        None if base is None else base[:covered],
+        out if covered == out.numel() else out[:covered],
+        base if base is None or covered == base.numel() else base[:covered],
         1.0 if factor is None else factor,
     ):
         return out

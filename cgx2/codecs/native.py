@@ -31,9 +31,8 @@ _MIN_BUCKETS_PER_THREAD = 256
 
 
 def _usable(*tensors: torch.Tensor) -> bool:
-    return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors) and (
-        sys.byteorder == "little"
-    )
+    # is_cpu, not device.type: that builds a device and its name at every call of the codec.
+    return all(t.is_cpu and t.is_contiguous() for t in tensors) and sys.byteorder == "little"
 
 
 def encode_rows(

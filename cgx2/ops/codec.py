@@ -3,8 +3,8 @@ functions that call them.
 
 The ops are defined with ``torch.library.Library`` and one kernel for every device (the
 dispatcher calls it with a fraction of ``torch.library.custom_op``'s per-call host time: the
-codec's kernels are short, so that time counted). The public functions are the kernels: called
-eagerly they run, compiled they call the op.
+codec's kernels are short, so that time counted). The public functions run the kernels
+eagerly and call the ops when compiled.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 
 from ..checks import (
+    MAX_BUCKET_SIZE,
+    MAX_SEED,
     check_bits,
     check_bool,
     check_bucket_size,
@@ -37,6 +39,16 @@ def _layout(numel: int, bits: int, bucket_size: int, skip_incomplete: bool) -> M
 
 
 def _check_codec_args(bits: int, bucket_size: int, skip_incomplete: bool) -> None:
+    # Valid arguments pass on plain comparisons; the checks below raise (their messages) on the
+    # rest: every call of the ops comes here.
+    if (
+        type(bits) is int
+        and 1 <= bits <= 8
+        and type(bucket_size) is int
+        and 0 < bucket_size <= MAX_BUCKET_SIZE
+        and type(skip_incomplete) is bool
+    ):
+        return
     check_bits(bits)
     if bits > 8:
         raise ValueError(f"bits must be in 1..8 to quantize, got {bits}")
@@ -59,28 +71,14 @@ _LIB.define(
 )
 
 
-def quantize(
-    x: torch.Tensor,
-    bits: int,
-    bucket_size: int = 512,
-    seed: int = -1,
-    skip_incomplete: bool = False,
-) -> torch.Tensor:
-    """Max-min quantize the values of ``x`` (flattened) into a uint8 payload: the op
-    ``torch.ops.cgx.quantize``, whose kernel this is (compiled, it calls the op).
-
-    The payload layout is documented in :mod:`cgx2.codecs.layout`; its size is
-    ``MaxMinLayout(x.numel(), bits, bucket_size, skip_incomplete).nbytes``. ``seed`` < 0 draws
-    the next seed from :mod:`cgx2.seeding`; the same seed gives the same bytes on any device.
-    Inside a CUDA graph's capture an unseeded call takes its key from torch's CUDA generator
-    instead, on the device, so that every replay rounds afresh.
-    """
-    if torch.compiler.is_compiling():
-        return torch.ops.cgx.quantize(x, bits, bucket_size, seed, skip_incomplete)
+def _quantize(x, bits, bucket_size=512, seed=-1, skip_incomplete=False):
+    """The kernel of ``torch.ops.cgx.quantize`` (:func:`quantize`)."""
     check_float_tensor(x, "x")
     _check_codec_args(bits, bucket_size, skip_incomplete)
-    check_seed(seed, negative_draws=True)
-    x = x.resolve_neg()  # a negative view's bit is torch's to apply: the codecs read storage
+    if type(seed) is not int or not -MAX_SEED - 1 <= seed <= MAX_SEED:
+        check_seed(seed, negative_draws=True)
+    if x.is_neg():  # a negative view's bit is torch's to apply: the codecs read storage
+        x = x.resolve_neg()
     codec = maxmin_codec(x.device)
     if seed < 0 and x.is_cuda and torch.cuda.is_current_stream_capturing():
         if codec is maxmin:
@@ -92,6 +90,27 @@ def quantize(
         return codec.encode(x, bits, bucket_size, key, 0, skip_incomplete)
     seed = next_seed() if seed < 0 else seed
     return codec.encode(x, bits, bucket_size, derive_key(seed), 0, skip_incomplete)
+
+
+def quantize(
+    x: torch.Tensor,
+    bits: int,
+    bucket_size: int = 512,
+    seed: int = -1,
+    skip_incomplete: bool = False,
+) -> torch.Tensor:
+    """Max-min quantize the values of ``x`` (flattened) into a uint8 payload: the op
+    ``torch.ops.cgx.quantize``, whose kernel runs eagerly (compiled, the op).
+
+    The payload layout is documented in :mod:`cgx2.codecs.layout`; its size is
+    ``MaxMinLayout(x.numel(), bits, bucket_size, skip_incomplete).nbytes``. ``seed`` < 0 draws
+    the next seed from :mod:`cgx2.seeding`; the same seed gives the same bytes on any device.
+    Inside a CUDA graph's capture an unseeded call takes its key from torch's CUDA generator
+    instead, on the device, so that every replay rounds afresh.
+    """
+    if torch.compiler.is_compiling():
+        return torch.ops.cgx.quantize(x, bits, bucket_size, seed, skip_incomplete)
+    return _quantize(x, bits, bucket_size, seed, skip_incomplete)
 
 
 @torch.library.register_fake("cgx::quantize")
@@ -118,8 +137,10 @@ def _check_payload(
         raise TypeError(
             f"payload must be a 1-D uint8 tensor, got {payload.dtype} {payload.dim()}-D"
         )
-    check_numel(numel)
-    check_float_dtype(dtype)
+    if type(numel) is not int or numel < 0:
+        check_numel(numel)
+    if dtype is not torch.float32:
+        check_float_dtype(dtype)
     _check_codec_args(bits, bucket_size, skip_incomplete)
     nbytes = _layout(numel, bits, bucket_size, skip_incomplete).nbytes
     if payload.numel() < nbytes:
@@ -128,6 +149,13 @@ def _check_payload(
             f"bucket_size {bucket_size} need {nbytes}"
         )
     return nbytes
+
+
+def _dequantize(payload, numel, bits, bucket_size=512, dtype=torch.float32, skip_incomplete=False):
+    """The kernel of ``torch.ops.cgx.dequantize`` (:func:`dequantize`)."""
+    _check_payload(payload, numel, bits, bucket_size, dtype, skip_incomplete)
+    codec = maxmin_codec(payload.device)
+    return codec.decode(payload.contiguous(), numel, bits, bucket_size, dtype, skip_incomplete)
 
 
 def dequantize(
@@ -139,12 +167,10 @@ def dequantize(
     skip_incomplete: bool = False,
 ) -> torch.Tensor:
     """Decode a payload made by :func:`quantize` into a flat tensor of ``numel`` values: the
-    op ``torch.ops.cgx.dequantize``, whose kernel this is (compiled, it calls the op)."""
+    op ``torch.ops.cgx.dequantize``, whose kernel runs eagerly (compiled, the op)."""
     if torch.compiler.is_compiling():
         return torch.ops.cgx.dequantize(payload, numel, bits, bucket_size, dtype, skip_incomplete)
-    _check_payload(payload, numel, bits, bucket_size, dtype, skip_incomplete)
-    codec = maxmin_codec(payload.device)
-    return codec.decode(payload.contiguous(), numel, bits, bucket_size, dtype, skip_incomplete)
+    return _dequantize(payload, numel, bits, bucket_size, dtype, skip_incomplete)
 
 
 @torch.library.register_fake("cgx::dequantize")
@@ -153,5 +179,8 @@ def _(payload, numel, bits, bucket_size=512, dtype=torch.float32, skip_incomplet
     return payload.new_empty(numel, dtype=dtype)
 
 
-_LIB.impl("quantize", quantize, "CompositeExplicitAutograd")
-_LIB.impl("dequantize", dequantize, "CompositeExplicitAutograd")
+# The kernels, not the public functions: the dispatcher calls a kernel only to run it (traced,
+# the fake implementations answer), so asking is_compiling() there would be time spent for
+# nothing at every call of the op.
+_LIB.impl("quantize", _quantize, "CompositeExplicitAutograd")
+_LIB.impl("dequantize", _dequantize, "CompositeExplicitAutograd")

@@ -88,6 +88,19 @@ def test_compiled_roundtrip_fullgraph_matches_eager():
     assert torch.equal(compiled(x), roundtrip(x))
 
 
+def test_the_ops_kernels_do_not_ask_whether_compiling(monkeypatch):
+    """The dispatcher calls an op's kernel only to run it (traced, the fake implementation
+    answers): asking torch.compiler.is_compiling() there is host time spent at every call."""
+    asked = []
+    real = torch.compiler.is_compiling
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: asked.append(1) or real())
+    payload = torch.ops.cgx.quantize(torch.randn(100), 4, 512, 1)
+    torch.ops.cgx.dequantize(payload, 100, 4, 512)
+    assert not asked
+    cgx2.quantize(torch.randn(100), 4, 512, 1)  # the public function does: compiled, the op
+    assert asked
+
+
 @pytest.mark.parametrize("op", ["quantized_allreduce", "quantized_allreduce_"])
 def test_seeded_collectives_stay_out_of_cuda_graphs(op):
     """Each call draws a fresh seed on the host: a CUDA graph of torch.compile's
