@@ -118,6 +118,8 @@ class Launcher:
                 address = arg.data_ptr()
                 key.append((arg.dtype, address % 16 == 0, arg.is_cuda))
                 values[i] = address
+            elif arg is None:  # the unrotated coding kernels' signs' key, three a launch
+                key.append(None)
             else:
                 key.append(_spec(arg))
         return tuple(key), values

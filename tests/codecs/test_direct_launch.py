@@ -81,6 +81,7 @@ def test_first_launch_dispatches_then_direct_with_every_parameter(launcher):
         lambda x: ((x, 1), {}),  # Triton makes an int of 1 a constant
         lambda x: ((x, 96), {}),  # divisible by 16
         lambda x: ((x, 2**31), {}),  # 64-bit
+        lambda x: ((x, None), {}),  # None: a constant to Triton
         lambda x: ((), {"B": 256}),
         lambda x: ((), {"FLAG": 7}),  # the default passed by name: a new key, the same kernel
         lambda x: ((), {"num_warps": 2}),
@@ -96,6 +97,18 @@ def test_what_triton_specializes_on_makes_a_new_key(launcher, change):
     assert len(launcher.kernel.dispatched) == 2
     launcher((1,), *args, **{**kwargs, **new_kwargs})
     assert len(launcher.kernel.dispatched) == 2  # and that key is kept
+
+
+def test_a_none_parameter_is_keyed_inline_and_passed_as_none(launcher, monkeypatch):
+    """None (the unrotated coding kernels' signs' key, three a launch) launches directly after
+    its first launch, keyed without _spec's function call, and reaches the variant as None."""
+    x = torch.zeros(64)
+    launcher((1,), x, None, 3, B=512)
+    monkeypatch.setattr(direct_launch, "_spec", lambda arg: pytest.fail(f"_spec({arg!r})"))
+    launcher((1,), x, None, 3, B=512)
+    assert len(launcher.kernel.dispatched) == 1
+    runs = launcher.kernel.compiled[0].runs
+    assert runs == [(1, 1, 1, 1234, "fn", "meta", None, None, None, x.data_ptr(), None, 3, 512, 7)]
 
 
 def test_disabled_hooked_or_interpreted_launches_dispatch(launcher, monkeypatch):
