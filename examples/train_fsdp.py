@@ -6,6 +6,8 @@ reduce-scatters and the parameter all-gathers sent against uncompressed FSDP2's:
     torchrun --nproc-per-node 4 examples/train_fsdp.py --bits 4      # one process per GPU
     torchrun --nproc-per-node 4 examples/train_fsdp.py --bits 32     # FSDP2's own
     torchrun --nproc-per-node 4 examples/train_fsdp.py --bits 4 --param-bits 8  # + all-gather
+    torchrun --nproc-per-node 4 examples/train_fsdp.py --bits 4 --param-bits 8 \
+        --keep-quantized-params  # the backward decodes the forward's gathered parameters
     torchrun --nproc-per-node 4 examples/train_fsdp.py --bits 4 --replicas 2    # HSDP, 2 x 2
     python examples/train_fsdp.py --bits 4 --dim 64 --layers 2 --steps 5 --no-compile  # 2 CPUs
 
@@ -106,7 +108,12 @@ def train(args: argparse.Namespace) -> dict:
     comms = []
     if args.bits != 32:
         comms = cgx2.fsdp.compress(
-            model, args.bits, args.bucket_size, args.min_size, param_bits=args.param_bits
+            model,
+            args.bits,
+            args.bucket_size,
+            args.min_size,
+            param_bits=args.param_bits,
+            keep_quantized_params=args.keep_quantized_params,
         )
     gathers = count_all_gathers(model) if comms else []
     if args.compile:
@@ -168,8 +175,9 @@ def report(result: dict, json_path: str | None) -> None:
     elif sent:
         saved += " (reduce-scatter only: this torch cannot count the all-gather)"
     params = result["args"].get("param_bits")
+    kept = ", kept for the backward" if result["args"].get("keep_quantized_params") else ""
     print(
-        f"{result['bits']}-bit FSDP2{f' ({params}-bit parameters)' if params else ''}, "
+        f"{result['bits']}-bit FSDP2{f' ({params}-bit parameters{kept})' if params else ''}, "
         f"{result['world_size']} x {result['device']}, "
         f"{result['params'] / 1e6:.1f}M params: loss {result['first_loss']:.3f} -> "
         f"{result['final_loss']:.3f}, {result['step_ms']:.0f} ms/step, "
@@ -183,6 +191,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--bits", type=int, default=4, help="1-8, or 32 for FSDP2's own")
     p.add_argument("--param-bits", type=int, help="1-8: also all-gather parameters quantized")
+    p.add_argument(
+        "--keep-quantized-params",
+        action="store_true",
+        help="with --param-bits: each block's backward decodes the rows its forward gathered "
+        "instead of gathering them again (one parameter all-gather a step; the payload held "
+        "from forward to backward)",
+    )
     p.add_argument("--replicas", type=int, default=1, help="HSDP: replicas (mesh rows)")
     add_bucket_size_argument(p)
     p.add_argument("--min-size", type=int, default=1024, help="smaller or 1-D params: exact")
@@ -203,6 +218,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--bits must be in 1..8, or 32")
     if args.param_bits is not None and not (1 <= args.param_bits <= 8 and args.bits != 32):
         p.error("--param-bits must be in 1..8, with --bits in 1..8")
+    if args.keep_quantized_params and args.param_bits is None:
+        p.error("--keep-quantized-params needs --param-bits")
     if args.replicas < 1:
         p.error("--replicas must be at least 1")
     return args

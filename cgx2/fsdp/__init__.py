@@ -33,7 +33,7 @@ from ..collectives.adaptive import (
     layer_errors,
     plan_widths,
 )
-from ..collectives.all_gather import all_gather as all_gather_quantized
+from ..collectives.all_gather import GatheredRows, decode_rows, gather_rows
 from ..collectives.fusion import padded_numel
 from ..collectives.reduce_scatter import Segment
 from ..collectives.reduce_scatter import reduce_scatter as reduce_scatter_quantized
@@ -312,6 +312,16 @@ def _agree(
     comm._agreed = True
 
 
+_Key = tuple[tuple[object, ...], tuple[object, ...]]
+"""A kept gather's objects (compared by identity: tensors have no truth value) and values."""
+
+
+def _same_key(a: _Key, b: _Key) -> bool:
+    if len(a[0]) != len(b[0]) or a[1] != b[1]:
+        return False
+    return all(x is y for x, y in zip(a[0], b[0], strict=True))
+
+
 class QuantizedAllGather(AllGather):
     """FSDP2's parameter all-gather, quantized to ``bits`` with round-to-nearest (the protocol
     of torch's ``_fsdp_api``; :func:`cgx2.collectives.all_gather.all_gather`).
@@ -321,6 +331,16 @@ class QuantizedAllGather(AllGather):
     it, or of mixed dtypes (FSDP then gathers bytes), runs exactly. Every rank decodes the
     same bytes, so every rank computes with the same unsharded parameters; the sharded
     parameters the optimizer updates are never quantized. ``bytes_sent`` counts this rank's.
+
+    ``keep_quantized_params`` (with ``param_group``, the FSDP parameter group whose
+    parameters this gathers): a quantized gather in the forward of a module that FSDP
+    reshards after forward keeps what it received (every rank's row of bytes, about
+    ``bits``/32 of the unsharded fp32 parameters) until the module's backward, whose gather
+    decodes it again instead of sending it again: the same values, bit for bit, and one
+    all-gather a step instead of two. The kept rows are used once and dropped; they are
+    used only while the sharded parameters are the ones gathered (their version counters and
+    tensors unchanged, the same input and output), and any other call gathers anew.
+    ``reused`` counts the gathers served from kept rows; ``kept_bytes`` is what is held now.
     """
 
     def __init__(
@@ -328,12 +348,29 @@ class QuantizedAllGather(AllGather):
         bits: int = 8,
         bucket_size: int = 512,
         row_params: list[tuple[int, bool]] | None = None,
+        *,
+        keep_quantized_params: bool = False,
+        param_group: object | None = None,
     ) -> None:
         self.bits = check_bits(bits)
         self.bucket_size = check_bucket_size(bucket_size)
         self.row_params = row_params or []
+        self.keep_quantized_params = _check_keep(keep_quantized_params)
+        if keep_quantized_params and param_group is None:
+            raise ValueError(
+                "keep_quantized_params needs param_group (the FSDP parameter group gathered): "
+                "it tells whether FSDP reshards after forward and whether the parameters changed"
+            )
+        self.param_group = param_group
         self.bytes_sent = 0
+        self.reused = 0
+        self._kept: tuple[_Key, GatheredRows] | None = None
         self._agreed = False  # whether the ranks' settings were compared (at the first call)
+
+    @property
+    def kept_bytes(self) -> int:
+        """The bytes of the gathered rows held for the module's backward (0: none)."""
+        return 0 if self._kept is None else self._kept[1].held_bytes
 
     def allocate(
         self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
@@ -348,7 +385,17 @@ class QuantizedAllGather(AllGather):
         async_op: bool = False,
     ) -> dist.Work | None:
         if not self._agreed:
-            _agree(self, group, "cgx2.fsdp's all-gather", input_tensor, {})
+            more = {"keep_quantized_params": self.keep_quantized_params}
+            _agree(self, group, "cgx2.fsdp's all-gather", input_tensor, more)
+        kept, self._kept = self._kept, None  # used at most once, whatever this call does
+        if self.keep_quantized_params:
+            key = self._key(output_tensor, input_tensor, group)
+            if kept is not None and _same_key(kept[0], key) and self._in_backward():
+                if output_tensor.is_cuda:  # read on this stream, maybe not the one it was made on
+                    kept[1].recv.record_stream(torch.cuda.current_stream(output_tensor.device))
+                decode_rows(output_tensor, kept[1])
+                self.reused += 1
+                return CompletedWork([output_tensor]) if async_op else None
         segments = None
         if self.bits != UNCOMPRESSED_BITS and sum(k for k, _ in self.row_params) == (
             input_tensor.numel()
@@ -359,10 +406,67 @@ class QuantizedAllGather(AllGather):
                 at += k
         else:
             segments = [(0, input_tensor.numel(), False)]
-        self.bytes_sent += all_gather_quantized(
-            output_tensor, input_tensor, group, self.bits, self.bucket_size, segments
+        gathered, sent = gather_rows(
+            output_tensor,
+            input_tensor,
+            group,
+            segments,
+            bits=self.bits,
+            bucket_size=self.bucket_size,
         )
+        self.bytes_sent += sent
+        if gathered is not None:
+            decode_rows(output_tensor, gathered)
+            if self.keep_quantized_params and self._gathered_again_in_backward():
+                self._kept = (key, gathered)
         return CompletedWork([output_tensor]) if async_op else None
+
+    def _key(self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> _Key:
+        """What must be unchanged for kept rows to be this call's: the group, each sharded
+        parameter, its local tensor and FSDP's padded copy of it (the same objects, and the
+        same versions), the input's size and dtype, the output's shape and dtype. The
+        optimizer's in-place update of a sharded DTensor bumps the DTensor's version (not
+        its local tensor's); an in-place change of the local tensor bumps the local tensor's."""
+        objects: list[object] = [group]
+        values: list[object] = [input.numel(), input.dtype, tuple(output.shape), output.dtype]
+        for fsdp_param in getattr(self.param_group, "fsdp_params", ()):
+            sharded = fsdp_param.sharded_param
+            local = getattr(sharded, "_local_tensor", sharded)
+            data = fsdp_param._sharded_param_data
+            objects += [sharded, local, data]
+            values += [sharded._version, local._version, data._version]
+        return tuple(objects), tuple(values)
+
+    def _state(self) -> str | None:
+        state = getattr(self.param_group, "_training_state", None)
+        return getattr(state, "name", None)
+
+    def _in_backward(self) -> bool:
+        """Kept rows serve only the backward's gather (or its prefetch): version counters miss
+        foreach and fused optimizers' updates of DTensors (torch 2.13), so a later forward,
+        after an optimizer step, could not tell that the parameters changed."""
+        return self._state() == "PRE_BACKWARD"
+
+    def _gathered_again_in_backward(self) -> bool:
+        """Whether FSDP will gather these parameters again in the module's backward: a forward
+        gather of a module FSDP reshards after forward to the same mesh (its root, and
+        modules sharded with ``reshard_after_forward=False``, stay unsharded; with an int, the
+        backward gathers over a smaller mesh). Every rank decides alike: FSDP's settings and
+        state are alike on every rank."""
+        group = self.param_group
+        return (
+            self._state() == "FORWARD"
+            and getattr(group, "post_forward_mesh_info", None) is not None
+            and group.post_forward_mesh_info == getattr(group, "mesh_info", None)
+        )
+
+
+def _check_keep(keep_quantized_params: object) -> bool:
+    if not isinstance(keep_quantized_params, bool):
+        raise TypeError(
+            f"keep_quantized_params must be a bool, got {type(keep_quantized_params).__name__}"
+        )
+    return keep_quantized_params
 
 
 class QuantizedReplicaGroup(dist.ProcessGroup):
@@ -443,6 +547,7 @@ def compress(
     rotation_block: int = DEFAULT_BLOCK,
     error_feedback: bool = False,
     average_bits: float | None = None,
+    keep_quantized_params: bool = False,
 ) -> list[QuantizedReduceScatter]:
     """Set a :class:`QuantizedReduceScatter` on every FSDP2 module of ``model`` (call it after
     ``fully_shard``). Parameters with one dimension or fewer than ``min_size`` values are
@@ -467,6 +572,11 @@ def compress(
     bits = check_bits(bits)
     if param_bits is not None:
         param_bits = check_bits(param_bits, "param_bits")
+    if _check_keep(keep_quantized_params) and param_bits is None:
+        raise ValueError(
+            "keep_quantized_params keeps the quantized parameter all-gather's rows: it needs "
+            "param_bits (1..8), which is None"
+        )
     replica_bits = bits if replica_bits is None else check_bits(replica_bits, "replica_bits")
     if adaptive_bits is not None:  # fail before touching the model
         adaptive_bits = check_options(adaptive_bits, bits)
@@ -510,7 +620,14 @@ def compress(
                     "param_bits needs FSDPModule.set_custom_all_gather, which "
                     f"torch {torch.__version__} lacks"
                 )
-            module.set_custom_all_gather(QuantizedAllGather(param_bits, bucket_size, row_params))
+            gather = QuantizedAllGather(
+                param_bits,
+                bucket_size,
+                row_params,
+                keep_quantized_params=keep_quantized_params,
+                param_group=group,
+            )
+            module.set_custom_all_gather(gather)
         _quantize_replicas(group, replica_bits, bucket_size, rotation, rotation_block)
     if not comms:
         raise ValueError("compress() found no fully_shard module with parameters in the model")

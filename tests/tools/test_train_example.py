@@ -92,9 +92,10 @@ def test_two_node_torchrun_on_one_machine(tmp_path):
 def test_fsdp_example_runs_compressed(tmp_path):
     """examples/train_fsdp.py, tiny, on 2 CPU processes: FSDP2 with cgx2.fsdp.compress. What it
     says it sent counts the parameter all-gathers too, sent and uncompressed alike: FSDP2's own
-    (as much traffic as the reduce-scatters), then cgx2's at 8 bits."""
+    (as much traffic as the reduce-scatters), then cgx2's at 8 bits, then with the forward's
+    gathered parameters kept for the backward."""
     results = {}
-    for extra in ([], ["--param-bits", "8"]):
+    for extra in ([], ["--param-bits", "8"], ["--param-bits", "8", "--keep-quantized-params"]):
         out = tmp_path / f"fsdp{len(extra)}.json"
         fsdp = [sys.executable, str(EXAMPLE.with_name("train_fsdp.py"))]
         model = "--bits 4 --dim 64 --layers 2 --heads 4 --context 64 --steps 6 --no-compile"
@@ -103,6 +104,7 @@ def test_fsdp_example_runs_compressed(tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "4-bit FSDP2" in proc.stdout and ", 2 x cpu" in proc.stdout
         assert "(reduce-scatter and parameter all-gather)" in proc.stdout
+        assert ("kept for the backward" in proc.stdout) == ("--keep-quantized-params" in extra)
         assert "step 1/6" in proc.stderr and "\r" not in proc.stderr
         results[len(extra)] = json.loads(out.read_text())
     plain_gather, eight = results[0], results[2]
@@ -123,6 +125,13 @@ def test_fsdp_example_runs_compressed(tmp_path):
     assert 3 < eight["all_gather_bytes_uncompressed"] / eight["all_gather_bytes_sent"] < 4
     assert 1 < plain_gather["bytes_uncompressed"] / plain_gather["bytes_sent"] < 2.5
     assert eight["bytes_uncompressed"] / eight["bytes_sent"] > 3
+    # Kept: the same training; the blocks' backward gathers (not the root's single one) sent
+    # no bytes, counted uncompressed all the same.
+    kept = results[3]
+    assert kept["losses"] == eight["losses"]
+    assert kept["all_gather_bytes_uncompressed"] == eight["all_gather_bytes_uncompressed"]
+    assert 0.5 * eight["all_gather_bytes_sent"] < kept["all_gather_bytes_sent"]
+    assert kept["all_gather_bytes_sent"] < 0.7 * eight["all_gather_bytes_sent"]
 
 
 @pytest.mark.slow
