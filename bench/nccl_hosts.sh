@@ -11,7 +11,8 @@
 #   ddp_*    examples/train_ddp.py (126.75M: --dim 1024 --layers 10 --heads 16 --context 256
 #            --batch-size 8), plain DDP and cgx_hook 4-bit, eager and --compile
 #   fsdp_*   examples/train_fsdp.py (85M, eager: the link bounds its step), fp32 and bf16
-#            parameters: FSDP2's own, 4-bit reduce-scatter, and that with 8-bit parameters
+#            parameters: FSDP2's own, 4-bit reduce-scatter, and that with 8-bit parameters,
+#            gathered twice a step or (_b4p8k) once, the rows kept for the backward
 #   hsdp_*   the same as HSDP (--replicas 2: shards inside a host, replicas across), 2x2 only
 #   conv_*   examples/convergence.py's model (19.3M) with conv_NAME's compressor (cgx4, cgx2-rot,
 #            powersgd, ...: its names), 40 steps: a step's time across the hosts, for
@@ -24,8 +25,8 @@
 #   NCCL_HOST_RATES ("10gbit 25gbit"): link rates, tc's units.
 #   LAYOUTS (by the GPU count, as above): e.g. "2x2 4x1". NGPU (nvidia-smi -L's count).
 #   NCCL_HOST_RUNS (all): the runs to do, by name (bench mlp_plain mlp_cgx4 mlp_cgx8 mlp_bf16
-#     mlp_powersgd ddp_b32 ddp_b4 fsdp_fp32_b32 fsdp_fp32_b4 fsdp_fp32_b4p8 fsdp_bf16_b32
-#     fsdp_bf16_b4 fsdp_bf16_b4p8 ddp_b32_compile ddp_b4_compile hsdp_bf16_b32 hsdp_bf16_b4
+#     mlp_powersgd ddp_b32 ddp_b4 fsdp_fp32_b32 fsdp_fp32_b4 fsdp_fp32_b4p8 fsdp_fp32_b4p8k
+#     fsdp_bf16_b32 fsdp_bf16_b4 fsdp_bf16_b4p8 fsdp_bf16_b4p8k ddp_b32_compile ddp_b4_compile hsdp_bf16_b32 hsdp_bf16_b4
 #     hsdp_bf16_b4p8; not by default: mlp_compress, cgx2.ddp.compress at 4 bits,
 #     mlp_allreduce, torch's allreduce_hook, mlp_cgx4_flat and mlp_cgx4_mesh, the node mesh
 #     off and on, mlp_plain_big and mlp_cgx4_big, DDP's buckets at 100 MB; conv_*).
@@ -83,7 +84,8 @@ BENCH_ARGS=${BENCH_ARGS:---sizes 64M,256M --bits 4 --dtypes fp32 --warmup 1 --it
 CONV_ARGS=${CONV_ARGS:---dim 512 --layers 6 --heads 8 --context 256 --batch-size 16 --steps 40
   --warmup 10 --eval-every 1000 --eval-batches 2 --train-bytes 2000000}
 ALL_RUNS="bench mlp_plain mlp_cgx4 mlp_cgx8 mlp_bf16 mlp_powersgd ddp_b32 ddp_b4 fsdp_fp32_b32
-  fsdp_fp32_b4 fsdp_fp32_b4p8 fsdp_bf16_b32 fsdp_bf16_b4 fsdp_bf16_b4p8 ddp_b32_compile
+  fsdp_fp32_b4 fsdp_fp32_b4p8 fsdp_fp32_b4p8k fsdp_bf16_b32 fsdp_bf16_b4 fsdp_bf16_b4p8
+  fsdp_bf16_b4p8k ddp_b32_compile
   ddp_b4_compile hsdp_bf16_b32 hsdp_bf16_b4 hsdp_bf16_b4p8"
 RUNS=${NCCL_HOST_RUNS:-$ALL_RUNS}
 iproute=()
@@ -160,10 +162,11 @@ program() {  # name folder layout; NAME+VAR=VALUE... runs NAME with those variab
     fsdp_*|hsdp_*)
       if [ "${name%%_*}" = hsdp ] && [ "$layout" != 2x2 ]; then return; fi
       dtype=${name#*_}; dtype=${dtype%%_*}
-      bits=${name##*_b}; pbits=""
+      bits=${name##*_b}; pbits=""; keep=""
+      case $bits in *k) keep=1; bits=${bits%k} ;; esac  # b4p8k: the 8-bit rows kept for the backward
       case $bits in *p*) pbits=${bits#*p}; bits=${bits%p*} ;; esac
       args=(examples/train_fsdp.py --device "$DEVICE" --bits "$bits" ${pbits:+--param-bits "$pbits"}
-            $FSDP_ARGS --log-every 1000 --json "$dir/$name.json")
+            ${keep:+--keep-quantized-params} $FSDP_ARGS --log-every 1000 --json "$dir/$name.json")
       [ "$dtype" = bf16 ] && args+=(--bf16)
       [ "${name%%_*}" = hsdp ] && args+=(--replicas 2) ;;
     conv_*)  # examples/convergence.py's compressor NAME (conv_NAME), a short run: its step time

@@ -311,3 +311,12 @@ def test_the_nccl_hosts_summary_counts_each_hosts_link_and_the_steps_light():
     assert summary.ddp_light(phased, 0.125, two, hosts=2) == pytest.approx(3.5 + wire_ms)
     slow_backward = {**phased, "backward_ms": 1e4}
     assert summary.ddp_light(slow_backward, 0.125, two, hosts=2) == pytest.approx(3.5 + 1e4)
+
+
+def test_an_nccl_hosts_fsdp_run_named_k_keeps_the_quantized_parameters(netlab, tmp_path):
+    """fsdp_*_b4p8k passes --keep-quantized-params with 8-bit parameters; b4p8 does not."""
+    done = _nccl_hosts_dry(tmp_path, NCCL_HOST_PLAN="2x1 10gbit fsdp_fp32_b4p8 fsdp_bf16_b4p8k")
+    lines = [ln for ln in done.stdout.splitlines() if "train_fsdp.py" in ln]
+    kept = [ln for ln in lines if "--keep-quantized-params" in ln]
+    assert kept and all("--param-bits 8" in ln and "--bf16" in ln for ln in kept), lines
+    assert any("--param-bits 8 " in ln and ln not in kept for ln in lines), lines
