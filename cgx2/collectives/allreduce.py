@@ -34,6 +34,7 @@ def allreduce(
     settings: CallSettings,
     *,
     check_agreement: bool = False,
+    route_numel: int | None = None,
 ) -> torch.Tensor:
     """Allreduce (``settings.reduce_op``: ``"sum"``/``"avg"``) of ``t`` across ``group``,
     quantized to ``settings.bits`` where :func:`.policy.route` says compression pays, else the
@@ -45,6 +46,8 @@ def allreduce(
     exact. Tensors larger than a piece are cut into whole buckets per rank; while one piece is
     on the wire the next is coded.
 
+    ``route_numel``: the size the route is decided by (:func:`allreduce_`'s).
+
     ``check_agreement``: where the route says so, first make sure every rank called alike
     (:mod:`.agreement`): for the entry points users call. DDP's and FSDP's hooks leave it
     off: their wrappers make every rank's buckets alike.
@@ -54,7 +57,7 @@ def allreduce(
     rotated values and the final decode rotates back (docs/wire-format.md, "Rotation").
     """
     t = t.resolve_neg()  # the codecs and the process group read stored values, not the view's
-    route = policy.route(t, group, settings.bits, settings.bucket_size)
+    route = policy.route(t, group, settings.bits, settings.bucket_size, route_numel)
     agreed = None
     if check_agreement and route.check:
         agreed = _check_agreement(route, t, group, settings)
@@ -101,9 +104,10 @@ def allreduce_(
                 "tensor must be contiguous, not a negative view, for an allreduce that returns "
                 "its error"
             )
-        if route_numel is not None:
-            raise ValueError("route_numel is for a contiguous tensor, not a negative view")
-        return t.copy_(allreduce(t, group, settings, check_agreement=check_agreement))
+        reduced = allreduce(
+            t, group, settings, check_agreement=check_agreement, route_numel=route_numel
+        )
+        return t.copy_(reduced)
     route = policy.route(t, group, settings.bits, settings.bucket_size, route_numel)
     agreed = None
     if check_agreement and route.check:
