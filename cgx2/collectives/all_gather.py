@@ -94,7 +94,15 @@ def gather_rows(
             f"cgx2: the quantized all-gather of {n} values a rank over {world} ranks (this is "
             f"rank {rank}) failed: {e}"
         ) from e
-    return GatheredRows(recv, plan, bits, bucket_size, head, exact_bytes), (world - 1) * row_bytes
+    gathered = GatheredRows(
+        recv=recv,
+        plan=plan,
+        bits=bits,
+        bucket_size=bucket_size,
+        head=head,
+        exact_bytes=exact_bytes,
+    )
+    return gathered, (world - 1) * row_bytes
 
 
 def decode_rows(output: torch.Tensor, gathered: GatheredRows) -> None:
