@@ -290,3 +290,31 @@ def test_results_across_netlab_hosts_name_their_link(tmp_path: Path, monkeypatch
     assert "_cpu-1gbit-h2_w2_" in path.name
     monkeypatch.delenv("LINK_RATE")
     assert "link" not in report.environment(torch.device("cpu"), 2)
+
+
+def test_host_cost_ab_tables_each_tree_beside_the_other(tmp_path: Path) -> None:
+    """bench/host_cost_ab.sh runs bench/host_cost.py under each tree, rounds alternating, and
+    tables every call's ratio to its clone with a column a tree."""
+    root = Path(__file__).parents[2]
+    env = {
+        **_env(),
+        "TREES": f"a={root} b={root}",
+        "ROUNDS": "2",
+        "OUT": str(tmp_path),
+        "HOST_COST_ARGS": "--numel 1024 --calls 20 --rounds 1",
+        "CUDA_VISIBLE_DEVICES": "",
+    }
+    done = subprocess.run(
+        ["bash", str(root / "bench" / "host_cost_ab.sh")],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "| call | a | b |" in done.stdout, done.stdout
+    rows = [ln for ln in done.stdout.splitlines() if ln.startswith("| op_quantize |")]
+    assert len(rows) == 1 and rows[0].count("|") == 4, done.stdout
+    for tree in "ab":
+        assert len(list(tmp_path.glob(f"{tree}/*/host_cost_*.json"))) == 2
