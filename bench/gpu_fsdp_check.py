@@ -41,7 +41,12 @@ def _first_seed(seed: int) -> int:
 
 
 def _train(
-    bits: int | None, bf16: bool, steps: int = 30, param_bits: int | None = None, replicas: int = 1
+    bits: int | None,
+    bf16: bool,
+    steps: int = 30,
+    param_bits: int | None = None,
+    replicas: int = 1,
+    keep: bool = False,
 ) -> list[float]:
     rank, dev = dist.get_rank(), torch.device("cuda", torch.cuda.current_device())
     world = dist.get_world_size()
@@ -62,7 +67,7 @@ def _train(
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     if bits:
-        compress(model, bits=bits, param_bits=param_bits)
+        compress(model, bits=bits, param_bits=param_bits, keep_quantized_params=keep)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     cgx2.manual_seed(0)
     losses = []
@@ -128,6 +133,16 @@ def main() -> int:
             f"{what}: 4-bit loss (mean of the last 10 steps) within 2% of the first loss from "
             f"plain's ({late_four:.4f} vs {late_plain:.4f}, first {plain[0]:.4f})"
         ] = abs(late_four - late_plain) <= 0.02 * plain[0] and late_plain < 0.5 * plain[0]
+    for bf16 in (
+        False,
+        True,
+    ):  # the backward decodes the forward's rows: the same steps, bit for bit
+        gathered = _train(4, bf16, steps=10, param_bits=8)
+        kept = _train(4, bf16, steps=10, param_bits=8, keep=True)
+        ok[
+            f"FSDP2 {'bf16' if bf16 else 'fp32'}, 8-bit parameters kept for the backward: "
+            "losses == gathered twice"
+        ] = kept == gathered
     return finish_checks(
         ok,
         lambda failed: (
