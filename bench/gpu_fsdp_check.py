@@ -133,10 +133,9 @@ def main() -> int:
             f"{what}: 4-bit loss (mean of the last 10 steps) within 2% of the first loss from "
             f"plain's ({late_four:.4f} vs {late_plain:.4f}, first {plain[0]:.4f})"
         ] = abs(late_four - late_plain) <= 0.02 * plain[0] and late_plain < 0.5 * plain[0]
-    for bf16 in (
-        False,
-        True,
-    ):  # the backward decodes the forward's rows: the same steps, bit for bit
+    # The 8-bit parameters kept for the backward: the backward decodes the forward's rows, so
+    # the steps are the same, bit for bit.
+    for bf16 in (False, True):
         gathered = _train(4, bf16, steps=10, param_bits=8)
         kept = _train(4, bf16, steps=10, param_bits=8, keep=True)
         ok[
