@@ -13,12 +13,12 @@ TREES=${TREES:?NAME=PATH words, e.g. TREES="old=/tmp/old new=$PWD"}
 ROUNDS=${ROUNDS:-3}
 OUT=${OUT:-bench/results/host_cost_ab_$(date -u +%Y%m%dT%H%M%S)}
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
-here=$PWD
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)  # absolute: the builds below run in each tree
 for tree in $TREES; do  # cgx2._C of each tree, built in place where missing
   path=${tree#*=}
   ls "$path"/cgx2/_C*.so >/dev/null 2>&1 \
-    || (cd "$path" && python3 setup.py -q build_ext --inplace >"$here/$OUT/build_${tree%%=*}.log" 2>&1) \
+    || (cd "$path" && python3 setup.py -q build_ext --inplace >"$OUT/build_${tree%%=*}.log" 2>&1) \
     || echo "host_cost_ab: ${tree%%=*}'s cgx2._C did not build (see its log)" >&2
 done
 for ((round = 1; round <= ROUNDS; round++)); do
