@@ -10,7 +10,7 @@
 #            bf16_compress_hook and PowerSGD (rank 4)
 #   ddp_*    examples/train_ddp.py (126.75M: --dim 1024 --layers 10 --heads 16 --context 256
 #            --batch-size 8), plain DDP and cgx_hook 4-bit, eager and --compile
-#   fsdp_*   examples/train_fsdp.py (85M, eager: the link bounds its step), fp32 and bf16
+#   fsdp_*   examples/train_fsdp.py (85M, its blocks compiled as users run it), fp32 and bf16
 #            parameters: FSDP2's own, 4-bit reduce-scatter, and that with 8-bit parameters,
 #            gathered twice a step or (_b4p8k) once, the rows kept for the backward
 #   hsdp_*   the same as HSDP (--replicas 2: shards inside a host, replicas across), 2x2 only
@@ -79,7 +79,7 @@ DIR=${RESULTS_DIR:-bench/results}/nccl_hosts_${gpu}_$(date -u +%Y%m%dT%H%M%S)
 mkdir -p "$DIR"
 MLP_ARGS=${MLP_ARGS:---model mlp --dim 4096 --layers 8 --batch-size 64 --warmup 2 --steps 3}
 DDP_ARGS=${DDP_ARGS:---dim 1024 --layers 10 --heads 16 --context 256 --batch-size 8 --steps 8}
-FSDP_ARGS=${FSDP_ARGS:---steps 6 --no-compile}
+FSDP_ARGS=${FSDP_ARGS:---steps 8}
 BENCH_ARGS=${BENCH_ARGS:---sizes 64M,256M --bits 4 --dtypes fp32 --warmup 1 --iters 5}
 CONV_ARGS=${CONV_ARGS:---dim 512 --layers 6 --heads 8 --context 256 --batch-size 16 --steps 40
   --warmup 10 --eval-every 1000 --eval-batches 2 --train-bytes 2000000}
