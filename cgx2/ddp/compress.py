@@ -5,8 +5,8 @@ policy compresses one of the buckets DDP will reduce; elsewhere DDP's own allred
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from typing import NamedTuple, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,7 @@ from ..collectives.fusion import padded_numel
 from ..comm import worker
 from ..config import env_quantization_bits
 from .cgx_hook import CGXState, cgx_hook
+from .optimizer_overlap import check_optimizer, optimizer_in_hook, quiet_torchscript_notice
 
 __all__ = ["bucket_layout", "compress"]
 
@@ -59,6 +60,8 @@ def compress(
     rotation: str | None = None,
     rotation_block: int | None = None,
     average_bits: float | None = None,
+    optimizer: type[torch.optim.Optimizer] | None = None,
+    optimizer_kwargs: Mapping[str, Any] | None = None,
 ) -> CGXState | None:
     """Register :func:`cgx2.ddp.cgx_hook` on ``ddp_model`` where compression pays for at least
     one of its buckets, else leave DDP's own allreduce: a hook that sends every bucket plain
@@ -86,11 +89,41 @@ def compress(
     DDP's own allreduce was kept. A calibration file (``python -m cgx2.bench calibrate``)
     makes the decision the same in every run; ``CGX2_CROSSOVER_BYTES=0`` always registers.
 
+    ``optimizer`` (a class: ``torch.optim.AdamW``, ``Adam`` or ``SGD``, those torch has a
+    functional form for that steps a parameter at a time) with ``optimizer_kwargs`` (its
+    arguments, not its parameters): the optimizer steps in the backward pass, bucket by bucket,
+    as soon as each bucket's averaged gradient is ready (in the hook's future's callback), so
+    that its step overlaps the rest of the backward pass and the communication. It is torch's
+    functional form with a state of its own, stepping each parameter alone (its single-tensor
+    arithmetic, as ``foreach=False``), around ``cgx_hook``; where no bucket pays for
+    compression, around DDP's allreduce (``ddp_model._register_fused_optim``, torch's
+    ``allreduce_hook``). Then, as with ``_register_fused_optim``:
+
+    - call no optimizer's ``step()``: ``loss.backward()`` has stepped every parameter DDP
+      reduces when it returns; still clear the gradients as usual (``model.zero_grad()``);
+    - the gradients cannot be clipped, scaled (AMP's ``GradScaler``) or otherwise changed over
+      all parameters before the step, which comes bucket by bucket;
+    - under ``no_sync`` (gradient accumulation) no hook runs, so no step is taken: the step
+      comes with the next synchronized backward pass, on the gradients accumulated;
+    - the optimizer's state (Adam's moments) lives in the hook, in no ``state_dict``, and its
+      learning rate is fixed (no ``lr_scheduler``);
+    - not under compiled autograd's per-parameter reducer (``optimize_ddp="python_reducer"``);
+    - on NCCL, ``cgx_hook`` holds the exact layers (biases, norms) of each compressed bucket,
+      and the bucket's future, for the backward pass's last bucket: such a bucket is stepped
+      only then.
+
     Example::
 
         >>> import cgx2.ddp
         >>> model = DistributedDataParallel(model, device_ids=[local_rank])
         >>> state = cgx2.ddp.compress(model, bits=4)  # None: DDP's own allreduce pays more
+        >>> # Or with AdamW stepping each bucket as it arrives:
+        >>> cgx2.ddp.compress(
+        ...     model, bits=4, optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": 3e-4}
+        ... )
+        >>> for x, y in batches:
+        ...     model.zero_grad(set_to_none=True)
+        ...     loss_fn(model(x), y).backward()  # the parameters are stepped: no opt.step()
     """
     if not isinstance(ddp_model, DistributedDataParallel):
         raise TypeError(
@@ -99,6 +132,11 @@ def compress(
             "FSDP2, cgx2.fsdp.compress"
         )
     bits = check_bits(env_quantization_bits(default=4) if bits is None else bits, "bits")
+    optimizer_kwargs = check_optimizer(optimizer, optimizer_kwargs)
+    # Built before anything is sent, so that arguments the optimizer refuses raise first.
+    stepping = (
+        None if optimizer is None else optimizer_in_hook(cgx_hook, optimizer, optimizer_kwargs)
+    )
     compression_params = {"bits": bits}
     if bucket_size is not None:
         compression_params["bucket_size"] = check_bucket_size(bucket_size, "bucket_size")
@@ -125,7 +163,7 @@ def compress(
         for index, params in enumerate(buckets)
     ]
     state._plans.clear()  # the hook plans DDP's buckets afresh
-    _agree(state, group, sizes)
+    _agree(state, group, sizes, optimizer, optimizer_kwargs)
     decided = [
         _on_hooks_thread(
             group, device, lambda d=dtype, v=device, n=numel: _compresses(state, group, d, v, n)
@@ -133,11 +171,14 @@ def compress(
         for dtype, device, numel in sizes
     ]
     registered = any(d.compresses for d in decided)
-    logger.info("%s", _decision_in_words(state, group, sizes, decided, registered))
-    if not registered:
-        return None
-    ddp_model.register_comm_hook(state, cgx_hook)
-    return state
+    logger.info("%s", _decision_in_words(state, group, sizes, decided, registered, optimizer))
+    if registered:
+        ddp_model.register_comm_hook(state, cgx_hook if stepping is None else stepping)
+        return state
+    if optimizer is not None:
+        with quiet_torchscript_notice():
+            ddp_model._register_fused_optim(optimizer, **optimizer_kwargs)
+    return None
 
 
 def bucket_layout(ddp_model: DistributedDataParallel) -> list[list[nn.Parameter]]:
@@ -183,13 +224,23 @@ def _to_quantize(state: CGXState, index: int, params: Sequence[nn.Parameter]) ->
     return sum(padded_numel(n, state.bucket_size) for _, n in plan.compressed)
 
 
-def _agree(state: CGXState, group: dist.ProcessGroup, sizes: list[_Bucket]) -> None:
+def _agree(
+    state: CGXState,
+    group: dist.ProcessGroup,
+    sizes: list[_Bucket],
+    optimizer: type[torch.optim.Optimizer] | None,
+    optimizer_kwargs: Mapping[str, Any],
+) -> None:
     """Raise :class:`DisagreementError` on every rank unless all hold the same settings and
-    buckets: what the decision reads, so that ranks that pass decide alike."""
+    buckets: what the decision reads, so that ranks that pass decide alike; and the same
+    optimizer, where it steps in the hook, so that the replicas stay alike."""
     settings = {
         **state._settings(),
         "buckets": [[str(dtype), numel] for dtype, _, numel in sizes],
     }
+    if optimizer is not None:
+        arguments = ", ".join(f"{k}={v!r}" for k, v in sorted(optimizer_kwargs.items()))
+        settings["optimizer"] = f"{optimizer.__qualname__}({arguments})"
     agreement.check_settings(group, "cgx2.ddp.compress", settings, sizes[0].device)
 
 
@@ -235,6 +286,7 @@ def _decision_in_words(
     sizes: list[_Bucket],
     decided: list[_Decision],
     registered: bool,
+    optimizer: type[torch.optim.Optimizer] | None,
 ) -> str:
     """What :func:`compress` decided, and why, in one line, the same on every rank."""
     n = len(sizes)
@@ -244,8 +296,14 @@ def _decision_in_words(
     nbytes = numel * dtype.itemsize
     if registered:
         compressing = sum(d.compresses for d in decided)
+        stepping = (
+            ""
+            if optimizer is None
+            else f", {optimizer.__name__} stepping each bucket as the hook averages it"
+        )
         return (
-            f"cgx2.ddp.compress: registered cgx_hook at {state.bits} bits: {compressing} of "
+            f"cgx2.ddp.compress: registered cgx_hook at {state.bits} bits{stepping}: "
+            f"{compressing} of "
             f"DDP's {n} buckets compress (the largest holds "
             f"{nbytes} bytes of {dtype} to quantize; the {regime} regime quantizes from "
             f"{crossover} bytes)"
@@ -265,6 +323,12 @@ def _decision_in_words(
             f"none of its {n} buckets reaches the crossover (the largest holds {nbytes} "
             f"bytes of {dtype} to quantize; the {regime} regime quantizes {at}; "
             "CGX2_CROSSOVER_BYTES=0 always compresses)"
+        )
+    if optimizer is not None:
+        return (
+            "cgx2.ddp.compress: kept DDP's own allreduce, as torch's allreduce_hook with "
+            f"{optimizer.__name__} stepping each bucket as it is averaged "
+            f"(DDP._register_fused_optim), no cgx_hook: {why}"
         )
     return (
         "cgx2.ddp.compress: kept DDP's own allreduce, no hook: "

@@ -275,13 +275,13 @@ _BAD = [
 ]
 
 
-def _refusals() -> list[tuple[str, str, object]]:
-    """Each of _BAD's arguments passed to compress: the error's type and message, and whether
-    a hook was registered."""
+def _refusals(bad: list = _BAD) -> list[tuple[str, str, object]]:
+    """Each of ``bad``'s arguments passed to compress: the error's type and message, and
+    whether a hook was registered."""
     torch.manual_seed(0)
     model = DDP(Mlp())
     found = []
-    for kwargs, _, _ in _BAD:
+    for kwargs, _, _ in bad:
         try:
             compress(model, **kwargs)
         except Exception as e:  # reported to the test

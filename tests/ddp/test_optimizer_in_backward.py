@@ -1,0 +1,166 @@
+"""``cgx2.ddp.compress(..., optimizer=...)``: the optimizer steps each bucket's parameters in the
+backward pass, as the bucket's averaged gradient arrives, and trains as it does after it."""
+
+import torch
+import torch.distributed as dist
+from test_compress import Mlp, _batch, _refusals, _Said  # compress's tests' helpers
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from cgx2 import config, seeding
+from cgx2.ddp import CGXState, cgx_hook, compress
+
+# Not AdamW's defaults, so that each is seen to be passed on.
+ADAMW = {"lr": 1e-2, "betas": (0.8, 0.95), "eps": 1e-6, "weight_decay": 0.1}
+
+
+def _params(model: DDP) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.module.named_parameters()}
+
+
+def _train(how: str, crossover: int, steps: int = 3) -> dict:
+    """``steps`` AdamW steps of Mlp under DDP, AdamW stepping ``"in backward"`` (compress's
+    ``optimizer=``), or after the backward pass as usual (``foreach=False``: the single-tensor
+    arithmetic the hook's steps use) with cgx_hook registered by hand with the state compress
+    builds (``"hook, after"``) or with DDP's own allreduce (``"plain, after"``). Then one step
+    of two backward passes, the first under ``no_sync``."""
+    seeding.manual_seed(0)  # the pool's processes have drawn seeds for earlier tests
+    torch.manual_seed(0)
+    model = DDP(Mlp(), bucket_cap_mb=0.6)
+    opt = None
+    if how != "in backward":
+        opt = torch.optim.AdamW(model.parameters(), foreach=False, **ADAMW)
+    with config.tuned(crossover_bytes=crossover), _Said() as said:
+        if how == "in backward":
+            compress(
+                model,
+                bits=4,
+                bucket_size=128,
+                layer_min_size=1024,
+                start_iter=0,
+                optimizer=torch.optim.AdamW,
+                optimizer_kwargs=ADAMW,
+            )
+        elif how == "hook, after":
+            state = CGXState(None, 1024, {"bits": 4, "bucket_size": 128}, start_iter=0)
+            model.register_comm_hook(state, cgx_hook)
+        moved_in_backward = []
+        for step in range(steps):
+            x = _batch(step)
+            model.zero_grad(set_to_none=True)
+            before = _params(model)
+            (model(x) - x.roll(1, 1)).square().mean().backward()
+            after = _params(model)
+            moved_in_backward.append(sum(not torch.equal(before[n], after[n]) for n in after))
+            if opt is not None:
+                opt.step()
+        params = _params(model)
+        # Gradient accumulation: a backward pass under no_sync, then one synchronized.
+        x = _batch(steps)
+        model.zero_grad(set_to_none=True)
+        with model.no_sync():
+            (model(x) - x.roll(1, 1)).square().mean().backward()
+        stepped_under_no_sync = any(
+            not torch.equal(p, params[n]) for n, p in _params(model).items()
+        )
+        x = _batch(steps + 1)
+        (model(x) - x.roll(1, 1)).square().mean().backward()
+        if opt is not None:
+            opt.step()
+    return {
+        "params": params,
+        "accumulated": _params(model),
+        "moved_in_backward": moved_in_backward,
+        "stepped_under_no_sync": stepped_under_no_sync,
+        "hook": model._get_ddp_logging_data().get("comm_hook"),
+        "said": [m for m in said.messages if m.startswith("cgx2.ddp.compress")],
+    }
+
+
+def _identical(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name, p in a.items():
+        assert torch.equal(p, b[name]), name
+
+
+def test_compressed_adamw_in_backward_trains_bit_for_bit_as_after_it(dist2):
+    """Where a bucket compresses, AdamW steps every parameter in the backward pass (none is
+    left to a step after it; under no_sync none is stepped) and three steps, then one of
+    gradients accumulated under no_sync, leave every parameter bit for bit as cgx_hook with
+    AdamW stepping after the backward pass (the same averaged gradients, the same
+    single-tensor arithmetic), identical on both ranks."""
+    inside = dist2.run(_train, "in backward", 0)
+    after = dist2.run(_train, "hook, after", 0)
+    n = len(inside[0]["params"])
+    for rank in range(2):
+        assert inside[rank]["moved_in_backward"] == [n, n, n]
+        assert after[rank]["moved_in_backward"] == [0, 0, 0]
+        assert inside[rank]["stepped_under_no_sync"] is False
+        assert inside[rank]["hook"] == "cgx_hook_then_AdamW"
+        _identical(inside[rank]["params"], after[rank]["params"])
+        _identical(inside[rank]["accumulated"], after[rank]["accumulated"])
+        (said,) = inside[rank]["said"]
+        assert "registered cgx_hook" in said and "AdamW stepping each bucket" in said, said
+    _identical(inside[0]["params"], inside[1]["params"])
+    initial = dist2.run(_train, "in backward", 0, 0)[0]["params"]
+    assert all(not torch.equal(p, initial[name]) for name, p in inside[0]["params"].items())
+
+
+def test_uncompressed_adamw_in_backward_is_ddps_fused_optimizer(dist2):
+    """Where no bucket compresses, compress keeps DDP's allreduce as torch's allreduce_hook with
+    AdamW stepping each bucket (DDP._register_fused_optim), says so, and trains bit for bit as
+    plain DDP with AdamW after the backward pass (with two ranks, halving the sum is exact
+    either side of it), identical on both ranks."""
+    inside = dist2.run(_train, "in backward", 1 << 40)
+    after = dist2.run(_train, "plain, after", 1 << 40)
+    n = len(inside[0]["params"])
+    for rank in range(2):
+        assert inside[rank]["moved_in_backward"] == [n, n, n]
+        assert inside[rank]["stepped_under_no_sync"] is False
+        assert inside[rank]["hook"].endswith("hook_then_optimizer_wrapper")  # torch's
+        _identical(inside[rank]["params"], after[rank]["params"])
+        _identical(inside[rank]["accumulated"], after[rank]["accumulated"])
+        (said,) = inside[rank]["said"]
+        assert "_register_fused_optim" in said and "AdamW" in said and str(1 << 40) in said
+    _identical(inside[0]["params"], inside[1]["params"])
+
+
+_BAD = [
+    ({"optimizer": torch.optim.Adagrad}, "ValueError", "torch.optim.AdamW"),
+    ({"optimizer": torch.optim.RMSprop, "optimizer_kwargs": {"lr": 1.0}}, "ValueError", "Adam,"),
+    ({"optimizer": "AdamW"}, "TypeError", "optimizer class"),
+    ({"optimizer_kwargs": {"lr": 1.0}}, "ValueError", "optimizer_kwargs"),
+    ({"optimizer": torch.optim.AdamW, "optimizer_kwargs": [1.0]}, "TypeError", "mapping"),
+    ({"optimizer": torch.optim.AdamW, "optimizer_kwargs": {"lr": -1.0}}, "ValueError", "rate"),
+    (
+        {"optimizer": torch.optim.AdamW, "optimizer_kwargs": {"capturable": True}},
+        "TypeError",
+        "capt",
+    ),
+]
+
+
+def test_optimizers_without_a_functional_form_are_refused_naming_those_with_one(dist2):
+    """Adagrad and RMSprop have no functional form that steps one parameter at a time: the
+    error names those that have; a name in place of a class, arguments without an
+    optimizer and arguments the optimizer refuses raise too, on every rank before anything is
+    sent or registered."""
+    for found in dist2.run(_refusals, _BAD):
+        for (kwargs, error, text), (raised, message, hook) in zip(_BAD, found, strict=True):
+            assert raised == error and text in message and hook is None, (kwargs, message)
+
+
+def _disagreeing() -> tuple[str, str]:
+    torch.manual_seed(0)
+    model = DDP(Mlp())
+    lr = 1e-3 if dist.get_rank() == 0 else 1e-2
+    try:
+        compress(model, bits=4, optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": lr})
+    except Exception as e:  # reported to the test
+        return type(e).__name__, str(e)
+    return "", ""
+
+
+def test_ranks_whose_optimizers_differ_are_refused(dist2):
+    """Replicas stepped by different optimizers would drift apart: every rank raises."""
+    for raised, message in dist2.run(_disagreeing):
+        assert raised == "DisagreementError" and "optimizer" in message, message
