@@ -7,8 +7,9 @@ Run one process per host under ``torchrun --nnodes 2 --nproc-per-node 1 --node-r
 every hook). The model is a decoder-only transformer, about 134M parameters by default; the
 tokens are synthetic but learnable (each is a fixed function of the one before). ``--model mlp``
 is a stack of ``--layers`` square linear layers ``--dim`` wide (8 of 4096: 134M parameters) on
-``--batch-size`` rows a rank: nearly all communication. Rank 0 writes a JSON file into ``--out``
-and prints one line.
+``--batch-size`` rows a rank: nearly all communication. ``--optimizer-in-backward``: AdamW steps
+each bucket in the hook as its gradient arrives (``cgx2.ddp.compress``'s ``optimizer``), not
+after the backward pass. Rank 0 writes a JSON file into ``--out`` and prints one line.
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import cgx2
 from cgx2.bench.report import add_choice, add_number
 from cgx2.ddp import CGXState, cgx_hook, compress
+
+try:
+    from cgx2.ddp import optimizer_in_hook
+except ImportError:  # a cgx2 from before it, run for comparison
+    optimizer_in_hook = None
 
 # The model of examples/train_ddp.py, with a vocabulary of this script's.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -77,34 +83,45 @@ def token_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
-def register_hook(ddp: DDP, hook: str, bits: int, rank: int = 4) -> CGXState | None:
+def register_hook(
+    ddp: DDP, hook: str, bits: int, rank: int = 4, adamw: dict | None = None
+) -> CGXState | None:
     """``plain``: DDP's own allreduce; ``cgx``: cgx2's hook at ``bits``, routed by the policy
     (``CGX2_CROSSOVER_BYTES`` overrides it); ``compress``: ``cgx2.ddp.compress`` at ``bits``
     (the hook only where the policy compresses a bucket); ``allreduce``: torch's
     ``allreduce_hook`` (DDP's allreduce through a hook: what the hook machinery alone costs);
     ``bf16``: torch's ``bf16_compress_hook``; ``powersgd``: torch's PowerSGD at ``rank``,
-    compressing from the third step on."""
+    compressing from the third step on. ``adamw``: AdamW's arguments, where it steps each
+    bucket in the hook (compress's ``optimizer``, ``cgx2.ddp.optimizer_in_hook`` around the
+    others, DDP's ``_register_fused_optim`` for plain DDP)."""
     if hook == "compress":
-        return compress(ddp, bits=bits)  # None where DDP's own allreduce was kept
-    if hook == "allreduce":
-        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+        # None where DDP's own allreduce was kept
+        if adamw is None:
+            return compress(ddp, bits=bits)
+        return compress(ddp, bits=bits, optimizer=torch.optim.AdamW, optimizer_kwargs=adamw)
+    if hook == "plain":
+        if adamw is not None:
+            ddp._register_fused_optim(torch.optim.AdamW, **adamw)
         return None
-    if hook == "powersgd":
+    state, fn = None, None
+    if hook == "allreduce":
+        fn = default_hooks.allreduce_hook
+    elif hook == "powersgd":
         state = powerSGD_hook.PowerSGDState(
             None, matrix_approximation_rank=rank, start_powerSGD_iter=2
         )
-        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-        return None
-    if hook == "cgx":
+        fn = powerSGD_hook.powerSGD_hook
+    elif hook == "cgx":
         state = CGXState(None, compression_params={"bits": bits})
-        ddp.register_comm_hook(state, cgx_hook)
-        return state
-    if hook == "bf16":
-        bf16_hook = default_hooks.bf16_compress_hook
+        fn = cgx_hook
+    elif hook == "bf16":
+        fn = default_hooks.bf16_compress_hook
         if not torch.cuda.is_available():
-            bf16_hook = _bf16_compress_hook_cpu
-        ddp.register_comm_hook(None, bf16_hook)
-    return None
+            fn = _bf16_compress_hook_cpu
+    ddp.register_comm_hook(
+        state, fn if adamw is None else optimizer_in_hook(fn, torch.optim.AdamW, adamw)
+    )
+    return state if hook == "cgx" else None
 
 
 def _bf16_compress_hook_cpu(process_group, bucket):  # DDP checks real annotations, not strings
@@ -148,8 +165,13 @@ def run(args: argparse.Namespace) -> dict:
         device_ids=[device.index] if device.type == "cuda" else None,
         bucket_cap_mb=args.bucket_cap_mb,
     )
-    state = register_hook(ddp, args.hook, args.bits, args.powersgd_rank)
-    opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
+    in_backward = args.optimizer_in_backward
+    adamw = {"lr": args.lr} if in_backward else None
+    state = register_hook(ddp, args.hook, args.bits, args.powersgd_rank, adamw)
+    # With AdamW in the backward pass this one only clears the gradients in the timed steps,
+    # and stands in for the hook's steps where no hook runs (no_sync, below): one parameter
+    # at a time (foreach=False), as the hook steps them.
+    opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr, foreach=False if in_backward else None)
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own batches
     times, sent = [], (0, 0)
     total = args.warmup + args.steps + int(args.profile)
@@ -166,7 +188,8 @@ def run(args: argparse.Namespace) -> dict:
             opt.zero_grad(set_to_none=True)
             loss = loss_fn(ddp(x), y)
             loss.backward()
-            opt.step()
+            if not in_backward:
+                opt.step()
             sync(device)
         if step >= args.warmup and not profiled:
             times.append(time.perf_counter() - t0)
@@ -194,7 +217,8 @@ def run(args: argparse.Namespace) -> dict:
         compute.append(time.perf_counter() - t0)
     # The same steps timed phase by phase (a sync between them): DDP sends gradients only
     # during the backward pass, so the forward pass and the optimizer's step add to the
-    # link's time (bench/nccl_hosts_summary.py's "of DDP's light").
+    # link's time (bench/nccl_hosts_summary.py's "of DDP's light"), unless the optimizer
+    # steps in the backward pass: then its step counts in the backward pass's compute.
     phases: dict[str, list[float]] = {"forward_ms": [], "backward_ms": [], "optimizer_ms": []}
     for _ in range(args.compute_steps):
         x, y = synthetic_batch(args, gen, device)
@@ -213,6 +237,12 @@ def run(args: argparse.Namespace) -> dict:
         marks.append(time.perf_counter())
         for times_of, start, end in zip(phases.values(), marks, marks[1:], strict=False):
             times_of.append(end - start)
+    timed = {k: statistics.median(v) * 1e3 if v else None for k, v in phases.items()}
+    # In the backward pass the optimizer leaves nothing after it: its step, timed here by
+    # the stand-in, is the part of the backward pass's compute that the hook adds.
+    timed["optimizer_in_backward_ms"] = timed["optimizer_ms"] if in_backward else 0.0
+    if in_backward:
+        timed["optimizer_ms"] = 0.0
     mean_loss = loss.detach().float()  # on the rank's device: NCCL reduces no CPU tensor
     dist.all_reduce(mean_loss)
     ratio = None
@@ -253,7 +283,8 @@ def run(args: argparse.Namespace) -> dict:
         "step_ms": step_ms,
         "median_ms": statistics.median(step_ms),
         "compute_ms": statistics.median(compute) * 1e3 if compute else None,
-        **{k: statistics.median(v) * 1e3 if v else None for k, v in phases.items()},
+        "optimizer_in_backward": in_backward,
+        **timed,
         "loss": mean_loss.cpu().item() / world,
     }
 
@@ -298,6 +329,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_number(p, "--context", 256, "tokens per sequence")
     add_number(p, "--batch-size", 8, "sequences per rank and step")
     add_number(p, "--lr", 3e-4)
+    p.add_argument(
+        "--optimizer-in-backward",
+        action="store_true",
+        help="AdamW steps each bucket in the hook as its gradient arrives, overlapping the "
+        "backward pass and the bytes (compress's optimizer=; DDP's _register_fused_optim for "
+        "plain); its phase is then timed as part of the backward pass",
+    )
     add_number(p, "--warmup", 3, "untimed steps first")
     add_number(p, "--steps", 5, "timed steps")
     add_number(
@@ -327,6 +365,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--steps must be >= 1, --warmup and --compute-steps >= 0")
     if args.backend == "nccl" and args.device != "cuda":
         p.error("--backend nccl needs --device cuda")
+    if args.optimizer_in_backward and optimizer_in_hook is None:
+        p.error("--optimizer-in-backward: this cgx2 has no cgx2.ddp.optimizer_in_hook")
     if args.hook == "powersgd" and args.warmup < 2:
         p.error("--hook powersgd compresses from the third step: --warmup must be >= 2")
     return args

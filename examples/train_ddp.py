@@ -4,8 +4,10 @@ The text is Python's own standard library source, so nothing is downloaded. CPU 
 default (2 processes), CUDA with NCCL when present; under torchrun it uses the launcher's
 processes. --mode hook registers cgx_hook (--hook picks a Global-QSGD hook instead);
 --mode backend runs plain DDP on the cgx backend (CGX's other way in); --compile compiles the
-model under DDP. Logs loss, step time and the bytes sent against uncompressed DDP; --compare
-trains plain DDP first, from the same seed, and reports the step time against it:
+model under DDP; --optimizer-in-backward steps AdamW in the hook, bucket by bucket as each
+bucket's gradient arrives, not after the backward pass. Logs loss, step time and the bytes sent
+against uncompressed DDP; --compare trains plain DDP first, from the same seed, and reports the
+step time against it:
 
     python examples/train_ddp.py --bits 4 --steps 200            # spawns 2 CPU processes
     python examples/train_ddp.py --bits 4 --compare              # and against plain DDP
@@ -38,7 +40,7 @@ from cgx2.bench.report import (
 )
 from cgx2.collectives import graphs
 from cgx2.collectives.fusion import ring_bytes_sent
-from cgx2.ddp import CGXState, GlobalQSGDState, cgx_hook
+from cgx2.ddp import CGXState, GlobalQSGDState, cgx_hook, optimizer_in_hook
 from cgx2.ddp import global_qsgd as gq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -136,7 +138,7 @@ def train(args: argparse.Namespace) -> dict:
     # The loss is averaged for the log on a plain group, so that only gradients are counted.
     log_group = dist.new_group(backend="gloo")
     group = dist.group.WORLD
-    state = None
+    state = hook = None
     if args.mode == "hook" and args.bits != 32 and args.hook == "cgx":
         state = CGXState(
             None,
@@ -146,12 +148,21 @@ def train(args: argparse.Namespace) -> dict:
             error_feedback=args.error_feedback,
             rotation=None if args.rotation == "none" else args.rotation,
         )
-        ddp.register_comm_hook(state, cgx_hook)
+        hook = cgx_hook
     elif args.mode == "hook" and args.bits != 32:  # a Global-QSGD hook, by its name
         state = GlobalQSGDState(group, bits=args.bits)
-        ddp.register_comm_hook(state, getattr(gq, f"{args.hook}_hook"))
+        hook = getattr(gq, f"{args.hook}_hook")
+    if not args.optimizer_in_backward:
+        opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
+    else:  # AdamW steps each bucket in the hook as its gradient arrives: no opt.step()
+        opt = None
+        if hook is None:  # DDP's own allreduce, through torch's allreduce_hook
+            ddp._register_fused_optim(torch.optim.AdamW, lr=args.lr)
+        else:
+            hook = optimizer_in_hook(hook, torch.optim.AdamW, {"lr": args.lr})
+    if hook is not None:
+        ddp.register_comm_hook(state, hook)
     forward = torch.compile(ddp) if args.compile else ddp
-    opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
     text = load_text(args.text_bytes)
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own batches
     losses, times = [], []
@@ -160,11 +171,12 @@ def train(args: argparse.Namespace) -> dict:
     for step in range(args.steps):
         x, y = batch(text, args.batch_size, args.context, gen, device)
         t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
+        ddp.zero_grad(set_to_none=True)
         with torch.autocast(device.split(":")[0], torch.bfloat16, enabled=args.amp == "bf16"):
             loss = nn.functional.cross_entropy(forward(x).flatten(0, 1).float(), y.flatten())
         loss.backward()
-        opt.step()
+        if opt is not None:
+            opt.step()
         if device != "cpu":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
@@ -305,6 +317,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="cgx hook: add what quantization took from a step's gradient to the next",
     )
     p.add_argument("--compile", action="store_true", help="torch.compile the model under DDP")
+    p.add_argument(
+        "--optimizer-in-backward",
+        action="store_true",
+        help="AdamW (the same arguments) steps each bucket in the hook as its gradient arrives, "
+        "overlapping the backward pass and the communication; no step after it",
+    )
     p.add_argument(
         "--flat",
         action="store_true",
