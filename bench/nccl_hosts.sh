@@ -28,6 +28,8 @@
 #     mlp_powersgd ddp_b32 ddp_b4 fsdp_fp32_b32 fsdp_fp32_b4 fsdp_fp32_b4p8 fsdp_fp32_b4p8k
 #     fsdp_bf16_b32 fsdp_bf16_b4 fsdp_bf16_b4p8 fsdp_bf16_b4p8k ddp_b32_compile ddp_b4_compile hsdp_bf16_b32 hsdp_bf16_b4
 #     hsdp_bf16_b4p8; not by default: mlp_compress, cgx2.ddp.compress at 4 bits,
+#     mlp_cgx4o, the same with AdamW stepping each bucket in the backward pass
+#     (--optimizer-in-backward), ddp_b4o, train_ddp.py 4-bit with it,
 #     mlp_allreduce, torch's allreduce_hook, mlp_cgx4_flat and mlp_cgx4_mesh, the node mesh
 #     off and on, mlp_plain_big and mlp_cgx4_big, DDP's buckets at 100 MB; conv_*).
 #   NCCL_HOST_PLAN: "LAYOUT RATE RUN...; ..." runs exactly these, in this order (in place of
@@ -153,12 +155,15 @@ program() {  # name folder layout; NAME+VAR=VALUE... runs NAME with those variab
     mlp_bf16) args=(bench/ddp_gloo_cuda.py --hook bf16) ;;
     mlp_powersgd) args=(bench/ddp_gloo_cuda.py --hook powersgd) ;;
     mlp_compress) args=(bench/ddp_gloo_cuda.py --hook compress --bits 4) ;;
+    mlp_cgx4o)  # AdamW steps each bucket in the hook, overlapping the backward pass and the bytes
+      args=(bench/ddp_gloo_cuda.py --hook compress --bits 4 --optimizer-in-backward --name cgx4o) ;;
     mlp_allreduce) args=(bench/ddp_gloo_cuda.py --hook allreduce) ;;
-    ddp_b32|ddp_b4|ddp_b32_compile|ddp_b4_compile)
-      bits=${name#ddp_b}; bits=${bits%_compile}
+    ddp_b32|ddp_b4|ddp_b32_compile|ddp_b4_compile|ddp_b4o)  # b4o: AdamW in the backward pass
+      bits=${name#ddp_b}; bits=${bits%_compile}; bits=${bits%o}
       args=(examples/train_ddp.py --device "$DEVICE" --bits "$bits" $DDP_ARGS --log-every 1000
             --json "$dir/$name.json")
-      [ "${name%_compile}" != "$name" ] && args+=(--compile) ;;
+      [ "${name%_compile}" != "$name" ] && args+=(--compile)
+      [ "${name%o}" != "$name" ] && args+=(--optimizer-in-backward) ;;
     fsdp_*|hsdp_*)
       if [ "${name%%_*}" = hsdp ] && [ "$layout" != 2x2 ]; then return; fi
       dtype=${name#*_}; dtype=${dtype%%_*}

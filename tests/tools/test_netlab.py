@@ -320,3 +320,54 @@ def test_an_nccl_hosts_fsdp_run_named_k_keeps_the_quantized_parameters(netlab, t
     kept = [ln for ln in lines if "--keep-quantized-params" in ln]
     assert kept and all("--param-bits 8" in ln and "--bf16" in ln for ln in kept), lines
     assert any("--param-bits 8 " in ln and ln not in kept for ln in lines), lines
+
+
+def test_the_nccl_hosts_optimizer_in_backward_runs_pass_the_flag(netlab, tmp_path):
+    """mlp_cgx4o is compress at 4 bits with --optimizer-in-backward, ddp_b4o train_ddp.py at 4
+    bits with it; ddp_b4 and mlp_compress go without."""
+    plan = "1x4 nvlink mlp_cgx4o ddp_b4o ddp_b4 mlp_compress"
+    done = _nccl_hosts_dry(tmp_path, NCCL_HOST_PLAN=plan)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("host 0:")]
+    assert len(lines) == 4, done.stdout
+    mlp, ddp, *without = lines
+    assert "ddp_gloo_cuda.py --hook compress --bits 4 --optimizer-in-backward" in mlp
+    assert "train_ddp.py" in ddp and "--bits 4 " in ddp and "--optimizer-in-backward" in ddp
+    assert all("--optimizer-in-backward" not in ln for ln in without), without
+
+
+def test_the_nccl_hosts_summary_shows_the_optimizer_in_backward_runs(tmp_path):
+    """An optimizer stepping in the backward pass adds to its compute, not after it: DDP's
+    light is forward + the longer of (backward + optimizer) and the bytes. mlp_cgx4o and
+    ddp_b4o get rows of their own, ddp_b4o's beside plain DDP's eager run."""
+    import json
+
+    sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
+    try:
+        import nccl_hosts_summary as summary
+    finally:
+        sys.path.pop(0)
+    two = {"busbw_gbs": 1.0}
+    run = {"params": 10**8, "hosts": "2", "gpus_per_host": "1", "forward_ms": 2.0}
+    wire_ms = 4e8 * 0.125 * 1 / 1e9 * 1e3  # 50 ms
+    overlapped = {**run, "backward_ms": 3.0, "optimizer_ms": 0.0, "optimizer_in_backward_ms": 1.5}
+    assert summary.ddp_light(overlapped, 0.125, two, hosts=2) == pytest.approx(2.0 + wire_ms)
+    slow = {**overlapped, "backward_ms": 60.0}
+    assert summary.ddp_light(slow, 0.125, two, hosts=2) == pytest.approx(2.0 + 61.5)
+
+    folder = tmp_path / "2x1_10gbit"
+    results = {
+        "mlp_plain": {"median_ms": 400.0},
+        "mlp_cgx4o": {"median_ms": 50.0, "bytes_sent_ratio": 0.13, **overlapped},
+        "ddp_b32": {"step_ms": 300.0},
+        "ddp_b4o": {"step_ms": 60.0},
+    }
+    for name, result in results.items():
+        (folder / name).mkdir(parents=True)
+        (folder / name / ("ddp_x.json" if name.startswith("mlp") else f"{name}.json")).write_text(
+            json.dumps(result)
+        )
+    runs = {name: {"run": name, "rc": 0} for name in results}
+    text, data = summary.section(folder, "2x1", "10gbit", runs)
+    assert "| cgx2.ddp.compress 4-bit, AdamW in the backward pass | 50.0 | 8.00x |" in text, text
+    assert "| eager, 4-bit with AdamW in the backward pass | 300.0 | 60.0 | 5.00x |" in text, text
+    assert data["mlp"]["mlp_cgx4o"]["optimizer_in_backward_ms"] == 1.5
