@@ -221,6 +221,10 @@ class CGXState:
         # and the futures of the buckets they came from, set once those are reduced.
         self._exact_later: list[torch.Tensor] = []
         self._waiting: list[tuple[torch.futures.Future[torch.Tensor], torch.Tensor]] = []
+        self.optimizer_in_hook = False
+        """Whether an optimizer steps each bucket as its future completes
+        (:func:`cgx2.ddp.optimizer_in_hook` sets it): each future is then set as soon as its
+        own bucket is averaged, its exact layers too, never held for the last bucket."""
 
     def state_dict(self) -> dict[str, object]:
         """What a checkpoint needs to resume the hook identically: its settings, counters,
@@ -475,7 +479,8 @@ def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[t
     )
     if index == 0:  # a backward pass that raised midway left its waiting buckets behind
         state._exact_later, state._waiting = [], []
-    later = state._exact_later if policy.coalesces_exact(buffer, group) else None
+    coalesces = policy.coalesces_exact(buffer, group, state.optimizer_in_hook)
+    later = state._exact_later if coalesces else None
     side = state.stream(buffer.device) if buffer.is_cuda else None
     if side is not None:
         # On NCCL the coding and its waits on the collectives run on a side stream, so that

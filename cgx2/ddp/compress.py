@@ -107,10 +107,11 @@ def compress(
       comes with the next synchronized backward pass, on the gradients accumulated;
     - the optimizer's state (Adam's moments) lives in the hook, in no ``state_dict``, and its
       learning rate is fixed (no ``lr_scheduler``);
-    - not under compiled autograd's per-parameter reducer (``optimize_ddp="python_reducer"``);
-    - on NCCL, ``cgx_hook`` holds the exact layers (biases, norms) of each compressed bucket,
-      and the bucket's future, for the backward pass's last bucket: such a bucket is stepped
-      only then.
+    - not under compiled autograd's per-parameter reducer (``optimize_ddp="python_reducer"``).
+
+    On NCCL ``cgx_hook`` then averages each bucket's exact layers (biases, norms) with the
+    bucket, not held for the last bucket as it does otherwise, so that each bucket is stepped
+    as soon as it is averaged.
 
     Example::
 

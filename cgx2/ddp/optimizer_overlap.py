@@ -22,6 +22,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.optimizer_overlap_hooks import 
     _OptimizerHookState,
 )
 
+from .cgx_hook import CGXState
+
 __all__ = [
     "check_optimizer",
     "optimizer_in_hook",
@@ -118,7 +120,15 @@ def optimizer_in_hook(
 
     with quiet_torchscript_notice():
         functional = as_functional_optim(optimizer, **kwargs)
-    wrapped = _hook_then_optimizer(hook, _OptimizerHookState(_Serialized(functional)))
+    then_step = _hook_then_optimizer(hook, _OptimizerHookState(_Serialized(functional)))
+
+    def wrapped(hook_state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        if isinstance(hook_state, CGXState):
+            hook_state.optimizer_in_hook = True  # each bucket's future set as it is averaged
+        return then_step(hook_state, bucket)
+
+    # DDP checks a hook's annotations as objects; this module's are strings (__future__).
+    wrapped.__annotations__ = dict(then_step.__annotations__)
     # DDP logs a hook by its qualified name.
     name = getattr(hook, "__qualname__", type(hook).__name__)
     wrapped.__name__ = wrapped.__qualname__ = f"{name}_then_{optimizer.__name__}"

@@ -1,6 +1,8 @@
 """``cgx2.ddp.compress(..., optimizer=...)``: the optimizer steps each bucket's parameters in the
 backward pass, as the bucket's averaged gradient arrives, and trains as it does after it."""
 
+from unittest import mock
+
 import torch
 import torch.distributed as dist
 from test_compress import Mlp, _batch, _refusals, _Said  # compress's tests' helpers
@@ -164,3 +166,69 @@ def test_ranks_whose_optimizers_differ_are_refused(dist2):
     """Replicas stepped by different optimizers would drift apart: every rank raises."""
     for raised, message in dist2.run(_disagreeing):
         assert raised == "DisagreementError" and "optimizer" in message, message
+
+
+def _order_of_steps_and_exact_allreduces(held_as_on_nccl: bool) -> list[list[str]]:
+    """Per backward pass, the hook's plain allreduces (the exact layers) and the optimizer's
+    steps in the order they happen: four Linear(64, 64) in small buckets (weights
+    compressed, biases exact), the hook inline, and the policy's choice to hold exact layers
+    for the last bucket made as on NCCL (``held_as_on_nccl``: held unless an optimizer steps
+    in the hook) or always held (what the hook did before it knew)."""
+    from torch import nn
+
+    from cgx2.collectives import policy
+    from cgx2.comm import process_group
+    from cgx2.ddp import optimizer_overlap
+
+    def held(t: torch.Tensor, group: object, stepped_per_bucket: bool = False) -> bool:
+        return not stepped_per_bucket if held_as_on_nccl else True
+
+    seeding.manual_seed(0)
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(*(nn.Linear(64, 64) for _ in range(4))), bucket_cap_mb=0.017)
+    events: list[str] = []
+    plain_allreduce = process_group.allreduce_plain_
+    step_param = optimizer_overlap._Serialized.step_param
+
+    def plain(*args, **kwargs):
+        events.append("allreduce")
+        return plain_allreduce(*args, **kwargs)
+
+    def step(self, param, grad):
+        events.append("step")
+        return step_param(self, param, grad)
+
+    passes = []
+    with (
+        config.tuned(comm_worker=False, transport="process_group", crossover_bytes=0),
+        mock.patch.object(policy, "coalesces_exact", held),
+        mock.patch.object(process_group, "allreduce_plain_", plain),
+        mock.patch.object(optimizer_overlap._Serialized, "step_param", step),
+    ):
+        compress(
+            model, bits=4, start_iter=0, optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.1}
+        )
+        for i in range(3):
+            events.clear()
+            x = torch.randn(8, 64, generator=torch.Generator().manual_seed(i))
+            model(x).square().mean().backward()
+            passes.append(list(events))
+    return passes
+
+
+def test_with_an_optimizer_in_the_hook_each_bucket_steps_before_the_next_is_sent(dist2):
+    """On NCCL the hook holds the exact layers of compressed buckets for the last bucket and
+    sets their futures only then; with an optimizer stepping in the hook it does not, or every
+    step would wait for the last bucket's bytes: each bucket's parameters are stepped as soon
+    as the bucket is averaged, before the next bucket's exact layers are sent."""
+    for passes in dist2.run(_order_of_steps_and_exact_allreduces, True):
+        for events in passes[1:]:  # after DDP's first pass (one bucket) rebuilds them small
+            assert events.count("allreduce") >= 2, events
+            first_step, last_allreduce = events.index("step"), len(events) - 1
+            while events[last_allreduce] != "allreduce":
+                last_allreduce -= 1
+            assert first_step < last_allreduce, events
+    # Held as before, every step comes after the one allreduce of all exact layers.
+    for passes in dist2.run(_order_of_steps_and_exact_allreduces, False):
+        for events in passes[1:]:
+            assert events.count("allreduce") == 1 and events[0] == "allreduce", events
