@@ -57,7 +57,7 @@ from cgx2.bench.report import (  # noqa: E402
     refused_single_process,
 )
 from cgx2.collectives.fusion import ring_bytes_sent  # noqa: E402
-from cgx2.ddp import CGXState, cgx_hook  # noqa: E402
+from cgx2.ddp import CGXState, cgx_hook, optimizer_in_hook  # noqa: E402
 
 STEP, FORWARD, BACKWARD, OPTIMIZER = (f"timeline:{m}" for m in ("step", "fwd", "bwd", "opt"))
 HOOK = "timeline:cgx_hook"
@@ -408,13 +408,20 @@ class Trainer:
         self.params = sum(p.numel() for p in model.parameters())
         self.ddp = DDP(model.to(device), bucket_cap_mb=args.bucket_cap_mb)
         self.state = None
+        # AdamW: stepped after the backward pass, or in it, each bucket as it is averaged.
+        adamw, in_backward = {"lr": args.lr}, args.optimizer_in_backward
         if args.bits != 32:
             params = {"bits": args.bits, "bucket_size": args.bucket_size}
             mesh = None if args.flat else "auto"
             self.state = CGXState(None, args.layer_min_size, params, mesh=mesh)
-            self.ddp.register_comm_hook(self.state, _marked(cgx_hook))
+            hook = _marked(cgx_hook)
+            if in_backward:
+                hook = optimizer_in_hook(hook, torch.optim.AdamW, adamw)
+            self.ddp.register_comm_hook(self.state, hook)
+        elif in_backward:
+            self.ddp._register_fused_optim(torch.optim.AdamW, **adamw)  # torch's allreduce_hook
         self.forward = torch.compile(self.ddp) if args.compile else self.ddp
-        self.opt = torch.optim.AdamW(self.ddp.parameters(), lr=args.lr)
+        self.opt = None if in_backward else torch.optim.AdamW(self.ddp.parameters(), **adamw)
         self.gen = torch.Generator().manual_seed(args.seed * 1000 + dist.get_rank())
 
     def loss(self) -> torch.Tensor:
@@ -441,13 +448,14 @@ class Trainer:
         sent = self.state.bytes_sent if self.state is not None else 0
         t0 = time.perf_counter()
         with record_function(STEP):
-            self.opt.zero_grad(set_to_none=True)
+            self.ddp.zero_grad(set_to_none=True)
             with record_function(FORWARD):
                 loss = self.loss()
             with record_function(BACKWARD):
                 loss.backward()
             with record_function(OPTIMIZER):
-                self.opt.step()
+                if self.opt is not None:  # else stepped in the backward pass
+                    self.opt.step()
             if cuda:
                 torch.cuda.synchronize()
         ms = (time.perf_counter() - t0) * 1e3
@@ -616,6 +624,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_number(p, "--bucket-cap-mb", 25.0, "DDP's bucket size")
     add_choice(p, "--amp", ("none", "bf16"), "bf16 autocast")
     p.add_argument("--compile", action="store_true", help="torch.compile the model under DDP")
+    p.add_argument(
+        "--optimizer-in-backward",
+        action="store_true",
+        help="AdamW steps each bucket in the hook as it is averaged (cgx2.ddp.optimizer_in_hook; "
+        "plain DDP: DDP._register_fused_optim)",
+    )
     add_choice(p, "--device", ("auto", "cpu", "cuda"), "auto: cuda if available (NCCL)")
     add_number(p, "--warmup", 5, "unprofiled steps first")
     add_number(p, "--timed", 3, "unprofiled steps timed after the warm-up, for comparison")

@@ -31,7 +31,9 @@
 #     mlp_cgx4o, the same with AdamW stepping each bucket in the backward pass
 #     (--optimizer-in-backward), ddp_b4o, train_ddp.py 4-bit with it,
 #     mlp_allreduce, torch's allreduce_hook, mlp_cgx4_flat and mlp_cgx4_mesh, the node mesh
-#     off and on, mlp_plain_big and mlp_cgx4_big, DDP's buckets at 100 MB; conv_*).
+#     off and on, mlp_plain_big and mlp_cgx4_big, DDP's buckets at 100 MB; conv_*;
+#     timeline_ddp_b4, timeline_ddp_b32, timeline_ddp_b4o and timeline_mlp_b4:
+#     bench/ddp_step_timeline.py, where a step's time goes, TIMELINE_ARGS the model's).
 #   NCCL_HOST_PLAN: "LAYOUT RATE RUN...; ..." runs exactly these, in this order (in place of
 #     LAYOUTS, NCCL_HOST_RATES and NCCL_HOST_RUNS); RUN+VAR=VALUE[+VAR=VALUE] runs RUN with those
 #     variables set in every rank (an A/B inside one call: mlp_cgx4+CGX2_CUDA_GRAPHS=0), its
@@ -82,6 +84,7 @@ mkdir -p "$DIR"
 MLP_ARGS=${MLP_ARGS:---model mlp --dim 4096 --layers 8 --batch-size 64 --warmup 2 --steps 3}
 DDP_ARGS=${DDP_ARGS:---dim 1024 --layers 10 --heads 16 --context 256 --batch-size 8 --steps 8}
 FSDP_ARGS=${FSDP_ARGS:---steps 8}
+TIMELINE_ARGS=${TIMELINE_ARGS:---dim 1024 --layers 10 --heads 16 --context 256 --batch-size 8}
 BENCH_ARGS=${BENCH_ARGS:---sizes 64M,256M --bits 4 --dtypes fp32 --warmup 1 --iters 5}
 CONV_ARGS=${CONV_ARGS:---dim 512 --layers 6 --heads 8 --context 256 --batch-size 16 --steps 40
   --warmup 10 --eval-every 1000 --eval-batches 2 --train-bytes 2000000}
@@ -158,6 +161,13 @@ program() {  # name folder layout; NAME+VAR=VALUE... runs NAME with those variab
     mlp_cgx4o)  # AdamW steps each bucket in the hook, overlapping the backward pass and the bytes
       args=(bench/ddp_gloo_cuda.py --hook compress --bits 4 --optimizer-in-backward --name cgx4o) ;;
     mlp_allreduce) args=(bench/ddp_gloo_cuda.py --hook allreduce) ;;
+    timeline_ddp_b4|timeline_ddp_b32|timeline_ddp_b4o)  # where a train_ddp.py step's time goes
+      bits=${name#timeline_ddp_b}; bits=${bits%o}
+      args=(bench/ddp_step_timeline.py --device "$DEVICE" --bits "$bits" $TIMELINE_ARGS --out "$dir")
+      [ "${name%o}" != "$name" ] && args+=(--optimizer-in-backward) ;;
+    timeline_mlp_b4)  # the same for the MLP's step
+      args=(bench/ddp_step_timeline.py --device "$DEVICE" --bits 4 --model mlp --dim 4096 --layers 8
+            --batch-size 64 --out "$dir") ;;
     ddp_b32|ddp_b4|ddp_b32_compile|ddp_b4_compile|ddp_b4o)  # b4o: AdamW in the backward pass
       bits=${name#ddp_b}; bits=${bits%_compile}; bits=${bits%o}
       args=(examples/train_ddp.py --device "$DEVICE" --bits "$bits" $DDP_ARGS --log-every 1000
