@@ -84,7 +84,12 @@ def token_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def register_hook(
-    ddp: DDP, hook: str, bits: int, rank: int = 4, adamw: dict | None = None
+    ddp: DDP,
+    hook: str,
+    bits: int,
+    rank: int = 4,
+    adamw: dict | None = None,
+    lower_bits: dict | None = None,
 ) -> CGXState | None:
     """``plain``: DDP's own allreduce; ``cgx``: cgx2's hook at ``bits``, routed by the policy
     (``CGX2_CROSSOVER_BYTES`` overrides it); ``compress``: ``cgx2.ddp.compress`` at ``bits``
@@ -93,12 +98,16 @@ def register_hook(
     ``bf16``: torch's ``bf16_compress_hook``; ``powersgd``: torch's PowerSGD at ``rank``,
     compressing from the third step on. ``adamw``: AdamW's arguments, where it steps each
     bucket in the hook (compress's ``optimizer``, ``cgx2.ddp.optimizer_in_hook`` around the
-    others, DDP's ``_register_fused_optim`` for plain DDP)."""
+    others, DDP's ``_register_fused_optim`` for plain DDP). ``lower_bits``: ``rotation``,
+    ``adaptive_bits`` and ``average_bits`` for ``cgx`` and ``compress``, as their own."""
+    lower_bits = lower_bits or {}
     if hook == "compress":
         # None where DDP's own allreduce was kept
         if adamw is None:
-            return compress(ddp, bits=bits)
-        return compress(ddp, bits=bits, optimizer=torch.optim.AdamW, optimizer_kwargs=adamw)
+            return compress(ddp, bits=bits, **lower_bits)
+        return compress(
+            ddp, bits=bits, optimizer=torch.optim.AdamW, optimizer_kwargs=adamw, **lower_bits
+        )
     if hook == "plain":
         if adamw is not None:
             ddp._register_fused_optim(torch.optim.AdamW, **adamw)
@@ -112,7 +121,7 @@ def register_hook(
         )
         fn = powerSGD_hook.powerSGD_hook
     elif hook == "cgx":
-        state = CGXState(None, compression_params={"bits": bits})
+        state = CGXState(None, compression_params={"bits": bits}, **lower_bits)
         fn = cgx_hook
     elif hook == "bf16":
         fn = default_hooks.bf16_compress_hook
@@ -167,7 +176,12 @@ def run(args: argparse.Namespace) -> dict:
     )
     in_backward = args.optimizer_in_backward
     adamw = {"lr": args.lr} if in_backward else None
-    state = register_hook(ddp, args.hook, args.bits, args.powersgd_rank, adamw)
+    lower_bits = {
+        "rotation": args.rotation,
+        "adaptive_bits": args.adaptive_bits,
+        "average_bits": args.average_bits,
+    }
+    state = register_hook(ddp, args.hook, args.bits, args.powersgd_rank, adamw, lower_bits)
     # With AdamW in the backward pass this one only clears the gradients in the timed steps,
     # and stands in for the hook's steps where no hook runs (no_sync, below): one parameter
     # at a time (foreach=False), as the hook steps them.
@@ -335,6 +349,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="AdamW steps each bucket in the hook as its gradient arrives, overlapping the "
         "backward pass and the bytes (compress's optimizer=; DDP's _register_fused_optim for "
         "plain); its phase is then timed as part of the backward pass",
+    )
+    p.add_argument(
+        "--rotation", choices=("hadamard",), help="cgx/compress: rotated buckets (blocks of 128)"
+    )
+    p.add_argument(
+        "--adaptive-bits",
+        type=lambda s: tuple(int(b) for b in s.split(",")),
+        help="cgx/compress: widths to choose per layer by its error, e.g. 2,3,4,8",
+    )
+    p.add_argument(
+        "--average-bits",
+        type=float,
+        help="cgx/compress, with --adaptive-bits: the least error within this many payload "
+        "bits a value",
     )
     add_number(p, "--warmup", 3, "untimed steps first")
     add_number(p, "--steps", 5, "timed steps")

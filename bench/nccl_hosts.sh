@@ -33,7 +33,9 @@
 #     mlp_allreduce, torch's allreduce_hook, mlp_cgx4_flat and mlp_cgx4_mesh, the node mesh
 #     off and on, mlp_plain_big and mlp_cgx4_big, DDP's buckets at 100 MB; conv_*;
 #     timeline_ddp_b4, timeline_ddp_b32, timeline_ddp_b4o and timeline_mlp_b4:
-#     bench/ddp_step_timeline.py, where a step's time goes, TIMELINE_ARGS the model's).
+#     bench/ddp_step_timeline.py, where a step's time goes, TIMELINE_ARGS the model's;
+#     mlp_cgx3r, mlp_cgx2r and mlp_cgx25ar: the MLP at 3 and 2 bits rotated, and
+#     examples/convergence.py's cgx2.5a-rot).
 #   NCCL_HOST_PLAN: "LAYOUT RATE RUN...; ..." runs exactly these, in this order (in place of
 #     LAYOUTS, NCCL_HOST_RATES and NCCL_HOST_RUNS); RUN+VAR=VALUE[+VAR=VALUE] runs RUN with those
 #     variables set in every rank (an A/B inside one call: mlp_cgx4+CGX2_CUDA_GRAPHS=0), its
@@ -161,6 +163,12 @@ program() {  # name folder layout; NAME+VAR=VALUE... runs NAME with those variab
     mlp_cgx4o)  # AdamW steps each bucket in the hook, overlapping the backward pass and the bytes
       args=(bench/ddp_gloo_cuda.py --hook compress --bits 4 --optimizer-in-backward --name cgx4o) ;;
     mlp_allreduce) args=(bench/ddp_gloo_cuda.py --hook allreduce) ;;
+    mlp_cgx3r|mlp_cgx2r)  # fewer bits, rotated (issue 44's speed)
+      bits=${name#mlp_cgx}; bits=${bits%r}
+      args=(bench/ddp_gloo_cuda.py --hook cgx --bits "$bits" --rotation hadamard --name "${name#mlp_}") ;;
+    mlp_cgx25ar)  # examples/convergence.py's cgx2.5a-rot
+      args=(bench/ddp_gloo_cuda.py --hook cgx --bits 2 --rotation hadamard --adaptive-bits 2,3,4,8
+            --average-bits 2.28 --name cgx25ar) ;;
     timeline_ddp_b4|timeline_ddp_b32|timeline_ddp_b4o)  # where a train_ddp.py step's time goes
       bits=${name#timeline_ddp_b}; bits=${bits%o}
       args=(bench/ddp_step_timeline.py --device "$DEVICE" --bits "$bits" $TIMELINE_ARGS --out "$dir")

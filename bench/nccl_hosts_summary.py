@@ -25,6 +25,9 @@ MLP_RUNS = [
     ("mlp_powersgd", "torch PowerSGD, rank 4"),
     ("mlp_compress", "cgx2.ddp.compress 4-bit"),
     ("mlp_cgx4o", "cgx2.ddp.compress 4-bit, AdamW in the backward pass"),
+    ("mlp_cgx3r", "cgx_hook 3-bit, rotated"),
+    ("mlp_cgx2r", "cgx_hook 2-bit, rotated"),
+    ("mlp_cgx25ar", "cgx_hook 2/3/4/8-bit within 2.28 bits a value, rotated"),
     ("mlp_allreduce", "torch allreduce_hook"),
 ]
 FSDP_ROWS = [
