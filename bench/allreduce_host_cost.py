@@ -150,10 +150,18 @@ def main() -> None:
     x = torch.randn(args.numel, device=device)
     buffer = x.clone()
     plain = contextlib.nullcontext
-    call = collectives.CallSettings(bits, 512)
+    # The collective in either API, so that bench/host_cost_ab.sh times it in a tree from before
+    # CallSettings too (fb90910, issue 43's baseline: allreduce(t, bits, bucket, group, op)).
+    if hasattr(collectives, "CallSettings"):
+        call = collectives.CallSettings(bits, 512)
 
-    def collective() -> torch.Tensor:
-        return collectives.allreduce(x, group, call)
+        def collective() -> torch.Tensor:
+            return collectives.allreduce(x, group, call)
+
+    else:
+
+        def collective() -> torch.Tensor:
+            return collectives.allreduce(x, bits, 512, group, "sum")
 
     settings = {
         "clone": (lambda: x.clone(), plain),
@@ -241,7 +249,10 @@ def main() -> None:
             ),
             ("plain_all_reduce", f"{dist.get_backend()}'s own allreduce of the same tensor"),
         ]
-        print("\n".join(report.format_columns(rows, columns, calls_said)))
+        # format_table and format_legend: format_columns came after fb90910
+        print(report.format_table(rows, [column[:3] for column in columns]))
+        legend = [(head, meaning) for _, head, _, meaning in columns if meaning is not None]
+        print(report.format_legend(legend + calls_said))
         if profile:
             print(profile)
         env = {

@@ -292,16 +292,19 @@ def test_results_across_netlab_hosts_name_their_link(tmp_path: Path, monkeypatch
     assert "link" not in report.environment(torch.device("cpu"), 2)
 
 
-def test_host_cost_ab_tables_each_tree_beside_the_other(tmp_path: Path) -> None:
-    """bench/host_cost_ab.sh runs bench/host_cost.py under each tree, rounds alternating, and
-    tables every call's ratio to its clone with a column a tree."""
+def test_host_cost_ab_tables_each_tree_over_the_first_round_by_round(tmp_path: Path) -> None:
+    """bench/host_cost_ab.sh runs bench/host_cost.py and (2 gloo processes, without GPUs)
+    bench/allreduce_host_cost.py under each tree, rounds alternating; each call's row holds the
+    median over rounds of its host time over the first tree's in the same round, each round's
+    ratio, and each tree's own µs and ratio to its clone / plain allreduce; the JSON beside the
+    runs holds the rows and how they were made."""
     root = Path(__file__).parents[2]
     env = {
         **_env(),
         "TREES": f"a={root} b={root}",
         "ROUNDS": "2",
         "OUT": str(tmp_path),
-        "HOST_COST_ARGS": "--numel 1024 --calls 20 --rounds 1",
+        "HOST_COST_ARGS": "--numel 256 --calls 10 --rounds 1",
         "CUDA_VISIBLE_DEVICES": "",
     }
     done = subprocess.run(
@@ -313,8 +316,34 @@ def test_host_cost_ab_tables_each_tree_beside_the_other(tmp_path: Path) -> None:
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "| call | a | b |" in done.stdout, done.stdout
-    rows = [ln for ln in done.stdout.splitlines() if ln.startswith("| op_quantize |")]
-    assert len(rows) == 1 and rows[0].count("|") == 4, done.stdout
-    for tree in "ab":
-        assert len(list(tmp_path.glob(f"{tree}/*/host_cost_*.json"))) == 2
+    header = "| call | b/a | a µs | b µs | a x_clone | b x_clone |"
+    assert header in done.stdout, done.stdout
+    assert "| call | b/a | a µs | b µs | a x_plain | b x_plain |" in done.stdout, done.stdout
+    (path,) = tmp_path.glob("host_cost_ab_*.json")
+    record = json.loads(path.read_text())
+    assert record["env"]["command"].endswith("bash bench/host_cost_ab.sh")
+    assert record["env"]["trees"]["a"]["path"] == str(root)
+    kinds = (
+        ("host_cost", "x_clone", "op_quantize"),
+        ("allreduce_host_cost", "x_plain", "collectives.allreduce"),
+    )
+    for kind, ratio, timed in kinds:
+        us = {  # (tree, round) -> call -> µs
+            (tree, int(run.parent.name)): {
+                row["call"]: row["host_us"] for row in json.loads(run.read_text())["rows"]
+            }
+            for tree in "ab"
+            for run in tmp_path.glob(f"{tree}/*/{kind}_*.json")
+        }
+        assert sorted(us) == [("a", 1), ("a", 2), ("b", 1), ("b", 2)]
+        rows = {row["call"]: row for row in record["tables"][kind]}
+        table = done.stdout.split(f"\n{kind} on ")[1].split("\n\n")[0].splitlines()
+        assert {"clone", timed} <= rows.keys()
+        for call, row in rows.items():
+            each = [us["b", r][call] / us["a", r][call] for r in (1, 2)]
+            assert row["b/a_rounds"] == pytest.approx(each)
+            assert row["b/a"] == pytest.approx(sum(each) / 2)
+            assert row["a_us"] == pytest.approx((us["a", 1][call] + us["a", 2][call]) / 2)
+            assert row[f"b_{ratio}"] > 0
+            line = next(ln for ln in table if ln.startswith(f"| {call} |"))
+            assert f"{row['b/a']:.3f} [{each[0]:.3f}, {each[1]:.3f}]" in line
