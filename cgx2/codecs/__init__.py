@@ -52,15 +52,23 @@ def triton_kernels(module: str) -> ModuleType | None:
         return None
 
 
+# The kernels module (or None) of each other device and kernels' name, found at its first call.
+_KERNELS_FOR: dict[tuple[torch.device, str], ModuleType | None] = {}
+
+
 def codec_for(device: torch.device, kernels: str, reference: _C) -> _C:
     """The Triton ``kernels`` module for CUDA tensors where Triton imports, else
     ``reference`` (both write the same bytes: the kernels implement its protocol)."""
-    # CPU first, compared whole: device.type builds a string at each of the ops' calls.
-    if device != _CPU and device.type == "cuda":
-        module = triton_kernels(kernels)
-        if module is not None:
-            return cast(_C, module)
-    return reference
+    # CPU first, compared whole; other devices' answers kept by device: device.type builds its
+    # string through a C++ stream, at each of the ops' calls on a GPU (issue 43).
+    if device == _CPU:
+        return reference
+    try:
+        module = _KERNELS_FOR[device, kernels]
+    except KeyError:
+        module = triton_kernels(kernels) if device.type == "cuda" else None
+        _KERNELS_FOR[device, kernels] = module
+    return reference if module is None else cast(_C, module)
 
 
 def maxmin_codec(device: torch.device) -> Codec:

@@ -9,6 +9,7 @@ import types
 import pytest
 import torch
 
+import cgx2.codecs
 import cgx2.config
 from cgx2.codecs import Codec, GlobalNormCodec, exponential, maxmin, maxmin_codec, triton_kernels
 from cgx2.codecs.base import mismatches
@@ -52,6 +53,33 @@ def test_the_codec_for_a_device():
     assert exponential_codec(torch.device("cpu")) is exponential
     cuda = triton_kernels("maxmin_triton") or maxmin
     assert maxmin_codec(torch.device("cuda")) is cuda
+
+
+class _CountedDevice:
+    """A device that counts the reads of its type: a torch.device's builds a string a read."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind, self.reads = kind, 0
+
+    @property
+    def type(self) -> str:
+        self.reads += 1
+        return self.kind
+
+
+@pytest.mark.parametrize("kind", ["cuda", "meta"])
+def test_a_device_codec_is_found_once(monkeypatch, kind):
+    """Beside the CPU, a device's codec is decided at its first call and kept: every call of
+    the ops asks, and a GPU's would read its device type each time (issue 43)."""
+    monkeypatch.setattr(cgx2.codecs, "_KERNELS_FOR", {})
+    device = _CountedDevice(kind)
+    expected = (triton_kernels("maxmin_triton") or maxmin) if kind == "cuda" else maxmin
+    assert [maxmin_codec(device) for _ in range(3)] == [expected] * 3  # type: ignore[arg-type]
+    assert device.reads == 1
+    assert exponential_codec(device) is (  # type: ignore[arg-type]
+        (triton_kernels("exponential_triton") or exponential) if kind == "cuda" else exponential
+    )
+    assert device.reads == 2  # its own kernels, decided apart
 
 
 def test_mismatches_names_what_a_caller_could_not_pass():
