@@ -16,7 +16,7 @@ __all__ = ["ABI_VERSION", "load"]
 
 log = logging.getLogger("cgx2")
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 """The ``cgx2._C.ABI_VERSION`` this Python code calls; a stale build of another is not used."""
 
 

@@ -332,16 +332,19 @@ int maxmin_simd(int enable) {
  * levels a group as one little-endian bits-byte field; tests/codecs/test_native_codec.py
  * holds these bytes to it), of which only the first levels_nbytes bytes are written.
  * Levels of values at or past covered (a padded last bucket) are zero. Random halves: key,
- * bucket q of stream, as philox.py. Ranges of buckets may run in threads. */
-void maxmin_encode(const float *rows, int64_t q_begin, int64_t q_end, int64_t B, int bits,
-                   uint64_t key, uint64_t stream, int64_t covered, uint8_t *meta,
-                   uint8_t *levels, int64_t levels_nbytes, int saturate) {
+ * bucket q of stream, as philox.py. Ranges of buckets may run in threads. Returns how many
+ * buckets of the range were coded saturated (only with saturate), so that the caller's check
+ * for them (maxmin.unsaturate_input) runs only where there are any. */
+int64_t maxmin_encode(const float *rows, int64_t q_begin, int64_t q_end, int64_t B, int bits,
+                      uint64_t key, uint64_t stream, int64_t covered, uint8_t *meta,
+                      uint8_t *levels, int64_t levels_nbytes, int saturate) {
     const float lmax = (float)((1 << bits) - 1);
     const int frac = bits <= 7 ? 16 : 15;
     const int64_t groups = (B + 7) / 8, stride = groups * bits;
     const uint32_t k0 = (uint32_t)key, k1 = (uint32_t)(key >> 32);
     const int simd = use_simd();
     const uint8_t *levels_end = levels + (levels_nbytes > 0 ? levels_nbytes : 0);
+    int64_t saturated = 0;
     for (int64_t q = q_begin; q < q_end; q++) {
         const float *v = rows + q * B;
         float lo = INFINITY, hi = -INFINITY;
@@ -398,6 +401,7 @@ void maxmin_encode(const float *rows, int64_t q_begin, int64_t q_end, int64_t B,
                       bottom ? 1.0f : 0.0f, top ? lmax - 1.0f : lmax, lmax};
             stored_lo = m;
             step = -s;
+            saturated++;
         }
         put_f32(meta + 8 * q, stored_lo);
         put_f32(meta + 8 * q + 4, step);
@@ -441,6 +445,7 @@ void maxmin_encode(const float *rows, int64_t q_begin, int64_t q_end, int64_t B,
             encode_group(v, g, B, whole, bits, frac, b, q, stream, k0, k1, out + g * bits,
                          levels_end);
     }
+    return saturated;
 }
 
 namespace {

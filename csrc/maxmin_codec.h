@@ -5,9 +5,10 @@
 
 namespace cgx2 {
 
-void maxmin_encode(const float *rows, int64_t q_begin, int64_t q_end, int64_t B, int bits,
-                   uint64_t key, uint64_t stream, int64_t covered, uint8_t *meta,
-                   uint8_t *levels, int64_t levels_nbytes, int saturate);
+/* Returns how many buckets it coded saturated. */
+int64_t maxmin_encode(const float *rows, int64_t q_begin, int64_t q_end, int64_t B, int bits,
+                      uint64_t key, uint64_t stream, int64_t covered, uint8_t *meta,
+                      uint8_t *levels, int64_t levels_nbytes, int saturate);
 
 void maxmin_decode(const float *meta, const uint8_t *levels, int64_t levels_nbytes,
                    int64_t q_begin, int64_t q_end, int64_t B, int bits, int64_t covered,

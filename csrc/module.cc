@@ -24,7 +24,7 @@ T *at(uintptr_t address) {
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "cgx2's compiled parts: the max-min codec's CPU loops and shared-memory transport";
-  m.attr("ABI_VERSION") = 1;
+  m.attr("ABI_VERSION") = 2;
 
   py::register_exception_translator([](std::exception_ptr p) {
     try {
@@ -43,9 +43,9 @@ PYBIND11_MODULE(_C, m) {
       [](uintptr_t rows, int64_t q_begin, int64_t q_end, int64_t bucket, int bits, uint64_t key,
          uint64_t stream, int64_t covered, uintptr_t meta, uintptr_t levels,
          int64_t levels_nbytes, bool saturate) {
-        cgx2::maxmin_encode(at<const float>(rows), q_begin, q_end, bucket, bits, key, stream,
-                            covered, at<uint8_t>(meta), at<uint8_t>(levels), levels_nbytes,
-                            saturate ? 1 : 0);
+        return cgx2::maxmin_encode(at<const float>(rows), q_begin, q_end, bucket, bits, key,
+                                   stream, covered, at<uint8_t>(meta), at<uint8_t>(levels),
+                                   levels_nbytes, saturate ? 1 : 0);
       },
       py::call_guard<py::gil_scoped_release>());
   m.def(

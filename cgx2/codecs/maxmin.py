@@ -94,7 +94,7 @@ def encode(
     rotated = None if rotation is None else _rotated(x, rotation, bucket_size)
     values = x if rotated is None else rotated
     layout = MaxMinLayout.of(values.numel(), bits, bucket_size, skip_incomplete)
-    payload = _encode(values, layout, key, stream, out, nearest)
+    payload, _ = _encode(values, layout, key, stream, out, nearest)
     if rotated is not None:
         scratch.give(rotated)
     return payload
@@ -124,10 +124,10 @@ def _encode(
     out: torch.Tensor | None,
     nearest: bool = False,
     saturate: bool = False,
-) -> torch.Tensor:
-    """:func:`encode` of ``x`` in ``layout`` (its size); ``saturate``: a bucket of finite values
-    and +-Inf (no NaN) is a sum that overflowed, coded saturated (see the module doc) rather
-    than as NaN."""
+) -> tuple[torch.Tensor, bool]:
+    """:func:`encode` of ``x`` in ``layout`` (its size), and whether a bucket was coded
+    saturated; ``saturate``: a bucket of finite values and +-Inf (no NaN) is a sum that
+    overflowed, coded saturated (see the module doc) rather than as NaN."""
     bits, bucket_size = layout.bits, layout.bucket_size
     # Each of reshape and to is a dispatch even where it returns x: a flat fp32 x needs neither.
     flat32 = x.dtype == torch.float32 and x.dim() == 1
@@ -138,20 +138,14 @@ def _encode(
         raw = v[nq * bucket_size :]
         payload[layout.raw_offset : layout.raw_offset + 4 * raw.numel()] = raw.view(torch.uint8)
     if nq == 0:
-        return payload
+        return payload, False
     rows, covered = _bucket_rows(v, layout)
     nbytes = layout.levels_nbytes
-    if not nearest and native.encode_rows(
-        rows,
-        bits,
-        key,
-        stream,
-        covered,
-        payload[: 8 * nq],
-        payload[levels_at : levels_at + nbytes],
-        saturate,
-    ):
-        return payload
+    if not nearest:
+        meta, levels = payload[: 8 * nq], payload[levels_at : levels_at + nbytes]
+        count = native.encode_rows(rows, bits, key, stream, covered, meta, levels, saturate)
+        if count is not None:
+            return payload, count > 0
     lmax = float((1 << bits) - 1)
     # + 0.0 turns -0.0 into +0.0: which zero min/max pick differs between devices. A NaN
     # counts as -inf in the min, so any non-finite value makes the span non-finite.
@@ -176,13 +170,15 @@ def _encode(
     step = _finite_top(stored_lo, step, lmax_t)
     scale = torch.where(positive, scale_toward_zero(lmax_t, span_p), 0.0)
     a = torch.where(finite[:, None], (rows * pre[:, None] - lo_p[:, None]) * scale[:, None], 0.0)
+    saturated = False
     if saturate:
         # NaN-free (hi not NaN) with an infinite end: +-Inf from a sum, not from the input. One
         # bit cannot tell -Inf, +Inf and finite apart: such a bucket stays NaN.
         sat = ~finite & ~torch.isnan(hi)
         if bits == 1:
             sat &= ~((lo == -torch.inf) & (hi == torch.inf))
-        if bool(sat.any()):
+        saturated = bool(sat.any())
+        if saturated:
             m, s, sat_scale, a_lo, a_hi = _saturated_params(lo, hi, lmax_t, bits)
             stored_lo = torch.where(sat, m, stored_lo)
             step = torch.where(sat, -s, step)
@@ -203,7 +199,7 @@ def _encode(
         level.view(-1)[covered:] = 0
     payload[: 8 * nq] = torch.stack([stored_lo, step], dim=1).reshape(-1).view(torch.uint8)
     payload[levels_at : levels_at + nbytes] = pack_levels(level, bits).reshape(-1)[:nbytes]
-    return payload
+    return payload, saturated
 
 
 # Powers of two of the saturated coding (module doc): its decoded range ends at +-2**128.
@@ -453,9 +449,9 @@ def decode_sum_encode(
         acc = decode_sum(payloads, numel, own, own_index, None, bits, bucket_size, skip_incomplete)
     else:
         acc = _scaled_sum(payloads, layout, own, own_index, fp32_scalar(scale))
-    encoded = _encode(acc, layout, key, stream, out, saturate=True)
+    encoded, saturated = _encode(acc, layout, key, stream, out, saturate=True)
     scratch.give(acc)  # encoded: this sum is done with
-    if own is not None:
+    if own is not None and saturated:  # rare (an overflow): no check of the payload otherwise
         unsaturate_input(encoded, own, layout)
     if rotated is not None:
         scratch.give(rotated)

@@ -44,15 +44,15 @@ def encode_rows(
     meta: torch.Tensor,
     levels: torch.Tensor,
     saturate: bool = False,
-) -> bool:
+) -> int | None:
     """Encode fp32 ``rows`` ``[nq, B]`` into ``meta`` (the payload's ``8 nq`` bytes of
     (lo, step) fp32 pairs) and ``levels`` (its levels region), both uint8, as
     :func:`cgx2.codecs.maxmin.encode` does (``saturate``: a sum's overflow coded saturated,
-    as ``maxmin._encode``); False (nothing written) where the C loops are unavailable or the
-    tensors do not suit them."""
+    as ``maxmin._encode``): how many buckets it coded saturated, or None (nothing written)
+    where the C loops are unavailable or the tensors do not suit them."""
     lib = library()
     if lib is None or not _usable(rows, meta, levels) or rows.dtype != torch.float32:
-        return False
+        return None
     nq, bucket = rows.shape
     args = (
         bucket,
@@ -65,8 +65,13 @@ def encode_rows(
         levels.numel(),
         saturate,
     )
-    split(lambda a, b: lib.maxmin_encode(rows.data_ptr(), a, b, *args), nq, _MIN_BUCKETS_PER_THREAD)
-    return True
+    saturated: list[int] = []  # a count per range of buckets (list.append is thread-safe)
+    split(
+        lambda a, b: saturated.append(lib.maxmin_encode(rows.data_ptr(), a, b, *args)),
+        nq,
+        _MIN_BUCKETS_PER_THREAD,
+    )
+    return sum(saturated)
 
 
 def decode_rows(

@@ -6,6 +6,7 @@ from bounds import FP32_EPS, bucket_absmax, quantize_bound
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import cgx2.config
 from cgx2.codecs import maxmin
 from cgx2.codecs.layout import ChunkedLayout, MaxMinLayout
 from cgx2.codecs.packing import (
@@ -288,6 +289,46 @@ def test_only_a_sums_infinities_are_saturated():
     total = _overflowing_sum(4)[2]
     y = maxmin.decode(maxmin.encode(total, 4, 512, key=7), total.numel(), 4, 512)
     assert y[:512].isnan().all() and y[512:1024].isnan().all()
+
+
+@pytest.mark.parametrize("native_codec", [True, False], ids=["c_loops", "torch"])
+def test_the_saturation_check_runs_only_where_a_sum_overflowed(monkeypatch, native_codec):
+    """decode-sum-encode looks through its payload for saturated buckets (a host cost at every
+    call) only where its encode coded one, by the C loops or in torch (issue 43), with the
+    bytes of checking at every call: NaN where own's input is +-Inf, +-Inf where the sum is."""
+    payloads, own, total = _overflowing_sum(4)
+    n = total.numel()
+    g = torch.Generator().manual_seed(1)
+    fine = torch.stack([maxmin.encode(torch.randn(n, generator=g), 4, 512, key=s) for s in (0, 1)])
+    encode, saturated_buckets, checked = maxmin._encode, maxmin.saturated_buckets, []
+
+    def spy(payload, layout):
+        checked.append(saturated_buckets(payload, layout))
+        return checked[-1]
+
+    def checked_always(*args, **kwargs):  # as before issue 43: the check at every call
+        with monkeypatch.context() as m:
+            m.setattr(maxmin, "_encode", lambda *a, **k: (encode(*a, **k)[0], True))
+            m.setattr(maxmin, "saturated_buckets", saturated_buckets)
+            return maxmin.decode_sum_encode(*args, **kwargs)
+
+    monkeypatch.setattr(maxmin, "saturated_buckets", spy)
+    with cgx2.config.tuned(native_codec=native_codec):
+        for scale in (None, 0.5):
+            args = (fine, n, torch.randn(n, generator=g), 0, scale, 4, 512, 7)
+            got = maxmin.decode_sum_encode(*args)
+            assert checked == []
+            assert torch.equal(got, checked_always(*args))
+        checked.clear()
+        got = maxmin.decode_sum_encode(payloads, n, own, 1, None, 4, 512, 7)
+        assert checked == [[0, 1, 2, 3]]  # every bucket but the ordinary last one
+        assert torch.equal(got, checked_always(payloads, n, own, 1, None, 4, 512, 7))
+    y = maxmin.decode(got, n, 4, 512)
+    assert y[3 * 512 : 4 * 512].isnan().all()  # +Inf in own's input: NaN
+    assert not y[: 3 * 512].isnan().any() and not y[4 * 512 :].isnan().any()
+    infinite = total.isinf()
+    infinite[3 * 512 : 4 * 512] = False
+    assert infinite.sum() >= 10 and torch.equal(y[infinite], total[infinite])
 
 
 def test_negative_zero_minimum_is_stored_as_positive_zero():

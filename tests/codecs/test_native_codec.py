@@ -183,6 +183,24 @@ def test_an_overflowing_sum_is_coded_as_the_reference_codes_it(bits, torch_only,
         assert maxmin.decode(payload, n, bits, bucket).isfinite().all()
 
 
+def test_the_loops_count_the_buckets_they_code_saturated(monkeypatch, loops):
+    """encode_rows returns how many buckets it coded saturated, summed over its threads (for
+    decode-sum-encode, which checks its payload only where there are any): none without
+    saturate, none where a bucket holds NaN, none overflowing both ways at one bit."""
+    monkeypatch.setattr(native, "_MIN_BUCKETS_PER_THREAD", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    rows = torch.randn(10, 64, generator=torch.Generator().manual_seed(0))
+    rows[[1, 4, 8], 5] = float("inf")
+    rows[4, 6] = rows[9, 0] = float("-inf")
+    rows[7, 3], rows[7, 4] = float("inf"), float("nan")
+    rows[6, 0] = float("nan")
+    for bits, want in ((4, 4), (1, 3)):
+        meta, levels = torch.empty(80, dtype=torch.uint8), torch.empty(80 * bits, dtype=torch.uint8)
+        assert native.encode_rows(rows, bits, 1, 0, 640, meta, levels, True) == want
+        assert native.encode_rows(rows, bits, 1, 0, 640, meta, levels) == 0
+        assert native.encode_rows(rows[[0, 2, 3]], bits, 1, 0, 192, meta, levels, True) == 0
+
+
 def test_turned_off_means_torch():
     with cgx2.config.tuned(native_codec=False):
         assert native.library() is None  # at once, though the extension is loaded
@@ -264,4 +282,4 @@ def test_an_unaligned_out_buffer_gets_the_same_bytes(monkeypatch, torch_only):
     monkeypatch.setattr(native, "encode_rows", spy)
     buffer = torch.zeros(want.numel() + 1, dtype=torch.uint8)
     assert torch.equal(maxmin.encode(x, 4, 512, key=1, out=buffer[1:])[: want.numel()], want)
-    assert used == [True]
+    assert used == [0]  # the C loops ran (None where not), no bucket coded saturated
