@@ -623,13 +623,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--flat", action="store_true", help="the flat allreduce across nodes")
     add_number(p, "--bucket-cap-mb", 25.0, "DDP's bucket size")
     add_choice(p, "--amp", ("none", "bf16"), "bf16 autocast")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model under DDP")
     p.add_argument(
         "--optimizer-in-backward",
         action="store_true",
         help="AdamW steps each bucket in the hook as it is averaged (cgx2.ddp.optimizer_in_hook; "
         "plain DDP: DDP._register_fused_optim)",
     )
+    p.add_argument("--compile", action="store_true", help="torch.compile the model under DDP")
     add_choice(p, "--device", ("auto", "cpu", "cuda"), "auto: cuda if available (NCCL)")
     add_number(p, "--warmup", 5, "unprofiled steps first")
     add_number(p, "--timed", 3, "unprofiled steps timed after the warm-up, for comparison")
