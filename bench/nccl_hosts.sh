@@ -32,7 +32,7 @@
 #     (--optimizer-in-backward), ddp_b4o, train_ddp.py 4-bit with it,
 #     mlp_allreduce, torch's allreduce_hook, mlp_cgx4_flat and mlp_cgx4_mesh, the node mesh
 #     off and on, mlp_plain_big and mlp_cgx4_big, DDP's buckets at 100 MB; conv_*;
-#     timeline_ddp_b4, timeline_ddp_b32, timeline_ddp_b4o and timeline_mlp_b4:
+#     timeline_ddp_b4, timeline_ddp_b32, timeline_ddp_b4o, timeline_ddp_b4_compile and timeline_mlp_b4:
 #     bench/ddp_step_timeline.py, where a step's time goes, TIMELINE_ARGS the model's;
 #     mlp_cgx3r, mlp_cgx2r and mlp_cgx25ar: the MLP at 3 and 2 bits rotated, and
 #     examples/convergence.py's cgx2.5a-rot).
@@ -169,10 +169,12 @@ program() {  # name folder layout; NAME+VAR=VALUE... runs NAME with those variab
     mlp_cgx25ar)  # examples/convergence.py's cgx2.5a-rot
       args=(bench/ddp_gloo_cuda.py --hook cgx --bits 2 --rotation hadamard --adaptive-bits 2,3,4,8
             --average-bits 2.28 --name cgx25ar) ;;
-    timeline_ddp_b4|timeline_ddp_b32|timeline_ddp_b4o)  # where a train_ddp.py step's time goes
-      bits=${name#timeline_ddp_b}; bits=${bits%o}
+    timeline_ddp_b4|timeline_ddp_b32|timeline_ddp_b4o|timeline_ddp_b4_compile)
+      # where a train_ddp.py step's time goes (b4o: AdamW in the backward pass)
+      bits=${name#timeline_ddp_b}; bits=${bits%_compile}; bits=${bits%o}
       args=(bench/ddp_step_timeline.py --device "$DEVICE" --bits "$bits" $TIMELINE_ARGS --out "$dir")
-      [ "${name%o}" != "$name" ] && args+=(--optimizer-in-backward) ;;
+      [ "${name%o}" != "$name" ] && args+=(--optimizer-in-backward)
+      [ "${name%_compile}" != "$name" ] && args+=(--compile) ;;
     timeline_mlp_b4)  # the same for the MLP's step
       args=(bench/ddp_step_timeline.py --device "$DEVICE" --bits 4 --model mlp --dim 4096 --layers 8
             --batch-size 64 --out "$dir") ;;
