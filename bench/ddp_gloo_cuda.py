@@ -183,9 +183,9 @@ def run(args: argparse.Namespace) -> dict:
     }
     state = register_hook(ddp, args.hook, args.bits, args.powersgd_rank, adamw, lower_bits)
     # With AdamW in the backward pass this one only clears the gradients in the timed steps,
-    # and stands in for the hook's steps where no hook runs (no_sync, below): one parameter
-    # at a time (foreach=False), as the hook steps them.
-    opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr, foreach=False if in_backward else None)
+    # and stands in for the hook's steps where no hook runs (no_sync, below), with the hook's
+    # arithmetic: torch's default foreach, as the hook decides it.
+    opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own batches
     times, sent = [], (0, 0)
     total = args.warmup + args.steps + int(args.profile)

@@ -11,6 +11,7 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
@@ -20,7 +21,7 @@ from ..collectives.fusion import padded_numel
 from ..comm import worker
 from ..config import env_quantization_bits
 from .cgx_hook import CGXState, cgx_hook
-from .optimizer_overlap import check_optimizer, optimizer_in_hook, quiet_torchscript_notice
+from .optimizer_overlap import check_optimizer, optimizer_in_hook
 
 __all__ = ["bucket_layout", "compress"]
 
@@ -90,14 +91,17 @@ def compress(
     makes the decision the same in every run; ``CGX2_CROSSOVER_BYTES=0`` always registers.
 
     ``optimizer`` (a class: ``torch.optim.AdamW``, ``Adam`` or ``SGD``, those torch has a
-    functional form for that steps a parameter at a time) with ``optimizer_kwargs`` (its
+    functional form for that keeps its state per parameter) with ``optimizer_kwargs`` (its
     arguments, not its parameters): the optimizer steps in the backward pass, bucket by bucket,
     as soon as each bucket's averaged gradient is ready (in the hook's future's callback), so
     that its step overlaps the rest of the backward pass and the communication. It is torch's
-    functional form with a state of its own, stepping each parameter alone (its single-tensor
-    arithmetic, as ``foreach=False``), around ``cgx_hook``; where no bucket pays for
-    compression, around DDP's allreduce (``ddp_model._register_fused_optim``, torch's
-    ``allreduce_hook``). Then, as with ``_register_fused_optim``:
+    functional form with a state of its own (:func:`cgx2.ddp.optimizer_in_hook`), stepping
+    each bucket's parameters in one call, with the arithmetic ``optimizer(params,
+    **optimizer_kwargs)`` would use (multi-tensor, ``foreach``, on CUDA; single-tensor on CPU;
+    ``foreach=True``/``False`` in ``optimizer_kwargs`` says which), around ``cgx_hook``; where
+    no bucket pays for compression, around torch's ``allreduce_hook`` (as
+    ``ddp_model._register_fused_optim``, which steps a parameter at a time). Then, as with
+    ``_register_fused_optim``:
 
     - call no optimizer's ``step()``: ``loss.backward()`` has stepped every parameter DDP
       reduces when it returns; still clear the gradients as usual (``model.zero_grad()``);
@@ -177,8 +181,9 @@ def compress(
         ddp_model.register_comm_hook(state, cgx_hook if stepping is None else stepping)
         return state
     if optimizer is not None:
-        with quiet_torchscript_notice():
-            ddp_model._register_fused_optim(optimizer, **optimizer_kwargs)
+        ddp_model.register_comm_hook(
+            group, optimizer_in_hook(default_hooks.allreduce_hook, optimizer, optimizer_kwargs)
+        )
     return None
 
 
@@ -328,8 +333,8 @@ def _decision_in_words(
     if optimizer is not None:
         return (
             "cgx2.ddp.compress: kept DDP's own allreduce, as torch's allreduce_hook with "
-            f"{optimizer.__name__} stepping each bucket as it is averaged "
-            f"(DDP._register_fused_optim), no cgx_hook: {why}"
+            f"{optimizer.__name__} stepping each bucket as it is averaged (as "
+            f"DDP._register_fused_optim), no cgx_hook: {why}"
         )
     return (
         "cgx2.ddp.compress: kept DDP's own allreduce, no hook: "

@@ -1,10 +1,11 @@
 """An optimizer stepped inside a DDP communication hook, bucket by bucket as each bucket's
 averaged gradient arrives, so that its step overlaps the rest of the backward pass and the bytes.
 
-torch's pieces do the work: its functional optimizers (``as_functional_optim``, each with its
-own per-parameter state) and ``_hook_then_optimizer``, which ``DDP._register_fused_optim``
-puts around ``allreduce_hook``; here they go around any hook that leaves the averaged bucket in
-its buffer (cgx2's hooks, torch's).
+torch's functional optimizers (``torch.distributed.optim``) do the arithmetic: one per bucket,
+stepping the bucket's parameters in one call (multi-tensor where torch.optim would be), their
+state one dict kept per parameter for all buckets; around any hook that leaves the averaged
+bucket in its buffer (cgx2's hooks, torch's), as ``DDP._register_fused_optim`` is around
+``allreduce_hook`` (which steps a parameter at a time).
 """
 
 from __future__ import annotations
@@ -17,10 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks.optimizer_overlap_hooks import (
-    _hook_then_optimizer,
-    _OptimizerHookState,
-)
+from torch.optim.optimizer import _default_to_fused_or_foreach
 
 from .cgx_hook import CGXState
 
@@ -40,8 +38,9 @@ _TORCHSCRIPT_NOTICE = "`TorchScript` support for functional optimizers is deprec
 
 
 def supported_optimizers() -> tuple[type[torch.optim.Optimizer], ...]:
-    """The optimizer classes torch has a functional form for that steps one parameter at a
-    time (``step_param``): those a hook can step bucket by bucket."""
+    """The optimizer classes whose functional form in torch keeps its state per parameter,
+    made as a parameter is first stepped (those with ``step_param``): those a hook can step
+    bucket by bucket, whichever bucket a parameter is in."""
     from torch.distributed.optim.utils import functional_optim_map
 
     return tuple(
@@ -69,7 +68,7 @@ def check_optimizer(
         names = ", ".join(f"torch.optim.{cls.__name__}" for cls in supported)
         raise ValueError(
             f"optimizer={optimizer.__module__}.{optimizer.__qualname__} has no functional form "
-            f"in torch that steps a parameter at a time; supported: {names}"
+            f"in torch that keeps its state per parameter; supported: {names}"
         )
     if optimizer_kwargs is not None and not isinstance(optimizer_kwargs, Mapping):
         raise TypeError(
@@ -91,17 +90,47 @@ def quiet_torchscript_notice() -> Iterator[None]:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
 
 
-class _Serialized:
-    """A functional optimizer whose steps run one at a time: a bucket's future may complete
-    on any of several threads (gloo's, a worker's), and the optimizer's state is shared."""
+class _BucketSteps:
+    """Steps a bucket's parameters with one call of a functional optimizer over them.
 
-    def __init__(self, functional: Any) -> None:
-        self.functional = functional
+    One functional optimizer per bucket index, over that bucket's parameters, made afresh
+    when DDP rebuilds its buckets (after its first backward pass) and a bucket holds others;
+    all of them share one state (Adam's moments, SGD's momentum) keyed by parameter, so a
+    parameter's state follows it into whichever bucket it is in. ``foreach`` left out (or
+    None) is decided per bucket as ``torch.optim`` decides it (multi-tensor where every
+    parameter is on a device with foreach kernels, CUDA; single-tensor on CPU), so the steps
+    are bit for bit those of ``optimizer(params, **kwargs).step()`` after the backward pass.
+    The steps run one at a time: a bucket's future may complete on any of several threads
+    (gloo's, a worker's), and the state is shared."""
+
+    def __init__(self, optimizer: type[torch.optim.Optimizer], kwargs: dict[str, Any]) -> None:
+        from torch.distributed.optim.utils import functional_optim_map
+
+        self._functional = functional_optim_map[optimizer]
+        self._kwargs = kwargs
+        self.state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+        # Per bucket index: its parameters' identities and the functional optimizer over them.
+        self._by_bucket: dict[int, tuple[tuple[int, ...], Any]] = {}
         self._lock = threading.Lock()
+        self._over([])  # arguments the optimizer refuses raise here, before any step
 
-    def step_param(self, param: torch.Tensor, grad: torch.Tensor | None) -> None:
+    def _over(self, params: list[torch.Tensor]) -> Any:
+        kwargs = dict(self._kwargs)
+        if kwargs.get("foreach") is None and not kwargs.get("fused"):
+            kwargs["foreach"] = _default_to_fused_or_foreach(params, differentiable=False)[1]
+        with quiet_torchscript_notice():
+            functional = self._functional(params, **kwargs, _allow_empty_param_list=True)
+        functional.state = self.state
+        return functional
+
+    def step(self, index: int, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        """One step of bucket ``index``'s ``params`` with their averaged ``grads``."""
+        ids = tuple(map(id, params))
         with self._lock:
-            self.functional.step_param(param, grad)
+            known = self._by_bucket.get(index)
+            if known is None or known[0] != ids:
+                known = self._by_bucket[index] = (ids, self._over(params))
+            known[1].step(grads)
 
 
 def optimizer_in_hook(
@@ -109,26 +138,34 @@ def optimizer_in_hook(
     optimizer: type[torch.optim.Optimizer],
     optimizer_kwargs: Mapping[str, Any] | None = None,
 ) -> Hook:
-    """``hook`` followed, on each bucket as its future completes, by a step of ``optimizer``
-    (its functional form, built from ``optimizer_kwargs``, with a state of its own) on each of
-    the bucket's parameters, with the bucket's averaged gradient. ``hook`` must leave that
-    gradient in the bucket's buffer, as cgx2's hooks and torch's do. Register the result in
-    ``hook``'s place, with its state; then call no optimizer's ``step`` (see
+    """``hook`` followed, on each bucket as its future completes, by one step of
+    ``optimizer`` (its functional form, built from ``optimizer_kwargs``, with a state of its
+    own) over the bucket's parameters, with the bucket's averaged gradient: multi-tensor
+    (``foreach``) where ``optimizer(params, **optimizer_kwargs)`` would be, as on CUDA, else
+    single-tensor, bit for bit as that optimizer stepped after the backward pass. ``hook`` must
+    leave the gradient in the bucket's buffer, as cgx2's hooks and torch's do. Register the
+    result in ``hook``'s place, with its state; then call no optimizer's ``step`` (see
     :func:`cgx2.ddp.compress`'s ``optimizer``)."""
-    kwargs = check_optimizer(optimizer, optimizer_kwargs)
-    from torch.distributed.optim import as_functional_optim
-
-    with quiet_torchscript_notice():
-        functional = as_functional_optim(optimizer, **kwargs)
-    then_step = _hook_then_optimizer(hook, _OptimizerHookState(_Serialized(functional)))
+    steps = _BucketSteps(optimizer, check_optimizer(optimizer, optimizer_kwargs))
 
     def wrapped(hook_state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         if isinstance(hook_state, CGXState):
             hook_state.optimizer_in_hook = True  # each bucket's future set as it is averaged
-        return then_step(hook_state, bucket)
+
+        def step(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+            fut.value()  # the hook's error, where it failed, rather than a step on its bucket
+            # As torch's _hook_then_optimizer: the bucket's gradients are views of its buffer.
+            steps.step(bucket.index(), bucket.parameters(), bucket.gradients())
+            return bucket.buffer()
+
+        return hook(hook_state, bucket).then(step)
 
     # DDP checks a hook's annotations as objects; this module's are strings (__future__).
-    wrapped.__annotations__ = dict(then_step.__annotations__)
+    wrapped.__annotations__ = {
+        "hook_state": Any,
+        "bucket": dist.GradBucket,
+        "return": torch.futures.Future[torch.Tensor],
+    }
     # DDP logs a hook by its qualified name.
     name = getattr(hook, "__qualname__", type(hook).__name__)
     wrapped.__name__ = wrapped.__qualname__ = f"{name}_then_{optimizer.__name__}"
