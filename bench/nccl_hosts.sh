@@ -32,7 +32,7 @@
 #     (--optimizer-in-backward), ddp_b4o, train_ddp.py 4-bit with it,
 #     mlp_allreduce, torch's allreduce_hook, mlp_cgx4_flat and mlp_cgx4_mesh, the node mesh
 #     off and on, mlp_plain_big and mlp_cgx4_big, DDP's buckets at 100 MB; conv_*;
-#     timeline_ddp_b4, timeline_ddp_b32, timeline_ddp_b4o, timeline_ddp_b4_compile and timeline_mlp_b4:
+#     timeline_ddp_b4, timeline_ddp_b32, timeline_ddp_b4o, timeline_ddp_b4_compile, timeline_mlp_b4 and timeline_mlp_b4o:
 #     bench/ddp_step_timeline.py, where a step's time goes, TIMELINE_ARGS the model's;
 #     mlp_cgx3r, mlp_cgx2r and mlp_cgx25ar: the MLP at 3 and 2 bits rotated, and
 #     examples/convergence.py's cgx2.5a-rot).
@@ -175,9 +175,10 @@ program() {  # name folder layout; NAME+VAR=VALUE... runs NAME with those variab
       args=(bench/ddp_step_timeline.py --device "$DEVICE" --bits "$bits" $TIMELINE_ARGS --out "$dir")
       [ "${name%o}" != "$name" ] && args+=(--optimizer-in-backward)
       [ "${name%_compile}" != "$name" ] && args+=(--compile) ;;
-    timeline_mlp_b4)  # the same for the MLP's step
+    timeline_mlp_b4|timeline_mlp_b4o)  # the same for the MLP's step
       args=(bench/ddp_step_timeline.py --device "$DEVICE" --bits 4 --model mlp --dim 4096 --layers 8
-            --batch-size 64 --out "$dir") ;;
+            --batch-size 64 --out "$dir")
+      [ "${name%o}" != "$name" ] && args+=(--optimizer-in-backward) ;;
     ddp_b32|ddp_b4|ddp_b32_compile|ddp_b4_compile|ddp_b4o)  # b4o: AdamW in the backward pass
       bits=${name#ddp_b}; bits=${bits%_compile}; bits=${bits%o}
       args=(examples/train_ddp.py --device "$DEVICE" --bits "$bits" $DDP_ARGS --log-every 1000
