@@ -106,7 +106,8 @@ def check(
     # Only an answer that lands on a GPU is worth not waiting for; only floats take NaN.
     deferred = deferred and t.is_cuda and t.is_floating_point()
     names = ["numel", "dtype", *fields]
-    values = [t.numel(), _DTYPES.get(t.dtype, 99), *(_as_int64(v) for v in fields.values())]
+    values = [t.numel(), _DTYPES.get(t.dtype, 99)]
+    values += [v if type(v) is int else _as_int64(v) for v in fields.values()]
     on_gpu = t.is_cuda and (deferred or dist.get_backend(group) == "nccl")
     device = t.device if on_gpu else torch.device("cpu")
     info = group_info(group)
@@ -279,11 +280,24 @@ def raise_pending(group: dist.ProcessGroup) -> None:
 
 def _int64_on(device: torch.device, values: list[int]) -> torch.Tensor:
     """``values`` as int64 on ``device``; to a GPU through pinned memory, so that the host does
-    not wait for the GPU's queue (a copy from pageable memory would)."""
-    mine = torch.tensor(values, dtype=torch.int64)
+    not wait for the GPU's queue (a copy from pageable memory would). A GPU's copy is kept, by
+    the stream it was made on, and read again by the calls that check the same values on that
+    stream (nothing writes it), rather than copied again by every call."""
     if device.type != "cuda":
-        return mine
-    return mine.pin_memory().to(device, non_blocking=True)
+        return torch.tensor(values, dtype=torch.int64)
+    key = (device, torch.cuda.current_stream(device).cuda_stream, *values)
+    kept = _KEPT.get(key)
+    if kept is None:
+        if len(_KEPT) >= _KEPT_MAX:
+            _KEPT.clear()
+        kept = _KEPT[key] = (
+            torch.tensor(values, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
+        )
+    return kept
+
+
+_KEPT: dict[tuple[object, ...], torch.Tensor] = {}
+_KEPT_MAX = 64
 
 
 STORE_MAX_RANKS = 16

@@ -11,6 +11,10 @@ from .rotations import DEFAULT_BLOCK, call_rotation
 
 __all__ = ["CallSettings"]
 
+_MEMO_SIZE = 256
+"""Settings :meth:`CallSettings.of` keeps by their arguments: the few a program calls with
+(a program that passes a fresh seed each call fills it once and then builds its settings)."""
+
 
 @dataclass(frozen=True, slots=True)
 class CallSettings:
@@ -48,9 +52,16 @@ class CallSettings:
     ) -> CallSettings:
         """The settings of the arguments users pass: the rotation by name (``"hadamard"``;
         None or ``"none"``: none) and block, checked against ``bucket_size`` before anything
-        is sent (:func:`.rotations.check_rotation`'s errors, naming the arguments)."""
+        is sent (:func:`.rotations.check_rotation`'s errors, naming the arguments). The same
+        arguments give the same (immutable) settings: every eager call builds them, and a
+        frozen dataclass's construction costs more than the rest of the call's checks."""
+        key = (bits, bucket_size, reduce_op, seed, skip_incomplete, rotation, rotation_block)
+        try:
+            return _memo[key]
+        except (KeyError, TypeError):  # TypeError: a traced seed (SymInt) does not hash
+            pass
         rotated = call_rotation(rotation, rotation_block, bucket_size)
-        return cls(
+        settings = cls(
             bits=bits,
             bucket_size=bucket_size,
             reduce_op=reduce_op,
@@ -58,6 +69,9 @@ class CallSettings:
             skip_incomplete=skip_incomplete,
             rotation=rotated,
         )
+        if len(_memo) < _MEMO_SIZE and (seed is None or type(seed) is int):
+            _memo[key] = settings
+        return settings
 
     @property
     def rotation_name(self) -> str | None:
@@ -68,3 +82,6 @@ class CallSettings:
     def rotation_block(self) -> int:
         """The rotation's block (:data:`DEFAULT_BLOCK` without one)."""
         return DEFAULT_BLOCK if self.rotation is None else self.rotation.block
+
+
+_memo: dict[tuple[object, ...], CallSettings] = {}
