@@ -55,14 +55,10 @@ def runs_on_worker(t: torch.Tensor, group: dist.ProcessGroup) -> bool:
     return config.tuning().comm_worker and not (t.is_cuda and group_info(group).cuda_on_nccl)
 
 
-def coalesces_exact(
-    t: torch.Tensor, group: dist.ProcessGroup, stepped_per_bucket: bool = False
-) -> bool:
+def coalesces_exact(t: torch.Tensor, group: dist.ProcessGroup) -> bool:
     """Whether DDP's hooks hold the exact layers (biases, norms) of every compressed bucket of
     ``t``'s kind for the backward pass's last bucket, to average them all in one plain
     allreduce: CUDA tensors on NCCL, whose hooks run inline (across hosts each small
     allreduce would pay the link's latency between the quantized ones). gloo keeps an
-    allreduce a bucket, on the worker and inline alike (the same bits either way). Never
-    where an optimizer steps each bucket as its future completes (``stepped_per_bucket``):
-    held futures would put every step after the last bucket's bytes."""
-    return not stepped_per_bucket and t.is_cuda and group_info(group).cuda_on_nccl
+    allreduce a bucket, on the worker and inline alike (the same bits either way)."""
+    return t.is_cuda and group_info(group).cuda_on_nccl

@@ -223,8 +223,21 @@ class CGXState:
         self._waiting: list[tuple[torch.futures.Future[torch.Tensor], torch.Tensor]] = []
         self.optimizer_in_hook = False
         """Whether an optimizer steps each bucket as its future completes
-        (:func:`cgx2.ddp.optimizer_in_hook` sets it): each future is then set as soon as its
-        own bucket is averaged, its exact layers too, never held for the last bucket."""
+        (:func:`cgx2.ddp.optimizer_in_hook` sets it): a bucket whose exact layers are held
+        for the last bucket then also has a future of its compressed layers alone, set as
+        soon as they are averaged (:meth:`take_compressed_ready`), so that those are stepped
+        at once and only the exact ones wait."""
+        self._compressed_ready: dict[
+            int, tuple[torch.futures.Future[torch.Tensor], tuple[int, ...]]
+        ] = {}
+
+    def take_compressed_ready(
+        self, index: int
+    ) -> tuple[torch.futures.Future[torch.Tensor], tuple[int, ...]] | None:
+        """Where bucket ``index`` (its hook just called) holds its exact layers for the last
+        bucket and :attr:`optimizer_in_hook` is set: a future set once its compressed layers
+        are averaged, and those layers' places among the bucket's parameters; else None."""
+        return self._compressed_ready.pop(index, None)
 
     def state_dict(self) -> dict[str, object]:
         """What a checkpoint needs to resume the hook identically: its settings, counters,
@@ -478,8 +491,8 @@ def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[t
         devices=[buffer.device] if buffer.is_cuda else None
     )
     if index == 0:  # a backward pass that raised midway left its waiting buckets behind
-        state._exact_later, state._waiting = [], []
-    coalesces = policy.coalesces_exact(buffer, group, state.optimizer_in_hook)
+        state._exact_later, state._waiting, state._compressed_ready = [], [], {}
+    coalesces = policy.coalesces_exact(buffer, group)
     later = state._exact_later if coalesces else None
     side = state.stream(buffer.device) if buffer.is_cuda else None
     if side is not None:
@@ -492,6 +505,12 @@ def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[t
         _reduce_bucket_(state, group, buffer, plan, keys, warm, index, exact_later=later)
         if later is not None and len(later) > before:
             state._waiting.append((future, buffer))  # set when its exact layers are reduced
+            if state.optimizer_in_hook:
+                ready: torch.futures.Future[torch.Tensor] = torch.futures.Future(
+                    devices=[buffer.device] if buffer.is_cuda else None
+                )
+                ready.set_result(buffer)  # on the side stream: after the compressed layers
+                state._compressed_ready[index] = (ready, plan.layers)
         else:
             future.set_result(buffer)
         if last and later is not None:

@@ -109,8 +109,12 @@ class _BucketSteps:
         self._functional = functional_optim_map[optimizer]
         self._kwargs = kwargs
         self.state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
-        # Per bucket index: its parameters' identities and the functional optimizer over them.
-        self._by_bucket: dict[int, tuple[tuple[int, ...], Any]] = {}
+        # Per bucket (its index, and which of its parameters: all, or the compressed or exact
+        # ones): their identities and the functional optimizer over them.
+        self._by_bucket: dict[object, tuple[tuple[int, ...], Any]] = {}
+        # One stream a GPU for the steps: a future's callbacks each get a stream of torch's
+        # pool, whose memory the caching allocator keeps apart, stream by stream.
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._lock = threading.Lock()
         self._over([])  # arguments the optimizer refuses raise here, before any step
 
@@ -123,14 +127,29 @@ class _BucketSteps:
         functional.state = self.state
         return functional
 
-    def step(self, index: int, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-        """One step of bucket ``index``'s ``params`` with their averaged ``grads``."""
+    def step(self, key: object, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        """One step of ``params`` (those of a bucket that ``key`` names) with their averaged
+        ``grads``; on a GPU, on this optimizer's stream, after the caller's stream's work
+        (the bucket's future's), which then waits for the step."""
+        if not params:
+            return
         ids = tuple(map(id, params))
         with self._lock:
-            known = self._by_bucket.get(index)
+            known = self._by_bucket.get(key)
             if known is None or known[0] != ids:
-                known = self._by_bucket[index] = (ids, self._over(params))
-            known[1].step(grads)
+                known = self._by_bucket[key] = (ids, self._over(params))
+            device = grads[0].device
+            if device.type != "cuda":
+                known[1].step(grads)
+                return
+            caller = torch.cuda.current_stream(device)
+            stream = self._streams.get(device)
+            if stream is None:
+                stream = self._streams[device] = torch.cuda.Stream(device)
+            stream.wait_stream(caller)
+            with torch.cuda.stream(stream):
+                known[1].step(grads)
+            caller.wait_stream(stream)
 
 
 def optimizer_in_hook(
@@ -152,13 +171,42 @@ def optimizer_in_hook(
         if isinstance(hook_state, CGXState):
             hook_state.optimizer_in_hook = True  # each bucket's future set as it is averaged
 
-        def step(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
-            fut.value()  # the hook's error, where it failed, rather than a step on its bucket
-            # As torch's _hook_then_optimizer: the bucket's gradients are views of its buffer.
-            steps.step(bucket.index(), bucket.parameters(), bucket.gradients())
+        index = bucket.index()
+        # As torch's _hook_then_optimizer: the bucket's gradients are views of its buffer.
+        params, grads = bucket.parameters(), bucket.gradients()
+        averaged = hook(hook_state, bucket)
+        ready = None
+        if isinstance(hook_state, CGXState):
+            ready = hook_state.take_compressed_ready(index)
+        if ready is None:
+
+            def step(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+                fut.value()  # the hook's error, where it failed, rather than a step on its bucket
+                steps.step(index, params, grads)
+                return bucket.buffer()
+
+            return averaged.then(step)
+        # The hook holds this bucket's exact layers for the last bucket: its compressed layers
+        # are stepped as soon as they are averaged, the exact ones once they are.
+        compressed, layers = ready
+        first = set(layers)
+        rest = [i for i in range(len(params)) if i not in first]
+
+        def step_compressed(fut: torch.futures.Future[torch.Tensor]) -> None:
+            fut.value()
+            steps.step(
+                (index, "compressed"), [params[i] for i in layers], [grads[i] for i in layers]
+            )
+
+        stepped = compressed.then(step_compressed)
+
+        def step_exact(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+            fut.value()
+            stepped.wait()  # its error, where it raised
+            steps.step((index, "exact"), [params[i] for i in rest], [grads[i] for i in rest])
             return bucket.buffer()
 
-        return hook(hook_state, bucket).then(step)
+        return averaged.then(step_exact)
 
     # DDP checks a hook's annotations as objects; this module's are strings (__future__).
     wrapped.__annotations__ = {

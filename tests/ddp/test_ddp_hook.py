@@ -154,7 +154,7 @@ def _train_layers(coalesce: bool, steps: int = 3) -> dict:
     )
     with (
         config.tuned(comm_worker=False, transport="process_group", crossover_bytes=0),
-        mock.patch.object(policy, "coalesces_exact", lambda t, group, stepped=False: coalesce),
+        mock.patch.object(policy, "coalesces_exact", lambda t, group: coalesce),
         counted as plain,
     ):
         calls = []

@@ -1,6 +1,7 @@
 """``cgx2.ddp.compress(..., optimizer=...)``: the optimizer steps each bucket's parameters in the
 backward pass, as the bucket's averaged gradient arrives, and trains as it does after it."""
 
+import contextlib
 import importlib
 from unittest import mock
 
@@ -26,13 +27,17 @@ def _train(
     steps: int = 3,
     optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW,
     kwargs: dict | None = None,
+    held: bool = False,
 ) -> dict:
     """``steps`` steps of Mlp under DDP, ``optimizer`` (AdamW) with ``kwargs`` (ADAMW) stepping
     ``"in backward"`` (compress's ``optimizer=``), or after the backward pass as usual, built
     with the same arguments (its ``foreach`` too, or torch's default), with cgx_hook
     registered by hand with the state compress builds (``"hook, after"``) or with DDP's own
     allreduce (``"plain, after"``). Then one step of two backward passes, the first under
-    ``no_sync``."""
+    ``no_sync``. ``held``: the hook inline, its exact layers held for the last bucket, as on
+    NCCL."""
+    from cgx2.collectives import policy
+
     kwargs = ADAMW if kwargs is None else kwargs
     seeding.manual_seed(0)  # the pool's processes have drawn seeds for earlier tests
     torch.manual_seed(0)
@@ -40,7 +45,14 @@ def _train(
     opt = None
     if how != "in backward":
         opt = optimizer(model.parameters(), **kwargs)
-    with config.tuned(crossover_bytes=crossover), _Said() as said:
+    inline = config.tuned(comm_worker=False, transport="process_group") if held else None
+    holding = mock.patch.object(policy, "coalesces_exact", lambda t, group: True)
+    with (
+        config.tuned(crossover_bytes=crossover),
+        _Said() as said,
+        inline or contextlib.nullcontext(),
+        holding if held else contextlib.nullcontext(),
+    ):
         if how == "in backward":
             compress(
                 model,
@@ -131,6 +143,16 @@ _OTHERS = [
     (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.1}),
     (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "dampening": 0.1, "foreach": True}),
 ]
+
+
+def test_with_exact_layers_held_adamw_in_backward_trains_bit_for_bit_as_after_it(dist2):
+    """As on NCCL, where the hook holds the exact layers for the last bucket and the optimizer
+    steps each bucket's compressed layers first and its exact ones later: AdamW (single- and
+    multi-tensor) trains bit for bit as after the backward pass, identical on both ranks."""
+    for kwargs in (ADAMW, {**ADAMW, "foreach": True}):
+        inside = dist2.run(_train, "in backward", 0, 3, torch.optim.AdamW, kwargs, True)
+        after = dist2.run(_train, "hook, after", 0, 3, torch.optim.AdamW, kwargs, True)
+        _as_after(inside, after, "cgx_hook_then_AdamW")
 
 
 def test_other_optimizers_and_foreach_in_backward_train_bit_for_bit_as_after_it(dist2):
@@ -263,20 +285,16 @@ def test_ranks_whose_optimizers_differ_are_refused(dist2):
         assert raised == "DisagreementError" and "optimizer" in message, message
 
 
-def _order_of_steps_and_exact_allreduces(held_as_on_nccl: bool) -> list[list[str]]:
+def _order_of_steps_and_exact_allreduces() -> list[list[str]]:
     """Per backward pass, the hook's plain allreduces (the exact layers) and the optimizer's
-    steps in the order they happen: four Linear(64, 64) in small buckets (weights
-    compressed, biases exact), the hook inline, and the policy's choice to hold exact layers
-    for the last bucket made as on NCCL (``held_as_on_nccl``: held unless an optimizer steps
-    in the hook) or always held (what the hook did before it knew)."""
+    steps (which parameters: "weights" or "biases") in the order they happen: four
+    Linear(64, 64) in small buckets (weights compressed, biases exact), the hook inline, its
+    exact layers held for the last bucket as on NCCL."""
     from torch import nn
 
     from cgx2.collectives import policy
     from cgx2.comm import process_group
     from cgx2.ddp import optimizer_overlap
-
-    def held(t: torch.Tensor, group: object, stepped_per_bucket: bool = False) -> bool:
-        return not stepped_per_bucket if held_as_on_nccl else True
 
     seeding.manual_seed(0)
     torch.manual_seed(0)
@@ -289,14 +307,14 @@ def _order_of_steps_and_exact_allreduces(held_as_on_nccl: bool) -> list[list[str
         events.append("allreduce")
         return plain_allreduce(*args, **kwargs)
 
-    def step(self, *args):
-        events.append("step")
-        return bucket_step(self, *args)
+    def step(self, key, params, grads):
+        events.extend("weights" if p.dim() == 2 else "biases" for p in params)
+        return bucket_step(self, key, params, grads)
 
     passes = []
     with (
         config.tuned(comm_worker=False, transport="process_group", crossover_bytes=0),
-        mock.patch.object(policy, "coalesces_exact", held),
+        mock.patch.object(policy, "coalesces_exact", lambda t, group: True),
         mock.patch.object(process_group, "allreduce_plain_", plain),
         mock.patch.object(optimizer_overlap._BucketSteps, "step", step),
     ):
@@ -311,19 +329,20 @@ def _order_of_steps_and_exact_allreduces(held_as_on_nccl: bool) -> list[list[str
     return passes
 
 
-def test_with_an_optimizer_in_the_hook_each_bucket_steps_before_the_next_is_sent(dist2):
-    """On NCCL the hook holds the exact layers of compressed buckets for the last bucket and
-    sets their futures only then; with an optimizer stepping in the hook it does not, or every
-    step would wait for the last bucket's bytes: each bucket's parameters are stepped as soon
-    as the bucket is averaged, before the next bucket's exact layers are sent."""
-    for passes in dist2.run(_order_of_steps_and_exact_allreduces, True):
+def test_with_an_optimizer_in_the_hook_compressed_layers_step_before_the_held_exact_ones(dist2):
+    """On NCCL the hook holds the exact layers of compressed buckets for the last bucket, to
+    send them in one allreduce; an optimizer stepping in the hook steps each bucket's
+    compressed layers as soon as they are averaged, before that allreduce (but the last
+    bucket's, averaged in the same call), and only the exact layers after it (else every
+    step would wait for the last bucket's bytes)."""
+    for passes in dist2.run(_order_of_steps_and_exact_allreduces):
         for events in passes[1:]:  # after DDP's first pass (one bucket) rebuilds them small
-            assert events.count("allreduce") >= 2, events
-            first_step, last_allreduce = events.index("step"), len(events) - 1
-            while events[last_allreduce] != "allreduce":
-                last_allreduce -= 1
-            assert first_step < last_allreduce, events
-    # Held as before, every step comes after the one allreduce of all exact layers.
-    for passes in dist2.run(_order_of_steps_and_exact_allreduces, False):
-        for events in passes[1:]:
-            assert events.count("allreduce") == 1 and events[0] == "allreduce", events
+            assert events.count("allreduce") == 1, events
+            held = events.index("allreduce")
+            earlier = events[:held]  # the compressed layers of every bucket but the last
+            assert earlier and set(earlier) == {"weights"}, events
+            after = events[held + 1 :]  # their exact layers, then the last bucket's layers
+            n = len(earlier)
+            assert after[:n] == ["biases"] * n, events
+            last = after[n:]
+            assert last == ["weights"] * (4 - n) + ["biases"] * (4 - n), events
