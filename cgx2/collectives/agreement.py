@@ -221,7 +221,7 @@ def _share(
         if store is not None:
             return _exchange_on_host(store, group, operation, values, world, rank)
         gathered = torch.empty(world * len(values), dtype=torch.int64, device=device)
-        all_gather_single(gathered, _int64_on(device, values), group=group)
+        all_gather_single(gathered, _int64_on(device, values, group), group=group)
         return gathered.view(world, -1)
     except DisagreementError:
         raise
@@ -278,26 +278,27 @@ def raise_pending(group: dist.ProcessGroup) -> None:
         _raise_if_different(p.rows.tolist(), p.names, p.shown, p.operation, p.rank)
 
 
-def _int64_on(device: torch.device, values: list[int]) -> torch.Tensor:
+def _int64_on(device: torch.device, values: list[int], group: dist.ProcessGroup) -> torch.Tensor:
     """``values`` as int64 on ``device``; to a GPU through pinned memory, so that the host does
-    not wait for the GPU's queue (a copy from pageable memory would). A GPU's copy is kept, by
-    the stream it was made on, and read again by the calls that check the same values on that
-    stream (nothing writes it), rather than copied again by every call."""
+    not wait for the GPU's queue (a copy from pageable memory would). A GPU's copy is kept with
+    ``group``'s state, by the stream it was made on, and read again by the calls that check the
+    same values on that stream (nothing writes it), rather than copied again by every call."""
     if device.type != "cuda":
         return torch.tensor(values, dtype=torch.int64)
+    kept = group_state(group).agreement_values
     key = (device, torch.cuda.current_stream(device).cuda_stream, *values)
-    kept = _KEPT.get(key)
-    if kept is None:
-        if len(_KEPT) >= _KEPT_MAX:
-            _KEPT.clear()
-        kept = _KEPT[key] = (
+    found = kept.get(key)
+    if found is None:
+        if len(kept) >= _KEPT_VALUES:
+            kept.clear()
+        found = kept[key] = (
             torch.tensor(values, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
         )
-    return kept
+    return found
 
 
-_KEPT: dict[tuple[object, ...], torch.Tensor] = {}
-_KEPT_MAX = 64
+_KEPT_VALUES = 64
+"""The most values :func:`_int64_on` keeps for a group (a group's calls check a few)."""
 
 
 STORE_MAX_RANKS = 16

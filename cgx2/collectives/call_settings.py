@@ -84,4 +84,6 @@ class CallSettings:
         return DEFAULT_BLOCK if self.rotation is None else self.rotation.block
 
 
+# One for the process: settings are the values of a call's arguments alone, alike for every
+# group and device.
 _memo: dict[tuple[object, ...], CallSettings] = {}

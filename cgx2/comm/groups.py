@@ -102,6 +102,8 @@ class GroupState:
     - ``agreement_calls``: the numbers of the group's checked calls, in order.
     - ``agreement_early``: a peer's queued entries of a later call, popped early.
     - ``agreement_pending``: the deferred comparisons not yet read.
+    - ``agreement_values``: the values a checked call compares, kept on its GPU by device,
+      stream and values (read again by the calls that compare the same, never written).
     - ``settings_agreed``: the entry points whose settings the group's ranks compared once for
       the group (:mod:`cgx2.ddp.global_qsgd`'s hooks, for states made for one call).
 
@@ -131,6 +133,7 @@ class GroupState:
     agreement_calls: itertools.count = field(default_factory=itertools.count)
     agreement_early: dict[int, bytes] = field(default_factory=dict)
     agreement_pending: deque[Any] = field(default_factory=deque)
+    agreement_values: dict[tuple, Any] = field(default_factory=dict)
     settings_agreed: set[str] = field(default_factory=set)
     decided_under: object = None
     measured_under: object = None
