@@ -27,7 +27,7 @@ from ..collectives import CallSettings, agreement, policy
 from ..collectives.fusion import allreduce_fused_, fusion_batches, padded_numel, ring_bytes_sent
 from ..collectives.hierarchical import hierarchical_allreduce_fused_, node_mesh
 from ..collectives.rotations import DEFAULT_BLOCK, check_rotation
-from ..comm import CompletedWork, shm, worker
+from ..comm import CompletedWork, coding_stream, shm, worker
 from ..config import CGXConfig, compression_from_env, tuning
 
 __all__ = ["BACKEND_NAME", "CGXProcessGroup", "register_backend"]
@@ -249,7 +249,7 @@ class CGXProcessGroup(dist.ProcessGroup):
             return
         device = cuda[0].device
         if device not in self._streams:
-            self._streams[device] = torch.cuda.Stream(device)
+            self._streams[device] = coding_stream(device)
         side = self._streams[device]
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from .. import config
 from ..codecs import triton_kernels
-from ..comm import group_info
+from ..comm import coding_stream, group_info
 from .replay_watch import ReplayWatch
 
 __all__ = ["MAX_GRAPHS", "STALE_CALLS", "WATCH", "clear", "run", "stats", "usable"]
@@ -253,7 +253,7 @@ def _capture(
     device = device_seed.device
     stream = _CACHE.streams.get(device.index)
     if stream is None:
-        stream = _CACHE.streams[device.index] = torch.cuda.Stream(device)
+        stream = _CACHE.streams[device.index] = coding_stream(device)
     graph = torch.cuda.CUDAGraph()
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):

@@ -23,6 +23,7 @@ from .process_group import (
     reduce_scatter_single,
     wait,
 )
+from .streams import coding_stream
 
 __all__ = [
     "CompletedWork",
@@ -33,6 +34,7 @@ __all__ = [
     "all_gather_single",
     "all_to_all",
     "allreduce_plain_",
+    "coding_stream",
     "group_info",
     "group_size_and_rank",
     "group_state",

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from .. import cpu_threads
 from .groups import group_state
+from .streams import coding_stream
 
 __all__ = ["submit"]
 
@@ -40,7 +41,7 @@ class _Worker:
 
     def stream(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self.streams:
-            self.streams[device] = torch.cuda.Stream(device)
+            self.streams[device] = coding_stream(device)
         return self.streams[device]
 
 

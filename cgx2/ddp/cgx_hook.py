@@ -29,7 +29,7 @@ from ..collectives.adaptive import (
 from ..collectives.fusion import allreduce_fused_, padded_numel, ring_bytes_sent
 from ..collectives.hierarchical import hierarchical_allreduce_fused_, node_mesh
 from ..collectives.rotations import DEFAULT_BLOCK, check_rotation
-from ..comm import worker
+from ..comm import coding_stream, worker
 from ..config import CGXConfig
 from .error_feedback import ErrorFeedback
 from .param_numbers import ParamNumbers
@@ -329,7 +329,7 @@ class CGXState:
     def stream(self, device: torch.device) -> torch.cuda.Stream:
         """The side stream this state's hook codes and communicates on, one per device."""
         if device not in self._streams:
-            self._streams[device] = torch.cuda.Stream(device)
+            self._streams[device] = coding_stream(device)
         return self._streams[device]
 
     def _coding(self) -> dict[str, object]:
