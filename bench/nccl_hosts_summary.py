@@ -217,12 +217,18 @@ def section(folder: Path, layout: str, rate: str, runs: dict[str, dict]) -> tupl
             }
     if any(n.startswith("ddp_") for n in runs):
         rows = [("eager", "ddp_b32", "ddp_b4"), ("--compile", "ddp_b32_compile", "ddp_b4_compile")]
-        if "ddp_b4o" in runs:  # beside plain DDP's eager run, AdamW after the backward pass
-            rows.append(("eager, 4-bit with AdamW in the backward pass", "ddp_b32", "ddp_b4o"))
+        for run, label in (
+            ("ddp_b4o", "eager, 4-bit with AdamW in the backward pass"),
+            ("ddp_b3r", "eager, 3-bit rotated"),
+            ("ddp_b3ro", "eager, 3-bit rotated with AdamW in the backward pass"),
+        ):
+            if run in runs:  # beside plain DDP's eager run, AdamW after the backward pass
+                rows.append((label, "ddp_b32", run))
         ddp = {name: load(folder / name, "*.json") for row in rows for name in row[1:]}
         lines += [
             "",
-            f"| train_ddp.py{params(ddp.values())} | plain DDP ms | cgx_hook 4-bit ms | speedup |",
+            f"| train_ddp.py{params(ddp.values())} | plain DDP ms | cgx_hook ms (4-bit unless said) "
+            "| speedup |",
             "| --- | ---: | ---: | ---: |",
         ]
         data["train_ddp"] = {}
