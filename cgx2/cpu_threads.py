@@ -66,12 +66,29 @@ def lend(threads: int) -> None:
 @functools.cache
 def _pool(workers: int) -> ThreadPoolExecutor:
     # count(), not torch's count of this thread: a worker's is 1, the process's is lent to it.
-    return ThreadPoolExecutor(
+    pool = ThreadPoolExecutor(
         workers,
         thread_name_prefix="cgx2-cpu",
         initializer=_torch_on_this_thread_alone,
         initargs=(count(),),
     )
+    # Every thread started and through its initializer before the pool is used: one still in
+    # it would set torch's count to 1 for whichever thread the process starts meanwhile.
+    started = threading.Barrier(workers + 1)
+    for _ in range(workers):
+        pool.submit(_meet, started)
+    _meet(started)
+    return pool
+
+
+def _meet(barrier: threading.Barrier) -> None:
+    try:
+        barrier.wait(timeout=_START_TIMEOUT_S)
+    except threading.BrokenBarrierError:
+        logger.warning("cgx2: a CPU pool's threads did not all start within %ss", _START_TIMEOUT_S)
+
+
+_START_TIMEOUT_S = 60
 
 
 # A forked child has none of its parent's threads: it starts pools of its own.
