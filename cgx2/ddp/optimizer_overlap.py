@@ -161,23 +161,23 @@ def optimizer_in_hook(
     ``optimizer`` (its functional form, built from ``optimizer_kwargs``, with a state of its
     own) over the bucket's parameters, with the bucket's averaged gradient: multi-tensor
     (``foreach``) where ``optimizer(params, **optimizer_kwargs)`` would be, as on CUDA, else
-    single-tensor, bit for bit as that optimizer stepped after the backward pass. ``hook`` must
-    leave the gradient in the bucket's buffer, as cgx2's hooks and torch's do. Register the
+    single-tensor, bit for bit as that optimizer stepped after the backward pass. Where
+    :func:`cgx_hook` holds a bucket's exact layers for the last bucket (NCCL), its compressed
+    layers are stepped as soon as they are averaged and its exact ones once they are. ``hook``
+    must leave the gradient in the bucket's buffer, as cgx2's hooks and torch's do. Register the
     result in ``hook``'s place, with its state; then call no optimizer's ``step`` (see
     :func:`cgx2.ddp.compress`'s ``optimizer``)."""
     steps = _BucketSteps(optimizer, check_optimizer(optimizer, optimizer_kwargs))
 
     def wrapped(hook_state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        if isinstance(hook_state, CGXState):
-            hook_state.optimizer_in_hook = True  # each bucket's future set as it is averaged
-
+        cgx = isinstance(hook_state, CGXState)
+        if cgx:  # the hook then hands over a future of each bucket's compressed layers
+            hook_state.optimizer_in_hook = True
         index = bucket.index()
         # As torch's _hook_then_optimizer: the bucket's gradients are views of its buffer.
         params, grads = bucket.parameters(), bucket.gradients()
         averaged = hook(hook_state, bucket)
-        ready = None
-        if isinstance(hook_state, CGXState):
-            ready = hook_state.take_compressed_ready(index)
+        ready = hook_state.take_compressed_ready(index) if cgx else None
         if ready is None:
 
             def step(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
