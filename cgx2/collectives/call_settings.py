@@ -4,16 +4,13 @@ points check once and every layer below them (allreduce, pieces, ring, reduce-sc
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from ..codecs import Rotation
 from .rotations import DEFAULT_BLOCK, call_rotation
 
 __all__ = ["CallSettings"]
-
-_MEMO_SIZE = 256
-"""Settings :meth:`CallSettings.of` keeps by their arguments: the few a program calls with
-(a program that passes a fresh seed each call fills it once and then builds its settings)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,23 +52,11 @@ class CallSettings:
         is sent (:func:`.rotations.check_rotation`'s errors, naming the arguments). The same
         arguments give the same (immutable) settings: every eager call builds them, and a
         frozen dataclass's construction costs more than the rest of the call's checks."""
-        key = (bits, bucket_size, reduce_op, seed, skip_incomplete, rotation, rotation_block)
+        args = (bits, bucket_size, reduce_op, seed, skip_incomplete, rotation, rotation_block)
         try:
-            return _memo[key]
-        except (KeyError, TypeError):  # TypeError: a traced seed (SymInt) does not hash
-            pass
-        rotated = call_rotation(rotation, rotation_block, bucket_size)
-        settings = cls(
-            bits=bits,
-            bucket_size=bucket_size,
-            reduce_op=reduce_op,
-            seed=seed,
-            skip_incomplete=skip_incomplete,
-            rotation=rotated,
-        )
-        if len(_memo) < _MEMO_SIZE and (seed is None or type(seed) is int):
-            _memo[key] = settings
-        return settings
+            return _kept(*args)
+        except TypeError:  # a traced seed (SymInt) does not hash
+            return _build(*args)
 
     @property
     def rotation_name(self) -> str | None:
@@ -84,6 +69,28 @@ class CallSettings:
         return DEFAULT_BLOCK if self.rotation is None else self.rotation.block
 
 
-# One for the process: settings are the values of a call's arguments alone, alike for every
-# group and device.
-_memo: dict[tuple[object, ...], CallSettings] = {}
+def _build(
+    bits: int,
+    bucket_size: int,
+    reduce_op: str,
+    seed: int | None,
+    skip_incomplete: bool,
+    rotation: str | None,
+    rotation_block: int,
+) -> CallSettings:
+    return CallSettings(
+        bits=bits,
+        bucket_size=bucket_size,
+        reduce_op=reduce_op,
+        seed=seed,
+        skip_incomplete=skip_incomplete,
+        rotation=call_rotation(rotation, rotation_block, bucket_size),
+    )
+
+
+KEPT_SETTINGS = 256
+"""How many settings :meth:`CallSettings.of` keeps, the most recently asked for: the few a
+program calls with (one that passes a fresh seed each call builds the rest)."""
+
+# The process's, not a group's: settings are the values of a call's arguments alone.
+_kept = functools.lru_cache(maxsize=KEPT_SETTINGS)(_build)

@@ -7,12 +7,13 @@ from cgx2.collectives import CallSettings, call_settings
 
 
 @pytest.fixture
-def empty_memo(monkeypatch):
-    monkeypatch.setattr(call_settings, "_memo", {})
-    return call_settings._memo
+def nothing_kept():
+    call_settings._kept.cache_clear()
+    yield call_settings._kept
+    call_settings._kept.cache_clear()
 
 
-def test_the_same_arguments_give_the_same_settings(empty_memo):
+def test_the_same_arguments_give_the_same_settings(nothing_kept):
     first = CallSettings.of(4, 512, "avg", None, False, "hadamard", 128)
     assert CallSettings.of(4, 512, "avg", None, False, "hadamard", 128) is first
     assert first == CallSettings(4, 512, "avg", None, False, first.rotation)
@@ -30,21 +31,21 @@ def test_the_same_arguments_give_the_same_settings(empty_memo):
     assert len(set(others)) == len(others)
 
 
-def test_a_bad_rotation_raises_every_time(empty_memo):
+def test_a_bad_rotation_raises_every_time(nothing_kept):
     for _ in range(2):
         with pytest.raises(ValueError, match="rotation_block"):
             CallSettings.of(4, 512, rotation="hadamard", rotation_block=100)
-    assert empty_memo == {}
+    assert nothing_kept.cache_info().currsize == 0
 
 
-def test_what_is_kept_stays_bounded_and_unhashable_seeds_are_built(empty_memo):
-    for seed in range(3 * call_settings._MEMO_SIZE):
+def test_what_is_kept_stays_bounded_and_unhashable_seeds_are_built(nothing_kept):
+    for seed in range(3 * call_settings.KEPT_SETTINGS):
         assert CallSettings.of(4, 512, seed=seed).seed == seed
-    assert len(empty_memo) == call_settings._MEMO_SIZE
+    assert nothing_kept.cache_info().currsize == call_settings.KEPT_SETTINGS
 
     class Traced:  # as a SymInt: no hash
         __hash__ = None
 
     seed = Traced()
     assert CallSettings.of(4, 512, seed=seed).seed is seed
-    assert len(empty_memo) == call_settings._MEMO_SIZE
+    assert nothing_kept.cache_info().currsize == call_settings.KEPT_SETTINGS
