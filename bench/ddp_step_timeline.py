@@ -311,9 +311,26 @@ def analyse(
         out["link"]["gaps"] = gaps
         out["link"]["gaps_total"] = _ms(total)
     out["backward_and_link_meanwhile"] = _ms(whole)
-    hooks = [s for s in host if s.name == HOOK]
-    out["hook"] = {"calls": len(hooks), "host_ms": sum(s.end - s.start for s in hooks) / 1e3}
+    hooks = sorted((s for s in host if s.name == HOOK), key=lambda s: s.start)
+    out["hook"] = {
+        "calls": len(hooks),
+        "host_ms": sum(s.end - s.start for s in hooks) / 1e3,
+        "each": [_hook_call(s, t0, host, labels) for s in hooks],
+    }
     return out
+
+
+def _hook_call(call: Span, t0: float, host: Sequence[Span], labels: dict[int, str]) -> dict:
+    """A cgx_hook call, ms: its start from ``t0``, its length, and its thread's own time in
+    it by kind (what it waits on or launches, beside its Python)."""
+    mine = [s for s in host if s.lane == call.lane]
+    seen = meanwhile((call.start, call.end), [], mine, labels)["host"]
+    kinds = seen.get(labels.get(call.lane, str(call.lane)), {})
+    return {
+        "start": (call.start - t0) / 1e3,
+        "length": (call.end - call.start) / 1e3,
+        "host": {kind: t / 1e3 for kind, t in kinds.items() if t > 0},
+    }
 
 
 def _ms(value: object) -> object:
@@ -610,6 +627,15 @@ def report(everyone: list[dict], what: dict, args: argparse.Namespace) -> None:
     whole = s["backward_and_link_meanwhile"]
     gpu = f"GPU besides NCCL {_kinds(whole['gpu'])}; " if whole["gpu"] else ""
     print(f"rank 0, backward and link as a whole (ms): {gpu}host {_host(whole['host'])}")
+    calls = s["hook"]["each"]
+    if calls:
+        shown = calls[: args.show_hooks]
+        longest = max(calls, key=lambda c: c["length"])
+        if longest not in shown:
+            shown.append(longest)
+        print(f"rank 0: cgx_hook's calls (of {len(calls)}; ms from the step's start), the host:")
+        for c in shown:
+            print(f"  at {c['start']:8.2f} for {c['length']:6.2f}: {_kinds(c['host'])}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -636,6 +662,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_number(p, "--steps", 1, "profiled steps")
     add_number(p, "--threshold-ms", 0.05, "link gaps shorter than this are not listed")
     add_number(p, "--show-gaps", 30, "link gaps printed (all go to the JSON)")
+    add_number(p, "--show-hooks", 3, "cgx_hook calls printed, the first ones and the longest")
     rate = bits_per_second(os.environ.get("LINK_RATE", ""))  # netlab's hosts say theirs
     p.add_argument(
         "--link-gbps",

@@ -204,9 +204,13 @@ def test_the_gaps_analysed_in_ms() -> None:
 
 def test_the_report_of_a_step_with_nccl(capsys) -> None:
     host = [Span(tl.STEP, 1000, 2000, lane=1), Span(tl.HOOK, 1200, 1250, lane=2)]
+    host += [Span("cudaStreamSynchronize", 1210, 1240, lane=2)]  # inside the hook, on its thread
     host += [Span(name, *MARKS[name], lane=1) for name in (tl.FORWARD, tl.BACKWARD, tl.OPTIMIZER)]
     step = tl.analyse(MARKS, KERNELS, host, threshold=50) | {"wall_ms": 1.1, "bytes_sent": 250_000}
-    assert step["hook"] == {"calls": 1, "host_ms": 0.05}
+    assert step["hook"]["calls"] == 1 and step["hook"]["host_ms"] == pytest.approx(0.05)
+    (call,) = step["hook"]["each"]
+    assert (call["start"], call["length"]) == pytest.approx((0.2, 0.05))
+    assert call["host"] == pytest.approx({"cgx_hook Python": 0.02, "sync": 0.03})
     everyone = [{"steps": [step], "unprofiled_ms": [0.9]}] * 2
     what = {"model": "transformer", "params": 10**6, "what": "4-bit cgx_hook", "backend": "nccl"}
     args = tl.parse_args(["--link-gbps", "10", "--device", "cpu"])
@@ -222,6 +226,8 @@ def test_the_report_of_a_step_with_nccl(capsys) -> None:
     assert "at     0.50 for   0.10: GPU idle 0.07, cgx decode 0.03" in out
     row = next(line for line in out.splitlines() if "link busy (NCCL union)" in line)
     assert row.split()[-2:] == ["0.28", "0.28"]  # a column a rank
+    assert "rank 0: cgx_hook's calls (of 1; ms from the step's start), the host:" in out
+    assert "at     0.20 for   0.05: sync 0.03, cgx_hook Python 0.02" in out
 
 
 def _event(name: str, start: float, end: float, cuda: bool = False, **more: object) -> object:
