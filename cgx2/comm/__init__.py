@@ -4,7 +4,8 @@
 has (:mod:`cgx2.comm.process_group`: NCCL on GPUs, gloo on CPUs, or the ``cgx`` backend's),
 shared memory between the ranks of one host (:mod:`cgx2.comm.shm`), and grouped NCCL
 send/receive on the group's communicator (:mod:`cgx2.comm.nccl`), the last two in ``cgx2._C``.
-What cgx2 keeps for each process group, in every layer, is one :class:`GroupState`.
+What cgx2 keeps for each process group, in every layer, is one :class:`GroupState`; the CUDA
+streams it codes and communicates on beside the training's come from :func:`coding_stream`.
 """
 
 from . import groups, nccl, process_group, shm
