@@ -113,9 +113,9 @@ def compress(
       learning rate is fixed (no ``lr_scheduler``);
     - not under compiled autograd's per-parameter reducer (``optimize_ddp="python_reducer"``).
 
-    On NCCL ``cgx_hook`` then averages each bucket's exact layers (biases, norms) with the
-    bucket, not held for the last bucket as it does otherwise, so that each bucket is stepped
-    as soon as it is averaged.
+    On NCCL, where ``cgx_hook`` holds the exact layers (biases, norms) of every compressed
+    bucket for the last bucket, a bucket's compressed layers are stepped as soon as they are
+    averaged and its exact layers once they are.
 
     Example::
 
