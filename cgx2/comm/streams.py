@@ -1,10 +1,9 @@
 """The CUDA streams cgx2 codes and communicates on beside the training's own: one maker, so that
-every such stream has the priority the backward pass's overlap needs.
+every such stream (DDP's hook, the cgx backend, the comm worker, the CUDA graphs' capture) is alike.
 
-A bucket's coding kernels (encode, decode-sum-encode, decode) sit between its collectives: while
-they wait behind the backward pass's kernels for the GPU's multiprocessors, the link idles. On a
-stream of high priority the GPU schedules their blocks first, as FSDP2 does for its
-reduce-scatter and all-gather streams.
+Their priority is the default one, as the process group's own NCCL stream's: coding streams of high
+priority (as FSDP2's collective streams are) made DDP's step across hosts slower, not faster
+(BENCHMARKS.md, "GPU servers over Ethernet: 4×H100").
 """
 
 from __future__ import annotations
@@ -13,9 +12,9 @@ import torch
 
 __all__ = ["CODING_PRIORITY", "coding_stream"]
 
-CODING_PRIORITY = -1
-"""The priority of :func:`coding_stream`'s streams: high (lower numbers come first; CUDA maps
-one beyond its range to its highest), as FSDP2's collective streams."""
+CODING_PRIORITY = 0
+"""The priority of :func:`coding_stream`'s streams: the default, that of NCCL's own stream unless
+``TORCH_NCCL_HIGH_PRIORITY`` raises it (lower numbers come first)."""
 
 
 def coding_stream(device: torch.device) -> torch.cuda.Stream:
