@@ -44,6 +44,11 @@
 #     results in the summary's "Variants" table; a layout 1xN is one host of N GPUs without
 #     the lab, its "rate" the regime: nvlink, shm or socket. They run in that order for every layout and rate,
 #     the compiled and HSDP runs after the rest of every layout and rate.
+#   NCCL_HOST_ROUNDS (1): the whole plan this many times, each round's order the last one's
+#     turned by one (no run always first, nor always after the same one): one run's step
+#     wanders by several percent from run to run on these machines. Round r's runs are NAME@r
+#     (from 2); the summary gives each run's median over its rounds, and every round's time
+#     in its "rounds" table.
 #   BUDGET_S (480): no run starts past it (those left are listed as skipped), nor runs more than
 #     60 s past it; RUN_TIMEOUT (180): seconds a run may take; MLP_ARGS, DDP_ARGS, FSDP_ARGS,
 #     BENCH_ARGS, CONV_ARGS override each kind's arguments.
@@ -249,11 +254,22 @@ else
     done
   done
 fi
+ROUNDS=${NCCL_HOST_ROUNDS:-1}
+if ! [[ $ROUNDS =~ ^[1-9][0-9]*$ ]]; then
+  echo "nccl_hosts.sh: NCCL_HOST_ROUNDS is a count of rounds, 1 or more, not '$ROUNDS'" >&2
+  exit 2
+fi
+first=("${plan[@]}")
+for ((r = 2; r <= ROUNDS; r++)); do
+  for ((i = 0; i < ${#first[@]}; i++)); do
+    plan+=("${first[$(((i + r - 1) % ${#first[@]}))]}@$r")
+  done
+done
 for item in "${plan[@]}"; do
         read -r layout rate name <<< "$item"
         hosts=${layout%x*} per_host=${layout#*x}
         folder=$DIR/${layout}_$rate/$name  # the run's log and JSON
-        program "$name" "$folder" "$layout"
+        program "${name%@*}" "$folder" "$layout"
         [ ${#args[@]} -eq 0 ] && continue
         mkdir -p "$folder"
         elapsed=$((SECONDS - start))

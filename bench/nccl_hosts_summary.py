@@ -7,8 +7,10 @@ Writes summary.md and summary.json there, and prints the markdown.
 
 from __future__ import annotations
 
+import glob
 import json
 import re
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -50,6 +52,65 @@ def load(folder: Path, pattern: str) -> dict[str, Any] | None:
     """The newest JSON file matching ``pattern`` in ``folder``, or None."""
     found = sorted(folder.glob(pattern)) if folder.is_dir() else []
     return json.loads(found[-1].read_text()) if found else None
+
+
+def rounds_of(folder: Path, name: str) -> list[Path]:
+    """The folders of run ``name``'s rounds in ``folder`` (nccl_hosts.sh's NCCL_HOST_ROUNDS:
+    round 1 is NAME, round r NAME@r), in round order; those that exist."""
+    later = folder.glob(f"{glob.escape(name)}@*")
+    found = [folder / name, *sorted(later, key=lambda p: int(p.name.rpartition("@")[2]))]
+    return [p for p in found if p.is_dir()]
+
+
+def load_run(folder: Path, name: str, pattern: str) -> dict[str, Any] | None:
+    """Run ``name``'s result (its JSON matching ``pattern``): with several rounds, every number
+    the median over the rounds that have one (:func:`median_of`); None where none has."""
+    results = [r for r in (load(p, pattern) for p in rounds_of(folder, name)) if r is not None]
+    return median_of(results) if results else None
+
+
+def median_of(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The first of ``results`` with each number that every one holds (their rows' too, where
+    they hold as many) replaced by its median over them, and ``rounds``: how many."""
+    if len(results) == 1:
+        return results[0]
+    merged = dict(results[0])
+    for key in results[0]:
+        values = [r.get(key) for r in results]
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            merged[key] = statistics.median(values)
+    rows = [r.get("rows") for r in results]
+    if all(isinstance(x, list) for x in rows) and len({len(x) for x in rows}) == 1:
+        merged["rows"] = [
+            median_of([x[i] for x in rows]) if isinstance(rows[0][i], dict) else rows[0][i]
+            for i in range(len(rows[0]))
+        ]
+    merged["rounds"] = len(results)
+    return merged
+
+
+def round_rows(folder: Path, runs: dict[str, dict]) -> list[str]:
+    """A row a run timed in several rounds: each round's time (a DDP or training step, ms),
+    their median and spread (the slowest over the fastest)."""
+    rows = []
+    for name in runs:
+        if "@" in name:
+            continue
+        times = []
+        for path in rounds_of(folder, name):
+            got = load(path, "*.json") or {}
+            value = got.get("median_ms", got.get("step_ms"))
+            times.append(value if isinstance(value, (int, float)) else None)
+        if len(times) < 2:
+            continue
+        known = [t for t in times if t is not None]
+        each = ", ".join(ms(t) for t in times)
+        if not known:
+            rows.append(f"| {name} | {each} | - | - |")
+            continue
+        spread = f"{max(known) / min(known):.3f}"
+        rows.append(f"| {name} | {each} | {statistics.median(known):.1f} | {spread} |")
+    return rows
 
 
 def delivered(bench: dict[str, Any] | None, rate: str, hosts: int) -> dict[str, Any] | None:
@@ -132,7 +193,7 @@ def ms(value: float | None) -> str:
 
 def section(folder: Path, layout: str, rate: str, runs: dict[str, dict]) -> tuple[str, dict]:
     hosts, per_host = layout.split("x")
-    bench = load(folder / "bench", "allreduce_*.json")
+    bench = load_run(folder, "bench", "allreduce_*.json")
     link = delivered(bench, rate, int(hosts))
     head = f"### {hosts} hosts x {per_host} GPU{'s' if per_host != '1' else ''}, {rate} links"
     if link:
@@ -168,7 +229,7 @@ def section(folder: Path, layout: str, rate: str, runs: dict[str, dict]) -> tupl
     else:
         lines.append(f"allreduce table: {failed('bench')}")
     if any(n.startswith("mlp_") for n in runs):
-        mlp = {name: load(folder / name, "ddp_*.json") for name, _ in MLP_RUNS}
+        mlp = {name: load_run(folder, name, "ddp_*.json") for name, _ in MLP_RUNS}
         lines += [
             "",
             f"| DDP step, MLP{params(mlp.values())} | median ms | vs plain DDP | bytes vs plain "
@@ -224,7 +285,7 @@ def section(folder: Path, layout: str, rate: str, runs: dict[str, dict]) -> tupl
         ):
             if run in runs:  # beside plain DDP's eager run, AdamW after the backward pass
                 rows.append((label, "ddp_b32", run))
-        ddp = {name: load(folder / name, "*.json") for row in rows for name in row[1:]}
+        ddp = {name: load_run(folder, name, "*.json") for row in rows for name in row[1:]}
         lines += [
             "",
             f"| train_ddp.py{params(ddp.values())} | plain DDP ms "
@@ -241,7 +302,7 @@ def section(folder: Path, layout: str, rate: str, runs: dict[str, dict]) -> tupl
             data["train_ddp"][label] = {"plain_ms": p, "cgx4_ms": q}
     if any(n.startswith(("fsdp_", "hsdp_")) for n in runs):
         fsdp = {
-            (prefix, b): load(folder / f"{prefix}_{b}", "*.json")
+            (prefix, b): load_run(folder, f"{prefix}_{b}", "*.json")
             for prefix, _ in FSDP_ROWS
             for b in FSDP_RUNS
         }
@@ -287,7 +348,9 @@ def section(folder: Path, layout: str, rate: str, runs: dict[str, dict]) -> tupl
                 for b, r in got.items()
             }
     conv = {
-        n: load(folder / n, "run_*.json") for n in runs if n.startswith("conv_") and "+" not in n
+        n: load_run(folder, n, "run_*.json")
+        for n in runs
+        if n.startswith("conv_") and "+" not in n and "@" not in n
     }
     if conv:
         plain, four = ((conv.get(n) or {}).get("step_ms") for n in ("conv_plain", "conv_cgx4"))
@@ -307,13 +370,22 @@ def section(folder: Path, layout: str, rate: str, runs: dict[str, dict]) -> tupl
                 f"| {ratio(plain, r['step_ms'])} | {ratio(four, r['step_ms'])} |"
             )
             data["convergence_step"][name[5:]] = {"step_ms": r["step_ms"], "bits_per_value": bits}
-    variants = variant_rows(folder, runs, mlp_plain=load(folder / "mlp_plain", "ddp_*.json"))
+    variants = variant_rows(folder, runs, mlp_plain=load_run(folder, "mlp_plain", "ddp_*.json"))
     if variants:
         lines += [
             "",
             "| variant (run+variables) | what | ms | vs its run |",
             "| --- | --- | ---: | ---: |",
             *variants,
+        ]
+    repeated = round_rows(folder, runs)
+    if repeated:
+        lines += [
+            "",
+            "| run, in rounds (each number above: their median) | each round's ms | median ms "
+            "| slowest / fastest |",
+            "| --- | --- | ---: | ---: |",
+            *repeated,
         ]
     return "\n".join(lines), data
 
@@ -322,13 +394,13 @@ def variant_rows(folder: Path, runs: dict[str, dict], mlp_plain: dict | None) ->
     """Rows for runs named RUN+VAR=VALUE (nccl_hosts.sh's A/B): each beside RUN's own result."""
     rows = []
     for name in runs:
-        if "+" not in name:
+        if "+" not in name or "@" in name:
             continue
         base = name.split("+", 1)[0]
         if base == "bench":
             got, own = (
-                load(folder / name, "allreduce_*.json"),
-                load(folder / base, "allreduce_*.json"),
+                load_run(folder, name, "allreduce_*.json"),
+                load_run(folder, base, "allreduce_*.json"),
             )
             if got is None:
                 rows.append(f"| {name} | allreduce | no result | |")
@@ -346,7 +418,7 @@ def variant_rows(folder: Path, runs: dict[str, dict], mlp_plain: dict | None) ->
                     f"| {ms(r.get('cgx2_ms'))} | {ratio(mine.get(key), r.get('cgx2_ms'))} |"
                 )
         elif base.startswith("mlp_"):
-            got, own = load(folder / name, "ddp_*.json"), load(folder / base, "ddp_*.json")
+            got, own = load_run(folder, name, "ddp_*.json"), load_run(folder, base, "ddp_*.json")
             if got is None:
                 rows.append(f"| {name} | DDP step | no result | |")
                 continue

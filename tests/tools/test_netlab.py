@@ -371,3 +371,76 @@ def test_the_nccl_hosts_summary_shows_the_optimizer_in_backward_runs(tmp_path):
     assert "| cgx2.ddp.compress 4-bit, AdamW in the backward pass | 50.0 | 8.00x |" in text, text
     assert "| eager, 4-bit with AdamW in the backward pass | 300.0 | 60.0 | 5.00x |" in text, text
     assert data["mlp"]["mlp_cgx4o"]["optimizer_in_backward_ms"] == 1.5
+
+
+def test_nccl_hosts_rounds_repeat_the_plan_each_in_another_order(netlab, tmp_path):
+    """NCCL_HOST_ROUNDS=3 runs the plan three times, each round's order the last one's turned
+    by one; a round's run (NAME@r) runs NAME's program. A count that is not one is refused."""
+    plan = "1x4 nvlink mlp_plain mlp_cgx4; 1x4 shm ddp_b4"
+    done = _nccl_hosts_dry(tmp_path, NCCL_HOST_PLAN=plan, NCCL_HOST_ROUNDS="3")
+    runs = [" ".join(line.split()[1:4]) for line in done.stdout.splitlines() if line[:3] == "== "]
+    assert runs == [
+        *("1x4 nvlink mlp_plain", "1x4 nvlink mlp_cgx4", "1x4 shm ddp_b4"),
+        *("1x4 nvlink mlp_cgx4@2", "1x4 shm ddp_b4@2", "1x4 nvlink mlp_plain@2"),
+        *("1x4 shm ddp_b4@3", "1x4 nvlink mlp_plain@3", "1x4 nvlink mlp_cgx4@3"),
+    ]
+    commands = [line for line in done.stdout.splitlines() if line.startswith("host 0:")]
+    assert len(commands) == 9
+    assert "--hook cgx --bits 4" in commands[3] and "/mlp_cgx4@2 " in commands[3] + " "
+    assert "NCCL_P2P_DISABLE=1" in commands[4] and "train_ddp.py" in commands[4]
+    script = Path(__file__).parents[2] / "bench" / "nccl_hosts.sh"
+    for bad in ("0", "two"):
+        refused = subprocess.run(
+            ["bash", str(script)],
+            env={
+                **os.environ,
+                "DRY_RUN": "1",
+                "NGPU": "4",
+                "NCCL_HOST_ROUNDS": bad,
+                "RESULTS_DIR": str(tmp_path),
+                "NCCL_HOST_PLAN": plan,
+            },
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert refused.returncode == 2 and f"not '{bad}'" in refused.stderr, refused.stderr
+
+
+def test_the_nccl_hosts_summary_takes_the_median_of_a_runs_rounds(tmp_path):
+    """A run timed in rounds (NAME, NAME@2, ...) counts by the median of its rounds, in the
+    tables and their JSON; its rounds table gives each round's time and the spread. A round
+    without a result (failed) is left out of the median."""
+    import json
+
+    sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
+    try:
+        import nccl_hosts_summary as summary
+    finally:
+        sys.path.pop(0)
+    folder = tmp_path / "2x1_10gbit"
+    results = {
+        "mlp_plain": {"median_ms": 400.0, "params": 10},
+        "mlp_plain@2": {"median_ms": 500.0, "params": 10},
+        "mlp_cgx4": {"median_ms": 80.0, "bytes_sent_ratio": 0.125},
+        "mlp_cgx4@2": {"median_ms": 70.0, "bytes_sent_ratio": 0.125},
+        "mlp_cgx4@3": {"median_ms": 72.0, "bytes_sent_ratio": 0.125},
+        "ddp_b32": {"step_ms": 480.0},
+        "ddp_b4": {"step_ms": 90.0},
+        "ddp_b4@2": None,  # failed: no JSON
+        "ddp_b4@3": {"step_ms": 86.0},
+    }
+    for name, result in results.items():
+        (folder / name).mkdir(parents=True)
+        if result is not None:
+            file = "ddp_x.json" if name.startswith("mlp") else f"{name.split('@')[0]}.json"
+            (folder / name / file).write_text(json.dumps(result))
+    runs = {name: {"run": name, "rc": 0 if results[name] else 1} for name in results}
+    text, data = summary.section(folder, "2x1", "10gbit", runs)
+    assert data["mlp"]["mlp_cgx4"]["median_ms"] == 72.0
+    assert data["mlp"]["mlp_plain"]["median_ms"] == 450.0
+    assert "| cgx_hook 4-bit | 72.0 | 6.25x | 0.125 |" in text, text
+    assert data["train_ddp"]["eager"] == {"plain_ms": 480.0, "cgx4_ms": 88.0}
+    assert "| mlp_cgx4 | 80.0, 70.0, 72.0 | 72.0 | 1.143 |" in text, text
+    assert "| ddp_b4 | 90.0, -, 86.0 | 88.0 | 1.047 |" in text, text
+    assert "| ddp_b32 |" not in text  # one round: no row
