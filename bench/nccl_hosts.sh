@@ -35,7 +35,8 @@
 #     off and on, mlp_plain_big and mlp_cgx4_big, DDP's buckets at 100 MB; conv_*;
 #     timeline_ddp_b4, timeline_ddp_b32, timeline_ddp_b4o, timeline_ddp_b4_compile,
 #     timeline_mlp_b4 and timeline_mlp_b4o:
-#     bench/ddp_step_timeline.py, where a step's time goes, TIMELINE_ARGS the model's;
+#     bench/ddp_step_timeline.py, where a step's time goes, TIMELINE_ARGS the model's
+#     (TIMELINE_TRACE=1: with rank 0's chrome trace, trace.json);
 #     mlp_cgx3r, mlp_cgx2r and mlp_cgx25ar: the MLP at 3 and 2 bits rotated, and
 #     examples/convergence.py's cgx2.5a-rot).
 #   NCCL_HOST_PLAN: "LAYOUT RATE RUN...; ..." runs exactly these, in this order (in place of
@@ -210,6 +211,9 @@ program() {  # name folder layout; NAME+VAR=VALUE... runs NAME with those variab
     *) echo "nccl_hosts.sh: unknown run $name" >&2; return ;;
   esac
   case $name in mlp_*) args+=(--backend "$backend" --device "$DEVICE" $MLP_ARGS --out "$dir") ;; esac
+  if [ "${name#timeline_}" != "$name" ] && [ -n "${TIMELINE_TRACE:-}" ]; then
+    args+=(--trace "$dir/trace.json")  # rank 0's every kernel and op, for chrome://tracing
+  fi
 }
 
 # torchrun in each host: $HOST and $MASTER_ADDR are the host's, expanded there.

@@ -444,3 +444,16 @@ def test_the_nccl_hosts_summary_takes_the_median_of_a_runs_rounds(tmp_path):
     assert "| mlp_cgx4 | 80.0, 70.0, 72.0 | 72.0 | 1.143 |" in text, text
     assert "| ddp_b4 | 90.0, -, 86.0 | 88.0 | 1.047 |" in text, text
     assert "| ddp_b32 |" not in text  # one round: no row
+
+
+def test_nccl_hosts_timelines_export_their_trace_where_asked(netlab, tmp_path):
+    """TIMELINE_TRACE=1 gives the timeline runs (and only those) rank 0's chrome trace, in the
+    run's folder."""
+    plan = "1x4 nvlink timeline_mlp_b4o timeline_ddp_b4 mlp_plain"
+    done = _nccl_hosts_dry(tmp_path, NCCL_HOST_PLAN=plan, TIMELINE_TRACE="1")
+    mlp, ddp, plain = [ln for ln in done.stdout.splitlines() if ln.startswith("host 0:")]
+    assert "/timeline_mlp_b4o --optimizer-in-backward --trace " in mlp
+    assert mlp.rstrip().endswith("/timeline_mlp_b4o/trace.json"), mlp
+    assert ddp.rstrip().endswith("/timeline_ddp_b4/trace.json") and "--trace" not in plain
+    untraced = _nccl_hosts_dry(tmp_path, NCCL_HOST_PLAN=plan)
+    assert "--trace" not in untraced.stdout
