@@ -104,10 +104,9 @@ def round_rows(folder: Path, runs: dict[str, dict]) -> list[str]:
         if len(times) < 2:
             continue
         known = [t for t in times if t is not None]
-        each = ", ".join(ms(t) for t in times)
-        if not known:
-            rows.append(f"| {name} | {each} | - | - |")
+        if not known:  # no step timed (an allreduce table, a timeline, failed rounds)
             continue
+        each = ", ".join(ms(t) for t in times)
         spread = f"{max(known) / min(known):.3f}"
         rows.append(f"| {name} | {each} | {statistics.median(known):.1f} | {spread} |")
     return rows
