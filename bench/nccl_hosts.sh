@@ -29,7 +29,8 @@
 #     fsdp_bf16_b32 fsdp_bf16_b4 fsdp_bf16_b4p8 fsdp_bf16_b4p8k ddp_b32_compile ddp_b4_compile hsdp_bf16_b32 hsdp_bf16_b4
 #     hsdp_bf16_b4p8; not by default: mlp_compress, cgx2.ddp.compress at 4 bits,
 #     mlp_cgx4o, the same with AdamW stepping each bucket in the backward pass
-#     (--optimizer-in-backward), ddp_b4o, train_ddp.py 4-bit with it, ddp_b3r and ddp_b3ro,
+#     (--optimizer-in-backward), ddp_b4o, train_ddp.py 4-bit with it, ddp_c4, train_ddp.py's
+#     --mode compress (cgx2.ddp.compress: the hook where it pays), ddp_b3r and ddp_b3ro,
 #     train_ddp.py 3-bit rotated, without and with it,
 #     mlp_allreduce, torch's allreduce_hook, mlp_cgx4_flat and mlp_cgx4_mesh, the node mesh
 #     off and on, mlp_plain_big and mlp_cgx4_big, DDP's buckets at 100 MB; conv_*;
@@ -187,11 +188,12 @@ program() {  # name folder layout; NAME+VAR=VALUE... runs NAME with those variab
       args=(bench/ddp_step_timeline.py --device "$DEVICE" --bits 4 --model mlp --dim 4096 --layers 8
             --batch-size 64 --out "$dir")
       [ "${name%o}" != "$name" ] && args+=(--optimizer-in-backward) ;;
-    ddp_b32|ddp_b4|ddp_b32_compile|ddp_b4_compile|ddp_b4o|ddp_b3r|ddp_b3ro)
-      # o: AdamW in the backward pass; r: rotated (issue 44's 3-bit)
-      bits=${name#ddp_b}; bits=${bits%_compile}; bits=${bits%o}; bits=${bits%r}
+    ddp_b32|ddp_b4|ddp_b32_compile|ddp_b4_compile|ddp_b4o|ddp_b3r|ddp_b3ro|ddp_c4)
+      # o: AdamW in the backward pass; r: rotated (issue 44's 3-bit); c: cgx2.ddp.compress
+      bits=${name#ddp_[bc]}; bits=${bits%_compile}; bits=${bits%o}; bits=${bits%r}
       args=(examples/train_ddp.py --device "$DEVICE" --bits "$bits" $DDP_ARGS --log-every 1000
             --json "$dir/$name.json")
+      [ "${name#ddp_c}" != "$name" ] && args+=(--mode compress)
       [ "${name%_compile}" != "$name" ] && args+=(--compile)
       [ "${name%o}" != "$name" ] && args+=(--optimizer-in-backward)
       case $name in *r|*ro) args+=(--rotation hadamard) ;; esac ;;

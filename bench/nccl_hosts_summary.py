@@ -278,6 +278,7 @@ def section(folder: Path, layout: str, rate: str, runs: dict[str, dict]) -> tupl
     if any(n.startswith("ddp_") for n in runs):
         rows = [("eager", "ddp_b32", "ddp_b4"), ("--compile", "ddp_b32_compile", "ddp_b4_compile")]
         for run, label in (
+            ("ddp_c4", "eager, cgx2.ddp.compress 4-bit (the hook where it pays)"),
             ("ddp_b4o", "eager, 4-bit with AdamW in the backward pass"),
             ("ddp_b3r", "eager, 3-bit rotated"),
             ("ddp_b3ro", "eager, 3-bit rotated with AdamW in the backward pass"),

@@ -3,6 +3,7 @@
 The text is Python's own standard library source, so nothing is downloaded. CPU with gloo by
 default (2 processes), CUDA with NCCL when present; under torchrun it uses the launcher's
 processes. --mode hook registers cgx_hook (--hook picks a Global-QSGD hook instead);
+--mode compress calls cgx2.ddp.compress, which registers it only where compression pays;
 --mode backend runs plain DDP on the cgx backend (CGX's other way in); --compile compiles the
 model under DDP; --optimizer-in-backward steps AdamW in the hook, bucket by bucket as each
 bucket's gradient arrives, not after the backward pass. Logs loss, step time and the bytes sent
@@ -12,6 +13,7 @@ step time against it:
     python examples/train_ddp.py --bits 4 --steps 200            # spawns 2 CPU processes
     python examples/train_ddp.py --bits 4 --compare              # and against plain DDP
     torchrun --nproc-per-node 4 examples/train_ddp.py --bits 4     # one process per GPU
+    torchrun --nproc-per-node 4 examples/train_ddp.py --mode compress  # the hook where it pays
     mpirun -np 2 python examples/train_ddp.py --mode backend      # CGX's launcher
 """
 
@@ -31,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import cgx2.ddp
 from cgx2.bench.report import (
     HelpFormatter,
     Progress,
@@ -139,7 +142,21 @@ def train(args: argparse.Namespace) -> dict:
     log_group = dist.new_group(backend="gloo")
     group = dist.group.WORLD
     state = hook = None
-    if args.mode == "hook" and args.bits != 32 and args.hook == "cgx":
+    in_backward = {"optimizer": torch.optim.AdamW, "optimizer_kwargs": {"lr": args.lr}}
+    if args.mode == "compress" and args.bits != 32:
+        # The recommended way: cgx_hook where the policy compresses one of DDP's buckets, else
+        # DDP's own allreduce (state None); the optimizer in the backward pass either way.
+        state = cgx2.ddp.compress(
+            ddp,
+            args.bits,
+            args.bucket_size,
+            args.layer_min_size,
+            mesh=None if args.flat else "auto",
+            error_feedback=args.error_feedback,
+            rotation=None if args.rotation == "none" else args.rotation,
+            **(in_backward if args.optimizer_in_backward else {}),
+        )
+    elif args.mode == "hook" and args.bits != 32 and args.hook == "cgx":
         state = CGXState(
             None,
             args.layer_min_size,
@@ -152,13 +169,14 @@ def train(args: argparse.Namespace) -> dict:
     elif args.mode == "hook" and args.bits != 32:  # a Global-QSGD hook, by its name
         state = GlobalQSGDState(group, bits=args.bits)
         hook = getattr(gq, f"{args.hook}_hook")
+    compressed = args.mode == "compress" and args.bits != 32  # compress registered it all
     if not args.optimizer_in_backward:
         opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
     else:  # AdamW steps each bucket in the hook as its gradient arrives: no opt.step()
         opt = None
-        if hook is None:  # DDP's own allreduce, through torch's allreduce_hook
+        if hook is None and not compressed:  # DDP's own allreduce, through allreduce_hook
             ddp._register_fused_optim(torch.optim.AdamW, lr=args.lr)
-        else:
+        elif hook is not None:
             hook = optimizer_in_hook(hook, torch.optim.AdamW, {"lr": args.lr})
     if hook is not None:
         ddp.register_comm_hook(state, hook)
@@ -192,9 +210,11 @@ def train(args: argparse.Namespace) -> dict:
     cgx = {"rotation": None, "error_feedback": None}
     if isinstance(state, CGXState):
         cgx = {"rotation": state.rotation, "error_feedback": state.errors is not None}
+    plain = args.steps * ring_bytes_sent(4 * sum(p.numel() for p in model.parameters()), world)
     if state is not None:  # Global-QSGD's state counts what it sent; plain DDP's ring, this:
-        plain = args.steps * ring_bytes_sent(4 * sum(p.numel() for p in model.parameters()), world)
         sent = (state.bytes_sent, getattr(state, "bytes_uncompressed", plain))
+    elif compressed:  # DDP's own allreduce was kept
+        sent = (plain, plain)
     if counted is not None:  # the cgx backend's own counters, over the training steps
         sent = (group.bytes_sent - counted[0], group.bytes_uncompressed - counted[1])
     # DDP's reducer must be gone, and every rank done, before the process group is destroyed.
@@ -303,7 +323,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=1024,
         help="smaller layers are sent uncompressed (hook mode only)",
     )
-    add_choice(p, "--mode", ("hook", "backend"), "cgx_hook on DDP, or plain DDP on the cgx backend")
+    add_choice(
+        p,
+        "--mode",
+        ("hook", "compress", "backend"),
+        "cgx_hook on DDP; cgx2.ddp.compress (the hook where it pays); or plain DDP on the cgx "
+        "backend",
+    )
     add_choice(p, "--hook", HOOKS, "hook mode's hook: CGX's, or a Global-QSGD hook")
     add_choice(
         p,
@@ -352,14 +378,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--json", help="write the result (losses, bytes, timing) here")
     args = parse(p, argv)
-    if args.compare and (args.mode != "hook" or args.bits == 32):
-        p.error("--compare times a hook against plain DDP on the same group: --mode hook, bits 1-8")
+    if args.compare and (args.mode == "backend" or args.bits == 32):
+        p.error(
+            "--compare times a hook against plain DDP on the same group: --mode hook or "
+            "compress, bits 1-8"
+        )
+    if args.mode == "compress" and args.hook != "cgx":
+        p.error(f"--mode compress registers CGX's hook where it pays, not --hook {args.hook}")
     if not (1 <= args.bits <= 8 or args.bits == 32):
         p.error("--bits must be in 1..8, or 32")
     if (args.rotation != "none" or args.error_feedback) and (
-        args.mode != "hook" or args.hook != "cgx" or args.bits == 32
+        args.mode == "backend" or args.hook != "cgx" or args.bits == 32
     ):
-        p.error("--rotation and --error-feedback are the cgx hook's: --mode hook, bits 1-8")
+        p.error(
+            "--rotation and --error-feedback are the cgx hook's: --mode hook or compress, bits 1-8"
+        )
     return args
 
 

@@ -324,15 +324,18 @@ def test_an_nccl_hosts_fsdp_run_named_k_keeps_the_quantized_parameters(netlab, t
 
 def test_the_nccl_hosts_optimizer_in_backward_runs_pass_the_flag(netlab, tmp_path):
     """mlp_cgx4o is compress at 4 bits with --optimizer-in-backward, ddp_b4o train_ddp.py at 4
-    bits with it; ddp_b4 and mlp_compress go without."""
-    plan = "1x4 nvlink mlp_cgx4o ddp_b4o ddp_b4 mlp_compress"
+    bits with it; ddp_b4, mlp_compress and ddp_c4 (train_ddp.py's --mode compress) without."""
+    plan = "1x4 nvlink mlp_cgx4o ddp_b4o ddp_b4 mlp_compress ddp_c4"
     done = _nccl_hosts_dry(tmp_path, NCCL_HOST_PLAN=plan)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("host 0:")]
-    assert len(lines) == 4, done.stdout
+    assert len(lines) == 5, done.stdout
     mlp, ddp, *without = lines
     assert "ddp_gloo_cuda.py --hook compress --bits 4 --optimizer-in-backward" in mlp
     assert "train_ddp.py" in ddp and "--bits 4 " in ddp and "--optimizer-in-backward" in ddp
     assert all("--optimizer-in-backward" not in ln for ln in without), without
+    # ddp_c4: train_ddp.py through cgx2.ddp.compress; ddp_b4 registers the hook itself.
+    assert "train_ddp.py --device cuda --bits 4 " in without[2] and "--mode compress" in without[2]
+    assert "--mode" not in without[0]
 
 
 def test_the_nccl_hosts_summary_shows_the_optimizer_in_backward_runs(tmp_path):

@@ -14,11 +14,14 @@ import pytest
 EXAMPLE = Path(__file__).parents[2] / "examples" / "train_ddp.py"
 
 
-def _run(tmp_path: Path, bits: int, steps: int, mode: str = "hook") -> dict:
+def _run(
+    tmp_path: Path, bits: int, steps: int, mode: str = "hook", env: dict | None = None
+) -> dict:
     out = tmp_path / f"bits{bits}_{mode}.json"
     args = f"--bits {bits} --steps {steps} --log-every 20 --mode {mode} --device cpu".split()
     cmd = [sys.executable, str(EXAMPLE), *args, "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    env = None if env is None else {**os.environ, **env}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"{bits}-bit DDP ({mode}), 2 x cpu" in proc.stdout
     assert "step 1/" in proc.stderr  # progress on stderr,
@@ -38,6 +41,22 @@ def test_four_bit_loss_within_3_percent_of_uncompressed(tmp_path):
     assert four["first_loss"] == pytest.approx(plain["first_loss"], rel=1e-6)
     assert abs(four["final_loss"] - plain["final_loss"]) <= 0.03 * plain["final_loss"]
     assert four["bytes_uncompressed"] / four["bytes_sent"] > 6
+
+
+@pytest.mark.slow
+def test_compress_mode_is_the_hook_where_it_pays_and_ddps_own_elsewhere(tmp_path):
+    """--mode compress (cgx2.ddp.compress): on CPU processes of one host, where every bucket
+    pays, the same hook as --mode hook (the same losses and bytes, bit for bit); where no
+    bucket pays (the crossover above the model), DDP's own allreduce: plain DDP's losses, bit
+    for bit, every byte sent exact."""
+    hook = _run(tmp_path, 4, 4, "hook")
+    compressed = _run(tmp_path, 4, 4, "compress")
+    assert compressed["losses"] == hook["losses"]
+    assert compressed["bytes_sent"] == hook["bytes_sent"] < hook["bytes_uncompressed"]
+    plain = _run(tmp_path, 32, 4, "hook")
+    kept = _run(tmp_path, 4, 4, "compress", env={"CGX2_CROSSOVER_BYTES": str(1 << 40)})
+    assert kept["losses"] == plain["losses"] != hook["losses"]
+    assert kept["bytes_sent"] == kept["bytes_uncompressed"] == hook["bytes_uncompressed"]
 
 
 @pytest.mark.slow
