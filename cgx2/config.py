@@ -52,7 +52,7 @@ _INNER_COMMUNICATORS = ("SHM", "MPI", "NCCL")
 _CROSS_COMMUNICATORS = ("MPI", "NCCL")
 TRANSPORTS = ("auto", "shm", "nccl", "process_group")
 """The values of ``CGX2_TRANSPORT`` (:class:`TuningConfig`'s ``transport``)."""
-ALGORITHMS = ("auto", "sra", "ring")
+ALGORITHMS = ("auto", "sra", "ring", "allgather")
 """The values of ``CGX2_ALGORITHM`` (:class:`TuningConfig`'s ``algorithm``)."""
 CHECK_MODES = ("auto", "on", "off", "deferred")
 """The values of ``CGX2_CHECK_AGREEMENT`` (:class:`TuningConfig`'s ``check_agreement``)."""
@@ -310,7 +310,9 @@ class TuningConfig:
       on gloo), else the process group (docs/transports.md).
     - ``algorithm`` (``CGX2_ALGORITHM``, ``auto``): the quantized allreduce's algorithm: ``sra``
       (scatter-reduce-allgather: every value quantized twice), ``ring`` (a pipelined ring:
-      quantized at every hop, W times), or ``auto`` (``sra``; docs/transports.md says why).
+      quantized at every hop, W times), ``allgather`` (every rank's values quantized once,
+      gathered and summed by every rank: as many bytes as ``sra`` between two ranks, W / 2
+      times as many among W), or ``auto`` (``sra``; docs/transports.md says why).
     - ``native_codec`` (``CGX2_NATIVE``, 1): the CPU codec's compiled loops (``cgx2._C``;
       0: the torch code).
     - ``cache_dir`` (``CGX2_CACHE_DIR``, ``~/.cache/cgx2``): where the calibration file is.

@@ -2,7 +2,9 @@
 
 Per piece: encode the W chunks, one all-to-all (an all-gather between two ranks), decode-and-sum
 into the owned chunk and encode it once more (fused), one all-gather, decode. All ranks decode
-the same bytes, so they return bit-identical tensors. :mod:`.policy` decides every route.
+the same bytes, so they return bit-identical tensors. :mod:`.policy` decides every route; its
+``gather_all`` (``CGX2_ALGORITHM=allgather``) instead encodes each rank's piece whole, gathers
+every rank's and sums their decodings on every rank: one collective and one quantization.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch.distributed as dist
 
 from .. import scratch
 from ..codecs import ChunkedLayout, Codec, Rotation, maxmin_codec, triton_kernels
+from ..codecs.maxmin import fp32_scalar
 from ..comm import Transport, group_info, process_group
 from ..seeding import derive_key, extend_key, next_seed
 from . import agreement, graphs, policy, ring
@@ -231,6 +234,7 @@ def _make_run(
         step=route.piece_numel,
         gather_in_place=route.gather_in_place,
         pair_gather=route.pair_gather,
+        gather_all=route.gather_all,
         transport=route.transport,
         rotation=settings.rotation,
         rotation_key=rotation_key(seed),
@@ -295,6 +299,7 @@ class _Run:
     step: int  # values per piece
     gather_in_place: bool  # the reduced chunk encoded straight into its slot (NCCL)
     pair_gather: bool  # two ranks swap chunks by all-gather (exchange)
+    gather_all: bool  # every rank's piece gathered whole and summed by all (no owners)
     transport: Transport
     rotation: Rotation | None  # the call's (its block; None: none)
     rotation_key: int  # derive_key(seed, STAGE_ROTATION): extended by the piece index
@@ -324,8 +329,9 @@ class _Piece:
 
     def __init__(self, run: _Run, x: torch.Tensor, out: torch.Tensor, index: int) -> None:
         self.run, self.x, self.out, self.index = run, x, out, index
+        chunks = 1 if run.gather_all else run.world  # gathering all, no rank owns a chunk
         self.layout = ChunkedLayout.split(
-            x.numel(), run.world, run.bits, run.bucket_size, run.skip_incomplete
+            x.numel(), chunks, run.bits, run.bucket_size, run.skip_incomplete
         )
         self.error: torch.Tensor | None = None
         self.rotation = run.rotation_of(index)  # the same on every rank
@@ -336,8 +342,12 @@ class _Piece:
         self.overlap = True
 
     def scatter(self) -> None:
-        """Encode the chunks other ranks own; start sending chunk j to rank j."""
+        """Encode the chunks other ranks own; start sending chunk j to rank j. Gathering all:
+        encode the whole piece, start gathering every rank's."""
         run, layout = self.run, self.layout
+        if run.gather_all:
+            self._gather_all()
+            return
         nbytes = layout.num_chunks * layout.payload_nbytes
         send = scratch.take(nbytes, torch.uint8, self.x.device).view(layout.num_chunks, -1)
         key = run.scatter_key_of(self.index)
@@ -366,10 +376,46 @@ class _Piece:
             start, size = layout.chunk_start(run.rank), layout.chunk_size(run.rank)
             self.error.narrow(0, start, size).zero_()
 
+    def _gather_all(self) -> None:
+        """Encode the whole piece (our own row of the gather's output: NCCL gathers in place)
+        and start gathering every rank's; with an error, what the others decode of ours."""
+        run, layout = self.run, self.layout
+        nbytes = layout.payload_nbytes
+        self.gathered = scratch.take(run.world * nbytes, torch.uint8, self.x.device)
+        mine = self.gathered[run.rank * nbytes : (run.rank + 1) * nbytes].view(1, nbytes)
+        key = run.scatter_key_of(self.index)
+        run.codec.encode_chunks(self.x, layout, key, out=mine, rotation=self.rotation)
+        self.work = run.transport.all_gather(self.gathered, mine.view(-1), run.group, self.overlap)
+        if self.error is not None:
+            sent = run.codec.decode_chunks(mine, layout, torch.float32, rotation=self.rotation)
+            torch.sub(self.x, sent, out=self.error)
+
+    def _sum_gathered(self) -> None:
+        """Every rank's row decoded, times the scale, summed in rank order in fp32 (the same
+        bytes and order on every rank), into the output."""
+        run, layout = self.run, self.layout
+        run.transport.wait(self.work)
+        rows = self.gathered.view(run.world, layout.payload_nbytes)
+        acc = None
+        for w in range(run.world):
+            row = run.codec.decode_chunks(
+                rows[w : w + 1], layout, torch.float32, rotation=self.rotation
+            )
+            if run.scale is not None:  # as the plain allreduce: each divided, then summed
+                row.mul_(fp32_scalar(run.scale))
+            acc = row if acc is None else acc.add_(row)
+        self.out.copy_(acc)
+        scratch.give(self.gathered)
+        self.gathered = None
+
     def reduce(self) -> None:
         """Sum the received chunks onto our own (kept in full precision), encode the sum once
-        more, and start gathering every rank's reduced chunk."""
+        more, and start gathering every rank's reduced chunk. Gathering all: sum every rank's
+        decoded piece."""
         run, layout = self.run, self.layout
+        if run.gather_all:
+            self._sum_gathered()
+            return
         run.transport.wait(self.work)
         scratch.give(self.send)  # sent: the exchange is done with it
         self.send = None
@@ -402,7 +448,10 @@ class _Piece:
         self.work = run.transport.all_gather(self.gathered, reduced, run.group, self.overlap)
 
     def finish(self) -> None:
-        """Decode every rank's reduced chunk (ours too: all ranks decode the same bytes)."""
+        """Decode every rank's reduced chunk (ours too: all ranks decode the same bytes).
+        Gathering all: done in :meth:`reduce`."""
+        if self.run.gather_all:
+            return
         self.run.transport.wait(self.work)
         rows = self.gathered.view(self.run.world, self.layout.payload_nbytes)
         self.run.codec.decode_chunks(

@@ -107,6 +107,10 @@ class Route:
     - ``ring``: the pipelined ring (:mod:`.ring`) instead of the scatter-reduce-allgather:
       ``CGX2_ALGORITHM=ring`` only. Its error grows with the world size, and where it was
       measured it was no faster (BENCHMARKS.md, "Transports").
+    - ``gather_all``: every rank's piece quantized once, all-gathered whole, and the rows
+      decoded and summed by every rank, instead of the scatter-reduce-allgather:
+      ``CGX2_ALGORITHM=allgather`` only. One collective a piece and no second quantization,
+      for the same bytes between two ranks (W / 2 times the bytes among W).
     - ``settings``: what the route was decided under that every rank must share, as JSON: the
       variables that change the bytes (:func:`cgx2.config.wire_settings`) and what this route
       made of them (``route.*``); ``fingerprint``: its CRC, which the agreement check compares.
@@ -121,6 +125,7 @@ class Route:
     check: str = ""
     transport: Transport = process_group
     ring: bool = False
+    gather_all: bool = False
     settings: str = "{}"
     fingerprint: int = 0
 
@@ -251,6 +256,7 @@ def plan(facts: GroupFacts) -> Routes:
     pair = pair_gather(facts.world, facts.regime, facts.pair_gather)
     pieces, pieces_beside = (piece_numel(facts, pair, beside) for beside in (False, True))
     ring = facts.algorithm == "ring" and facts.world > 2
+    gather_all = facts.algorithm == "allgather"
     compressed = Route(
         compress=True,
         regime=facts.regime,
@@ -261,6 +267,7 @@ def plan(facts: GroupFacts) -> Routes:
         check=agreement_check(facts.check_agreement, facts.nccl_cuda) if facts.world > 1 else "",
         transport=facts.transport,
         ring=ring,
+        gather_all=gather_all,
     )
     # A CUDA graph captures the process group's NCCL kernels: a transport named instead (whose
     # waits may be on the host) keeps its calls eager.
@@ -286,6 +293,7 @@ def _with_settings(route: Route, settings: Mapping[str, object]) -> Route:
         "route.piece_numel": route.piece_numel,
         "route.pair_gather": route.pair_gather,
         "route.ring": route.ring,
+        "route.gather_all": route.gather_all,
         "route.transport": route.transport.__name__.rpartition(".")[2],
     }
     text = json.dumps({**settings, **decided}, separators=(",", ":"))

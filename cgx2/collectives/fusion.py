@@ -85,10 +85,19 @@ def fusion_batches(
 
 
 def quantized_bytes_sent(
-    numel: int, world: int, bits: int, bucket_size: int, skip_incomplete: bool = False
+    numel: int,
+    world: int,
+    bits: int,
+    bucket_size: int,
+    skip_incomplete: bool = False,
+    gather_all: bool = False,
 ) -> int:
     """Bytes one rank sends in :func:`cgx2.collectives.allreduce` of ``numel``
-    values: W-1 chunks to their owners, then its reduced chunk to W-1 ranks."""
+    values: W-1 chunks to their owners, then its reduced chunk to W-1 ranks; ``gather_all``
+    (its route's): its whole payload to W-1 ranks."""
+    if gather_all:
+        whole = ChunkedLayout.split(numel, 1, bits, bucket_size, skip_incomplete)
+        return (world - 1) * whole.payload_nbytes
     layout = ChunkedLayout.split(numel, world, bits, bucket_size, skip_incomplete)
     return 2 * (world - 1) * layout.payload_nbytes
 
@@ -136,7 +145,8 @@ def allreduce_fused_(
     bits, bucket_size = settings.bits, settings.bucket_size
     numel = sum(padded_numel(x.numel(), bucket_size) for x in layers)
     decided_by = numel if route_numel is None else route_numel
-    if not policy.compresses(layers[0], group, bits, bucket_size, decided_by):
+    route = policy.route(layers[0], group, bits, bucket_size, decided_by)
+    if not route.compress:
         bits = UNCOMPRESSED_BITS  # decided once here, for the reduction and the count alike
         settings = replace(settings, bits=bits)
     fused_error: list[torch.Tensor] = []
@@ -155,4 +165,4 @@ def allreduce_fused_(
             at += padded_numel(layer.numel(), bucket_size)
     if bits == UNCOMPRESSED_BITS:
         return ring_bytes_sent(numel * layers[0].element_size(), world)
-    return quantized_bytes_sent(numel, world, bits, bucket_size)
+    return quantized_bytes_sent(numel, world, bits, bucket_size, gather_all=route.gather_all)

@@ -31,13 +31,16 @@ def reference_allreduce(
     *,
     rotation: str | None = None,
     rotation_block: int = DEFAULT_BLOCK,
+    gather_all: bool = False,
 ) -> torch.Tensor:
     """What :func:`cgx2.collectives.allreduce` returns on every rank when rank r holds
     ``inputs[r]`` and it compresses, computed in one process with the torch reference codec
     (same pieces, keys and order of summation): a bit-exact model of the collective, for
     tests and checks. The pieces follow ``regime`` (default: that of ``device`` on NCCL, or
     of the inputs' device; name the GPU when modelling it from CPU copies). ``rotation`` and
-    ``rotation_block`` as the collective's: piece i rotated by (seed, rotation, i)."""
+    ``rotation_block`` as the collective's: piece i rotated by (seed, rotation, i).
+    ``gather_all``: the route of ``CGX2_ALGORITHM=allgather`` (each rank's piece encoded
+    whole, every row decoded, scaled and summed in rank order)."""
     call_rotated = call_rotation(rotation, rotation_block, bucket_size)
     world, x0 = len(inputs), inputs[0]
     flats = [x.reshape(-1).cpu() for x in inputs]
@@ -48,8 +51,21 @@ def reference_allreduce(
     step = policy.piece_numel(x0.element_size(), world, bucket_size, regime, pair)
     for index, s in enumerate(range(0, x0.numel(), step)):
         pieces = [f[s : s + step] for f in flats]
-        layout = ChunkedLayout.split(pieces[0].numel(), world, bits, bucket_size, skip_incomplete)
         rotated = rotation_of(call_rotated, rotation_key(seed), index)
+        if gather_all:
+            whole = ChunkedLayout.split(pieces[0].numel(), 1, bits, bucket_size, skip_incomplete)
+            acc = None
+            for r, p in enumerate(pieces):
+                row = maxmin.encode_chunks(
+                    p, whole, derive_key(seed, STAGE_SCATTER, r, index), rotation=rotated
+                )
+                decoded = maxmin.decode_chunks(row, whole, torch.float32, rotation=rotated)
+                if scale is not None:
+                    decoded.mul_(maxmin.fp32_scalar(scale))
+                acc = decoded if acc is None else acc.add_(decoded)
+            out[s : s + pieces[0].numel()] = acc
+            continue
+        layout = ChunkedLayout.split(pieces[0].numel(), world, bits, bucket_size, skip_incomplete)
         sent = [
             maxmin.encode_chunks(
                 p, layout, derive_key(seed, STAGE_SCATTER, r, index), r, rotation=rotated

@@ -136,6 +136,7 @@ def test_the_settings_every_rank_must_share_are_named_with_their_crc():
         "route.piece_numel": route.piece_numel,
         "route.pair_gather": True,
         "route.ring": False,
+        "route.gather_all": False,
         "route.transport": "process_group",
     }
     assert route.fingerprint == zlib.crc32(route.settings.encode())
