@@ -46,8 +46,9 @@ def allreduce(
 
     The settings are the entry points' to check (they are, once). Each value is quantized
     twice (on the way to its owner, and once reduced); the owner's own contribution stays
-    exact. Tensors larger than a piece are cut into whole buckets per rank; while one piece is
-    on the wire the next is coded.
+    exact; on a route that gathers all (``CGX2_ALGORITHM=allgather``), once, every rank's.
+    Tensors larger than a piece are cut into whole buckets per rank; while one piece is on
+    the wire the next is coded.
 
     ``route_numel``: the size the route is decided by (:func:`allreduce_`'s).
 
@@ -92,7 +93,8 @@ def allreduce_(
     ``error`` (a contiguous tensor of ``t``'s shape and dtype), when given, receives ``t``
     minus this rank's contribution as its peers decode it in the first stage: the
     quantization error of the chunks it sends, zero on the chunk it owns (kept exact) and
-    everywhere when nothing is quantized. Error feedback carries it into the next step. The
+    everywhere when nothing is quantized (gathering all, no chunk is kept exact). Error
+    feedback carries it into the next step. The
     second stage's error (each reduced chunk quantized once more) is common to all ranks and
     not in it. With a rotation, the error is measured in the values' own domain (what was
     put in minus the rotated payload decoded and rotated back), so it adds to the next
@@ -377,12 +379,15 @@ class _Piece:
             self.error.narrow(0, start, size).zero_()
 
     def _gather_all(self) -> None:
-        """Encode the whole piece (our own row of the gather's output: NCCL gathers in place)
-        and start gathering every rank's; with an error, what the others decode of ours."""
+        """Encode the whole piece and start gathering every rank's; with an error, what the
+        others decode of ours."""
         run, layout = self.run, self.layout
         nbytes = layout.payload_nbytes
         self.gathered = scratch.take(run.world * nbytes, torch.uint8, self.x.device)
-        mine = self.gathered[run.rank * nbytes : (run.rank + 1) * nbytes].view(1, nbytes)
+        if run.gather_in_place:  # our row of the gather's output, as in reduce()
+            mine = self.gathered[run.rank * nbytes : (run.rank + 1) * nbytes].view(1, nbytes)
+        else:
+            mine = self.reduced = scratch.take(nbytes, torch.uint8, self.x.device).view(1, -1)
         key = run.scatter_key_of(self.index)
         run.codec.encode_chunks(self.x, layout, key, out=mine, rotation=self.rotation)
         self.work = run.transport.all_gather(self.gathered, mine.view(-1), run.group, self.overlap)
@@ -405,8 +410,8 @@ class _Piece:
                 row.mul_(fp32_scalar(run.scale))
             acc = row if acc is None else acc.add_(row)
         self.out.copy_(acc)
-        scratch.give(self.gathered)
-        self.gathered = None
+        scratch.give(self.gathered, self.reduced)
+        self.gathered = self.reduced = None
 
     def reduce(self) -> None:
         """Sum the received chunks onto our own (kept in full precision), encode the sum once
