@@ -427,6 +427,16 @@ def variant_rows(folder: Path, runs: dict[str, dict], mlp_plain: dict | None) ->
                 f"| {name} | DDP step ({ratio(plain, step)} plain DDP) "
                 f"| {step:.1f} | {ratio((own or {}).get('median_ms'), step)} |"
             )
+        elif base.startswith("ddp_"):
+            got, own = load_run(folder, name, "*.json"), load_run(folder, base, "*.json")
+            if got is None:
+                rows.append(f"| {name} | train_ddp.py step | no result | |")
+                continue
+            step = got["step_ms"]
+            rows.append(
+                f"| {name} | train_ddp.py step | {step:.1f} "
+                f"| {ratio((own or {}).get('step_ms'), step)} |"
+            )
     return rows
 
 

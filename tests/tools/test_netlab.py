@@ -447,6 +447,12 @@ def test_the_nccl_hosts_summary_takes_the_median_of_a_runs_rounds(tmp_path):
     assert "| mlp_cgx4 | 80.0, 70.0, 72.0 | 72.0 | 1.143 |" in text, text
     assert "| ddp_b4 | 90.0, -, 86.0 | 88.0 | 1.047 |" in text, text
     assert "| ddp_b32 |" not in text  # one round: no row
+    # A variant of a train_ddp.py run, beside its run.
+    (folder / "ddp_b4+CGX2_ALGORITHM=allgather").mkdir()
+    (folder / "ddp_b4+CGX2_ALGORITHM=allgather" / "ddp_b4.json").write_text('{"step_ms": 80.0}')
+    runs["ddp_b4+CGX2_ALGORITHM=allgather"] = {"rc": 0}
+    text, _ = summary.section(folder, "2x1", "10gbit", runs)
+    assert "| ddp_b4+CGX2_ALGORITHM=allgather | train_ddp.py step | 80.0 | 1.10x |" in text
 
 
 def test_nccl_hosts_timelines_export_their_trace_where_asked(netlab, tmp_path):
