@@ -417,26 +417,21 @@ def variant_rows(folder: Path, runs: dict[str, dict], mlp_plain: dict | None) ->
                     f"({'?' if light is None else f'{light:.0%}'} of light) "
                     f"| {ms(r.get('cgx2_ms'))} | {ratio(mine.get(key), r.get('cgx2_ms'))} |"
                 )
-        elif base.startswith("mlp_"):
-            got, own = load_run(folder, name, "ddp_*.json"), load_run(folder, base, "ddp_*.json")
-            if got is None:
-                rows.append(f"| {name} | DDP step | no result | |")
-                continue
-            plain, step = (mlp_plain or {}).get("median_ms"), got["median_ms"]
-            rows.append(
-                f"| {name} | DDP step ({ratio(plain, step)} plain DDP) "
-                f"| {step:.1f} | {ratio((own or {}).get('median_ms'), step)} |"
+        elif base.startswith(("mlp_", "ddp_")):
+            # pattern of the run's JSON, its step's key, and what the step is
+            pattern, key, what = (
+                ("ddp_*.json", "median_ms", "DDP step")
+                if base.startswith("mlp_")
+                else ("*.json", "step_ms", "train_ddp.py step")
             )
-        elif base.startswith("ddp_"):
-            got, own = load_run(folder, name, "*.json"), load_run(folder, base, "*.json")
+            got, own = load_run(folder, name, pattern), load_run(folder, base, pattern)
             if got is None:
-                rows.append(f"| {name} | train_ddp.py step | no result | |")
+                rows.append(f"| {name} | {what} | no result | |")
                 continue
-            step = got["step_ms"]
-            rows.append(
-                f"| {name} | train_ddp.py step | {step:.1f} "
-                f"| {ratio((own or {}).get('step_ms'), step)} |"
-            )
+            step = got[key]
+            if base.startswith("mlp_"):
+                what += f" ({ratio((mlp_plain or {}).get('median_ms'), step)} plain DDP)"
+            rows.append(f"| {name} | {what} | {step:.1f} | {ratio((own or {}).get(key), step)} |")
     return rows
 
 

@@ -39,14 +39,14 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _cases(native: bool, transport: str, piece_bytes: int | None) -> list[torch.Tensor]:
-    rank, outs = dist.get_rank(), []
     settings = {"native_codec": native, "transport": transport, "pipeline_bytes": piece_bytes}
+    inputs = [_input(dist.get_rank(), n, dtype) for _, dtype, n, _, _ in CASES]
     with tuned(algorithm="allgather", crossover_bytes=0, **settings):
-        for bits, dtype, n, op, rotation in CASES:
-            x = _input(rank, n, dtype)
-            assert policy.route(x, dist.group.WORLD, bits, BUCKET).gather_all
-            outs.append(cgx2.quantized_allreduce(x, bits, op=op, seed=17, rotation=rotation))
-    return outs
+        assert all(policy.route(x, dist.group.WORLD, 4, BUCKET).gather_all for x in inputs)
+        return [
+            cgx2.quantized_allreduce(x, bits, op=op, seed=17, rotation=rotation)
+            for x, (bits, _, _, op, rotation) in zip(inputs, CASES, strict=True)
+        ]
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["c_loops", "torch"])
