@@ -213,6 +213,13 @@ def pair_gather(world: int, regime: str, allowed: bool) -> bool:
     return world == 2 and regime != "nvlink" and allowed
 
 
+def gathers_all(algorithm: str) -> bool:
+    """Whether ``CGX2_ALGORITHM=algorithm`` asks each rank's piece quantized once and gathered
+    by all (:class:`Route`'s ``gather_all``): only when named, until it is timed on GPUs
+    (docs/transports.md, "The algorithms")."""
+    return algorithm == "allgather"
+
+
 def piece_numel(facts: GroupFacts, pair_gather: bool, beside_compute: bool) -> int:
     """Values per pipeline piece of a call that ``facts`` describe (whose chunks two ranks swap
     by all-gather where ``pair_gather``): whole buckets for every rank, about
@@ -256,7 +263,7 @@ def plan(facts: GroupFacts) -> Routes:
     pair = pair_gather(facts.world, facts.regime, facts.pair_gather)
     pieces, pieces_beside = (piece_numel(facts, pair, beside) for beside in (False, True))
     ring = facts.algorithm == "ring" and facts.world > 2
-    gather_all = facts.algorithm == "allgather"
+    gather_all = gathers_all(facts.algorithm)
     compressed = Route(
         compress=True,
         regime=facts.regime,

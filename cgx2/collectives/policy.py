@@ -45,6 +45,7 @@ __all__ = [
     "compresses",
     "crossover_bytes",
     "detect_regime",
+    "gathers_all",
     "group_regime",
     "hierarchical",
     "piece_numel",
@@ -197,6 +198,13 @@ def uses_pair_gather(world: int, regime: str) -> bool:
     collective path rather than its point-to-point one, which was the slower outside NVLink
     and the faster over it (BENCHMARKS.md, "Two ranks swap by all-gather")."""
     return decision.pair_gather(world, regime, config.tuning().pair_gather)
+
+
+def gathers_all() -> bool:
+    """Whether the quantized allreduce's pieces are quantized once and gathered by every rank
+    under the settings in force (``CGX2_ALGORITHM``): :attr:`Route.gather_all`'s rule, for
+    the reference model."""
+    return decision.gathers_all(config.tuning().algorithm)
 
 
 def route(

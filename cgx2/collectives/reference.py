@@ -31,7 +31,7 @@ def reference_allreduce(
     *,
     rotation: str | None = None,
     rotation_block: int = DEFAULT_BLOCK,
-    gather_all: bool = False,
+    gather_all: bool | None = None,
 ) -> torch.Tensor:
     """What :func:`cgx2.collectives.allreduce` returns on every rank when rank r holds
     ``inputs[r]`` and it compresses, computed in one process with the torch reference codec
@@ -40,7 +40,10 @@ def reference_allreduce(
     of the inputs' device; name the GPU when modelling it from CPU copies). ``rotation`` and
     ``rotation_block`` as the collective's: piece i rotated by (seed, rotation, i).
     ``gather_all``: the route of ``CGX2_ALGORITHM=allgather`` (each rank's piece encoded
-    whole, every row decoded, scaled and summed in rank order)."""
+    whole, every row decoded, scaled and summed in rank order); None: as the settings in
+    force route the call (:func:`.policy.gathers_all`)."""
+    if gather_all is None:
+        gather_all = policy.gathers_all()
     call_rotated = call_rotation(rotation, rotation_block, bucket_size)
     world, x0 = len(inputs), inputs[0]
     flats = [x.reshape(-1).cpu() for x in inputs]

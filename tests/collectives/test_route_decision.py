@@ -86,6 +86,20 @@ def test_two_ranks_swap_by_all_gather_outside_nvlink(regime, world, algorithm, e
     )
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_gathering_all_is_taken_only_where_asked_and_may_replay_a_graph(world):
+    """CGX2_ALGORITHM=allgather: every compressed route gathers all (two ranks or more), never
+    the ring; it still replays CUDA graphs; its settings differ from the default's, so ranks
+    that differ on it are told by the agreement check."""
+    asked = _group(regime="socket", world=world, algorithm="allgather", nccl_cuda=True)
+    route = decision.decide(_call(asked, MiB, cuda_graphs=True, graphs_usable=True))
+    assert route.gather_all and not route.ring and route.graphs
+    assert decision.gathers_all("allgather") and not decision.gathers_all("auto")
+    default = decision.decide(_call(_group(regime="socket", world=world, nccl_cuda=True), MiB))
+    assert not default.gather_all and default.fingerprint != route.fingerprint
+    assert not decision.plan(asked).plain.compress
+
+
 def test_the_ring_is_taken_only_where_asked_and_without_pair_gather_or_in_place_gathers():
     group = _group(regime="socket", world=4, algorithm="ring", nccl_cuda=True)
     route = decision.decide(_call(group, MiB, cuda_graphs=True, graphs_usable=True))
