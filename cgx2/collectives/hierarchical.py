@@ -131,6 +131,7 @@ def hierarchical_allreduce_fused_(
     )
     nodes, local = mesh.size(0), mesh.size(1)
     shard = -(-fused.numel() // local)
-    return ring_bytes_sent(fused.numel() * fused.element_size(), local) + quantized_bytes_sent(
-        shard, nodes, settings.bits, bucket_size
+    between = quantized_bytes_sent(
+        shard, nodes, settings.bits, bucket_size, gather_all=policy.gathers_all()
     )
+    return ring_bytes_sent(fused.numel() * fused.element_size(), local) + between
