@@ -166,14 +166,27 @@ def _bench_size(
         # through the same transport, or it could be slower than the call it bounds.
         with config.tuned(crossover_bytes=0, cuda_graphs=False):
             route = policy.route(x, dist.group.WORLD, bits, args.bucket_size)
-        pair_gather, transport = route.pair_gather, route.transport
+        # Gathering all, no chunks are swapped: no all_to_all to stand in for.
+        pair_gather, transport = route.pair_gather and not route.gather_all, route.transport
+
+        whole = ChunkedLayout.split(n, 1, bits, args.bucket_size, False).payload_nbytes
+        everyone = torch.empty(world * whole, dtype=torch.uint8, device=device)
 
         def speed_of_light(
-            send=send, recv=recv, gathered=gathered, pair=pair_gather, route=route
+            send=send,
+            recv=recv,
+            gathered=gathered,
+            pair=pair_gather,
+            route=route,
+            everyone=everyone,
         ) -> None:
             # The collectives the pipeline itself calls, through its transport, each once on
             # the whole payload; pair=False: all_to_all + all_gather, whatever the world size.
             group, route_transport = dist.group.WORLD, route.transport
+            if route.gather_all:  # one all-gather of every rank's whole payload
+                mine = everyone.view(world, -1)[rank]
+                route_transport.wait(route_transport.all_gather(everyone, mine, group, False))
+                return
             route_transport.wait(
                 collectives.exchange(
                     recv, send, group, world, rank, pair, async_op=False, transport=route_transport
@@ -248,6 +261,7 @@ def _bench_size(
                 "sol_all_to_all_ms": sol_a2a_ms,
                 "transport": _name(transport),
                 "pair_gather": pair_gather,
+                "gather_all": route.gather_all,
                 "auto_ms": auto_ms,
                 "auto_path": auto_path,
                 "auto_crossover_bytes": policy.crossover_bytes(device, dtype, dist.group.WORLD),
@@ -343,6 +357,7 @@ class Run:
     regime: str = "nvlink"
     transport: str = "process_group"
     pair_gather: bool = False
+    gather_all: bool = False
     crossover: str = ""
 
 
@@ -373,6 +388,8 @@ def columns(
         if run.pair_gather
         else "an all_to_all plus an all_gather"
     )
+    if run.gather_all:
+        swap = "one all_gather of every rank's whole payload (CGX2_ALGORITHM=allgather)"
     graphs_said = (
         f", replaying a CUDA graph up to {policy.GRAPHS_AUTO_MAX_BYTES >> 20} MiB"
         if cuda and run.nccl
@@ -640,6 +657,7 @@ def _print_report(report: dict[str, Any], args: argparse.Namespace) -> None:
         regime=env["regime"],
         transport=rows[0]["transport"],
         pair_gather=rows[0]["pair_gather"],
+        gather_all=rows[0].get("gather_all", False),
         crossover=crossover_words(rows, device, name, env["regime"]),
     )
     cols = columns(backend, args.cuda_graphs, args.shm, args.hierarchical, run)

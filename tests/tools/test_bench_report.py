@@ -45,6 +45,11 @@ def test_legend_says_only_what_applies_to_the_run() -> None:
     assert "a2a SoL ms" not in [h for _, h, _, _ in columns("gloo", run=flat)]
     gpu = " ".join(m for *_, m in columns("NCCL", cuda_graphs=True))
     assert "replaying a CUDA graph up to" in gpu and "CGX2_CUDA_GRAPHS=0" in gpu
+    # Gathering all (CGX2_ALGORITHM=allgather): its light is one all_gather, no a2a column.
+    gathering = Run(device_type="cpu", nccl=False, regime="cpu", gather_all=True)
+    said = " ".join(m for *_, m in columns("gloo", run=gathering))
+    assert "one all_gather of every rank's whole payload" in said and "all_to_all" not in said
+    assert "a2a SoL ms" not in [h for _, h, _, _ in columns("gloo", run=gathering)]
 
 
 def test_notes_explain_what_the_legend_alone_would_contradict() -> None:
