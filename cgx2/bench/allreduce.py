@@ -169,23 +169,19 @@ def _bench_size(
         # Gathering all, no chunks are swapped: no all_to_all to stand in for.
         pair_gather, transport = route.pair_gather and not route.gather_all, route.transport
 
-        whole = ChunkedLayout.split(n, 1, bits, args.bucket_size, False).payload_nbytes
-        everyone = torch.empty(world * whole, dtype=torch.uint8, device=device)
+        if route.gather_all:  # one all-gather of every rank's whole payload stands for both
+            whole = ChunkedLayout.split(n, 1, bits, args.bucket_size, False).payload_nbytes
+            gathered = torch.empty(world * whole, dtype=torch.uint8, device=device)
 
         def speed_of_light(
-            send=send,
-            recv=recv,
-            gathered=gathered,
-            pair=pair_gather,
-            route=route,
-            everyone=everyone,
+            send=send, recv=recv, gathered=gathered, pair=pair_gather, route=route
         ) -> None:
             # The collectives the pipeline itself calls, through its transport, each once on
             # the whole payload; pair=False: all_to_all + all_gather, whatever the world size.
             group, route_transport = dist.group.WORLD, route.transport
-            if route.gather_all:  # one all-gather of every rank's whole payload
-                mine = everyone.view(world, -1)[rank]
-                route_transport.wait(route_transport.all_gather(everyone, mine, group, False))
+            if route.gather_all:
+                mine = gathered.view(world, -1)[rank]
+                route_transport.wait(route_transport.all_gather(gathered, mine, group, False))
                 return
             route_transport.wait(
                 collectives.exchange(
