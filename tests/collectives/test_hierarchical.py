@@ -193,7 +193,9 @@ def test_the_hook_times_the_node_mesh_against_the_flat_allreduce_at_first_use(di
         assert torch.equal(r["grad"], results[0]["grad"])
 
 
-def _backend_on_two_nodes(intra_broadcast: bool, op: str) -> dict:
+def _backend_on_two_nodes(
+    intra_broadcast: bool, op: str, n: int = 5001, algorithm: str = "auto"
+) -> dict:
     """A ``cgx`` group over the 4 ranks of a job that the launcher says spans 2 nodes."""
     import cgx2
 
@@ -208,9 +210,10 @@ def _backend_on_two_nodes(intra_broadcast: bool, op: str) -> dict:
     os.environ.update(env)
     refresh()  # cgx2 reads the variables once
     try:
-        with cgx2.config.tuned(node_mesh=True):  # the mesh's path, wherever it pays
+        # the mesh's path, wherever it pays
+        with cgx2.config.tuned(node_mesh=True, algorithm=algorithm):
             group = dist.new_group(backend="cgx")
-            x = _input(dist.get_rank(), 5001)
+            x = _input(dist.get_rank(), n)
             y = x.clone()
             cgx2.manual_seed(7)
             dist.all_reduce(
@@ -240,6 +243,28 @@ def test_cgx_backend_goes_hierarchical_across_nodes(dist4, intra_broadcast, op):
     for r in results:
         assert r["mesh"] == (2, 2) and r["sent"] > 0
         assert torch.equal(r["y"], model)
+
+
+def test_between_nodes_gathering_all_is_its_model_and_counts_its_bytes(dist4):
+    """CGX2_ALGORITHM=allgather between the nodes: the model of the node sums' gather-all
+    allreduce, bit for bit; the bytes counted as it sends them (each shard's whole payload to
+    the other node, not two chunks' rows)."""
+    from cgx2.codecs import ChunkedLayout
+    from cgx2.collectives.fusion import fuse_padded, ring_bytes_sent
+    from cgx2.config import tuned
+    from cgx2.seeding import call_seed
+
+    n = 5300  # 42 buckets of 128: a shard of 21 each node, chunks of 11 and 10 buckets
+    results = dist4.run(_backend_on_two_nodes, False, "sum", n, "allgather")
+    padded = [fuse_padded([r["x"]], 128)[0] for r in results]
+    with tuned(algorithm="allgather"):
+        model = _model(padded, False, "sum", call_seed(7, 0))[:n]
+    whole = ChunkedLayout.split(21 * 128, 1, 4, 128, False).payload_nbytes
+    rows = 2 * ChunkedLayout.split(21 * 128, 2, 4, 128, False).payload_nbytes
+    assert whole != rows  # the count tells the algorithms apart at this size
+    for r in results:
+        assert torch.equal(r["y"], model)
+        assert r["sent"] == ring_bytes_sent(42 * 128 * 4, 2) + whole
 
 
 def _meshes_with_options() -> list:
