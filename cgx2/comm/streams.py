@@ -1,5 +1,6 @@
 """The CUDA streams cgx2 codes and communicates on beside the training's own: one maker, so that
-every such stream (DDP's hook, the cgx backend, the comm worker, the CUDA graphs' capture) is alike.
+every such stream (DDP's hook, the optimizer stepped in it, the cgx backend, the comm worker, the
+CUDA graphs' capture) is alike.
 
 Their priority is the default one, as the process group's own NCCL stream's: coding streams of high
 priority (as FSDP2's collective streams are) made DDP's step across hosts slower, not faster

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import _default_to_fused_or_foreach
 
+from ..comm import coding_stream
 from .cgx_hook import CGXState
 
 __all__ = [
@@ -145,7 +146,7 @@ class _BucketSteps:
             caller = torch.cuda.current_stream(device)
             stream = self._streams.get(device)
             if stream is None:
-                stream = self._streams[device] = torch.cuda.Stream(device)
+                stream = self._streams[device] = coding_stream(device)
             stream.wait_stream(caller)
             with torch.cuda.stream(stream):
                 known[1].step(grads)
