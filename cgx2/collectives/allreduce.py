@@ -401,15 +401,22 @@ class _Piece:
         run, layout = self.run, self.layout
         run.transport.wait(self.work)
         rows = self.gathered.view(run.world, layout.payload_nbytes)
-        acc = None
+        # An fp32 output is the sum itself (its piece of the input was encoded already).
+        acc = self.out if self.out.dtype == torch.float32 else None
         for w in range(run.world):
+            first = w == 0
             row = run.codec.decode_chunks(
-                rows[w : w + 1], layout, torch.float32, rotation=self.rotation
+                rows[w : w + 1],
+                layout,
+                torch.float32,
+                out=acc if first else None,
+                rotation=self.rotation,
             )
             if run.scale is not None:  # as the plain allreduce: each divided, then summed
                 row.mul_(fp32_scalar(run.scale))
-            acc = row if acc is None else acc.add_(row)
-        self.out.copy_(acc)
+            acc = row if first else acc.add_(row)
+        if acc is not self.out:
+            self.out.copy_(acc)
         scratch.give(self.gathered, self.reduced)
         self.gathered = self.reduced = None
 
