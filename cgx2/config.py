@@ -56,7 +56,7 @@ ALGORITHMS = ("auto", "sra", "ring", "allgather")
 """The values of ``CGX2_ALGORITHM`` (:class:`TuningConfig`'s ``algorithm``)."""
 CHECK_MODES = ("auto", "on", "off", "deferred")
 """The values of ``CGX2_CHECK_AGREEMENT`` (:class:`TuningConfig`'s ``check_agreement``)."""
-ROTATIONS = ("none", "hadamard")
+ROTATIONS = ("none", "hadamard", "hadamard-clipped")
 """The values of ``CGX2_ROTATION`` (:class:`TuningConfig`'s ``rotation``)."""
 
 

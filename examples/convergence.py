@@ -85,6 +85,10 @@ COMPRESSORS: dict[str, tuple[str, Callable | None, Callable | None]] = {
     "cgx3-ef": ("CGX 3-bit, error feedback", *_cgx(3, True)),
     "cgx3-rot-ef": ("CGX 3-bit, rotated, error feedback", *_cgx(3, True, "hadamard")),
     "cgx4-rot": ("CGX 4-bit, rotated", *_cgx(4, rotation="hadamard")),
+    # Each bucket's rotated values coded over the middle of its range, rounded to nearest
+    "cgx2-rotc": ("CGX 2-bit, rotated, clipped", *_cgx(2, rotation="hadamard-clipped")),
+    "cgx3-rotc": ("CGX 3-bit, rotated, clipped", *_cgx(3, rotation="hadamard-clipped")),
+    "cgx4-rotc": ("CGX 4-bit, rotated, clipped", *_cgx(4, rotation="hadamard-clipped")),
     # Mixed widths by measured error (docs/low-bits.md's rule): 3 bits' error in fewer bytes
     "cgx3a-rot": (
         "CGX 2/3/4/8-bit by layer error (3-bit budget), rotated",

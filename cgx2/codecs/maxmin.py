@@ -94,7 +94,8 @@ def encode(
     rotated = None if rotation is None else _rotated(x, rotation, bucket_size)
     values = x if rotated is None else rotated
     layout = MaxMinLayout.of(values.numel(), bits, bucket_size, skip_incomplete)
-    payload, _ = _encode(values, layout, key, stream, out, nearest)
+    clip = clip_fraction(bits) if rotation is not None and rotation.clipped else 1.0
+    payload, _ = _encode(values, layout, key, stream, out, nearest or clip < 1.0, clip=clip)
     if rotated is not None:
         scratch.give(rotated)
     return payload
@@ -124,10 +125,12 @@ def _encode(
     out: torch.Tensor | None,
     nearest: bool = False,
     saturate: bool = False,
+    clip: float = 1.0,
 ) -> tuple[torch.Tensor, bool]:
     """:func:`encode` of ``x`` in ``layout`` (its size), and whether a bucket was coded
     saturated; ``saturate``: a bucket of finite values and +-Inf (no NaN) is a sum that
-    overflowed, coded saturated (see the module doc) rather than as NaN."""
+    overflowed, coded saturated (see the module doc) rather than as NaN. ``clip`` below 1:
+    each bucket of finite values coded in the middle of its range (:func:`_clipped`)."""
     bits, bucket_size = layout.bits, layout.bucket_size
     # Each of reshape and to is a dispatch even where it returns x: a flat fp32 x needs neither.
     flat32 = x.dtype == torch.float32 and x.dim() == 1
@@ -141,7 +144,7 @@ def _encode(
         return payload, False
     rows, covered = _bucket_rows(v, layout)
     nbytes = layout.levels_nbytes
-    if not nearest:
+    if not nearest and clip == 1.0:
         meta, levels = payload[: 8 * nq], payload[levels_at : levels_at + nbytes]
         count = native.encode_rows(rows, bits, key, stream, covered, meta, levels, saturate)
         if count is not None:
@@ -151,6 +154,8 @@ def _encode(
     # counts as -inf in the min, so any non-finite value makes the span non-finite.
     lo = torch.where(torch.isnan(rows), -torch.inf, rows).amin(dim=1) + 0.0
     hi = rows.amax(dim=1) + 0.0
+    if clip < 1.0:
+        rows, lo, hi = _clipped(rows, lo, hi, clip)
     span = hi - lo
     # Finite ends whose span overflows fp32 are coded at half scale, where it is finite; a
     # negative step marks such a bucket. Any NaN or +-Inf value leaves the span non-finite.
@@ -200,6 +205,29 @@ def _encode(
     payload[: 8 * nq] = torch.stack([stored_lo, step], dim=1).reshape(-1).view(torch.uint8)
     payload[levels_at : levels_at + nbytes] = pack_levels(level, bits).reshape(-1)[:nbytes]
     return payload, saturated
+
+
+def clip_fraction(bits: int) -> float:
+    """The fraction of a bucket's range that ``rotation="hadamard-clipped"`` codes at ``bits``:
+    ``max(1/2, 1 - 2**(1 - bits))``. Rotated values are near Gaussian, their bucket's range
+    some six standard deviations wide: fewer levels over its middle err less in all, tails
+    clipped included (docs/wire-format.md, "Clipped rotation")."""
+    return max(0.5, 1.0 - 2.0 ** (1 - bits))
+
+
+def _clipped(
+    rows: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, clip: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each bucket of finite ends narrowed to ``[max(lo, mid - r), min(hi, mid + r)]``, ``mid =
+    lo/2 + hi/2``, ``r = (hi/2 - lo/2) * fp32(clip)`` (halves first: no overflow), its values
+    clamped into it; a bucket holding NaN or +-Inf as it was."""
+    ends = torch.isfinite(lo) & torch.isfinite(hi)
+    mid = lo * 0.5 + hi * 0.5
+    reach = (hi * 0.5 - lo * 0.5) * fp32_scalar(clip)
+    lo = torch.where(ends, torch.maximum(lo, mid - reach), lo)
+    hi = torch.where(ends, torch.minimum(hi, mid + reach), hi)
+    inside = torch.minimum(torch.maximum(rows, lo[:, None]), hi[:, None])
+    return torch.where(ends[:, None], inside, rows), lo, hi
 
 
 # Powers of two of the saturated coding (module doc): its decoded range ends at +-2**128.
@@ -449,7 +477,10 @@ def decode_sum_encode(
         acc = decode_sum(payloads, numel, own, own_index, None, bits, bucket_size, skip_incomplete)
     else:
         acc = _scaled_sum(payloads, layout, own, own_index, fp32_scalar(scale))
-    encoded, saturated = _encode(acc, layout, key, stream, out, saturate=True)
+    clip = clip_fraction(bits) if rotation is not None and rotation.clipped else 1.0
+    encoded, saturated = _encode(
+        acc, layout, key, stream, out, nearest=clip < 1.0, saturate=True, clip=clip
+    )
     scratch.give(acc)  # encoded: this sum is done with
     if own is not None and saturated:  # rare (an overflow): no check of the payload otherwise
         unsaturate_input(encoded, own, layout)

@@ -1716,6 +1716,8 @@ def encode_chunks(
     padding between a row's regions, which no decoder reads, are not touched. ``key`` may be
     a one-element int64 tensor on the device that holds it (:func:`_key_args`).
     ``rotation``: each chunk's values rotated first, in the kernel (:mod:`.rotation`)."""
+    if rotation is not None and rotation.clipped:  # no kernel yet: the reference's bytes
+        return maxmin.encode_chunks(x, layout, 0, skip_chunk, out, rotation=rotation)
     if rotation is not None:
         rotation.check(layout.bucket_size)
     flat = x if x.dim() == 1 else x.reshape(-1)  # reshape costs host time even then
@@ -1840,6 +1842,10 @@ def encode(
     rotation: Rotation | None = None,
 ) -> torch.Tensor:
     """Same contract as :func:`cgx2.codecs.maxmin.encode`."""
+    if rotation is not None and rotation.clipped:  # no kernel yet: the reference's bytes
+        return maxmin.encode(
+            x, bits, bucket_size, 0, stream, skip_incomplete, out, nearest, rotation=rotation
+        )
     fast = out is None and not skip_incomplete and type(key) is int and x.is_cuda and not nearest
     block = None
     if rotation is not None:
@@ -1993,6 +1999,21 @@ def decode_sum_encode(
     never leaves the chip. ``key`` may be a tensor, as in :func:`encode_chunks`.
     ``rotation``: own's values rotated in the kernel, as the rows' are; the sum is coded as
     it is (in the rotated domain: the final decode rotates back)."""
+    if rotation is not None and rotation.clipped:  # no kernel yet: the reference's bytes
+        return maxmin.decode_sum_encode(
+            payloads,
+            numel,
+            own,
+            own_index,
+            scale,
+            bits,
+            bucket_size,
+            0,
+            stream,
+            skip_incomplete,
+            out,
+            rotation=rotation,
+        )
     if rotation is not None:
         rotation.check(bucket_size)
         if own is None:  # nothing to rotate: the rows are, and the sum stays so

@@ -37,8 +37,10 @@ __all__ = [
 DEFAULT_BLOCK = 128
 """Values a block: divides every power-of-two bucket size from 128 up (the default is 512)."""
 
-ROTATIONS = ("hadamard",)
-"""The rotations a caller may name (``rotation=`` on the entry points); None is none."""
+ROTATIONS = ("hadamard", "hadamard-clipped")
+"""The rotations a caller may name (``rotation=`` on the entry points); None is none.
+``"hadamard-clipped"``: the same rotation, each bucket's range clipped to its middle and the
+levels rounded to the nearest (:attr:`Rotation.clipped`)."""
 
 SIGN_GROUP = 128
 """Values whose signs one Philox call gives (its 128 bits), whatever the block."""
@@ -56,10 +58,15 @@ class Rotation:
     """A randomized Hadamard rotation: blocks of ``block`` values (a power of two, 2 or more,
     dividing the bucket size), signs from ``key`` (a 64-bit int, or a one-element int64 tensor
     on the data's device where the kernels read it). Every rank of a collective must pass the
-    same key: unlike stochastic rounding's, it does not depend on the rank."""
+    same key: unlike stochastic rounding's, it does not depend on the rank.
+
+    ``clipped``: the rotated values are coded in the middle of each bucket's range
+    (:func:`cgx2.codecs.maxmin.clip_fraction` of it), values beyond it taking its ends, and
+    rounded to the nearest level, not stochastically (``rotation="hadamard-clipped"``)."""
 
     key: int | torch.Tensor
     block: int = DEFAULT_BLOCK
+    clipped: bool = False
 
     def __post_init__(self) -> None:
         block = self.block
@@ -96,7 +103,7 @@ def rotation_for(
         return None
     if name not in ROTATIONS:
         raise ValueError(f"rotation must be None or one of {ROTATIONS}, got {name!r}")
-    return Rotation(key=key, block=block)
+    return Rotation(key=key, block=block, clipped=name == "hadamard-clipped")
 
 
 def rotation_scale(block: int) -> float:

@@ -179,10 +179,11 @@ def _run_pieces(
     if route.ring and error is None:  # the ring's error is not one rank's to feed back
         ring.ring_allreduce(route, flat, out, group, settings, seed)
         return
-    if not route.graphs:
+    rotation = settings.rotation
+    # The clipped rotation is coded by the torch reference until its kernels exist: eagerly.
+    if not route.graphs or (rotation is not None and rotation.clipped):
         _pipeline(_make_run(route, flat, group, settings, seed), flat, out, error)
         return
-    rotation = settings.rotation
     signature = (
         flat.data_ptr(),
         out.data_ptr(),

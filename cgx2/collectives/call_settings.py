@@ -60,8 +60,10 @@ class CallSettings:
 
     @property
     def rotation_name(self) -> str | None:
-        """The rotation as users name it: ``"hadamard"`` (the one there is), or None."""
-        return None if self.rotation is None else "hadamard"
+        """The rotation as users name it (``"hadamard"``, ``"hadamard-clipped"``), or None."""
+        if self.rotation is None:
+            return None
+        return "hadamard-clipped" if self.rotation.clipped else "hadamard"
 
     @property
     def rotation_block(self) -> int:

@@ -62,14 +62,15 @@ def call_rotation(rotation: str | None, block: int, bucket_size: int) -> Rotatio
     it: None, or a :class:`~cgx2.codecs.rotation.Rotation` of ``block`` whose key goes unused
     (each piece's signs are the seed's and the piece's: :func:`rotation_of`). One object a
     block, so that two calls' settings rotated alike compare equal."""
-    if check_rotation(rotation, block, bucket_size) is None:
+    name = check_rotation(rotation, block, bucket_size)
+    if name is None:
         return None
-    return _of_block(block)
+    return _of_block(block, name == "hadamard-clipped")
 
 
 @functools.lru_cache(maxsize=64)
-def _of_block(block: int) -> Rotation:
-    return Rotation(key=0, block=block)
+def _of_block(block: int, clipped: bool) -> Rotation:
+    return Rotation(key=0, block=block, clipped=clipped)
 
 
 def rotation_key(seed: int) -> int:
@@ -87,4 +88,4 @@ def rotation_of(
         return None
     if index is not None:
         key = extend_key(key, index)
-    return Rotation(key=key, block=rotation.block)
+    return Rotation(key=key, block=rotation.block, clipped=rotation.clipped)
