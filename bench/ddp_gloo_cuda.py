@@ -351,7 +351,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "plain); its phase is then timed as part of the backward pass",
     )
     p.add_argument(
-        "--rotation", choices=("hadamard",), help="cgx/compress: rotated buckets (blocks of 128)"
+        "--rotation",
+        choices=("hadamard", "hadamard-clipped"),
+        help="cgx/compress: rotated buckets (blocks of 128); clipped: over each range's middle",
     )
     p.add_argument(
         "--adaptive-bits",

@@ -39,7 +39,7 @@
 #     bench/ddp_step_timeline.py, where a step's time goes, TIMELINE_ARGS the model's
 #     (TIMELINE_TRACE=1: with rank 0's chrome trace, trace.json);
 #     mlp_cgx3r, mlp_cgx2r and mlp_cgx25ar: the MLP at 3 and 2 bits rotated, and
-#     examples/convergence.py's cgx2.5a-rot).
+#     examples/convergence.py's cgx2.5a-rot; mlp_cgx3c, mlp_cgx2c: rotated and clipped).
 #   NCCL_HOST_PLAN: "LAYOUT RATE RUN...; ..." runs exactly these, in this order (in place of
 #     LAYOUTS, NCCL_HOST_RATES and NCCL_HOST_RUNS); RUN+VAR=VALUE[+VAR=VALUE] runs RUN with those
 #     variables set in every rank (an A/B inside one call: mlp_cgx4+CGX2_CUDA_GRAPHS=0), its
@@ -175,6 +175,10 @@ program() {  # name folder layout; NAME+VAR=VALUE... runs NAME with those variab
     mlp_cgx3r|mlp_cgx2r)  # fewer bits, rotated (issue 44's speed)
       bits=${name#mlp_cgx}; bits=${bits%r}
       args=(bench/ddp_gloo_cuda.py --hook cgx --bits "$bits" --rotation hadamard --name "${name#mlp_}") ;;
+    mlp_cgx3c|mlp_cgx2c)  # rotated and clipped (its reference codes it until its kernels exist)
+      bits=${name#mlp_cgx}; bits=${bits%c}
+      args=(bench/ddp_gloo_cuda.py --hook cgx --bits "$bits" --rotation hadamard-clipped
+            --name "${name#mlp_}") ;;
     mlp_cgx25ar)  # examples/convergence.py's cgx2.5a-rot
       args=(bench/ddp_gloo_cuda.py --hook cgx --bits 2 --rotation hadamard --adaptive-bits 2,3,4,8
             --average-bits 2.28 --name cgx25ar) ;;

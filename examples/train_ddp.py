@@ -334,8 +334,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_choice(
         p,
         "--rotation",
-        ("none", "hadamard"),
-        "cgx hook: code each layer's randomized Hadamard rotation (docs/low-bits.md)",
+        ("none", "hadamard", "hadamard-clipped"),
+        "cgx hook: code each layer's randomized Hadamard rotation (docs/low-bits.md); clipped: "
+        "over the middle of each bucket's range, rounded to nearest",
     )
     p.add_argument(
         "--error-feedback",
