@@ -70,16 +70,25 @@ def _plain_grad(rank: int) -> torch.Tensor:
     return model.fc1.weight.grad
 
 
-@pytest.mark.parametrize("bits", [2, 3])
-@pytest.mark.parametrize("error_feedback", [False, True])
+@pytest.mark.parametrize(
+    "bits, error_feedback, rotation",
+    [
+        (2, False, "hadamard"),
+        (2, True, "hadamard"),
+        (3, False, "hadamard"),
+        (3, True, "hadamard"),
+        (2, False, "hadamard-clipped"),
+        (3, True, "hadamard-clipped"),
+    ],
+)
 def test_the_rotated_hook_agrees_on_every_rank_and_is_the_rotated_allreduce(
-    dist2, bits, error_feedback
+    dist2, bits, error_feedback, rotation
 ):
     """fc1's gradient (4096 values, the one compressed layer) is the rotated quantized
     allreduce's average, the same bits on both ranks; with error feedback the residual is
     the gradient minus what the peer decodes, in the gradient's own domain; rotation and its
     block travel in the checkpoint."""
-    params = {"bits": bits, "bucket_size": 512, "rotation": "hadamard", "rotation_block": 256}
+    params = {"bits": bits, "bucket_size": 512, "rotation": rotation, "rotation_block": 256}
     results = dist2.run(_train, params, error_feedback, 3)
     for step in range(3):
         assert torch.equal(results[0]["grads"][step], results[1]["grads"][step])
@@ -88,12 +97,12 @@ def test_the_rotated_hook_agrees_on_every_rank_and_is_the_rotated_allreduce(
     inputs = [_plain_grad(0).reshape(-1), _plain_grad(1).reshape(-1)]
     seed = seeding.call_seed(3, 0)
     model = reference_allreduce(
-        inputs, bits, 512, seed, "avg", rotation="hadamard", rotation_block=256
+        inputs, bits, 512, seed, "avg", rotation=rotation, rotation_block=256
     )
     first = results[0]["grads"][0].reshape(-1)
     assert torch.equal(first, model)
     assert not torch.equal(first, reference_allreduce(inputs, bits, 512, seed, "avg"))
-    assert results[0]["state"]["rotation"] == "hadamard"
+    assert results[0]["state"]["rotation"] == rotation
     assert results[0]["state"]["rotation_block"] == 256
     if error_feedback:
         for r in results:

@@ -111,7 +111,7 @@ def _train(bits: int | None, steps: int, rotation: str | None, error_feedback: b
 
 
 @pytest.mark.parametrize("bits", [2, 3])
-@pytest.mark.parametrize("rotation", [None, "hadamard"])
+@pytest.mark.parametrize("rotation", [None, "hadamard", "hadamard-clipped"])
 @pytest.mark.parametrize("error_feedback", [False, True])
 def test_each_reduce_scatter_is_its_reference_and_the_residual_is_owed(
     dist2, bits, rotation, error_feedback
