@@ -207,23 +207,28 @@ def _check_graphs(rank: int, world: int) -> int:
     return failures
 
 
-GATHER_ALL_CASES = [
+ALGORITHM_CASES = [
     # bits, dtype, numel, op, pipeline piece bytes (None: the regime's), rotation, CUDA graphs
-    (4, torch.float32, 1_000_007, "avg", None, None, False),
-    (2, torch.bfloat16, 4_000_037, "sum", 1 << 20, "hadamard", False),
-    (3, torch.float32, 33_554_467, "avg", None, None, False),
-    (4, torch.float32, 4_000_037, "avg", None, None, True),
+    # asked for, algorithm
+    (4, torch.float32, 1_000_007, "avg", None, None, False, "allgather"),
+    (2, torch.bfloat16, 4_000_037, "sum", 1 << 20, "hadamard", False, "allgather"),
+    (3, torch.float32, 33_554_467, "avg", None, None, False, "allgather"),
+    (4, torch.float32, 4_000_037, "avg", None, None, True, "allgather"),
+    # The clipped rotation's reference codes it on the GPU: eager, graphs asked for or not
+    (2, torch.float32, 4_000_037, "avg", None, "hadamard-clipped", True, "sra"),
+    (3, torch.bfloat16, 1_000_007, "sum", 1 << 20, "hadamard-clipped", False, "allgather"),
 ]
 
 
-def _check_gather_all(rank: int, world: int) -> int:
-    """CGX2_ALGORITHM=allgather: every rank's bytes alike and equal to its reference model
-    (decoded rows scaled and summed in rank order), eager and replayed as a CUDA graph. 1
+def _check_algorithms(rank: int, world: int) -> int:
+    """CGX2_ALGORITHM=allgather and the clipped rotation: every rank's bytes alike and equal to
+    the reference model, eager and (where asked for and possible) replayed as a CUDA graph. 1
     per failed case."""
     failures = 0
-    for bits, dtype, n, op, piece, rotation, replay in GATHER_ALL_CASES:
-        _tune(pipeline_bytes=piece, algorithm="allgather", cuda_graphs=replay)
+    for bits, dtype, n, op, piece, rotation, replay, algorithm in ALGORITHM_CASES:
+        _tune(pipeline_bytes=piece, algorithm=algorithm, cuda_graphs=replay)
         x = _input(rank, n, dtype).cuda()
+        replayed_before = graphs.stats()["replays"]
         calls = 3 if replay else 1  # eager, capture, replay
         for _ in range(calls):
             out = None
@@ -232,19 +237,30 @@ def _check_gather_all(rank: int, world: int) -> int:
         dist.all_gather(outs, out)
         ints = INT[x.element_size()]
         ok = all(torch.equal(o.view(ints), out.view(ints)) for o in outs)
-        if replay:
-            ok = ok and graphs.stats()["replays"] >= 1 and not graphs._CACHE.failed
+        replays = graphs.stats()["replays"] - replayed_before
+        if rotation == "hadamard-clipped":
+            ok = ok and replays == 0
+        elif replay:
+            ok = ok and replays >= 1 and not graphs._CACHE.failed
         if rank == 0:
             inputs = [_input(r, n, dtype) for r in range(world)]
             model = collectives.reference_allreduce(  # under _tune's pieces, as the call
-                inputs, bits, 512, 23, op, device=x.device, rotation=rotation, gather_all=True
+                inputs,
+                bits,
+                512,
+                23,
+                op,
+                device=x.device,
+                rotation=rotation,
+                gather_all=algorithm == "allgather",
             )
             diff = out.cpu().view(ints) != model.view(ints)
             ok = ok and not bool(diff.any())
             say(
                 ok,
-                f"gather-all: bits={bits} {str(dtype)[6:]} n={n} {op} rotation={rotation} "
-                f"graphs={replay}: ranks identical, differ from model={int(diff.sum())}",
+                f"{algorithm}: bits={bits} {str(dtype)[6:]} n={n} {op} rotation={rotation} "
+                f"graphs={replay} (replays {replays}): ranks identical, differ from "
+                f"model={int(diff.sum())}",
             )
         graphs.clear()
         failures += ranks_failed(ok)
@@ -307,8 +323,8 @@ def main() -> int:
     failures += _check_fallback(rank, world)
     failures += _check_graphs(rank, world)
     failures += _check_deferred(rank, world)
-    failures += _check_gather_all(rank, world)
-    total = len(CASES) + 2 + len(GRAPH_CASES) + len(GATHER_ALL_CASES)
+    failures += _check_algorithms(rank, world)
+    total = len(CASES) + 2 + len(GRAPH_CASES) + len(ALGORITHM_CASES)
     if rank == 0:
         print(
             f"allreduce check on {world} x {torch.cuda.get_device_name()}: "
