@@ -89,6 +89,11 @@ class Rotation:
                 "a block may not straddle buckets"
             )
 
+    @property
+    def name(self) -> str:
+        """The name a caller gives this rotation (``rotation=``; :func:`rotation_for`)."""
+        return "hadamard-clipped" if self.clipped else "hadamard"
+
     def key_int(self) -> int:
         """The key as a Python int (a tensor's is read: a device synchronization on CUDA)."""
         key = self.key

@@ -61,9 +61,7 @@ class CallSettings:
     @property
     def rotation_name(self) -> str | None:
         """The rotation as users name it (``"hadamard"``, ``"hadamard-clipped"``), or None."""
-        if self.rotation is None:
-            return None
-        return "hadamard-clipped" if self.rotation.clipped else "hadamard"
+        return None if self.rotation is None else self.rotation.name
 
     @property
     def rotation_block(self) -> int:

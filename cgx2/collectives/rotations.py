@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from ..codecs.rotation import DEFAULT_BLOCK, ROTATIONS, Rotation
+from ..codecs.rotation import DEFAULT_BLOCK, ROTATIONS, Rotation, rotation_for
 from ..seeding import derive_key, extend_key
 
 __all__ = [
@@ -61,16 +61,14 @@ def call_rotation(rotation: str | None, block: int, bucket_size: int) -> Rotatio
     """The call's rotation that ``rotation`` names, checked as :func:`check_rotation` checks
     it: None, or a :class:`~cgx2.codecs.rotation.Rotation` of ``block`` whose key goes unused
     (each piece's signs are the seed's and the piece's: :func:`rotation_of`). One object a
-    block, so that two calls' settings rotated alike compare equal."""
+    name and block, so that two calls' settings rotated alike compare equal."""
     name = check_rotation(rotation, block, bucket_size)
-    if name is None:
-        return None
-    return _of_block(block, name == "hadamard-clipped")
+    return None if name is None else _named(name, block)
 
 
 @functools.lru_cache(maxsize=64)
-def _of_block(block: int, clipped: bool) -> Rotation:
-    return Rotation(key=0, block=block, clipped=clipped)
+def _named(name: str, block: int) -> Rotation | None:
+    return rotation_for(name, 0, block)
 
 
 def rotation_key(seed: int) -> int:
