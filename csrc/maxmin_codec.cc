@@ -83,13 +83,32 @@ struct Bucket {
     float lo_p, pre, scale;
     int sat;
     float a_lo, a_hi, lmax;
+    /* The clipped rotation (maxmin._clipped): values clamped into [clip_lo, clip_hi] first,
+     * and every level rounded to the nearest (h half of 2**frac: nearest). */
+    int clamp, nearest;
+    float clip_lo, clip_hi;
 };
+
+/* Value j's level in a finite bucket that clamps or rounds to nearest: level_of's steps. */
+static inline uint64_t clipped_level_of(const uint32_t c[4], int j, float x, const Bucket *b,
+                                        int frac) {
+    uint32_t word = c[2 * ((j >> 1) & 1) + ((j >> 2) & 1)];
+    int64_t h = b->nearest ? (int64_t)1 << (frac - 1)
+                           : (int64_t)((j & 1) ? word >> 16 : word & 0xFFFFu) >> (16 - frac);
+    if (b->clamp) { /* torch.maximum with the low end, then torch.minimum with the high one */
+        x = x < b->clip_lo ? b->clip_lo : x;
+        x = x > b->clip_hi ? b->clip_hi : x;
+    }
+    float a = (x * b->pre - b->lo_p) * b->scale;
+    return (uint64_t)(((int64_t)(a * (float)(1 << frac)) + h) >> frac);
+}
 
 /* Value j's level in a saturated bucket (b->lo_p its m, b->scale its scale). */
 static inline uint64_t saturated_level_of(const uint32_t c[4], int j, float x, const Bucket *b,
                                           int frac) {
     uint32_t word = c[2 * ((j >> 1) & 1) + ((j >> 2) & 1)];
-    int64_t h = (int64_t)((j & 1) ? word >> 16 : word & 0xFFFFu) >> (16 - frac);
+    int64_t h = b->nearest ? (int64_t)1 << (frac - 1)
+                           : (int64_t)((j & 1) ? word >> 16 : word & 0xFFFFu) >> (16 - frac);
     float a;
     if (x == INFINITY) {
         a = b->lmax;
@@ -126,8 +145,10 @@ static void encode_group(const float *v, int64_t g, int64_t B, int64_t whole, in
         uint32_t c[4] = {w[0][0], w[1][0], w[2][0], w[3][0]};
         const float *x = v + 8 * g;
         for (int j = 0; j < 8 && 8 * g + j < B && 8 * g + j < whole; j++)
-            field |= (b->sat ? saturated_level_of(c, j, x[j], b, frac)
-                             : level_of(c, j, x[j], b->lo_p, b->pre, b->scale, frac))
+            field |= (b->sat                    ? saturated_level_of(c, j, x[j], b, frac)
+                      : b->clamp || b->nearest ? clipped_level_of(c, j, x[j], b, frac)
+                                               : level_of(c, j, x[j], b->lo_p, b->pre, b->scale,
+                                                          frac))
                      << (bits * j);
     }
     for (int k = 0; k < bits && out + k < out_end; k++) out[k] = (uint8_t)(field >> (8 * k));
@@ -337,7 +358,8 @@ int maxmin_simd(int enable) {
  * for them (maxmin.unsaturate_input) runs only where there are any. */
 int64_t maxmin_encode(const float *rows, int64_t q_begin, int64_t q_end, int64_t B, int bits,
                       uint64_t key, uint64_t stream, int64_t covered, uint8_t *meta,
-                      uint8_t *levels, int64_t levels_nbytes, int saturate) {
+                      uint8_t *levels, int64_t levels_nbytes, int saturate, float clip,
+                      int nearest) {
     const float lmax = (float)((1 << bits) - 1);
     const int frac = bits <= 7 ? 16 : 15;
     const int64_t groups = (B + 7) / 8, stride = groups * bits;
@@ -366,6 +388,14 @@ int64_t maxmin_encode(const float *rows, int64_t q_begin, int64_t q_end, int64_t
         }
         lo = lo + 0.0f; /* -0.0 becomes +0.0 */
         hi = hi + 0.0f;
+        const int clamp = clip < 1.0f && isfinite(lo) && isfinite(hi);
+        if (clamp) { /* maxmin._clipped: the middle of the range, from halves of its ends */
+            float mid = lo * 0.5f + hi * 0.5f;
+            float reach = (hi * 0.5f - lo * 0.5f) * clip;
+            float low = mid - reach, high = mid + reach;
+            lo = low > lo ? low : lo;
+            hi = high < hi ? high : hi;
+        }
         float span = hi - lo;
         /* Finite ends whose span overflows: half scale, flagged by a negative step. */
         int halved = isfinite(lo) && isfinite(hi) && isinf(span);
@@ -379,7 +409,7 @@ int64_t maxmin_encode(const float *rows, int64_t q_begin, int64_t q_end, int64_t
         float stored_lo = halved ? lo_p : finite ? lo : nan_bits();
         float step = halved ? -(span_p / lmax) : finite ? span / lmax : nan_bits();
         step = finite_top(stored_lo, step, lmax);
-        Bucket bucket = {lo_p, pre, scale, 0, 0.0f, 0.0f, lmax};
+        Bucket bucket = {lo_p, pre, scale, 0, 0.0f, 0.0f, lmax, clamp, nearest, lo, hi};
         /* NaN-free with an infinite end: a sum that overflowed, coded saturated where asked
          * (one bit cannot tell -Inf, +Inf and finite apart: that bucket stays NaN). */
         if (saturate && !finite && !has_nan && !(bits == 1 && lo == -INFINITY && hi == INFINITY)) {
@@ -397,8 +427,9 @@ int64_t maxmin_encode(const float *rows, int64_t q_begin, int64_t q_end, int64_t
                     s = nextafterf(s, 0.0f);
             }
             float span_q = (top ? 0x1p126f : hi * 0.25f) - m * 0.5f;
-            bucket = {m, 0.5f, span_q > 0.0f ? scale_toward_zero(lmax * 0.5f, span_q) : 0.0f, 1,
-                      bottom ? 1.0f : 0.0f, top ? lmax - 1.0f : lmax, lmax};
+            bucket = {m, 0.5f, span_q > 0.0f ? scale_toward_zero(lmax * 0.5f, span_q) : 0.0f,
+                      1, bottom ? 1.0f : 0.0f, top ? lmax - 1.0f : lmax, lmax,
+                      0, nearest, 0.0f, 0.0f};
             stored_lo = m;
             step = -s;
             saturated++;
@@ -411,12 +442,13 @@ int64_t maxmin_encode(const float *rows, int64_t q_begin, int64_t q_end, int64_t
         uint8_t *out = levels + q * stride;
         int64_t g = 0;
 #ifdef CGX2_AVX2
-        if (simd && b && !b->sat) {
+        const int plain = b && !b->sat && !b->clamp && !b->nearest; /* level_of's buckets */
+        if (simd && plain) {
             for (; 8 * (g + 8) <= whole && out + (g + 8) * bits <= levels_end; g += 8)
                 encode_8_groups_avx2(v, g, bits, frac, b, q, stream, k0, k1, out + g * bits);
         }
 #endif
-        if (b && !b->sat && !simd) { /* the scalar loop: Philox words of 64 groups at once */
+        if (plain && !simd) { /* the scalar loop: Philox words of 64 groups at once */
             uint32_t w[4][GROUPS_AT_ONCE];
             for (; g < groups; g++) {
                 int k = (int)(g % GROUPS_AT_ONCE);

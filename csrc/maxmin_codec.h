@@ -5,10 +5,12 @@
 
 namespace cgx2 {
 
-/* Returns how many buckets it coded saturated. */
+/* Returns how many buckets it coded saturated. clip < 1: each finite bucket coded over the
+ * middle of its range (maxmin._clipped); nearest: levels rounded to the nearest. */
 int64_t maxmin_encode(const float *rows, int64_t q_begin, int64_t q_end, int64_t B, int bits,
                       uint64_t key, uint64_t stream, int64_t covered, uint8_t *meta,
-                      uint8_t *levels, int64_t levels_nbytes, int saturate);
+                      uint8_t *levels, int64_t levels_nbytes, int saturate, float clip,
+                      int nearest);
 
 void maxmin_decode(const float *meta, const uint8_t *levels, int64_t levels_nbytes,
                    int64_t q_begin, int64_t q_end, int64_t B, int bits, int64_t covered,

@@ -42,10 +42,10 @@ PYBIND11_MODULE(_C, m) {
       "maxmin_encode",
       [](uintptr_t rows, int64_t q_begin, int64_t q_end, int64_t bucket, int bits, uint64_t key,
          uint64_t stream, int64_t covered, uintptr_t meta, uintptr_t levels,
-         int64_t levels_nbytes, bool saturate) {
+         int64_t levels_nbytes, bool saturate, float clip, bool nearest) {
         return cgx2::maxmin_encode(at<const float>(rows), q_begin, q_end, bucket, bits, key,
                                    stream, covered, at<uint8_t>(meta), at<uint8_t>(levels),
-                                   levels_nbytes, saturate ? 1 : 0);
+                                   levels_nbytes, saturate ? 1 : 0, clip, nearest ? 1 : 0);
       },
       py::call_guard<py::gil_scoped_release>());
   m.def(

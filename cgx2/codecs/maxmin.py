@@ -144,9 +144,11 @@ def _encode(
         return payload, False
     rows, covered = _bucket_rows(v, layout)
     nbytes = layout.levels_nbytes
-    if not nearest and clip == 1.0:
+    if not nearest or clip < 1.0:  # the C loops: stochastic, or the clipped rotation's coding
         meta, levels = payload[: 8 * nq], payload[levels_at : levels_at + nbytes]
-        count = native.encode_rows(rows, bits, key, stream, covered, meta, levels, saturate)
+        count = native.encode_rows(
+            rows, bits, key, stream, covered, meta, levels, saturate, fp32_scalar(clip), nearest
+        )
         if count is not None:
             return payload, count > 0
     lmax = float((1 << bits) - 1)

@@ -44,12 +44,15 @@ def encode_rows(
     meta: torch.Tensor,
     levels: torch.Tensor,
     saturate: bool = False,
+    clip: float = 1.0,
+    nearest: bool = False,
 ) -> int | None:
     """Encode fp32 ``rows`` ``[nq, B]`` into ``meta`` (the payload's ``8 nq`` bytes of
     (lo, step) fp32 pairs) and ``levels`` (its levels region), both uint8, as
     :func:`cgx2.codecs.maxmin.encode` does (``saturate``: a sum's overflow coded saturated,
-    as ``maxmin._encode``): how many buckets it coded saturated, or None (nothing written)
-    where the C loops are unavailable or the tensors do not suit them."""
+    ``clip`` below 1: each bucket over the middle of its range, ``nearest``: levels rounded to
+    the nearest, as ``maxmin._encode``): how many buckets it coded saturated, or None (nothing
+    written) where the C loops are unavailable or the tensors do not suit them."""
     lib = library()
     if lib is None or not _usable(rows, meta, levels) or rows.dtype != torch.float32:
         return None
@@ -64,6 +67,8 @@ def encode_rows(
         levels.data_ptr(),
         levels.numel(),
         saturate,
+        clip,
+        nearest,
     )
     saturated: list[int] = []  # a count per range of buckets (list.append is thread-safe)
     split(

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import cgx2
-from cgx2.codecs import maxmin
+from cgx2.codecs import maxmin, native
 from cgx2.codecs.rotation import Rotation, hadamard_rotate, rotation_for
 from cgx2.collectives import reference_allreduce
 from cgx2.collectives.agreement import DisagreementError
@@ -56,22 +56,54 @@ def test_values_in_the_middle_round_to_nearest_and_the_rest_take_its_ends(bits):
     assert torch.equal(payload, maxmin.encode(x, bits, BUCKET, key=99, rotation=CLIPPED))
 
 
-@pytest.mark.parametrize("bits", [2, 3])
-def test_the_c_loops_and_torch_write_the_same_bytes(bits):
-    x = _gradient_like(5 * BUCKET + 77, seed=7)
-    own = _gradient_like(5 * BUCKET + 77, seed=8)
-    with tuned(native_codec=True):
-        got = maxmin.encode(x, bits, BUCKET, 1, rotation=CLIPPED)
-        rows = torch.stack([got, got])
-        summed = maxmin.decode_sum_encode(
-            rows, x.numel(), own, 0, 0.5, bits, BUCKET, 3, rotation=CLIPPED
-        )
+def _edges(n: int, seed: int) -> torch.Tensor:
+    """Gradient-like values with a bucket of each edge: constant, a span too small for
+    lmax / span, ends whose span overflows (half scale), a NaN, an Inf."""
+    x = _gradient_like(n, seed)
+    x[0:BUCKET] = 0.25
+    x[BUCKET : 2 * BUCKET] = 1e-38 + torch.arange(BUCKET) * 1e-45
+    x[2 * BUCKET : 3 * BUCKET] *= 3e37
+    x[3 * BUCKET + 7] = float("nan")
+    x[4 * BUCKET + 9] = float("inf")
+    return x
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 8])
+@pytest.mark.parametrize("rotated", [False, True])
+def test_the_c_loops_and_torch_write_the_same_bytes(bits, rotated):
+    """encode and decode_sum_encode (a sum that overflows coded saturated among them), the C
+    loops (vector and scalar min/max) against torch alone. Unrotated, the edge
+    buckets reach the coder as they are."""
+    rotation = CLIPPED if rotated else None
+    n = 9 * BUCKET + 77
+    x, own = _edges(n, seed=7), _edges(n, seed=8)
+    own[5 * BUCKET : 6 * BUCKET] = 3e38  # with a row of the same: a sum past FLT_MAX
+
+    def coded() -> list[torch.Tensor]:
+        clip = maxmin.clip_fraction(bits)
+        layout = maxmin.MaxMinLayout.of(n, bits, BUCKET, False)
+        if rotated:
+            payload = maxmin.encode(x, bits, BUCKET, 1, rotation=rotation)
+        else:  # the clipped coding of unrotated values: _encode itself
+            payload, _ = maxmin._encode(x, layout, 1, 0, None, nearest=True, clip=clip)
+        rows = torch.stack([payload, maxmin.encode(own, bits, BUCKET, 2)])
+        summed = maxmin.decode_sum_encode(rows, n, own, 0, None, bits, BUCKET, 3, rotation=CLIPPED)
+        return [payload, summed]
+
     with tuned(native_codec=False):
-        assert torch.equal(got, maxmin.encode(x, bits, BUCKET, 1, rotation=CLIPPED))
-        again = maxmin.decode_sum_encode(
-            rows, x.numel(), own, 0, 0.5, bits, BUCKET, 3, rotation=CLIPPED
-        )
-        assert torch.equal(summed, again)
+        want = coded()
+    lib = native.library()
+    assert lib is not None, "cgx2._C was not built"
+    had = lib.maxmin_simd()
+    try:
+        for simd in (0, 1):  # the scalar min/max, then the vector one where the CPU has it
+            lib.maxmin_simd(simd)
+            with tuned(native_codec=True):
+                got = coded()
+            for g, w in zip(got, want, strict=True):
+                assert torch.equal(g, w), (simd, (g != w).nonzero()[:5])
+    finally:
+        lib.maxmin_simd(had)
 
 
 def test_it_errs_several_times_less_than_the_rotation_alone_at_2_bits():
