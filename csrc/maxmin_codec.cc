@@ -140,9 +140,12 @@ static void encode_group(const float *v, int64_t g, int64_t B, int64_t whole, in
                          uint32_t k1, uint8_t *out, const uint8_t *out_end) {
     uint64_t field = 0; /* a non-finite bucket's levels are zero */
     if (b) {
-        uint32_t w[4][GROUPS_AT_ONCE];
-        philox_groups(w[0], w[1], w[2], w[3], 1, g, q, stream, k0, k1);
-        uint32_t c[4] = {w[0][0], w[1][0], w[2][0], w[3][0]};
+        uint32_t c[4] = {0, 0, 0, 0}; /* rounding to the nearest reads no random words */
+        if (!b->nearest) {
+            uint32_t w[4][GROUPS_AT_ONCE];
+            philox_groups(w[0], w[1], w[2], w[3], 1, g, q, stream, k0, k1);
+            for (int i = 0; i < 4; i++) c[i] = w[i][0];
+        }
         const float *x = v + 8 * g;
         for (int j = 0; j < 8 && 8 * g + j < B && 8 * g + j < whole; j++)
             field |= (b->sat                    ? saturated_level_of(c, j, x[j], b, frac)
