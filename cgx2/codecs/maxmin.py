@@ -94,7 +94,7 @@ def encode(
     rotated = None if rotation is None else _rotated(x, rotation, bucket_size)
     values = x if rotated is None else rotated
     layout = MaxMinLayout.of(values.numel(), bits, bucket_size, skip_incomplete)
-    clip = clip_fraction(bits) if rotation is not None and rotation.clipped else 1.0
+    clip = _clip_of(rotation, bits)
     payload, _ = _encode(values, layout, key, stream, out, nearest or clip < 1.0, clip=clip)
     if rotated is not None:
         scratch.give(rotated)
@@ -215,6 +215,11 @@ def clip_fraction(bits: int) -> float:
     some six standard deviations wide: fewer levels over its middle err less in all, tails
     clipped included (docs/wire-format.md, "Clipped rotation")."""
     return max(0.5, 1.0 - 2.0 ** (1 - bits))
+
+
+def _clip_of(rotation: Rotation | None, bits: int) -> float:
+    """The fraction of each bucket's range that ``rotation`` codes (1: all of it)."""
+    return clip_fraction(bits) if rotation is not None and rotation.clipped else 1.0
 
 
 def _clipped(
@@ -479,7 +484,7 @@ def decode_sum_encode(
         acc = decode_sum(payloads, numel, own, own_index, None, bits, bucket_size, skip_incomplete)
     else:
         acc = _scaled_sum(payloads, layout, own, own_index, fp32_scalar(scale))
-    clip = clip_fraction(bits) if rotation is not None and rotation.clipped else 1.0
+    clip = _clip_of(rotation, bits)
     encoded, saturated = _encode(
         acc, layout, key, stream, out, nearest=clip < 1.0, saturate=True, clip=clip
     )
